@@ -1,0 +1,34 @@
+# splitserve — two commands: `make serve` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench clean lint
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first and pinned: 2.13.0 is the CPU wheel on disk; anything looser pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# nixl's meta package requires CUDA torch; the plain wheels work on CPU (see README, KV transfer).
+	-$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1 2>/dev/null
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/splitserve local $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/router_core.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""splitserve coordinator package (see DESIGN.md §1)."""

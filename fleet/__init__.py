@@ -1,0 +1,1 @@
+"""splitserve fleet package (see DESIGN.md §1)."""

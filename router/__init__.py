@@ -1,0 +1,1 @@
+"""splitserve router package (see DESIGN.md §1)."""

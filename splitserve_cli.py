@@ -1,0 +1,62 @@
+"""The `splitserve` command: one entry point, one subcommand per process kind.
+
+Subcommands are imported lazily so `splitserve coordinator --help` does not import torch.
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). A subcommand is listed only once its module exists.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("fleet.cli", "run the OpenAI front door (fleet), with its coordinator when local"),
+    "coordinator": ("coordinator.cli", "run the coordinator: registry, health, KV index, leases"),
+    "worker": ("worker.cli", "run a reference inference worker (torch model or sim engine)"),
+    "local": ("fleet.local", "start a complete local cluster (coordinator, fleet, ctx + gen workers)"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    out = {}
+    for name, (mod, help_) in SUBCOMMANDS.items():
+        if importlib.util.find_spec(mod.rsplit(".", 1)[0]) is None:
+            continue
+        try:
+            if importlib.util.find_spec(mod) is None:
+                continue
+        except ModuleNotFoundError:
+            continue
+        out[name] = (mod, help_)
+    return out
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    avail = _available()
+    for name, (mod, help_) in avail.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(_module=mod)
+    return parser, avail
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, avail = build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    name = argv[0]
+    if name not in avail:
+        parser.error(f"unknown command {name!r}; expected one of: {', '.join(avail) or '(none installed)'}")
+    mod = importlib.import_module(avail[name][0])
+    sp = argparse.ArgumentParser(prog=f"splitserve {name}", description=avail[name][1])
+    mod.add_arguments(sp)
+    args = sp.parse_args(argv[1:])
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

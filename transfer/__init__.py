@@ -1,0 +1,1 @@
+"""splitserve transfer package (see DESIGN.md §1)."""

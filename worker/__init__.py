@@ -1,0 +1,1 @@
+"""splitserve worker package (see DESIGN.md §1)."""
