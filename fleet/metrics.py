@@ -1,0 +1,98 @@
+"""Prometheus metrics of the fleet: one view aggregated over every fleet process.
+
+With several fleet processes the launcher sets `PROMETHEUS_MULTIPROC_DIR` (a fresh directory) in
+their environment *before* they import prometheus_client, so every process writes its samples to
+mmap'd files there and any process's `/metrics` merges all of them (prometheus_client multiprocess
+mode). With one process the default registry is served directly.
+
+Label values are bounded: `role` ∈ {context, generation}, `server` is a configured or registered
+worker URL, `endpoint`/`phase`/`reason` are fixed sets below.
+"""
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+MULTIPROC_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+# 0.5 ms .. ~2 min: covers routing overheads (sub-ms) and long prefills alike.
+_LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0, 120.0, float("inf"))
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+                float("inf"))
+_RTT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
+                1.0, 5.0, float("inf"))
+
+NS = "splitserve_fleet"
+
+REQUESTS = Counter(f"{NS}_requests_total", "Public API requests answered, by endpoint and HTTP status.",
+                   ["endpoint", "status"])
+INFLIGHT = Gauge(f"{NS}_inflight_requests", "Public API requests in progress (summed over fleet processes).",
+                 multiprocess_mode="livesum")
+LEG_REQUESTS = Counter(f"{NS}_leg_requests_total", "Upstream legs sent to workers, by role (attempts included).",
+                       ["role"])
+LEG_ERRORS = Counter(f"{NS}_leg_errors_total", "Upstream legs that failed, by role and reason.",
+                     ["role", "reason"])
+LEG_RETRIES = Counter(f"{NS}_leg_retries_total",
+                      "Upstream legs retried on another server after a connect-level failure, by role.", ["role"])
+TTFT = Histogram(f"{NS}_time_to_first_token_seconds",
+                 "From the request's arrival at the fleet to the first response byte relayed to the client.",
+                 ["mode"], buckets=_LAT_BUCKETS)
+E2E = Histogram(f"{NS}_e2e_request_latency_seconds",
+                "From the request's arrival at the fleet to the last response byte sent to the client.",
+                ["mode"], buckets=_LAT_BUCKETS)
+ITL = Histogram(f"{NS}_inter_token_latency_seconds",
+                "Gap between consecutive streamed events relayed to the client (one event per token step).",
+                buckets=_ITL_BUCKETS)
+LEG_LATENCY = Histogram(f"{NS}_leg_latency_seconds",
+                        "Duration of one upstream leg, from sending it to its last byte, by role.",
+                        ["role"], buckets=_LAT_BUCKETS)
+COORD_RTT = Histogram(f"{NS}_coordinator_rtt_seconds",
+                      "Round trip of one coordinator call as seen by the fleet, by call.", ["call"],
+                      buckets=_RTT_BUCKETS)
+COORD_FALLBACK = Counter(f"{NS}_coordinator_fallback_total",
+                         "Placements made locally (last-known server list) because the coordinator was "
+                         "unreachable, by role.", ["role"])
+COORD_UP = Gauge(f"{NS}_coordinator_reachable",
+                 "1 while this fleet process reaches its coordinator, 0 while it places locally.",
+                 multiprocess_mode="min")
+FINISH_DROPPED = Counter(f"{NS}_finish_dropped_total",
+                         "Lease /finish calls that could not be delivered (the lease expires on its TTL).")
+PLACEMENT = Counter(f"{NS}_placements_total",
+                    "How requests were served: disaggregated (context+generation legs), local_prefill "
+                    "(conditional disaggregation skipped the context leg), aggregated_fallback (no context "
+                    "server), context_only (the context leg already finished the request).", ["mode"])
+DISCONNECTS = Counter(f"{NS}_client_disconnects_total",
+                      "Clients that went away before their answer was complete, by phase.", ["phase"])
+ABORTS = Counter(f"{NS}_upstream_aborts_total", "Worker /v1/abort calls sent, by role.", ["role"])
+STRIPPED = Counter(f"{NS}_stripped_disaggregated_params_total",
+                   "Client-supplied disaggregated_params removed for lack of a valid HMAC.")
+EJECTIONS = Counter(f"{NS}_server_ejections_total",
+                    "Servers ejected locally after failures, by role and server.", ["role", "server"])
+PREDICTED_TOKENS = Counter(f"{NS}_routing_predicted_cached_tokens_total",
+                           "Prompt tokens the placement predicted to be cached on the chosen server.",
+                           ["role", "server"])
+CACHED_TOKENS = Counter(f"{NS}_routing_reported_cached_tokens_total",
+                        "Prompt tokens the server reported as cached (usage.prompt_tokens_details.cached_tokens).",
+                        ["role", "server"])
+PROMPT_TOKENS = Counter(f"{NS}_routing_prompt_tokens_total",
+                        "Prompt tokens of requests placed on the server (for hit-rate ratios).", ["role", "server"])
+
+
+def render() -> tuple[bytes, str]:
+    """The Prometheus exposition of this fleet (all processes in multiprocess mode)."""
+    if MULTIPROC_DIR:
+        from prometheus_client import multiprocess
+        reg = CollectorRegistry()
+        multiprocess.MultiProcessCollector(reg, path=MULTIPROC_DIR)
+        return generate_latest(reg), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def mark_process_dead(pid: int) -> None:
+    """Drop a dead process's live gauges (called by the launcher when a fleet process exits)."""
+    if MULTIPROC_DIR:
+        from prometheus_client import multiprocess
+        multiprocess.mark_process_dead(pid, MULTIPROC_DIR)
