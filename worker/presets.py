@@ -23,7 +23,7 @@ __all__ = ["PRESETS", "preset_config", "build_preset", "init_random_weights", "i
 
 #: Byte-level tokenizer ids (router/tokenizer.py ``ByteTokenizer``): 0..255 bytes, then specials.
 BYTE_VOCAB = 256
-TINY_VOCAB = 320
+TINY_VOCAB = 261  # exactly the byte tokenizer: every id the model can emit means something
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}

@@ -169,7 +169,7 @@ def test_read_write_blocks_moves_a_sequence_between_runners(tiny):
     ([Chunk([1] * 9, 0, [0])], "hold only 8"),
     ([Chunk([1, 2], -1, [0])], "non-negative"),
     ([Chunk([1, 2], 0, [96])], r"block ids must be in \[0, 96\)"),
-    ([Chunk([1, 320], 0, [0])], r"token ids must be in \[0, 320\)"),
+    ([Chunk([1, 261], 0, [0])], r"token ids must be in \[0, 261\)"),
     ([Chunk([1, 2], 0, [3]), Chunk([5], 1, [3])], "same KV slot"),
 ])
 def test_bad_chunks_raise_typed_errors(tiny, chunks, match):
