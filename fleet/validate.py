@@ -23,7 +23,7 @@ from .errors import ApiError, bad_request
 CHAT = "chat"
 COMPLETION = "completion"
 
-_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _MAX_STOP = 16
 
 

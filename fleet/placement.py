@@ -1,0 +1,395 @@
+"""Where each leg of a request goes: local round robin, or the coordinator, or a local fallback.
+
+- `round_robin` is placed here, per role, from the last-known server list: no coordinator call, no
+  lease (the coordinator does not count round-robin load).
+- `load_balancing`, `kv_cache_aware`, `conversation` are delegated to the coordinator (`select` /
+  `select_pair`), so every fleet process sees one consistent placement. Each answer is a lease:
+  `Placer.finish()` sends exactly one `/finish` for it, whatever path the request took.
+- When the coordinator cannot be reached, placement falls back to this process's last-known server
+  list (least local in-flight, round-robin tie-break), logged once per outage and counted in
+  `splitserve_fleet_coordinator_fallback_total`; a background probe returns to delegated placement
+  as soon as the coordinator answers again.
+
+Local ejection: a server that failed at connect level (or dropped a connection mid-request) is kept
+out of placement for `eject_s` (doubling on repeated failures, capped), and sent as `exclude` to the
+coordinator meanwhile, so a dead worker stops receiving traffic before the coordinator's own health
+probes notice it.
+
+The only routing state held here is the round-robin cursors, the last-known server list and the
+local ejection table (DESIGN.md §1: the fleet holds no other routing state).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from coordinator.errors import CoordinatorRequestError, CoordinatorUnavailable, NoServerAvailable
+
+from . import metrics as M
+
+log = logging.getLogger("splitserve.fleet.placement")
+
+CTX = "context"
+GEN = "generation"
+DELEGATED = frozenset({"load_balancing", "kv_cache_aware", "conversation"})
+KEYED = frozenset({"kv_cache_aware", "conversation"})
+
+
+@dataclass(slots=True)
+class Placement:
+    """One leg's server. `lease` is True when the coordinator holds a lease that needs a /finish."""
+    role: str
+    server: str
+    req_id: int
+    lease: bool
+    policy: str
+    explanation: dict = field(default_factory=dict)
+    finished: bool = False
+    last_renew: float = 0.0
+
+    @property
+    def predicted_tokens(self) -> int:
+        e = self.explanation
+        v = e.get("matched_tokens")
+        if v is None and isinstance(e.get("explanation"), dict):
+            v = e["explanation"].get("matched_tokens")
+        return int(v or 0)
+
+
+@dataclass(slots=True)
+class _ServerState:
+    url: str
+    healthy: bool = True
+    model: str | None = None
+    info: dict = field(default_factory=dict)
+    inflight: int = 0
+
+
+def _as_list(v):
+    if v is None:
+        return []
+    if isinstance(v, dict):
+        out = []
+        for url, s in v.items():
+            s = dict(s) if isinstance(s, dict) else {}
+            s.setdefault("url", url)
+            out.append(s)
+        return out
+    return list(v)
+
+
+def parse_cluster_info(ci: dict) -> dict[str, list[_ServerState]]:
+    """Servers per role from a coordinator `/cluster_info` answer (tolerant of list or map shapes)."""
+    out: dict[str, list[_ServerState]] = {CTX: [], GEN: []}
+    servers = ci.get("servers", ci)
+    for role, keys in ((CTX, ("context", "context_servers", "ctx")), (GEN, ("generation", "generation_servers", "gen"))):
+        raw = None
+        for k in keys:
+            if isinstance(servers, dict) and servers.get(k) is not None:
+                raw = servers[k]
+                break
+        for s in _as_list(raw):
+            if isinstance(s, str):
+                out[role].append(_ServerState(s))
+                continue
+            url = s.get("url") or s.get("server")
+            if not url:
+                continue
+            healthy = s.get("healthy")
+            if healthy is None:
+                healthy = s.get("health") in (None, "healthy", "ok", True, "up")
+            info = s.get("server_info") or s.get("info") or {}
+            out[role].append(_ServerState(url, bool(healthy), (info or {}).get("model") or s.get("model"), info or {}))
+    return out
+
+
+class Placer:
+    def __init__(self, config, coordinator, *, refresh_s: float = 1.0, eject_s: float = 2.0,
+                 eject_max_s: float = 30.0, fail_threshold: int = 1):
+        self.config = config
+        self.coord = coordinator
+        self.policy = {CTX: config.context_servers.router.type, GEN: config.generation_servers.router.type}
+        self.refresh_s = refresh_s
+        self.eject_s = eject_s
+        self.eject_max_s = eject_max_s
+        self.fail_threshold = fail_threshold
+        self.servers: dict[str, list[_ServerState]] = {
+            CTX: [_ServerState(u) for u in config.context_servers.urls],
+            GEN: [_ServerState(u) for u in config.generation_servers.urls],
+        }
+        self._by_url: dict[str, _ServerState] = {}
+        self._reindex()
+        self._rr = {CTX: random.randrange(1 << 16), GEN: random.randrange(1 << 16)}
+        self._ejected: dict[str, float] = {}      # url -> monotonic deadline
+        self._fails: dict[str, int] = {}
+        self._eject_len: dict[str, float] = {}
+        self.coord_ok = True
+        self.coord_down_since: float | None = None
+        self.cluster_info: dict = {}
+        self.cluster_info_at = 0.0
+        self.routing = {"block_size": config.routing.block_size, "key_scheme": config.routing.key_scheme,
+                        "ns_seed": 0}
+        self._task: asyncio.Task | None = None
+        self._bg: set[asyncio.Task] = set()
+        self.finish_pending = 0
+        M.COORD_UP.set(1)
+
+    # ------------------------------------------------------------------ server list
+    def _reindex(self) -> None:
+        self._by_url = {s.url: s for role in (CTX, GEN) for s in self.servers[role]}
+
+    def delegated(self, role: str) -> bool:
+        return self.policy[role] in DELEGATED
+
+    def needs_key(self, role: str) -> bool:
+        return self.policy[role] in KEYED
+
+    def apply_cluster_info(self, ci: dict) -> None:
+        parsed = parse_cluster_info(ci)
+        for role in (CTX, GEN):
+            if not parsed[role] and not ci.get("servers"):
+                continue
+            old = {s.url: s for s in self.servers[role]}
+            new = []
+            for s in parsed[role]:
+                prev = old.get(s.url)
+                if prev is not None:
+                    s.inflight = prev.inflight
+                new.append(s)
+            self.servers[role] = new
+        self._reindex()
+        rk = ci.get("routing") or ci.get("routing_key") or ci.get("routing_key_config") or {}
+        if isinstance(rk, dict):
+            for k in ("block_size", "key_scheme", "ns_seed"):
+                if rk.get(k) is not None:
+                    self.routing[k] = rk[k]
+        self.cluster_info = ci
+        self.cluster_info_at = time.monotonic()
+
+    async def refresh(self) -> dict:
+        t0 = time.perf_counter()
+        ci = await self.coord.cluster_info()
+        M.COORD_RTT.labels("cluster_info").observe(time.perf_counter() - t0)
+        self.apply_cluster_info(ci)
+        self._coord_back()
+        return ci
+
+    async def _refresher(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s if self.coord_ok else min(0.25, self.refresh_s))
+            try:
+                await self.refresh()
+            except (CoordinatorUnavailable, OSError, asyncio.TimeoutError) as e:
+                self._coord_lost(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # a bad answer must not kill the refresher
+                log.exception("cluster_info refresh failed")
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._refresher())
+
+    async def stop(self, drain_s: float = 5.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        if self._bg:
+            await asyncio.wait(list(self._bg), timeout=drain_s)
+
+    def _coord_lost(self, err: BaseException) -> None:
+        if self.coord_ok:
+            self.coord_ok = False
+            self.coord_down_since = time.monotonic()
+            M.COORD_UP.set(0)
+            log.warning("coordinator unreachable (%s): placing locally from the last-known server list "
+                        "(%d context, %d generation servers) until it answers again", err,
+                        len(self.servers[CTX]), len(self.servers[GEN]))
+
+    def _coord_back(self) -> None:
+        if not self.coord_ok:
+            down = time.monotonic() - (self.coord_down_since or time.monotonic())
+            self.coord_ok = True
+            self.coord_down_since = None
+            M.COORD_UP.set(1)
+            log.warning("coordinator reachable again after %.1fs: back to delegated placement", down)
+
+    # ------------------------------------------------------------------ health / ejection
+    def usable(self, url: str, now: float | None = None) -> bool:
+        s = self._by_url.get(url)
+        if s is not None and not s.healthy:
+            return False
+        dl = self._ejected.get(url)
+        if dl is None:
+            return True
+        if (now or time.monotonic()) >= dl:
+            del self._ejected[url]   # half-open: the next request probes it
+            return True
+        return False
+
+    def healthy_count(self, role: str) -> int:
+        now = time.monotonic()
+        return sum(1 for s in self.servers[role] if self.usable(s.url, now))
+
+    def ejected(self) -> list[str]:
+        now = time.monotonic()
+        return [u for u, dl in self._ejected.items() if dl > now]
+
+    def report_failure(self, role: str, url: str) -> None:
+        n = self._fails.get(url, 0) + 1
+        self._fails[url] = n
+        if n >= self.fail_threshold:
+            span = min(self.eject_max_s, self._eject_len.get(url, self.eject_s / 2) * 2)
+            self._eject_len[url] = span
+            if url not in self._ejected:
+                M.EJECTIONS.labels(role, url).inc()
+                log.warning("ejecting %s server %s for %.1fs after %d failure(s)", role, url, span, n)
+            self._ejected[url] = time.monotonic() + span
+
+    def report_success(self, url: str) -> None:
+        if url in self._fails:
+            del self._fails[url]
+            self._eject_len.pop(url, None)
+            self._ejected.pop(url, None)
+
+    def models(self) -> list[str]:
+        names = []
+        if self.config.served_model:
+            names.append(self.config.served_model)
+        for role in (CTX, GEN):
+            for s in self.servers[role]:
+                if s.model and s.model not in names:
+                    names.append(s.model)
+        return names
+
+    def server_info(self, url: str) -> dict:
+        s = self._by_url.get(url)
+        return s.info if s is not None else {}
+
+    # ------------------------------------------------------------------ local placement
+    def _local(self, role: str, req_id: int, exclude: set[str], why: str) -> Placement:
+        now = time.monotonic()
+        cands = [s for s in self.servers[role] if s.url not in exclude and self.usable(s.url, now)]
+        if not cands:
+            # Every known server excluded or ejected: an ejected one is still better than a 503.
+            cands = [s for s in self.servers[role] if s.url not in exclude and s.healthy]
+        if not cands:
+            raise NoServerAvailable(f"no healthy {role} server (known: {len(self.servers[role])}, "
+                                    f"excluded: {len(exclude)})")
+        self._rr[role] += 1
+        if why == "round_robin":
+            s = cands[self._rr[role] % len(cands)]
+        else:
+            k = self._rr[role]
+            s = min(cands, key=lambda c: (c.inflight, (hash(c.url) + k) % len(cands)))
+        return Placement(role, s.url, req_id, False, why, {"policy": why, "chosen": s.url,
+                                                            "candidates": len(cands)})
+
+    def track(self, p: Placement, delta: int) -> None:
+        s = self._by_url.get(p.server)
+        if s is not None:
+            s.inflight += delta
+
+    # ------------------------------------------------------------------ delegated placement
+    def _answer(self, role: str, req_id: int, ans: dict) -> Placement:
+        info = ans.get("info") or {}
+        expl = info.get("explanation", info) if isinstance(info, dict) else {}
+        return Placement(role, ans["server"], req_id, True, self.policy[role], expl if isinstance(expl, dict) else {})
+
+    async def place(self, role: str, req_id: int, routing_key: dict | None, exclude: set[str]) -> Placement:
+        if not self.delegated(role):
+            return self._local(role, req_id, exclude, "round_robin")
+        if self.coord_ok:
+            excl = sorted(exclude | set(self.ejected()))
+            t0 = time.perf_counter()
+            try:
+                ans = await self.coord.select(role, req_id, routing_key=routing_key, exclude=excl or None)
+            except CoordinatorUnavailable as e:
+                self._coord_lost(e)
+            else:
+                M.COORD_RTT.labels("select").observe(time.perf_counter() - t0)
+                return self._answer(role, req_id, ans)
+        M.COORD_FALLBACK.labels(role).inc()
+        return self._local(role, req_id, exclude, "local_fallback")
+
+    async def place_pair(self, req_id: int, routing_key: dict | None, exclude_ctx: set[str],
+                         exclude_gen: set[str]) -> tuple[Placement | None, Placement]:
+        """Both legs in one coordinator call; context None = serve on the generation server alone."""
+        if self.coord_ok:
+            ej = set(self.ejected())
+            t0 = time.perf_counter()
+            try:
+                ans = await self.coord.select_pair(req_id, routing_key=routing_key,
+                                                   exclude_ctx=sorted(exclude_ctx | ej) or None,
+                                                   exclude_gen=sorted(exclude_gen | ej) or None)
+            except CoordinatorUnavailable as e:
+                self._coord_lost(e)
+            else:
+                M.COORD_RTT.labels("select_pair").observe(time.perf_counter() - t0)
+                ctx = ans.get("context")
+                gen = self._answer(GEN, req_id, ans["generation"])
+                return (self._answer(CTX, req_id, ctx) if ctx else None), gen
+        M.COORD_FALLBACK.labels(CTX).inc()
+        M.COORD_FALLBACK.labels(GEN).inc()
+        gen = self._local(GEN, req_id, exclude_gen, "local_fallback")
+        try:
+            ctx = self._local(CTX, req_id, exclude_ctx, "local_fallback")
+        except NoServerAvailable:
+            ctx = None
+            if self.config.no_context_fallback == "reject":
+                raise
+        return ctx, gen
+
+    # ------------------------------------------------------------------ lease end
+    def finish(self, p: Placement | None, success: bool) -> None:
+        """Exactly one /finish per lease: idempotent, never blocks the request path."""
+        if p is None or p.finished:
+            return
+        p.finished = True
+        if not p.lease:
+            return
+        t = asyncio.get_running_loop().create_task(self._finish(p, success))
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def _finish(self, p: Placement, success: bool) -> None:
+        delay = 0.05
+        for attempt in range(4):
+            t0 = time.perf_counter()
+            try:
+                await self.coord.finish(p.role, p.req_id, success=success)
+                M.COORD_RTT.labels("finish").observe(time.perf_counter() - t0)
+                return
+            except CoordinatorRequestError as e:
+                log.warning("coordinator rejected /finish of %s %d: %s", p.role, p.req_id, e)
+                break
+            except (CoordinatorUnavailable, OSError, asyncio.TimeoutError):
+                if attempt == 3:
+                    break
+                await asyncio.sleep(delay * (1 + random.random()))
+                delay *= 2
+        M.FINISH_DROPPED.inc()
+
+    def renew_due(self, p: Placement, interval: float) -> bool:
+        return p.lease and not p.finished and time.monotonic() - p.last_renew >= interval
+
+    def renew(self, p: Placement) -> None:
+        p.last_renew = time.monotonic()
+        t = asyncio.get_running_loop().create_task(self._renew(p))
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def _renew(self, p: Placement) -> None:
+        try:
+            t0 = time.perf_counter()
+            await self.coord.renew(p.role, p.req_id)
+            M.COORD_RTT.labels("renew").observe(time.perf_counter() - t0)
+        except Exception as e:   # a missed renew only risks an early expiry; the stream goes on
+            log.debug("lease renew of %s %d failed: %s", p.role, p.req_id, e)

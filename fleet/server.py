@@ -1,0 +1,399 @@
+"""The public OpenAI front door of one fleet process (aiohttp on uvloop).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /cluster_info`, `GET /metrics`. Errors are OpenAI error bodies (DESIGN.md §4).
+
+Start-up order matters for the shared port: a fleet process first reaches the coordinator (bounded
+retries up to `server_start_timeout`), leases its snowflake identity and loads the server list, and
+only *then* binds and listens. A process that is still starting, or that failed to start, is never a
+listening-but-idle member of the SO_REUSEPORT group; on shutdown the listener is closed first, then
+in-flight requests drain (bounded by `fleet.drain_timeout_s`), then leases and aborts are flushed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import weakref
+
+from aiohttp import web
+
+from coordinator.errors import CoordinatorError, CoordinatorUnavailable
+
+from . import metrics as M
+from .auth import AUTH_HEADER, ApiKeys, vet_client_params
+from .errors import ApiError
+from .flow import Flow
+from .keys import make_key_builder
+from .placement import CTX, GEN, Placer
+from .snowflake import SnowflakeGenerator
+from .upstream import UpstreamPool
+from .validate import CHAT, COMPLETION, parse_request, too_large
+
+log = logging.getLogger("splitserve.fleet")
+
+EXIT_COORDINATOR_UNREACHABLE = 3
+EXIT_CONFIG = 2
+
+
+class StartupError(RuntimeError):
+    """The fleet process cannot start (coordinator unreachable, port busy, ...); exit non-zero."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def bind_socket(host: str, port: int, reuse_port: bool, backlog: int = 4096) -> socket.socket:
+    """A listening TCP socket; with `reuse_port` it joins the SO_REUSEPORT group of `port`."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(addr)
+        s.listen(backlog)
+        s.setblocking(False)
+    except OSError as e:
+        s.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return s
+
+
+class FleetServer:
+    """One fleet process: the app, its coordinator client, placement, the upstream pool."""
+
+    def __init__(self, config, coordinator, *, holder: str, process_index: int = 0,
+                 coordinator_label: str = "in-process"):
+        self.config = config
+        self.coord = coordinator
+        self.holder = holder
+        self.process_index = process_index
+        self.coordinator_label = coordinator_label
+        self.pool = UpstreamPool(connect_timeout=min(3.0, config.request_timeout),
+                                 idle_timeout=min(15.0, max(1.0, config.server_keep_alive_timeout)))
+        self.placer = Placer(config, coordinator)
+        self.keys = make_key_builder(config)
+        self.ids: SnowflakeGenerator | None = None
+        self.identity: tuple[int, int] | None = None
+        self.flow: Flow | None = None
+        self.api_keys = ApiKeys(config.api_keys)
+        self.max_body = config.fleet.max_body_bytes
+        self.max_inflight = config.fleet.max_inflight_requests
+        self.keepalive_requests = config.fleet.keepalive_requests
+        self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        mi = config.disagg_cluster.minimal_instances if config.disagg_cluster else None
+        self.min_ctx = mi.context_servers if mi else 1
+        self.min_gen = mi.generation_servers if mi else 1
+        self._identity_task: asyncio.Task | None = None
+        self._m_req: dict = {}
+        self.runner: web.AppRunner | None = None
+        self.started = False
+
+    # ------------------------------------------------------------------ start / stop
+    async def probe_coordinator(self) -> dict:
+        """`/cluster_info` with bounded retries up to `server_start_timeout`; StartupError if it never answers."""
+        deadline = time.monotonic() + self.config.server_start_timeout
+        attempts, last = 0, None
+        delay = 0.1
+        while True:
+            attempts += 1
+            try:
+                return await asyncio.wait_for(self.coord.cluster_info(), self.config.fleet.coordinator_timeout_s)
+            except (CoordinatorError, OSError, asyncio.TimeoutError) as e:
+                last = e
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StartupError(
+                    f"coordinator at {self.coordinator_label} not reachable after "
+                    f"{self.config.server_start_timeout:g}s ({attempts} attempts, last error: "
+                    f"{type(last).__name__}: {last}); is it running? (server_start_timeout bounds the wait)",
+                    EXIT_COORDINATOR_UNREACHABLE)
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 2.0)
+
+    async def _lease_identity(self) -> tuple[int, int]:
+        node, proc = await self.coord.lease_identity(self.holder)
+        if self.config.node_id is not None:
+            node = self.config.node_id
+        return int(node), int(proc)
+
+    async def start(self) -> None:
+        ci = await self.probe_coordinator()
+        self.placer.apply_cluster_info(ci)
+        try:
+            self.identity = await self._lease_identity()
+        except (CoordinatorError, OSError, asyncio.TimeoutError) as e:
+            raise StartupError(f"could not lease a request-id identity from the coordinator at "
+                               f"{self.coordinator_label}: {e}", EXIT_COORDINATOR_UNREACHABLE) from None
+        self.ids = SnowflakeGenerator(*self.identity)
+        self.flow = Flow(self.config, self.placer, self.pool, self.ids, self.keys)
+        self.placer.start()
+        self._identity_task = asyncio.get_running_loop().create_task(self._renew_identity())
+        self.started = True
+        log.info("fleet process %d ready: identity node_id=%d process_id=%d, %d context / %d generation "
+                 "servers, policies ctx=%s gen=%s", os.getpid(), self.identity[0], self.identity[1],
+                 len(self.placer.servers[CTX]), len(self.placer.servers[GEN]),
+                 self.placer.policy[CTX], self.placer.policy[GEN])
+
+    async def _renew_identity(self) -> None:
+        every = max(1.0, self.config.coordinator.identity_ttl_s / 3)
+        while True:
+            await asyncio.sleep(every if self.placer.coord_ok else 0.5)
+            try:
+                ident = await self._lease_identity()
+            except (CoordinatorError, OSError, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("identity renew failed")
+                continue
+            if ident != self.identity:
+                # The coordinator lost our lease (e.g. it restarted): switch to the pair it gave us now.
+                log.warning("request-id identity changed from %s to %s", self.identity, ident)
+                self.identity = ident
+                self.ids = SnowflakeGenerator(*ident)
+                if self.flow is not None:
+                    self.flow.ids = self.ids
+
+    async def close(self) -> None:
+        if self._identity_task is not None:
+            self._identity_task.cancel()
+            await asyncio.gather(self._identity_task, return_exceptions=True)
+        if self.flow is not None:
+            await self.flow.drain(5.0)
+        await self.placer.stop()
+        await self.pool.close()
+        if self.identity is not None:
+            try:
+                await asyncio.wait_for(self.coord.release_identity(self.holder), 2.0)
+            except Exception:
+                pass   # the lease expires on its own
+
+    # ------------------------------------------------------------------ app
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/cluster_info", self.cluster_info)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_route("*", "/{tail:.*}", self.not_found)
+        return app
+
+    def _count(self, endpoint: str, status: int) -> None:
+        k = (endpoint, status)
+        c = self._m_req.get(k)
+        if c is None:
+            c = self._m_req[k] = M.REQUESTS.labels(endpoint, str(status))
+        c.inc()
+
+    def _auth(self, request: web.Request) -> None:
+        if self.api_keys.enabled and not self.api_keys.check(request.headers.get("Authorization")):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, COMPLETION)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CHAT)
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        flow = self.flow
+        status = 500
+        M.INFLIGHT.inc()
+        flow.inflight += 1
+        try:
+            self._auth(request)
+            if self.max_inflight is not None and flow.inflight > self.max_inflight:
+                raise ApiError(429, f"this fleet process already serves {self.max_inflight} requests "
+                                    f"(fleet.max_inflight_requests); retry shortly", code="overloaded",
+                               retry_after=1)
+            cl = request.content_length
+            if cl is not None and cl > self.max_body:
+                raise too_large(self.max_body, cl)
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise too_large(self.max_body, None) from None
+            creq = parse_request(raw, kind)
+            models = self.placer.models()
+            if models and creq.model not in models:
+                raise ApiError(404, f"model {creq.model!r} does not exist; this server serves "
+                                    f"{', '.join(repr(m) for m in models)}", param="model",
+                               code="model_not_found")
+            params, rid, stripped = vet_client_params(creq.client_disagg_params, self.config.internal_request_auth_key,
+                                                      request.headers.get(AUTH_HEADER))
+            if stripped:
+                M.STRIPPED.inc()
+                log.info("stripped client-supplied disaggregated_params without a valid HMAC")
+            resp = await flow.handle(request, creq, rid, params, t0)
+            status = resp.status
+            self._keepalive_cap(request, resp)
+            return resp
+        except ApiError as e:
+            status = e.status
+            return e.response()
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except Exception as e:
+            log.exception("internal error on %s", request.path)
+            err = ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+            status = 500
+            return err.response()
+        finally:
+            M.INFLIGHT.dec()
+            flow.inflight -= 1
+            self._count(kind, status)
+
+    def _keepalive_cap(self, request: web.Request, resp: web.StreamResponse) -> None:
+        cap = self.keepalive_requests
+        if cap is None:
+            return
+        tr = request.transport
+        if tr is None:
+            return
+        n = self._conn_requests.get(tr, 0) + 1
+        self._conn_requests[tr] = n
+        if n >= cap and not resp.prepared:
+            # Close this connection after the answer: the client reconnects and the kernel's
+            # SO_REUSEPORT hash may land it on another fleet process (long-lived pools spread out).
+            resp.force_close()
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._auth(request)
+        except ApiError as e:
+            return e.response()
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "splitserve"} for m in self.placer.models()]
+        return web.json_response({"object": "list", "data": data})
+
+    def _health(self) -> tuple[bool, dict]:
+        n_ctx = self.placer.healthy_count(CTX)
+        n_gen = self.placer.healthy_count(GEN)
+        ok = self.started and n_ctx >= self.min_ctx and n_gen >= self.min_gen
+        return ok, {"status": "ok" if ok else "unavailable", "context_servers": n_ctx,
+                    "generation_servers": n_gen, "min_context_servers": self.min_ctx,
+                    "min_generation_servers": self.min_gen, "coordinator_reachable": self.placer.coord_ok}
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok, body = self._health()
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def cluster_info(self, request: web.Request) -> web.Response:
+        try:
+            self._auth(request)
+        except ApiError as e:
+            return e.response()
+        ci = self.placer.cluster_info
+        if self.placer.coord_ok:
+            try:
+                ci = await asyncio.wait_for(self.placer.refresh(), self.config.fleet.coordinator_timeout_s)
+            except (CoordinatorError, OSError, asyncio.TimeoutError):
+                pass
+        ok, health = self._health()
+        fleet = {"pid": os.getpid(), "process_index": self.process_index, "holder": self.holder,
+                 "node_id": self.identity[0] if self.identity else None,
+                 "process_id": self.identity[1] if self.identity else None,
+                 "coordinator": self.coordinator_label, "coordinator_reachable": self.placer.coord_ok,
+                 "ejected_servers": self.placer.ejected(), "inflight_requests": self.flow.inflight if self.flow else 0,
+                 "policies": dict(self.placer.policy), "health": health, "schedule_style": self.config.schedule_style}
+        return web.json_response({**ci, "fleet": fleet})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, ctype = M.render()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        known = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET",
+                 "/health": "GET", "/cluster_info": "GET", "/metrics": "GET"}
+        m = known.get(request.path)
+        if m is not None:
+            return ApiError(405, f"{request.method} is not allowed on {request.path}; use {m}",
+                            code="method_not_allowed").response({"Allow": m})
+        return ApiError(404, f"no route {request.method} {request.path}; the API serves "
+                             f"{', '.join(sorted(known))}", code="not_found").response()
+
+    # ------------------------------------------------------------------ serving
+    async def serve(self, sock: socket.socket, stop: asyncio.Event) -> None:
+        """Serve on `sock` (already listening) until `stop` is set, then drain and close."""
+        self.runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True,
+                                    keepalive_timeout=self.config.server_keep_alive_timeout,
+                                    shutdown_timeout=self.config.fleet.drain_timeout_s)
+        await self.runner.setup()
+        site = web.SockSite(self.runner, sock, shutdown_timeout=self.config.fleet.drain_timeout_s)
+        await site.start()
+        try:
+            await stop.wait()
+        finally:
+            log.info("fleet process %d: draining (%d in flight, up to %.0fs)", os.getpid(),
+                     self.flow.inflight if self.flow else 0, self.config.fleet.drain_timeout_s)
+            await self.runner.cleanup()   # closes the listener first, then waits for in-flight requests
+            await self.close()
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+
+async def run_process(config, *, coordinator_url: str | None, process_index: int = 0,
+                      reuse_port: bool = False, ready_fd: int | None = None) -> int:
+    """One fleet process, start to exit. With no `coordinator_url` the coordinator runs in-process."""
+    from coordinator.client import HttpCoordinatorClient, InProcessCoordinatorClient
+
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    coord_obj = None
+    if coordinator_url is None:
+        from coordinator.service import Coordinator
+        coord_obj = Coordinator(config)
+        await coord_obj.start()
+        client = InProcessCoordinatorClient(coord_obj)
+        label = "in-process"
+    else:
+        client = HttpCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s)
+        label = coordinator_url
+    holder = f"{socket.gethostname()}:{config.port}:{os.getpid()}"
+    server = FleetServer(config, client, holder=holder, process_index=process_index, coordinator_label=label)
+    try:
+        try:
+            await server.start()
+        except StartupError as e:
+            log.error("%s", e)
+            return e.exit_code
+        try:
+            sock = bind_socket(config.effective_bind_host, config.port, reuse_port)
+        except StartupError as e:
+            log.error("%s", e)
+            return 1
+        log.info("fleet process %d listening on %s:%d", os.getpid(), config.effective_bind_host,
+                 sock.getsockname()[1])
+        if ready_fd is not None:
+            os.write(ready_fd, b"%d\n" % sock.getsockname()[1])
+            os.close(ready_fd)
+        await server.serve(sock, stop)
+        return 0
+    finally:
+        closer = getattr(client, "close", None)
+        if closer is not None:
+            try:
+                await closer()
+            except Exception:
+                pass
+        if coord_obj is not None:
+            await coord_obj.stop()
