@@ -1,0 +1,288 @@
+"""The transfer-agent interface: everything a one-sided writer needs, and nothing more.
+
+The nine operations of the reference design (kv_transfer.md, "Transfer agent interface"):
+
+| operation                  | here                                                        |
+|----------------------------|-------------------------------------------------------------|
+| register_memory(descs)     | `register_memory(regions, mem_type) -> RegHandle`           |
+| deregister_memory(descs)   | `deregister_memory(handle)`                                 |
+| load_remote_agent(desc)    | `load_remote_agent(desc) -> name`                           |
+| get_local_agent_desc()     | `get_local_agent_desc() -> bytes`                           |
+| invalidate_remote_agent()  | `invalidate_remote_agent(name)`                             |
+| submit_transfer_requests() | `submit_transfer(...)` / `submit_prepped(...)` -> handle;   |
+|                            | `poll(handle) -> "PROC" | "DONE" | "ERR"`, `release(handle)` |
+| notify_sync_message()      | `notify(name, msg)`; the target reads `get_notifications()` |
+| check_remote_descs()       | `check_remote_descs(name, descs) -> bool`                   |
+| shutdown()                 | `shutdown()`                                                |
+
+Semantics every implementation keeps (the contract tests in tests/transfer run against each):
+
+- Descriptors are our `Descs` (Nx3 uint64 + mem type); nothing backend-specific crosses the API.
+- `get_local_agent_desc()` is opaque bytes (msgpack envelope, never pickle) carrying the agent kind;
+  `load_remote_agent` refuses another kind (`AgentMismatch`), is idempotent for the same incarnation,
+  accepts updated metadata (new registrations), and refuses a *different* incarnation under a known
+  name until `invalidate_remote_agent` (`NameConflict`).
+- `submit_*` validates before any byte moves: unknown peer → `RemoteNotLoaded`; a local descriptor
+  outside local registrations or a remote one outside the peer's → `OutOfRange`; unequal lengths →
+  `InvalidDescriptors`. It returns at once; `poll` goes PROC → DONE or ERR (`error(handle)` says why).
+  DONE means every byte is in the target's memory.
+- A notification attached to a transfer is delivered to the target only after all its bytes landed,
+  keyed by the initiator's name (str); `get_notifications()` consumes.
+- A dead peer surfaces as ERR (or `PeerLost` at submit), never as a hang.
+- `progress()` must be called regularly by whoever waits (the target too, even when idle: NIXL with
+  its progress thread off completes connection wire-up only while both sides progress).
+"""
+from __future__ import annotations
+
+import abc
+import itertools
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from .descs import Descs, as_desc_array
+from .errors import AgentUnavailable, InvalidDescriptors
+
+log = logging.getLogger("splitserve.transfer.agent")
+
+PROC, DONE, ERR = "PROC", "DONE", "ERR"
+AGENT_KINDS = ("auto", "nixl", "shm", "tcp")
+# Version of our own agent-descriptor envelope (not of any backend's metadata).
+AGENT_DESC_VERSION = 1
+
+_handle_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class RegHandle:
+    """A registration: the regions as registered, and the backend's own handle."""
+
+    regions: np.ndarray  # Nx3 uint64
+    mem_type: str
+    backend: Any = None
+    id: int = field(default_factory=lambda: next(_handle_ids))
+
+
+@dataclass(eq=False)
+class PrepHandle:
+    """A prepared descriptor list (one side of `submit_prepped`): rows addressed by index."""
+
+    descs: Descs
+    remote: str | None
+    backend: Any = None
+    id: int = field(default_factory=lambda: next(_handle_ids))
+
+
+@dataclass(eq=False)
+class XferHandle:
+    """One submitted transfer. `state` is PROC, DONE or ERR; `error` explains ERR."""
+
+    remote: str
+    op: str
+    nbytes: int
+    ndescs: int
+    state: str = PROC
+    error: str | None = None
+    backend: Any = None
+    id: int = field(default_factory=lambda: next(_handle_ids))
+
+
+def unique_agent_name(prefix: str = "agent") -> str:
+    """Agent names must be unique per incarnation (a restarted peer under its old name is refused)."""
+    return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def regions_array(regions) -> np.ndarray:
+    """Accept Nx3 arrays, (addr, len, dev) tuples, or objects with `data_ptr()`/`nbytes`
+    (torch tensors) or `ctypes.data`/`nbytes` (numpy arrays)."""
+    if isinstance(regions, np.ndarray) and regions.dtype != object and regions.ndim == 2:
+        return as_desc_array(regions)
+    items = regions if isinstance(regions, (list, tuple)) else [regions]
+    rows = []
+    for r in items:
+        if hasattr(r, "data_ptr") and hasattr(r, "untyped_storage"):  # torch tensor
+            if not r.is_contiguous():
+                raise InvalidDescriptors("register a contiguous tensor (its bytes form one region)")
+            dev = r.device.index if r.device.type == "cuda" else 0
+            rows.append((r.data_ptr(), r.numel() * r.element_size(), dev or 0))
+        elif isinstance(r, np.ndarray):
+            if not r.flags.c_contiguous:
+                raise InvalidDescriptors("register a C-contiguous numpy array")
+            rows.append((r.ctypes.data, r.nbytes, 0))
+        else:
+            try:
+                a, n, d = r
+            except (TypeError, ValueError):
+                raise InvalidDescriptors(
+                    f"a region is (addr, len, dev), a tensor or an ndarray; found {type(r).__name__}"
+                ) from None
+            rows.append((int(a), int(n), int(d)))
+    arr = as_desc_array(rows)
+    if not len(arr):
+        raise InvalidDescriptors("register_memory needs at least one region")
+    if (arr[:, 1] == 0).any():
+        raise InvalidDescriptors("a registered region has length 0")
+    return arr
+
+
+class TransferAgent(abc.ABC):
+    """One endpoint of one-sided transfers. See the module docstring for the contract."""
+
+    kind: str = "abstract"
+    name: str
+    mem_types: tuple[str, ...] = ("DRAM",)
+
+    # -- memory --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def register_memory(self, regions, mem_type: str = "DRAM") -> RegHandle: ...
+
+    @abc.abstractmethod
+    def deregister_memory(self, handle: RegHandle) -> None: ...
+
+    # -- peers ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get_local_agent_desc(self) -> bytes: ...
+
+    @abc.abstractmethod
+    def load_remote_agent(self, desc: bytes) -> str: ...
+
+    @abc.abstractmethod
+    def invalidate_remote_agent(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def check_remote_descs(self, name: str, descs: Descs) -> bool: ...
+
+    # -- transfers -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def submit_transfer(self, remote: str, local: Descs, remote_descs: Descs, notif: bytes = b"",
+                        op: str = "WRITE") -> XferHandle: ...
+
+    def prep_descs(self, remote: str | None, descs: Descs) -> PrepHandle:
+        """Prepare one side's descriptor list once; later transfers address rows by index.
+        `remote=None` prepares a local list. Default: keep the array (fallback agents)."""
+        return PrepHandle(descs=descs, remote=remote)
+
+    def submit_prepped(self, remote: str, local: PrepHandle, local_idx, remote_side: PrepHandle,
+                       remote_idx, notif: bytes = b"", op: str = "WRITE") -> XferHandle:
+        """Transfer rows `local_idx` of `local` to rows `remote_idx` of `remote_side`.
+        Default: gather the rows and submit them as one list (runs contiguous on both sides merged)."""
+        from .descs import merge_runs, build_pair  # local import keeps the ABC light
+
+        li = np.asarray(local_idx, dtype=np.int64)
+        ri = np.asarray(remote_idx, dtype=np.int64)
+        if li.shape != ri.shape:
+            raise InvalidDescriptors(f"index lists differ in length: {li.shape} vs {ri.shape}")
+        la, ra = local.descs.arr[li], remote_side.descs.arr[ri]
+        if len(la) and not np.array_equal(la[:, 1], ra[:, 1]):
+            raise InvalidDescriptors("prepared rows differ in length between local and remote")
+        out_l, out_r = [], []
+        for ldev in np.unique(la[:, 2]) if len(la) else []:
+            for rdev in np.unique(ra[la[:, 2] == ldev, 2]):
+                m = (la[:, 2] == ldev) & (ra[:, 2] == rdev)
+                s, d, n = merge_runs(la[m, 0], ra[m, 0], la[m, 1])
+                a, b = build_pair(s, d, n, int(ldev), int(rdev), local.descs.mem_type,
+                                  remote_side.descs.mem_type)
+                out_l.append(a.arr)
+                out_r.append(b.arr)
+        larr = np.concatenate(out_l) if out_l else np.zeros((0, 3), np.uint64)
+        rarr = np.concatenate(out_r) if out_r else np.zeros((0, 3), np.uint64)
+        return self.submit_transfer(remote, Descs(larr, local.descs.mem_type),
+                                    Descs(rarr, remote_side.descs.mem_type), notif, op)
+
+    def release_prepped(self, prep: PrepHandle) -> None:
+        prep.backend = None
+
+    @abc.abstractmethod
+    def poll(self, handle: XferHandle) -> str: ...
+
+    def error(self, handle: XferHandle) -> str | None:
+        return handle.error
+
+    @abc.abstractmethod
+    def release(self, handle: XferHandle) -> None: ...
+
+    # -- notifications and progress ------------------------------------------------------
+    @abc.abstractmethod
+    def notify(self, remote: str, msg: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def get_notifications(self) -> dict[str, list[bytes]]: ...
+
+    def progress(self) -> None:
+        """Drive progress without consuming notifications (they are buffered)."""
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+    def describe(self) -> dict:
+        """What /server_info shows about this agent."""
+        return {"kind": self.kind, "name": self.name, "mem_types": list(self.mem_types)}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def nixl_importable() -> tuple[bool, str]:
+    """(True, "") when a NIXL python binding imports; else (False, reason)."""
+    from .nixl_agent import import_nixl
+
+    try:
+        import_nixl()
+        return True, ""
+    except AgentUnavailable as e:
+        return False, str(e)
+
+
+def make_agent(kind: str = "auto", name: str | None = None, *, host: str = "127.0.0.1",
+               advertise_host: str | None = None, port: int = 0, **options) -> TransferAgent:
+    """Create a transfer agent of `kind` and log the choice.
+
+    `auto` prefers NIXL (UCX backend) and falls back to the TCP agent — which works between any two
+    hosts and for any memory — logging why. An explicit kind that cannot be created raises
+    `AgentUnavailable` (an operator who asked for NIXL must not silently get something slower).
+    `options` go to the implementation (e.g. `progress_thread`, `telemetry` for NIXL).
+    """
+    if kind not in AGENT_KINDS:
+        raise ValueError(f"transfer agent kind must be one of {AGENT_KINDS}; found {kind!r}")
+    name = name or unique_agent_name()
+    if kind in ("auto", "nixl"):
+        try:
+            from .nixl_agent import NixlAgent
+
+            agent = NixlAgent(name, **{k: v for k, v in options.items()
+                                       if k in NixlAgent.OPTIONS})
+            log.info("transfer agent: nixl (UCX) name=%s requested=%s", name, kind)
+            return agent
+        except AgentUnavailable as e:
+            if kind == "nixl":
+                raise
+            log.warning("transfer agent: nixl unavailable (%s); falling back to tcp", e)
+            kind = "tcp"
+    if kind == "shm":
+        from .shm_agent import ShmAgent
+
+        agent = ShmAgent(name, host=host, advertise_host=advertise_host, port=port)
+    else:
+        from .tcp_agent import TcpAgent
+
+        agent = TcpAgent(name, host=host, advertise_host=advertise_host, port=port)
+    log.info("transfer agent: %s name=%s endpoint=%s", agent.kind, name,
+             getattr(agent, "endpoint", None))
+    return agent
+
+
+def collect_regions(regs: Iterable[RegHandle]) -> list[tuple[int, int, int, str]]:
+    out = []
+    for h in regs:
+        for a, n, d in h.regions.tolist():
+            out.append((a, n, d, h.mem_type))
+    return out

@@ -1,0 +1,386 @@
+"""`NixlAgent`: the transfer agent on NIXL's UCX backend (DRAM on CPU, VRAM on GPU).
+
+Facts this wrapper is built around (reference/nixl.md):
+- The progress thread is OFF by default (`progress_thread=False`): on few cores NIXL's thread spins
+  a core per agent. Then whoever waits drives progress — the initiator through `poll`, the target
+  through `progress()`/`get_notifications()` *even when idle*, or UCX wire-up never completes.
+- NIXL's descriptor lists are built locally from our Nx3 arrays (`get_serialized_descs` is pickle:
+  never used). The agent descriptor on the wire is our msgpack envelope around NIXL's opaque
+  metadata bytes, carrying the kind so a mismatch is caught at load time.
+- `initialize_xfer` never merges adjacent descriptors; callers merge runs first (mappers do).
+  `prep_descs`/`submit_prepped` use `prep_xfer_dlist`/`make_prepped_xfer`, which merge runs that
+  are adjacent on both sides and avoid rebuilding lists per transfer: worth it for block-granular
+  transfers between pools prepared once per peer.
+- NIXL's exceptions share no base class; all twelve are caught and mapped to ours. `transfer()`
+  can raise (peer disconnect) as well as return "ERR".
+- Names must be unique per incarnation; a restarted peer under an old name is refused
+  (`NameConflict`) until invalidated.
+- On GPU, torch must be imported (CUDA initialised) before the agent is created so UCX's CUDA
+  modules find libcudart.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+
+import msgpack
+import numpy as np
+
+from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, PrepHandle, RegHandle, TransferAgent,
+                    XferHandle, regions_array)
+from .descs import Coverage, Descs, check_pair
+from .errors import (AgentMismatch, AgentUnavailable, InvalidDescriptors, NameConflict,
+                     OutOfRange, PeerLost, RemoteNotLoaded, TransferError)
+
+log = logging.getLogger("splitserve.transfer.nixl")
+
+_NIXL = None
+
+
+def import_nixl():
+    """The NIXL `_api` module: the meta package first, then the CUDA-specific wheels."""
+    global _NIXL
+    if _NIXL is not None:
+        return _NIXL
+    if "torch" in sys.modules:
+        try:  # make libcudart visible to UCX's optional CUDA modules
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.init()
+        except Exception:  # a CPU-only torch is fine
+            pass
+    errors = []
+    for mod in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            _NIXL = importlib.import_module(mod)
+            return _NIXL
+        except Exception as e:  # ImportError, or a broken shared library (OSError)
+            errors.append(f"{mod}: {type(e).__name__}: {e}")
+    raise AgentUnavailable("no NIXL binding imports (" + "; ".join(errors) + ")")
+
+
+def _nixl_errors(api) -> tuple[type, ...]:
+    b = importlib.import_module(api.__name__.rsplit(".", 1)[0] + "._bindings")
+    return tuple(getattr(b, n) for n in dir(b) if n.endswith("Error") and isinstance(
+        getattr(b, n), type))
+
+
+def _map_error(e: Exception, what: str) -> TransferError:
+    n = type(e).__name__
+    msg = f"{what}: {n}: {e}"
+    if n == "nixlRemoteDisconnectError":
+        return PeerLost(msg)
+    if n == "nixlNotFoundError":
+        return OutOfRange(msg + " (descriptor not covered by registrations, or peer unknown)")
+    if n == "nixlNotAllowedError":
+        return NameConflict(msg)
+    if n in ("nixlInvalidParamError", "nixlMismatchError"):
+        return InvalidDescriptors(msg)
+    return TransferError(msg)
+
+
+class NixlAgent(TransferAgent):
+    kind = "nixl"
+    mem_types = ("DRAM", "VRAM")
+    OPTIONS = ("progress_thread", "telemetry", "backends")
+
+    def __init__(self, name: str, *, progress_thread: bool = False, telemetry: bool = False,
+                 backends: tuple[str, ...] = ("UCX",)):
+        api = import_nixl()
+        self._api = api
+        self._errors = _nixl_errors(api)
+        self.name = name
+        self._lock = threading.RLock()
+        self._telemetry = telemetry
+        self.progress_thread = progress_thread
+        try:
+            cfg = api.nixl_agent_config(enable_prog_thread=progress_thread,
+                                        backends=list(backends), capture_telemetry=telemetry)
+            self._agent = api.nixl_agent(name, cfg)
+        except Exception as e:
+            raise AgentUnavailable(f"NIXL agent with backends {list(backends)} failed: "
+                                   f"{type(e).__name__}: {e}") from None
+        if not getattr(self._agent, "backends", {"UCX": 1}):
+            raise AgentUnavailable(f"NIXL created no backend of {list(backends)}")
+        self._regs: dict[int, RegHandle] = {}
+        self._local = Coverage()
+        self._remotes: set[str] = set()
+        self._notifs: dict[str, list[bytes]] = {}
+        self._preps: dict[int, PrepHandle] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ memory
+    def register_memory(self, regions, mem_type: str = "DRAM") -> RegHandle:
+        if mem_type not in self.mem_types:
+            raise InvalidDescriptors(f"NIXL memory type must be DRAM or VRAM; found {mem_type!r}")
+        arr = regions_array(regions)
+        rows = [(int(a), int(n), int(d), "") for a, n, d in arr.tolist()]
+        with self._lock:
+            try:
+                reg = self._agent.get_reg_descs(rows, mem_type)
+                self._agent.register_memory(reg)
+            except self._errors as e:
+                raise _map_error(e, "register_memory") from None
+            h = RegHandle(regions=arr, mem_type=mem_type, backend=reg)
+            self._regs[h.id] = h
+            self._local.add((a, n, d, mem_type) for a, n, d, _ in rows)
+        return h
+
+    def deregister_memory(self, handle: RegHandle) -> None:
+        with self._lock:
+            if self._regs.pop(handle.id, None) is None:
+                raise InvalidDescriptors("deregister_memory: handle is not registered here")
+            try:
+                self._agent.deregister_memory(handle.backend)
+            except self._errors as e:
+                raise _map_error(e, "deregister_memory") from None
+            self._local.remove([(a, n, d, handle.mem_type) for a, n, d in handle.regions.tolist()])
+
+    # ------------------------------------------------------------------ peers
+    def get_local_agent_desc(self) -> bytes:
+        with self._lock:
+            md = self._agent.get_agent_metadata()
+        return msgpack.packb({"v": AGENT_DESC_VERSION, "kind": self.kind, "name": self.name,
+                              "md": bytes(md)})
+
+    def load_remote_agent(self, desc: bytes) -> str:
+        try:
+            env = msgpack.unpackb(desc, raw=False)
+        except Exception as e:
+            raise AgentMismatch(f"agent descriptor is not our msgpack envelope: {e}") from None
+        if not isinstance(env, dict) or env.get("kind") != self.kind:
+            found = env.get("kind") if isinstance(env, dict) else type(env).__name__
+            raise AgentMismatch(f"remote agent is kind {found!r}; this agent is 'nixl'")
+        if env.get("v") != AGENT_DESC_VERSION:
+            raise AgentMismatch(
+                f"remote agent descriptor version {env.get('v')}; expected {AGENT_DESC_VERSION}")
+        with self._lock:
+            try:
+                name = self._agent.add_remote_agent(env["md"])
+            except self._errors as e:
+                raise _map_error(e, f"load_remote_agent({env.get('name')!r})") from None
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._remotes.add(name)
+        return name
+
+    def invalidate_remote_agent(self, name: str) -> None:
+        with self._lock:
+            if name not in self._remotes:
+                return
+            self._remotes.discard(name)
+            for p in [p for p in self._preps.values() if p.remote == name]:
+                self._release_prep_locked(p)
+            try:
+                self._agent.remove_remote_agent(name)
+            except self._errors as e:
+                log.warning("nixl: remove_remote_agent(%s): %s", name, e)
+
+    def check_remote_descs(self, name: str, descs: Descs) -> bool:
+        with self._lock:
+            if name not in self._remotes:
+                return False
+            try:
+                return bool(self._agent.check_remote_metadata(
+                    name, self._agent.get_xfer_descs(descs.arr, descs.mem_type)))
+            except self._errors:
+                return False
+
+    # ------------------------------------------------------------------ transfers
+    def _precheck(self, remote: str, local: Descs) -> None:
+        if remote not in self._remotes:
+            raise RemoteNotLoaded(f"remote agent {remote!r} is not loaded")
+        bad = self._local.uncovered(local)
+        if bad >= 0:
+            a, n, d = local.arr[bad].tolist()
+            raise OutOfRange(f"local descriptor {bad} ({local.mem_type} addr=0x{a:x} len={n} "
+                             f"dev={d}) is not inside any registered region")
+
+    def _start(self, x: XferHandle, h, what: str) -> XferHandle:
+        x.backend = h
+        try:
+            st = self._agent.transfer(h)
+        except self._errors as e:
+            self._release_backend(x)
+            raise _map_error(e, what) from None
+        x.state = {"DONE": DONE, "ERR": ERR}.get(st, PROC)
+        if x.state == ERR:
+            x.error = f"{what}: NIXL returned ERR at post"
+        return x
+
+    def submit_transfer(self, remote: str, local: Descs, remote_descs: Descs, notif: bytes = b"",
+                        op: str = "WRITE") -> XferHandle:
+        if op not in ("WRITE", "READ"):
+            raise InvalidDescriptors(f"op must be WRITE or READ; found {op!r}")
+        check_pair(local, remote_descs)
+        with self._lock:
+            self._precheck(remote, local)
+            x = XferHandle(remote=remote, op=op, nbytes=local.total_bytes, ndescs=len(local))
+            if not len(local):  # NIXL rejects empty lists; an empty transfer is just its notif
+                if notif:
+                    self.notify(remote, notif)
+                x.state = DONE
+                return x
+            try:
+                h = self._agent.initialize_xfer(
+                    op, self._agent.get_xfer_descs(local.arr, local.mem_type),
+                    self._agent.get_xfer_descs(remote_descs.arr, remote_descs.mem_type),
+                    remote, bytes(notif))
+            except self._errors as e:
+                raise _map_error(e, f"{op} to {remote!r}") from None
+            return self._start(x, h, f"{op} to {remote!r}")
+
+    def prep_descs(self, remote: str | None, descs: Descs) -> PrepHandle:
+        with self._lock:
+            if remote is not None and remote not in self._remotes:
+                raise RemoteNotLoaded(f"remote agent {remote!r} is not loaded")
+            if remote is None:
+                bad = self._local.uncovered(descs)
+                if bad >= 0:
+                    raise OutOfRange(f"prepared local descriptor {bad} is not registered")
+            try:
+                h = self._agent.prep_xfer_dlist(remote if remote is not None else "NIXL_INIT_AGENT",
+                                                descs.arr, descs.mem_type)
+            except self._errors as e:
+                raise _map_error(e, f"prep_descs({remote!r})") from None
+            p = PrepHandle(descs=descs, remote=remote, backend=h)
+            self._preps[p.id] = p
+            return p
+
+    def submit_prepped(self, remote: str, local: PrepHandle, local_idx, remote_side: PrepHandle,
+                       remote_idx, notif: bytes = b"", op: str = "WRITE") -> XferHandle:
+        li = np.asarray(local_idx, dtype=np.int64)
+        ri = np.asarray(remote_idx, dtype=np.int64)
+        if li.shape != ri.shape or li.ndim != 1:
+            raise InvalidDescriptors(f"index lists must be 1-D and equal; found {li.shape} {ri.shape}")
+        for idx, p, side in ((li, local, "local"), (ri, remote_side, "remote")):
+            if idx.size and (idx.min() < 0 or idx.max() >= len(p.descs)):
+                raise InvalidDescriptors(f"{side} index out of range 0..{len(p.descs) - 1}")
+        if li.size and not np.array_equal(local.descs.arr[li, 1], remote_side.descs.arr[ri, 1]):
+            raise InvalidDescriptors("prepared rows differ in length between local and remote")
+        with self._lock:
+            if remote not in self._remotes:
+                raise RemoteNotLoaded(f"remote agent {remote!r} is not loaded")
+            if local.backend is None or remote_side.backend is None:
+                raise InvalidDescriptors("prepared list was released")
+            x = XferHandle(remote=remote, op=op, nbytes=int(local.descs.arr[li, 1].sum()),
+                           ndescs=int(li.size))
+            if not li.size:
+                if notif:
+                    self.notify(remote, notif)
+                x.state = DONE
+                return x
+            try:
+                h = self._agent.make_prepped_xfer(op, local.backend, li, remote_side.backend, ri,
+                                                  bytes(notif))
+            except self._errors as e:
+                raise _map_error(e, f"prepped {op} to {remote!r}") from None
+            return self._start(x, h, f"prepped {op} to {remote!r}")
+
+    def _release_prep_locked(self, p: PrepHandle) -> None:
+        self._preps.pop(p.id, None)
+        if p.backend is not None:
+            try:
+                self._agent.release_dlist_handle(p.backend)
+            except self._errors as e:
+                log.warning("nixl: release_dlist_handle: %s", e)
+            p.backend = None
+
+    def release_prepped(self, prep: PrepHandle) -> None:
+        with self._lock:
+            self._release_prep_locked(prep)
+
+    def poll(self, handle: XferHandle) -> str:
+        if handle.state != PROC:
+            return handle.state
+        with self._lock:
+            try:
+                st = self._agent.check_xfer_state(handle.backend)
+            except self._errors as e:
+                handle.state, handle.error = ERR, str(_map_error(e, f"{handle.op} to {handle.remote!r}"))
+                return ERR
+        if st == "DONE":
+            handle.state = DONE
+        elif st == "ERR":
+            handle.state = ERR
+            handle.error = f"{handle.op} to {handle.remote!r}: NIXL reported ERR"
+        return handle.state
+
+    def stats(self, handle: XferHandle) -> dict | None:
+        if not self._telemetry or handle.backend is None:
+            return None
+        with self._lock:
+            try:
+                t = self._agent.get_xfer_telemetry(handle.backend)
+            except self._errors:
+                return None
+        return {k: getattr(t, k) for k in ("descCount", "totalBytes", "postDuration",
+                                            "xferDuration") if hasattr(t, k)}
+
+    def _release_backend(self, handle: XferHandle) -> None:
+        if handle.backend is not None:
+            try:
+                self._agent.release_xfer_handle(handle.backend)
+            except self._errors as e:
+                log.warning("nixl: release_xfer_handle: %s", e)
+            handle.backend = None
+
+    def release(self, handle: XferHandle) -> None:
+        with self._lock:
+            self._release_backend(handle)
+
+    # ------------------------------------------------------------------ notifications
+    def notify(self, remote: str, msg: bytes) -> None:
+        with self._lock:
+            if remote not in self._remotes:
+                raise RemoteNotLoaded(f"remote agent {remote!r} is not loaded")
+            try:
+                self._agent.send_notif(remote, bytes(msg))
+            except self._errors as e:
+                raise _map_error(e, f"notify {remote!r}") from None
+
+    def progress(self) -> None:
+        with self._lock:
+            try:
+                new = self._agent.get_new_notifs()
+            except self._errors as e:
+                log.warning("nixl: get_new_notifs: %s", e)
+                return
+            for k, v in new.items():
+                k = k.decode() if isinstance(k, bytes) else str(k)
+                self._notifs.setdefault(k, []).extend(bytes(m) for m in v)
+
+    def get_notifications(self) -> dict[str, list[bytes]]:
+        self.progress()
+        with self._lock:
+            out, self._notifs = self._notifs, {}
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for p in list(self._preps.values()):
+                self._release_prep_locked(p)
+            for name in list(self._remotes):
+                try:
+                    self._agent.remove_remote_agent(name)
+                except self._errors:
+                    pass
+            self._remotes.clear()
+            for h in list(self._regs.values()):
+                try:
+                    self._agent.deregister_memory(h.backend)
+                except self._errors:
+                    pass
+            self._regs.clear()
+            self._agent = None
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update(backend="UCX", progress_thread=self.progress_thread)
+        return d
