@@ -1,0 +1,201 @@
+"""``splitserve worker``: run one reference worker (torch model or sim engine).
+
+Flags are those of docs/INTERFACES.md §4 (the Helm chart renders them); each also reads
+``SPLITSERVE_<FLAG_UPPER_SNAKE>`` from the environment (the flag wins). When the worker is ready
+it prints one line holding its URL; SIGTERM/SIGINT drain it: deregister, abort in-flight
+requests, free every block, close the sockets, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+log = logging.getLogger("splitserve.worker")
+
+__all__ = ["add_arguments", "run", "build_server"]
+
+# Tokenizer vocabulary of each preset, for the sim engine, which must not import torch (and
+# worker.presets does). Kept equal to worker.presets.PRESETS[*].vocab_size by a test.
+SIM_PRESET_VOCAB = {"tiny": 261, "1b": 128256, "8b": 128256}
+SIM_PRESET_MAX_LEN = {"tiny": 8192, "1b": 131072, "8b": 8192}
+
+
+def _env(name: str, default):
+    return os.environ.get("SPLITSERVE_" + name.upper().replace("-", "_"), default)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    def add(flag: str, default=None, **kw):
+        name = flag.lstrip("-")
+        env = "SPLITSERVE_" + name.upper().replace("-", "_")
+        kw["help"] = (kw.get("help", "") + f" [env {env}]").strip()
+        p.add_argument(flag, default=_env(name, default), **kw)
+
+    add("--role", "both", choices=["context", "generation", "both"],
+        help="which leg(s) of a disaggregated request this worker serves")
+    add("--host", "127.0.0.1", help="bind address for HTTP and KV-event sockets")
+    add("--port", 8001, type=int, help="HTTP port (0 = pick a free one)")
+    add("--model", "tiny", help="preset name (tiny, 1b, 8b) or a Hugging Face-format directory")
+    add("--engine", "torch", choices=["torch", "sim"], help="torch model or simulated engine")
+    add("--device", None, choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
+    add("--dtype", None, choices=["float32", "bfloat16"],
+        help="default: float32 on cpu, bfloat16 on cuda")
+    add("--block-size", 16, type=int, help="tokens per KV block (= the routing block size)")
+    add("--num-blocks", None, type=int,
+        help="KV blocks in the pool (default: sized from memory; sim: 4096)")
+    add("--max-batch-size", 64, type=int, help="sequences per engine step")
+    add("--max-num-tokens", 2048, type=int, help="token budget per step (chunked prefill)")
+    add("--kv-events-port", 0, type=int, help="ZMQ PUB port for KV events (0 = pick free)")
+    add("--kv-replay-port", 0, type=int, help="ZMQ ROUTER replay port (0 = pick free)")
+    add("--advertise-host", None, help="host name put in URLs this worker advertises")
+    add("--coordinator-url", None, help="register with this coordinator (TTL heartbeats)")
+    add("--register-ttl", 30.0, type=float, help="registration TTL in seconds")
+    add("--transfer-agent", "auto", choices=["auto", "nixl", "shm", "tcp"],
+        help="KV transfer agent for disaggregated requests")
+    add("--transfer-port", 0, type=int, help="KV transfer control port (0 = pick free)")
+    add("--tp-size", 1, type=int, help="tensor-parallel size")
+    add("--pp-size", 1, type=int, help="pipeline-parallel size")
+    add("--sim-prefill-us-per-token", 20.0, type=float,
+        help="sim engine: prefill cost per uncached prompt token (µs)")
+    add("--sim-decode-us-per-step", 5000.0, type=float,
+        help="sim engine: cost of one batched decode step (µs)")
+    add("--pin-timeout", 60.0, type=float,
+        help="seconds a context request's KV stays pinned waiting for its transfer")
+    add("--log-level", "INFO", help="logging level")
+
+
+# ---------------------------------------------------------------------------------- building
+def _sim_tokenizer(model: str):
+    """The model's tokenizer without importing torch (presets: the byte-level tokenizer)."""
+    from router.tokenizer import ByteTokenizer, HFTokenizer
+
+    path = Path(model)
+    if model in SIM_PRESET_VOCAB and not path.is_dir():
+        return ByteTokenizer(vocab_size=SIM_PRESET_VOCAB[model]), SIM_PRESET_MAX_LEN[model]
+    if not path.is_dir():
+        raise ValueError(f"model {model!r} is neither a preset ({', '.join(SIM_PRESET_VOCAB)}) "
+                         f"nor a directory")
+    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    max_len = int(cfg.get("max_position_embeddings") or 1 << 20)
+    tj = path / "tokenizer.json"
+    if not tj.is_file():
+        return ByteTokenizer(vocab_size=max(261, int(cfg.get("vocab_size") or 261))), max_len
+    tcfg = {}
+    if (path / "tokenizer_config.json").is_file():
+        tcfg = json.loads((path / "tokenizer_config.json").read_text())
+    gen = {}
+    if (path / "generation_config.json").is_file():
+        gen = json.loads((path / "generation_config.json").read_text())
+    eos = gen.get("eos_token_id")
+    extra = [eos] if isinstance(eos, int) else list(eos or [])
+    template = None
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    return HFTokenizer.from_json(tj.read_text(), tcfg, chat_template=template,
+                                 extra_eos_token_ids=extra), max_len
+
+
+def _build_engine(args):
+    if args.tp_size < 1 or args.pp_size < 1:
+        raise ValueError(f"--tp-size and --pp-size must be >= 1, got {args.tp_size}, {args.pp_size}")
+    if args.engine == "sim":
+        from worker.sim import SimEngine
+
+        tok, max_len = _sim_tokenizer(args.model)
+        return SimEngine(tok, num_blocks=args.num_blocks or 4096, block_size=args.block_size,
+                         max_model_len=max_len, max_batch_size=args.max_batch_size,
+                         max_num_tokens=args.max_num_tokens,
+                         prefill_us_per_token=args.sim_prefill_us_per_token,
+                         decode_us_per_step=args.sim_decode_us_per_step,
+                         pin_timeout_s=args.pin_timeout)
+    if args.tp_size != 1 or args.pp_size != 1:
+        raise ValueError(f"the torch engine runs one device per worker; --tp-size {args.tp_size} "
+                         f"--pp-size {args.pp_size} needs one worker per rank (use 1 and 1)")
+    import torch
+
+    from worker.engine import TorchEngine
+    from worker.loader import load_model, resolve_device
+    from worker.runner import ModelRunner, kv_bytes_per_block
+
+    device = resolve_device(args.device)
+    model, tok, cfg = load_model(args.model, device=device, dtype=args.dtype)
+    num_blocks = args.num_blocks
+    per_block = kv_bytes_per_block(cfg, args.block_size, model.dtype)
+    if not num_blocks:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * 0.85)
+        else:
+            budget = 1 << 30
+        max_blocks = -(-cfg.max_position_embeddings // args.block_size) * args.max_batch_size
+        num_blocks = max(16, min(budget // per_block, max_blocks))
+    runner = ModelRunner(model, num_blocks, args.block_size, device=device, dtype=model.dtype)
+    log.info("torch engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB)", args.model,
+             device, str(model.dtype).removeprefix("torch."), num_blocks, args.block_size,
+             num_blocks * per_block / 2**20)
+    return TorchEngine(runner, tok, max_batch_size=args.max_batch_size,
+                       max_num_tokens=args.max_num_tokens, pin_timeout_s=args.pin_timeout)
+
+
+def build_server(args):
+    """Engine + KV-event publisher + HTTP server from parsed flags (not started)."""
+    from worker.kv_events import KvEventPublisher
+    from worker.server import WorkerServer
+
+    for name in ("block_size", "max_batch_size", "max_num_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        raise ValueError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    engine = _build_engine(args)
+    advertise = args.advertise_host
+    if advertise is None and args.host in ("0.0.0.0", "::", ""):
+        import socket
+        advertise = socket.gethostname()
+    publisher = KvEventPublisher(host=args.host, pub_port=args.kv_events_port,
+                                 replay_port=args.kv_replay_port, advertise_host=advertise)
+    name = args.model if args.model in SIM_PRESET_VOCAB else Path(args.model).name or args.model
+    return WorkerServer(engine, model_name=name, role=args.role, host=args.host, port=args.port,
+                        advertise_host=advertise, publisher=publisher,
+                        coordinator_url=args.coordinator_url, register_ttl_s=args.register_ttl)
+
+
+async def _serve(args) -> int:
+    try:
+        server = build_server(args)
+    except (ValueError, OSError) as e:
+        print(f"splitserve worker: {e}", file=sys.stderr)
+        return 2
+    try:
+        url = await server.start()
+    except OSError as e:
+        print(f"splitserve worker: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        await server.stop()
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    info = server.server_info_dict()
+    print(f"splitserve worker ready at {url} (role={info['role']} engine={info['engine']} "
+          f"model={info['model']} kv_events={info['kv_events']['publisher']})", flush=True)
+    await stop.wait()
+    log.info("shutting down")
+    await server.stop()
+    return 0
+
+
+def run(args) -> int:
+    logging.basicConfig(level=str(args.log_level).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+        return uvloop.run(_serve(args))
+    except ImportError:
+        return asyncio.run(_serve(args))

@@ -1,0 +1,133 @@
+"""The engine seam (``Engine`` protocol) and the PyTorch engine.
+
+``TorchEngine`` is the shared continuous-batching ``Scheduler`` (worker/scheduler.py) driving a
+``ModelRunner`` (worker/runner.py): each step's chunks run through the model on one worker thread,
+so the asyncio loop keeps serving HTTP, ZMQ snapshots and aborts while the model computes.
+torch is imported only when a ``TorchEngine`` is built, so the sim engine stays torch-free.
+
+Hooks for KV transfer (the transfer package plugs in here; see docs/INTERFACES.md §5/§6):
+
+* context side — a finished ``context_only`` request's prompt blocks stay pinned in
+  ``engine.pinned_transfers()``; ``pinned_transfer(ctx_request_id)`` gives their block ids;
+  ``release(ctx_request_id, reason)`` frees them when the transfer is done or cancelled (a sweep
+  frees them after ``pin_timeout_s`` otherwise). ``opaque_state_hook(pinned) -> dict`` adds fields
+  to the ``encoded_opaque_state`` the context response carries. ``page_table()`` describes the
+  K/V memory to register.
+* generation side — set ``engine.receiver`` to a ``KvReceiver``. A ``generation_only`` request then
+  gets its prompt's blocks allocated and ``await receiver.receive(spec)`` fills them; without a
+  receiver such requests are refused with ``TransferUnavailable`` (HTTP 501).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+from worker.kv_cache import BlockPool
+from worker.requests import (  # noqa: F401  (re-exported: the engine seam's types)
+    CONTEXT_AND_GENERATION, CONTEXT_ONLY, GENERATION_ONLY, ContextResult, EngineError,
+    EngineRequest, EngineStopped, InvalidRequest, PinnedTransfer, ReceiveSpec, RequestTooLarge,
+    SamplingParams, TokenEvent, TransferUnavailable,
+)
+from worker.scheduler import Plan, RequestStream, Scheduler
+
+__all__ = [
+    "Engine", "KvReceiver", "TorchEngine", "EngineRequest", "SamplingParams", "TokenEvent",
+    "ContextResult", "ReceiveSpec", "PinnedTransfer", "EngineError", "InvalidRequest",
+    "TransferUnavailable", "RequestStream",
+]
+
+
+@runtime_checkable
+class KvReceiver(Protocol):
+    """Fills a generation_only request's freshly allocated blocks with the prompt's K/V.
+
+    ``receive`` returns when every block is written, raises on failure (the request then fails
+    with a 500 and its blocks are freed). When cancelled (client abort, shutdown) it must not
+    return until no remote write into ``spec.block_ids`` can still land: the blocks are reused
+    right after."""
+
+    async def receive(self, spec: ReceiveSpec) -> None: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    engine_name: str
+    pool: BlockPool
+    tokenizer: Any
+    block_size: int
+    max_model_len: int
+    max_batch_size: int
+    max_num_tokens: int
+    receiver: KvReceiver | None
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def submit(self, req: EngineRequest) -> AsyncIterator[TokenEvent]: ...
+    def abort(self, request_id) -> bool: ...
+    def release(self, ctx_request_id, reason: str = "transferred") -> bool: ...
+    def pinned_transfer(self, ctx_request_id) -> PinnedTransfer | None: ...
+    def stats(self) -> dict: ...
+    def flush_events(self) -> None: ...
+
+
+class TorchEngine(Scheduler):
+    """Scheduler + ``ModelRunner``. ``runner`` owns the model and the K/V tensors; the pool's
+    block ids index the runner's cache."""
+
+    engine_name = "torch"
+
+    def __init__(self, runner, tokenizer, *, max_batch_size: int = 64,
+                 max_num_tokens: int = 2048, pin_timeout_s: float = 60.0,
+                 worker_id: str = "worker", receiver: KvReceiver | None = None,
+                 ns_seed: int = 0, eos_token_ids=None):
+        import torch  # noqa: F401  (only this engine needs it)
+
+        from worker.runner import Chunk
+        from worker.sampling import make_generator, sample
+
+        self._Chunk, self._make_generator, self._sample = Chunk, make_generator, sample
+        self.runner = runner
+        cfg = runner.cfg
+        eos = eos_token_ids
+        if eos is None:
+            eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+            cfg_eos = getattr(cfg, "eos_token_id", None)
+            if cfg_eos is not None:
+                eos = tuple(dict.fromkeys([*eos, *([cfg_eos] if isinstance(cfg_eos, int)
+                                                   else cfg_eos)]))
+        super().__init__(
+            pool=BlockPool(runner.num_blocks, runner.block_size, ns_seed=ns_seed),
+            tokenizer=tokenizer, eos_token_ids=eos, vocab_size=cfg.vocab_size,
+            max_model_len=cfg.max_position_embeddings, max_batch_size=max_batch_size,
+            max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout_s, worker_id=worker_id,
+            receiver=receiver)
+        # One thread: steps are sequential by construction, and torch releases the GIL inside ops.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch-step")
+
+    def page_table(self) -> dict:
+        """The runner's K/V memory description, for the transfer layer to register."""
+        return self.runner.page_table()
+
+    async def _execute(self, plan: Plan) -> list[int | None]:
+        chunks = []
+        rows = []
+        for i, (s, start, n, sample) in enumerate(plan.entries):
+            chunks.append(self._Chunk(token_ids=s.tokens[start:start + n], start_pos=start,
+                                      block_ids=list(s.blocks)))
+            if sample:
+                p = s.req.sampling
+                if s.rng is None and not p.greedy:
+                    s.rng = self._make_generator(p, self.runner.device)
+                rows.append((i, p, s.rng))
+        loop = asyncio.get_running_loop()
+        picked = await loop.run_in_executor(self._executor, self._step, chunks, rows)
+        return [picked.get(i) for i in range(len(chunks))]
+
+    def _step(self, chunks, rows) -> dict[int, int]:
+        logits = self.runner.step(chunks)
+        return self._sample(logits, rows) if rows else {}
+
+    async def stop(self) -> None:
+        await super().stop()
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,174 @@
+"""KV-cache event publisher: ZMQ PUB in vLLM's framing plus a ROUTER replay socket.
+
+Wire format (kv_events.md §1, docs/INTERFACES.md §3):
+
+* live: PUB frames ``[topic, seq_be8, payload]``; ``payload`` is ``router.events.encode_vllm_batch``
+  (vLLM 0.33 map-format events); ``seq`` counts batches from 0, one per ``publish`` call;
+* replay: a DEALER sends ``[seq_be8]`` (optionally after an empty delimiter frame); the ROUTER
+  answers one ``[seq_be8, payload]`` message per buffered batch with ``seq >= start`` (oldest
+  first), then the end marker ``[(-1).to_bytes(8, "big", signed=True), b""]``. Replies repeat the
+  delimiter when the request had one. A first replayed seq above the requested one means the ring
+  buffer already dropped the gap: the subscriber must resync from ``/kv_snapshot``.
+
+Threads: ``publish`` is called from the engine's event-loop thread, which alone owns the PUB socket
+(a PUB send never blocks; past the high-water mark ZMQ drops, which subscribers see as a seq gap).
+The replay socket lives on its own daemon thread; the ring buffer is shared under a lock.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import zmq
+
+from router.events import encode_vllm_batch
+
+log = logging.getLogger("splitserve.worker.kv_events")
+
+__all__ = ["KvEventPublisher", "END_MARKER_SEQ", "DEFAULT_TOPIC"]
+
+DEFAULT_TOPIC = "kv-events"
+END_MARKER_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def _bind(sock: zmq.Socket, host: str, port: int) -> int:
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+        return port
+    return sock.bind_to_random_port(f"tcp://{host}")
+
+
+def _fmt_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class KvEventPublisher:
+    """Publishes event batches and serves replays. ``last_seq`` is -1 until the first batch."""
+
+    def __init__(self, *, host: str = "127.0.0.1", pub_port: int = 0, replay_port: int = 0,
+                 advertise_host: str | None = None, topic: str = DEFAULT_TOPIC,
+                 buffer_steps: int = 10_000, hwm: int = 100_000, dp_rank: int | None = None):
+        if buffer_steps < 1:
+            raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
+        self.topic = topic
+        self._topic_b = topic.encode()
+        self.dp_rank = dp_rank
+        self._host = host
+        self._advertise = advertise_host or host
+        self._ctx = zmq.Context(io_threads=1)
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self.pub_port = _bind(self._pub, host, pub_port)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+        self._router.setsockopt(zmq.LINGER, 0)
+        # A DEALER that went away must not block replies to the others.
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.replay_port = _bind(self._router, host, replay_port)
+        self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._next_seq = 0
+        self.batches_published = 0
+        self.events_published = 0
+        self.replays_served = 0
+        self._ctl_addr = f"inproc://kv-replay-ctl-{id(self)}"
+        self._ctl_recv = self._ctx.socket(zmq.PAIR)
+        self._ctl_recv.bind(self._ctl_addr)
+        self._ctl_send = self._ctx.socket(zmq.PAIR)
+        self._ctl_send.connect(self._ctl_addr)
+        self._thread = threading.Thread(target=self._serve_replay, name="kv-replay", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # ------------------------------------------------------------------ endpoints
+    @property
+    def publisher_endpoint(self) -> str:
+        return f"tcp://{_fmt_host(self._advertise)}:{self.pub_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://{_fmt_host(self._advertise)}:{self.replay_port}"
+
+    @property
+    def last_seq(self) -> int:
+        return self._next_seq - 1
+
+    # ------------------------------------------------------------------ publishing
+    def publish(self, events: list) -> int:
+        """Encode and send one batch; returns its seq. Called from the engine's loop thread."""
+        if self._closed:
+            raise RuntimeError("publisher is closed")
+        payload = encode_vllm_batch(time.time(), events, self.dp_rank)
+        seq = self._next_seq
+        seq_b = seq.to_bytes(8, "big")
+        with self._lock:
+            self._ring.append((seq, payload))
+            self._next_seq = seq + 1
+        try:
+            self._pub.send_multipart([self._topic_b, seq_b, payload], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # over the HWM: subscribers see the gap and replay
+            log.warning("KV event batch %d dropped at the PUB high-water mark", seq)
+        self.batches_published += 1
+        self.events_published += len(events)
+        return seq
+
+    # ------------------------------------------------------------------ replay
+    def _serve_replay(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._ctl_recv, zmq.POLLIN)
+        while True:
+            try:
+                ready = dict(poller.poll())
+            except zmq.ContextTerminated:
+                return
+            if self._ctl_recv in ready:
+                return
+            if self._router not in ready:
+                continue
+            try:
+                frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                return
+            try:
+                self._answer(frames)
+            except zmq.ZMQError as e:
+                log.warning("replay reply failed: %s", e)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        ident, rest = frames[0], frames[1:]
+        head = [ident]
+        if rest and rest[0] == b"":
+            head.append(b"")
+            rest = rest[1:]
+        if len(rest) != 1 or len(rest[0]) != 8:
+            log.warning("malformed replay request (%d frames after identity; expected one 8-byte "
+                        "start seq); answering with the end marker only", len(rest))
+            self._router.send_multipart(head + [END_MARKER_SEQ, b""])
+            return
+        start = int.from_bytes(rest[0], "big")
+        with self._lock:
+            batch = [(s, p) for s, p in self._ring if s >= start]
+        for s, p in batch:
+            self._router.send_multipart(head + [s.to_bytes(8, "big"), p], copy=False)
+        self._router.send_multipart(head + [END_MARKER_SEQ, b""])
+        self.replays_served += 1
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._ctl_send.send(b"stop")
+        except zmq.ZMQError:
+            pass
+        self._thread.join(timeout=5)
+        for s in (self._pub, self._router, self._ctl_send, self._ctl_recv):
+            s.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,431 @@
+"""OpenAI request parsing and response shaping for the worker's HTTP API (no I/O here).
+
+Parsing turns a JSON body into a ``ParsedRequest`` or raises ``InvalidRequest`` whose ``param``
+names the offending field and whose message says what was expected and what was found. Shaping
+builds the JSON objects of ``/v1/completions`` and ``/v1/chat/completions`` (whole responses and
+SSE chunks), including ``disaggregated_params`` and ``usage.prompt_tokens_details.cached_tokens``.
+"""
+from __future__ import annotations
+
+import base64
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from worker.requests import (
+    CONTEXT_AND_GENERATION, CONTEXT_ONLY, GENERATION_ONLY, REQUEST_TYPES, ContextResult,
+    InvalidRequest, SamplingParams,
+)
+
+__all__ = [
+    "ParsedRequest", "parse_completion", "parse_chat", "encode_opaque_state",
+    "decode_opaque_state", "usage", "completion_response", "chat_response", "completion_chunk",
+    "chat_chunk", "usage_chunk", "disagg_response_params",
+]
+
+_MAX_STOP = 16
+
+
+def encode_opaque_state(state: dict) -> str:
+    """The context leg's handoff blob: base64 (standard alphabet) of msgpack. No pickle."""
+    return base64.b64encode(msgpack.packb(state, use_bin_type=True)).decode("ascii")
+
+
+def decode_opaque_state(blob: str) -> dict:
+    try:
+        out = msgpack.unpackb(base64.b64decode(blob, validate=True), raw=False)
+    except Exception as e:
+        raise InvalidRequest(f"encoded_opaque_state is not base64 msgpack: {e}",
+                             param="disaggregated_params.encoded_opaque_state") from None
+    if not isinstance(out, dict):
+        raise InvalidRequest(
+            f"encoded_opaque_state must decode to a map, found {type(out).__name__}",
+            param="disaggregated_params.encoded_opaque_state")
+    return out
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "completion" | "chat"
+    model: str | None
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    request_type: str = CONTEXT_AND_GENERATION
+    disaggregated_params: dict[str, Any] = field(default_factory=dict)
+    first_gen_tokens: list[int] | None = None
+    disagg_request_id: int | None = None
+    echo: bool = False
+
+
+def _tname(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(float(v)))
+
+
+def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise InvalidRequest(f"'{name}' must be an integer, got {_tname(v)} {v!r}", param=name)
+    if lo is not None and v < lo:
+        raise InvalidRequest(f"'{name}' must be >= {lo}, got {v}", param=name)
+    if hi is not None and v > hi:
+        raise InvalidRequest(f"'{name}' must be <= {hi}, got {v}", param=name)
+    return v
+
+
+def _num(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise InvalidRequest(f"'{name}' must be a number, got {_tname(v)} {v!r}", param=name)
+    if not lo <= v <= hi:
+        raise InvalidRequest(f"'{name}' must be in [{lo}, {hi}], got {v}", param=name)
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidRequest(f"'{name}' must be a boolean, got {_tname(v)} {v!r}", param=name)
+    return v
+
+
+def _token_ids(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise InvalidRequest(f"'{name}' must be a list of integer token ids, got {_tname(v)}",
+                             param=name)
+    if any(t < 0 for t in v):
+        raise InvalidRequest(f"'{name}' must hold non-negative token ids, found "
+                             f"{[t for t in v if t < 0][:5]}", param=name)
+    return list(v)
+
+
+def _unsupported(body: dict, name: str, ok) -> None:
+    v = body.get(name)
+    if v is not None and not ok(v):
+        raise InvalidRequest(f"'{name}'={v!r} is not supported by this worker", param=name,
+                             code="unsupported_parameter")
+
+
+def _sampling(body: dict, default_max_tokens: int | None, max_model_len: int,
+              prompt_len: int, max_tokens_names=("max_tokens",)) -> SamplingParams:
+    max_tokens = None
+    for name in max_tokens_names:
+        v = _int(body, name, None, lo=1)
+        if v is not None:
+            max_tokens = v
+            break
+    if max_tokens is None:
+        max_tokens = (default_max_tokens if default_max_tokens is not None
+                      else max(1, max_model_len - prompt_len))
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise InvalidRequest(f"'n' must be 1 on this worker (one choice per request), got {n}",
+                             param="n", code="unsupported_parameter")
+    _unsupported(body, "best_of", lambda v: v == 1)
+    _unsupported(body, "logprobs", lambda v: v is False or v == 0)
+    _unsupported(body, "top_logprobs", lambda v: v == 0)
+    _unsupported(body, "logit_bias", lambda v: v == {})
+    _unsupported(body, "presence_penalty", lambda v: v == 0)
+    _unsupported(body, "frequency_penalty", lambda v: v == 0)
+    _unsupported(body, "tools", lambda v: v == [])
+    _unsupported(body, "response_format",
+                 lambda v: isinstance(v, dict) and v.get("type") == "text")
+    temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _num(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0.0:
+        raise InvalidRequest(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _int(body, "top_k", 0, lo=-1)
+    if top_k == -1:
+        top_k = 0
+    seed = _int(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > _MAX_STOP:
+            raise InvalidRequest(f"'stop' holds at most {_MAX_STOP} strings, got {len(stop)}",
+                                 param="stop")
+        stops = tuple(s for s in stop if s)
+    else:
+        raise InvalidRequest(f"'stop' must be a string or a list of strings, got {_tname(stop)}",
+                             param="stop")
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = tuple(_token_ids(stop_ids, "stop_token_ids")) if stop_ids is not None else ()
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, seed=seed, stop=stops, stop_token_ids=stop_ids,
+                          ignore_eos=_bool(body, "ignore_eos", False))
+
+
+def _stream_opts(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not isinstance(so, dict):
+            raise InvalidRequest(f"'stream_options' must be an object, got {_tname(so)}",
+                                 param="stream_options")
+        iu = so.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise InvalidRequest("'stream_options.include_usage' must be a boolean, got "
+                                 f"{_tname(iu)}", param="stream_options.include_usage")
+        include_usage = bool(iu)
+    return stream, include_usage
+
+
+def _model(body: dict) -> str | None:
+    m = body.get("model")
+    if m is not None and not isinstance(m, str):
+        raise InvalidRequest(f"'model' must be a string, got {_tname(m)}", param="model")
+    return m
+
+
+def _disagg(body: dict, out: ParsedRequest) -> None:
+    dp = body.get("disaggregated_params")
+    if dp is None:
+        return
+    if not isinstance(dp, dict):
+        raise InvalidRequest(f"'disaggregated_params' must be an object, got {_tname(dp)}",
+                             param="disaggregated_params")
+    rt = dp.get("request_type", CONTEXT_AND_GENERATION)
+    if rt not in REQUEST_TYPES:
+        raise InvalidRequest(
+            f"'disaggregated_params.request_type' must be one of {list(REQUEST_TYPES)}, got {rt!r}",
+            param="disaggregated_params.request_type")
+    did = dp.get("disagg_request_id")
+    if did is not None and (not _is_int(did) or did < 0):
+        raise InvalidRequest(
+            f"'disaggregated_params.disagg_request_id' must be a non-negative integer, got {did!r}",
+            param="disaggregated_params.disagg_request_id")
+    if rt == GENERATION_ONLY:
+        fg = dp.get("first_gen_tokens")
+        if fg is not None:
+            out.first_gen_tokens = _token_ids(fg, "disaggregated_params.first_gen_tokens")
+            if not out.first_gen_tokens:
+                raise InvalidRequest("'disaggregated_params.first_gen_tokens' must not be empty",
+                                     param="disaggregated_params.first_gen_tokens")
+        cid = dp.get("ctx_request_id")
+        if cid is not None and not _is_int(cid):
+            raise InvalidRequest(
+                f"'disaggregated_params.ctx_request_id' must be an integer, got {cid!r}",
+                param="disaggregated_params.ctx_request_id")
+        eos = dp.get("encoded_opaque_state")
+        if eos is not None and not isinstance(eos, str):
+            raise InvalidRequest(
+                f"'disaggregated_params.encoded_opaque_state' must be a string, got {_tname(eos)}",
+                param="disaggregated_params.encoded_opaque_state")
+        if fg is None and cid is None:
+            raise InvalidRequest(
+                "a generation_only request needs disaggregated_params.ctx_request_id (and "
+                "first_gen_tokens from the context response, or a generation_first schedule)",
+                param="disaggregated_params.ctx_request_id")
+    out.request_type = rt
+    out.disaggregated_params = dp
+    out.disagg_request_id = did
+
+
+def _top_prompt_ids(body: dict) -> list[int] | None:
+    v = body.get("prompt_token_ids")
+    if v is None:
+        return None
+    ids = _token_ids(v, "prompt_token_ids")
+    if not ids:
+        raise InvalidRequest("'prompt_token_ids' must not be empty", param="prompt_token_ids")
+    return ids
+
+
+def parse_completion(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {_tname(body)}")
+    model = _model(body)
+    ids = _top_prompt_ids(body)
+    if ids is None:
+        if "prompt" not in body or body["prompt"] is None:
+            raise InvalidRequest("'prompt' is required (a string or a list of token ids)",
+                                 param="prompt", code="missing_required_parameter")
+        p = body["prompt"]
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one
+        if isinstance(p, str):
+            if not p:
+                raise InvalidRequest("'prompt' must not be empty", param="prompt")
+            ids = list(tokenizer.encode(p))
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            ids = _token_ids(p, "prompt")
+        elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+            raise InvalidRequest(
+                f"'prompt' holds {len(p)} prompts; this worker serves one prompt per request",
+                param="prompt", code="unsupported_parameter")
+        else:
+            raise InvalidRequest(
+                f"'prompt' must be a non-empty string or list of token ids, got {_tname(p)}",
+                param="prompt")
+    _unsupported(body, "suffix", lambda v: v == "")
+    stream, include_usage = _stream_opts(body)
+    out = ParsedRequest(kind="completion", model=model, prompt_token_ids=ids,
+                        sampling=_sampling(body, 16, max_model_len, len(ids)),
+                        stream=stream, include_usage=include_usage,
+                        echo=_bool(body, "echo", False))
+    _disagg(body, out)
+    return out
+
+
+def _message_text(m: dict, i: int) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for j, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise InvalidRequest(
+                    f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}; this "
+                    f"worker serves text only", param=f"messages[{i}].content[{j}]")
+            parts.append(part["text"])
+        return "\n".join(parts)  # as vLLM does for string-content templates
+    raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts, got "
+                         f"{_tname(c)}", param=f"messages[{i}].content")
+
+
+def parse_chat(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {_tname(body)}")
+    model = _model(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise InvalidRequest("'messages' must be a non-empty list of {role, content} objects, got "
+                             f"{_tname(msgs)}", param="messages",
+                             code="missing_required_parameter" if msgs is None else None)
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object, got {_tname(m)}",
+                                 param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise InvalidRequest(
+                f"messages[{i}].role must be one of system, developer, user, assistant, tool; got "
+                f"{role!r}", param=f"messages[{i}].role")
+        clean.append({"role": role, "content": _message_text(m, i)})
+    ids = _top_prompt_ids(body)
+    if ids is None:
+        agp = _bool(body, "add_generation_prompt", True)
+        try:
+            # The rendered prompt already holds any BOS the template adds.
+            ids = list(tokenizer.encode(tokenizer.apply_chat_template(
+                clean, add_generation_prompt=agp), add_special_tokens=False))
+        except ValueError as e:  # ChatTemplateError / TokenizerError
+            raise InvalidRequest(f"the chat template failed on these messages: {e}",
+                                 param="messages") from None
+        if not ids:
+            raise InvalidRequest("the chat template produced an empty prompt", param="messages")
+    stream, include_usage = _stream_opts(body)
+    out = ParsedRequest(kind="chat", model=model, prompt_token_ids=ids,
+                        sampling=_sampling(body, None, max_model_len, len(ids),
+                                           ("max_completion_tokens", "max_tokens")),
+                        stream=stream, include_usage=include_usage)
+    _disagg(body, out)
+    return out
+
+
+# ---------------------------------------------------------------------- responses
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def disagg_response_params(req: ParsedRequest, ctx: ContextResult,
+                           ctx_info_endpoint: str | None) -> dict:
+    """``choices[0].disaggregated_params`` of a context_only response (trtllm_disagg.md §2.4)."""
+    out = {k: v for k, v in req.disaggregated_params.items()
+           if k in ("schedule_style", "conversation_id", "disagg_request_id")}
+    out.update({
+        "request_type": CONTEXT_ONLY,
+        "ctx_request_id": ctx.ctx_request_id,
+        "first_gen_tokens": list(ctx.first_gen_tokens),
+        "encoded_opaque_state": encode_opaque_state(ctx.opaque_state) if ctx.pinned else None,
+        "ctx_dp_rank": None,
+        "ctx_info_endpoint": ctx_info_endpoint,
+    })
+    out.setdefault("disagg_request_id", req.disagg_request_id)
+    return out
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str | None,
+                        stop_reason, use: dict, disagg: dict | None = None,
+                        prompt_token_ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
+    if disagg is not None:
+        choice["disaggregated_params"] = disagg
+    out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+           "choices": [choice], "usage": use}
+    if prompt_token_ids is not None:
+        out["prompt_token_ids"] = prompt_token_ids
+    return out
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str | None, stop_reason,
+                  use: dict, disagg: dict | None = None,
+                  prompt_token_ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+    if disagg is not None:
+        choice["disaggregated_params"] = disagg
+    out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+           "choices": [choice], "usage": use}
+    if prompt_token_ids is not None:
+        out["prompt_token_ids"] = prompt_token_ids
+    return out
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason=None,
+                     stop_reason=None, disagg: dict | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    if disagg is not None:
+        choice["disaggregated_params"] = disagg
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason=None,
+               stop_reason=None, disagg: dict | None = None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    if disagg is not None:
+        choice["disaggregated_params"] = disagg
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, use: dict) -> dict:
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": use}

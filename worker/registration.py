@@ -1,0 +1,98 @@
+"""Self-registration with a coordinator (``--coordinator-url``), TTL-based.
+
+``POST /register {url, role, ttl_s}`` at start, ``POST /heartbeat`` with the same body every
+``ttl_s / 3``, ``POST /deregister {url, role}`` on shutdown. The coordinator may be down or
+restart at any time: failures are logged (once per outage), retried on the next tick, and a
+heartbeat the coordinator does not recognise (404/410) re-registers. The worker never fails
+because of the coordinator.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+log = logging.getLogger("splitserve.worker.registration")
+
+__all__ = ["CoordinatorRegistration"]
+
+
+class CoordinatorRegistration:
+    def __init__(self, coordinator_url: str, *, url: str, role: str, ttl_s: float = 30.0,
+                 request_timeout_s: float = 5.0):
+        if ttl_s <= 0:
+            raise ValueError(f"register ttl must be > 0 s, got {ttl_s}")
+        self.coordinator_url = coordinator_url.rstrip("/")
+        self.url = url
+        self.role = role
+        self.ttl_s = float(ttl_s)
+        self._timeout = aiohttp.ClientTimeout(total=min(request_timeout_s, self.ttl_s / 3))
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self.registered = False
+        self.heartbeats = 0
+        self._down = False
+
+    def _body(self) -> dict:
+        return {"url": self.url, "role": self.role, "ttl_s": self.ttl_s}
+
+    async def _post(self, path: str, body: dict) -> int:
+        async with self._session.post(self.coordinator_url + path, json=body) as r:
+            await r.read()
+            return r.status
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._task = asyncio.create_task(self._run(), name="coordinator-registration")
+
+    async def _run(self) -> None:
+        period = self.ttl_s / 3
+        while True:
+            try:
+                if not self.registered:
+                    st = await self._post("/register", self._body())
+                    self.registered = 200 <= st < 300
+                    if self.registered:
+                        log.info("registered %s (%s) with coordinator %s", self.url, self.role,
+                                 self.coordinator_url)
+                    else:
+                        log.warning("coordinator %s refused registration: HTTP %d",
+                                    self.coordinator_url, st)
+                else:
+                    st = await self._post("/heartbeat", self._body())
+                    if st in (404, 410):  # the coordinator forgot us (restart): register again
+                        self.registered = False
+                        continue
+                    if 200 <= st < 300:
+                        self.heartbeats += 1
+                    else:
+                        log.warning("heartbeat to %s: HTTP %d", self.coordinator_url, st)
+                if self._down:
+                    log.info("coordinator %s reachable again", self.coordinator_url)
+                    self._down = False
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                if not self._down:
+                    log.warning("coordinator %s unreachable (%s); retrying every %.1fs",
+                                self.coordinator_url, e or type(e).__name__, period)
+                    self._down = True
+                self.registered = False
+            await asyncio.sleep(period)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._session is not None:
+            if self.registered:
+                try:
+                    await self._post("/deregister", {"url": self.url, "role": self.role})
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    log.info("deregistration from %s failed: %s", self.coordinator_url, e)
+            self.registered = False
+            await self._session.close()

@@ -1,0 +1,769 @@
+"""Continuous-batching scheduler shared by the torch and sim engines (no torch imported here).
+
+One asyncio task runs the loop: plan a step, execute it (the engine's ``_execute``: a model step
+in a worker thread, or a simulated sleep), apply the sampled tokens, publish KV events, repeat.
+Everything that touches scheduler state runs on the event loop thread, so there are no locks.
+
+Step planning (``_schedule``), under ``max_num_tokens`` tokens and ``max_batch_size`` sequences:
+
+1. running sequences with one token to feed (decodes), in admission order;
+2. running sequences still prefilling (chunked: a chunk takes what is left of the budget);
+3. waiting sequences, first come first served: a prefix-cache lookup (capped so at least one
+   prompt token is computed), then a first chunk. A waiting sequence that does not fit waits.
+
+A running sequence that cannot get a block preempts the most recently admitted other running
+sequence (its blocks go back to the pool, cached where committed, and it is recomputed later:
+recomputation reuses its own cached blocks) or, if there is none, itself.
+
+Request lifecycle invariants:
+
+* a request holds blocks only while RUNNING or RECEIVING; WAITING requests hold none;
+* every path out (finish, abort, error, preemption, engine stop) returns exactly the blocks it
+  holds; a finished ``context_only`` request converts its references into pins owned by the
+  pinned-transfer table, which ``release`` (transfer done, cancel, abort, timeout) undoes;
+* the blocks of a sequence inside an executing step are freed only after the step returns, so
+  the model never writes into a block that was handed to someone else.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any, Callable
+
+from router.block_keys import KEY_SCHEME, block_keys_list
+from worker.detokenizer import IncrementalDetokenizer
+from worker.kv_cache import BlockPool
+from worker.requests import (
+    CONTEXT_ONLY, GENERATION_ONLY, ContextResult, EngineRequest, EngineStopped, InvalidRequest,
+    PinnedTransfer, ReceiveSpec, TokenEvent, TransferUnavailable,
+)
+
+log = logging.getLogger("splitserve.worker.scheduler")
+
+__all__ = ["Scheduler", "RequestStream", "Plan"]
+
+WAITING, RECEIVING, RUNNING, FINISHED = "waiting", "receiving", "running", "finished"
+_RATE_WINDOW_S = 10.0
+
+
+class _Seq:
+    """Scheduler-side state of one request."""
+
+    __slots__ = (
+        "req", "id", "tokens", "num_prompt", "num_output", "num_computed", "blocks", "keys",
+        "num_committed", "cached_tokens", "admitted", "state", "queue", "detok", "rng",
+        "free_after_step", "receive_task", "arrival", "finish_reason",
+    )
+
+    def __init__(self, req: EngineRequest, detok: IncrementalDetokenizer):
+        self.req = req
+        self.id = req.request_id
+        self.tokens: list[int] = list(req.prompt_token_ids)
+        self.num_prompt = len(self.tokens)
+        self.num_output = 0
+        self.num_computed = 0
+        self.blocks: list[int] = []
+        self.keys: list[int] = []  # canonical keys of full blocks of `tokens`, chain order
+        self.num_committed = 0  # leading blocks already offered to the prefix cache
+        self.cached_tokens = 0
+        self.admitted = False
+        self.state = WAITING
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.detok = detok
+        self.rng: Any = None  # engine-specific sampling state (a torch.Generator)
+        self.free_after_step = False
+        self.receive_task: asyncio.Task | None = None
+        self.arrival = time.monotonic()
+        self.finish_reason: str | None = None
+
+    @property
+    def pending(self) -> int:
+        """Tokens known but not yet fed through the model."""
+        return len(self.tokens) - self.num_computed
+
+
+class Plan:
+    """One step: ``entries[i] = (seq, start, n, sample)`` feeds ``seq.tokens[start:start+n]``;
+    ``sample`` says whether the chunk's last logits produce a new token."""
+
+    __slots__ = ("entries", "num_prefill_tokens", "num_decode_tokens")
+
+    def __init__(self):
+        self.entries: list[tuple[_Seq, int, int, bool]] = []
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+
+class RequestStream:
+    """Async iterator over one request's ``TokenEvent``s. Closing it early (``aclose``, or the
+    consumer being cancelled) aborts the request and frees its blocks."""
+
+    def __init__(self, sched: "Scheduler", seq: _Seq):
+        self._sched = sched
+        self._seq = seq
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._seq.id
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            ev = await self._seq.queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if ev.finish_reason is not None:
+            self._done = True
+        return ev
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._sched.abort(self._seq.id)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+
+class Scheduler:
+    """The engine core. Subclasses implement ``_execute(plan) -> list[int | None]`` (one sampled
+    token per plan entry, None where ``sample`` is False) and may override ``_release_rng``."""
+
+    engine_name = "base"
+
+    def __init__(self, *, pool: BlockPool, tokenizer, eos_token_ids, vocab_size: int,
+                 max_model_len: int, max_batch_size: int = 64, max_num_tokens: int = 2048,
+                 pin_timeout_s: float = 60.0, worker_id: str = "worker",
+                 receiver=None, clock: Callable[[], float] = time.monotonic):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+        if pin_timeout_s <= 0:
+            raise ValueError(f"pin_timeout_s must be > 0, got {pin_timeout_s}")
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.block_size = pool.block_size
+        self.eos_token_ids = frozenset(int(t) for t in (eos_token_ids or ()))
+        self.vocab_size = int(vocab_size)
+        # A sequence longer than the whole pool could never finish, even alone.
+        self.max_model_len = min(int(max_model_len), pool.num_blocks * pool.block_size)
+        self.max_batch_size = int(max_batch_size)
+        self.max_num_tokens = int(max_num_tokens)
+        self.pin_timeout_s = float(pin_timeout_s)
+        self.worker_id = worker_id
+        self.receiver = receiver
+        # The URL this worker is reachable at; context responses carry it in the opaque state so
+        # the generation side knows whom to tell that a transfer finished.
+        self.worker_url: str | None = None
+        # Extra entries for a context response's opaque state (the transfer layer adds its own).
+        self.opaque_state_hook: Callable[[PinnedTransfer], dict] | None = None
+        self.event_sink: Callable[[list], None] | None = None
+        self._clock = clock
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._running: list[_Seq] = []
+        self._receiving: dict[str, _Seq] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self._aliases: dict[str, set[str]] = {}
+        self._pinned: dict[int, PinnedTransfer] = {}
+        self._in_step: set[str] = set()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._sweep_task: asyncio.Task | None = None
+        self._stopping = False
+        self._local_ids = 0
+        self._alive = False
+        # counters (monotonic) and recent step history for rates
+        self.counters = collections.Counter()
+        self._history: collections.deque[tuple[float, int, int]] = collections.deque()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._loop_task is not None:
+            return
+        self._alive = True
+        self._loop_task = asyncio.create_task(self._run(), name=f"{self.engine_name}-engine-loop")
+        self._sweep_task = asyncio.create_task(self._sweep(), name="pinned-transfer-sweep")
+
+    async def stop(self) -> None:
+        """Abort every request, release every pin, stop the loop. Blocks return to the pool."""
+        self._stopping = True
+        self._wake.set()
+        for t in (self._loop_task, self._sweep_task):
+            if t is not None:
+                t.cancel()
+        for t in (self._loop_task, self._sweep_task):
+            if t is not None:
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+        self._in_step.clear()
+        for sid in list(self._seqs):
+            self._finish_by_id(sid, "abort", error="engine stopped")
+        tasks = [s.receive_task for s in list(self._receiving.values()) if s.receive_task]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        for cid in list(self._pinned):
+            self.release(cid, "shutdown")
+        self._flush_events()
+        self._alive = False
+
+    @property
+    def alive(self) -> bool:
+        """True while the loop task runs (``/health``)."""
+        return self._alive and self._loop_task is not None and not self._loop_task.done()
+
+    # ------------------------------------------------------------------ requests
+    def next_local_id(self) -> int:
+        """Worker-local ids stay below 2**40 (DESIGN.md §3), never colliding with snowflakes."""
+        self._local_ids = (self._local_ids + 1) % (1 << 40)
+        return self._local_ids
+
+    def validate(self, req: EngineRequest) -> None:
+        """Raise a typed ``EngineError`` for a request this engine can never run."""
+        if self._stopping:
+            raise EngineStopped("the worker is shutting down")
+        p = req.prompt_token_ids
+        if not p:
+            raise InvalidRequest("the prompt is empty; expected at least one token", param="prompt")
+        bad = [t for t in p if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise InvalidRequest(
+                f"prompt token ids must be ints in [0, {self.vocab_size}); found {bad[:5]}",
+                param="prompt")
+        sp = req.sampling
+        if sp.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {sp.max_tokens}", param="max_tokens")
+        if len(p) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(p)} tokens; this worker's maximum context is "
+                f"{self.max_model_len} tokens (prompt plus at least one generated token)",
+                param="prompt", code="context_length_exceeded")
+        if len(p) + sp.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(p)} tokens) plus max_tokens ({sp.max_tokens}) exceeds this worker's "
+                f"maximum context of {self.max_model_len} tokens",
+                param="max_tokens", code="context_length_exceeded")
+        if req.request_id in self._seqs:
+            raise InvalidRequest(f"request id {req.request_id!r} is already running",
+                                 param="request_id", code="duplicate_request_id")
+        if req.request_type == GENERATION_ONLY:
+            if self.receiver is None:
+                raise TransferUnavailable(
+                    "this worker cannot serve generation_only requests: generation_only needs a "
+                    "KV transfer agent to receive the context worker's KV cache, and none is "
+                    "configured on this worker", param="disaggregated_params.request_type",
+                    code="transfer_unavailable")
+            fg = req.first_gen_tokens
+            if fg is not None:
+                if not fg or any(not (isinstance(t, int) and 0 <= t < self.vocab_size) for t in fg):
+                    raise InvalidRequest(
+                        f"first_gen_tokens must be a non-empty list of token ids in "
+                        f"[0, {self.vocab_size}); got {fg!r}",
+                        param="disaggregated_params.first_gen_tokens")
+                if len(fg) > sp.max_tokens:
+                    raise InvalidRequest(
+                        f"{len(fg)} first_gen_tokens exceed max_tokens {sp.max_tokens}",
+                        param="max_tokens")
+
+    async def submit(self, req: EngineRequest) -> RequestStream:
+        """Validate and enqueue; iterate the returned stream for ``TokenEvent``s."""
+        self.validate(req)
+        if req.request_type == CONTEXT_ONLY and req.ctx_request_id is None:
+            req.ctx_request_id = self.next_local_id()
+        seq = _Seq(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                              req.sampling.stop))
+        self._seqs[seq.id] = seq
+        for a in {seq.id, *req.aliases}:
+            self._aliases.setdefault(str(a), set()).add(seq.id)
+        if req.request_type == CONTEXT_ONLY:
+            self._aliases.setdefault(str(req.ctx_request_id), set()).add(seq.id)
+        self._waiting.append(seq)
+        self.counters["requests_submitted"] += 1
+        self._wake.set()
+        return RequestStream(self, seq)
+
+    def abort(self, request_id) -> bool:
+        """Abort whatever ``request_id`` names (request id, alias, or ``ctx_request_id`` of a
+        pinned transfer). True if anything was aborted or released."""
+        key = str(request_id)
+        hit = False
+        for sid in list(self._aliases.get(key, ())):
+            hit |= self._finish_by_id(sid, "abort")
+        for cid, p in list(self._pinned.items()):
+            if str(cid) == key or key in p.aliases or key == p.request_id:
+                hit |= self.release(cid, "abort")
+        if hit:
+            self._wake.set()
+        return hit
+
+    # ------------------------------------------------------------------ pinned transfers
+    def pinned_transfer(self, ctx_request_id) -> PinnedTransfer | None:
+        return self._pinned.get(self._cid(ctx_request_id))
+
+    def pinned_transfers(self) -> list[PinnedTransfer]:
+        return list(self._pinned.values())
+
+    def release(self, ctx_request_id, reason: str = "transferred") -> bool:
+        """Unpin a finished context request's blocks (transfer done, cancelled, aborted, timed
+        out). Idempotent: False when nothing is pinned under that id."""
+        p = self._pinned.pop(self._cid(ctx_request_id), None)
+        if p is None:
+            return False
+        self.pool.unpin(p.block_ids)
+        self.counters[f"pins_released_{reason}"] += 1
+        log.debug("released pinned transfer %s (%d blocks): %s", p.ctx_request_id,
+                  len(p.block_ids), reason)
+        self._wake.set()
+        return True
+
+    @staticmethod
+    def _cid(ctx_request_id) -> int | None:
+        try:
+            return int(ctx_request_id)
+        except (TypeError, ValueError):
+            return None
+
+    def sweep_pins(self) -> int:
+        """Release pins whose deadline passed; returns how many."""
+        now = self._clock()
+        expired = [cid for cid, p in self._pinned.items() if p.deadline <= now]
+        for cid in expired:
+            log.warning("pinned KV of context request %s was never fetched within %.1fs; freeing",
+                        cid, self.pin_timeout_s)
+            self.release(cid, "timeout")
+        return len(expired)
+
+    async def _sweep(self) -> None:
+        period = max(0.05, min(1.0, self.pin_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            if self._pinned:
+                self.sweep_pins()
+
+    # ------------------------------------------------------------------ cache control
+    def clear_cache(self) -> None:
+        """Drop every prefix-cache entry (``AllBlocksCleared``); running requests keep going."""
+        self.pool.clear()
+        for s in self._seqs.values():
+            s.num_committed = len(s.blocks) if s.state in (RUNNING, RECEIVING) else 0
+        self._flush_events()
+
+    def flush_events(self) -> None:
+        """Hand pending pool events to the sink now (the snapshot handler calls this first)."""
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        if self.pool.has_pending_events:
+            evs = self.pool.drain_events()
+            if self.event_sink is not None and evs:
+                self.event_sink(evs)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        now = self._clock()
+        self._trim_history(now)
+        span = max(1e-9, min(_RATE_WINDOW_S, now - self._history[0][0])) if self._history else 1.0
+        pre = sum(h[1] for h in self._history)
+        dec = sum(h[2] for h in self._history)
+        pool = self.pool
+        return {
+            "engine": self.engine_name,
+            "running": len(self._running) + len(self._receiving),
+            "waiting": len(self._waiting),
+            "receiving": len(self._receiving),
+            "pinned_transfers": len(self._pinned),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_free": pool.num_free,
+            "kv_blocks_cached": pool.num_cached,
+            "kv_blocks_pinned": pool.num_pinned,
+            "prefix_hit_tokens_total": self.counters["prefix_hit_tokens"],
+            "prompt_tokens_total": self.counters["prompt_tokens"],
+            "prefill_tokens_total": self.counters["prefill_tokens"],
+            "decode_tokens_total": self.counters["decode_tokens"],
+            "generation_tokens_total": self.counters["generation_tokens"],
+            "preemptions_total": self.counters["preemptions"],
+            "steps_total": self.counters["steps"],
+            "prefill_tokens_per_s": pre / span if self._history else 0.0,
+            "decode_tokens_per_s": dec / span if self._history else 0.0,
+            "requests_finished": {k.removeprefix("finished_"): v for k, v in self.counters.items()
+                                  if k.startswith("finished_")},
+        }
+
+    def _trim_history(self, now: float) -> None:
+        h = self._history
+        while h and h[0][0] < now - _RATE_WINDOW_S:
+            h.popleft()
+
+    # ------------------------------------------------------------------ the loop
+    async def _run(self) -> None:
+        try:
+            while not self._stopping:
+                plan = self._schedule() if (self._running or self._waiting) else None
+                self._flush_events()
+                if plan is None or not plan.entries:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                self._in_step = {e[0].id for e in plan.entries}
+                try:
+                    sampled = await self._execute(plan)
+                    error = None
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # a failed step fails its requests, not the worker
+                    log.exception("engine step failed")
+                    sampled, error = None, f"engine step failed: {type(e).__name__}: {e}"
+                finally:
+                    self._in_step = set()
+                self._apply(plan, sampled, error)
+                self._flush_events()
+                # Let HTTP handlers run between steps even when the step itself never yields.
+                await asyncio.sleep(0)
+        finally:
+            self._alive = False
+
+    async def _execute(self, plan: Plan) -> list[int | None]:
+        raise NotImplementedError("Scheduler subclasses provide _execute")  # abstract
+
+    # ------------------------------------------------------------------ planning
+    def _blocks_for(self, ntokens: int) -> int:
+        return -(-ntokens // self.block_size)
+
+    def _schedule(self) -> Plan:
+        plan = Plan()
+        budget = self.max_num_tokens
+        planned: set[str] = set()
+
+        # Running sequences: decodes first, then prefill chunks.
+        for phase in (1, 2):
+            for s in list(self._running):
+                if budget <= 0:
+                    break
+                if s.state != RUNNING or s.id in planned:
+                    continue
+                if (s.pending == 1) != (phase == 1):
+                    continue
+                n = self._grow(s, min(s.pending, budget), planned, preempt=True)
+                if n <= 0:
+                    continue
+                self._plan(plan, s, n)
+                planned.add(s.id)
+                budget -= n
+
+        # Waiting sequences, FCFS.
+        while self._waiting and budget > 0 and self._num_active() < self.max_batch_size:
+            s = self._waiting[0]
+            if s.req.request_type == GENERATION_ONLY and not s.admitted:
+                if not self._start_receive(s):
+                    break
+                continue
+            if not s.blocks:
+                self._match_prefix(s)
+            n = self._grow(s, min(s.pending, budget), planned, preempt=False)
+            if n <= 0:
+                # Does not fit now; give back the prefix hit until blocks free up.
+                self.pool.free(s.blocks)
+                s.blocks, s.num_computed, s.num_committed = [], 0, 0
+                break
+            self._waiting.popleft()
+            s.state = RUNNING
+            self._running.append(s)
+            if not s.admitted:
+                s.admitted = True
+                s.cached_tokens = s.num_computed
+                self.counters["prefix_hit_tokens"] += s.num_computed
+                self.counters["prompt_tokens"] += s.num_prompt
+            self._plan(plan, s, n)
+            planned.add(s.id)
+            budget -= n
+        return plan
+
+    def _num_active(self) -> int:
+        return len(self._running) + len(self._receiving)
+
+    def _plan(self, plan: Plan, s: _Seq, n: int) -> None:
+        sample = s.num_computed + n == len(s.tokens)
+        plan.entries.append((s, s.num_computed, n, sample))
+        if s.num_computed >= s.num_prompt and n == 1:
+            plan.num_decode_tokens += 1
+        else:
+            plan.num_prefill_tokens += n
+
+    def _grow(self, s: _Seq, n: int, planned: set[str], preempt: bool) -> int:
+        """Make ``s.blocks`` cover ``s.num_computed + n`` tokens; returns the chunk length that
+        fits (maybe less than ``n``; 0 when nothing fits and ``s`` was not admitted, or when ``s``
+        itself was preempted)."""
+        while True:
+            have = len(s.blocks)
+            need = self._blocks_for(s.num_computed + n) - have
+            if need <= self.pool.num_available:
+                if need > 0:
+                    s.blocks.extend(self.pool.allocate(need))
+                return n
+            fit = (have + self.pool.num_available) * self.block_size - s.num_computed
+            if fit > 0:
+                n = fit
+                continue
+            if not preempt:
+                return 0
+            victim = next((v for v in reversed(self._running)
+                           if v is not s and v.state == RUNNING and v.id not in planned), None)
+            self._preempt(victim or s)
+            if victim is None:
+                return 0
+
+    def _preempt(self, s: _Seq) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, queue at the front."""
+        self.pool.free(s.blocks)
+        s.blocks, s.num_computed, s.num_committed = [], 0, 0
+        s.state = WAITING
+        self._running.remove(s)
+        self._waiting.appendleft(s)
+        self.counters["preemptions"] += 1
+        log.info("preempted %s (%d tokens) for lack of KV blocks", s.id, len(s.tokens))
+
+    def _keys_upto(self, s: _Seq, nblocks: int) -> list[int]:
+        """Canonical keys of the first ``nblocks`` full blocks of ``s.tokens`` (memoised)."""
+        have = len(s.keys)
+        if nblocks > have:
+            B = self.block_size
+            parent = s.keys[-1] if s.keys else None
+            s.keys.extend(block_keys_list(s.tokens[have * B:nblocks * B], B, self.pool.ns_seed,
+                                          parent))
+        return s.keys[:nblocks]
+
+    def _match_prefix(self, s: _Seq) -> None:
+        # At least one token must be computed to get logits: cap the hit at len(tokens) - 1.
+        max_blocks = (len(s.tokens) - 1) // self.block_size
+        if max_blocks <= 0:
+            return
+        blocks = self.pool.match_prefix(self._keys_upto(s, max_blocks))
+        s.blocks = blocks
+        s.num_computed = len(blocks) * self.block_size
+        s.num_committed = len(blocks)
+
+    # ------------------------------------------------------------------ generation_only
+    def _start_receive(self, s: _Seq) -> bool:
+        need = self._blocks_for(s.num_prompt)
+        if need > self.pool.num_available:
+            return False
+        self._waiting.popleft()
+        s.blocks = self.pool.allocate(need)
+        s.admitted = True
+        s.state = RECEIVING
+        self._receiving[s.id] = s
+        self.counters["prompt_tokens"] += s.num_prompt
+        dp = dict(s.req.disaggregated_params or {})
+        spec = ReceiveSpec(request_id=s.id, ctx_request_id=dp.get("ctx_request_id"),
+                           prompt_token_ids=list(s.tokens[:s.num_prompt]), block_ids=list(s.blocks),
+                           block_size=self.block_size, disaggregated_params=dp)
+        # Cleanup lives in a done callback, not in the coroutine: a task cancelled before its
+        # first step never runs its body, and its blocks must still come back.
+        s.receive_task = asyncio.create_task(self.receiver.receive(spec), name=f"kv-receive-{s.id}")
+        s.receive_task.add_done_callback(lambda t, s=s: self._receive_done(s, t))
+        return True
+
+    def _receive_done(self, s: _Seq, task: asyncio.Task) -> None:
+        self._receiving.pop(s.id, None)
+        s.receive_task = None
+        self._wake.set()
+        if task.cancelled():
+            # Abort or shutdown; the receiver returned only once no write can land in our blocks.
+            if s.state != FINISHED:
+                self._finish(s, "abort", keep_blocks=True)
+            self._drop_blocks(s)
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.warning("KV receive for %s failed: %s: %s", s.id, type(exc).__name__, exc)
+            if s.state != FINISHED:
+                self._finish(s, "error", error=f"KV transfer failed: {type(exc).__name__}: {exc}",
+                             keep_blocks=True)
+            self._drop_blocks(s)
+            return
+        if s.state == FINISHED:  # aborted while the receiver was finishing up
+            self._drop_blocks(s)
+            return
+        fg = s.req.first_gen_tokens
+        # Without first_gen_tokens (generation_first), recompute the last prompt position for its
+        # logits; its K/V slot is rewritten with the same values.
+        s.num_computed = s.num_prompt if fg else s.num_prompt - 1
+        self._commit_full_blocks(s)
+        s.state = RUNNING
+        self._running.append(s)
+        for t in fg or ():
+            if self._on_token(s, int(t)):
+                break
+        self._flush_events()
+
+    # ------------------------------------------------------------------ applying a step
+    def _apply(self, plan: Plan, sampled: list[int | None] | None, error: str | None) -> None:
+        now = self._clock()
+        self.counters["steps"] += 1
+        self.counters["prefill_tokens"] += plan.num_prefill_tokens
+        self.counters["decode_tokens"] += plan.num_decode_tokens
+        self._history.append((now, plan.num_prefill_tokens, plan.num_decode_tokens))
+        self._trim_history(now)
+        for i, (s, start, n, sample) in enumerate(plan.entries):
+            if s.state == FINISHED:  # aborted during the step: free what it held now
+                if s.free_after_step:
+                    s.free_after_step = False
+                    self._drop_blocks(s)
+                continue
+            if s.state != RUNNING:
+                continue
+            if error is not None:
+                self._finish(s, "error", error=error)
+                continue
+            s.num_computed = start + n
+            self._commit_full_blocks(s)
+            if sample:
+                self._on_token(s, int(sampled[i]))
+
+    def _commit_full_blocks(self, s: _Seq) -> None:
+        full = min(s.num_computed // self.block_size, len(s.blocks))
+        if full <= s.num_committed:
+            return
+        keys = self._keys_upto(s, full)
+        B = self.block_size
+        for i in range(s.num_committed, full):
+            self.pool.commit(s.blocks[i], keys[i], keys[i - 1] if i else None,
+                             s.tokens[i * B:(i + 1) * B])
+        s.num_committed = full
+
+    def _on_token(self, s: _Seq, tok: int) -> bool:
+        """Append a sampled token, emit it, finish on a stop condition. True if finished."""
+        s.tokens.append(tok)
+        s.num_output += 1
+        self.counters["generation_tokens"] += 1
+        sp = s.req.sampling
+        finish = stop_reason = None
+        text = ""
+        if tok in self.eos_token_ids and not sp.ignore_eos:
+            finish = "stop"
+        elif tok in sp.stop_token_ids:
+            finish, stop_reason = "stop", tok
+        else:
+            text = s.detok.add(tok)
+            if s.detok.stopped_on is not None:
+                finish, stop_reason = "stop", s.detok.stopped_on
+        if finish is None and (s.num_output >= sp.max_tokens or len(s.tokens) >= self.max_model_len):
+            finish = "length"
+        if finish is None and s.req.request_type == CONTEXT_ONLY:
+            finish = "length"  # a context leg ends after its first token; gen continues
+        if finish is not None:
+            text += s.detok.flush()
+        ev = TokenEvent(token_ids=[tok], text=text, prompt_tokens=s.num_prompt,
+                        cached_tokens=s.cached_tokens, completion_tokens=s.num_output)
+        if finish is None:
+            s.queue.put_nowait(ev)
+            return False
+        ev.stop_reason = stop_reason
+        if s.req.request_type == CONTEXT_ONLY:
+            ev.context = self._finish_context(s, keep=finish == "length")
+        self._finish(s, finish, last=ev)
+        return True
+
+    def _finish_context(self, s: _Seq, keep: bool) -> ContextResult:
+        """Turn a finished prefill's references into pins (when a generation leg will follow)."""
+        cid = int(s.req.ctx_request_id)
+        prompt_blocks = list(s.blocks[:self._blocks_for(s.num_prompt)])
+        opaque: dict[str, Any] = {
+            "v": 1, "worker_id": self.worker_id, "ctx_request_id": cid,
+            "num_tokens": s.num_prompt, "block_size": self.block_size, "key_scheme": KEY_SCHEME,
+            "block_ids": prompt_blocks, "worker_url": self.worker_url,
+        }
+        if keep and cid in self._pinned:  # a stale entry under the same id: the new one wins
+            self.release(cid, "replaced")
+        if keep:
+            now = self._clock()
+            p = PinnedTransfer(ctx_request_id=cid, request_id=s.id, aliases=tuple(s.req.aliases),
+                               prompt_token_ids=list(s.tokens[:s.num_prompt]),
+                               block_ids=prompt_blocks, created=now,
+                               deadline=now + self.pin_timeout_s)
+            self.pool.pin(prompt_blocks)
+            self._pinned[cid] = p
+            self.counters["pins_created"] += 1
+            if self.opaque_state_hook is not None:
+                opaque.update(self.opaque_state_hook(p))
+        return ContextResult(ctx_request_id=cid, first_gen_tokens=list(s.tokens[s.num_prompt:]),
+                             prompt_token_ids=list(s.tokens[:s.num_prompt]), block_ids=prompt_blocks,
+                             opaque_state=opaque, pinned=keep)
+
+    # ------------------------------------------------------------------ finishing
+    def _finish_by_id(self, sid: str, reason: str, error: str | None = None) -> bool:
+        s = self._seqs.get(sid)
+        if s is None or s.state == FINISHED:
+            return False
+        if s.state == RECEIVING and s.receive_task is not None:
+            # Finish now (the client sees the abort); blocks are freed when the receiver confirms.
+            self._finish(s, reason, error=error, keep_blocks=True)
+            s.receive_task.cancel()
+            return True
+        self._finish(s, reason, error=error)
+        return True
+
+    def _finish(self, s: _Seq, reason: str, *, error: str | None = None,
+                last: TokenEvent | None = None, keep_blocks: bool = False) -> None:
+        prev = s.state
+        s.state = FINISHED
+        s.finish_reason = reason
+        if prev == WAITING:
+            try:
+                self._waiting.remove(s)
+            except ValueError:
+                pass
+        elif prev == RUNNING:
+            self._running.remove(s)
+        if not keep_blocks:
+            if s.id in self._in_step:
+                s.free_after_step = True
+            else:
+                self._drop_blocks(s)
+        self._seqs.pop(s.id, None)
+        names = {s.id, *s.req.aliases}
+        if s.req.ctx_request_id is not None:
+            names.add(str(s.req.ctx_request_id))
+        for a in names:
+            ids = self._aliases.get(str(a))
+            if ids is not None:
+                ids.discard(s.id)
+                if not ids:
+                    del self._aliases[str(a)]
+        self._release_rng(s)
+        self.counters[f"finished_{reason}"] += 1
+        if last is None:
+            last = TokenEvent(token_ids=[], text=s.detok.flush() if reason != "error" else "",
+                              prompt_tokens=s.num_prompt, cached_tokens=s.cached_tokens,
+                              completion_tokens=s.num_output)
+        last.finish_reason = reason
+        last.error = error
+        s.queue.put_nowait(last)
+        self._wake.set()
+
+    def _drop_blocks(self, s: _Seq) -> None:
+        if s.blocks:
+            self.pool.free(s.blocks)
+            s.blocks = []
+
+    def _release_rng(self, s: _Seq) -> None:
+        s.rng = None

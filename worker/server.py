@@ -1,0 +1,358 @@
+"""The worker's OpenAI-compatible HTTP server (aiohttp), contract in docs/INTERFACES.md §3.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON and SSE), ``GET /v1/models``,
+``GET /health``, ``GET /server_info``, ``GET /kv_snapshot`` (msgpack), ``POST /v1/abort``,
+``POST /kv_release`` (a context request's pinned KV: transfer done), ``POST /reset_prefix_cache``,
+``GET /metrics``.
+
+A request is registered in the engine under a fresh internal id plus the ``X-Request-Id`` header
+and ``disaggregated_params.disagg_request_id`` as aliases, so ``/v1/abort`` finds it by either.
+A client that disconnects cancels its handler (``handler_cancellation``), which closes the
+engine stream and so aborts the request and frees its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+
+import msgpack
+import orjson
+from aiohttp import web
+
+from router.block_keys import KEY_SCHEME
+from worker import protocol
+from worker.metrics import make_registry, render
+from worker.requests import (
+    CONTEXT_ONLY, GENERATION_ONLY, EngineError, EngineRequest, InvalidRequest,
+)
+
+log = logging.getLogger("splitserve.worker.server")
+
+__all__ = ["WorkerServer", "ROLES"]
+
+ROLES = ("context", "generation", "both")
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 415: "invalid_request_error",
+                500: "internal_server_error", 501: "not_implemented", 503: "service_unavailable"}
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   code: str | None = None, type_: str | None = None,
+                   headers: dict | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "api_error"),
+                      "param": param, "code": code}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
+                        headers=headers)
+
+
+def _json(obj, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json",
+                        headers=headers)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class WorkerServer:
+    """Owns the HTTP app, the engine's lifecycle, the KV-event publisher hookup and the optional
+    coordinator registration."""
+
+    def __init__(self, engine, *, model_name: str, role: str = "both", host: str = "127.0.0.1",
+                 port: int = 0, advertise_host: str | None = None, publisher=None,
+                 coordinator_url: str | None = None, register_ttl_s: float = 30.0,
+                 max_body_bytes: int = 32 << 20, worker_id: str | None = None,
+                 transfer_info: dict | None = None, ctx_info_endpoint: str | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.engine = engine
+        self.model_name = model_name
+        self.role = role
+        self.host = host
+        self.port = port
+        self.advertise_host = advertise_host or (
+            socket.gethostname() if host in ("0.0.0.0", "::", "") else host)
+        self.publisher = publisher
+        self.coordinator_url = coordinator_url
+        self.register_ttl_s = register_ttl_s
+        self.max_body_bytes = max_body_bytes
+        self.worker_id = worker_id
+        self.transfer_info = transfer_info
+        self.ctx_info_endpoint = ctx_info_endpoint
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+        self._registration = None
+        self._created = int(time.time())
+        self.registry = make_registry(engine, publisher)
+        self.app = self._make_app()
+        if publisher is not None:
+            engine.event_sink = publisher.publish
+
+    # ------------------------------------------------------------------ lifecycle
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes,
+                              middlewares=[self._errors_middleware])
+        r = app.router
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/kv_snapshot", self.kv_snapshot)
+        r.add_post("/v1/abort", self.abort)
+        r.add_post("/kv_release", self.kv_release)
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_get("/metrics", self.metrics)
+        return app
+
+    async def start(self) -> str:
+        """Start the engine and listen; returns the advertised base URL."""
+        await self.engine.start()
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET,
+                             socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        site = web.SockSite(self._runner, sock)
+        await site.start()
+        h = self.advertise_host
+        self.url = f"http://{'[' + h + ']' if ':' in h else h}:{self.port}"
+        if self.worker_id is None:
+            self.worker_id = f"{self.role}-{h}:{self.port}-{os.getpid()}"
+        self.engine.worker_id = self.worker_id
+        self.engine.worker_url = self.url
+        if self.coordinator_url:
+            from worker.registration import CoordinatorRegistration
+            self._registration = CoordinatorRegistration(
+                self.coordinator_url, url=self.url, role=self.role, ttl_s=self.register_ttl_s)
+            await self._registration.start()
+        return self.url
+
+    async def stop(self) -> None:
+        """Deregister, stop accepting, abort in-flight requests, stop the engine."""
+        if self._registration is not None:
+            await self._registration.stop()
+        await self.engine.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.publisher is not None:
+            self.publisher.close()
+
+    # ------------------------------------------------------------------ errors
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except EngineError as e:
+            return error_response(e.status, e.message, param=e.param, code=e.code, type_=e.type)
+        except web.HTTPRequestEntityTooLarge as e:
+            return error_response(413, f"request body too large: the limit is "
+                                  f"{self.max_body_bytes} bytes ({e.text})", code="body_too_large")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            msg = {404: f"no route {request.method} {request.path}",
+                   405: f"method {request.method} not allowed on {request.path}"}.get(
+                       e.status, e.text or e.reason)
+            return error_response(e.status, msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(500, f"internal error: {type(e).__name__}: {e}")
+
+    async def _body(self, request: web.Request):
+        raw = await request.read()
+        if not raw:
+            raise InvalidRequest("the request body is empty; expected a JSON object")
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+
+    # ------------------------------------------------------------------ info endpoints
+    async def health(self, request: web.Request) -> web.Response:
+        if getattr(self.engine, "alive", True):
+            return _json({"status": "ok"})
+        return error_response(503, "the engine loop is not running", type_="service_unavailable")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self._created,
+            "owned_by": "splitserve", "max_model_len": self.engine.max_model_len}]})
+
+    def server_info_dict(self) -> dict:
+        pub = self.publisher
+        return {
+            "role": self.role,
+            "model": self.model_name,
+            "engine": self.engine.engine_name,
+            "block_size": self.engine.block_size,
+            "key_scheme": KEY_SCHEME,
+            "ns_seed": self.engine.pool.ns_seed,
+            "worker_id": self.worker_id,
+            "max_batch_size": self.engine.max_batch_size,
+            "max_num_tokens": self.engine.max_num_tokens,
+            "kv_events": None if pub is None else {
+                "publisher": pub.publisher_endpoint, "replay": pub.replay_endpoint,
+                "topic": pub.topic, "snapshot": "/kv_snapshot", "format": "vllm"},
+            "transfer": self.transfer_info,
+            "disaggregated_params": {"ctx_info_endpoint": self.ctx_info_endpoint},
+        }
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return _json(self.server_info_dict())
+
+    async def kv_snapshot(self, request: web.Request) -> web.Response:
+        # Publish whatever is pending first: then the resident set is exactly the state after
+        # batch `seq` (both read on the loop thread, nothing in between).
+        self.engine.flush_events()
+        body = {"seq": self.publisher.last_seq if self.publisher is not None else -1,
+                "block_size": self.engine.block_size, "key_scheme": KEY_SCHEME,
+                "block_keys": self.engine.pool.resident_keys()}
+        return web.Response(body=msgpack.packb(body), content_type="application/msgpack")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=render(self.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ------------------------------------------------------------------ control endpoints
+    async def abort(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        rid = body.get("request_id") if isinstance(body, dict) else None
+        if isinstance(rid, bool) or not isinstance(rid, (int, str)) or rid == "":
+            raise InvalidRequest(f"'request_id' must be an integer or a non-empty string, got "
+                                 f"{rid!r}", param="request_id")
+        return _json({"aborted": self.engine.abort(rid)})
+
+    async def kv_release(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        cid = body.get("ctx_request_id") if isinstance(body, dict) else None
+        if isinstance(cid, bool) or not isinstance(cid, int):
+            raise InvalidRequest(f"'ctx_request_id' must be an integer, got {cid!r}",
+                                 param="ctx_request_id")
+        reason = body.get("reason", "transferred")
+        if not isinstance(reason, str) or not reason:
+            raise InvalidRequest(f"'reason' must be a non-empty string, got {reason!r}",
+                                 param="reason")
+        return _json({"released": self.engine.release(cid, reason[:64])})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.engine.clear_cache()
+        return _json({"cleared": True})
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        body = await self._body(request)
+        eng = self.engine
+        parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
+        try:
+            parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len)
+        except ValueError as e:
+            if isinstance(e, EngineError):
+                raise
+            raise InvalidRequest(f"cannot tokenize the prompt: {e}", param="prompt") from None
+        if parsed.model is not None and parsed.model != self.model_name:
+            return error_response(404, f"the model {parsed.model!r} does not exist on this worker; "
+                                  f"it serves {self.model_name!r}", param="model",
+                                  code="model_not_found")
+        rt = parsed.request_type
+        if rt == GENERATION_ONLY and self.role == "context":
+            raise InvalidRequest("this is a context worker; it does not accept generation_only "
+                                 "requests", param="disaggregated_params.request_type")
+        if rt == CONTEXT_ONLY and self.role == "generation":
+            raise InvalidRequest("this is a generation worker; it does not accept context_only "
+                                 "requests", param="disaggregated_params.request_type")
+        xrid = request.headers.get("X-Request-Id")
+        aliases = tuple(str(a) for a in (xrid, parsed.disagg_request_id) if a not in (None, ""))
+        ctx_id = None
+        if rt == CONTEXT_ONLY:
+            if parsed.disagg_request_id is not None:
+                ctx_id = parsed.disagg_request_id
+            elif xrid is not None and xrid.isdigit():
+                ctx_id = int(xrid)
+        dp = dict(parsed.disaggregated_params)
+        ereq = EngineRequest(
+            request_id=uuid.uuid4().hex, prompt_token_ids=parsed.prompt_token_ids,
+            sampling=parsed.sampling, request_type=rt, aliases=aliases, ctx_request_id=ctx_id,
+            disaggregated_params=dp if rt == GENERATION_ONLY else None,
+            first_gen_tokens=parsed.first_gen_tokens)
+        stream = await eng.submit(ereq)
+        prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+        oid = prefix + (xrid if xrid else ereq.request_id)
+        headers = {"X-Request-Id": xrid} if xrid else None
+        async with stream:
+            if parsed.stream:
+                return await self._stream(request, stream, parsed, kind, oid, headers)
+            return await self._collect(stream, parsed, kind, oid, headers)
+
+    def _disagg_out(self, parsed, ev):
+        if ev.context is None:
+            return None, None
+        return (protocol.disagg_response_params(parsed, ev.context, self.ctx_info_endpoint),
+                ev.context.prompt_token_ids)
+
+    async def _collect(self, stream, parsed, kind, oid, headers) -> web.Response:
+        parts: list[str] = []
+        last = None
+        async for ev in stream:
+            parts.append(ev.text)
+            last = ev
+        if last.finish_reason == "error":
+            return error_response(500, last.error or "generation failed", headers=headers)
+        use = protocol.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        disagg, prompt_ids = self._disagg_out(parsed, last)
+        text = "".join(parts)
+        shape = protocol.completion_response if kind == "completion" else protocol.chat_response
+        return _json(shape(oid, self.model_name, text, last.finish_reason, last.stop_reason, use,
+                           disagg, prompt_ids), headers=headers)
+
+    async def _stream(self, request, stream, parsed, kind, oid, headers) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", **(headers or {})})
+        await resp.prepare(request)
+        created = int(time.time())
+        model = self.model_name
+        chat = kind == "chat"
+        if chat:
+            await resp.write(_sse(protocol.chat_chunk(oid, created, model,
+                                                      {"role": "assistant", "content": ""})))
+        last = None
+        async for ev in stream:
+            last = ev
+            if ev.finish_reason == "error":
+                await resp.write(_sse({"error": {"message": ev.error or "generation failed",
+                                                 "type": "internal_server_error", "param": None,
+                                                 "code": None}}))
+                break
+            if ev.finish_reason is None and not ev.text:
+                continue  # an incomplete UTF-8 character: wait for the rest
+            disagg = self._disagg_out(parsed, ev)[0] if ev.finish_reason else None
+            if chat:
+                chunk = protocol.chat_chunk(oid, created, model,
+                                            {"content": ev.text} if ev.text else {},
+                                            ev.finish_reason, ev.stop_reason, disagg)
+            else:
+                chunk = protocol.completion_chunk(oid, created, model, ev.text, ev.finish_reason,
+                                                  ev.stop_reason, disagg)
+            if parsed.include_usage:
+                chunk["usage"] = None
+            await resp.write(_sse(chunk))
+        if last is not None and parsed.include_usage and last.finish_reason != "error":
+            use = protocol.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+            await resp.write(_sse(protocol.usage_chunk(kind, oid, created, model, use)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
