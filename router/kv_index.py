@@ -1,0 +1,590 @@
+"""The KV index: which worker (and data-parallel rank) holds which canonical block key.
+
+Layout (kv_events.md §9.4, built for one-walk prefix matching):
+
+- ``_owners: dict[key, int]`` maps a canonical key to a bitmask of *slots*; a slot is one
+  ``(worker, dp_rank)`` pair and owns one bit. ``longest_prefix`` walks the request's keys once
+  and narrows the active bitmask, so its cost is O(matched depth), independent of the number of
+  workers (TensorRT-LLM's router scans one ``set`` per server instead: O(workers x depth)).
+- per slot, ``owned: dict[key, refcount]`` says how many engine entries hold the key (the same
+  tokens can be resident under several engine hashes or tiers), and ``emaps[(tier, group)]``
+  maps each engine hash to what it stands for: the canonical keys it completed, plus the chain
+  state (last full key, pending tokens, namespace seed) a child event resumes from.
+
+Invariants (checked by the property tests):
+- ``key in _owners`` iff some slot's ``owned`` holds it, and the bit of slot s is set in
+  ``_owners[key]`` iff ``key in s.owned``; refcounts are positive;
+- storing an engine hash that is already present changes nothing (idempotent stores);
+- removing what a store added restores the index exactly; ``AllCleared`` empties the slot;
+- speculative entries live in a separate layer (``_spec``), are never counted in sizes, and are
+  dropped when confirmed by a store, when they expire, or when their slot is cleared.
+
+Engine block size ``E`` vs canonical ``B``: the event's tokens are chained at ``B`` from the
+parent's state. An engine block owns every canonical block that *ends* inside it; tokens after
+the last canonical boundary stay pending in its chain state (SGLang partial pages, ``E < B``).
+With ``E < B`` the engine block completing a canonical block owns it: engines evict leaves first,
+so removing that block (the leaf) removes the canonical key.
+
+Our own workers publish ``engine hash == canonical key``; such entries (GPU tier, group 0, default
+namespace) are stored as a flag on the refcount instead of an emap entry, halving memory.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .block_keys import block_keys_list, salt_seed
+from .events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, EventBatch, Tier
+
+__all__ = ["KvIndex", "IndexStats", "StreamVerdict"]
+
+_GPU = Tier.GPU
+_IDENT = 1 << 32  # refcount flag: an identity entry (engine hash == key) in (GPU, group 0)
+_COUNT = _IDENT - 1
+
+
+class _Entry:
+    """What one engine hash stands for, when it is more than one canonical key."""
+
+    __slots__ = ("keys", "last", "pending", "ns")
+
+    def __init__(self, keys: tuple, last: int | None, pending: tuple, ns: int):
+        self.keys = keys        # canonical keys this engine block completed (owned)
+        self.last = last        # last full canonical key of the chain up to this block
+        self.pending = pending  # tokens after ``last`` not yet forming a full canonical block
+        self.ns = ns            # namespace seed the chain was computed with
+
+
+class _Slot:
+    __slots__ = ("worker", "dp_rank", "bit", "owned", "emaps", "spec")
+
+    def __init__(self, worker: str, dp_rank: int, bit: int):
+        self.worker = worker
+        self.dp_rank = dp_rank
+        self.bit = bit
+        self.owned: dict[int, int] = {}
+        self.emaps: dict[tuple, dict] = {}
+        self.spec: dict[int, float] = {}
+
+
+@dataclass
+class IndexStats:
+    stored_blocks: int = 0          # engine blocks added
+    duplicate_stores: int = 0       # engine blocks re-stored (ignored)
+    removed_blocks: int = 0         # engine blocks removed
+    unknown_removals: int = 0       # removals of hashes never stored (or already gone)
+    dangling_parents: int = 0       # stores skipped: parent hash unknown
+    tier_only_updates: int = 0      # stores without tokens (tier copies of known blocks)
+    moved_blocks: int = 0
+    clears: int = 0                 # AllCleared events and clear_worker calls
+    snapshots: int = 0
+    speculative_added: int = 0
+    speculative_confirmed: int = 0
+    speculative_expired: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class StreamVerdict:
+    """What ``KvIndex.apply_batch`` did with a batch."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # seq already applied: ignored
+    GAP = "gap"              # seq ahead of the next expected one: NOT applied; replay or resync
+    RESTART = "restart"      # seq went back to 0: the engine restarted; slot cleared, then applied
+
+
+class KvIndex:
+    """Per-worker, per-dp-rank ownership of canonical block keys. Single writer, no I/O."""
+
+    def __init__(self, block_size: int = 16):
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, found {block_size!r}")
+        self.block_size = block_size
+        self.stats = IndexStats()
+        self._owners: dict[int, int] = {}
+        self._spec_owners: dict[int, int] = {}
+        self._spec_heap: list = []
+        self._spec_seq = itertools.count()
+        self._slots: dict[tuple[str, int], _Slot] = {}
+        self._by_bit: list[_Slot | None] = []
+        self._free_bits: list[int] = []
+        self._worker_slots: dict[str, list[_Slot]] = {}
+        self._all_bits = 0
+        self._streams: dict[tuple[str, int], int] = {}
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def _slot(self, worker: str, dp_rank: int) -> _Slot:
+        s = self._slots.get((worker, dp_rank))
+        if s is None:
+            if not isinstance(worker, str) or not worker:
+                raise ValueError(f"worker must be a non-empty string, found {worker!r}")
+            if self._free_bits:
+                bit_idx = heapq.heappop(self._free_bits)
+            else:
+                bit_idx = len(self._by_bit)
+                self._by_bit.append(None)
+            s = _Slot(worker, dp_rank, 1 << bit_idx)
+            self._by_bit[bit_idx] = s
+            self._slots[(worker, dp_rank)] = s
+            self._worker_slots.setdefault(worker, []).append(s)
+            self._all_bits |= s.bit
+        return s
+
+    def workers(self) -> list[str]:
+        return list(self._worker_slots)
+
+    def worker_size(self, worker: str) -> int:
+        """Canonical keys the worker holds (summed over its dp ranks; speculation excluded)."""
+        return sum(len(s.owned) for s in self._worker_slots.get(worker, ()))
+
+    @property
+    def size(self) -> int:
+        """Distinct canonical keys held by any worker."""
+        return len(self._owners)
+
+    def speculative_size(self) -> int:
+        return sum(len(s.spec) for s in self._slots.values())
+
+    # -- ownership primitives --------------------------------------------------------------------
+
+    def _incref(self, s: _Slot, ck: int, ident: bool = False) -> None:
+        owned = s.owned
+        c = owned.get(ck, 0)
+        owned[ck] = c + (_IDENT + 1 if ident else 1)
+        if not c:
+            owners = self._owners
+            owners[ck] = owners.get(ck, 0) | s.bit
+            if s.spec and ck in s.spec:
+                self._drop_spec(s, ck)
+                self.stats.speculative_confirmed += 1
+
+    def _decref(self, s: _Slot, ck: int, ident: bool = False) -> None:
+        owned = s.owned
+        c = owned.get(ck)
+        if c is None:
+            return
+        c -= (_IDENT + 1) if ident else 1
+        if c & _COUNT:
+            owned[ck] = c
+            return
+        del owned[ck]
+        m = self._owners.get(ck, 0) & ~s.bit
+        if m:
+            self._owners[ck] = m
+        else:
+            self._owners.pop(ck, None)
+
+    def _drop_spec(self, s: _Slot, ck: int) -> None:
+        del s.spec[ck]
+        m = self._spec_owners.get(ck, 0) & ~s.bit
+        if m:
+            self._spec_owners[ck] = m
+        else:
+            self._spec_owners.pop(ck, None)
+
+    @staticmethod
+    def _entry_keys(e) -> tuple:
+        return (e,) if type(e) is int else e.keys
+
+    def _lookup(self, s: _Slot, tier: Tier, group: int, h) -> object | None:
+        """The entry (int key or _Entry) behind engine hash ``h``, preferring (tier, group)."""
+        emap = s.emaps.get((tier, group))
+        if emap is not None:
+            e = emap.get(h)
+            if e is not None:
+                return e
+        if tier is _GPU and group == 0 and type(h) is int and s.owned.get(h, 0) & _IDENT:
+            return h
+        # a parent can live in another tier (offloaded) than the child being stored
+        for (t, g), other in s.emaps.items():
+            if g == group and t is not tier:
+                e = other.get(h)
+                if e is not None:
+                    return e
+        if (tier is not _GPU or group != 0) and type(h) is int and s.owned.get(h, 0) & _IDENT:
+            return h
+        return None
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def apply(self, worker: str, event, dp_rank: int = 0) -> None:
+        """Apply one canonical event for ``worker``/``dp_rank`` (in stream order)."""
+        s = self._slot(worker, dp_rank or 0)
+        t = type(event)
+        if t is BlocksStored:
+            self._store(s, event)
+        elif t is BlocksRemoved:
+            self._remove(s, event)
+        elif t is AllCleared:
+            self._clear_slot(s, event.tier)
+            self.stats.clears += 1
+        elif t is BlocksMoved:
+            self._move(s, event)
+        else:
+            raise TypeError(f"KvIndex.apply: expected a canonical event, found {t.__name__}")
+
+    def apply_batch(self, worker: str, batch: EventBatch) -> str:
+        """Apply a batch if it is the next one of its ``(worker, dp_rank)`` stream.
+
+        Returns a :class:`StreamVerdict`. On ``GAP`` nothing is applied: replay from
+        ``expected_seq`` (and feed the replayed batches here), or ``clear_worker`` and
+        ``reset_stream`` when the replay cannot cover the gap.
+        """
+        rank = batch.dp_rank or 0
+        key = (worker, rank)
+        expected = self._streams.get(key)
+        verdict = StreamVerdict.APPLIED
+        if expected is not None and batch.seq != expected:
+            if batch.seq == 0 and expected > 1:
+                verdict = StreamVerdict.RESTART
+                self._clear_slot(self._slot(worker, rank), None)
+                self.stats.clears += 1
+            elif batch.seq < expected:
+                return StreamVerdict.DUPLICATE
+            else:
+                return StreamVerdict.GAP
+        for ev in batch.events:
+            self.apply(worker, ev, rank)
+        self._streams[key] = batch.seq + 1
+        return verdict
+
+    def expected_seq(self, worker: str, dp_rank: int = 0) -> int | None:
+        return self._streams.get((worker, dp_rank))
+
+    def reset_stream(self, worker: str, dp_rank: int = 0, next_seq: int | None = None) -> None:
+        """Forget (or set) the next expected seq, e.g. after a snapshot taken at ``seq``."""
+        if next_seq is None:
+            self._streams.pop((worker, dp_rank), None)
+        else:
+            self._streams[(worker, dp_rank)] = next_seq
+
+    def _store(self, s: _Slot, ev: BlocksStored) -> None:
+        tier, group = ev.tier, ev.group or 0
+        hashes = ev.engine_hashes
+        if ev.token_ids is None:
+            self._tier_update(s, tier, group, hashes)
+            return
+        if ev.parent_engine_hash is None:
+            last, pending = None, ()
+            ns = salt_seed(ev.cache_salt, ev.lora_name) if (ev.cache_salt or ev.lora_name) else 0
+        else:
+            p = self._lookup(s, tier, group, ev.parent_engine_hash)
+            if p is None:
+                self.stats.dangling_parents += 1
+                return
+            if type(p) is int:
+                last, pending, ns = p, (), 0
+            else:
+                last, pending, ns = p.last, p.pending, p.ns
+        emap = s.emaps.get((tier, group))
+        if emap is None:
+            emap = s.emaps[(tier, group)] = {}
+        B = self.block_size
+        E = ev.engine_block_size
+        tokens = ev.token_ids
+        n = len(hashes)
+        stats = self.stats
+        if not pending and E == B and len(tokens) == n * B:
+            keys = block_keys_list(tokens, B, ns, last)
+            ident_ok = tier is _GPU and group == 0 and ns == 0
+            owned = s.owned
+            for h, ck in zip(hashes, keys):
+                if h in emap or (ident_ok and h == ck and owned.get(h, 0) & _IDENT):
+                    stats.duplicate_stores += 1
+                    continue
+                if ident_ok and h == ck:
+                    self._incref(s, ck, ident=True)
+                elif ns == 0:
+                    emap[h] = ck
+                    self._incref(s, ck)
+                else:
+                    emap[h] = _Entry((ck,), ck, (), ns)
+                    self._incref(s, ck)
+                stats.stored_blocks += 1
+            return
+        stream = list(pending) + list(tokens)
+        keys = block_keys_list(stream, B, ns, last)
+        off = len(pending)
+        prev_full = 0
+        for j, h in enumerate(hashes):
+            end = off + min((j + 1) * E, len(tokens))
+            full = end // B
+            if h in emap:
+                stats.duplicate_stores += 1
+                prev_full = full
+                continue
+            own = tuple(keys[prev_full:full])
+            e_last = keys[full - 1] if full else last
+            e_pending = tuple(stream[full * B:end])
+            if not e_pending and ns == 0 and len(own) == 1:
+                emap[h] = own[0]
+            else:
+                emap[h] = _Entry(own, e_last, e_pending, ns)
+            for ck in own:
+                self._incref(s, ck)
+            stats.stored_blocks += 1
+            prev_full = full
+
+    def _tier_update(self, s: _Slot, tier: Tier, group: int, hashes: list) -> None:
+        """A store without tokens: the blocks are known under another tier; copy them."""
+        emap = s.emaps.setdefault((tier, group), {})
+        for h in hashes:
+            if h in emap:
+                self.stats.duplicate_stores += 1
+                continue
+            e = self._lookup(s, tier, group, h)
+            if e is None:
+                self.stats.dangling_parents += 1
+                continue
+            emap[h] = e
+            for ck in self._entry_keys(e):
+                self._incref(s, ck)
+            self.stats.tier_only_updates += 1
+
+    def _remove(self, s: _Slot, ev: BlocksRemoved) -> None:
+        tier, group = ev.tier, ev.group or 0
+        emap = s.emaps.get((tier, group))
+        ident_ok = tier is _GPU and group == 0
+        owned = s.owned
+        stats = self.stats
+        for h in ev.engine_hashes:
+            e = emap.pop(h, None) if emap else None
+            if e is not None:
+                if type(e) is int:
+                    self._decref(s, e)
+                else:
+                    for ck in e.keys:
+                        self._decref(s, ck)
+                stats.removed_blocks += 1
+            elif ident_ok and type(h) is int and owned.get(h, 0) & _IDENT:
+                self._decref(s, h, ident=True)
+                stats.removed_blocks += 1
+            else:
+                stats.unknown_removals += 1
+
+    def _move(self, s: _Slot, ev: BlocksMoved) -> None:
+        group = ev.group or 0
+        for h in ev.engine_hashes:
+            src = s.emaps.get((ev.from_tier, group))
+            e = src.pop(h, None) if src else None
+            if e is None and ev.from_tier is _GPU and group == 0 and type(h) is int \
+                    and s.owned.get(h, 0) & _IDENT:
+                # materialise the identity entry: same refcount, now an explicit entry
+                s.owned[h] -= _IDENT
+                e = h
+            if e is None:
+                self.stats.unknown_removals += 1
+                continue
+            dst = s.emaps.setdefault((ev.to_tier, group), {})
+            if h in dst:
+                for ck in self._entry_keys(e):
+                    self._decref(s, ck)
+            else:
+                dst[h] = e
+            self.stats.moved_blocks += 1
+
+    def _clear_slot(self, s: _Slot, tier: Tier | None) -> None:
+        if tier is None:
+            owners = self._owners
+            nb = ~s.bit
+            for ck in s.owned:
+                m = owners[ck] & nb
+                if m:
+                    owners[ck] = m
+                else:
+                    del owners[ck]
+            s.owned.clear()
+            s.emaps.clear()
+            for ck in list(s.spec):
+                self._drop_spec(s, ck)
+            return
+        for (t, g) in [k for k in s.emaps if k[0] is tier]:
+            for e in s.emaps.pop((t, g)).values():
+                for ck in self._entry_keys(e):
+                    self._decref(s, ck)
+        if tier is _GPU:
+            for ck in [k for k, c in s.owned.items() if c & _IDENT]:
+                self._decref(s, ck, ident=True)
+
+    # -- worker lifecycle --------------------------------------------------------------------------
+
+    def clear_worker(self, worker: str) -> None:
+        """Drop everything the worker holds (all dp ranks, all tiers, speculation too)."""
+        for s in self._worker_slots.get(worker, ()):
+            self._clear_slot(s, None)
+        self.stats.clears += 1
+
+    def remove_worker(self, worker: str) -> None:
+        """Forget the worker entirely and free its slots' bits."""
+        for s in self._worker_slots.pop(worker, ()):
+            self._clear_slot(s, None)
+            del self._slots[(s.worker, s.dp_rank)]
+            idx = s.bit.bit_length() - 1
+            self._by_bit[idx] = None
+            heapq.heappush(self._free_bits, idx)
+            self._all_bits &= ~s.bit
+            self._streams.pop((s.worker, s.dp_rank), None)
+
+    def load_snapshot(self, worker: str, block_keys: Iterable[int], dp_rank: int = 0) -> None:
+        """Replace the slot's content with a snapshot of *our* worker (engine hash == key)."""
+        s = self._slot(worker, dp_rank)
+        self._clear_slot(s, None)
+        keys = block_keys.tolist() if isinstance(block_keys, np.ndarray) else block_keys
+        owned = s.owned
+        owners = self._owners
+        bit = s.bit
+        flag = _IDENT + 1
+        for ck in keys:
+            ck = int(ck) & 0xFFFFFFFFFFFFFFFF
+            if ck in owned:
+                continue
+            owned[ck] = flag
+            owners[ck] = owners.get(ck, 0) | bit
+        self.stats.snapshots += 1
+
+    def keys_of(self, worker: str, dp_rank: int = 0) -> set[int]:
+        s = self._slots.get((worker, dp_rank))
+        return set(s.owned) if s else set()
+
+    # -- speculation -------------------------------------------------------------------------------
+
+    def add_speculative(self, worker: str, keys, now: float, ttl: float,
+                        dp_rank: int = 0) -> int:
+        """Predict that ``worker`` will hold ``keys`` until ``now + ttl`` (routing-time insert).
+
+        Keys it already holds are skipped; re-adding refreshes the deadline. Returns how many
+        keys are speculative for the slot after the call among ``keys``.
+        """
+        if ttl <= 0:
+            raise ValueError(f"ttl must be positive, found {ttl}")
+        s = self._slot(worker, dp_rank)
+        if isinstance(keys, np.ndarray):
+            keys = keys.tolist()
+        deadline = now + ttl
+        spec, owned, so, bit = s.spec, s.owned, self._spec_owners, s.bit
+        added = []
+        for ck in keys:
+            if ck in owned:
+                continue
+            if ck not in spec:
+                so[ck] = so.get(ck, 0) | bit
+            spec[ck] = deadline
+            added.append(ck)
+        if added:
+            heapq.heappush(self._spec_heap, (deadline, next(self._spec_seq), s, tuple(added)))
+            self.stats.speculative_added += len(added)
+        return len(added)
+
+    def expire_speculative(self, now: float) -> int:
+        """Drop speculative entries whose deadline is ``<= now``; returns how many expired."""
+        heap = self._spec_heap
+        n = 0
+        while heap and heap[0][0] <= now:
+            _, _, s, keys = heapq.heappop(heap)
+            if self._slots.get((s.worker, s.dp_rank)) is not s:
+                continue  # slot removed since
+            for ck in keys:
+                d = s.spec.get(ck)
+                if d is not None and d <= now:
+                    self._drop_spec(s, ck)
+                    n += 1
+        self.stats.speculative_expired += n
+        return n
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def _mask(self, workers: Iterable[str] | None) -> int:
+        if workers is None:
+            return self._all_bits
+        m = 0
+        for w in workers:
+            for s in self._worker_slots.get(w, ()):
+                m |= s.bit
+        return m
+
+    def _walk(self, keys, active: int) -> list[tuple[int, int]]:
+        """[(bits, depth)]: the slots in ``bits`` matched exactly ``depth`` leading keys."""
+        if isinstance(keys, np.ndarray):
+            keys = keys.tolist()
+        out = []
+        depth = 0
+        get = self._owners.get
+        spec = self._spec_owners
+        if spec:
+            sget = spec.get
+            for k in keys:
+                m = (get(k, 0) | sget(k, 0)) & active
+                if m != active:
+                    out.append((active ^ m, depth))
+                    active = m
+                    if not m:
+                        return out
+                depth += 1
+        else:
+            for k in keys:
+                m = get(k, 0) & active
+                if m != active:
+                    out.append((active ^ m, depth))
+                    active = m
+                    if not m:
+                        return out
+                depth += 1
+        if active:
+            out.append((active, depth))
+        return out
+
+    def longest_prefix(self, keys, workers: Iterable[str] | None = None) -> dict[str, int]:
+        """Matched leading blocks per worker (best dp rank), in one walk over ``keys``.
+
+        With ``workers`` given, every named worker is in the answer (0 when nothing matched);
+        otherwise only workers that matched at least one block are.
+        """
+        active = self._mask(workers)
+        res: dict[str, int] = dict.fromkeys(workers, 0) if workers is not None else {}
+        if not active:
+            return res
+        by_bit = self._by_bit
+        for bits, depth in self._walk(keys, active):
+            if not depth:
+                continue
+            while bits:
+                low = bits & -bits
+                w = by_bit[low.bit_length() - 1].worker
+                if res.get(w, 0) < depth:
+                    res[w] = depth
+                bits ^= low
+        return res
+
+    def longest_prefix_ranks(self, keys, workers: Iterable[str] | None = None
+                             ) -> dict[tuple[str, int], int]:
+        """Like :meth:`longest_prefix` but per ``(worker, dp_rank)``, nonzero matches only."""
+        active = self._mask(workers)
+        res: dict[tuple[str, int], int] = {}
+        by_bit = self._by_bit
+        for bits, depth in self._walk(keys, active) if active else ():
+            while depth and bits:
+                low = bits & -bits
+                s = by_bit[low.bit_length() - 1]
+                res[(s.worker, s.dp_rank)] = depth
+                bits ^= low
+        return res
+
+    def check_invariants(self) -> None:
+        """Assert the ownership invariants (tests and debugging; O(index size))."""
+        seen: dict[int, int] = {}
+        for s in self._slots.values():
+            for ck, c in s.owned.items():
+                assert c & _COUNT > 0, (s.worker, ck, c)
+                seen[ck] = seen.get(ck, 0) | s.bit
+            for ck in s.spec:
+                assert ck not in s.owned, (s.worker, ck)
+                assert self._spec_owners.get(ck, 0) & s.bit
+        assert seen == self._owners, "owners bitmasks disagree with slot ownership"

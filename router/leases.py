@@ -1,0 +1,145 @@
+"""Load accounting as leases: one per in-flight ``(role, req_id)``, with a deadline.
+
+A lease counts toward its server's load from ``acquire`` until ``finish`` or expiry. Expiry is a
+heap of deadlines with lazy deletion (a renew pushes a fresh entry and strands the old one), so
+there is no timer or task per request: the owner calls ``expire(now)`` periodically.
+
+Invariants:
+- per-server ``requests``/``tokens`` equal the sums over live leases: never negative, and zero
+  (with the server gone from ``loads()``) once every lease finished or expired;
+- ``finish`` is idempotent; ``acquire`` on a live key replaces that lease (load moves with it);
+- a lease is reported by ``expire`` at most once, and never after ``finish``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+__all__ = ["Lease", "LeaseTable"]
+
+
+@dataclass(slots=True)
+class Lease:
+    role: str
+    req_id: int
+    server: str
+    tokens: int
+    acquired_at: float
+    deadline: float
+
+
+class LeaseTable:
+    def __init__(self):
+        self._leases: dict[tuple[str, int], Lease] = {}
+        self._heap: list[tuple[float, int, Lease]] = []
+        self._seq = itertools.count()
+        self._load: dict[str, list[int]] = {}
+
+    @staticmethod
+    def _check(ttl: float, tokens: int = 0) -> None:
+        if not ttl > 0:
+            raise ValueError(f"lease ttl must be positive seconds, found {ttl!r}")
+        if type(tokens) is not int or tokens < 0:
+            raise ValueError(f"lease tokens must be a non-negative int, found {tokens!r}")
+
+    def _push(self, lease: Lease) -> None:
+        heapq.heappush(self._heap, (lease.deadline, next(self._seq), lease))
+        # stale entries from renewals and finishes: compact before they dominate the heap
+        if len(self._heap) > 2 * len(self._leases) + 1024:
+            self._heap = [(l.deadline, next(self._seq), l) for l in self._leases.values()]
+            heapq.heapify(self._heap)
+
+    def _unload(self, lease: Lease) -> None:
+        load = self._load[lease.server]
+        load[0] -= 1
+        load[1] -= lease.tokens
+        if load[0] == 0:
+            del self._load[lease.server]
+
+    def acquire(self, role: str, req_id: int, server: str, now: float, ttl: float,
+                tokens: int = 0) -> Lease:
+        self._check(ttl, tokens)
+        key = (role, req_id)
+        old = self._leases.pop(key, None)
+        if old is not None:
+            self._unload(old)
+        lease = Lease(role, req_id, server, tokens, now, now + ttl)
+        self._leases[key] = lease
+        load = self._load.get(server)
+        if load is None:
+            self._load[server] = [1, tokens]
+        else:
+            load[0] += 1
+            load[1] += tokens
+        self._push(lease)
+        return lease
+
+    def finish(self, role: str, req_id: int) -> Lease | None:
+        """End the lease; returns it, or None when it was already finished or expired."""
+        lease = self._leases.pop((role, req_id), None)
+        if lease is not None:
+            self._unload(lease)
+        return lease
+
+    def renew(self, role: str, req_id: int, now: float, ttl: float) -> bool:
+        """Push the deadline to ``now + ttl``; False when no such live lease exists."""
+        self._check(ttl)
+        lease = self._leases.get((role, req_id))
+        if lease is None:
+            return False
+        lease.deadline = now + ttl
+        self._push(lease)
+        return True
+
+    def expire(self, now: float) -> list[Lease]:
+        """Remove and return every live lease whose deadline is ``<= now``."""
+        out = []
+        heap = self._heap
+        leases = self._leases
+        while heap and heap[0][0] <= now:
+            deadline, _, lease = heapq.heappop(heap)
+            key = (lease.role, lease.req_id)
+            if leases.get(key) is lease and lease.deadline == deadline:
+                del leases[key]
+                self._unload(lease)
+                out.append(lease)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """Earliest deadline that may expire something (stale heap entries may make it early)."""
+        return self._heap[0][0] if self._heap else None
+
+    def get(self, role: str, req_id: int) -> Lease | None:
+        return self._leases.get((role, req_id))
+
+    def load(self, server: str) -> tuple[int, int]:
+        """(in-flight requests, in-flight tokens) on ``server``."""
+        load = self._load.get(server)
+        return (load[0], load[1]) if load else (0, 0)
+
+    def requests(self, server: str) -> int:
+        load = self._load.get(server)
+        return load[0] if load else 0
+
+    def tokens(self, server: str) -> int:
+        load = self._load.get(server)
+        return load[1] if load else 0
+
+    def loads(self) -> dict[str, tuple[int, int]]:
+        return {s: (l[0], l[1]) for s, l in self._load.items()}
+
+    def total(self) -> int:
+        return len(self._leases)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def drop_server(self, server: str) -> list[Lease]:
+        """Remove every lease on ``server`` (it left the cluster); returns them."""
+        gone = [l for l in self._leases.values() if l.server == server]
+        for lease in gone:
+            del self._leases[(lease.role, lease.req_id)]
+            self._unload(lease)
+        return gone
