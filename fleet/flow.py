@@ -109,7 +109,7 @@ class Flow:
         self.config = config
         self.placer = placer
         self.pool = pool
-        self.ids = ids                      # snowflake generator: .next() -> int
+        self.ids = ids                      # snowflake generator: .next_id() -> int
         self.keys = keys                    # routing-key builder (None: no policy needs one)
         self.max_retries = config.max_retries
         self.timeout = config.request_timeout
@@ -125,11 +125,14 @@ class Flow:
         self._m_leg = {r: M.LEG_REQUESTS.labels(r) for r in (CTX, GEN)}
         self._m_retry = {r: M.LEG_RETRIES.labels(r) for r in (CTX, GEN)}
         self._m_leglat = {r: M.LEG_LATENCY.labels(r) for r in (CTX, GEN)}
+        self._m_tokens: dict = {}
+        # No context servers configured (and no dynamic membership): a plain aggregated deployment.
+        self.aggregated_only = not config.context_servers.urls and config.disagg_cluster is None
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: web.Request, creq: ClientRequest, rid: int | None,
                      client_params: dict | None, t0: float) -> web.StreamResponse:
-        st = _State(rid if rid is not None else self.ids.next(), t0)
+        st = _State(rid if rid is not None else self.ids.next_id(), t0)
         ok = False
         try:
             resp = await self._run(request, creq, st, client_params)
@@ -215,17 +218,20 @@ class Flow:
     # ------------------------------------------------------------------ placement
     async def _place(self, st: _State, key: dict | None) -> tuple[Placement | None, Placement]:
         p = self.placer
-        if p.delegated(CTX) and p.delegated(GEN):
+        if self.aggregated_only:
             try:
-                ctx, gen = await p.place_pair(st.rid, key, set(), set())
+                gen = await p.place(GEN, st.rid, key, set())
             except NoServerAvailable as e:
-                raise ApiError(503, f"no server available: {e}", code="no_server_available", retry_after=1) from None
-            if ctx is None:
-                st.mode = "local_prefill" if p.healthy_count(CTX) else "aggregated_fallback"
-                if st.mode == "aggregated_fallback" and self.fallback == "reject":
-                    p.finish(gen, False)
-                    raise ApiError(503, "no healthy context server and no_context_fallback is 'reject'",
-                                   code="no_context_server", retry_after=1)
+                raise ApiError(503, f"no generation server available: {e}", code="no_server_available",
+                               retry_after=1) from None
+            ctx = None
+            st.mode = "aggregated"
+        elif p.delegated(CTX) and p.delegated(GEN):
+            try:
+                ctx, gen, st.mode = await p.place_pair(st.rid, key, set(), set())
+            except NoServerAvailable as e:
+                code = "no_context_server" if self.fallback == "reject" else "no_server_available"
+                raise ApiError(503, f"no server available: {e}", code=code, retry_after=1) from None
         else:
             try:
                 gen = await p.place(GEN, st.rid, key, set())
@@ -368,20 +374,20 @@ class Flow:
             # A vetted (HMAC-signed) client request carries its own leg instruction: forward as is.
             p = await self._place_single(st, key)
             st.mode = "aggregated"
-            body = dict(creq.body)
+            body = self._gen_base(creq)
             body["disaggregated_params"] = client_params
             return await self._final_leg(request, creq, st, p, orjson.dumps(body), key, self._sig(client_params))
         ctx, gen = await self._place(st, key)
         st.route = {"id": st.rid, "mode": st.mode}
         if ctx is None:
             self._m_place[st.mode].inc()
-            return await self._final_leg(request, creq, st, gen, orjson.dumps(creq.body), key)
+            return await self._final_leg(request, creq, st, gen, orjson.dumps(self._gen_base(creq)), key)
         if self.schedule == "generation_first":
             return await self._generation_first(request, creq, st, ctx, gen, key)
         ctx_ans, ctx_raw, ctx = await self._context_leg(creq, st, ctx, key)
         if ctx_ans is None:   # every context server unreachable, fallback says aggregate
             self._m_place[st.mode].inc()
-            return await self._final_leg(request, creq, st, gen, orjson.dumps(creq.body), key)
+            return await self._final_leg(request, creq, st, gen, orjson.dumps(self._gen_base(creq)), key)
         if not self._needs_gen(ctx_ans):
             st.mode = "context_only"
             self._m_place["context_only"].inc()
@@ -450,8 +456,20 @@ class Flow:
     def _needs_gen(ans: _CtxAnswer) -> bool:
         return ans.choices[0].finish_reason in NEED_GEN
 
-    def _gen_body(self, creq: ClientRequest, st: _State, ans: _CtxAnswer) -> tuple[bytes, bytes]:
+    @staticmethod
+    def _gen_base(creq: ClientRequest) -> dict:
+        """The client's body for the leg that answers. A stream always asks the worker for usage (the
+        routing-quality metrics need `cached_tokens`); the relay drops that chunk if the client did
+        not ask for it."""
         body = dict(creq.body)
+        if creq.stream and not creq.include_usage:
+            so = dict(body.get("stream_options") or {})
+            so["include_usage"] = True
+            body["stream_options"] = so
+        return body
+
+    def _gen_body(self, creq: ClientRequest, st: _State, ans: _CtxAnswer) -> tuple[bytes, bytes]:
+        body = self._gen_base(creq)
         dp = dict(ans.choices[0].disaggregated_params)
         dp["request_type"] = "generation_only"
         dp.setdefault("disagg_request_id", st.rid)
@@ -474,7 +492,7 @@ class Flow:
                                 gen: Placement, key: dict | None):
         info = self.placer.server_info(ctx.server)
         ep = (info.get("disaggregated_params") or {}).get("ctx_info_endpoint") if isinstance(info, dict) else None
-        body = dict(creq.body)
+        body = self._gen_base(creq)
         dp = {"request_type": "generation_only", "ctx_request_id": st.rid, "disagg_request_id": st.rid,
               "ctx_info_endpoint": ep, "schedule_style": "generation_first"}
         body["disaggregated_params"] = dp
@@ -538,10 +556,15 @@ class Flow:
         if ct is None:
             return
         prompt, cached = ct
-        M.PROMPT_TOKENS.labels(role, p.server).inc(prompt)
-        M.CACHED_TOKENS.labels(role, p.server).inc(cached)
+        k = (role, p.server)
+        m = self._m_tokens.get(k)
+        if m is None:
+            m = self._m_tokens[k] = (M.PROMPT_TOKENS.labels(role, p.server), M.CACHED_TOKENS.labels(role, p.server),
+                                     M.PREDICTED_TOKENS.labels(role, p.server))
+        m[0].inc(prompt)
+        m[1].inc(cached)
         if p.lease:
-            M.PREDICTED_TOKENS.labels(role, p.server).inc(p.predicted_tokens)
+            m[2].inc(p.predicted_tokens)
 
     async def _relay(self, request: web.Request, creq: ClientRequest, st: _State, gen: Placement,
                      resp: Response) -> web.StreamResponse:
@@ -563,6 +586,7 @@ class Flow:
         last = None
         first = True
         itl = M.ITL
+        drop = not creq.include_usage
         try:
             async with asyncio.timeout(self.timeout):
                 async for chunk in resp.iter_chunks():
@@ -571,8 +595,10 @@ class Flow:
                     if cut < 0:
                         continue
                     events, buf = buf[:cut + 2], buf[cut + 2:]
-                    if b'"usage"' in events:
-                        self._stream_usage(events, gen)
+                    if b'"usage":{' in events or b'"usage": {' in events:
+                        events = self._stream_usage(events, gen, drop)
+                        if not events:
+                            continue
                     await out.write(events)
                     now = time.perf_counter()
                     if first:
@@ -619,16 +645,23 @@ class Flow:
         except (ConnectionError, RuntimeError):
             pass
 
-    def _stream_usage(self, events: bytes, gen: Placement) -> None:
+    def _stream_usage(self, events: bytes, gen: Placement, drop: bool) -> bytes:
+        """Record the usage chunk's cached tokens; drop that chunk when the client did not ask for it."""
+        keep = []
         for ev in events.split(b"\n\n"):
-            if b'"usage"' not in ev or not ev.startswith(b"data: {"):
+            if not ev:
                 continue
-            try:
-                u = _usage_decoder.decode(ev[6:])
-            except msgspec.DecodeError:
-                continue
-            if u.usage:
-                self._observe_usage(GEN, gen, u.usage)
+            if ev.startswith(b"data: {") and (b'"usage":{' in ev or b'"usage": {' in ev):
+                try:
+                    u = _usage_decoder.decode(ev[6:])
+                except msgspec.DecodeError:
+                    u = None
+                if u is not None and u.usage:
+                    self._observe_usage(GEN, gen, u.usage)
+                    if drop and (b'"choices":[]' in ev or b'"choices": []' in ev):
+                        continue
+            keep.append(ev)
+        return b"".join(e + b"\n\n" for e in keep)
 
     def _clean_json(self, data: bytes, role: str, p: Placement) -> bytes:
         if b"disaggregated_params" not in data and b"prompt_token_ids" not in data:

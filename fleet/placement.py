@@ -36,6 +36,8 @@ CTX = "context"
 GEN = "generation"
 DELEGATED = frozenset({"load_balancing", "kv_cache_aware", "conversation"})
 KEYED = frozenset({"kv_cache_aware", "conversation"})
+_PAIR_MODES = {"disaggregated": "disaggregated", "generation_only": "local_prefill",
+               "aggregate_fallback": "aggregated_fallback"}
 
 
 @dataclass(slots=True)
@@ -320,8 +322,11 @@ class Placer:
         return self._local(role, req_id, exclude, "local_fallback")
 
     async def place_pair(self, req_id: int, routing_key: dict | None, exclude_ctx: set[str],
-                         exclude_gen: set[str]) -> tuple[Placement | None, Placement]:
-        """Both legs in one coordinator call; context None = serve on the generation server alone."""
+                         exclude_gen: set[str]) -> tuple[Placement | None, Placement, str]:
+        """Both legs in one coordinator call → (context or None, generation, mode).
+
+        mode: "disaggregated"; "local_prefill" (conditional disaggregation: the generation server
+        caches nearly all of the prompt); "aggregated_fallback" (no healthy context server)."""
         if self.coord_ok:
             ej = set(self.ejected())
             t0 = time.perf_counter()
@@ -335,17 +340,18 @@ class Placer:
                 M.COORD_RTT.labels("select_pair").observe(time.perf_counter() - t0)
                 ctx = ans.get("context")
                 gen = self._answer(GEN, req_id, ans["generation"])
-                return (self._answer(CTX, req_id, ctx) if ctx else None), gen
+                mode = _PAIR_MODES.get(ans.get("mode"), "disaggregated" if ctx else "aggregated_fallback")
+                return (self._answer(CTX, req_id, ctx) if ctx else None), gen, mode
         M.COORD_FALLBACK.labels(CTX).inc()
         M.COORD_FALLBACK.labels(GEN).inc()
         gen = self._local(GEN, req_id, exclude_gen, "local_fallback")
         try:
             ctx = self._local(CTX, req_id, exclude_ctx, "local_fallback")
         except NoServerAvailable:
-            ctx = None
             if self.config.no_context_fallback == "reject":
                 raise
-        return ctx, gen
+            return None, gen, "aggregated_fallback"
+        return ctx, gen, "disaggregated"
 
     # ------------------------------------------------------------------ lease end
     def finish(self, p: Placement | None, success: bool) -> None:
