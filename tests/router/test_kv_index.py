@@ -1,0 +1,405 @@
+"""KvIndex: ownership, engine-hash mapping, ratios, partial blocks, speculation, properties."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.block_keys import block_keys_list, salt_seed
+from router.events import (AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, EventBatch,
+                           Tier, decode_zmq, encode_vllm_batch)
+from router.kv_index import KvIndex, StreamVerdict
+
+B = 16
+TOKS = [(i * 7919 + 13) % 152064 for i in range(16 * 12)]
+KEYS = block_keys_list(TOKS, B)
+
+
+def stored(hashes, parent, tokens, bs=B, **kw):
+    return BlocksStored(list(hashes), parent, list(tokens), bs, **kw)
+
+
+def state(idx: KvIndex):
+    """Everything observable about the index (for restore/equality properties)."""
+    return (copy.deepcopy(idx._owners),
+            {k: dict(s.owned) for k, s in idx._slots.items() if s.owned},
+            {k: {e: dict(m) for e, m in s.emaps.items() if m} for k, s in idx._slots.items()
+             if any(s.emaps.values())})
+
+
+def test_store_chain_and_match():
+    idx = KvIndex(B)
+    idx.apply("w", stored([101, 102, 103], None, TOKS[:48]))
+    idx.apply("w", stored([104], 103, TOKS[48:64]))
+    assert idx.longest_prefix(KEYS) == {"w": 4}
+    assert idx.longest_prefix(KEYS[:2]) == {"w": 2}
+    assert idx.worker_size("w") == 4 and idx.size == 4
+    assert idx.keys_of("w") == set(KEYS[:4])
+    idx.check_invariants()
+
+
+def test_one_walk_reports_every_worker():
+    idx = KvIndex(B)
+    for w, n in (("a", 2), ("b", 5), ("c", 12)):
+        idx.apply(w, stored([7000 + i for i in range(n)], None, TOKS[:n * B]))
+    idx.apply("d", stored([1], None, [9] * B))  # unrelated content
+    assert idx.longest_prefix(KEYS) == {"a": 2, "b": 5, "c": 12}
+    assert idx.longest_prefix(np.array(KEYS, dtype=np.uint64)) == {"a": 2, "b": 5, "c": 12}
+    assert idx.longest_prefix(KEYS, workers=["a", "d", "zz"]) == {"a": 2, "d": 0, "zz": 0}
+    assert idx.longest_prefix([]) == {}
+    # a key missing in the middle ends the run even if later keys are present
+    idx.apply("c", BlocksRemoved([7003]))
+    assert idx.longest_prefix(KEYS)["c"] == 3
+
+
+def test_more_than_64_workers():
+    idx = KvIndex(B)
+    for i in range(130):
+        idx.apply(f"w{i}", stored([1 + j for j in range(1 + i % 7)], None, TOKS[:(1 + i % 7) * B]))
+    got = idx.longest_prefix(KEYS)
+    assert got == {f"w{i}": 1 + i % 7 for i in range(130)}
+    idx.check_invariants()
+
+
+def test_idempotent_store_and_unknown_removal():
+    idx = KvIndex(B)
+    ev = stored([1, 2], None, TOKS[:32])
+    idx.apply("w", ev)
+    before = state(idx)
+    idx.apply("w", ev)  # kv_cache_report_mode=full re-emits hits
+    assert state(idx) == before and idx.stats.duplicate_stores == 2
+    idx.apply("w", BlocksRemoved([99]))
+    assert idx.stats.unknown_removals == 1 and state(idx) == before
+
+
+def test_dangling_parent_is_counted_and_skipped():
+    idx = KvIndex(B)
+    idx.apply("w", stored([5], 12345, TOKS[:16]))
+    assert idx.size == 0 and idx.stats.dangling_parents == 1
+
+
+def test_parent_resolution_is_per_worker():
+    idx = KvIndex(B)
+    idx.apply("a", stored([1], None, TOKS[:16]))
+    idx.apply("b", stored([2], 1, TOKS[16:32]))  # b never stored hash 1
+    assert idx.longest_prefix(KEYS) == {"a": 1} and idx.stats.dangling_parents == 1
+
+
+def test_all_cleared_and_clear_worker():
+    idx = KvIndex(B)
+    idx.apply("a", stored([1, 2], None, TOKS[:32]))
+    idx.apply("b", stored([1, 2], None, TOKS[:32]))
+    idx.apply("a", AllCleared())
+    assert idx.worker_size("a") == 0 and idx.longest_prefix(KEYS) == {"b": 2}
+    idx.clear_worker("b")
+    assert idx.size == 0 and idx.longest_prefix(KEYS) == {}
+    assert idx.stats.clears == 2
+    idx.check_invariants()
+
+
+def test_remove_worker_frees_and_reuses_bits():
+    idx = KvIndex(B)
+    idx.apply("a", stored([1], None, TOKS[:16]))
+    idx.apply("b", stored([1], None, TOKS[:16]))
+    idx.remove_worker("a")
+    assert idx.workers() == ["b"] and idx.longest_prefix(KEYS) == {"b": 1}
+    idx.apply("c", stored([1, 2], None, TOKS[:32]))
+    assert idx.longest_prefix(KEYS) == {"b": 1, "c": 2}
+    idx.check_invariants()
+
+
+def test_dp_ranks_are_separate_slots():
+    idx = KvIndex(B)
+    idx.apply("w", stored([1, 2, 3], None, TOKS[:48]), dp_rank=1)
+    idx.apply("w", stored([1], None, TOKS[:16]), dp_rank=0)
+    assert idx.longest_prefix(KEYS) == {"w": 3}
+    assert idx.longest_prefix_ranks(KEYS) == {("w", 0): 1, ("w", 1): 3}
+    idx.apply("w", BlocksRemoved([3]), dp_rank=0)  # rank 0 never had it
+    assert idx.longest_prefix_ranks(KEYS)[("w", 1)] == 3
+    assert idx.worker_size("w") == 4
+
+
+def test_tiers_and_groups():
+    idx = KvIndex(B)
+    idx.apply("w", stored([1, 2], None, TOKS[:32], group=0))
+    idx.apply("w", stored([1, 2], None, TOKS[:32], tier=Tier.HOST))
+    idx.apply("w", BlocksRemoved([2], Tier.GPU, None))  # group None == 0
+    assert idx.longest_prefix(KEYS) == {"w": 2}  # still on the host tier
+    idx.apply("w", BlocksRemoved([2], Tier.HOST))
+    assert idx.longest_prefix(KEYS) == {"w": 1}
+    idx.apply("w", AllCleared(Tier.HOST))
+    assert idx.longest_prefix(KEYS) == {"w": 1}
+    idx.apply("w", BlocksMoved([1], Tier.GPU, Tier.DISK))
+    assert idx.longest_prefix(KEYS) == {"w": 1}
+    idx.apply("w", BlocksRemoved([1], Tier.DISK))
+    assert idx.size == 0
+    idx.check_invariants()
+
+
+def test_tier_only_store_copies_known_blocks():
+    idx = KvIndex(B)
+    idx.apply("w", stored([1, 2], None, TOKS[:32]))
+    idx.apply("w", BlocksStored([1, 2, 77], None, None, B, Tier.HOST))
+    assert idx.stats.tier_only_updates == 2 and idx.stats.dangling_parents == 1
+    idx.apply("w", BlocksRemoved([1, 2]))
+    assert idx.longest_prefix(KEYS) == {"w": 2}
+
+
+@pytest.mark.parametrize("engine_bs", [32, 48, 64])
+def test_engine_blocks_larger_than_canonical(engine_bs):
+    idx = KvIndex(B)
+    per = engine_bs // B
+    n = len(TOKS) // engine_bs
+    hashes = [500 + i for i in range(n)]
+    idx.apply("w", stored(hashes, None, TOKS[:n * engine_bs], engine_bs))
+    assert idx.longest_prefix(KEYS) == {"w": n * per}
+    idx.apply("w", BlocksRemoved([hashes[-1]]))  # one engine block evicts `per` keys
+    assert idx.longest_prefix(KEYS) == {"w": (n - 1) * per}
+    idx.check_invariants()
+
+
+def test_engine_blocks_smaller_than_canonical():
+    idx = KvIndex(B)
+    hashes = [900 + i for i in range(len(TOKS) // 4)]
+    # in pieces, each event chained to the previous one's last hash
+    for j in range(0, len(hashes), 6):
+        idx.apply("w", stored(hashes[j:j + 6], hashes[j - 1] if j else None,
+                              TOKS[j * 4:(j + 6) * 4], 4))
+    assert idx.longest_prefix(KEYS) == {"w": len(KEYS)}
+    # the leaf engine block completing canonical block 11 owns it
+    idx.apply("w", BlocksRemoved([hashes[-1]]))
+    assert idx.longest_prefix(KEYS) == {"w": len(KEYS) - 1}
+    idx.apply("w", BlocksRemoved([hashes[-2]]))  # not a completing block: no key change
+    assert idx.longest_prefix(KEYS) == {"w": len(KEYS) - 1}
+    idx.check_invariants()
+
+
+def test_partial_last_page_resumes_in_child_event():
+    """SGLang: a trailing partial page, later used as the parent of the next event."""
+    idx = KvIndex(B)
+    idx.apply("w", stored([1, 2], None, TOKS[:16 + 10]))        # 1 full + 10 pending
+    assert idx.longest_prefix(KEYS) == {"w": 1}
+    idx.apply("w", stored([3, 4], 2, TOKS[26:26 + 16 + 6]))     # continues from the partial
+    assert idx.longest_prefix(KEYS) == {"w": 3}
+    idx.apply("w", BlocksRemoved([2]))  # the partial page owned no key
+    assert idx.longest_prefix(KEYS) == {"w": 3}
+    idx.check_invariants()
+
+
+def test_namespaced_chains_match_namespaced_request_keys():
+    idx = KvIndex(B)
+    idx.apply("w", stored([1, 2], None, TOKS[:32], lora_name="lora-a"))
+    idx.apply("w", stored([3], 2, TOKS[32:48]))  # child inherits the namespace
+    assert idx.longest_prefix(KEYS) == {}
+    ns_keys = block_keys_list(TOKS, B, salt_seed(None, "lora-a"))
+    assert idx.longest_prefix(ns_keys) == {"w": 3}
+    salted = block_keys_list(TOKS, B, salt_seed("tenant", None))
+    idx.apply("v", stored([1], None, TOKS[:16], cache_salt="tenant"))
+    assert idx.longest_prefix(salted) == {"v": 1}
+
+
+def test_identity_entries_of_our_workers():
+    idx = KvIndex(B)
+    idx.apply("w", stored(KEYS[:4], None, TOKS[:64]))           # engine hash == key
+    idx.apply("w", stored(KEYS[4:6], KEYS[3], TOKS[64:96]))
+    assert idx.longest_prefix(KEYS) == {"w": 6}
+    assert not idx._slots[("w", 0)].emaps.get((Tier.GPU, 0))    # no emap entries needed
+    idx.apply("w", stored(KEYS[:2], None, TOKS[:32]))           # duplicate
+    assert idx.stats.duplicate_stores == 2
+    idx.apply("w", BlocksMoved([KEYS[5]], Tier.GPU, Tier.HOST))
+    idx.apply("w", BlocksRemoved([KEYS[5]]))                    # gone from GPU already
+    assert idx.longest_prefix(KEYS) == {"w": 6}
+    idx.apply("w", BlocksRemoved([KEYS[5]], Tier.HOST))
+    idx.apply("w", BlocksRemoved([KEYS[4]]))
+    assert idx.longest_prefix(KEYS) == {"w": 4}
+    idx.apply("w", AllCleared(Tier.GPU))
+    assert idx.size == 0
+    idx.check_invariants()
+
+
+def test_load_snapshot_replaces_worker_state():
+    idx = KvIndex(B)
+    idx.apply("w", stored([1], None, [5] * 16))
+    idx.load_snapshot("w", np.array(KEYS[:5], dtype=np.uint64))
+    assert idx.longest_prefix(KEYS) == {"w": 5} and idx.worker_size("w") == 5
+    # later events of that worker resolve parents against the snapshot (hash == key)
+    idx.apply("w", stored([KEYS[5]], KEYS[4], TOKS[80:96]))
+    idx.apply("w", BlocksRemoved([KEYS[0]]))
+    assert idx.longest_prefix(KEYS) == {}
+    assert idx.worker_size("w") == 5
+    idx.check_invariants()
+
+
+def test_speculative_entries():
+    idx = KvIndex(B)
+    idx.apply("a", stored([1], None, TOKS[:16]))
+    assert idx.add_speculative("a", KEYS[:4], now=10.0, ttl=5.0) == 3  # key 0 already held
+    assert idx.longest_prefix(KEYS) == {"a": 4}
+    assert idx.worker_size("a") == 1 and idx.speculative_size() == 3
+    idx.apply("a", stored([2], 1, TOKS[16:32]))  # confirms key 1
+    assert idx.stats.speculative_confirmed == 1 and idx.speculative_size() == 2
+    assert idx.expire_speculative(14.9) == 0
+    idx.add_speculative("a", KEYS[2:3], now=12.0, ttl=5.0)  # refresh key 2 until 17
+    assert idx.expire_speculative(15.0) == 1               # key 3 expired
+    assert idx.longest_prefix(KEYS) == {"a": 3}
+    idx.clear_worker("a")
+    assert idx.speculative_size() == 0 and idx.longest_prefix(KEYS) == {}
+    assert idx.expire_speculative(100.0) == 0
+    idx.check_invariants()
+    with pytest.raises(ValueError, match="ttl"):
+        idx.add_speculative("a", KEYS, now=0, ttl=0)
+
+
+def test_apply_batch_sequencing():
+    idx = KvIndex(B)
+    mk = lambda seq, evs: EventBatch(seq, 0.0, 0, evs)
+    assert idx.apply_batch("w", mk(5, [stored([1], None, TOKS[:16])])) == StreamVerdict.APPLIED
+    assert idx.expected_seq("w") == 6
+    assert idx.apply_batch("w", mk(5, [stored([1], None, TOKS[:16])])) == StreamVerdict.DUPLICATE
+    gap = mk(8, [stored([3], 2, TOKS[32:48])])
+    assert idx.apply_batch("w", gap) == StreamVerdict.GAP
+    assert idx.longest_prefix(KEYS) == {"w": 1}  # nothing applied on a gap
+    # replay fills 6 and 7, then the held batch applies
+    assert idx.apply_batch("w", mk(6, [stored([2], 1, TOKS[16:32])])) == StreamVerdict.APPLIED
+    assert idx.apply_batch("w", mk(7, [])) == StreamVerdict.APPLIED
+    assert idx.apply_batch("w", gap) == StreamVerdict.APPLIED
+    assert idx.longest_prefix(KEYS) == {"w": 3}
+    # engine restart: seq back to 0 clears the worker first
+    assert idx.apply_batch("w", mk(0, [stored([9], None, TOKS[:16])])) == StreamVerdict.RESTART
+    assert idx.longest_prefix(KEYS) == {"w": 1}
+    idx.reset_stream("w", 0, next_seq=40)
+    assert idx.apply_batch("w", mk(41, [])) == StreamVerdict.GAP
+    idx.reset_stream("w")
+    assert idx.apply_batch("w", mk(41, [])) == StreamVerdict.APPLIED
+
+
+def test_apply_rejects_non_events_and_bad_workers():
+    idx = KvIndex(B)
+    with pytest.raises(TypeError, match="canonical event"):
+        idx.apply("w", {"type": "BlockStored"})
+    with pytest.raises(ValueError, match="worker"):
+        idx.apply("", AllCleared())
+    with pytest.raises(ValueError, match="block_size"):
+        KvIndex(0)
+
+
+def test_wire_round_trip_into_index():
+    """What our worker publishes (encoder) is what the coordinator indexes (decoder)."""
+    payload = encode_vllm_batch(1.0, [stored(KEYS[:3], None, TOKS[:48])], 0)
+    batch = decode_zmq([b"kv", (0).to_bytes(8, "big"), payload])
+    idx = KvIndex(B)
+    assert idx.apply_batch("w", batch) == StreamVerdict.APPLIED
+    assert idx.longest_prefix(KEYS) == {"w": 3}
+
+
+# ---- properties ------------------------------------------------------------------------------
+
+# Random chains: each op stores a run of blocks extending a random existing chain (or a new root)
+# for a random worker; hashes are opaque and distinct per (worker, content).
+
+_VOCAB = st.integers(0, 3)  # tiny vocabulary: chains share prefixes often
+
+
+@st.composite
+def _stores(draw, engine_bs=B):
+    ops = []
+    chains: dict[str, list[tuple[int, list[int]]]] = {}
+    counter = 1000
+    for _ in range(draw(st.integers(1, 12))):
+        w = draw(st.sampled_from(["a", "b", "c"]))
+        known = chains.setdefault(w, [])
+        parent, prefix = (None, [])
+        if known and draw(st.booleans()):
+            parent, prefix = draw(st.sampled_from(known))
+        n = draw(st.integers(1, 3))
+        toks = [draw(_VOCAB) for _ in range(n * engine_bs)]
+        hashes = []
+        for i in range(n):
+            counter += 1
+            hashes.append(counter)
+            known.append((counter, prefix + toks[:(i + 1) * engine_bs]))
+        ops.append((w, BlocksStored(hashes, parent, toks, engine_bs)))
+    if engine_bs != B:
+        return ops, {w: [p for _, p in v] for w, v in chains.items()}
+    return ops
+
+
+@settings(max_examples=80, deadline=None)
+@given(_stores(), st.integers(0, 2**32))
+def test_store_then_remove_restores_the_index(ops, seed):
+    rng = np.random.default_rng(seed)
+    idx = KvIndex(B)
+    split = int(rng.integers(0, len(ops)))
+    for w, ev in ops[:split]:
+        idx.apply(w, ev)
+    before = state(idx)
+    w, ev = ops[split]
+    idx.apply(w, ev)
+    idx.check_invariants()
+    idx.apply(w, BlocksRemoved(list(ev.engine_hashes)))
+    idx.check_invariants()
+    if idx.stats.duplicate_stores == 0:
+        assert state(idx) == before
+
+
+@settings(max_examples=60, deadline=None)
+@given(_stores())
+def test_clear_empties_and_prefix_matches_model(ops):
+    idx = KvIndex(B)
+    model: dict[str, set[int]] = {}
+    for w, ev in ops:
+        idx.apply(w, ev)
+    idx.check_invariants()
+    # model: a worker holds the canonical keys of every chain it stored
+    for w, s in idx._worker_slots.items():
+        model[w] = set().union(*(x.owned for x in s))
+    for w in model:
+        for key in model[w]:
+            assert idx._owners[key] & idx._slots[(w, 0)].bit
+    for w in list(model):
+        idx.apply(w, AllCleared())
+    assert idx.size == 0 and all(idx.worker_size(w) == 0 for w in model)
+    idx.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(_stores(engine_bs=8))
+def test_ratio_mapping_matches_canonical_keys(ops_paths):
+    """Engine blocks of 8 tokens chained across events: each worker holds exactly the canonical
+    keys of every full 16-token block of every chain it stored."""
+    ops, paths = ops_paths
+    idx = KvIndex(B)
+    for w, ev in ops:
+        idx.apply(w, ev)
+    for w, ps in paths.items():
+        expect = set().union(*(block_keys_list(p, B) for p in ps)) if ps else set()
+        assert idx.keys_of(w) == expect
+    idx.check_invariants()
+    for w, ev in reversed(ops):
+        idx.apply(w, BlocksRemoved(list(ev.engine_hashes)))
+    assert idx.size == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(_stores())
+def test_event_order_within_a_worker_matters(ops):
+    """Remove-then-store leaves blocks resident; store-then-remove leaves none."""
+    w, ev = ops[0]
+    rm = BlocksRemoved(list(ev.engine_hashes))
+    a, b = KvIndex(B), KvIndex(B)
+    for e in (ev, rm):
+        a.apply(w, e)
+    for e in (rm, ev):
+        b.apply(w, e)
+    assert a.worker_size(w) == 0
+    assert b.worker_size(w) == len(set(block_keys_list(ev.token_ids, B)))
+    # and apply_batch enforces the order even when batches arrive shuffled
+    c = KvIndex(B)
+    assert c.apply_batch(w, EventBatch(0, 0.0, 0, [ev])) == StreamVerdict.APPLIED
+    assert c.apply_batch(w, EventBatch(2, 0.0, 0, [])) == StreamVerdict.GAP
+    assert c.apply_batch(w, EventBatch(1, 0.0, 0, [rm])) == StreamVerdict.APPLIED
+    assert c.worker_size(w) == 0

@@ -1,0 +1,116 @@
+"""LeaseTable: deadlines, idempotent finish, renew, expiry, per-server load."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.leases import LeaseTable
+
+
+def test_acquire_finish_load():
+    t = LeaseTable()
+    t.acquire("ctx", 1, "s1", now=0.0, ttl=10.0, tokens=100)
+    t.acquire("gen", 1, "s1", now=0.0, ttl=10.0, tokens=5)  # same req_id, other role: distinct
+    t.acquire("ctx", 2, "s2", now=0.0, ttl=10.0)
+    assert t.load("s1") == (2, 105) and t.load("s2") == (1, 0) and t.load("s3") == (0, 0)
+    assert t.total() == 3 and len(t) == 3
+    lease = t.finish("ctx", 1)
+    assert lease.server == "s1" and lease.tokens == 100
+    assert t.finish("ctx", 1) is None  # idempotent
+    assert t.load("s1") == (1, 5) and t.requests("s1") == 1 and t.tokens("s1") == 5
+    assert t.loads() == {"s1": (1, 5), "s2": (1, 0)}
+
+
+def test_reacquire_replaces_and_moves_load():
+    t = LeaseTable()
+    t.acquire("ctx", 1, "s1", 0.0, 10.0, tokens=10)
+    t.acquire("ctx", 1, "s2", 1.0, 10.0, tokens=20)  # retry elsewhere
+    assert t.load("s1") == (0, 0) and t.load("s2") == (1, 20) and t.total() == 1
+    assert t.expire(10.5) == []  # the replaced lease's deadline is stale
+    assert [l.server for l in t.expire(11.0)] == ["s2"]
+
+
+def test_expire_renew_and_finish_after_expiry():
+    t = LeaseTable()
+    t.acquire("ctx", 1, "s", 0.0, 5.0)
+    t.acquire("ctx", 2, "s", 0.0, 5.0)
+    assert t.next_deadline() == 5.0
+    assert t.renew("ctx", 1, now=4.0, ttl=5.0)
+    assert not t.renew("ctx", 99, now=4.0, ttl=5.0)
+    expired = t.expire(5.0)
+    assert [l.req_id for l in expired] == [2]
+    assert t.finish("ctx", 2) is None
+    assert t.expire(8.9) == []
+    assert [l.req_id for l in t.expire(9.0)] == [1]
+    assert t.load("s") == (0, 0) and t.loads() == {}
+
+
+def test_validation():
+    t = LeaseTable()
+    with pytest.raises(ValueError, match="ttl"):
+        t.acquire("ctx", 1, "s", 0.0, 0.0)
+    with pytest.raises(ValueError, match="tokens"):
+        t.acquire("ctx", 1, "s", 0.0, 1.0, tokens=-1)
+    with pytest.raises(ValueError, match="ttl"):
+        t.renew("ctx", 1, 0.0, -1.0)
+
+
+def test_drop_server():
+    t = LeaseTable()
+    t.acquire("ctx", 1, "a", 0.0, 5.0, 3)
+    t.acquire("ctx", 2, "b", 0.0, 5.0, 4)
+    assert [l.req_id for l in t.drop_server("a")] == [1]
+    assert t.loads() == {"b": (1, 4)} and t.expire(100.0)[0].req_id == 2
+
+
+def test_heap_compaction_keeps_deadlines():
+    t = LeaseTable()
+    t.acquire("ctx", 1, "s", 0.0, 1.0)
+    for i in range(5000):  # many renewals strand heap entries
+        t.renew("ctx", 1, now=float(i), ttl=1.0)
+    assert len(t._heap) < 5000
+    assert t.expire(4999.5) == []
+    assert len(t.expire(5000.0)) == 1
+
+
+_ops = st.lists(st.tuples(
+    st.sampled_from(["acquire", "finish", "renew", "expire"]),
+    st.sampled_from(["ctx", "gen"]), st.integers(0, 6), st.sampled_from(["a", "b", "c"]),
+    st.floats(0.0, 3.0), st.floats(0.1, 5.0), st.integers(0, 1000)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_ops)
+def test_loads_never_negative_and_return_to_zero(ops):
+    t = LeaseTable()
+    now = 0.0
+    live: dict[tuple, tuple] = {}  # model: key -> (server, tokens, deadline)
+    for op, role, rid, server, dt, ttl, tokens in ops:
+        now += dt
+        if op == "acquire":
+            t.acquire(role, rid, server, now, ttl, tokens)
+            live[(role, rid)] = (server, tokens, now + ttl)
+        elif op == "finish":
+            got = t.finish(role, rid)
+            assert (got is not None) == ((role, rid) in live)
+            live.pop((role, rid), None)
+        elif op == "renew":
+            ok = t.renew(role, rid, now, ttl)
+            assert ok == ((role, rid) in live)
+            if ok:
+                s, tok, _ = live[(role, rid)]
+                live[(role, rid)] = (s, tok, now + ttl)
+        else:
+            gone = {(l.role, l.req_id) for l in t.expire(now)}
+            assert gone == {k for k, v in live.items() if v[2] <= now}
+            for k in gone:
+                del live[k]
+        for s in ("a", "b", "c"):
+            req, tok = t.load(s)
+            assert req >= 0 and tok >= 0
+            assert req == sum(1 for v in live.values() if v[0] == s)
+            assert tok == sum(v[1] for v in live.values() if v[0] == s)
+    assert len(t.expire(now + 10.0)) == len(live)
+    assert t.loads() == {} and t.total() == 0

@@ -1,0 +1,312 @@
+"""Routing policies over a real KvIndex + LeaseTable: affinity, balancing, cap, ties, args."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from router.block_keys import block_keys_list
+from router.events import BlocksStored
+from router.kv_index import KvIndex
+from router.leases import LeaseTable
+from router.policies import (Candidate, ConversationPolicy, IndexLoadView, KvCacheAwarePolicy,
+                             NoServerAvailable, RoutingKey, make_policy)
+
+B = 16
+SERVERS = ["http://a", "http://b", "http://c"]
+CANDS = [Candidate(s) for s in SERVERS]
+
+
+def prompt(seed: int, n_tokens: int = 512) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 50_000, size=n_tokens).tolist()
+
+
+def key_of(tokens, conv=None):
+    return RoutingKey(np.array(block_keys_list(tokens, B), dtype=np.uint64), len(tokens), conv)
+
+
+@pytest.fixture
+def env():
+    idx, leases = KvIndex(B), LeaseTable()
+    return idx, leases, IndexLoadView(idx, leases)
+
+
+def cache(idx, server, tokens):
+    keys = block_keys_list(tokens, B)
+    n = len(tokens) // B
+    idx.apply(server, BlocksStored(keys, None, tokens[:n * B], B))
+
+
+_req_ids = itertools.count(1_000_000)
+
+
+def load(leases, server, n, tokens_each=0):
+    """n in-flight requests on ``server`` (unique req ids)."""
+    for _ in range(n):
+        leases.acquire("ctx", next(_req_ids), server, 0.0, 60.0, tokens_each)
+
+
+# ---- round robin / load balancing -----------------------------------------------------------
+
+def test_round_robin_cycles_and_skips_unhealthy(env):
+    _, _, view = env
+    p = make_policy("round_robin", {})
+    got = [p.select(CANDS, None, view).server for _ in range(6)]
+    assert got == SERVERS * 2
+    cands = [Candidate("http://a"), Candidate("http://b", healthy=False), Candidate("http://c")]
+    d = p.select(cands, None, view)
+    assert d.server in ("http://a", "http://c")
+    assert {r["server"]: r["why"] for r in d.explanation["candidates"]}["http://b"] == "unhealthy"
+    with pytest.raises(NoServerAvailable, match="no healthy server among 1"):
+        p.select([Candidate("x", healthy=False)], None, view)
+    with pytest.raises(NoServerAvailable, match="no candidate"):
+        p.select([], None, view)
+
+
+def test_load_balancing_least_loaded_with_ties_in_turn(env):
+    _, leases, view = env
+    p = make_policy("load_balancing", {})
+    load(leases, "http://a", 2)
+    got = [p.select(CANDS, None, view).server for _ in range(4)]
+    assert got == ["http://b", "http://c", "http://b", "http://c"]
+    d = p.select(CANDS, None, view)
+    assert "tie of 2" in d.explanation["reason"]
+
+
+def test_load_balancing_by_tokens_counts_any_request(env):
+    _, leases, view = env
+    p = make_policy("load_balancing", {"use_tokens": True})
+    load(leases, "http://a", 1, tokens_each=10)
+    load(leases, "http://b", 3, tokens_each=1)
+    load(leases, "http://c", 1, tokens_each=50)
+    d = p.select(CANDS, None, view)
+    assert d.server == "http://b" and d.explanation["candidates"][1]["score"] == 3
+
+
+def test_power_of_two_choices_is_seeded_and_never_picks_the_worse_of_two(env):
+    _, leases, view = env
+    cands = [Candidate(f"s{i}") for i in range(8)]
+    for i in range(8):
+        load(leases, f"s{i}", i)
+    a = make_policy("load_balancing", {"power_of_two_choices": True}, seed=7)
+    b = make_policy("load_balancing", {"power_of_two_choices": True, "seed": 7})
+    seq_a = [a.select(cands, None, view).server for _ in range(50)]
+    seq_b = [b.select(cands, None, view).server for _ in range(50)]
+    assert seq_a == seq_b
+    assert "s7" not in seq_a  # the most loaded server loses every pairing
+    assert len(set(seq_a)) > 2  # but not always the global minimum
+    two = make_policy("load_balancing", {"power_of_two_choices": True}, seed=1)
+    assert {two.select(cands[:2], None, view).server for _ in range(5)} == {"s0"}
+
+
+# ---- kv_cache_aware --------------------------------------------------------------------------
+
+def test_kv_prefers_the_server_with_the_prefix(env):
+    idx, _, view = env
+    t = prompt(1)
+    cache(idx, "http://b", t[:384])
+    cache(idx, "http://c", t[:128])
+    p = make_policy("kv_cache_aware", {})
+    d = p.select(CANDS, key_of(t), view)
+    assert d.server == "http://b"
+    ex = d.explanation
+    assert ex["matched_tokens"] == 384 and ex["num_tokens"] == 512 and ex["policy"] == "kv_cache_aware"
+    rows = {r["server"]: r for r in ex["candidates"]}
+    assert rows["http://c"]["matched_tokens"] == 128 and rows["http://a"]["matched_tokens"] == 0
+    assert rows["http://b"]["score"] < rows["http://c"]["score"] < rows["http://a"]["score"]
+    assert set(rows["http://a"]) == {"server", "matched_tokens", "load_requests", "load_tokens",
+                                     "score", "why"}
+
+
+def test_kv_fully_cached_prompt_still_prefills_one_token(env):
+    idx, _, view = env
+    t = prompt(2, 256)
+    cache(idx, "http://a", t)
+    d = make_policy("kv_cache_aware", {}).select(CANDS, key_of(t), view)
+    assert d.explanation["matched_tokens"] == 255
+
+
+def test_kv_load_outweighs_a_small_cache_hit(env):
+    idx, leases, view = env
+    t = prompt(3)
+    cache(idx, "http://a", t[:64])
+    load(leases, "http://a", 1, tokens_each=4000)
+    assert make_policy("kv_cache_aware", {}).select(CANDS, key_of(t), view).server != "http://a"
+
+
+def test_kv_hotspot_cap_spreads_a_hot_prefix(env):
+    idx, leases, view = env
+    t = prompt(4)
+    cache(idx, "http://a", t)
+    p = make_policy("kv_cache_aware", {"load_tokens_weight": 0.0, "load_requests_weight": 0.0})
+    saw_hot = False
+    # identical prompts, load ignored by the cost: only the cap keeps a from taking all of them
+    for i in range(30):
+        d = p.select(CANDS, key_of(t), view)
+        leases.acquire("ctx", i, d.server, 0.0, 60.0, 512)
+        saw_hot |= any(r["why"].startswith("hot") for r in d.explanation["candidates"])
+        reqs = [leases.requests(s) for s in SERVERS]
+        assert reqs[0] <= 2.0 * sum(reqs) / 3 + 2.0 + 1  # never far above the cap
+    assert saw_hot and leases.requests("http://b") + leases.requests("http://c") >= 5
+    d2 = make_policy("kv_cache_aware", {"hotspot_factor": None, "load_tokens_weight": 0.0,
+                                        "load_requests_weight": 0.0}).select(CANDS, key_of(t), view)
+    assert d2.server == "http://a"  # cap disabled: the cache wins regardless of load
+
+
+def test_kv_cap_ignored_when_every_candidate_is_hot(env):
+    _, leases, view = env
+    p = make_policy("kv_cache_aware", {"max_batch_size": 4, "load_cap": 0.5, "hotspot_factor": None})
+    for s in SERVERS:
+        load(leases, s, 3)
+    d = p.select(CANDS, key_of(prompt(5)), view)
+    assert "every candidate hot" in d.explanation["reason"]
+
+
+def test_kv_upstream_load_cap(env):
+    _, leases, view = env
+    p = make_policy("kv_cache_aware", {"max_batch_size": 4, "load_cap": 0.5,
+                                       "hotspot_factor": None, "load_requests_weight": 0.0,
+                                       "load_tokens_weight": 0.0})
+    load(leases, "http://a", 2)
+    rows = {r["server"]: r["why"] for r in p.select(CANDS, key_of(prompt(6)), view)
+            .explanation["candidates"]}
+    assert rows["http://a"].startswith("hot: 2/4")
+
+
+def test_kv_ties_rotate(env):
+    _, _, view = env
+    p = make_policy("kv_cache_aware", {})
+    got = [p.select(CANDS, key_of(prompt(7)), view).server for _ in range(6)]
+    assert got == SERVERS * 2
+
+
+def test_kv_conversation_affinity_is_a_bonus_not_an_override(env):
+    idx, _, view = env
+    p = make_policy("kv_cache_aware", {"affinity_bonus": 0.1})
+    t = prompt(8)
+    assert p.select(CANDS, key_of(t, "conv-1"), view).server == "http://a"  # tie -> first
+    # next turn: no cache anywhere yet (events lag): affinity breaks the tie toward a
+    for _ in range(3):
+        d = p.select(CANDS, key_of(t, "conv-1"), view)
+        assert d.server == "http://a" and "affinity" in d.explanation["reason"]
+    # but a much better cache elsewhere wins over the bonus
+    cache(idx, "http://c", t)
+    d = p.select(CANDS, key_of(t, "conv-1"), view)
+    assert d.server == "http://c" and d.explanation["pinned"] == "http://a"
+    p.remove_server("http://c")
+    assert p._pins.get("conv-1") is None
+
+
+def test_kv_without_routing_key_balances(env):
+    _, leases, view = env
+    load(leases, "http://a", 1)
+    d = make_policy("kv_cache_aware", {}).select(CANDS, None, view)
+    assert d.server == "http://b" and d.explanation["num_tokens"] == 0
+
+
+# ---- conversation ----------------------------------------------------------------------------
+
+def test_explicit_conversation_is_sticky_and_repins(env):
+    _, leases, view = env
+    p = make_policy("conversation", {})
+    first = p.select(CANDS, RoutingKey(None, 0, "c1"), view).server
+    load(leases, first, 5)  # no overload gate for a sticky session
+    for _ in range(3):
+        d = p.select(CANDS, RoutingKey(None, 0, "c1"), view)
+        assert d.server == first and d.explanation["reason"].startswith("sticky")
+    others = [c for c in CANDS if c.server != first]
+    d = p.select(others + [Candidate(first, healthy=False)], RoutingKey(None, 0, "c1"), view)
+    assert d.server != first and "re-pinned" in d.explanation["reason"]
+    assert p.select(CANDS, RoutingKey(None, 0, "c1"), view).server == d.server
+
+
+def test_conversation_lru_bound_and_server_eviction(env):
+    _, _, view = env
+    p = make_policy("conversation", {"max_sessions": 2})
+    s1 = p.select(CANDS, RoutingKey(None, 0, "c1"), view).server
+    p.select(CANDS, RoutingKey(None, 0, "c2"), view)
+    p.select(CANDS, RoutingKey(None, 0, "c3"), view)  # evicts c1
+    assert len(p._pins) == 2 and p._pins.get("c1") is None
+    s3 = p._pins.get("c3")
+    p.remove_server(s3)
+    assert p._pins.get("c3") is None
+    assert s1 in SERVERS
+
+
+def test_implicit_sessions_follow_the_prefix(env):
+    _, leases, view = env
+    p: ConversationPolicy = make_policy("conversation", {"match_threshold": 0.6})
+    turn1 = prompt(9, 1024)
+    d1 = p.select(CANDS, key_of(turn1), view)
+    sid = d1.explanation["conversation"]
+    assert sid.startswith("implicit-")
+    load(leases, d1.server, 3)  # even when busier, the session stays
+    turn2 = turn1 + prompt(10, 300)
+    d2 = p.select(CANDS, key_of(turn2), view)
+    assert d2.server == d1.server and d2.explanation["conversation"] == sid
+    assert d2.explanation["matched_tokens"] == 1024
+    # a different conversation (or too little overlap) starts a new session
+    d3 = p.select(CANDS, key_of(turn1[:200] + prompt(11, 824)), view)
+    assert d3.explanation["conversation"] != sid and d3.server != d1.server
+    p.remove_server(d1.server)
+    d4 = p.select(CANDS, key_of(turn2 + prompt(12, 16)), view)
+    assert d4.explanation["conversation"] != sid
+
+
+def test_implicit_session_match_between_stride_marks(env):
+    _, _, view = env
+    p = make_policy("conversation", {"match_threshold": 0.9})
+    t = prompt(13, 16 * 13)  # 13 blocks: last block is not a stride (8) mark
+    d1 = p.select(CANDS, key_of(t), view)
+    d2 = p.select(CANDS, key_of(t + prompt(14, 8)), view)
+    assert d2.explanation["conversation"] == d1.explanation["conversation"]
+    assert d2.explanation["matched_tokens"] == 16 * 13
+
+
+# ---- make_policy -----------------------------------------------------------------------------
+
+def test_make_policy_rejects_unknown_and_mistyped_args():
+    with pytest.raises(ValueError, match="unknown router type 'fastest'"):
+        make_policy("fastest", {})
+    with pytest.raises(ValueError, match="unknown argument 'use_tokenz'"):
+        make_policy("load_balancing", {"use_tokenz": True})
+    with pytest.raises(ValueError, match="unknown argument 'x'.*expected one of"):
+        make_policy("round_robin", {"x": 1})
+    with pytest.raises(ValueError, match="'use_tokens' must be bool, found 'yes'"):
+        make_policy("load_balancing", {"use_tokens": "yes"})
+    with pytest.raises(ValueError, match="'prefill_weight' must be a number"):
+        make_policy("kv_cache_aware", {"prefill_weight": True})
+    with pytest.raises(ValueError, match="'max_sessions' must be positive"):
+        make_policy("conversation", {"max_sessions": 0})
+    with pytest.raises(ValueError, match="'load_tokens_weight' must be non-negative"):
+        make_policy("kv_cache_aware", {"load_tokens_weight": -1})
+    with pytest.raises(ValueError, match="match_threshold"):
+        make_policy("conversation", {"match_threshold": 1.5})
+    with pytest.raises(ValueError, match="hash_skip_count=3 is not supported"):
+        make_policy("conversation", {"hash_skip_count": 3})
+    with pytest.raises(ValueError, match="not both"):
+        make_policy("kv_cache_aware", {"load_weight": 0.25, "load_requests_weight": 1.0})
+
+
+def test_make_policy_accepts_upstream_trtllm_args():
+    p = make_policy("kv_cache_aware", {
+        "use_tokens": False, "max_batch_size": 64, "tokens_per_block": 32,
+        "tokenizer_dir": "/m", "model_path": "/m", "custom_tokenizer": None, "use_harmony": False,
+        "track_routed_blocks": True, "load_weight": 0.25, "load_cap": 0.9,
+        "max_num_tokens": 8192}, block_size=32)
+    assert isinstance(p, KvCacheAwarePolicy)
+    assert p.load_requests_weight == 8.0 and p.load_tokens_weight == 0.0 and p.load_cap == 0.9
+    assert p.passthrough == {"tokens_per_block": 32, "tokenizer_dir": "/m", "model_path": "/m",
+                             "custom_tokenizer": None, "use_harmony": False,
+                             "max_num_tokens": 8192}
+    c = make_policy("conversation", {"match_threshold": 0.75, "tokens_per_block": 128,
+                                     "use_token_ids": True, "hash_skip_count": 0,
+                                     "max_sessions": 10})
+    assert c.describe()["match_threshold"] == 0.75
+    assert make_policy("load_balancing", {"use_tokens": True, "max_batch_size": 8}).use_tokens
+    assert make_policy("round_robin", None).describe() == {"type": "round_robin"}
+    assert make_policy("kv_cache_aware", {}).needs_block_keys
+    assert not make_policy("round_robin", {}).needs_block_keys
