@@ -267,23 +267,36 @@ def test_control_plane_and_security(helm, name):
         assert port in [p["containerPort"] for c in spec["containers"] for p in c.get("ports") or []]
         for c in spec["containers"]:
             for e in c.get("env") or []:
-                assert "value" not in e or not re.search(r"KEY|TOKEN|SECRET|PASSWORD", e["name"]), \
+                assert "value" not in e or not re.search(r"(KEY|TOKEN|SECRET|PASSWORD)S?$", e["name"]), \
                     f"credential {e['name']} inlined as a plain value"
 
 
 def test_secrets_referenced_never_inlined(helm):
+    """Credentials come from existing Secrets into the fleet only, and the real config loader turns
+    that environment into the fleet's API keys and HMAC key; the coordinator, reading the same
+    cluster.yaml without them, still starts."""
+    from coordinator.config import apply_overrides, load_config
+
     docs = C.render_set(helm, "xpyd-multinode")
     assert not C.by_kind(docs, "Secret"), "the chart must not create Secrets holding credentials"
-    cfg = _cluster_yaml(docs)
-    assert cfg["api_keys_env"] == "SPLITSERVE_API_KEYS"
-    assert "api_keys" not in cfg and "internal_request_auth_key" not in cfg
+    raw = _cluster_yaml(docs)
+    assert not {"api_keys", "api_keys_env", "internal_request_auth_key"} & set(raw)
     fleet = C.component(docs, "fleet")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in fleet["env"]}
     assert env["SPLITSERVE_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "splitserve-api-keys", "key": "api-keys"}
-    assert env["SPLITSERVE_INTERNAL_REQUEST_AUTH_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "splitserve-hmac"
-    for role in ("context", "generation"):
-        wenv = {e["name"] for e in C.component(docs, role)["spec"]["template"]["spec"]["containers"][0]["env"]}
-        assert "SPLITSERVE_INTERNAL_REQUEST_AUTH_KEY" in wenv, f"{role} workers cannot verify the HMAC"
+    assert env["SPLITSERVE_INTERNAL_REQUEST_AUTH_KEY"]["valueFrom"]["secretKeyRef"] == \
+        {"name": "splitserve-hmac", "key": "hmac-key"}
+    secret_values = {"SPLITSERVE_API_KEYS": "key-one,key-two", "SPLITSERVE_INTERNAL_REQUEST_AUTH_KEY": "h" * 64}
+    fleet_env = {k: e.get("value", secret_values.get(k)) for k, e in env.items()}
+    cfg = apply_overrides(load_config(raw, env=fleet_env), env=fleet_env)
+    assert cfg.api_keys == ("key-one", "key-two")
+    assert cfg.internal_request_auth_key == "h" * 64
+    for comp in ("coordinator", "context", "generation"):
+        cenv = C.component(docs, comp)["spec"]["template"]["spec"]["containers"][0].get("env") or []
+        leaked = [e["name"] for e in cenv if "secretKeyRef" in (e.get("valueFrom") or {})]
+        assert not leaked, f"{comp} receives credentials it does not use: {leaked}"
+    coord_cfg = load_config(raw, env={})
+    assert coord_cfg.api_keys == () and coord_cfg.internal_request_auth_key is None
 
 
 def test_config_change_rolls_control_plane(helm):
@@ -463,3 +476,4 @@ def test_dashboard_uses_exported_metric_names():
         assert any(m.startswith(p) for p in METRIC_MODULES), f"{m}: no module exports this prefix"
     missing = sorted(used - exported_metric_names())
     assert not missing, f"dashboard queries metrics nobody exports: {missing}"
+

@@ -108,9 +108,16 @@ Call with (dict "root" $ "port" <int> "config" <bool>).
 {{- if $a }}{{ toYaml $a }}{{ end -}}
 {{- end -}}
 
-{{/* Env vars that carry credentials from existing Secrets (never inlined). */}}
-{{- define "splitserve.authEnv" -}}
+{{/*
+Credentials for the fleet, from existing Secrets (never inlined). The fleet alone needs them: it
+checks client API keys and signs disaggregated_params. The ConfigMap does not name api_keys_env
+(the coordinator reads the same file and would then demand the keys too); the fleet gets it as
+an environment override instead.
+*/}}
+{{- define "splitserve.fleetAuthEnv" -}}
 {{- with .Values.auth.apiKeys.existingSecret }}
+- name: SPLITSERVE_API_KEYS_ENV
+  value: SPLITSERVE_API_KEYS
 - name: SPLITSERVE_API_KEYS
   valueFrom:
     secretKeyRef:
@@ -133,14 +140,6 @@ Call with (dict "root" $ "port" <int> "config" <bool>).
 {{- if hasKey $.probe $k }}{{ $_ := set $o $k (index $.probe $k) }}{{ end -}}
 {{- end -}}
 {{- if $o }}{{ toYaml $o }}{{ end -}}
-{{- end -}}
-
-{{/* A container's env list (credentials, then user extras); empty string when there is none. */}}
-{{- define "splitserve.containerEnv" -}}
-{{- $out := trim (include "splitserve.authEnv" .root) -}}
-{{- with .pre }}{{ $out = printf "%s\n%s" (trim .) $out | trim }}{{ end -}}
-{{- with .extra }}{{ $out = printf "%s\n%s" $out (toYaml .) | trim }}{{ end -}}
-{{- $out -}}
 {{- end -}}
 
 {{/* A NetworkPolicy peer: the pods of one component of this release. */}}

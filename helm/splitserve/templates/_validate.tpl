@@ -12,6 +12,9 @@ what was expected and what was found. Included once, from configmap.yaml.
 {{- fail "fleet.hpa.enabled scales on CPU utilization, which needs fleet.resources.requests.cpu; found none" -}}
 {{- end -}}
 {{- end -}}
+{{- if gt (addf $f.drainTimeoutSeconds 5) (float64 $f.terminationGracePeriodSeconds) -}}
+{{- fail (printf "fleet.terminationGracePeriodSeconds (%v) must cover the 5 s preStop plus fleet.drainTimeoutSeconds (%v)" $f.terminationGracePeriodSeconds $f.drainTimeoutSeconds) -}}
+{{- end -}}
 {{- range $role := list "context" "generation" -}}
 {{- $w := include "splitserve.workerSettings" (dict "root" $ "role" $role) | fromYaml -}}
 {{- $p := $w.ports -}}
@@ -22,6 +25,9 @@ what was expected and what was found. Included once, from configmap.yaml.
 {{- $urls := (index $.Values.cluster $role).urls -}}
 {{- if and (not $w.enabled) (not $urls) -}}
 {{- fail (printf "no %s servers: workers.%s.enabled is false and cluster.%s.urls is empty; enable the workers or list static urls" $role $role $role) -}}
+{{- end -}}
+{{- if and (eq $w.engine "torch") (gt (mul (int $w.tpSize) (int $w.ppSize)) 1) -}}
+{{- fail (printf "workers.%s: the reference torch engine runs one device per worker; found tpSize %v x ppSize %v (use 1 and 1 and scale with replicas)" $role $w.tpSize $w.ppSize) -}}
 {{- end -}}
 {{- if and (eq $w.engine "sim") (eq $w.device "cuda") -}}
 {{- fail (printf "workers.%s: engine sim runs no model and needs no GPU; set device: cpu (found device: cuda)" $role) -}}
