@@ -23,7 +23,7 @@ evicted before its first: an evicted prefix would make every later block unreach
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from router.events import AllCleared, BlocksRemoved, BlocksStored
 
@@ -61,6 +61,7 @@ class BlockPool:
         self._by_key: dict[int, int] = {}
         self._events: list = []
         self._num_used = 0
+        self._num_pinned = 0
         # Counters (monotonic) for metrics.
         self.evictions = 0
         self.hit_blocks = 0
@@ -88,7 +89,8 @@ class BlockPool:
 
     @property
     def num_pinned(self) -> int:
-        return sum(1 for p in self._pins if p)
+        """Blocks with at least one pin (a subset of ``num_used``)."""
+        return self._num_pinned
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[self._check_id(block_id)]
@@ -227,15 +229,19 @@ class BlockPool:
                 raise BlockPoolError(f"cannot pin free block {b}")
         for b in ids:
             self._incref(b)
+            if self._pins[b] == 0:
+                self._num_pinned += 1
             self._pins[b] += 1
 
     def unpin(self, block_ids) -> None:
         ids = [self._check_id(b) for b in block_ids]
-        for b in ids:
-            if self._pins[b] <= 0:
-                raise BlockPoolError(f"unpin of block {b}, which is not pinned")
+        for b, n in Counter(ids).items():
+            if self._pins[b] < n:
+                raise BlockPoolError(f"unpin of block {b} {n}x, but it is pinned {self._pins[b]}x")
         for b in reversed(ids):
             self._pins[b] -= 1
+            if self._pins[b] == 0:
+                self._num_pinned -= 1
             self._decref(b)
 
     # ---------------------------------------------------------------- events
@@ -295,3 +301,4 @@ class BlockPool:
         assert used == self._num_used, f"used count {self._num_used} != {used}"
         assert len(self._by_key) == sum(1 for k in self._key if k is not None)
         assert self.num_free + self.num_cached + self.num_used == self.num_blocks
+        assert self._num_pinned == sum(1 for p in self._pins if p), "pinned count drifted"

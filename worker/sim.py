@@ -128,6 +128,7 @@ class SimEngine(Scheduler):
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
             pin_timeout_s=pin_timeout_s, worker_id=worker_id,
             receiver=SimReceiver(transfer_us_per_token))
+        self._sim_receiver = self.receiver
         self.prefill_us_per_token = float(prefill_us_per_token)
         self.decode_us_per_step = float(decode_us_per_step)
         self._alphabet = _alphabet(tokenizer, vocab, set(eos))
@@ -166,4 +167,4 @@ class SimEngine(Scheduler):
 
     async def stop(self) -> None:
         await super().stop()
-        await self.receiver.close()
+        await self._sim_receiver.close()
