@@ -1,0 +1,190 @@
+"""Active health: prepares servers (`GET /server_info`) and probes them (`GET /health`) on an interval.
+
+One tick probes every server concurrently, each call bounded by `timeout_s`, so a hung worker
+delays nothing but its own probe. The loop only reports results; every decision (eject, readmit,
+refuse) is the registry's, applied through the coordinator's `on_prepared` hook so that the KV
+side (subscribe, resync on restart) follows the same transition.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+import aiohttp
+import orjson
+
+from coordinator.registry import Registry, ServerEntry, ServerState
+
+log = logging.getLogger("splitserve.coordinator.health")
+
+PreparedHook = Callable[[ServerEntry, dict], None]
+
+
+class HealthMonitor:
+    """Drives `Registry` from real HTTP calls. `start()` spawns the loop; `kick(url)` prepares a
+    server now (new registration) instead of waiting for the next tick."""
+
+    def __init__(self, registry: Registry, *, interval_s: float, timeout_s: float,
+                 on_prepared: PreparedHook, on_tick: Callable[[float], Awaitable[None] | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.registry = registry
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.on_prepared = on_prepared
+        self.on_tick = on_tick
+        self.clock = clock
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self._inflight: dict[str, asyncio.Task] = {}
+        self.ticks = 0
+        self.probes = 0
+        self.probe_failures = 0
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            # Probes must not be slowed or confused by proxies configured for client traffic.
+            trust_env=False,
+        )
+        await self.tick()  # first preparation happens before the service reports its URL
+        self._task = asyncio.create_task(self._loop(), name="coordinator-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for t in list(self._inflight.values()):
+            t.cancel()
+        if self._inflight:
+            await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        self._inflight.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("HealthMonitor.start() has not been called")
+        return self._session
+
+    def kick(self, url: str) -> None:
+        """Check one server now (registration, readmission), unless a check is already running."""
+        if self._session is None or url in self._inflight:
+            return
+        t = asyncio.get_running_loop().create_task(self._check(url))
+        self._inflight[url] = t
+        t.add_done_callback(lambda _t, u=url: self._inflight.pop(u, None))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in one tick must not end health checking
+                log.exception("health tick failed")
+
+    async def tick(self) -> None:
+        self.ticks += 1
+        now = self.clock()
+        self.registry.expire_registrations(now)
+        urls = [u for u in list(self.registry.servers) if u not in self._inflight]
+        tasks = []
+        for u in urls:
+            t = asyncio.get_running_loop().create_task(self._check(u))
+            self._inflight[u] = t
+            t.add_done_callback(lambda _t, uu=u: self._inflight.pop(uu, None))
+            tasks.append(t)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self.on_tick is not None:
+            r = self.on_tick(self.clock())
+            if r is not None:
+                await r
+
+    async def _check(self, url: str) -> None:
+        e = self.registry.get(url)
+        if e is None:
+            return
+        state = e.state
+        if state is ServerState.HEALTHY:
+            err = await self._probe(url)
+            now = self.clock()
+            if err is None:
+                self.registry.probe_ok(url, now)
+            else:
+                self.registry.probe_failed(url, err, now)
+            return
+        if state is ServerState.UNHEALTHY:
+            if not self.registry.may_readmit(e, self.clock()):
+                return
+            err = await self._probe(url)
+            if err is not None:
+                e.last_error = err
+                return
+        # pending, refused, or an ejected server that answers again: (re)read its /server_info.
+        await self._prepare(url)
+
+    async def _probe(self, url: str) -> str | None:
+        self.probes += 1
+        try:
+            async with self.session.get(url + "/health", allow_redirects=False) as r:
+                await r.read()
+                if r.status == 200:
+                    return None
+                err = f"GET /health answered {r.status}"
+        except asyncio.TimeoutError:
+            err = f"GET /health timed out after {self.timeout_s:g}s"
+        except (aiohttp.ClientError, OSError) as exc:
+            err = f"GET /health failed: {type(exc).__name__}: {exc}"
+        self.probe_failures += 1
+        return err
+
+    async def _prepare(self, url: str) -> None:
+        try:
+            async with self.session.get(url + "/server_info", allow_redirects=False) as r:
+                body = await r.read()
+                status = r.status
+        except asyncio.TimeoutError:
+            self.registry.prepare_failed(url, f"GET /server_info timed out after {self.timeout_s:g}s",
+                                         self.clock())
+            return
+        except (aiohttp.ClientError, OSError) as exc:
+            self.registry.prepare_failed(url, f"GET /server_info failed: {type(exc).__name__}: {exc}",
+                                         self.clock())
+            return
+        if status == 404:
+            # A stock engine without /server_info: admit it once it is healthy; its KV events, if
+            # any, come from the config (`kv_events`).
+            err = await self._probe(url)
+            if err is not None:
+                self.registry.prepare_failed(url, err, self.clock())
+                return
+            info: dict = {}
+        elif status != 200:
+            self.registry.prepare_failed(url, f"GET /server_info answered {status}", self.clock())
+            return
+        else:
+            try:
+                info = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                self.registry.prepare_failed(url, f"GET /server_info returned invalid JSON: {exc}",
+                                             self.clock())
+                return
+            if not isinstance(info, dict):
+                self.registry.prepare_failed(
+                    url, f"GET /server_info returned {type(info).__name__}, expected an object",
+                    self.clock())
+                return
+        e = self.registry.get(url)
+        if e is not None:
+            self.on_prepared(e, info)

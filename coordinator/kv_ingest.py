@@ -1,0 +1,538 @@
+"""KV-event ingestion: ZMQ subscriptions feeding the KV index, with gap repair and rebuilds.
+
+One `WorkerFeed` per server with an event source. Invariants:
+- Batches of a feed are applied strictly in `seq` order, each at most once, on the event loop
+  (the index has a single writer; `/select` reads it between batches, never mid-batch).
+- While a feed repairs (replay or snapshot in flight) its live batches are buffered, then drained
+  through the same ordering rules.
+- A gap is repaired by replay over a DEALER socket from `last + 1`; if replay is unavailable, times
+  out, or starts after the requested seq (the publisher's buffer moved on), the server's entries are
+  cleared (and rebuilt from `/kv_snapshot` when the server offers one). A seq at or below the last
+  applied one means the publisher restarted: clear, then rebuild.
+- A feed counts as ready for kv-aware placement once its initial rebuild finished or gave up
+  (bounded by the replay / rebuild timeouts).
+- Nothing here blocks: sockets are zmq.asyncio, HTTP is aiohttp, and every wait has a timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import aiohttp
+import msgpack
+import zmq
+import zmq.asyncio
+
+from coordinator.errors import BadRequest
+from coordinator.wire import block_keys_array
+from router.events import AllCleared, BlocksRemoved, BlocksStored, EventDecodeError, decode_zmq
+
+log = logging.getLogger("splitserve.coordinator.kv_ingest")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_PENDING = 100_000
+MAX_REPAIRS_IN_A_ROW = 3
+
+
+@dataclass(frozen=True, slots=True)
+class FeedSource:
+    """Where one server's events come from. `endpoint` None = the publisher connects to our bind
+    endpoint and is recognised by its (non-empty) `topic`."""
+    endpoint: str | None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    engine: str = "vllm"
+    snapshot_url: str | None = None   # full http URL of the worker's /kv_snapshot
+
+
+@dataclass(slots=True, eq=False)
+class WorkerFeed:
+    server: str
+    source: FeedSource
+    sock: zmq.asyncio.Socket | None = None
+    last_seq: int | None = None
+    ready: bool = False
+    repairing: bool = False
+    pending: deque = field(default_factory=deque)
+    tasks: set = field(default_factory=set)
+    repairs_in_a_row: int = 0
+    # counters
+    batches_applied: int = 0
+    events_applied: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replays_ok: int = 0
+    replays_failed: int = 0
+    snapshots: int = 0
+    resets: int = 0
+    clears: dict = field(default_factory=dict)   # cause -> count
+    decode_errors: int = 0
+    apply_errors: int = 0
+    stale_dropped: int = 0
+    last_ts: float | None = None                 # publisher wall time of the last applied batch
+    lag_s: float | None = None                   # apply time - publish time of that batch
+    last_applied_mono: float | None = None
+    sync_started_mono: float | None = None
+    sync_outcome: str = "pending"
+
+    def describe(self, now_mono: float) -> dict:
+        return {
+            "endpoint": self.source.endpoint,
+            "replay_endpoint": self.source.replay_endpoint,
+            "topic": self.source.topic,
+            "format": self.source.engine,
+            "snapshot": self.source.snapshot_url,
+            "ready": self.ready,
+            "sync": self.sync_outcome,
+            "repairing": self.repairing,
+            "last_seq": self.last_seq,
+            "lag_s": None if self.lag_s is None else round(self.lag_s, 6),
+            "age_s": None if self.last_applied_mono is None else round(now_mono - self.last_applied_mono, 3),
+            "batches_applied": self.batches_applied,
+            "events_applied": self.events_applied,
+            "blocks_stored": self.blocks_stored,
+            "blocks_removed": self.blocks_removed,
+            "gaps": self.gaps,
+            "replays": {"ok": self.replays_ok, "failed": self.replays_failed},
+            "snapshots": self.snapshots,
+            "resets": self.resets,
+            "clears": dict(self.clears),
+            "decode_errors": self.decode_errors,
+        }
+
+
+class _RateLimitedLog:
+    def __init__(self, period_s: float = 10.0):
+        self.period_s = period_s
+        self._last: dict = {}
+
+    def __call__(self, level: int, key, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) >= self.period_s:
+            self._last[key] = now
+            log.log(level, msg, *args)
+
+
+class KvIngest:
+    """Owns the ZMQ context and one feed per server. `index` is the router's `KvIndex`."""
+
+    def __init__(self, index, *, block_size: int, key_scheme: str, replay_timeout_s: float,
+                 rebuild_timeout_s: float, bind_endpoint: str | None = None,
+                 http: Callable[[], aiohttp.ClientSession] | None = None,
+                 on_ready: Callable[[str], None] | None = None):
+        self.index = index
+        self._on_ready = on_ready
+        self.block_size = block_size
+        self.key_scheme = key_scheme
+        self.replay_timeout_s = replay_timeout_s
+        self.rebuild_timeout_s = rebuild_timeout_s
+        self.bind_endpoint = bind_endpoint
+        self._http = http
+        self.ctx: zmq.asyncio.Context | None = None
+        self.feeds: dict[str, WorkerFeed] = {}
+        self._by_topic: dict[bytes, WorkerFeed] = {}
+        self._bound: zmq.asyncio.Socket | None = None
+        self._bound_task: asyncio.Task | None = None
+        self.bound_endpoint: str | None = None  # resolved (port 0 → real port)
+        self.unknown_topic = 0
+        self._rl = _RateLimitedLog()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        if self.bind_endpoint:
+            s = self.ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.RCVHWM, 100_000)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.bind(self.bind_endpoint)
+            self.bound_endpoint = s.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._bound = s
+            self._bound_task = asyncio.create_task(self._read_bound(), name="kv-ingest-bound")
+            log.info("KV-event ingest bound at %s", self.bound_endpoint)
+
+    async def stop(self) -> None:
+        for server in list(self.feeds):
+            self.detach(server, remove=False)
+        if self._bound_task is not None:
+            self._bound_task.cancel()
+            await asyncio.gather(self._bound_task, return_exceptions=True)
+            self._bound_task = None
+        if self._bound is not None:
+            self._bound.close(linger=0)
+            self._bound = None
+        await asyncio.sleep(0)
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+
+    # ---- membership -------------------------------------------------------------------------
+    def attach(self, server: str, source: FeedSource) -> WorkerFeed:
+        """Subscribe to a server's events and rebuild its index entries (idempotent per source)."""
+        if self.ctx is None:
+            raise RuntimeError("KvIngest.start() has not been called")
+        cur = self.feeds.get(server)
+        if cur is not None:
+            if cur.source == source:
+                return cur
+            log.info("KV-event source of %s changed; resubscribing", server)
+            self.detach(server, remove=False)
+            self.index.clear_worker(server)
+        feed = WorkerFeed(server=server, source=source)
+        self.feeds[server] = feed
+        if source.endpoint:
+            s = self.ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.RCVHWM, 100_000)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+            s.connect(source.endpoint)
+            feed.sock = s
+            self._spawn(feed, self._read(feed))
+        elif source.topic:
+            if self._bound is None:
+                log.warning("server %s publishes to topic %r without an endpoint, but no "
+                            "coordinator.event_ingest.bind_endpoint is configured; no events will "
+                            "arrive", server, source.topic)
+            self._by_topic[source.topic.encode()] = feed
+        else:
+            log.warning("server %s has a KV-event source with neither endpoint nor topic", server)
+        self._start_rebuild(feed, "initial")
+        return feed
+
+    def detach(self, server: str, remove: bool = True) -> None:
+        feed = self.feeds.pop(server, None)
+        if feed is None:
+            if remove:
+                self.index.remove_worker(server)
+            return
+        for t in list(feed.tasks):
+            t.cancel()
+        if feed.sock is not None:
+            feed.sock.close(linger=0)
+            feed.sock = None
+        if feed.source.topic and self._by_topic.get(feed.source.topic.encode()) is feed:
+            del self._by_topic[feed.source.topic.encode()]
+        if remove:
+            self.index.remove_worker(server)
+
+    def resync(self, server: str, cause: str) -> None:
+        """Forget a server's entries and rebuild them (e.g. the worker process was replaced)."""
+        feed = self.feeds.get(server)
+        self._clear(feed, server, cause)
+        if feed is not None:
+            feed.last_seq = None
+            feed.ready = False
+            feed.pending.clear()
+            if self._on_ready is not None:
+                self._on_ready(server)
+            self._start_rebuild(feed, cause)
+
+    def kv_ready(self, server: str) -> bool:
+        feed = self.feeds.get(server)
+        return True if feed is None else feed.ready
+
+    # ---- live path --------------------------------------------------------------------------
+    def _spawn(self, feed: WorkerFeed, coro) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        feed.tasks.add(t)
+        t.add_done_callback(feed.tasks.discard)
+        return t
+
+    async def _read(self, feed: WorkerFeed) -> None:
+        sock = feed.sock
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                self._rl(logging.WARNING, ("recv", feed.server), "KV events from %s: %s", feed.server, exc)
+                await asyncio.sleep(0.1)
+                continue
+            self._on_frames(feed, frames)
+
+    async def _read_bound(self) -> None:
+        sock = self._bound
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                await asyncio.sleep(0.1)
+                continue
+            feed = self._by_topic.get(frames[0]) if len(frames) == 3 else None
+            if feed is None:
+                self.unknown_topic += 1
+                self._rl(logging.WARNING, ("topic", frames[0] if frames else b""),
+                         "KV events on the bound endpoint with unknown topic %r dropped",
+                         frames[0] if frames else b"")
+                continue
+            self._on_frames(feed, frames)
+
+    def _on_frames(self, feed: WorkerFeed, frames: list[bytes]) -> None:
+        try:
+            batch = decode_zmq(frames, engine=feed.source.engine)
+        except (EventDecodeError, ValueError) as exc:
+            feed.decode_errors += 1
+            self._rl(logging.WARNING, ("decode", feed.server),
+                     "undecodable KV-event batch from %s: %s; clearing its entries", feed.server, exc)
+            if feed.repairing:
+                return  # the repair's replay or snapshot supersedes this batch or fails loudly
+            seq = int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == 8 else None
+            # The lost batch may have stored or removed anything: the entries cannot be trusted.
+            self._clear(feed, feed.server, "decode_error")
+            feed.last_seq = seq
+            if feed.source.snapshot_url:
+                self._start_rebuild(feed, "decode_error")
+            return
+        self._ingest(feed, batch, front=False)
+
+    def _ingest(self, feed: WorkerFeed, batch, front: bool) -> None:
+        """Apply, buffer, or repair around one batch. `front` marks a batch drained from the
+        repair buffer (it goes back to the front if another repair starts)."""
+        if feed.repairing:
+            self._buffer(feed, batch, front)
+            return
+        seq = batch.seq
+        last = feed.last_seq
+        if last is None or seq == last + 1:
+            self._apply(feed, batch)
+            return
+        if seq <= last:
+            if front:
+                # Received while repairing and already covered by the replay or snapshot.
+                feed.stale_dropped += 1
+                return
+            # PUB/SUB delivers in order, so a smaller live seq is a new publisher incarnation.
+            feed.resets += 1
+            log.warning("KV-event seq of %s went from %d to %d: publisher restarted; rebuilding",
+                        feed.server, last, seq)
+            self._clear(feed, feed.server, "seq_reset")
+            feed.last_seq = None
+            self._buffer(feed, batch, front)
+            self._start_rebuild(feed, "seq_reset")
+            return
+        feed.gaps += 1
+        self._rl(logging.WARNING, ("gap", feed.server), "KV-event gap from %s: expected seq %d, got %d",
+                 feed.server, last + 1, seq)
+        self._buffer(feed, batch, front)
+        feed.repairing = True
+        self._spawn(feed, self._repair_gap(feed, last + 1))
+
+    def _buffer(self, feed: WorkerFeed, batch, front: bool) -> None:
+        if len(feed.pending) >= MAX_PENDING:
+            feed.pending.clear()
+            self._clear(feed, feed.server, "buffer_overflow")
+            feed.last_seq = None
+            self._rl(logging.ERROR, ("overflow", feed.server),
+                     "KV events of %s overflowed the repair buffer; entries cleared", feed.server)
+        if front:
+            feed.pending.appendleft(batch)
+        else:
+            feed.pending.append(batch)
+
+    def _apply(self, feed: WorkerFeed, batch) -> None:
+        index = self.index
+        server = feed.server
+        dp = batch.dp_rank or 0
+        for ev in batch.events:
+            try:
+                index.apply(server, ev, dp)
+            except Exception as exc:  # a malformed event must not stop the stream
+                feed.apply_errors += 1
+                self._rl(logging.WARNING, ("apply", server), "KV event from %s not applied: %s: %s",
+                         server, type(exc).__name__, exc)
+                continue
+            feed.events_applied += 1
+            if isinstance(ev, BlocksStored):
+                feed.blocks_stored += _n_blocks(ev)
+            elif isinstance(ev, BlocksRemoved):
+                feed.blocks_removed += _n_blocks(ev)
+            elif isinstance(ev, AllCleared):
+                feed.clears["all_cleared_event"] = feed.clears.get("all_cleared_event", 0) + 1
+        feed.last_seq = batch.seq
+        feed.batches_applied += 1
+        feed.repairs_in_a_row = 0
+        if batch.ts is not None:
+            feed.last_ts = batch.ts
+            feed.lag_s = max(0.0, time.time() - batch.ts)
+        feed.last_applied_mono = time.monotonic()
+
+    def _clear(self, feed: WorkerFeed | None, server: str, cause: str) -> None:
+        self.index.clear_worker(server)
+        if feed is not None:
+            feed.clears[cause] = feed.clears.get(cause, 0) + 1
+
+    def _drain(self, feed: WorkerFeed) -> None:
+        while feed.pending and not feed.repairing:
+            self._ingest(feed, feed.pending.popleft(), front=True)
+
+    # ---- repair and rebuild -----------------------------------------------------------------
+    def _start_rebuild(self, feed: WorkerFeed, cause: str) -> None:
+        if feed.repairing:
+            return
+        feed.repairing = True
+        feed.sync_started_mono = time.monotonic()
+        self._spawn(feed, self._rebuild(feed, cause))
+
+    async def _rebuild(self, feed: WorkerFeed, cause: str) -> None:
+        """Make the feed's entries complete as of some seq, then resume the live stream."""
+        try:
+            outcome = "live only"
+            if feed.source.snapshot_url and await self._load_snapshot(feed):
+                outcome = "snapshot"
+            elif feed.source.replay_endpoint:
+                batches = await self._replay(feed, 0)
+                if batches is None:
+                    outcome = "replay unavailable"
+                else:
+                    self._clear(feed, feed.server, f"rebuild_{cause}")
+                    feed.last_seq = None
+                    for b in batches:
+                        self._apply(feed, b)
+                    if batches and batches[0].seq > 0:
+                        outcome = f"replay from seq {batches[0].seq} (older history evicted)"
+                    else:
+                        outcome = "replay"
+            feed.sync_outcome = outcome
+            if outcome not in ("snapshot", "replay", "live only"):
+                log.warning("KV index of %s rebuilt partially (%s); it fills from live events",
+                            feed.server, outcome)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("rebuilding the KV index of %s failed", feed.server)
+            feed.sync_outcome = "failed"
+        finally:
+            was_ready, feed.ready = feed.ready, True
+            feed.repairing = False
+        if not was_ready and self._on_ready is not None and self.feeds.get(feed.server) is feed:
+            self._on_ready(feed.server)
+        self._drain(feed)
+
+    async def _repair_gap(self, feed: WorkerFeed, start: int) -> None:
+        feed.repairs_in_a_row += 1
+        try:
+            batches = None
+            if feed.source.replay_endpoint and feed.repairs_in_a_row <= MAX_REPAIRS_IN_A_ROW:
+                batches = await self._replay(feed, start)
+            if batches is not None:
+                wanted = [b for b in batches if b.seq >= start]
+                if wanted and wanted[0].seq == start:
+                    feed.replays_ok += 1
+                    for b in wanted:
+                        if b.seq == feed.last_seq + 1:
+                            self._apply(feed, b)
+                    return
+                feed.replays_failed += 1
+                log.warning("replay from %s started at seq %s, not %d: history evicted; clearing",
+                            feed.server, wanted[0].seq if wanted else None, start)
+            # Unrepairable: the entries may hold removed blocks or miss stored ones.
+            self._clear(feed, feed.server, "gap_unrepaired")
+            feed.last_seq = None
+            if feed.source.snapshot_url:
+                await self._load_snapshot(feed)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("repairing the KV-event gap of %s failed", feed.server)
+            self._clear(feed, feed.server, "gap_unrepaired")
+            feed.last_seq = None
+        finally:
+            feed.repairing = False
+        self._drain(feed)
+
+    async def _replay(self, feed: WorkerFeed, start: int) -> list | None:
+        """Batches with seq >= start from the publisher's replay buffer, or None if it did not
+        answer completely within `replay_timeout_s`."""
+        feed.replays += 1
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        out = []
+        try:
+            sock.connect(feed.source.replay_endpoint)
+            # vLLM's ROUTER expects [identity, b"", start]; a DEALER must add the empty delimiter.
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.replay_timeout_s
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await sock.poll(remaining * 1000, zmq.POLLIN):
+                    feed.replays_failed += 1
+                    log.warning("replay from %s (%s) timed out after %.1fs", feed.server,
+                                feed.source.replay_endpoint, self.replay_timeout_s)
+                    return None
+                frames = await sock.recv_multipart()
+                # Every reply form ends in [seq_be8, payload]: [b"", (topic,) seq, payload].
+                if len(frames) < 2:
+                    feed.decode_errors += 1
+                    return None
+                seq_b, payload = frames[-2], frames[-1]
+                if seq_b == END_SEQ and not payload:
+                    return out
+                try:
+                    out.append(decode_zmq([seq_b, payload], engine=feed.source.engine))
+                except (EventDecodeError, ValueError) as exc:
+                    feed.decode_errors += 1
+                    log.warning("undecodable replay batch from %s: %s", feed.server, exc)
+                    return None
+        finally:
+            sock.close(linger=0)
+
+    async def _load_snapshot(self, feed: WorkerFeed) -> bool:
+        """Replace the feed's entries with the worker's `/kv_snapshot`; False if unusable."""
+        if self._http is None:
+            return False
+        url = feed.source.snapshot_url
+        try:
+            async with self._http().get(url, timeout=aiohttp.ClientTimeout(total=self.rebuild_timeout_s),
+                                        headers={"Accept": "application/msgpack"}) as r:
+                body = await r.read()
+                if r.status != 200:
+                    log.warning("GET %s answered %d; cannot rebuild from a snapshot", url, r.status)
+                    return False
+            snap = msgpack.unpackb(body, raw=False)
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            log.warning("GET %s failed: %s: %s", url, type(exc).__name__, exc)
+            return False
+        if not isinstance(snap, dict):
+            log.warning("%s is not a msgpack map; ignoring it", url)
+            return False
+        bs, ks = snap.get("block_size"), snap.get("key_scheme")
+        if bs != self.block_size or ks != self.key_scheme:
+            log.warning("snapshot of %s is keyed at block size %r / scheme %r, routing uses %d / %s; "
+                        "not usable", feed.server, bs, ks, self.block_size, self.key_scheme)
+            return False
+        seq = snap.get("seq")
+        if seq is not None and (type(seq) is not int or seq < -1):
+            log.warning("snapshot of %s has invalid seq %r", feed.server, seq)
+            return False
+        try:
+            keys = block_keys_array(snap.get("block_keys") or [], "block_keys")
+        except BadRequest as exc:
+            log.warning("snapshot of %s has invalid block keys: %s", feed.server, exc.message)
+            return False
+        self._clear(feed, feed.server, "snapshot_reload")
+        self.index.load_snapshot(feed.server, keys.tolist())
+        feed.snapshots += 1
+        feed.blocks_stored += int(keys.size)
+        feed.last_seq = None if seq is None or seq < 0 else seq
+        return True
+
+
+def _n_blocks(ev) -> int:
+    hashes = getattr(ev, "engine_hashes", None)
+    if hashes is None:
+        hashes = getattr(ev, "block_hashes", ())
+    return len(hashes)

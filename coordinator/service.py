@@ -1,0 +1,897 @@
+"""The coordinator: the one owner of cluster state, and its HTTP API (TCP and Unix socket).
+
+`Coordinator` holds the registry and health loop, the KV index fed by ZMQ events, the load leases,
+the routing policies (and with them the conversation table) and the fleet identities. Its methods
+are synchronous state operations (one event loop, no locks): the HTTP handlers and the in-process
+client call the same ones, so the one-process topology and the networked one behave alike.
+
+Invariants:
+- Every placement creates a lease keyed by `(role, req_id)`; a repeated placement of the same key
+  replaces the lease (its load is released first), `finish` is idempotent, and expiry releases
+  leases nobody finished or renewed. In-flight counts therefore return to zero after any mix.
+- Only `healthy` servers are candidates; for `kv_cache_aware`, servers whose index is still being
+  rebuilt are skipped while any rebuilt one is available.
+- `is_ready()` is true only while each role has at least its configured minimum of healthy servers.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+from aiohttp import web
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_runner import ServerRunner
+from aiohttp.web_server import Server
+
+from coordinator import metrics as metrics_mod
+from coordinator import wire
+from coordinator.config import ClusterConfig, load_config
+from coordinator.errors import BadRequest, NoServerAvailable
+from coordinator.health import HealthMonitor
+from coordinator.identity import IdentityExhausted, IdentityTable
+from coordinator.kv_ingest import FeedSource, KvIngest
+from coordinator.metrics import LatencyHistogram
+from coordinator.registry import CONTEXT, GENERATION, Registry, ServerEntry, ServerState, normalize_url
+from router.block_keys import salt_seed
+from router.kv_index import KvIndex
+from router.leases import LeaseTable
+from router.policies import Candidate, RoutingKey, make_policy
+
+log = logging.getLogger("splitserve.coordinator")
+
+VERSION = "0.1.0"
+ROLES = (CONTEXT, GENERATION)
+EMPTY_INDEX_GRACE_S = 10.0      # kv-aware traffic this long with an empty index raises the warning
+EMPTY_INDEX_WARN_EVERY_S = 60.0
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class Stats:
+    selects: dict = field(default_factory=lambda: {CONTEXT: 0, GENERATION: 0})
+    select_rejected: dict = field(default_factory=dict)     # (role, reason) -> n
+    bad_requests: dict = field(default_factory=dict)        # endpoint -> n
+    pair_modes: dict = field(default_factory=dict)          # mode -> n
+    finishes: dict = field(default_factory=dict)            # (role, success) -> n
+    finish_unknown: int = 0
+    renewed: int = 0
+    renew_unknown: int = 0
+    leases_replaced: int = 0
+    leases_expired: dict = field(default_factory=lambda: {CONTEXT: 0, GENERATION: 0})
+    empty_index_warnings: int = 0
+    select_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+
+class _LoadView:
+    """The policies' window on load and cache state (router.policies.LoadView). The methods are
+    the table's and the index's own bound methods: no extra call layer per candidate."""
+
+    __slots__ = ("requests", "tokens", "matched_blocks")
+
+    def __init__(self, leases: LeaseTable, index: KvIndex):
+        self.requests = leases.requests
+        self.tokens = leases.tokens
+        self.matched_blocks = index.longest_prefix
+
+
+class Coordinator:
+    """All cluster state. Build, `await start()`, use, `await stop()`."""
+
+    def __init__(self, config: ClusterConfig | dict | str | os.PathLike | None = None, *,
+                 clock: Callable[[], float] = time.monotonic):
+        cfg = config if isinstance(config, ClusterConfig) else load_config(config)
+        self.config = cfg
+        self.clock = clock
+        self.block_size = cfg.routing.block_size
+        self.key_scheme = cfg.routing.key_scheme
+        self.ns_seed = salt_seed(cfg.routing.namespace) if cfg.routing.namespace else 0
+        self.lease_ttl_s = cfg.leases.ttl_s
+        co = cfg.coordinator
+        dc = cfg.disagg_cluster
+        mi = dc.minimal_instances if dc is not None else None
+        self.minimal = {CONTEXT: mi.context_servers if mi else 1,
+                        GENERATION: mi.generation_servers if mi else 1}
+        self.index = KvIndex(block_size=self.block_size)
+        self.leases = LeaseTable()
+        self.identities = IdentityTable(co.identity_ttl_s)
+        self.stats = Stats()
+        self.registry = Registry(
+            block_size=self.block_size, key_scheme=self.key_scheme,
+            failure_threshold=co.health_failure_threshold,
+            min_ejection_s=co.health_check_interval_s,
+            default_ttl_s=dc.inactive_timeout_sec if dc is not None else 30.0,
+            on_change=self._on_state_change, on_remove=self._on_removed)
+        groups = cfg.server_groups()
+        self.router_types = {role: groups[role].router.type for role in ROLES}
+        self.router_args = {role: dict(groups[role].router.args) for role in ROLES}
+        self.policies = {role: make_policy(self.router_types[role], self.router_args[role],
+                                           block_size=self.block_size) for role in ROLES}
+        self._kv_aware = {role: self.router_types[role] == "kv_cache_aware" for role in ROLES}
+        # Routed-but-unconfirmed blocks count for the chosen server until a BlockStored confirms
+        # them or they expire (covers the window between placement and the engine's event).
+        self._spec_ttl = {role: (getattr(self.policies[role], "speculative_ttl_s", None)
+                                 if getattr(self.policies[role], "track_routed_blocks", False)
+                                 else None) for role in ROLES}
+        self._static_kv: dict[str, FeedSource] = {}
+        now = clock()
+        for role in ROLES:
+            g = groups[role]
+            for url in g.urls:
+                self.registry.add_static(url, role, now)
+            for src in g.kv_events:
+                self._static_kv[normalize_url(src.server)] = FeedSource(
+                    endpoint=src.endpoint, replay_endpoint=src.replay_endpoint, topic=src.topic,
+                    engine=src.engine, snapshot_url=None)
+        self.kv = KvIngest(self.index, block_size=self.block_size, key_scheme=self.key_scheme,
+                           replay_timeout_s=co.event_ingest.replay_timeout_s,
+                           rebuild_timeout_s=co.event_ingest.rebuild_timeout_s,
+                           bind_endpoint=co.event_ingest.bind_endpoint,
+                           http=lambda: self.health.session, on_ready=self._on_kv_ready)
+        self.health = HealthMonitor(self.registry, interval_s=co.health_check_interval_s,
+                                    timeout_s=co.server_info_timeout_s, on_prepared=self._on_prepared,
+                                    clock=clock)
+        self._view = _LoadView(self.leases, self.index)
+        self._cand_version = -1
+        self._kv_version = 0
+        self._cands: dict[str, list] = {CONTEXT: [], GENERATION: []}
+        self._entries: dict[str, ServerEntry] = {}
+        self._kv_traffic: dict[str, int] = {}       # kv-aware placements since the last check
+        self._kv_traffic_since: dict[str, float] = {}
+        self._empty_warned: dict[str, float] = {}
+        self.empty_index_servers: set[str] = set()
+        self._inflight = {CONTEXT: 0, GENERATION: 0}   # mirrors the lease table per role
+        self.started_at = now
+        self._maint: asyncio.Task | None = None
+        self._started = False
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self.started_at = self.clock()
+        await self.kv.start()
+        await self.health.start()
+        self._maint = asyncio.create_task(self._maintenance(), name="coordinator-maintenance")
+        log.info("coordinator started: %d context / %d generation servers known, ready=%s",
+                 len(self.registry.in_role(CONTEXT)), len(self.registry.in_role(GENERATION)),
+                 self.is_ready())
+
+    async def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        if self._maint is not None:
+            self._maint.cancel()
+            await asyncio.gather(self._maint, return_exceptions=True)
+            self._maint = None
+        await self.health.stop()
+        await self.kv.stop()
+
+    async def _maintenance(self) -> None:
+        period = max(0.05, min(1.0, self.lease_ttl_s / 4))
+        next_check = 0.0
+        while True:
+            await asyncio.sleep(period)
+            try:
+                now = self.clock()
+                self.expire(now)
+                if now >= next_check:
+                    next_check = now + 1.0
+                    self._check_empty_indexes(now)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("coordinator maintenance failed")
+
+    def expire(self, now: float) -> int:
+        """Release expired leases, identities and speculative index entries; returns leases expired."""
+        gone = self.leases.expire(now)
+        for lease in gone:
+            self.stats.leases_expired[lease.role] += 1
+            self._inflight[lease.role] -= 1
+        if gone:
+            log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
+                        gone[0].role, gone[0].req_id, gone[0].server)
+        self.identities.expire(now)
+        self.index.expire_speculative(now)
+        return len(gone)
+
+    # ---- registry hooks ---------------------------------------------------------------------
+    def _on_prepared(self, entry: ServerEntry, info: dict) -> None:
+        old_wid = entry.worker_id
+        old_info = entry.server_info
+        now = self.clock()
+        self.registry.prepared(entry.url, info, now)
+        if entry.state is not ServerState.HEALTHY:
+            return
+        new_wid = entry.worker_id
+        src = self._feed_source(entry)
+        if src is not None:
+            feed = self.kv.feeds.get(entry.url)
+            self.kv.attach(entry.url, src)
+            if feed is not None and self.kv.feeds.get(entry.url) is feed and old_info is not None \
+                    and old_wid is not None and new_wid is not None and old_wid != new_wid:
+                log.warning("server %s restarted (worker id %s -> %s); rebuilding its KV index",
+                            entry.url, old_wid, new_wid)
+                self.kv.resync(entry.url, "worker_restart")
+        self._bump()
+
+    def _feed_source(self, entry: ServerEntry) -> FeedSource | None:
+        info = entry.server_info or {}
+        kv = info.get("kv_events")
+        if isinstance(kv, dict) and (kv.get("publisher") or kv.get("topic")):
+            host = entry.url.split("://", 1)[1].rsplit(":", 1)[0]
+            snap = kv.get("snapshot")
+            if isinstance(snap, str) and snap.startswith("/"):
+                snap = entry.url + snap
+            elif not (isinstance(snap, str) and snap.startswith(("http://", "https://"))):
+                snap = None
+            if info.get("block_size") != self.block_size or info.get("key_scheme") != self.key_scheme:
+                snap = None  # its snapshot keys would not be our canonical keys
+            return FeedSource(endpoint=_advertised(kv.get("publisher"), host),
+                              replay_endpoint=_advertised(kv.get("replay"), host),
+                              topic=str(kv.get("topic") or ""),
+                              engine=str(kv.get("format") or "vllm"),
+                              snapshot_url=snap)
+        return self._static_kv.get(entry.url)
+
+    def _on_state_change(self, entry: ServerEntry, old: ServerState, new: ServerState) -> None:
+        if new is ServerState.REFUSED:
+            # Its events cannot be keyed under this routing config.
+            self.kv.detach(entry.url, remove=True)
+        self._bump()
+
+    def _on_removed(self, entry: ServerEntry) -> None:
+        self.kv.detach(entry.url, remove=True)
+        for policy in self.policies.values():
+            policy.remove_server(entry.url)
+        self._kv_traffic.pop(entry.url, None)
+        self.empty_index_servers.discard(entry.url)
+        self._bump()
+
+    def _on_kv_ready(self, server: str) -> None:
+        self._bump()
+
+    def _bump(self) -> None:
+        self._kv_version += 1
+
+    # ---- placement --------------------------------------------------------------------------
+    def _candidates(self, role: str) -> list:
+        version = self.registry.version + self._kv_version
+        if version != self._cand_version:
+            self._rebuild_candidates(version)
+        return self._cands[role]
+
+    def _rebuild_candidates(self, version: int) -> None:
+        entries = {}
+        for role in ROLES:
+            healthy = self.registry.healthy(role)
+            if self._kv_aware[role]:
+                ready = [e for e in healthy if self.kv.kv_ready(e.url)]
+                healthy = ready or healthy
+            self._cands[role] = [Candidate(server=e.url, healthy=True, info=e.server_info or {})
+                                 for e in healthy]
+            for e in healthy:
+                entries[e.url] = e
+        self._entries = entries
+        self._cand_version = version
+
+    def routing_key(self, rk: Any) -> RoutingKey | None:
+        """Validate a routing key given as a wire struct, a dict, a RoutingKey, a string or None."""
+        if rk is None:
+            return None
+        if isinstance(rk, str):
+            return RoutingKey(block_keys=None, num_tokens=0, conversation_id=rk)
+        if isinstance(rk, RoutingKey):
+            keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
+        elif isinstance(rk, wire.RoutingKeyBody):
+            keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
+        elif isinstance(rk, dict):
+            unknown = set(rk) - {"block_keys", "num_tokens", "conversation_id"}
+            if unknown:
+                raise BadRequest(f"unknown routing_key field(s) {sorted(unknown)}: expected "
+                                 "block_keys, num_tokens, conversation_id",
+                                 f"routing_key.{sorted(unknown)[0]}")
+            keys, n, conv = rk.get("block_keys"), rk.get("num_tokens"), rk.get("conversation_id")
+        else:
+            raise BadRequest(f"routing_key must be an object or a conversation id string, got "
+                             f"{type(rk).__name__}", "routing_key")
+        arr = None if keys is None else wire.block_keys_array(keys)
+        if n is not None and (type(n) is not int or n < 0):
+            raise BadRequest(f"num_tokens must be a non-negative integer, got {n!r}",
+                             "routing_key.num_tokens")
+        if arr is not None:
+            if n is None:
+                n = int(arr.size) * self.block_size
+            elif arr.size > n // self.block_size:
+                raise BadRequest(f"{arr.size} block keys for {n} tokens: at block size "
+                                 f"{self.block_size} at most {n // self.block_size} full blocks exist",
+                                 "routing_key.block_keys")
+        if conv is not None and not isinstance(conv, str):
+            raise BadRequest("conversation_id must be a string", "routing_key.conversation_id")
+        return RoutingKey(block_keys=arr, num_tokens=n or 0, conversation_id=conv)
+
+    def _exclusions(self, exclude: Any, field_name: str) -> set[str]:
+        if exclude is None:
+            return set()
+        if isinstance(exclude, str):
+            exclude = [exclude]
+        if not isinstance(exclude, (list, tuple, set, frozenset)):
+            raise BadRequest("exclude must be a server url or a list of them", field_name)
+        return {normalize_url(u, field_name) for u in exclude}
+
+    def _place(self, role: str, key: RoutingKey | None, excluded: set[str]):
+        cands = self._candidates(role)
+        if excluded:
+            cands = [c for c in cands if c.server not in excluded]
+        if not cands:
+            n = len(self._cands[role])
+            reason = (f"no healthy {role} server" if n == 0 else
+                      f"no healthy {role} server left after excluding {sorted(excluded)}")
+            self._reject(role, "no_server" if n == 0 else "all_excluded")
+            raise NoServerAvailable(reason)
+        try:
+            return self.policies[role].select(cands, key, self._view)
+        except NoServerAvailable:
+            self._reject(role, "policy")
+            raise
+
+    def _reject(self, role: str, reason: str) -> None:
+        k = (role, reason)
+        self.stats.select_rejected[k] = self.stats.select_rejected.get(k, 0) + 1
+
+    def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
+        """Place one leg and lease it. Raises `BadRequest` or `NoServerAvailable`."""
+        t0 = time.perf_counter()
+        role = wire.parse_role(role)
+        wire.check_req_id(req_id)
+        key = self.routing_key(routing_key)
+        ans = self._select(role, req_id, key, self._exclusions(exclude, "exclude"))
+        self.stats.select_latency.observe(time.perf_counter() - t0)
+        return ans
+
+    def _select(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str]) -> dict:
+        decision = self._place(role, key, excluded)
+        server = decision.server
+        now = self.clock()
+        tokens = key.num_tokens if key is not None else 0
+        old = self.leases.finish(role, req_id)
+        if old is not None:
+            self.stats.leases_replaced += 1
+        else:
+            self._inflight[role] += 1
+        self.leases.acquire(role, req_id, server, now, self.lease_ttl_s, tokens)
+        self.stats.selects[role] += 1
+        if self._kv_aware[role] and key is not None and key.block_keys is not None \
+                and key.block_keys.size:
+            self._kv_traffic[server] = self._kv_traffic.get(server, 0) + 1
+            ttl = self._spec_ttl[role]
+            if ttl:
+                # Only the blocks the chosen server does not hold yet: re-adding matched
+                # speculative blocks would keep unconfirmed entries alive forever under steady
+                # traffic (upstream's never-expiring optimistic insertion).
+                have = int(decision.explanation.get("matched_tokens") or 0) // self.block_size
+                if have < key.block_keys.size:
+                    self.index.add_speculative(server, key.block_keys[have:], now, ttl)
+        info = decision.explanation
+        entry = self._entries.get(server)
+        info["server_info"] = entry.server_info if entry is not None else None
+        info["lease_ttl_s"] = self.lease_ttl_s
+        return {"server": server, "req_id": req_id, "info": info}
+
+    def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
+                    exclude_gen: Any = None) -> dict:
+        """Both legs in one call: `{"context": answer|None, "generation": answer, "mode", "reason"}`.
+
+        The generation leg is placed first so conditional disaggregation can use its cache match:
+        when the chosen generation server would prefill at most `max_local_prefill_length`
+        uncached tokens, no context leg is placed (`mode` "generation_only"). With no healthy
+        context server, `no_context_fallback: aggregate` serves on the generation server alone.
+        """
+        t0 = time.perf_counter()
+        wire.check_req_id(req_id)
+        key = self.routing_key(routing_key)
+        ex_ctx = self._exclusions(exclude_ctx, "exclude_ctx")
+        ex_gen = self._exclusions(exclude_gen, "exclude_gen")
+        gen = self._select(GENERATION, req_id, key, ex_gen)
+        ctx = None
+        mode, reason = "disaggregated", None
+        cond = self.config.conditional_disagg_config
+        if cond is not None and key is not None and key.num_tokens:
+            matched = int(gen["info"].get("matched_tokens") or 0)
+            uncached = key.num_tokens - matched
+            if matched > 0 and uncached <= cond.max_local_prefill_length:
+                mode = "generation_only"
+                reason = (f"generation server caches {matched} of {key.num_tokens} tokens; "
+                          f"{uncached} <= max_local_prefill_length {cond.max_local_prefill_length}")
+        if mode == "disaggregated":
+            try:
+                ctx = self._select(CONTEXT, req_id, key, ex_ctx)
+            except NoServerAvailable as exc:
+                if self.config.no_context_fallback != "aggregate":
+                    if self.leases.finish(GENERATION, req_id) is not None:
+                        self._inflight[GENERATION] -= 1
+                    raise
+                mode, reason = "aggregate_fallback", f"{exc}; serving on the generation server alone"
+        self.stats.pair_modes[mode] = self.stats.pair_modes.get(mode, 0) + 1
+        self.stats.select_latency.observe(time.perf_counter() - t0)
+        return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}
+
+    def finish(self, role: str, req_id: int, success: bool = True) -> bool:
+        """Release a lease (idempotent; False when none was live). `success=False` means the
+        server failed the request and counts toward its ejection."""
+        role = wire.parse_role(role)
+        wire.check_req_id(req_id)
+        if type(success) is not bool:
+            raise BadRequest(f"success must be a boolean, got {success!r}", "success")
+        lease = self.leases.finish(role, req_id)
+        if lease is None:
+            self.stats.finish_unknown += 1
+            return False
+        self._inflight[role] -= 1
+        k = (role, success)
+        self.stats.finishes[k] = self.stats.finishes.get(k, 0) + 1
+        self.registry.report(lease.server, success, self.clock())
+        return True
+
+    def renew(self, role: str, req_id: int) -> bool:
+        role = wire.parse_role(role)
+        wire.check_req_id(req_id)
+        ok = self.leases.renew(role, req_id, self.clock(), self.lease_ttl_s)
+        if ok:
+            self.stats.renewed += 1
+        else:
+            self.stats.renew_unknown += 1
+        return ok
+
+    # ---- membership -------------------------------------------------------------------------
+    def register(self, url: str, role: str | None = None, ttl_s: float | None = None,
+                 worker_id: str | None = None) -> dict:
+        e, created = self.registry.register(url, role, ttl_s, self.clock(), worker_id)
+        if created or e.state is ServerState.PENDING:
+            self.health.kick(e.url)
+        return self._registration(e)
+
+    def heartbeat(self, url: str, role: str | None = None, ttl_s: float | None = None,
+                  worker_id: str | None = None) -> dict | None:
+        e = self.registry.heartbeat(url, self.clock(), role, ttl_s, worker_id)
+        if e is None:
+            return None
+        if e.state is ServerState.PENDING:
+            self.health.kick(e.url)
+        return self._registration(e)
+
+    def _registration(self, e: ServerEntry) -> dict:
+        ttl = e.ttl_s if e.ttl_s is not None else self.registry.default_ttl_s
+        return {"url": e.url, "roles": list(e.roles), "state": e.state.value, "source": e.source,
+                "ttl_s": ttl, "heartbeat_interval_s": round(ttl / 3, 3)}
+
+    def deregister(self, url: str) -> bool:
+        return self.registry.deregister(url) is not None
+
+    def lease_identity(self, holder: str, node_id: int | None = None,
+                       process_id: int | None = None) -> dict:
+        if not isinstance(holder, str) or not holder:
+            raise BadRequest("holder must be a non-empty string", "holder")
+        try:
+            lease = self.identities.lease(holder, self.clock(), node_id, process_id)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "node_id") from None
+        return {"node_id": lease.node_id, "process_id": lease.process_id,
+                "ttl_s": self.identities.ttl_s}
+
+    def release_identity(self, holder: str) -> bool:
+        return self.identities.release(holder)
+
+    # ---- views ------------------------------------------------------------------------------
+    def is_ready(self) -> bool:
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        missing = []
+        for role in ROLES:
+            have, need = self.registry.count_healthy(role), self.minimal[role]
+            if have < need:
+                missing.append(f"{have}/{need} healthy {role} servers")
+        return ("need " + ", ".join(missing)) if missing else None
+
+    def in_flight(self) -> dict[str, int]:
+        return dict(self._inflight)
+
+    def load(self, server: str) -> tuple[int, int]:
+        r, t = self.leases.load(server)
+        return int(r), int(t)
+
+    def index_size(self, server: str | None = None) -> int:
+        if server is None:
+            return int(self.index.size)
+        return int(self.index.worker_size(server))
+
+    def routing_info(self) -> dict:
+        return {"block_size": self.block_size, "key_scheme": self.key_scheme,
+                "namespace": self.config.routing.namespace, "ns_seed": self.ns_seed}
+
+    def cluster_info(self) -> dict:
+        now = self.clock()
+        mono = time.monotonic()
+        servers: dict[str, list] = {CONTEXT: [], GENERATION: []}
+        for e in self.registry.servers.values():
+            d = e.describe(now)
+            r, t = self.load(e.url)
+            d["load"] = {"requests": r, "tokens": t}
+            d["kv_index_blocks"] = self.index_size(e.url)
+            d["kv_ready"] = self.kv.kv_ready(e.url)
+            d["kv_index_empty_under_traffic"] = e.url in self.empty_index_servers
+            feed = self.kv.feeds.get(e.url)
+            d["kv_events"] = feed.describe(mono) if feed is not None else None
+            d["server_info"] = e.server_info
+            for role in e.roles:
+                servers[role].append(d)
+        routing = self.routing_info()
+        reason = self.not_ready_reason()
+        return {
+            "is_ready": reason is None,
+            "not_ready_reason": reason,
+            "server_lists": {role: [e.url for e in self.registry.healthy(role)] for role in ROLES},
+            "servers": servers,
+            "minimal_instances": {"context_servers": self.minimal[CONTEXT],
+                                  "generation_servers": self.minimal[GENERATION]},
+            "routing": routing,
+            "routing_key_configs": {role: {"tokens_per_block": self.block_size,
+                                           "key_scheme": self.key_scheme} for role in ROLES},
+            "routers": {role: {"type": self.router_types[role], "args": self.router_args[role]}
+                        for role in ROLES},
+            "leases": {"in_flight": self.in_flight(), "ttl_s": self.lease_ttl_s,
+                       "expired_total": dict(self.stats.leases_expired),
+                       "replaced_total": self.stats.leases_replaced},
+            "kv_index": {"size": self.index_size(), "bind_endpoint": self.kv.bound_endpoint},
+            "select_latency_s": {"count": self.stats.select_latency.n,
+                                 "p50_le": self.stats.select_latency.quantile(0.5),
+                                 "p99_le": self.stats.select_latency.quantile(0.99)},
+            "identities": {"held": len(self.identities), "ttl_s": self.identities.ttl_s},
+            "version": VERSION,
+            "uptime_s": round(now - self.started_at, 3),
+        }
+
+    def metrics_text(self) -> bytes:
+        return metrics_mod.render(self)
+
+    # ---- silent-degradation guard (upstream #14882) -------------------------------------------
+    def _check_empty_indexes(self, now: float) -> None:
+        traffic, self._kv_traffic = self._kv_traffic, {}
+        for server in list(self.empty_index_servers):
+            if self.index_size(server) > 0 or server not in self.registry.servers:
+                self.empty_index_servers.discard(server)
+                self._kv_traffic_since.pop(server, None)
+        for server, n in traffic.items():
+            e = self.registry.get(server)
+            if e is None or not e.healthy:
+                continue
+            if self._confirmed_blocks(server) > 0:
+                self._kv_traffic_since.pop(server, None)
+                self.empty_index_servers.discard(server)
+                continue
+            since = self._kv_traffic_since.setdefault(server, now)
+            if now - since < EMPTY_INDEX_GRACE_S:
+                continue
+            self.empty_index_servers.add(server)
+            if now - self._empty_warned.get(server, -1e18) >= EMPTY_INDEX_WARN_EVERY_S:
+                self._empty_warned[server] = now
+                self.stats.empty_index_warnings += 1
+                feed = self.kv.feeds.get(server)
+                where = ("it advertises no KV-event publisher" if feed is None else
+                         f"no events applied from {feed.source.endpoint or feed.source.topic!r}")
+                log.warning("server %s received %d kv-aware placements in %.0fs but its KV index is "
+                            "empty (%s): kv_cache_aware routing is degrading to load-only for it",
+                            server, n, now - since, where)
+
+    def _confirmed_blocks(self, server: str) -> int:
+        """Blocks known from events or snapshots (speculative entries excluded)."""
+        feed = self.kv.feeds.get(server)
+        if feed is None:
+            return 0
+        return self.index_size(server) if feed.blocks_stored > 0 else 0
+
+
+def _advertised(endpoint: Any, host: str) -> str | None:
+    """A publisher endpoint as advertised, with a wildcard host replaced by the server's host."""
+    if not isinstance(endpoint, str) or not endpoint:
+        return None
+    for wild in ("*", "0.0.0.0", "[::]", "::"):
+        prefix = f"tcp://{wild}:"
+        if endpoint.startswith(prefix):
+            return f"tcp://{host}:{endpoint[len(prefix):]}"
+    return endpoint
+
+
+# ===================================================================================== HTTP
+
+class Api:
+    """HTTP handlers over a `Coordinator`; bodies msgpack or JSON (answered in kind)."""
+
+    def __init__(self, coord: Coordinator):
+        self.coord = coord
+        self.routes: dict[tuple[str, str], Callable[[BaseRequest], Awaitable[web.StreamResponse]]] = {
+            ("POST", "/select"): self.select,
+            ("POST", "/select_pair"): self.select_pair,
+            ("POST", "/finish"): self.finish,
+            ("POST", "/renew"): self.renew,
+            ("GET", "/cluster_info"): self.cluster_info,
+            ("GET", "/health"): self.health,
+            ("GET", "/metrics"): self.metrics,
+            ("GET", "/version"): self.version,
+            ("POST", "/register"): self.register,
+            ("POST", "/heartbeat"): self.heartbeat,
+            ("POST", "/deregister"): self.deregister,
+            ("POST", "/identity"): self.identity,
+            ("POST", "/identity/release"): self.identity_release,
+        }
+        self._paths = {p for (_m, p) in self.routes}
+
+    # ---- dispatch (low-level server) ----------------------------------------------------------
+    async def dispatch(self, request: BaseRequest) -> web.StreamResponse:
+        path = request.path
+        h = self.routes.get((request.method, path))
+        if h is None:
+            if request.method == "HEAD" and ("GET", path) in self.routes:
+                return web.Response(status=200 if path != "/health" or self.coord.is_ready() else 503)
+            if path in self._paths:
+                allowed = sorted(m for (m, p) in self.routes if p == path)
+                return _reply({"error": f"method {request.method} not allowed on {path}; use "
+                                        f"{', '.join(allowed)}"}, False, 405,
+                              headers={"Allow": ", ".join(allowed)})
+            return _reply({"error": f"no endpoint {path}"}, False, 404)
+        return await h(request)
+
+    async def _post(self, request: BaseRequest, endpoint: str, schema: type,
+                    fn: Callable[[Any], Any]) -> web.StreamResponse:
+        """Decode the body into `schema`, run `fn` on it, answer in the body's encoding."""
+        body = await request.read()
+        try:
+            mp = wire.is_msgpack(request.headers.get("Content-Type"), body)
+        except BadRequest as exc:
+            return self._bad(endpoint, exc, _wants_msgpack(request))
+        try:
+            ans = fn(wire.decode(schema, body, mp))
+        except BadRequest as exc:
+            return self._bad(endpoint, exc, mp)
+        except NoServerAvailable as exc:
+            return _reply({"error": _reason(exc)}, mp, 503)
+        except IdentityExhausted as exc:
+            return _reply({"error": str(exc)}, mp, 503)
+        if type(ans) is _Status:
+            return _reply(ans.body, mp, ans.status)
+        return _reply(ans, mp)
+
+    def _bad(self, endpoint: str, exc: BadRequest, mp: bool) -> web.Response:
+        st = self.coord.stats
+        st.bad_requests[endpoint] = st.bad_requests.get(endpoint, 0) + 1
+        status = 415 if isinstance(exc, wire.UnsupportedMediaType) else 400
+        return _reply(exc.to_body(), mp, status)
+
+    def _select(self, b: wire.SelectBody) -> dict:
+        excl = b.exclude if b.exclude is not None else b.exclude_server
+        return self.coord.select(b.role, b.req_id, b.routing_key, excl)
+
+    def _select_pair(self, b: wire.SelectPairBody) -> dict:
+        return self.coord.select_pair(b.req_id, b.routing_key, b.exclude_ctx, b.exclude_gen)
+
+    def _finish(self, b: wire.FinishBody) -> dict:
+        self.coord.finish(b.role, b.req_id, b.success)
+        return _EMPTY
+
+    def _renew(self, b: wire.RenewBody) -> dict:
+        return {"renewed": self.coord.renew(b.role, b.req_id)}
+
+    def _register(self, b: wire.RegisterBody) -> dict:
+        return self.coord.register(b.url, b.role, b.ttl_s, b.worker_id)
+
+    def _heartbeat(self, b: wire.RegisterBody):
+        ans = self.coord.heartbeat(b.url, b.role, b.ttl_s, b.worker_id)
+        if ans is None:
+            return _Status(404, {"error": f"unknown server {b.url!r}: register it first (or send its "
+                                          "role with the heartbeat)", "field": "url"})
+        return ans
+
+    def _deregister(self, b: wire.DeregisterBody) -> dict:
+        return {"removed": self.coord.deregister(b.url)}
+
+    def _identity(self, b: wire.IdentityBody) -> dict:
+        return self.coord.lease_identity(b.holder, b.node_id, b.process_id)
+
+    def _identity_release(self, b: wire.IdentityReleaseBody) -> dict:
+        return {"released": self.coord.release_identity(b.holder)}
+
+    async def select(self, request: BaseRequest) -> web.StreamResponse:
+        return await self._post(request, "select", wire.SelectBody, self._select)
+
+    async def select_pair(self, request: BaseRequest) -> web.StreamResponse:
+        return await self._post(request, "select_pair", wire.SelectPairBody, self._select_pair)
+
+    async def finish(self, request: BaseRequest) -> web.StreamResponse:
+        return await self._post(request, "finish", wire.FinishBody, self._finish)
+
+    async def renew(self, request: BaseRequest) -> web.StreamResponse:
+        return await self._post(request, "renew", wire.RenewBody, self._renew)
+
+    async def register(self, request: BaseRequest) -> web.StreamResponse:
+        return await self._post(request, "register", wire.RegisterBody, self._register)
+
+    async def heartbeat(self, request: BaseRequest) -> web.StreamResponse:
+        return await self._post(request, "heartbeat", wire.RegisterBody, self._heartbeat)
+
+    async def deregister(self, request: BaseRequest) -> web.StreamResponse:
+        return await self._post(request, "deregister", wire.DeregisterBody, self._deregister)
+
+    async def identity(self, request: BaseRequest) -> web.StreamResponse:
+        return await self._post(request, "identity", wire.IdentityBody, self._identity)
+
+    async def identity_release(self, request: BaseRequest) -> web.StreamResponse:
+        return await self._post(request, "identity_release", wire.IdentityReleaseBody,
+                                self._identity_release)
+
+    async def cluster_info(self, request: BaseRequest) -> web.StreamResponse:
+        return _reply(self.coord.cluster_info(), _wants_msgpack(request))
+
+    async def health(self, request: BaseRequest) -> web.StreamResponse:
+        reason = self.coord.not_ready_reason()
+        mp = _wants_msgpack(request)
+        if reason is None:
+            return _reply({"status": "ready"}, mp)
+        return _reply({"status": "not_ready", "error": reason}, mp, 503)
+
+    async def metrics(self, request: BaseRequest) -> web.StreamResponse:
+        return web.Response(body=self.coord.metrics_text(),
+                            headers={"Content-Type": metrics_mod.CONTENT_TYPE})
+
+    async def version(self, request: BaseRequest) -> web.StreamResponse:
+        return _reply({"version": VERSION}, _wants_msgpack(request))
+
+
+_EMPTY: dict = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _Status:
+    """A non-200 answer from a handler body function."""
+    status: int
+    body: dict
+
+
+def _reason(exc: Exception) -> str:
+    r = getattr(exc, "reason", None)
+    return r if isinstance(r, str) and r else str(exc)
+
+
+_MP_HEADERS = {"Content-Type": wire.MSGPACK}
+_JS_HEADERS = {"Content-Type": wire.JSON}
+
+
+def _reply(obj: Any, mp: bool, status: int = 200, headers: dict | None = None) -> web.Response:
+    if mp:
+        body, h = wire.encode_msgpack(obj), _MP_HEADERS
+    else:
+        body, h = wire.encode_json(obj), _JS_HEADERS
+    if headers:
+        h = {**h, **headers}
+    return web.Response(body=body, status=status, headers=h)
+
+
+def _wants_msgpack(request: BaseRequest) -> bool:
+    accept = request.headers.get("Accept", "")
+    return "msgpack" in accept
+
+
+def make_app(coord: Coordinator) -> web.Application:
+    """The API as an aiohttp Application (for embedding; `CoordinatorServer` serves the same
+    handlers on aiohttp's low-level server, which skips the router and middleware machinery)."""
+    api = Api(coord)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    for (method, path), h in api.routes.items():
+        app.router.add_route(method, path, h)
+    app["coordinator"] = coord
+    return app
+
+
+def _request_factory(server: Server):
+    loop = asyncio.get_running_loop()
+
+    def make(message, payload, protocol, writer, task) -> BaseRequest:
+        return BaseRequest(message, payload, protocol, writer, task, loop,
+                           client_max_size=MAX_BODY_BYTES)
+    return make
+
+
+class CoordinatorServer:
+    """Serves a Coordinator over TCP and (optionally) a Unix socket; owns its start and stop."""
+
+    def __init__(self, coord: Coordinator, host: str = "127.0.0.1", port: int = 0,
+                 uds_path: str | None = None, shutdown_timeout_s: float = 5.0):
+        self.coord = coord
+        self.host = host
+        self.port = port
+        self.uds_path = uds_path
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.api = Api(coord)
+        self._runner: ServerRunner | None = None
+        self.urls: list[str] = []
+        self.tcp_url: str | None = None
+        self.uds_url: str | None = None
+
+    async def start(self, start_coordinator: bool = True) -> list[str]:
+        if start_coordinator:
+            await self.coord.start()
+        srv = Server(self.api.dispatch, access_log=None, keepalive_timeout=75.0)
+        srv.request_factory = _request_factory(srv)
+        self._runner = ServerRunner(srv, shutdown_timeout=self.shutdown_timeout_s)
+        await self._runner.setup()
+        sock = _tcp_socket(self.host, self.port)
+        await web.SockSite(self._runner, sock).start()
+        h, p = sock.getsockname()[:2]
+        self.port = p
+        shown = f"[{h}]" if ":" in h else h
+        self.tcp_url = f"http://{shown}:{p}"
+        self.urls = [self.tcp_url]
+        if self.uds_path:
+            usock = _unix_socket(self.uds_path)
+            await web.SockSite(self._runner, usock).start()
+            self.uds_url = f"unix://{self.uds_path}"
+            self.urls.append(self.uds_url)
+        return self.urls
+
+    async def stop(self) -> None:
+        """Stop listening, let in-flight requests finish (bounded), then stop the coordinator."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.uds_path:
+            try:
+                os.unlink(self.uds_path)
+            except FileNotFoundError:
+                pass
+        await self.coord.stop()
+
+
+def _tcp_socket(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _t, _p, _c, addr = infos[0]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(addr)
+    except OSError as exc:
+        s.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.setblocking(False)
+    return s
+
+
+def _unix_socket(path: str) -> socket.socket:
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(errno.EEXIST, f"{path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale socket of a process that is gone
+        else:
+            raise OSError(errno.EADDRINUSE, f"{path} is in use by a running process")
+        finally:
+            probe.close()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    os.chmod(path, 0o660)  # same user/group only: the socket grants full control of placement
+    s.setblocking(False)
+    return s

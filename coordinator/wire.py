@@ -1,0 +1,199 @@
+"""Request schemas and the body codec of the coordinator API (msgpack first, JSON accepted).
+
+Bodies are decoded straight into typed structs by msgspec, which rejects wrong types (a bool where an
+int belongs, a float block key) with the key path; `decode` turns that into `BadRequest(message,
+field)`. Block keys may travel as a msgpack array of u64 or, cheaper, as one `bin` of little-endian
+u64 (8 bytes per key; JSON: base64 string) — the binary form is decoded into numpy without a copy.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Union
+
+import msgspec
+import numpy as np
+
+from coordinator.errors import BadRequest, UnsupportedMediaType
+
+U64_MAX = (1 << 64) - 1
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+_MSGPACK_TYPES = frozenset({"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"})
+_JSON_TYPES = frozenset({"application/json", "text/json"})
+
+ROLES = {
+    "context": "context", "ctx": "context", "prefill": "context",
+    "generation": "generation", "gen": "generation", "decode": "generation",
+}
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+StrList = Union[list[str], str, None]
+
+
+class RoutingKeyBody(msgspec.Struct, forbid_unknown_fields=True):
+    block_keys: Union[list[int], bytes, None] = None
+    num_tokens: NonNeg | None = None
+    conversation_id: str | None = None
+
+
+RoutingKeyField = Union[RoutingKeyBody, str, None]
+
+
+class SelectBody(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    req_id: int
+    routing_key: RoutingKeyField = None
+    exclude: StrList = None
+    exclude_server: StrList = None  # upstream's name for `exclude`
+
+
+class SelectPairBody(msgspec.Struct, forbid_unknown_fields=True):
+    req_id: int
+    routing_key: RoutingKeyField = None
+    exclude_ctx: StrList = None
+    exclude_gen: StrList = None
+
+
+class FinishBody(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    req_id: int
+    success: bool = True
+
+
+class RenewBody(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    req_id: int
+
+
+class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    role: str | None = None
+    ttl_s: Positive | None = None
+    worker_id: str | None = None
+
+
+class DeregisterBody(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    role: str | None = None  # sent by workers; the url alone names the registration
+
+
+class IdentityBody(msgspec.Struct, forbid_unknown_fields=True):
+    holder: str
+    node_id: NonNeg | None = None      # preferred pair (kept across a coordinator restart when free)
+    process_id: NonNeg | None = None
+
+
+class IdentityReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
+    holder: str
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__} in a coordinator answer")
+
+
+_mp_enc = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_js_enc = msgspec.json.Encoder(enc_hook=_enc_hook)
+encode_msgpack = _mp_enc.encode
+encode_json = _js_enc.encode
+
+_decoders: dict[type, tuple[msgspec.msgpack.Decoder, msgspec.json.Decoder]] = {}
+
+
+def _decoder_pair(schema: type) -> tuple[msgspec.msgpack.Decoder, msgspec.json.Decoder]:
+    pair = _decoders.get(schema)
+    if pair is None:
+        pair = _decoders[schema] = (msgspec.msgpack.Decoder(schema), msgspec.json.Decoder(schema))
+    return pair
+
+
+def is_msgpack(content_type: str | None, body: bytes) -> bool:
+    """Which codec a body uses: by Content-Type; with none given, JSON iff it looks like JSON."""
+    if content_type:
+        ct = content_type.split(";", 1)[0].strip().lower()
+        if ct in _MSGPACK_TYPES:
+            return True
+        if ct in _JSON_TYPES:
+            return False
+        if ct not in ("application/octet-stream", "text/plain", ""):
+            raise UnsupportedMediaType(
+                f"unsupported Content-Type {ct!r}: expected application/msgpack or application/json")
+    return body[:1] not in (b"{", b"[", b" ", b"\n", b"\r", b"\t")
+
+
+_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
+_FIELD_RE = re.compile(r"field `([^`]+)`")
+
+
+def _validation_error(exc: Exception) -> BadRequest:
+    msg = str(exc)
+    field = None
+    m = _PATH_RE.search(msg)
+    if m:
+        field = m.group(1) or None
+        msg = msg[: m.start()]
+    fm = _FIELD_RE.search(msg)
+    if fm:
+        field = f"{field}.{fm.group(1)}" if field else fm.group(1)
+    return BadRequest(msg, field)
+
+
+def decode(schema: type, body: bytes, msgpack_body: bool):
+    """Decode and type-check a request body; raise `BadRequest` naming the field on any mismatch."""
+    if not body:
+        raise BadRequest("empty request body: expected a msgpack or JSON object")
+    mp, js = _decoder_pair(schema)
+    try:
+        return (mp if msgpack_body else js).decode(body)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        kind = "msgpack" if msgpack_body else "JSON"
+        raise BadRequest(f"malformed {kind} body: {exc}") from None
+    except OverflowError:
+        raise BadRequest("integer out of range: ids and block keys are unsigned 64-bit") from None
+
+
+def parse_role(role: str, field: str = "role") -> str:
+    canon = ROLES.get(role)
+    if canon is None:
+        raise BadRequest(f"invalid role {role!r}: expected one of context, ctx, generation, gen", field)
+    return canon
+
+
+def check_req_id(req_id: int, field: str = "req_id") -> int:
+    if type(req_id) is not int or req_id < 0 or req_id > U64_MAX:
+        raise BadRequest(f"req_id must be an unsigned 64-bit integer, got {req_id!r}", field)
+    return req_id
+
+
+def block_keys_array(keys: Any, field: str = "routing_key.block_keys") -> np.ndarray:
+    """Block keys as a uint64 array: from bytes (little-endian u64, no copy), a list, or an array."""
+    if isinstance(keys, np.ndarray):
+        if keys.dtype == np.uint64:
+            return keys
+        if keys.dtype.kind not in "iu" or (keys.size and keys.dtype.kind == "i" and keys.min() < 0):
+            raise BadRequest(f"block keys must be unsigned 64-bit integers, got dtype {keys.dtype}", field)
+        return keys.astype(np.uint64)
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        n = len(keys)
+        if n % 8:
+            raise BadRequest(f"binary block keys must be a multiple of 8 bytes (little-endian u64), "
+                             f"got {n} bytes", field)
+        return np.frombuffer(keys, dtype="<u8")
+    if isinstance(keys, (list, tuple)):
+        try:
+            return np.array(keys, dtype=np.uint64)
+        except (OverflowError, TypeError, ValueError):
+            bad = next((k for k in keys if type(k) is not int or not 0 <= k <= U64_MAX), None)
+            raise BadRequest(f"block keys must be unsigned 64-bit integers, found {bad!r}", field) from None
+    raise BadRequest(f"block keys must be a list of u64 or bytes, got {type(keys).__name__}", field)
