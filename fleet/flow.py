@@ -147,7 +147,9 @@ class Flow:
         finally:
             for p in st.placements:
                 self.placer.track(p, -1)
-                self.placer.finish(p, ok)
+                # success=false only when the server failed: a client that hung up or sent a bad
+                # request must not count toward the server's ejection.
+                self.placer.finish(p, not p.failed)
             if not ok:
                 self._abort_all(st)
 
@@ -288,14 +290,17 @@ class Flow:
                     resp = await self.pool.request(p.server, path, body, self._headers(st, role) + extra)
             except UpstreamConnectError as e:
                 st.touched.pop()          # it never reached the worker: nothing to abort there
+                p.failed = True
                 self.placer.report_failure(role, p.server)
                 M.LEG_ERRORS.labels(role, "connect").inc()
                 err = f"{role} server {p.server} unreachable: {e.detail}"
             except TimeoutError:
+                p.failed = True
                 M.LEG_ERRORS.labels(role, "timeout").inc()
                 raise ApiError(504, f"{role} server {p.server} did not answer within {self.timeout:g}s "
                                     f"(request_timeout)", code="upstream_timeout") from None
             except UpstreamError as e:
+                p.failed = True
                 self.placer.report_failure(role, p.server)
                 M.LEG_ERRORS.labels(role, "disconnect").inc()
                 raise ApiError(502, f"{role} server {p.server} failed: {e.detail}", code="upstream_error") from None
@@ -306,12 +311,13 @@ class Flow:
                     return resp, p
                 data = await self._read(resp, st, role, p)
                 if resp.status != 503:
+                    p.failed = resp.status >= 500
                     M.LEG_ERRORS.labels(role, f"http_{resp.status // 100}xx").inc()
                     raise self._relay_error(role, p.server, resp.status, data)
                 M.LEG_ERRORS.labels(role, "http_503").inc()
                 err = f"{role} server {p.server} is shedding load (503)"
-            # retryable failure: finish this lease, pick another server
-            self.placer.finish(p, False)
+            # retryable failure: finish this lease (a shedding server is not a failed one), pick another
+            self.placer.finish(p, not p.failed)
             if st.attempts[role] >= self.max_retries:
                 raise ApiError(502 if "unreachable" in err else 503,
                                f"{err}; gave up after {st.attempts[role] + 1} attempt(s)",
@@ -337,10 +343,12 @@ class Flow:
                 data = await resp.read()
         except TimeoutError:
             resp.abort()
+            p.failed = True
             raise ApiError(504, f"{role} server {p.server} did not finish within {self.timeout:g}s",
                            code="upstream_timeout") from None
         except UpstreamError as e:
             resp.abort()
+            p.failed = True
             self.placer.report_failure(role, p.server)
             raise ApiError(502, f"{role} server {p.server} failed mid-response: {e.detail}",
                            code="upstream_error") from None
@@ -438,6 +446,7 @@ class Flow:
         try:
             ans = _ctx_decoder.decode(raw)
         except msgspec.DecodeError as e:
+            ctx.failed = True
             raise ApiError(502, f"context server {ctx.server} returned an invalid answer: {e}",
                            code="upstream_error") from None
         if not ans.choices:
@@ -611,6 +620,7 @@ class Flow:
                         self.placer.renew(gen)
         except TimeoutError:
             resp.abort()
+            gen.failed = True
             M.LEG_ERRORS.labels(GEN, "timeout").inc()
             await self._stream_error(out, ApiError(504, f"generation stream exceeded request_timeout "
                                                         f"({self.timeout:g}s)", code="upstream_timeout"))
@@ -618,6 +628,7 @@ class Flow:
             return out
         except UpstreamError as e:
             resp.abort()
+            gen.failed = True
             self.placer.report_failure(GEN, gen.server)
             M.LEG_ERRORS.labels(GEN, "disconnect").inc()
             await self._stream_error(out, ApiError(502, f"generation server {gen.server} failed mid-stream: "

@@ -51,6 +51,7 @@ class Placement:
     explanation: dict = field(default_factory=dict)
     finished: bool = False
     last_renew: float = 0.0
+    failed: bool = False     # the server failed this leg (its /finish says success=false)
 
     @property
     def predicted_tokens(self) -> int:
