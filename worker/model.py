@@ -342,15 +342,19 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
 
-    def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None
+    def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None,
+                max_position: int | None = None, max_seq_len: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``[n, head_dim]`` cos and sin for ``positions`` (int64 on this device).
 
         ``seq_lens`` (the owning sequence's length after this step, per token) only matters for
-        ``dynamic`` scaling."""
+        ``dynamic`` scaling. ``max_position``/``max_seq_len`` are host-side maxima of the two tensors;
+        passing them avoids a device sync (and is required inside CUDA-graph capture)."""
         if self.rope_type == "dynamic":
             max_pos = self.cfg.max_position_embeddings
-            if seq_lens is None or int(seq_lens.max()) <= max_pos:
+            if seq_lens is not None and max_seq_len is None:
+                max_seq_len = int(seq_lens.max())
+            if seq_lens is None or max_seq_len <= max_pos:
                 return self._table(self.inv_freq, positions)
             cos = torch.empty(positions.shape[0], self.dim, device=self.device)
             sin = torch.empty_like(cos)
@@ -359,7 +363,9 @@ class RotaryEmbedding:
                 inv = self.inv_freq if length <= max_pos else self._inv_freq(int(length))[0]
                 cos[sel], sin[sel] = self._table(inv, positions[sel])
             return cos, sin
-        need = int(positions.max()) + 1 if positions.numel() else 0
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else -1
+        need = max_position + 1
         if need > self._cos.shape[0]:
             size = max(need, 2 * self._cos.shape[0], 256)
             self._cos, self._sin = self._table(self.inv_freq, torch.arange(size, device=self.device))
@@ -573,9 +579,11 @@ class LlamaForCausalLM(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` after the last layer, before the final norm."""
-        cos, sin = self.rotary.cos_sin(positions, seq_lens)
+                kv_cache: torch.Tensor, seq_lens: torch.Tensor | None = None,
+                max_position: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` after the last layer, before the final norm.
+        ``max_position``/``max_seq_len``: host-side maxima (see :meth:`RotaryEmbedding.cos_sin`)."""
+        cos, sin = self.rotary.cos_sin(positions, seq_lens, max_position, max_seq_len)
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:

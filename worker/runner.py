@@ -24,6 +24,7 @@ bytes and runs of consecutive block ids merge into one copy.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -59,6 +60,28 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * elt
 
 
+_SMALL_MODEL_PARAMS = 100_000_000
+
+
+def _limit_cpu_threads(model: LlamaForCausalLM, threads: int | None) -> None:
+    """Pick torch's intra-op thread count for CPU inference (process-wide).
+
+    Small models get one thread: their matmuls are too small to split, and OpenMP workers spinning on
+    a machine shared with other processes (several workers on a laptop, CI) made a tiny decode step
+    ~40x slower in measurements here. ``threads`` or ``SPLITSERVE_CPU_THREADS`` overrides."""
+    if threads is None:
+        env = os.environ.get("SPLITSERVE_CPU_THREADS")
+        if env:
+            try:
+                threads = int(env)
+            except ValueError:
+                raise ValueError(f"SPLITSERVE_CPU_THREADS must be an integer, found {env!r}") from None
+        elif sum(p.numel() for p in model.parameters()) < _SMALL_MODEL_PARAMS:
+            threads = 1
+    if threads is not None and threads > 0 and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+
+
 class ModelRunner:
     """Owns the KV cache of one model and runs steps on it.
 
@@ -68,12 +91,15 @@ class ModelRunner:
     scheduler's ``BlockPool`` decides who may write where)."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int = 16,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 cpu_threads: int | None = None, cuda_graphs: bool | None = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, found {num_blocks!r}")
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, found {block_size!r}")
         device = torch.device(device) if device is not None else model.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         dtype = dtype or model.dtype
         if model.device != device or model.dtype != dtype:
             model.move(device, dtype)
@@ -85,11 +111,26 @@ class ModelRunner:
         self.block_size = block_size
         cfg = self.cfg
         # Zero-filled, not empty: padded decode rows read unwritten slots whose attention weight is 0,
-        # and 0·NaN from uninitialised memory would poison the output.
-        self.kv_cache = torch.zeros(num_blocks, cfg.num_hidden_layers, 2, block_size,
+        # and 0·NaN from uninitialised memory would poison the output. One extra block past the end
+        # (``scratch_block``) takes the K/V writes of padding rows in CUDA-graph batches; it is not part
+        # of the page table and no scheduler ever sees its id.
+        self.kv_cache = torch.zeros(num_blocks + 1, cfg.num_hidden_layers, 2, block_size,
                                     cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=self.device)
+        self.scratch_block = num_blocks
         self.vocab_size = cfg.vocab_size
         self._window = cfg.sliding_window
+        if self.device.type == "cpu":
+            _limit_cpu_threads(model, cpu_threads)
+        if cuda_graphs is None:
+            cuda_graphs = os.environ.get("SPLITSERVE_CUDA_GRAPHS", "1") != "0"
+        #: Decode-only steps replay captured CUDA graphs (CUDA only; not with dynamic RoPE, whose
+        #: frequencies depend on the step's lengths).
+        self.use_cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and (
+            model.rotary.rope_type != "dynamic")
+        self.max_graph_batch = 256
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graph_pool = None
+        self._graph_max_len = min(num_blocks * block_size, max(cfg.max_position_embeddings, block_size))
 
     # ------------------------------------------------------------------ geometry
 
@@ -113,7 +154,7 @@ class ModelRunner:
         layers = list(range(c.num_hidden_layers))
         pool = {
             "base_ptr": t.data_ptr(),
-            "total_bytes": t.numel() * elt,
+            "total_bytes": self.num_blocks * self.block_stride,
             "num_blocks": self.num_blocks,
             "layers": layers,
             "layer_stride": t.stride(1) * elt,
@@ -172,12 +213,57 @@ class ModelRunner:
         """Run one step; returns fp32 logits ``[len(chunks), vocab]`` of each chunk's last token."""
         if not chunks:
             raise RunnerInputError("step needs at least one chunk, found none")
-        batch = self._prepare(chunks)
+        checked = [self._check(i, c) for i, c in enumerate(chunks)]
+        self._check_slots(checked)
+        if (self.use_cuda_graphs and len(chunks) <= self.max_graph_batch
+                and all(end - start == 1 for _, start, end, _ in checked)
+                and max(end for _, _, end, _ in checked) <= self._graph_max_len):
+            return self._graph_step(checked)
+        batch = self._prepare(checked)
         hidden = self.model(batch["input_ids"], batch["positions"], batch["meta"], self.kv_cache,
-                            batch["seq_lens"])
+                            batch["seq_lens"], batch["max_position"], batch["max_seq_len"])
         return self.model.compute_logits(hidden[batch["last_idx"]]).float()
 
-    def _prepare(self, chunks: Sequence[Chunk]) -> dict[str, Any]:
+    def _check(self, i: int, c: Chunk) -> tuple[np.ndarray, int, int, np.ndarray]:
+        """Validate one chunk → (token ids, start, end, the block-table prefix it touches)."""
+        bs = self.block_size
+        n = len(c.token_ids)
+        start = c.start_pos
+        if n == 0:
+            raise RunnerInputError(f"chunk {i} has no tokens")
+        if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or start < 0:
+            raise RunnerInputError(f"chunk {i} start_pos must be a non-negative int, found {start!r}")
+        end = int(start) + n
+        blocks = np.asarray(c.block_ids, dtype=np.int64).reshape(-1)
+        if blocks.size * bs < end:
+            raise RunnerInputError(
+                f"chunk {i} covers positions up to {end - 1} but its {blocks.size} blocks of {bs} hold "
+                f"only {blocks.size * bs} positions")
+        used = blocks[: (end - 1) // bs + 1]
+        if used.min() < 0 or used.max() >= self.num_blocks:
+            raise RunnerInputError(f"chunk {i} block ids must be in [0, {self.num_blocks}), found {used.tolist()}")
+        tokens = np.asarray(c.token_ids, dtype=np.int64).reshape(-1)
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)][:8].tolist()
+            raise RunnerInputError(f"chunk {i} token ids must be in [0, {self.vocab_size}), found {bad}")
+        return tokens, int(start), end, used
+
+    def _check_slots(self, checked) -> None:
+        bs = self.block_size
+        if len(checked) == 1:
+            return
+        slots = np.concatenate([used[np.arange(s, e) // bs] * bs + np.arange(s, e) % bs
+                                for _, s, e, used in checked])
+        if np.unique(slots).size != slots.size:
+            raise RunnerInputError("two chunks of one step write the same KV slot (block, offset); "
+                                   "each sequence must write into blocks of its own")
+
+    def _first_key_block(self, start: int) -> int:
+        """First block any query from ``start`` on can see (sliding window), else 0."""
+        window = self._window
+        return (max(0, start - window + 1) // self.block_size) if window else 0
+
+    def _prepare(self, checked) -> dict[str, Any]:
         bs, window, dev = self.block_size, self._window, self.device
         tok_parts, pos_parts, blk_parts, len_parts = [], [], [], []
         prefills: list[PrefillSeq] = []
@@ -187,29 +273,14 @@ class ModelRunner:
         dec_pos: list[int] = []
         last_idx: list[int] = []
         offset = 0
-        for i, c in enumerate(chunks):
-            n = len(c.token_ids)
-            start = c.start_pos
-            if n == 0:
-                raise RunnerInputError(f"chunk {i} has no tokens")
-            if not isinstance(start, (int, np.integer)) or start < 0:
-                raise RunnerInputError(f"chunk {i} start_pos must be a non-negative int, found {start!r}")
-            end = start + n
-            blocks = np.asarray(c.block_ids, dtype=np.int64).reshape(-1)
-            if blocks.size * bs < end:
-                raise RunnerInputError(
-                    f"chunk {i} covers positions up to {end - 1} but its {blocks.size} blocks of {bs} hold "
-                    f"only {blocks.size * bs} positions")
-            used = blocks[: (end - 1) // bs + 1]
-            if used.min() < 0 or used.max() >= self.num_blocks:
-                raise RunnerInputError(f"chunk {i} block ids must be in [0, {self.num_blocks}), found {used.tolist()}")
+        for tokens, start, end, used in checked:
+            n = end - start
             pos = np.arange(start, end, dtype=np.int64)
-            tok_parts.append(np.asarray(c.token_ids, dtype=np.int64).reshape(-1))
+            tok_parts.append(tokens)
             pos_parts.append(pos)
             blk_parts.append(used[pos // bs])
             len_parts.append(np.full(n, end, dtype=np.int64))
-            first_key = max(0, start - window + 1) if window else 0
-            first_blk = first_key // bs
+            first_blk = self._first_key_block(start)
             if n == 1:
                 dec_idx.append(offset)
                 dec_rows.append(used[first_blk:])
@@ -233,18 +304,8 @@ class ModelRunner:
             offset += n
             last_idx.append(offset - 1)
 
-        tokens = np.concatenate(tok_parts)
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)][:8].tolist()
-            raise RunnerInputError(f"token ids must be in [0, {self.vocab_size}), found {bad}")
         positions = np.concatenate(pos_parts)
         slot_block = np.concatenate(blk_parts)
-        slot_offset = positions % bs
-        slots = slot_block * bs + slot_offset
-        if np.unique(slots).size != slots.size:
-            raise RunnerInputError("two chunks of one step write the same KV slot (block, offset); "
-                                   "each sequence must write into blocks of its own")
-
         decode = None
         if dec_idx:
             nblk = max(r.size for r in dec_rows)
@@ -260,13 +321,118 @@ class ModelRunner:
                                  torch.from_numpy(mask[:, None, None, :]).to(dev))
 
         def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
+            return torch.from_numpy(a).to(dev)
 
-        meta = AttentionMetadata(t(slot_block), t(slot_offset), prefills, decode, bs)
+        meta = AttentionMetadata(t(slot_block), t(positions % bs), prefills, decode, bs)
         return {
-            "input_ids": t(tokens),
+            "input_ids": t(np.concatenate(tok_parts)),
             "positions": t(positions),
             "seq_lens": t(np.concatenate(len_parts)),
+            "max_position": int(positions.max()),
+            "max_seq_len": max(end for _, _, end, _ in checked),
             "meta": meta,
             "last_idx": torch.tensor(last_idx, device=dev),
         }
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+
+    def _graph_step(self, checked) -> torch.Tensor:
+        bs, n = self.block_size, len(checked)
+        firsts = [self._first_key_block(start) for _, start, _, _ in checked]
+        need = max(used.size - f for (_, _, _, used), f in zip(checked, firsts))
+        bb = _bucket(n, self.max_graph_batch)
+        nb = _bucket(need, max(need, (self._graph_max_len + bs - 1) // bs))
+        g = self._graphs.get((bb, nb)) or self._capture(bb, nb)
+        g.ready.synchronize()  # the previous upload from this pinned buffer has finished
+        host = g.host_view
+        _fill_padding(host, self.scratch_block)
+        for i, ((tokens, start, _, used), f) in enumerate(zip(checked, firsts)):
+            host["ids"][i] = tokens[0]
+            host["pos"][i] = start
+            host["slot_block"][i] = used[start // bs]
+            host["slot_off"][i] = start % bs
+            host["first_key"][i] = f * bs
+            row = used[f:]
+            host["tables"][i, : row.size] = row
+        g.dev.copy_(g.host, non_blocking=True)
+        g.ready.record()
+        g.graph.replay()
+        return g.logits[:n].clone()
+
+    def _capture(self, bb: int, nb: int) -> "_DecodeGraph":
+        bs, dev, window, model = self.block_size, self.device, self._window, self.model
+        model.rotary.ensure(self._graph_max_len)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        g = _DecodeGraph(bb, nb, dev)
+        _fill_padding(g.host_view, self.scratch_block)
+        g.dev.copy_(g.host)
+        v = g.dev_view
+        token_idx = torch.arange(bb, device=dev)
+        key_off = torch.arange(nb * bs, device=dev)
+
+        def body() -> torch.Tensor:
+            kp = v["first_key"][:, None] + key_off[None, :]
+            pos = v["pos"][:, None]
+            mask = kp <= pos
+            if window:
+                mask = mask & (kp > pos - window)
+            meta = AttentionMetadata(v["slot_block"], v["slot_off"], [],
+                                     DecodeBatch(token_idx, v["tables"], mask[:, None, None, :]), bs)
+            h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._graph_max_len - 1)
+            return model.compute_logits(h).float()
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up kernels / workspaces outside the capture
+                body()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self._graph_pool):
+            g.logits = body()
+        self._graphs[(bb, nb)] = g
+        return g
+
+
+def _bucket(n: int, cap: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, cap) if cap >= n else b
+
+
+def _fill_padding(host: dict[str, np.ndarray], scratch: int) -> None:
+    """Padding rows: token 0 at position 0 writing into (and reading only) the scratch block."""
+    host["ids"][:] = 0
+    host["pos"][:] = 0
+    host["slot_block"][:] = scratch
+    host["slot_off"][:] = 0
+    host["first_key"][:] = 0
+    host["tables"][:] = scratch
+
+
+class _DecodeGraph:
+    """Static buffers of one captured decode step for ``bb`` rows reading ``nb`` blocks each.
+
+    All integer inputs live in one pinned host buffer mirrored by one device buffer, so a replay costs
+    one host→device copy."""
+
+    FIELDS = ("ids", "pos", "slot_block", "slot_off", "first_key")
+
+    def __init__(self, bb: int, nb: int, dev: torch.device) -> None:
+        size = bb * len(self.FIELDS) + bb * nb
+        self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        self.dev = torch.empty(size, dtype=torch.int64, device=dev)
+        self.ready = torch.cuda.Event()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        host_np = self.host.numpy()
+        self.host_view: dict[str, np.ndarray] = {}
+        self.dev_view: dict[str, torch.Tensor] = {}
+        for k, name in enumerate(self.FIELDS):
+            self.host_view[name] = host_np[k * bb:(k + 1) * bb]
+            self.dev_view[name] = self.dev[k * bb:(k + 1) * bb]
+        base = bb * len(self.FIELDS)
+        self.host_view["tables"] = host_np[base:].reshape(bb, nb)
+        self.dev_view["tables"] = self.dev[base:].view(bb, nb)

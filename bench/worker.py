@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Worker model throughput next to its roofline, both measured in the same run.
+
+    python bench/worker.py                          # tiny on CPU (fp32)
+    python bench/worker.py --device cuda --model 1b # Llama-3.2-1B shapes, bf16 on a GPU
+    python bench/worker.py --quick --no-write       # smoke run
+
+Prefill: one ``ModelRunner.step`` over ``batch`` prompts of ``--prompt-len`` tokens. Its roofline is the
+time of the model's own GEMMs alone — ``F.linear`` with the model's weight matrices on an activation of
+``batch·prompt_len`` rows, every layer, plus the LM head on the last rows — so 100% means "attention,
+norms, RoPE, cache writes and Python cost nothing".
+
+Decode: ``--decode-steps`` steps of ``batch`` single-token chunks at context ``--prompt-len``. Its roofline
+is bytes/bandwidth: the weights read once per step (the embedding table only where it doubles as the
+LM head) plus every sequence's K/V read once, over the copy bandwidth of a large ``Tensor.copy_``
+measured here (counting read + write bytes).
+
+Needs only torch and this repository. Appends (or replaces) a ``## worker`` section in bench/RESULTS.md
+unless ``--no-write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from worker.loader import load_model, resolve_device, resolve_dtype  # noqa: E402
+from worker.runner import Chunk, ModelRunner  # noqa: E402
+
+BATCHES = (1, 8, 32)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn, dev: torch.device, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes/s moved by a large device-local copy (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    t = timed(lambda: dst.copy_(src), dev, repeats, warmup=2)
+    return 2 * src.numel() * 4 / t
+
+
+def gemm_time(model, rows: int, out_rows: int, dev: torch.device, repeats: int) -> float:
+    """Seconds for the model's GEMMs on ``rows`` tokens (LM head on ``out_rows``)."""
+    cfg = model.config
+    x = {}
+    mats = []
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        mats += [a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
+    for w in {w.shape[1] for w in mats}:
+        x[w] = torch.randn(rows, w, device=dev, dtype=model.dtype)
+    head_in = torch.randn(out_rows, cfg.hidden_size, device=dev, dtype=model.dtype)
+
+    def run():
+        for w in mats:
+            F.linear(x[w.shape[1]], w)
+        F.linear(head_in, model.output_weight)
+
+    with torch.inference_mode():
+        return timed(run, dev, repeats, warmup=2)
+
+
+def gemm_flops(model, rows: int, out_rows: int) -> int:
+    total = 0
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for w in (a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight):
+            total += 2 * rows * w.shape[0] * w.shape[1]
+    return total + 2 * out_rows * model.output_weight.numel()
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step must read: every parameter except an untied input embedding (only B rows of
+    it are touched)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens.weight" and model.lm_head is not None:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def machine(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"{torch.cuda.get_device_name(dev)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads (torch {torch.__version__})"
+
+
+def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, dev)
+    model, _, cfg = load_model(args.model, dev, dtype)
+    quick = args.quick
+    prompt_len = args.prompt_len or (64 if quick else (1024 if dev.type == "cuda" else 256))
+    steps = args.decode_steps or (4 if quick else (64 if dev.type == "cuda" else 16))
+    repeats = 2 if quick else 5
+    batches = tuple(args.batch) if args.batch else BATCHES
+    bs = args.block_size
+    blocks_per_seq = (prompt_len + steps + bs - 1) // bs + 1
+    runner = ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, block_size=bs,
+                         device=dev, dtype=dtype)
+    if args.cuda_graphs is not None and hasattr(runner, "use_cuda_graphs"):
+        runner.use_cuda_graphs = args.cuda_graphs
+
+    bw = copy_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (256 << 20), repeats=5)
+    wbytes = weight_bytes(model)
+    kv_token_bytes = runner.block_stride // bs
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    for b in batches:
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+        prompts = [torch.randint(0, min(cfg.vocab_size, 256), (prompt_len,), generator=gen).tolist()
+                   for _ in range(b)]
+        prefill = [Chunk(prompts[i], 0, tables[i]) for i in range(b)]
+        t_prefill = timed(lambda: runner.step(prefill), dev, repeats)
+        t_gemm = gemm_time(model, b * prompt_len, b, dev, repeats)
+        flops = gemm_flops(model, b * prompt_len, b)
+        rows.append({"phase": "prefill", "batch": b, "tokens": b * prompt_len,
+                     "tok_s": b * prompt_len / t_prefill, "roof_tok_s": b * prompt_len / t_gemm,
+                     "basis": f"GEMMs {flops / t_gemm / 1e12:.2f} TFLOP/s"})
+
+        last = [p[-1] for p in prompts]
+
+        def decode():
+            for s in range(steps):
+                runner.step([Chunk([last[i]], prompt_len + s, tables[i]) for i in range(b)])
+
+        runner.step(prefill)
+        t_dec = timed(decode, dev, max(1, repeats // 2), warmup=1)
+        avg_ctx = prompt_len + (steps + 1) / 2
+        step_bytes = wbytes + b * avg_ctx * kv_token_bytes
+        rows.append({"phase": "decode", "batch": b, "tokens": b * steps,
+                     "tok_s": b * steps / t_dec, "roof_tok_s": b / (step_bytes / bw),
+                     "basis": f"{step_bytes / 1e6:.1f} MB/step @ {bw / 1e9:.0f} GB/s"})
+    info = {
+        "model": args.model, "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
+        "params": sum(p.numel() for p in model.parameters()), "weight_bytes": wbytes,
+        "copy_bw": bw, "prompt_len": prompt_len, "decode_steps": steps, "block_size": bs,
+        "machine": machine(dev), "cuda_graphs": bool(getattr(runner, "use_cuda_graphs", False)),
+    }
+    return rows, info
+
+
+def render(rows: list[dict], info: dict, command: str) -> str:
+    lines = [
+        f"- command: `{command}`",
+        f"- machine: {info['machine']}",
+        f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- model: `{info['model']}` ({info['params'] / 1e6:.1f} M params, {info['dtype']}, "
+        f"{info['weight_bytes'] / 1e6:.1f} MB read per decode step), device `{info['device']}`, "
+        f"block size {info['block_size']}, prompt {info['prompt_len']} tokens, "
+        f"{info['decode_steps']} decode steps, CUDA graphs {'on' if info['cuda_graphs'] else 'off'}",
+        f"- measured copy bandwidth: {info['copy_bw'] / 1e9:.1f} GB/s",
+        "",
+        "| phase | batch | tokens/s | roofline tokens/s | % of roofline | roofline basis |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['phase']} | {r['batch']} | {r['tok_s']:,.0f} | {r['roof_tok_s']:,.0f} | "
+                     f"{100 * r['tok_s'] / r['roof_tok_s']:.1f}% | {r['basis']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(path: Path, body: str, info: dict) -> None:
+    """Replace this configuration's subsection under ``## worker`` (or add it), keeping other text."""
+    title = f"### {info['model']} · {info['device']} · {info['dtype']}"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    section = re.search(r"^## worker\s*$.*?(?=^## |\Z)", text, flags=re.M | re.S)
+    block = f"{title}\n\n{body}\n"
+    if section is None:
+        text = text.rstrip("\n") + "\n\n## worker\n\n" + block
+    else:
+        sec = section.group(0)
+        sub = re.search(rf"^{re.escape(title)}\s*$.*?(?=^### |\Z)", sec, flags=re.M | re.S)
+        new_sec = sec.replace(sub.group(0), block) if sub else sec.rstrip("\n") + "\n\n" + block
+        text = text[:section.start()] + new_sec + text[section.end():]
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="preset (tiny, 1b, 8b) or HF directory")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--batch", type=int, action="append", help=f"batch sizes (default {BATCHES})")
+    p.add_argument("--prompt-len", type=int, default=0, help="prompt / decode context length")
+    p.add_argument("--decode-steps", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None,
+                   help="force CUDA graphs for decode on (default: the runner's choice)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
+    p.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md")
+    p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
+    args = p.parse_args(argv)
+    rows, info = run(args)
+    command = "python bench/worker.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    body = render(rows, info, command.strip())
+    print(f"## worker — {info['model']} on {info['device']} ({info['dtype']})\n")
+    print(body)
+    if not args.no_write:
+        write_results(Path(args.results), body, info)
+        print(f"written to {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

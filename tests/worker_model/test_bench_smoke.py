@@ -1,0 +1,35 @@
+"""bench/worker.py runs end to end (tiny, CPU, quick) and prints its roofline table."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_worker_quick(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n## router\n\nkeep me\n")
+    out = subprocess.run([sys.executable, "bench/worker.py", "--quick", "--batch", "1", "--batch", "4",
+                          "--results", str(results)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = re.findall(r"^\| (prefill|decode) \| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)% \|", out.stdout, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("prefill", "1"), ("decode", "1"), ("prefill", "4"), ("decode", "4")]
+    assert all(int(r[2].replace(",", "")) > 0 and float(r[4]) > 0 for r in rows)
+    text = results.read_text()
+    assert "keep me" in text and "## worker" in text and "### tiny · cpu · float32" in text
+    # A second run replaces its own subsection instead of appending another.
+    subprocess.run([sys.executable, "bench/worker.py", "--quick", "--batch", "1", "--results", str(results)],
+                   cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    assert results.read_text().count("### tiny · cpu · float32") == 1
+
+
+def test_bench_worker_no_write_leaves_results_alone(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = subprocess.run([sys.executable, "bench/worker.py", "--quick", "--no-write", "--batch", "1",
+                          "--results", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "% of roofline" in out.stdout and not results.exists()
