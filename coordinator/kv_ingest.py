@@ -398,9 +398,12 @@ class KvIngest:
                     outcome = "replay unavailable"
                 else:
                     self._clear(feed, feed.server, f"rebuild_{cause}")
-                    feed.last_seq = None
+                    # An empty answer from seq 0 means nothing was published yet: the next live
+                    # batch must be seq 0, and anything later is a gap to repair.
+                    feed.last_seq = -1
                     for b in batches:
-                        self._apply(feed, b)
+                        if feed.last_seq == -1 or b.seq == feed.last_seq + 1:
+                            self._apply(feed, b)
                     if batches and batches[0].seq > 0:
                         outcome = f"replay from seq {batches[0].seq} (older history evicted)"
                     else:
@@ -527,7 +530,8 @@ class KvIngest:
         self.index.load_snapshot(feed.server, keys.tolist())
         feed.snapshots += 1
         feed.blocks_stored += int(keys.size)
-        feed.last_seq = None if seq is None or seq < 0 else seq
+        # seq -1: nothing published yet, so the next live batch must be seq 0.
+        feed.last_seq = None if seq is None else seq
         return True
 
 

@@ -147,6 +147,8 @@ class Coordinator:
         self._kv_traffic_since: dict[str, float] = {}
         self._empty_warned: dict[str, float] = {}
         self.empty_index_servers: set[str] = set()
+        self.empty_index_grace_s = EMPTY_INDEX_GRACE_S
+        self.empty_index_check_s = 1.0
         self._inflight = {CONTEXT: 0, GENERATION: 0}   # mirrors the lease table per role
         self.started_at = now
         self._maint: asyncio.Task | None = None
@@ -177,15 +179,14 @@ class Coordinator:
         await self.kv.stop()
 
     async def _maintenance(self) -> None:
-        period = max(0.05, min(1.0, self.lease_ttl_s / 4))
         next_check = 0.0
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(max(0.02, min(1.0, self.lease_ttl_s / 4, self.empty_index_check_s)))
             try:
                 now = self.clock()
                 self.expire(now)
                 if now >= next_check:
-                    next_check = now + 1.0
+                    next_check = now + self.empty_index_check_s
                     self._check_empty_indexes(now)
             except asyncio.CancelledError:
                 raise
@@ -581,7 +582,7 @@ class Coordinator:
                 self.empty_index_servers.discard(server)
                 continue
             since = self._kv_traffic_since.setdefault(server, now)
-            if now - since < EMPTY_INDEX_GRACE_S:
+            if now - since < self.empty_index_grace_s:
                 continue
             self.empty_index_servers.add(server)
             if now - self._empty_warned.get(server, -1e18) >= EMPTY_INDEX_WARN_EVERY_S:
@@ -590,7 +591,7 @@ class Coordinator:
                 feed = self.kv.feeds.get(server)
                 where = ("it advertises no KV-event publisher" if feed is None else
                          f"no events applied from {feed.source.endpoint or feed.source.topic!r}")
-                log.warning("server %s received %d kv-aware placements in %.0fs but its KV index is "
+                log.warning("server %s received %d kv-aware placements in %.1fs but its KV index is "
                             "empty (%s): kv_cache_aware routing is degrading to load-only for it",
                             server, n, now - since, where)
 
