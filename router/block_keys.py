@@ -87,7 +87,7 @@ def tokens_to_u32(token_ids) -> np.ndarray:
                 raise ValueError(
                     f"token ids must be in [0, 2**32), found min {lo} max {hi}")
             token_ids = token_ids.astype("<u4")
-        return token_ids
+        return np.ascontiguousarray(token_ids)
     try:
         arr = array.array("I", token_ids)
     except OverflowError as e:
@@ -276,8 +276,36 @@ def block_keys(token_ids, block_size: int = 16, ns_seed: int = 0,
 
 def block_keys_list(token_ids, block_size: int = 16, ns_seed: int = 0,
                     parent: int | None = None) -> list[int]:
-    """Same as :func:`block_keys` but as a list of Python ints (what dict lookups want)."""
-    return chain_keys(local_hashes(token_ids, block_size, ns_seed), parent)
+    """Same as :func:`block_keys` but as a list of Python ints (what dict lookups want).
+
+    Short inputs (KV events of a few blocks) skip numpy entirely: one pass of library calls
+    over a memoryview costs less than numpy's per-call overhead.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, found {block_size}")
+    n = len(token_ids) // block_size
+    if n >= _NUMPY_MIN_BLOCKS:
+        return chain_keys(local_hashes(token_ids, block_size, ns_seed), parent)
+    if isinstance(token_ids, np.ndarray):
+        buf = tokens_to_u32(token_ids)
+    else:
+        try:
+            buf = array.array("I", token_ids[: n * block_size])
+        except OverflowError as e:
+            raise ValueError(f"token ids must be in [0, 2**32): {e}") from None
+        except TypeError as e:
+            raise ValueError(f"token ids must be a sequence of ints: {e}") from None
+    mv = memoryview(buf).cast("B")
+    seed = (CHAIN_SEED + ns_seed) & _M64
+    step = block_size * 4
+    h, pack = _xxh3, _pack_pair
+    out = []
+    prev = None if parent is None else parent & _M64
+    for o in range(0, n * step, step):
+        loc = h(mv[o:o + step], seed)
+        prev = loc if prev is None else h(pack(prev, loc), CHAIN_SEED)
+        out.append(prev)
+    return out
 
 
 __all__.append("block_keys_list")

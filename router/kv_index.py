@@ -35,6 +35,8 @@ import heapq
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import accumulate, groupby, repeat, takewhile
+from operator import and_, or_
 
 import numpy as np
 
@@ -118,6 +120,7 @@ class KvIndex:
         self._worker_slots: dict[str, list[_Slot]] = {}
         self._all_bits = 0
         self._streams: dict[tuple[str, int], int] = {}
+        self._mask_cache: dict[int, tuple[str, ...]] = {}
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -136,6 +139,7 @@ class KvIndex:
             self._slots[(worker, dp_rank)] = s
             self._worker_slots.setdefault(worker, []).append(s)
             self._all_bits |= s.bit
+            self._mask_cache.clear()
         return s
 
     def workers(self) -> list[str]:
@@ -295,20 +299,29 @@ class KvIndex:
         if not pending and E == B and len(tokens) == n * B:
             keys = block_keys_list(tokens, B, ns, last)
             ident_ok = tier is _GPU and group == 0 and ns == 0
-            owned = s.owned
+            owned, owners, bit, spec = s.owned, self._owners, s.bit, s.spec
+            added = 0
+            # the hot path of every store: _incref inlined
             for h, ck in zip(hashes, keys):
-                if h in emap or (ident_ok and h == ck and owned.get(h, 0) & _IDENT):
+                if h in emap:
                     stats.duplicate_stores += 1
                     continue
+                c = owned.get(ck, 0)
                 if ident_ok and h == ck:
-                    self._incref(s, ck, ident=True)
-                elif ns == 0:
-                    emap[h] = ck
-                    self._incref(s, ck)
+                    if c & _IDENT:
+                        stats.duplicate_stores += 1
+                        continue
+                    owned[ck] = c + _IDENT + 1
                 else:
-                    emap[h] = _Entry((ck,), ck, (), ns)
-                    self._incref(s, ck)
-                stats.stored_blocks += 1
+                    emap[h] = ck if ns == 0 else _Entry((ck,), ck, (), ns)
+                    owned[ck] = c + 1
+                if not c:
+                    owners[ck] = owners.get(ck, 0) | bit
+                    if spec and ck in spec:
+                        self._drop_spec(s, ck)
+                        stats.speculative_confirmed += 1
+                added += 1
+            stats.stored_blocks += added
             return
         stream = list(pending) + list(tokens)
         keys = block_keys_list(stream, B, ns, last)
@@ -355,20 +368,33 @@ class KvIndex:
         ident_ok = tier is _GPU and group == 0
         owned = s.owned
         stats = self.stats
+        owners, nbit = self._owners, ~s.bit
+        removed = 0
         for h in ev.engine_hashes:
             e = emap.pop(h, None) if emap else None
-            if e is not None:
-                if type(e) is int:
-                    self._decref(s, e)
+            if type(e) is int:
+                # the hot path of every removal: _decref inlined
+                c = owned[e] - 1
+                if c & _COUNT:
+                    owned[e] = c
                 else:
-                    for ck in e.keys:
-                        self._decref(s, ck)
-                stats.removed_blocks += 1
+                    del owned[e]
+                    m = owners[e] & nbit
+                    if m:
+                        owners[e] = m
+                    else:
+                        del owners[e]
+                removed += 1
+            elif e is not None:
+                for ck in e.keys:
+                    self._decref(s, ck)
+                removed += 1
             elif ident_ok and type(h) is int and owned.get(h, 0) & _IDENT:
                 self._decref(s, h, ident=True)
-                stats.removed_blocks += 1
+                removed += 1
             else:
                 stats.unknown_removals += 1
+        stats.removed_blocks += removed
 
     def _move(self, s: _Slot, ev: BlocksMoved) -> None:
         group = ev.group or 0
@@ -432,6 +458,7 @@ class KvIndex:
             heapq.heappush(self._free_bits, idx)
             self._all_bits &= ~s.bit
             self._streams.pop((s.worker, s.dp_rank), None)
+        self._mask_cache.clear()
 
     def load_snapshot(self, worker: str, block_keys: Iterable[int], dp_rank: int = 0) -> None:
         """Replace the slot's content with a snapshot of *our* worker (engine hash == key)."""
@@ -511,35 +538,49 @@ class KvIndex:
         return m
 
     def _walk(self, keys, active: int) -> list[tuple[int, int]]:
-        """[(bits, depth)]: the slots in ``bits`` matched exactly ``depth`` leading keys."""
+        """[(bits, depth)]: the slots in ``bits`` matched exactly ``depth`` leading keys.
+
+        The per-key work runs in C: ``accumulate`` ANDs the owner masks of successive keys into
+        the running set of slots still matching, ``takewhile`` stops at the first empty set, and
+        ``groupby`` collapses the runs, so Python code runs once per *change* of the active set
+        (at most once per slot), not once per key.
+        """
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
-        out = []
-        depth = 0
         get = self._owners.get
-        spec = self._spec_owners
-        if spec:
-            sget = spec.get
-            for k in keys:
-                m = (get(k, 0) | sget(k, 0)) & active
-                if m != active:
-                    out.append((active ^ m, depth))
-                    active = m
-                    if not m:
-                        return out
-                depth += 1
-        else:
-            for k in keys:
-                m = get(k, 0) & active
-                if m != active:
-                    out.append((active ^ m, depth))
-                    active = m
-                    if not m:
-                        return out
-                depth += 1
-        if active:
-            out.append((active, depth))
+        masks = map(get, keys, repeat(0))
+        if self._spec_owners:
+            masks = map(or_, masks, map(self._spec_owners.get, keys, repeat(0)))
+        running = takewhile(bool, accumulate(masks, and_, initial=active))
+        out = []
+        end = 0
+        prev = None
+        for value, group in groupby(running):
+            if prev is not None:
+                out.append((prev ^ value, end - 1))
+            end += len(list(group))
+            prev = value
+        if prev:
+            out.append((prev, end - 1))
         return out
+
+    def _workers_of(self, bits: int) -> tuple[str, ...]:
+        """Worker names of the slots in ``bits`` (memoised: the same groups of workers keep
+        dropping out together, e.g. every worker holding only a shared system prompt)."""
+        ws = self._mask_cache.get(bits)
+        if ws is None:
+            by_bit = self._by_bit
+            out = []
+            b = bits
+            while b:
+                low = b & -b
+                out.append(by_bit[low.bit_length() - 1].worker)
+                b ^= low
+            ws = tuple(out)
+            if len(self._mask_cache) >= 4096:
+                self._mask_cache.clear()
+            self._mask_cache[bits] = ws
+        return ws
 
     def longest_prefix(self, keys, workers: Iterable[str] | None = None) -> dict[str, int]:
         """Matched leading blocks per worker (best dp rank), in one walk over ``keys``.
@@ -551,16 +592,10 @@ class KvIndex:
         res: dict[str, int] = dict.fromkeys(workers, 0) if workers is not None else {}
         if not active:
             return res
-        by_bit = self._by_bit
+        # groups come in increasing depth, so a later update is a deeper match (best dp rank)
         for bits, depth in self._walk(keys, active):
-            if not depth:
-                continue
-            while bits:
-                low = bits & -bits
-                w = by_bit[low.bit_length() - 1].worker
-                if res.get(w, 0) < depth:
-                    res[w] = depth
-                bits ^= low
+            if depth:
+                res.update(zip(self._workers_of(bits), repeat(depth)))
         return res
 
     def longest_prefix_ranks(self, keys, workers: Iterable[str] | None = None

@@ -80,6 +80,19 @@ class IndexLoadView:
     def matched_blocks(self, keys) -> dict[str, int]:
         return self.index.longest_prefix(keys)
 
+    def loads(self, servers: Sequence[str]) -> list[tuple[int, int]]:
+        """(requests, tokens) per server in one call (the hot path of every select)."""
+        get = self.leases._load.get
+        zero = (0, 0)
+        return [tuple(l) if (l := get(s)) else zero for s in servers]
+
+
+def _loads(view, servers: Sequence[str]) -> list[tuple[int, int]]:
+    bulk = getattr(view, "loads", None)
+    if bulk is not None:
+        return bulk(servers)
+    return [(view.requests(s), view.tokens(s)) for s in servers]
+
 
 def _n_keys(keys) -> int:
     return 0 if keys is None else len(keys)
@@ -87,6 +100,9 @@ def _n_keys(keys) -> int:
 
 def _healthy(policy: str, candidates: Sequence[Candidate]) -> tuple[list[Candidate], list[dict]]:
     """Healthy candidates (first occurrence of each server) and rows for the rest."""
+    if candidates and all(c.healthy for c in candidates) and \
+            len({c.server for c in candidates}) == len(candidates):
+        return list(candidates), []
     seen = set()
     ok, rows = [], []
     for c in candidates:
@@ -205,7 +221,7 @@ class LoadBalancingPolicy(Policy):
                 "power_of_two_choices": self.power_of_two_choices}
 
     def _pick(self, ok: list[Candidate], view) -> tuple[Candidate, dict, str]:
-        loads = {c.server: (view.requests(c.server), view.tokens(c.server)) for c in ok}
+        loads = dict(zip((c.server for c in ok), _loads(view, [c.server for c in ok])))
         metric = (lambda s: loads[s][1]) if self.use_tokens else (lambda s: loads[s][0])
         unit = "tokens" if self.use_tokens else "requests"
         if self.power_of_two_choices and len(ok) > 2:
@@ -290,67 +306,62 @@ class KvCacheAwarePolicy(Policy):
         num_tokens = key.num_tokens if key is not None and key.num_tokens else nk * self.block_size
         conv = key.conversation_id if key is not None else None
         pinned = self._pins.get(conv) if conv else None
-        matched = view.matched_blocks(keys) if nk else {}
+        mget = (view.matched_blocks(keys) if nk else {}).get
+        servers = [c.server for c in ok]
+        loads = _loads(view, servers)
         B = self.block_size
         cap_tokens = max(num_tokens - 1, 0)
         pw, tw, rw = self.prefill_weight, self.load_tokens_weight, self.load_requests_weight
-        bonus = self.affinity_bonus * num_tokens
-        est = []
-        total_req = 0
-        for c in ok:
-            s = c.server
-            req, tok = view.requests(s), view.tokens(s)
-            total_req += req
-            mt = min(matched.get(s, 0) * B, cap_tokens)
-            cost = pw * (num_tokens - mt) + tw * tok + rw * req
-            if s == pinned:
-                cost -= bonus
-            est.append((c, mt, req, tok, cost))
-        hot_limit = None
+        matched = [min(mget(s, 0) * B, cap_tokens) for s in servers]
+        costs = [pw * (num_tokens - mt) + tw * tok + rw * req
+                 for mt, (req, tok) in zip(matched, loads)]
+        if pinned is not None and pinned in servers:
+            costs[servers.index(pinned)] -= self.affinity_bonus * num_tokens
+        n = len(servers)
+        hot: dict[int, str] = {}
         if self.hotspot_factor:
-            hot_limit = self.hotspot_factor * total_req / len(ok) + self.hotspot_slack
-        cap = self.load_cap if self.max_batch_size and self.load_cap is not None else None
-
-        def hot(req: int) -> str | None:
-            if hot_limit is not None and req > hot_limit:
-                return f"hot: {req} in-flight requests > cap {hot_limit:.1f}"
-            if cap is not None and req / self.max_batch_size >= cap:
-                return f"hot: {req}/{self.max_batch_size} requests >= load_cap {cap}"
-            return None
-
-        hot_why = {e[0].server: hot(e[2]) for e in est}
-        eligible = [e for e in est if hot_why[e[0].server] is None]
-        all_hot = not eligible
-        if all_hot:
-            eligible = est
-        best = min(e[4] for e in eligible)
+            limit = self.hotspot_factor * sum(req for req, _ in loads) / n + self.hotspot_slack
+            for i, (req, _) in enumerate(loads):
+                if req > limit:
+                    hot[i] = f"hot: {req} in-flight requests > cap {limit:.1f}"
+        if self.max_batch_size and self.load_cap is not None:
+            mbs, cap = self.max_batch_size, self.load_cap
+            for i, (req, _) in enumerate(loads):
+                if i not in hot and req / mbs >= cap:
+                    hot[i] = f"hot: {req}/{mbs} requests >= load_cap {cap}"
+        all_hot = len(hot) == n
+        if hot and not all_hot:
+            best = min(c for i, c in enumerate(costs) if i not in hot)
+        else:
+            best = min(costs)
         tol = 1e-9 * max(1.0, abs(best))
-        tied = [e for e in eligible if e[4] - best <= tol]
-        chosen = tied[self._cursor % len(tied)]
+        tied = [i for i, c in enumerate(costs) if c - best <= tol and (all_hot or i not in hot)]
+        pick = tied[self._cursor % len(tied)]
         if len(tied) > 1:
             self._cursor += 1
-        server = chosen[0].server
+        server = servers[pick]
         if conv:
             self._pins.put(conv, server)
-        for c, mt, req, tok, cost in est:
-            s = c.server
-            if s == server:
-                why = "chosen: lowest cost" + (" (tie, in turn)" if len(tied) > 1 else "")
-                if s == pinned:
-                    why += ", conversation affinity bonus"
-            elif hot_why[s] and not all_hot:
-                why = hot_why[s]
-            elif cost - best <= tol:
+        chosen_why = "chosen: lowest cost" + (" (tie, in turn)" if len(tied) > 1 else "") + (
+            ", conversation affinity bonus" if server == pinned else "")
+        for i, s in enumerate(servers):
+            if i == pick:
+                why = chosen_why
+            elif i in hot and not all_hot:
+                why = hot[i]
+            elif costs[i] - best <= tol:
                 why = "tied, not its turn"
             else:
-                why = f"cost {cost - best:+.0f} vs chosen"
-            rows.append(_row(s, mt, req, tok, round(cost, 3), why))
-        reason = (f"lowest cost: {chosen[1]} of {num_tokens} prompt tokens cached"
+                why = "higher cost"
+            req, tok = loads[i]
+            rows.append({"server": s, "matched_tokens": matched[i], "load_requests": req,
+                         "load_tokens": tok, "score": costs[i], "why": why})
+        reason = (f"lowest cost: {matched[pick]} of {num_tokens} prompt tokens cached"
                   + (", every candidate hot: cap ignored" if all_hot else "")
                   + (", conversation affinity" if pinned == server else ""))
         return Decision(server, {
             "policy": self.name, "candidates": rows, "chosen": server, "reason": reason,
-            "num_tokens": num_tokens, "matched_tokens": chosen[1],
+            "num_tokens": num_tokens, "matched_tokens": matched[pick],
             "conversation": conv, "pinned": pinned})
 
 

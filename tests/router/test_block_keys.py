@@ -47,6 +47,9 @@ def test_matches_reference_for_every_path(block_size, monkeypatch):
         monkeypatch.setattr(bk, "_NUMPY_MIN_BLOCKS", threshold)
         assert block_keys(toks, block_size, ns_seed=12345).tolist() == expect
         assert block_keys(np.array(toks, dtype=np.uint32), block_size, ns_seed=12345).tolist() == expect
+        assert block_keys_list(toks, block_size, ns_seed=12345) == expect
+        assert block_keys_list(np.array(toks, dtype=np.uint32)[::1], block_size,
+                               ns_seed=12345) == expect
 
 
 def test_numpy_path_chunks_large_inputs(monkeypatch):
@@ -99,6 +102,12 @@ def test_invalid_tokens_raise_value_error(bad):
 def test_invalid_block_size():
     with pytest.raises(ValueError, match="block_size"):
         block_keys(TOKENS, 0)
+
+
+def test_strided_arrays_accepted():
+    arr = np.array(TOKENS * 2, dtype=np.uint32)[::2]
+    assert block_keys(arr, 16).tolist() == block_keys(arr.copy(), 16).tolist()
+    assert block_keys_list(arr, 4) == block_keys_list(arr.tolist(), 4)
 
 
 def test_numpy_dtypes_accepted():
