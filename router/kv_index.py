@@ -242,6 +242,8 @@ class KvIndex:
         ``expected_seq`` (and feed the replayed batches here), or ``clear_worker`` and
         ``reset_stream`` when the replay cannot cover the gap.
         """
+        if batch.is_replay_end:
+            raise ValueError("the replay end marker is not a batch: stop reading replies there")
         rank = batch.dp_rank or 0
         key = (worker, rank)
         expected = self._streams.get(key)

@@ -127,6 +127,12 @@ class LeaseTable:
         load = self._load.get(server)
         return load[1] if load else 0
 
+    def loads_for(self, servers) -> list[tuple[int, int]]:
+        """(requests, tokens) for each of ``servers``, in order (one call per routing decision)."""
+        get = self._load.get
+        zero = (0, 0)
+        return [(l[0], l[1]) if (l := get(s)) else zero for s in servers]
+
     def loads(self) -> dict[str, tuple[int, int]]:
         return {s: (l[0], l[1]) for s, l in self._load.items()}
 

@@ -82,9 +82,7 @@ class IndexLoadView:
 
     def loads(self, servers: Sequence[str]) -> list[tuple[int, int]]:
         """(requests, tokens) per server in one call (the hot path of every select)."""
-        get = self.leases._load.get
-        zero = (0, 0)
-        return [tuple(l) if (l := get(s)) else zero for s in servers]
+        return self.leases.loads_for(servers)
 
 
 def _loads(view, servers: Sequence[str]) -> list[tuple[int, int]]:

@@ -275,6 +275,8 @@ def test_apply_batch_sequencing():
     assert idx.apply_batch("w", mk(41, [])) == StreamVerdict.GAP
     idx.reset_stream("w")
     assert idx.apply_batch("w", mk(41, [])) == StreamVerdict.APPLIED
+    with pytest.raises(ValueError, match="end marker"):
+        idx.apply_batch("w", EventBatch(-1, 0.0, None))
 
 
 def test_apply_rejects_non_events_and_bad_workers():

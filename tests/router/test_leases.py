@@ -21,6 +21,7 @@ def test_acquire_finish_load():
     assert t.finish("ctx", 1) is None  # idempotent
     assert t.load("s1") == (1, 5) and t.requests("s1") == 1 and t.tokens("s1") == 5
     assert t.loads() == {"s1": (1, 5), "s2": (1, 0)}
+    assert t.loads_for(["s2", "zz", "s1"]) == [(1, 0), (0, 0), (1, 5)]
 
 
 def test_reacquire_replaces_and_moves_load():
