@@ -124,6 +124,9 @@ def local_request_id(last_id: int) -> int:
     return (last_id + 1) & (MIN_GLOBAL_ID - 1)
 
 
+_MAX_NAPS = 50
+
+
 def _wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -178,9 +181,12 @@ class SnowflakeGenerator:
     __call__ = next_id
 
     def _next_ms(self, last: int, now: int) -> int:
-        # Wait for the wall clock to reach the next millisecond; if it is behind `last` (it
-        # stepped back), waiting could take as long as the step, so advance logically instead.
-        while now == last:
+        # Wait for the wall clock to reach the next millisecond. If it is behind `last` (it
+        # stepped back), or does not move (frozen, or before EPOCH_MS), waiting could take as long
+        # as the clock is off, so advance logically instead; 50 naps are well over a millisecond.
+        for _ in range(_MAX_NAPS):
+            if now != last:
+                break
             self._sleep(0.0001)
             now = self._now()
         return now if now > last else last + 1
