@@ -121,7 +121,9 @@ class Flow:
         self._bg: set[asyncio.Task] = set()
         self.inflight = 0
         self._m_place = {m: M.PLACEMENT.labels(m) for m in
-                         ("disaggregated", "local_prefill", "aggregated_fallback", "context_only", "aggregated")}
+                         ("disaggregated", "local_prefill", "aggregated_fallback", "context_only", "aggregated",
+                          "no_kv_transfer")}
+        self.no_transfer: set[str] = set()   # generation servers that answered 501 to generation_only
         self._m_leg = {r: M.LEG_REQUESTS.labels(r) for r in (CTX, GEN)}
         self._m_retry = {r: M.LEG_RETRIES.labels(r) for r in (CTX, GEN)}
         self._m_leglat = {r: M.LEG_LATENCY.labels(r) for r in (CTX, GEN)}
@@ -274,7 +276,7 @@ class Flow:
             st.rid, st.attempts[role], role.encode())
 
     async def _send(self, st: _State, role: str, p: Placement, path: str, body: bytes, key: dict | None,
-                    extra: bytes = b"") -> tuple[Response, Placement]:
+                    extra: bytes = b"", gen_only: bool = False) -> tuple[Response, Placement]:
         """Send a leg; retry connect-level failures and worker 503s on another server.
 
         Returns the response (status < 400) with its headers read, and the placement finally used.
@@ -310,6 +312,8 @@ class Flow:
                     st.open_resp.append(resp)
                     return resp, p
                 data = await self._read(resp, st, role, p)
+                if resp.status == 501 and gen_only:
+                    raise _NoKvTransfer(p)
                 if resp.status != 503:
                     p.failed = resp.status >= 500
                     M.LEG_ERRORS.labels(role, f"http_{resp.status // 100}xx").inc()
@@ -386,6 +390,13 @@ class Flow:
             body["disaggregated_params"] = client_params
             return await self._final_leg(request, creq, st, p, orjson.dumps(body), key, self._sig(client_params))
         ctx, gen = await self._place(st, key)
+        if ctx is not None and gen.server in self.no_transfer:
+            # Known not to receive KV: the context leg would be wasted work.
+            self.placer.finish(ctx, True)
+            self.placer.track(ctx, -1)
+            st.placements.remove(ctx)
+            ctx = None
+            st.mode = "no_kv_transfer"
         st.route = {"id": st.rid, "mode": st.mode}
         if ctx is None:
             self._m_place[st.mode].inc()
@@ -404,7 +415,20 @@ class Flow:
             return self._context_answer(request, creq, st, ctx_raw)
         self._m_place["disaggregated"].inc()
         gen_body, sig = self._gen_body(creq, st, ctx_ans)
-        return await self._final_leg(request, creq, st, gen, gen_body, key, sig)
+        try:
+            return await self._final_leg(request, creq, st, gen, gen_body, key, sig, gen_only=True)
+        except _NoKvTransfer as e:
+            # This generation server cannot receive KV (no transfer agent): serve it aggregated there,
+            # and release the context leg's pinned KV now rather than at its pin timeout.
+            log.warning("generation server %s cannot receive KV (501 to generation_only); serving its "
+                        "requests aggregated", e.placement.server)
+            self.no_transfer.add(e.placement.server)
+            self._spawn(self._post_abort(CTX, ctx.server, st.rid))
+            st.mode = "no_kv_transfer"
+            st.route["mode"] = st.mode
+            st.route.pop("context", None)
+            return await self._final_leg(request, creq, st, e.placement,
+                                         orjson.dumps(self._gen_base(creq)), key)
 
     async def _place_single(self, st: _State, key: dict | None) -> Placement:
         try:
@@ -536,8 +560,8 @@ class Flow:
 
     # ------------------------------------------------------------------ final leg + relay
     async def _final_leg(self, request, creq: ClientRequest, st: _State, gen: Placement, body: bytes,
-                         key: dict | None, sig: bytes = b""):
-        resp, gen = await self._send(st, GEN, gen, PATHS[creq.kind], body, key, sig)
+                         key: dict | None, sig: bytes = b"", gen_only: bool = False):
+        resp, gen = await self._send(st, GEN, gen, PATHS[creq.kind], body, key, sig, gen_only)
         return await self._relay(request, creq, st, gen, resp)
 
     def _route_of(self, p: Placement) -> dict:
@@ -711,6 +735,14 @@ class Flow:
             return web.Response(body=orjson.dumps(obj), headers={"Content-Type": "application/json",
                                                                  ROUTE_HEADER: route})
         return _ReplayStream(obj, creq, route)
+
+
+class _NoKvTransfer(Exception):
+    """A generation server answered 501 to a generation_only request: it has no KV transfer agent."""
+
+    def __init__(self, placement: Placement):
+        super().__init__(placement.server)
+        self.placement = placement
 
 
 class _ReplayStream:

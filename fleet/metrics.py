@@ -63,7 +63,9 @@ FINISH_DROPPED = Counter(f"{NS}_finish_dropped_total",
 PLACEMENT = Counter(f"{NS}_placements_total",
                     "How requests were served: disaggregated (context+generation legs), local_prefill "
                     "(conditional disaggregation skipped the context leg), aggregated_fallback (no context "
-                    "server), context_only (the context leg already finished the request).", ["mode"])
+                    "server), context_only (the context leg already finished the request), aggregated (no context "
+                    "servers configured), no_kv_transfer (the generation server cannot receive KV: served "
+                    "aggregated there).", ["mode"])
 DISCONNECTS = Counter(f"{NS}_client_disconnects_total",
                       "Clients that went away before their answer was complete, by phase.", ["phase"])
 ABORTS = Counter(f"{NS}_upstream_aborts_total", "Worker /v1/abort calls sent, by role.", ["role"])

@@ -351,6 +351,14 @@ def install_stop_signals(stop: asyncio.Event) -> None:
             pass
 
 
+async def _watch_parent(ppid: int, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        await asyncio.sleep(1.0)
+        if os.getppid() != ppid:
+            log.warning("fleet process %d: launcher (pid %d) is gone; shutting down", os.getpid(), ppid)
+            stop.set()
+
+
 async def run_process(config, *, coordinator_url: str | None, process_index: int = 0,
                       reuse_port: bool = False, ready_fd: int | None = None) -> int:
     """One fleet process, start to exit. With no `coordinator_url` the coordinator runs in-process."""
@@ -358,6 +366,10 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
 
     stop = asyncio.Event()
     install_stop_signals(stop)
+    watchdog = None
+    if process_index is not None and reuse_port:
+        # A launcher's child: if the launcher dies (even SIGKILL), stop instead of lingering as an orphan.
+        watchdog = asyncio.get_running_loop().create_task(_watch_parent(os.getppid(), stop))
     coord_obj = None
     if coordinator_url is None:
         from coordinator.service import Coordinator
@@ -389,6 +401,8 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
         await server.serve(sock, stop)
         return 0
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         closer = getattr(client, "close", None)
         if closer is not None:
             try:
