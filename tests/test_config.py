@@ -149,9 +149,18 @@ def test_flat_and_nested_router_forms_are_equal():
     assert e.path == "context_servers.router.args" and "mapping" in str(e)
 
 
+def test_router_arguments_are_checked_by_the_policy_with_their_path():
+    pytest.importorskip("router.policies")
+    e = err({"context_servers": {"router": {"type": "kv_cache_aware", "use_tokenz": True}}})
+    assert e.path == "context_servers.router.use_tokenz" and "kv_cache_aware" in str(e)
+    e = err({"generation_servers": {"router": {"type": "load_balancing", "args": {
+        "use_tokens": "yes"}}}})
+    assert e.path == "generation_servers.router.use_tokens"
+
+
 def test_router_args_are_read_only():
     cfg = load_config({"generation_servers": {"router": {"type": "conversation", "args": {
-        "lru": {"size": 3}}}}}, env={})
+        "max_sessions": 10}}}}, env={})
     with pytest.raises(TypeError):
         cfg.generation_servers.router.args["new"] = 1  # type: ignore[index]
     with pytest.raises(dataclasses.FrozenInstanceError):
