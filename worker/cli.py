@@ -148,6 +148,13 @@ def build_server(args):
     from worker.kv_events import KvEventPublisher
     from worker.server import WorkerServer
 
+    # argparse checks choices on the command line only; values from the environment land here.
+    for name, choices in (("role", ("context", "generation", "both")), ("engine", ("torch", "sim")),
+                          ("device", ("cpu", "cuda", None)), ("dtype", ("float32", "bfloat16", None)),
+                          ("transfer_agent", ("auto", "nixl", "shm", "tcp"))):
+        if getattr(args, name) not in choices:
+            raise ValueError(f"--{name.replace('_', '-')} must be one of "
+                             f"{[c for c in choices if c]}, got {getattr(args, name)!r}")
     for name in ("block_size", "max_batch_size", "max_num_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -298,6 +298,12 @@ class WorkerServer:
                 return await self._stream(request, stream, parsed, kind, oid, headers)
             return await self._collect(stream, parsed, kind, oid, headers)
 
+    def _echo(self, parsed) -> str:
+        """The prompt's text for completions with ``echo: true`` (special tokens dropped)."""
+        if not parsed.echo:
+            return ""
+        return self.engine.tokenizer.decode(parsed.prompt_token_ids)
+
     def _disagg_out(self, parsed, ev):
         if ev.context is None:
             return None, None
@@ -305,7 +311,7 @@ class WorkerServer:
                 ev.context.prompt_token_ids)
 
     async def _collect(self, stream, parsed, kind, oid, headers) -> web.Response:
-        parts: list[str] = []
+        parts: list[str] = [self._echo(parsed)]
         last = None
         async for ev in stream:
             parts.append(ev.text)
@@ -329,6 +335,9 @@ class WorkerServer:
         if chat:
             await resp.write(_sse(protocol.chat_chunk(oid, created, model,
                                                       {"role": "assistant", "content": ""})))
+        echo = self._echo(parsed)
+        if echo:
+            await resp.write(_sse(protocol.completion_chunk(oid, created, model, echo)))
         last = None
         async for ev in stream:
             last = ev

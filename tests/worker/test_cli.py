@@ -134,3 +134,18 @@ async def test_many_sim_workers_start_and_answer(N_SIMS):
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_sim_preset_table_matches_the_presets():
+    from worker.cli import SIM_PRESET_MAX_LEN, SIM_PRESET_VOCAB
+    from worker.presets import PRESETS
+
+    assert SIM_PRESET_VOCAB == {n: c.vocab_size for n, c in PRESETS.items()}
+    assert SIM_PRESET_MAX_LEN == {n: c.max_position_embeddings for n, c in PRESETS.items()}
+
+
+def test_bad_choice_from_the_environment_is_rejected():
+    r = subprocess.run([sys.executable, "-m", "splitserve_cli", "worker", "--port", "0"],
+                       cwd=REPO, capture_output=True, timeout=60,
+                       env={**os.environ, "SPLITSERVE_ENGINE": "simulated"})
+    assert r.returncode == 2 and b"--engine must be one of" in r.stderr, r.stderr

@@ -301,3 +301,15 @@ async def test_registration_heartbeats_reregistration_and_deregistration(servers
             assert r.status == 200
     finally:
         await srv.stop()
+
+
+async def test_echo_prepends_the_prompt(servers, http):
+    srv, url = await servers()
+    body = {"prompt": "echo this", "max_tokens": 3, "temperature": 0}
+    async with http.post(url + "/v1/completions", json=body) as r:
+        plain = (await r.json())["choices"][0]["text"]
+    async with http.post(url + "/v1/completions", json={**body, "echo": True}) as r:
+        assert (await r.json())["choices"][0]["text"] == "echo this" + plain
+    async with http.post(url + "/v1/completions", json={**body, "echo": True, "stream": True}) as r:
+        chunks = await sse(r)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "echo this" + plain
