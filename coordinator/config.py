@@ -826,8 +826,10 @@ def _read_source(src: Any) -> dict:
     if isinstance(src, os.PathLike):
         path = Path(src)
     elif isinstance(src, str):
-        looks_like_path = "\n" not in src and (
-            os.path.exists(src) or src.endswith((".yaml", ".yml", ".json")))
+        # One line without a mapping colon is a file name, not a YAML document.
+        looks_like_path = "\n" not in src and src.strip() != "" and (
+            os.path.exists(src) or src.endswith((".yaml", ".yml", ".json"))
+            or (":" not in src and not src.lstrip().startswith(("{", "[", "#"))))
         if not looks_like_path:
             doc = _parse_yaml(src, "<config text>")
             if doc is None:

@@ -284,6 +284,7 @@ def test_duplicate_yaml_keys_and_bad_documents():
     assert "invalid YAML" in str(err("port: [1, 2\n"))
     e = err("/nonexistent/dir/cluster.yaml")
     assert "cannot read config file" in str(e)
+    assert "cannot read config file 'clusterr'" in str(err("clusterr"))
     assert load_config("", env={}) == load_config(None, env={})
 
 
