@@ -2,8 +2,9 @@
 
 Flags are those of docs/INTERFACES.md §4 (the Helm chart renders them); each also reads
 ``SPLITSERVE_<FLAG_UPPER_SNAKE>`` from the environment (the flag wins). When the worker is ready
-it prints one line holding its URL; SIGTERM/SIGINT drain it: deregister, abort in-flight
-requests, free every block, close the sockets, exit 0.
+it prints one line holding its URL; SIGTERM/SIGINT drain it: deregister, refuse new requests,
+let running ones and pending KV transfers finish for up to ``--drain-timeout`` seconds, abort
+what is left, free every block, close the sockets, exit 0.
 """
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sim engine: cost of one batched decode step (µs)")
     add("--pin-timeout", 60.0, type=float,
         help="seconds a context request's KV stays pinned waiting for its transfer")
+    add("--drain-timeout", 25.0, type=float,
+        help="on SIGTERM, seconds to let running requests and pending KV transfers finish "
+             "(new requests get 503) before aborting them")
     add("--log-level", "INFO", help="logging level")
 
 
@@ -185,15 +189,26 @@ async def _serve(args) -> int:
         print(f"splitserve worker: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         await server.stop()
         return 2
-    stop = asyncio.Event()
+    stop, hard = asyncio.Event(), asyncio.Event()
+
+    def on_signal():
+        if stop.is_set():  # a second signal skips the rest of the drain
+            hard.set()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     info = server.server_info_dict()
     print(f"splitserve worker ready at {url} (role={info['role']} engine={info['engine']} "
           f"model={info['model']} kv_events={info['kv_events']['publisher']})", flush=True)
     await stop.wait()
-    log.info("shutting down")
+    log.info("shutting down: draining for up to %.1fs", args.drain_timeout)
+    drain = asyncio.create_task(server.drain(args.drain_timeout))
+    abort = asyncio.create_task(hard.wait())
+    await asyncio.wait({drain, abort}, return_when=asyncio.FIRST_COMPLETED)
+    for t in (drain, abort):
+        t.cancel()
     await server.stop()
     return 0
 

@@ -27,7 +27,7 @@ from router.block_keys import KEY_SCHEME
 from worker import protocol
 from worker.metrics import make_registry, render
 from worker.requests import (
-    CONTEXT_ONLY, GENERATION_ONLY, EngineError, EngineRequest, InvalidRequest,
+    CONTEXT_ONLY, GENERATION_ONLY, EngineError, EngineRequest, EngineStopped, InvalidRequest,
 )
 
 log = logging.getLogger("splitserve.worker.server")
@@ -87,6 +87,7 @@ class WorkerServer:
         self._runner: web.AppRunner | None = None
         self._registration = None
         self._created = int(time.time())
+        self.draining = False
         self.registry = make_registry(engine, publisher)
         self.app = self._make_app()
         if publisher is not None:
@@ -134,6 +135,26 @@ class WorkerServer:
             await self._registration.start()
         return self.url
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Graceful shutdown, first half: deregister, answer new generation requests (and
+        ``/health``) with 503, and wait up to ``timeout_s`` for running and queued requests to
+        finish and for pinned context KV to be fetched. True if everything finished in time."""
+        self.draining = True
+        if self._registration is not None:
+            await self._registration.stop()
+            self._registration = None
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            st = self.engine.stats()
+            if st["running"] == 0 and st["waiting"] == 0 and st["pinned_transfers"] == 0:
+                return True
+            if time.monotonic() >= deadline:
+                log.warning("drain timed out after %.1fs with %d running, %d waiting, %d pinned "
+                            "transfers; aborting them", timeout_s, st["running"], st["waiting"],
+                            st["pinned_transfers"])
+                return False
+            await asyncio.sleep(0.05)
+
     async def stop(self) -> None:
         """Deregister, stop accepting, abort in-flight requests, stop the engine."""
         if self._registration is not None:
@@ -178,6 +199,8 @@ class WorkerServer:
 
     # ------------------------------------------------------------------ info endpoints
     async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return error_response(503, "the worker is draining", type_="service_unavailable")
         if getattr(self.engine, "alive", True):
             return _json({"status": "ok"})
         return error_response(503, "the engine loop is not running", type_="service_unavailable")
@@ -255,6 +278,8 @@ class WorkerServer:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        if self.draining:
+            raise EngineStopped("the worker is draining for shutdown; retry on another worker")
         body = await self._body(request)
         eng = self.engine
         parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat

@@ -20,10 +20,11 @@ from router.kv_index import KvIndex
 from tests.worker.conftest import REPO, metric, spawn_worker, stop_worker
 
 
-async def test_sim_worker_flags_env_and_sigterm(http):
+async def test_sim_worker_flags_env_and_sigterm_drain(http):
     proc, url = spawn_worker("--engine", "sim", "--role", "context", "--max-batch-size", "7",
+                             "--drain-timeout", "1.5",
                              env={"SPLITSERVE_BLOCK_SIZE": "8", "SPLITSERVE_MAX_BATCH_SIZE": "3",
-                                  "SPLITSERVE_SIM_DECODE_US_PER_STEP": "100"})
+                                  "SPLITSERVE_SIM_DECODE_US_PER_STEP": "20000"})
     try:
         async with http.get(url + "/server_info") as r:
             info = await r.json()
@@ -32,13 +33,24 @@ async def test_sim_worker_flags_env_and_sigterm(http):
         assert info["role"] == "context" and info["engine"] == "sim"
         async with http.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}) as r:
             assert (await r.json())["usage"]["completion_tokens"] == 4
-        # a request in flight when SIGTERM arrives is aborted; the process exits cleanly
-        task = asyncio.create_task(http.post(url + "/v1/completions", json={
-            "prompt": "long", "max_tokens": 5000, "stream": True}))
-        resp = await task
-        await resp.content.readline()
+        # SIGTERM: a short request in flight finishes, a long one is aborted at the drain
+        # timeout, new requests and /health get 503 meanwhile, and the process exits 0
+        short = await http.post(url + "/v1/completions", json={
+            "prompt": "short", "max_tokens": 20, "stream": True})
+        long = await http.post(url + "/v1/completions", json={
+            "prompt": "long", "max_tokens": 5000, "stream": True})
+        await short.content.readline()
+        await long.content.readline()
         proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(resp.read(), 10)
+        await asyncio.sleep(0.3)
+        async with http.get(url + "/health") as r:
+            assert r.status == 503
+        async with http.post(url + "/v1/completions", json={"prompt": "late"}) as r:
+            assert r.status == 503 and "draining" in (await r.json())["error"]["message"]
+        short_body = (await asyncio.wait_for(short.read(), 10)).decode()
+        long_body = (await asyncio.wait_for(long.read(), 10)).decode()
+        assert '"finish_reason":"length"' in short_body
+        assert '"finish_reason":"abort"' in long_body
         assert await asyncio.to_thread(proc.wait, 20) == 0
         assert b"shutting down" in proc.output
     finally:
