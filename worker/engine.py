@@ -26,8 +26,8 @@ from typing import Any, AsyncIterator, Protocol, runtime_checkable
 from worker.kv_cache import BlockPool
 from worker.requests import (  # noqa: F401  (re-exported: the engine seam's types)
     CONTEXT_AND_GENERATION, CONTEXT_ONLY, GENERATION_ONLY, ContextResult, EngineError,
-    EngineRequest, EngineStopped, InvalidRequest, PinnedTransfer, ReceiveSpec, RequestTooLarge,
-    SamplingParams, TokenEvent, TransferUnavailable,
+    EngineRequest, EngineStopped, InvalidRequest, PinnedTransfer, ReceiveSpec, SamplingParams,
+    TokenEvent, TransferUnavailable,
 )
 from worker.scheduler import Plan, RequestStream, Scheduler
 

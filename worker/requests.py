@@ -8,7 +8,7 @@ from typing import Any
 __all__ = [
     "CONTEXT_ONLY", "GENERATION_ONLY", "CONTEXT_AND_GENERATION", "REQUEST_TYPES",
     "SamplingParams", "EngineRequest", "TokenEvent", "ContextResult", "ReceiveSpec",
-    "PinnedTransfer", "EngineError", "InvalidRequest", "RequestTooLarge", "TransferUnavailable",
+    "PinnedTransfer", "EngineError", "InvalidRequest", "TransferUnavailable",
     "EngineStopped",
 ]
 
@@ -33,11 +33,6 @@ class EngineError(Exception):
 
 class InvalidRequest(EngineError):
     status = 400
-    type = "invalid_request_error"
-
-
-class RequestTooLarge(EngineError):
-    status = 413
     type = "invalid_request_error"
 
 

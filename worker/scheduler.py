@@ -26,6 +26,7 @@ Request lifecycle invariants:
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import logging
@@ -136,7 +137,7 @@ class RequestStream:
         await self.aclose()
 
 
-class Scheduler:
+class Scheduler(abc.ABC):
     """The engine core. Subclasses implement ``_execute(plan) -> list[int | None]`` (one sampled
     token per plan entry, None where ``sample`` is False) and may override ``_release_rng``."""
 
@@ -441,8 +442,9 @@ class Scheduler:
         finally:
             self._alive = False
 
+    @abc.abstractmethod
     async def _execute(self, plan: Plan) -> list[int | None]:
-        raise NotImplementedError("Scheduler subclasses provide _execute")  # abstract
+        """Run one step; one sampled token per plan entry (None where ``sample`` is False)."""
 
     # ------------------------------------------------------------------ planning
     def _blocks_for(self, ntokens: int) -> int:

@@ -75,6 +75,8 @@ class SimReceiver:
                 log.warning("opaque state of %s unreadable (%s); the context side will time out "
                             "its pins", spec.request_id, e)
         cid = spec.ctx_request_id
+        if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+            url = None  # only a worker URL, never another scheme, is ever called back
         if url and cid is not None:
             t = asyncio.create_task(self._notify(url, cid))
             self._tasks.add(t)
