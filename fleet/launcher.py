@@ -95,8 +95,10 @@ class _Child:
             self.ready_r = r
             argv += ["--ready-fd", str(w)]
             pass_fds = (w,)
-        # Own process group: a terminal's Ctrl-C reaches the launcher only, which then drains in order.
-        self.proc = subprocess.Popen(argv, env=self.env, pass_fds=pass_fds, start_new_session=True)
+        # Same process group as the launcher, so process-group accounting and killpg cover the whole fleet.
+        # Fleet processes ignore SIGINT (a terminal's Ctrl-C reaches the whole group): the launcher turns
+        # it into an ordered SIGTERM drain.
+        self.proc = subprocess.Popen(argv, env=self.env, pass_fds=pass_fds)
         if self.index is not None:
             os.close(pass_fds[0])
         self.ready = self.index is None

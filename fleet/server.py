@@ -366,6 +366,10 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
 
     stop = asyncio.Event()
     install_stop_signals(stop)
+    if ready_fd is not None:
+        # A launcher's child: SIGTERM comes from the launcher; Ctrl-C on the terminal goes to the launcher.
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     watchdog = None
     if process_index is not None and reuse_port:
         # A launcher's child: if the launcher dies (even SIGKILL), stop instead of lingering as an orphan.
