@@ -423,3 +423,29 @@ def arg_value(args: list[str], flag: str) -> str | None:
         elif a.startswith(flag + "="):
             val = a.split("=", 1)[1]
     return val
+
+
+def render_notes(helm: Path, tmp: Path, sets: Iterable[str] = (), api_versions: Iterable[str] = (),
+                 release: str = "rel", namespace: str = "llm", values: Iterable[Path] = ()) -> str:
+    """NOTES.txt as `helm install` would print it. `helm template` skips NOTES and `helm install
+    --dry-run` needs a cluster with Helm 3, so a copy of the chart renders it through `tpl` inside
+    an extra ConfigMap template."""
+    import shutil
+
+    copy = tmp / "chart"
+    shutil.copytree(CHART, copy)
+    (copy / "notes.txt").write_text((copy / "templates" / "NOTES.txt").read_text())
+    (copy / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n"
+        "data:\n  notes: {{ tpl (.Files.Get \"notes.txt\") . | quote }}\n")
+    args = ["template", release, str(copy), "--namespace", namespace, "--show-only", "templates/zz-notes.yaml"]
+    for v in values:
+        args += ["-f", str(v)]
+    for s in sets:
+        args += ["--set", s]
+    for a in api_versions:
+        args += ["--api-versions", a]
+    proc = run_helm(helm, *args)
+    if proc.returncode != 0:
+        raise AssertionError(f"rendering NOTES.txt failed:\n{proc.stderr}")
+    return yaml.safe_load(proc.stdout)["data"]["notes"]

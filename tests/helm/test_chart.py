@@ -121,10 +121,20 @@ def test_service_monitor_gated_on_crd_and_valid(helm):
     for svc in C.by_kind(docs, "Service"):
         n = sum(C.selector_matches(sm["spec"]["selector"], svc["metadata"]["labels"]) for sm in sms)
         assert n == 1, f"Service/{svc['metadata']['name']} is selected by {n} ServiceMonitors"
-    # Enabled but CRD absent: the install still works and NOTES says why nothing was created.
-    notes = C.run_helm(helm, "install", "rel", str(CHART), "--dry-run=client", "--set", sets[0])
-    if "cluster unreachable" not in notes.stderr:  # helm 3 needs a cluster even for client dry-run
-        assert "no ServiceMonitor was created" in notes.stdout
+
+
+def test_notes(helm, tmp_path):
+    sets = ["metrics.serviceMonitor.enabled=true"]
+    notes = C.render_notes(helm, tmp_path / "a", sets)
+    assert "no ServiceMonitor was created" in notes, "enabled without the CRD: NOTES must say why"
+    assert "not signed" in notes, "no HMAC Secret: NOTES must warn"
+    docs = C.render(helm, sets=sets)
+    for kind, name in re.findall(r"(deployment|service)/([a-z0-9-]+)", notes):
+        assert C.find(docs, kind.capitalize(), name), f"NOTES names {kind}/{name}, which is not rendered"
+    notes = C.render_notes(helm, tmp_path / "b", sets + ["auth.internalAuth.existingSecret=h",
+                                                         "auth.apiKeys.existingSecret=k"], [C.MONITORING_API])
+    assert "ServiceMonitor" not in notes and "not signed" not in notes
+    assert "authorization: Bearer" in notes
 
 
 BAD_VALUES = [
@@ -156,6 +166,9 @@ BAD_COMBINATIONS = [
     (["workers.context.ports.kvEvents=8100"], "four different ports"),
     (["workers.context.enabled=false"], "no context servers"),
     (["workers.generation.engine=sim"], "engine sim runs no model"),
+    (["workers.context.drainTimeoutSeconds=90"], "must exceed drainTimeoutSeconds"),
+    (["fleet.drainTimeoutSeconds=58"], "fleet.terminationGracePeriodSeconds (60)"),
+    (["workers.defaults.tpSize=2"], "one device per worker"),
 ]
 
 

@@ -284,6 +284,7 @@ def cluster(helm):
     # Short paths: the coordinator's Unix socket must fit in sun_path (108 bytes).
     with tempfile.TemporaryDirectory(prefix="ss-helm-") as tmp:
         cl = Cluster(docs, Path(tmp))
+        cl.helm, cl.sets = helm, SECRET_SETS
         try:
             cl.start()
             deadline = time.monotonic() + START_DEADLINE_S
@@ -339,6 +340,10 @@ def test_completion_through_the_fleet(cluster):
     status, body = _http("GET", fleet + "/v1/models", headers=auth)
     assert status == 200, body
     model = json.loads(body)["data"][0]["id"]
+    with tempfile.TemporaryDirectory() as tmp:
+        notes = C.render_notes(cluster.helm, Path(tmp), cluster.sets, release=RELEASE, namespace=NAMESPACE,
+                               values=[CHART / "examples" / "cpu-demo.yaml"])
+    assert f'"model": "{model}"' in notes, f"NOTES.txt's example request names another model than {model!r}"
     req = {"model": model, "prompt": "Kubernetes says hello", "max_tokens": 8, "temperature": 0}
     assert _http("POST", fleet + "/v1/completions", req)[0] == 401
     status, body = _http("POST", fleet + "/v1/completions", req, headers=auth, timeout=30)

@@ -26,6 +26,9 @@ what was expected and what was found. Included once, from configmap.yaml.
 {{- if and (not $w.enabled) (not $urls) -}}
 {{- fail (printf "no %s servers: workers.%s.enabled is false and cluster.%s.urls is empty; enable the workers or list static urls" $role $role $role) -}}
 {{- end -}}
+{{- if ge (float64 $w.drainTimeoutSeconds) (float64 $w.terminationGracePeriodSeconds) -}}
+{{- fail (printf "workers.%s.terminationGracePeriodSeconds (%v) must exceed drainTimeoutSeconds (%v), or draining workers are killed" $role $w.terminationGracePeriodSeconds $w.drainTimeoutSeconds) -}}
+{{- end -}}
 {{- if and (eq $w.engine "torch") (gt (mul (int $w.tpSize) (int $w.ppSize)) 1) -}}
 {{- fail (printf "workers.%s: the reference torch engine runs one device per worker; found tpSize %v x ppSize %v (use 1 and 1 and scale with replicas)" $role $w.tpSize $w.ppSize) -}}
 {{- end -}}
