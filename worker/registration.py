@@ -1,6 +1,6 @@
 """Self-registration with a coordinator (``--coordinator-url``), TTL-based.
 
-``POST /register {url, role, ttl_s}`` at start, ``POST /heartbeat`` with the same body every
+``POST /register {url, role, ttl_s, worker_id}`` at start, ``POST /heartbeat`` with the same body every
 ``ttl_s / 3``, ``POST /deregister {url, role}`` on shutdown. The coordinator may be down or
 restart at any time: failures are logged (once per outage), retried on the next tick, and a
 heartbeat the coordinator does not recognise (404/410) re-registers. The worker never fails
@@ -20,12 +20,13 @@ __all__ = ["CoordinatorRegistration"]
 
 class CoordinatorRegistration:
     def __init__(self, coordinator_url: str, *, url: str, role: str, ttl_s: float = 30.0,
-                 request_timeout_s: float = 5.0):
+                 worker_id: str | None = None, request_timeout_s: float = 5.0):
         if ttl_s <= 0:
             raise ValueError(f"register ttl must be > 0 s, got {ttl_s}")
         self.coordinator_url = coordinator_url.rstrip("/")
         self.url = url
         self.role = role
+        self.worker_id = worker_id
         self.ttl_s = float(ttl_s)
         self._timeout = aiohttp.ClientTimeout(total=min(request_timeout_s, self.ttl_s / 3))
         self._session: aiohttp.ClientSession | None = None
@@ -35,7 +36,10 @@ class CoordinatorRegistration:
         self._down = False
 
     def _body(self) -> dict:
-        return {"url": self.url, "role": self.role, "ttl_s": self.ttl_s}
+        body = {"url": self.url, "role": self.role, "ttl_s": self.ttl_s}
+        if self.worker_id is not None:
+            body["worker_id"] = self.worker_id
+        return body
 
     async def _post(self, path: str, body: dict) -> int:
         async with self._session.post(self.coordinator_url + path, json=body) as r:

@@ -131,7 +131,8 @@ class WorkerServer:
         if self.coordinator_url:
             from worker.registration import CoordinatorRegistration
             self._registration = CoordinatorRegistration(
-                self.coordinator_url, url=self.url, role=self.role, ttl_s=self.register_ttl_s)
+                self.coordinator_url, url=self.url, role=self.role, ttl_s=self.register_ttl_s,
+                worker_id=self.worker_id)
             await self._registration.start()
         return self.url
 

@@ -160,3 +160,31 @@ async def test_block_accounting_returns_to_baseline(engines):
     await wait_for(lambda: e.pool.num_used == 0, timeout=5)
     assert e.counters["pins_released_timeout"] == 1
     e.pool.check_invariants()
+
+
+@pytest.mark.gpu
+async def test_cuda_engine_greedy_invariance_and_seeded_sampling():
+    import torch
+
+    from worker.presets import build_preset
+
+    model = build_preset("tiny", device="cuda", dtype=torch.float32)
+    e = make_torch_engine(model, num_blocks=128, block_size=16, max_num_tokens=24)
+    await e.start()
+    try:
+        prompts = [prompt(45, s) for s in range(4)]
+        want = [(await run(e, EngineRequest(f"a{i}", p, greedy(16))))[0]
+                for i, p in enumerate(prompts)]
+        got = await asyncio.gather(*(run(e, EngineRequest(f"b{i}", p, greedy(16)))
+                                     for i, p in enumerate(prompts)))
+        assert [g[0] for g in got] == want
+        assert all(g[1].cached_tokens == 32 for g in got)
+        sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+        s1, _ = await run(e, EngineRequest("s1", prompts[0], sp))
+        s2 = await asyncio.gather(run(e, EngineRequest("s2", prompts[0], sp)),
+                                  *(run(e, EngineRequest(f"o{i}", p, sp)) for i, p in
+                                    enumerate(prompts[1:])))
+        assert s2[0][0] == s1
+    finally:
+        await e.stop()
+    assert e.pool.num_used == 0

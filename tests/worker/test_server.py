@@ -285,7 +285,8 @@ async def test_registration_heartbeats_reregistration_and_deregistration(servers
         srv, url = await start_server(make_sim_engine(), role="generation",
                                       coordinator_url=coord, register_ttl_s=0.3)
         await wait_for(lambda: sum(p == "/heartbeat" for p, _ in calls) >= 2, timeout=5)
-        assert calls[0] == ("/register", {"url": url, "role": "generation", "ttl_s": 0.3})
+        assert calls[0] == ("/register", {"url": url, "role": "generation", "ttl_s": 0.3,
+                                          "worker_id": srv.worker_id})
         forget["on"] = True
         await wait_for(lambda: sum(p == "/register" for p, _ in calls) >= 2, timeout=5)
         await srv.stop()
