@@ -377,14 +377,20 @@ class RotaryEmbedding:
             self._cos, self._sin = self._table(self.inv_freq, torch.arange(length, device=self.device))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: folds rotate-half's negation into the table, once per step."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF "rotate half" RoPE, ``x*cos + rotate_half(x)*sin``, in three kernels for q and k together.
+
+    x: [n, heads, head_dim] (may be a strided view); cos/sin_signed: [n, head_dim] in x.dtype.
+    rotate_half(x)*sin == swap_halves(x)*sin_signed exactly (a sign flip is exact)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [n, heads, head_dim]; cos/sin: [n, head_dim] already in x.dtype
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos[:, None, :], swapped, sin_signed[:, None, :])
 
 
 # ----------------------------------------------------------------------------- attention metadata
@@ -408,12 +414,12 @@ class PrefillSeq:
 @dataclass
 class DecodeBatch:
     """Single-token chunks attended to together: ``token_idx`` selects their rows of the flat batch,
-    ``tables`` [B, nblk] lists the blocks each reads (padded), ``mask`` [B, 1, 1, nblk*block_size] is
-    True where a key is visible."""
+    ``tables`` [B, nblk] lists the blocks each reads (padded), ``bias`` [B, 1, 1, nblk*block_size] (model
+    dtype) is 0 where a key is visible and -inf elsewhere."""
 
     token_idx: torch.Tensor
     tables: torch.Tensor
-    mask: torch.Tensor
+    bias: torch.Tensor
 
 
 @dataclass
@@ -440,10 +446,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # One fused kernel; it accumulates in fp32 like transformers' LlamaRMSNorm (which additionally
+        # rounds to the activation dtype before the weight multiply: a last-bit difference in bf16).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -467,48 +472,61 @@ class Attention(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = _apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qk = _apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
+                                                                   self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
 
         # kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         layer = kv_cache[:, self.layer_idx]
         layer[meta.slot_block, 0, meta.slot_offset] = k
         layer[meta.slot_block, 1, meta.slot_offset] = v
 
+        d = meta.decode
+        if not meta.prefills and d is not None:
+            # Decode-only step: the batch rows are the decode rows in order; no scatter needed.
+            return self.o_proj(self._decode(q, layer, d, meta.block_size).reshape(n, self.q_size))
+        if d is None and len(meta.prefills) == 1:
+            return self.o_proj(self._prefill(q, k, v, layer, meta.prefills[0], meta.block_size)
+                               .reshape(n, self.q_size))
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for p in meta.prefills:
-            qs = q[p.token_start:p.token_end].transpose(0, 1)  # [H, Lq, D]
-            if p.gather_blocks is None:
-                ks = k[p.token_start:p.token_end].transpose(0, 1)
-                vs = v[p.token_start:p.token_end].transpose(0, 1)
-            else:
-                nb = p.gather_blocks.shape[0]
-                ks = layer[p.gather_blocks, 0].reshape(nb * meta.block_size, self.num_kv_heads,
-                                                       self.head_dim).transpose(0, 1)
-                vs = layer[p.gather_blocks, 1].reshape(nb * meta.block_size, self.num_kv_heads,
-                                                       self.head_dim).transpose(0, 1)
-                ks, vs = ks[:, :p.attn_mask.shape[1]], vs[:, :p.attn_mask.shape[1]]
-            o = F.scaled_dot_product_attention(
-                qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
-                attn_mask=p.attn_mask, is_causal=p.attn_mask is None, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads)
-            out[p.token_start:p.token_end] = o[0].transpose(0, 1)
-        if meta.decode is not None:
-            d = meta.decode
-            b, nblk = d.tables.shape
-            groups = self.num_heads // self.num_kv_heads
-            # Query heads of one KV head become that KV head's "query rows": GQA decode as plain
-            # attention over [B, kv_heads, groups, D] without repeating K/V.
-            qd = q[d.token_idx].view(b, self.num_kv_heads, groups, self.head_dim)
-            kd = layer[d.tables, 0].view(b, nblk * meta.block_size, self.num_kv_heads,
-                                         self.head_dim).transpose(1, 2)
-            vd = layer[d.tables, 1].view(b, nblk * meta.block_size, self.num_kv_heads,
-                                         self.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
-            out[d.token_idx] = o.reshape(b, self.num_heads, self.head_dim)
+            out[p.token_start:p.token_end] = self._prefill(q, k, v, layer, p, meta.block_size)
+        if d is not None:
+            out[d.token_idx] = self._decode(q[d.token_idx], layer, d, meta.block_size)
         return self.o_proj(out.view(n, self.q_size))
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor,
+                 p: "PrefillSeq", block_size: int) -> torch.Tensor:
+        """Attention output ``[Lq, H, D]`` of one multi-token chunk."""
+        qs = q[p.token_start:p.token_end].transpose(0, 1)  # [H, Lq, D]
+        if p.gather_blocks is None:
+            ks = k[p.token_start:p.token_end].transpose(0, 1)
+            vs = v[p.token_start:p.token_end].transpose(0, 1)
+        else:
+            nb, keys = p.gather_blocks.shape[0], p.attn_mask.shape[1]
+            ks = layer[p.gather_blocks, 0].view(nb * block_size, self.num_kv_heads, self.head_dim)
+            vs = layer[p.gather_blocks, 1].view(nb * block_size, self.num_kv_heads, self.head_dim)
+            ks, vs = ks[:keys].transpose(0, 1), vs[:keys].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
+            attn_mask=p.attn_mask, is_causal=p.attn_mask is None, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[0].transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, layer: torch.Tensor, d: "DecodeBatch", block_size: int) -> torch.Tensor:
+        """Attention output ``[B, H, D]`` of single-token rows ``q`` ``[B, H, D]``.
+
+        The query heads sharing one KV head become that KV head's "query rows", so GQA decode is plain
+        attention over ``[B, kv_heads, groups, D]`` with no repeated K/V; ``d.bias`` (additive, shared
+        by all layers) masks keys outside each row's causal/window range and the padding."""
+        b, nblk = d.tables.shape
+        groups = self.num_heads // self.num_kv_heads
+        qd = q.view(b, self.num_kv_heads, groups, self.head_dim)
+        kd = layer[d.tables, 0].view(b, nblk * block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        vd = layer[d.tables, 1].view(b, nblk * block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.bias, scale=self.scale)
+        return o.reshape(b, self.num_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -584,7 +602,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden]`` after the last layer, before the final norm.
         ``max_position``/``max_seq_len``: host-side maxima (see :meth:`RotaryEmbedding.cos_sin`)."""
         cos, sin = self.rotary.cos_sin(positions, seq_lens, max_position, max_seq_len)
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        cos, sin = cos.to(self.dtype), _signed_sin(sin.to(self.dtype))
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, meta, kv_cache)

@@ -317,21 +317,29 @@ class ModelRunner:
             mask = kp <= p
             if window:
                 mask &= kp > p - window
+            bias = np.where(mask, np.float32(0), np.float32(-np.inf))[:, None, None, :]
             decode = DecodeBatch(torch.tensor(dec_idx, device=dev), torch.from_numpy(tables).to(dev),
-                                 torch.from_numpy(mask[:, None, None, :]).to(dev))
+                                 torch.from_numpy(bias).to(dev, self.dtype))
 
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev)
-
-        meta = AttentionMetadata(t(slot_block), t(positions % bs), prefills, decode, bs)
+        # One host→device copy for all per-token integer inputs (each copy from pageable memory syncs).
+        n = positions.size
+        dynamic = self.model.rotary.rope_type == "dynamic"
+        parts = [np.concatenate(tok_parts), positions, slot_block, positions % bs,
+                 np.asarray(last_idx, dtype=np.int64)]
+        if dynamic:
+            parts.append(np.concatenate(len_parts))
+        packed = torch.from_numpy(np.concatenate(parts)).to(dev)
+        input_ids, pos_t, blk_t, off_t = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:4 * n]
+        last_t = packed[4 * n:4 * n + len(last_idx)]
+        seq_lens = packed[4 * n + len(last_idx):] if dynamic else None
         return {
-            "input_ids": t(np.concatenate(tok_parts)),
-            "positions": t(positions),
-            "seq_lens": t(np.concatenate(len_parts)),
+            "input_ids": input_ids,
+            "positions": pos_t,
+            "seq_lens": seq_lens,
             "max_position": int(positions.max()),
             "max_seq_len": max(end for _, _, end, _ in checked),
-            "meta": meta,
-            "last_idx": torch.tensor(last_idx, device=dev),
+            "meta": AttentionMetadata(blk_t, off_t, prefills, decode, bs),
+            "last_idx": last_t,
         }
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
@@ -377,8 +385,9 @@ class ModelRunner:
             mask = kp <= pos
             if window:
                 mask = mask & (kp > pos - window)
+            bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
             meta = AttentionMetadata(v["slot_block"], v["slot_off"], [],
-                                     DecodeBatch(token_idx, v["tables"], mask[:, None, None, :]), bs)
+                                     DecodeBatch(token_idx, v["tables"], bias[:, None, None, :]), bs)
             h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._graph_max_len - 1)
             return model.compute_logits(h).float()
 
@@ -391,6 +400,9 @@ class ModelRunner:
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self._graph_pool):
             g.logits = body()
+        # The graph replays raw addresses: every tensor it reads that was allocated outside the capture
+        # must outlive it (a freed index tensor would be reused and read back as garbage indices).
+        g.keep = (token_idx, key_off, model.rotary._cos, model.rotary._sin)
         self._graphs[(bb, nb)] = g
         return g
 
@@ -427,6 +439,7 @@ class _DecodeGraph:
         self.ready = torch.cuda.Event()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        self.keep: tuple[torch.Tensor, ...] = ()
         host_np = self.host.numpy()
         self.host_view: dict[str, np.ndarray] = {}
         self.dev_view: dict[str, torch.Tensor] = {}
