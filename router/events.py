@@ -23,6 +23,7 @@ against kv_events.md §2.3 in the tests), so any vLLM-compatible consumer can re
 
 from __future__ import annotations
 
+import array
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -182,9 +183,13 @@ def _tokens(v: Any, what: str) -> list[int]:
         except (TypeError, IndexError):
             raise EventDecodeError(f"{what}: bigram entries must be [a, b] pairs") from None
         v = firsts
-    for t in v:
-        if type(t) is not int or t < 0 or t > 0xFFFFFFFF:
-            raise EventDecodeError(f"{what}: expected token ids in [0, 2**32), found {t!r}")
+    try:
+        # range and type check in C (a Python loop here cost ~1 us per 16-token block)
+        array.array("I", v)
+    except (OverflowError, TypeError):
+        bad = next((t for t in v if type(t) is not int or not 0 <= t <= 0xFFFFFFFF), None)
+        raise EventDecodeError(
+            f"{what}: expected token ids in [0, 2**32), found {bad!r}") from None
     return v
 
 

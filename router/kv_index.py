@@ -35,8 +35,9 @@ import heapq
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import accumulate, groupby, repeat, takewhile
-from operator import and_, or_
+from bisect import bisect_right
+from itertools import accumulate, repeat, takewhile
+from operator import and_, neg, or_
 
 import numpy as np
 
@@ -542,10 +543,10 @@ class KvIndex:
     def _walk(self, keys, active: int) -> list[tuple[int, int]]:
         """[(bits, depth)]: the slots in ``bits`` matched exactly ``depth`` leading keys.
 
-        The per-key work runs in C: ``accumulate`` ANDs the owner masks of successive keys into
-        the running set of slots still matching, ``takewhile`` stops at the first empty set, and
-        ``groupby`` collapses the runs, so Python code runs once per *change* of the active set
-        (at most once per slot), not once per key.
+        The per-key work runs in C: ``map`` looks the keys up, ``accumulate`` ANDs the owner
+        masks into the running set of slots still matching and ``takewhile`` stops at the first
+        empty set; Python code then runs once per *change* of the active set (at most once per
+        slot, each a bisect), not once per key.
         """
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
@@ -553,17 +554,16 @@ class KvIndex:
         masks = map(get, keys, repeat(0))
         if self._spec_owners:
             masks = map(or_, masks, map(self._spec_owners.get, keys, repeat(0)))
-        running = takewhile(bool, accumulate(masks, and_, initial=active))
+        # running[i] = slots matching the first i keys; as a set it only shrinks, and a subset
+        # bitmask is never larger, so the list is non-increasing and bisect finds each change
+        running = list(takewhile(bool, accumulate(masks, and_, initial=active)))
         out = []
-        end = 0
-        prev = None
-        for value, group in groupby(running):
-            if prev is not None:
-                out.append((prev ^ value, end - 1))
-            end += len(list(group))
-            prev = value
-        if prev:
-            out.append((prev, end - 1))
+        i, n = 0, len(running)
+        while i < n:
+            v = running[i]
+            j = bisect_right(running, -v, i, n, key=neg)
+            out.append((v ^ running[j] if j < n else v, j - 1))
+            i = j
         return out
 
     def _workers_of(self, bits: int) -> tuple[str, ...]:

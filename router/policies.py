@@ -98,7 +98,7 @@ def _n_keys(keys) -> int:
 
 def _healthy(policy: str, candidates: Sequence[Candidate]) -> tuple[list[Candidate], list[dict]]:
     """Healthy candidates (first occurrence of each server) and rows for the rest."""
-    if candidates and all(c.healthy for c in candidates) and \
+    if candidates and False not in [c.healthy for c in candidates] and \
             len({c.server for c in candidates}) == len(candidates):
         return list(candidates), []
     seen = set()
@@ -298,6 +298,8 @@ class KvCacheAwarePolicy(Policy):
         self._pins.remove_server(server)
 
     def select(self, candidates, key, view) -> Decision:
+        # Written for speed (it runs once per request over every candidate): list
+        # comprehensions instead of per-candidate branches; rows are built in one pass.
         ok, rows = _healthy(self.name, candidates)
         keys = key.block_keys if key is not None else None
         nk = _n_keys(keys)
@@ -307,10 +309,11 @@ class KvCacheAwarePolicy(Policy):
         mget = (view.matched_blocks(keys) if nk else {}).get
         servers = [c.server for c in ok]
         loads = _loads(view, servers)
+        reqs = [l[0] for l in loads]
         B = self.block_size
-        cap_tokens = max(num_tokens - 1, 0)
+        cap = max(num_tokens - 1, 0)
         pw, tw, rw = self.prefill_weight, self.load_tokens_weight, self.load_requests_weight
-        matched = [min(mget(s, 0) * B, cap_tokens) for s in servers]
+        matched = [mt if (mt := mget(s, 0) * B) < cap else cap for s in servers]
         costs = [pw * (num_tokens - mt) + tw * tok + rw * req
                  for mt, (req, tok) in zip(matched, loads)]
         if pinned is not None and pinned in servers:
@@ -318,42 +321,43 @@ class KvCacheAwarePolicy(Policy):
         n = len(servers)
         hot: dict[int, str] = {}
         if self.hotspot_factor:
-            limit = self.hotspot_factor * sum(req for req, _ in loads) / n + self.hotspot_slack
-            for i, (req, _) in enumerate(loads):
-                if req > limit:
-                    hot[i] = f"hot: {req} in-flight requests > cap {limit:.1f}"
+            limit = self.hotspot_factor * sum(reqs) / n + self.hotspot_slack
+            if max(reqs) > limit:
+                hot = {i: f"hot: {r} in-flight requests > cap {limit:.1f}"
+                       for i, r in enumerate(reqs) if r > limit}
         if self.max_batch_size and self.load_cap is not None:
-            mbs, cap = self.max_batch_size, self.load_cap
-            for i, (req, _) in enumerate(loads):
-                if i not in hot and req / mbs >= cap:
-                    hot[i] = f"hot: {req}/{mbs} requests >= load_cap {cap}"
+            mbs, lcap = self.max_batch_size, self.load_cap
+            for i, r in enumerate(reqs):
+                if i not in hot and r / mbs >= lcap:
+                    hot[i] = f"hot: {r}/{mbs} requests >= load_cap {lcap}"
         all_hot = len(hot) == n
         if hot and not all_hot:
-            best = min(c for i, c in enumerate(costs) if i not in hot)
+            best = min([c for i, c in enumerate(costs) if i not in hot])
         else:
             best = min(costs)
-        tol = 1e-9 * max(1.0, abs(best))
-        tied = [i for i, c in enumerate(costs) if c - best <= tol and (all_hot or i not in hot)]
+        tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
+        if hot and not all_hot:
+            tied = [i for i, c in enumerate(costs) if c <= tol and i not in hot]
+        else:
+            tied = [i for i, c in enumerate(costs) if c <= tol]
         pick = tied[self._cursor % len(tied)]
         if len(tied) > 1:
             self._cursor += 1
         server = servers[pick]
         if conv:
             self._pins.put(conv, server)
-        chosen_why = "chosen: lowest cost" + (" (tie, in turn)" if len(tied) > 1 else "") + (
+        why = ["higher cost"] * n
+        if len(tied) > 1:
+            for i in tied:
+                why[i] = "tied, not its turn"
+        if not all_hot:
+            for i, h in hot.items():
+                why[i] = h
+        why[pick] = "chosen: lowest cost" + (" (tie, in turn)" if len(tied) > 1 else "") + (
             ", conversation affinity bonus" if server == pinned else "")
-        for i, s in enumerate(servers):
-            if i == pick:
-                why = chosen_why
-            elif i in hot and not all_hot:
-                why = hot[i]
-            elif costs[i] - best <= tol:
-                why = "tied, not its turn"
-            else:
-                why = "higher cost"
-            req, tok = loads[i]
-            rows.append({"server": s, "matched_tokens": matched[i], "load_requests": req,
-                         "load_tokens": tok, "score": costs[i], "why": why})
+        rows += [{"server": s, "matched_tokens": mt, "load_requests": l[0],
+                  "load_tokens": l[1], "score": c, "why": w}
+                 for s, mt, l, c, w in zip(servers, matched, loads, costs, why)]
         reason = (f"lowest cost: {matched[pick]} of {num_tokens} prompt tokens cached"
                   + (", every candidate hot: cap ignored" if all_hot else "")
                   + (", conversation affinity" if pinned == server else ""))
