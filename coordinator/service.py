@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-import numpy as np
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_runner import ServerRunner
@@ -74,11 +73,12 @@ class _LoadView:
     """The policies' window on load and cache state (router.policies.LoadView). The methods are
     the table's and the index's own bound methods: no extra call layer per candidate."""
 
-    __slots__ = ("requests", "tokens", "matched_blocks")
+    __slots__ = ("requests", "tokens", "loads", "matched_blocks")
 
     def __init__(self, leases: LeaseTable, index: KvIndex):
         self.requests = leases.requests
         self.tokens = leases.tokens
+        self.loads = leases.loads_for
         self.matched_blocks = index.longest_prefix
 
 

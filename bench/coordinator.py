@@ -1,0 +1,516 @@
+#!/usr/bin/env python3
+"""Benchmark of the coordinator's hot path: /select + /finish over UDS and TCP.
+
+Setup: 32 stand-in workers (one helper process: /health, /server_info, a ZMQ publisher and a
+/kv_snapshot holding their cached prompt prefixes), `kv_cache_aware` on both roles, and the real
+`splitserve coordinator` process pinned to one core. Clients run on the other core with
+pre-computed routing keys (4k-token prompts, 256 block keys, sent as binary u64).
+
+Phases (same run, same coordinator):
+1. closed loop, msgpack over UDS: select+finish pairs per second;
+2. closed loop, msgpack over TCP;
+3. closed loop, JSON over TCP with keys as a JSON list (upstream's shape) → ratio vs 1;
+4. closed loop through `HttpCoordinatorClient` (aiohttp) over UDS, for reference;
+5. open loop at a fixed offered rate (2,000 selects/s, each followed by its finish) over UDS:
+   select round-trip p50/p99.
+
+The load generator is a small HTTP/1.1 keep-alive client on raw asyncio transports so that the
+client core is not the bottleneck being measured. Prints a table and (unless --no-write)
+replaces the "## coordinator" section of bench/RESULTS.md.
+
+    python bench/coordinator.py            # full run (~1 minute)
+    python bench/coordinator.py --quick    # smoke run (seconds), same code paths
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from router.block_keys import block_keys  # noqa: E402
+
+TARGETS = {"pairs_per_s": 5000.0, "p99_ms": 2.0}
+BLOCK = 16
+PROMPT_TOKENS = 4096
+
+
+# ---------------------------------------------------------------------------- stand-in workers
+
+def _workers_main(n: int, seed: int, docs: int, port_file: str) -> None:
+    """Helper process: n tiny workers; each caches a few documents' 3k-token prefixes."""
+    import uvloop
+    import zmq
+    from aiohttp import web
+
+    async def main():
+        rng = np.random.default_rng(seed)
+        doc_tokens = [rng.integers(0, 50_000, PROMPT_TOKENS).tolist() for _ in range(docs)]
+        doc_keys = [block_keys(t, BLOCK).tolist() for t in doc_tokens]
+        ctx = zmq.Context()
+        urls = []
+        runners = []
+        for i in range(n):
+            pub = ctx.socket(zmq.PUB)
+            pport = pub.bind_to_random_port("tcp://127.0.0.1")
+            resident = []
+            for d in range(i % docs, docs, max(1, n // 2)):   # each doc on ~2 servers
+                resident += doc_keys[d][:192]
+            info = {"role": "both", "model": "bench", "engine": "sim", "block_size": BLOCK,
+                    "key_scheme": "xxh3_chain_v1", "worker_id": f"bench-{i}", "max_batch_size": 256,
+                    "max_num_tokens": 16384,
+                    "kv_events": {"publisher": f"tcp://127.0.0.1:{pport}", "replay": None,
+                                  "topic": "kv-events", "snapshot": "/kv_snapshot", "format": "vllm"}}
+            snap = msgpack.packb({"seq": -1, "block_size": BLOCK, "key_scheme": "xxh3_chain_v1",
+                                  "block_keys": resident})
+
+            def handlers(info=info, snap=snap):
+                async def health(_r):
+                    return web.Response(text="ok")
+
+                async def server_info(_r):
+                    return web.json_response(info)
+
+                async def kv_snapshot(_r):
+                    return web.Response(body=snap, content_type="application/msgpack")
+                return health, server_info, kv_snapshot
+            h, si, ks = handlers()
+            app = web.Application()
+            app.router.add_get("/health", h)
+            app.router.add_get("/server_info", si)
+            app.router.add_get("/kv_snapshot", ks)
+            r = web.AppRunner(app, access_log=None)
+            await r.setup()
+            site = web.TCPSite(r, "127.0.0.1", 0)
+            await site.start()
+            runners.append(r)
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        Path(port_file).write_text(json.dumps(urls))
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        for r in runners:
+            await r.cleanup()
+        ctx.destroy(0)
+
+    uvloop.run(main())
+
+
+# ---------------------------------------------------------------------------- load generator
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; one request in flight at a time."""
+
+    def __init__(self):
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.transport = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = bytes(self.buf[:end])
+        i = head.lower().find(b"content-length:")
+        n = int(head[i + 15:head.index(b"\r\n", i)]) if i >= 0 else 0
+        if len(self.buf) < end + 4 + n:
+            return
+        status = int(head[9:12])
+        body = bytes(self.buf[end + 4:end + 4 + n])
+        del self.buf[:end + 4 + n]
+        w, self.waiter = self.waiter, None
+        if w is not None and not w.done():
+            w.set_result((status, body))
+
+    def connection_lost(self, exc):
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"connection lost: {exc}"))
+
+    def request(self, raw: bytes) -> asyncio.Future:
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return self.waiter
+
+
+async def _connect(target: dict) -> _Conn:
+    loop = asyncio.get_running_loop()
+    if target["uds"]:
+        _, proto = await loop.create_unix_connection(_Conn, target["uds"])
+    else:
+        _, proto = await loop.create_connection(_Conn, target["host"], target["port"])
+    return proto
+
+
+def _req(path: bytes, body: bytes, ctype: bytes) -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: c\r\nContent-Type: " + ctype +
+            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class _Bodies:
+    """Per-request bodies: a prompt's precomputed keys plus a fresh req_id."""
+
+    def __init__(self, prompts: list[np.ndarray], json_mode: bool):
+        self.json = json_mode
+        self.ctype = b"application/json" if json_mode else b"application/msgpack"
+        if json_mode:
+            self.keys = [p.tolist() for p in prompts]
+        else:
+            self.keys = [p.astype("<u8").tobytes() for p in prompts]
+
+    def select(self, rid: int, role: str) -> bytes:
+        body = {"role": role, "req_id": rid,
+                "routing_key": {"block_keys": self.keys[rid % len(self.keys)], "num_tokens": PROMPT_TOKENS}}
+        return _req(b"/select", orjson.dumps(body) if self.json else msgpack.packb(body), self.ctype)
+
+    def finish(self, rid: int, role: str) -> bytes:
+        body = {"role": role, "req_id": rid, "success": True}
+        return _req(b"/finish", orjson.dumps(body) if self.json else msgpack.packb(body), self.ctype)
+
+
+async def closed_loop(target: dict, bodies: _Bodies, conns: int, seconds: float, rid0: int,
+                      finish_only: bool = False) -> dict:
+    """Closed loop of select+finish pairs; `finish_only` sends two finishes of no lease instead
+    (the cost of the HTTP path itself, with next to no work behind it)."""
+    rid = rid0
+    pairs = 0
+    errors = 0
+    stop_at = 0.0
+
+    async def worker(c: _Conn):
+        nonlocal rid, pairs, errors
+        while time.perf_counter() < stop_at:
+            r = rid = rid + 1
+            role = "context" if r & 1 else "generation"
+            first = bodies.finish(r, role) if finish_only else bodies.select(r, role)
+            st, _ = await c.request(first)
+            st2, _ = await c.request(bodies.finish(r, role))
+            if st != 200 or st2 != 200:
+                errors += 1
+            pairs += 1
+
+    cs = [await _connect(target) for _ in range(conns)]
+    # warm-up, then measure
+    stop_at = time.perf_counter() + min(1.0, seconds / 3)
+    await asyncio.gather(*[worker(c) for c in cs])
+    pairs = errors = 0
+    cpu0 = _proc_cpu(target["pid"])
+    t0 = time.perf_counter()
+    stop_at = t0 + seconds
+    await asyncio.gather(*[worker(c) for c in cs])
+    dt = time.perf_counter() - t0
+    cpu = (_proc_cpu(target["pid"]) - cpu0) / dt
+    for c in cs:
+        c.transport.close()
+    return {"pairs_per_s": pairs / dt, "errors": errors, "coord_cpu": cpu, "rid": rid}
+
+
+async def closed_loop_client(url: str, prompts: list[np.ndarray], conns: int, seconds: float,
+                             rid0: int, pid: int) -> dict:
+    from coordinator.client import HttpCoordinatorClient
+    cl = HttpCoordinatorClient(url)
+    rid = rid0
+    pairs = 0
+    stop_at = 0.0
+
+    async def worker():
+        nonlocal rid, pairs
+        while time.perf_counter() < stop_at:
+            r = rid = rid + 1
+            role = "context" if r & 1 else "generation"
+            await cl.select(role, r, {"block_keys": prompts[r % len(prompts)], "num_tokens": PROMPT_TOKENS})
+            await cl.finish(role, r)
+            pairs += 1
+
+    stop_at = time.perf_counter() + min(1.0, seconds / 3)
+    await asyncio.gather(*[worker() for _ in range(conns)])
+    pairs = 0
+    cpu0 = _proc_cpu(pid)
+    t0 = time.perf_counter()
+    stop_at = t0 + seconds
+    await asyncio.gather(*[worker() for _ in range(conns)])
+    dt = time.perf_counter() - t0
+    cpu = (_proc_cpu(pid) - cpu0) / dt
+    await cl.close()
+    return {"pairs_per_s": pairs / dt, "errors": 0, "coord_cpu": cpu, "rid": rid}
+
+
+async def open_loop(target: dict, bodies: _Bodies, rate: float, seconds: float, rid0: int) -> dict:
+    """Selects at exact intervals (each followed by its finish on the same connection); RTT of
+    the select measured from its scheduled send time, so queueing in the client counts too."""
+    pool = [await _connect(target) for _ in range(128)]
+    idle: asyncio.Queue = asyncio.Queue()
+    for c in pool:
+        idle.put_nowait(c)
+    rtts: list[float] = []
+    errors = 0
+    late = 0
+    tasks = set()
+
+    async def one(r: int, t_sched: float):
+        nonlocal errors
+        c = await idle.get()   # an overloaded server shows up as waiting here, counted in the RTT
+        role = "context" if r & 1 else "generation"
+        st, _ = await c.request(bodies.select(r, role))
+        rtts.append(time.perf_counter() - t_sched)
+        st2, _ = await c.request(bodies.finish(r, role))
+        if st != 200 or st2 != 200:
+            errors += 1
+        idle.put_nowait(c)
+
+    n = int(rate * seconds)
+    interval = 1.0 / rate
+    t0 = time.perf_counter() + 0.05
+    for i in range(n):
+        t_sched = t0 + i * interval
+        now = time.perf_counter()
+        if t_sched > now:
+            await asyncio.sleep(t_sched - now)
+        elif now - t_sched > 0.001:
+            late += 1
+        t = asyncio.get_running_loop().create_task(one(rid0 + i + 1, t_sched))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+    for c in pool:
+        c.transport.close()
+    a = np.asarray(rtts) * 1e3
+    return {"rate": rate, "n": len(rtts), "p50_ms": float(np.percentile(a, 50)),
+            "p90_ms": float(np.percentile(a, 90)), "p99_ms": float(np.percentile(a, 99)),
+            "max_ms": float(a.max()), "errors": errors, "late_sends": late}
+
+
+def _proc_cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+# ---------------------------------------------------------------------------- orchestration
+
+def _pin(cpu: int | None):
+    if cpu is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+def _cluster_ready(url: str, n: int) -> bool:
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/cluster_info", timeout=2) as r:
+            ci = json.load(r)
+    except OSError:
+        return False
+    rows = ci["servers"]["context"]
+    return ci["is_ready"] and len(rows) == n and all(
+        r["healthy"] and r["kv_ready"] and r["kv_index_blocks"] > 0 for r in rows)
+
+
+def run(args) -> dict:
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    coord_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
+    tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-coord-"))
+    port_file = tmp / "workers.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    helper = subprocess.Popen([sys.executable, __file__, "--_workers", str(args.servers), "--_docs",
+                               str(args.docs), "--_port-file", str(port_file)], env=env, cwd=ROOT,
+                              preexec_fn=_pin(client_cpu))
+    coord = None
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if helper.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("stand-in workers did not start")
+            time.sleep(0.05)
+        urls = json.loads(port_file.read_text())
+        conf = tmp / "cluster.yaml"
+        router = {"type": "kv_cache_aware"}
+        conf.write_text(json.dumps({
+            "context_servers": {"urls": urls, "router": router},
+            "generation_servers": {"urls": urls, "router": router},
+            "leases": {"ttl_s": 60.0},
+            "log_level": "warning",
+        }))
+        uds = str(tmp / "coord.sock")
+        coord = subprocess.Popen([sys.executable, "-m", "splitserve_cli", "coordinator", "-c", str(conf),
+                                  "--port", "0", "--uds", uds], env=env, cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, preexec_fn=_pin(coord_cpu))
+        line = coord.stdout.readline().strip()
+        if not line.startswith("splitserve coordinator listening on "):
+            raise RuntimeError(f"coordinator did not start: {line!r}")
+        tcp_url = line.split("listening on ", 1)[1].split(" and ")[0]
+        deadline = time.monotonic() + 60
+        while not _cluster_ready(tcp_url, args.servers):
+            if coord.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("cluster did not become ready with loaded KV indexes")
+            time.sleep(0.1)
+        if client_cpu is not None:
+            os.sched_setaffinity(0, {client_cpu})
+        host, port = tcp_url.rsplit("//", 1)[1].rsplit(":", 1)
+        uds_t = {"uds": uds, "pid": coord.pid}
+        tcp_t = {"uds": None, "host": host, "port": int(port), "pid": coord.pid}
+
+        # the clients' prompts: documents' 3k-token prefixes + a 1k-token unique tail
+        rng = np.random.default_rng(args.seed)
+        doc_tokens = [rng.integers(0, 50_000, PROMPT_TOKENS).tolist() for _ in range(args.docs)]
+        prompts = []
+        for i in range(args.prompts):
+            d = doc_tokens[i % args.docs]
+            tail = rng.integers(0, 50_000, PROMPT_TOKENS - 3072).tolist()
+            prompts.append(block_keys(d[:3072] + tail, BLOCK))
+        mp, js = _Bodies(prompts, False), _Bodies(prompts, True)
+
+        async def phases():
+            res = {}
+            rid = 1 << 40
+            for name, target, bodies in (("uds_msgpack", uds_t, mp), ("tcp_msgpack", tcp_t, mp),
+                                         ("tcp_json", tcp_t, js)):
+                r = await closed_loop(target, bodies, args.conns, args.seconds, rid)
+                rid = r["rid"] + 1
+                res[name] = r
+            r = await closed_loop_client("unix://" + uds, prompts, args.conns, args.seconds, rid,
+                                         coord.pid)
+            rid = r["rid"] + 1
+            res["client_uds"] = r
+            r = await closed_loop(uds_t, mp, args.conns, args.seconds / 2, rid, finish_only=True)
+            rid = r["rid"] + 1
+            res["floor_uds"] = r
+            res["open_uds"] = await open_loop(uds_t, mp, args.rate, args.rate_seconds, rid)
+            return res
+
+        import uvloop
+        res = uvloop.run(phases())
+        res["setup"] = {"servers": args.servers, "prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK,
+                        "conns": args.conns, "seconds": args.seconds, "coord_cpu": coord_cpu,
+                        "client_cpu": client_cpu, "cpus": len(cpus)}
+        return res
+    finally:
+        for p in (coord, helper):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def render(res: dict, quick: bool) -> list[str]:
+    s = res["setup"]
+    u, t, j, cl, o = (res["uds_msgpack"], res["tcp_msgpack"], res["tcp_json"], res["client_uds"],
+                      res["open_uds"])
+    ratio = u["pairs_per_s"] / j["pairs_per_s"] if j["pairs_per_s"] else float("nan")
+    pin = (f"coordinator pinned to CPU {s['coord_cpu']}, clients + stand-in workers on CPU {s['client_cpu']}"
+           if s["coord_cpu"] is not None else "no CPU pinning (fewer than 2 CPUs)")
+    ok_pairs = "✅" if u["pairs_per_s"] >= TARGETS["pairs_per_s"] else "❌"
+    ok_p99 = "✅" if o["p99_ms"] <= TARGETS["p99_ms"] else "❌"
+    lines = [
+        "## coordinator",
+        "",
+        f"`python bench/coordinator.py{' --quick' if quick else ''}` — "
+        f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+        f"{s['cpus']} CPUs, Python {platform.python_version()}; {pin}.",
+        f"{s['servers']} servers, `kv_cache_aware` on both roles, {s['prompt_tokens']}-token prompts "
+        f"({s['prompt_tokens'] // s['block_size']} block keys, precomputed by the client), stand-in "
+        "workers whose KV indexes were loaded from `/kv_snapshot`; "
+        f"{s['conns']} closed-loop connections, {s['seconds']:g}s per phase.",
+        "",
+        "| phase | select+finish pairs/s | coordinator CPU | CPU µs per pair | errors |",
+        "|---|---|---|---|---|",
+        *(f"| {label} | {r['pairs_per_s']:,.0f} | {r['coord_cpu']:.0%} | "
+          f"{r['coord_cpu'] / r['pairs_per_s'] * 1e6 if r['pairs_per_s'] else float('nan'):,.0f} | {r['errors']} |"
+          for label, r in (("msgpack over UDS (raw HTTP/1.1 client)", u), ("msgpack over TCP", t),
+                           ("JSON over TCP, keys as a JSON list (upstream's shape)", j),
+                           ("`HttpCoordinatorClient` (aiohttp) over UDS", cl),
+                           ("HTTP floor: two `/finish` of no lease, UDS", res["floor_uds"]))),
+        "",
+        f"msgpack/UDS vs JSON/TCP: **{ratio:.2f}×**.",
+        "",
+        f"Open loop over UDS at {o['rate']:,.0f} selects/s (each followed by its finish), {o['n']:,} selects: "
+        f"select round trip p50 **{o['p50_ms']:.3f} ms**, p90 {o['p90_ms']:.3f} ms, "
+        f"p99 **{o['p99_ms']:.3f} ms**, max {o['max_ms']:.2f} ms ({o['errors']} errors, "
+        f"{o['late_sends']} sends >1 ms late).",
+        "",
+        "| target | measured | |",
+        "|---|---|---|",
+        f"| ≥ {TARGETS['pairs_per_s']:,.0f} pairs/s (UDS, one core) | {u['pairs_per_s']:,.0f} | {ok_pairs} |",
+        f"| p99 ≤ {TARGETS['p99_ms']:g} ms at {o['rate']:,.0f}/s (UDS) | {o['p99_ms']:.3f} ms | {ok_p99} |",
+    ]
+    return lines
+
+
+def write_results(path: Path, section: list[str]) -> None:
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    block = "\n".join(section).rstrip() + "\n"
+    pat = re.compile(r"^## coordinator\n.*?(?=^## |\Z)", re.S | re.M)
+    if pat.search(text):
+        text = pat.sub(lambda _: block + "\n", text, count=1)
+    else:
+        text = text.rstrip() + "\n\n" + block
+    path.write_text(text.rstrip() + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short phases: a smoke run in seconds")
+    ap.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md")
+    ap.add_argument("--servers", type=int, default=32)
+    ap.add_argument("--docs", type=int, default=64, help="distinct shared prompt prefixes")
+    ap.add_argument("--prompts", type=int, default=512, help="distinct precomputed prompts")
+    ap.add_argument("--conns", type=int, default=16, help="closed-loop connections")
+    ap.add_argument("--seconds", type=float, default=None, help="seconds per closed-loop phase")
+    ap.add_argument("--rate", type=float, default=2000.0, help="open-loop selects per second")
+    ap.add_argument("--rate-seconds", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    ap.add_argument("--_workers", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--_docs", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--_port-file", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a._workers:
+        _workers_main(a._workers, a.seed, a._docs, a._port_file)
+        return 0
+    if a.quick:
+        a.seconds = a.seconds or 1.0
+        a.rate_seconds = a.rate_seconds or 1.0
+        a.prompts = min(a.prompts, 64)
+    else:
+        a.seconds = a.seconds or 8.0
+        a.rate_seconds = a.rate_seconds or 10.0
+    t0 = time.perf_counter()
+    res = run(a)
+    lines = render(res, a.quick)
+    print("\n".join(lines))
+    print(f"\n(total {time.perf_counter() - t0:.1f}s)")
+    if not a.no_write:
+        write_results(a.results, lines)
+        print(f"wrote the coordinator section of {a.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
