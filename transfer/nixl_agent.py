@@ -30,7 +30,7 @@ import numpy as np
 
 from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, PrepHandle, RegHandle, TransferAgent,
                     XferHandle, regions_array)
-from .descs import Coverage, Descs, check_pair
+from .descs import Coverage, Descs, check_pair, merge_runs
 from .errors import (AgentMismatch, AgentUnavailable, InvalidDescriptors, NameConflict,
                      OutOfRange, PeerLost, RemoteNotLoaded, TransferError)
 
@@ -265,8 +265,10 @@ class NixlAgent(TransferAgent):
                 raise RemoteNotLoaded(f"remote agent {remote!r} is not loaded")
             if local.backend is None or remote_side.backend is None:
                 raise InvalidDescriptors("prepared list was released")
-            x = XferHandle(remote=remote, op=op, nbytes=int(local.descs.arr[li, 1].sum()),
-                           ndescs=int(li.size))
+            la, ra = local.descs.arr[li], remote_side.descs.arr[ri]
+            # NIXL merges rows adjacent on both sides; count what it will actually post.
+            ndescs = int(merge_runs(la[:, 0], ra[:, 0], la[:, 1])[2].size) if li.size else 0
+            x = XferHandle(remote=remote, op=op, nbytes=int(la[:, 1].sum()), ndescs=ndescs)
             if not li.size:
                 if notif:
                     self.notify(remote, notif)

@@ -32,6 +32,7 @@ class Model:
     head_bytes: int      # bytes of one head of one token (head_dim × dtype size)
     tpb: int
     groups: list[tuple[int, int]]  # contiguous [start, end) layer groups, same on both sides
+    windows: list | None = None    # sliding window per group (None = full attention)
 
 
 @dataclass
@@ -73,7 +74,8 @@ def build_rank(model: Model, side: Side, tp_rank: int, pp_rank: int, instance: s
                                   head_start=hs, kv_heads=nh))
             pools.append(pool)
             buffers.append(np.zeros(pool.extent, np.uint8))
-        groups.append(LayerGroup(layer_ids=tuple(layers), views=tuple(views)))
+        window = model.windows[mgi] if model.windows else None
+        groups.append(LayerGroup(layer_ids=tuple(layers), views=tuple(views), sliding_window=window))
     pt = PageTable(tokens_per_block=model.tpb, pools=tuple(pools), groups=tuple(groups),
                    dtype="bytes").validate()
     info = RankInfo(instance_id=instance, role="x", endpoint="", agent_kind="test",
@@ -164,3 +166,20 @@ def locate(ranks: list[Rank], addr: int):
     r = next(r for r in ranks if r.idx == idx)
     base = r.info.page_table.pools[pool].base
     return r, pool, addr - base
+
+
+def realize(rank: Rank, shared: bool = False) -> Rank:
+    """Give a synthetic rank real memory: one buffer per pool, the page table rebased onto it."""
+    import msgspec
+
+    from transfer.memory import alloc_shared_array
+
+    pt = rank.info.page_table
+    bufs, pools = [], []
+    for p in pt.pools:
+        b = alloc_shared_array(p.extent) if shared else np.zeros(p.extent, np.uint8)
+        bufs.append(b)
+        pools.append(msgspec.structs.replace(p, base=int(b.ctypes.data), total_bytes=p.extent))
+    pt = msgspec.structs.replace(pt, pools=tuple(pools))
+    info = msgspec.structs.replace(rank.info, page_table=pt)
+    return Rank(info, bufs, rank.idx, rank.gmap)

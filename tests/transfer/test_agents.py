@@ -4,7 +4,7 @@ Every agent kind runs the same cases: the fallbacks always, NIXL when `import ni
 """
 from __future__ import annotations
 
-import multiprocessing as mp
+from tests.transfer.conftest import peer_context
 import os
 import time
 
@@ -31,7 +31,7 @@ def _quiet_nixl(monkeypatch):
 
 class Peer:
     def __init__(self, kind: str, nbytes: int = NBYTES, name: str | None = None):
-        ctx = mp.get_context("spawn")
+        ctx = peer_context()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=target_main, args=(kind, child, nbytes, name), daemon=True)
         self.proc.start()

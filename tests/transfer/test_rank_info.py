@@ -65,7 +65,7 @@ def test_from_runner_dict_wraps_the_worker_page_table():
     pt = PageTable.from_runner_dict(r.page_table(), layer_offset=0)
     (pool,) = pt.pools
     t = r.kv_cache
-    assert pool.base == t.data_ptr() and pool.extent == t.numel() * t.element_size()
+    assert pool.base == t.data_ptr() and pool.extent == r.num_blocks * r.block_stride
     # address(layer, slot) must be the runner's element address of (block, layer, K, 0, 0, 0)
     for layer, slot in [(0, 0), (2, 5), (3, 7)]:
         assert pool.address(layer, slot) == t[slot, layer, 0].data_ptr()
