@@ -288,15 +288,15 @@ class Flow:
             st.touched.append((role, p.server))
             err: str
             try:
-                async with asyncio.timeout(self.timeout):
-                    resp = await self.pool.request(p.server, path, body, self._headers(st, role) + extra)
+                resp = await self.pool.request(p.server, path, body, self._headers(st, role) + extra,
+                                               timeout=self.timeout)
             except UpstreamConnectError as e:
                 st.touched.pop()          # it never reached the worker: nothing to abort there
                 p.failed = True
                 self.placer.report_failure(role, p.server)
                 M.LEG_ERRORS.labels(role, "connect").inc()
                 err = f"{role} server {p.server} unreachable: {e.detail}"
-            except TimeoutError:
+            except UpstreamTimeout:
                 p.failed = True
                 M.LEG_ERRORS.labels(role, "timeout").inc()
                 raise ApiError(504, f"{role} server {p.server} did not answer within {self.timeout:g}s "
@@ -343,9 +343,8 @@ class Flow:
 
     async def _read(self, resp: Response, st: _State, role: str, p: Placement) -> bytes:
         try:
-            async with asyncio.timeout(self.timeout):
-                data = await resp.read()
-        except TimeoutError:
+            data = await resp.read()
+        except UpstreamTimeout:
             resp.abort()
             p.failed = True
             raise ApiError(504, f"{role} server {p.server} did not finish within {self.timeout:g}s",
@@ -621,28 +620,27 @@ class Flow:
         itl = M.ITL
         drop = not creq.include_usage
         try:
-            async with asyncio.timeout(self.timeout):
-                async for chunk in resp.iter_chunks():
-                    buf += chunk
-                    cut = buf.rfind(b"\n\n")
-                    if cut < 0:
+            async for chunk in resp.iter_chunks():
+                buf += chunk
+                cut = buf.rfind(b"\n\n")
+                if cut < 0:
+                    continue
+                events, buf = buf[:cut + 2], buf[cut + 2:]
+                if b'"usage":{' in events or b'"usage": {' in events:
+                    events = self._stream_usage(events, gen, drop)
+                    if not events:
                         continue
-                    events, buf = buf[:cut + 2], buf[cut + 2:]
-                    if b'"usage":{' in events or b'"usage": {' in events:
-                        events = self._stream_usage(events, gen, drop)
-                        if not events:
-                            continue
-                    await out.write(events)
-                    now = time.perf_counter()
-                    if first:
-                        M.TTFT.labels(st.mode).observe(now - st.t0)
-                        first = False
-                    elif last is not None:
-                        itl.observe(now - last)
-                    last = now
-                    if self.placer.renew_due(gen, self.renew_every):
-                        self.placer.renew(gen)
-        except TimeoutError:
+                await out.write(events)
+                now = time.perf_counter()
+                if first:
+                    M.TTFT.labels(st.mode).observe(now - st.t0)
+                    first = False
+                elif last is not None:
+                    itl.observe(now - last)
+                last = now
+                if self.placer.renew_due(gen, self.renew_every):
+                    self.placer.renew(gen)
+        except UpstreamTimeout:
             resp.abort()
             gen.failed = True
             M.LEG_ERRORS.labels(GEN, "timeout").inc()

@@ -137,6 +137,10 @@ class Placer:
                         "ns_seed": 0}
         self._task: asyncio.Task | None = None
         self._bg: set[asyncio.Task] = set()
+        # In the one-process topology the coordinator object is right here: /finish is a plain call.
+        from coordinator.client import InProcessCoordinatorClient
+        self._inproc = coordinator.coord if isinstance(coordinator, InProcessCoordinatorClient) else None
+        self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
         M.COORD_UP.set(1)
 
@@ -175,7 +179,7 @@ class Placer:
     async def refresh(self) -> dict:
         t0 = time.perf_counter()
         ci = await self.coord.cluster_info()
-        M.COORD_RTT.labels("cluster_info").observe(time.perf_counter() - t0)
+        self._rtt["cluster_info"].observe(time.perf_counter() - t0)
         self.apply_cluster_info(ci)
         self._coord_back()
         return ci
@@ -242,6 +246,8 @@ class Placer:
         return sum(1 for s in self.servers[role] if self.usable(s.url, now))
 
     def ejected(self) -> list[str]:
+        if not self._ejected:
+            return []
         now = time.monotonic()
         return [u for u, dl in self._ejected.items() if dl > now]
 
@@ -317,7 +323,7 @@ class Placer:
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
-                M.COORD_RTT.labels("select").observe(time.perf_counter() - t0)
+                self._rtt["select"].observe(time.perf_counter() - t0)
                 return self._answer(role, req_id, ans)
         M.COORD_FALLBACK.labels(role).inc()
         return self._local(role, req_id, exclude, "local_fallback")
@@ -338,7 +344,7 @@ class Placer:
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
-                M.COORD_RTT.labels("select_pair").observe(time.perf_counter() - t0)
+                self._rtt["select_pair"].observe(time.perf_counter() - t0)
                 ctx = ans.get("context")
                 gen = self._answer(GEN, req_id, ans["generation"])
                 mode = _PAIR_MODES.get(ans.get("mode"), "disaggregated" if ctx else "aggregated_fallback")
@@ -362,6 +368,13 @@ class Placer:
         p.finished = True
         if not p.lease:
             return
+        if self._inproc is not None:
+            try:
+                self._inproc.finish(p.role, p.req_id, success)
+            except Exception as e:   # a bad lease must not fail the request that already completed
+                log.warning("in-process /finish of %s %d failed: %s", p.role, p.req_id, e)
+                M.FINISH_DROPPED.inc()
+            return
         t = asyncio.get_running_loop().create_task(self._finish(p, success))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
@@ -372,7 +385,7 @@ class Placer:
             t0 = time.perf_counter()
             try:
                 await self.coord.finish(p.role, p.req_id, success=success)
-                M.COORD_RTT.labels("finish").observe(time.perf_counter() - t0)
+                self._rtt["finish"].observe(time.perf_counter() - t0)
                 return
             except CoordinatorRequestError as e:
                 log.warning("coordinator rejected /finish of %s %d: %s", p.role, p.req_id, e)
@@ -397,6 +410,6 @@ class Placer:
         try:
             t0 = time.perf_counter()
             await self.coord.renew(p.role, p.req_id)
-            M.COORD_RTT.labels("renew").observe(time.perf_counter() - t0)
+            self._rtt["renew"].observe(time.perf_counter() - t0)
         except Exception as e:   # a missed renew only risks an early expiry; the stream goes on
             log.debug("lease renew of %s %d failed: %s", p.role, p.req_id, e)

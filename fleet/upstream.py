@@ -175,7 +175,7 @@ class Response:
 
 class _Conn(asyncio.Protocol):
     __slots__ = ("origin", "pool", "transport", "parser", "response", "_hdr_future", "_hname", "_keep_alive",
-                 "last_used", "reused", "_closed", "_msg_started")
+                 "last_used", "reused", "_closed", "_msg_started", "_timer")
 
     def __init__(self, origin: _Origin, pool: "UpstreamPool"):
         self.origin = origin
@@ -190,6 +190,7 @@ class _Conn(asyncio.Protocol):
         self.reused = False
         self._closed = False
         self._msg_started = False
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol
     def connection_made(self, transport):
@@ -267,9 +268,17 @@ class _Conn(asyncio.Protocol):
             self._closed = True
             self.transport.abort()
 
+    def _on_timeout(self, seconds: float) -> None:
+        self._timer = None
+        if self.response is not None:
+            self._error(UpstreamTimeout(self.origin.url, f"no complete answer within {seconds:g}s"))
+
     def _response_done(self, r: Response, reusable: bool) -> None:
         if self.response is not r:
             return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.response = None
         self._hdr_future = None
         if reusable and self._keep_alive and not self._closed and self.transport is not None \
@@ -349,10 +358,12 @@ class UpstreamPool:
         return None
 
     async def request(self, url: str, path: str, body: bytes, headers: bytes = b"",
-                      method: bytes = b"POST") -> Response:
+                      method: bytes = b"POST", timeout: float | None = None) -> Response:
         """Send one request; return once the response *headers* arrived.
 
-        `headers` are extra pre-encoded header lines, each ending in CRLF.
+        `headers` are extra pre-encoded header lines, each ending in CRLF. `timeout` bounds the whole
+        exchange (headers and body, or the whole stream): past it the connection is closed and the
+        pending read raises `UpstreamTimeout` (one timer per request, cheaper than asyncio.timeout).
         """
         o = self._origin(url)
         conn = self._checkout(o)
@@ -360,8 +371,11 @@ class UpstreamPool:
             conn = await self._connect(o)
         r = Response(conn)
         conn.response = r
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         conn._hdr_future = fut
+        if timeout is not None:
+            conn._timer = loop.call_later(timeout, conn._on_timeout, timeout)
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
             method, path.encode(), o.host_header, len(body), headers)
         if len(body) < 65536:
