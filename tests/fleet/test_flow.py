@@ -1,0 +1,104 @@
+"""Flow options through real processes: generation_first, request_timeout → 504, the per-connection
+request cap, conversation routing by session header, and no_context_fallback."""
+from __future__ import annotations
+
+import http.client
+import json
+
+import openai
+import pytest
+
+from .conftest import free_port, group, healthy, http as call, metric, wait_for
+
+
+@pytest.fixture(scope="module")
+def pair(module_cluster):
+    _, ctx = module_cluster.worker("context", name="flow-ctx")
+    _, gen = module_cluster.worker("generation", name="flow-gen", extra=("--sim-decode-us-per-step", 20000))
+    return ctx, gen
+
+
+def start(c, name, **doc):
+    port = free_port()
+    cfg = c.config(f"{name}.yaml", port=port, **doc)
+    f = c.fleet(cfg, name=name)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: call("GET", url + "/cluster_info")[0] == 200, 60, name, f)
+    return url, port
+
+
+def test_generation_first(module_cluster, pair):
+    ctx, gen = pair
+    url, _ = start(module_cluster, "genfirst", schedule_style="generation_first",
+                   context_servers=group([ctx], "kv_cache_aware"), generation_servers=group([gen], "kv_cache_aware"))
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+    r = c.completions.create(model="tiny", prompt="generation first, please", max_tokens=4)
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "stream it"}], max_tokens=4, stream=True) if ch.choices)
+    assert text
+    st, h, _ = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "route?", "max_tokens": 2})
+    assert st == 200 and json.loads(h["x-splitserve-route"])["mode"] == "disaggregated"
+
+
+def test_request_timeout_is_504_and_aborts(module_cluster, pair):
+    ctx, gen = pair
+    url, _ = start(module_cluster, "timeout", request_timeout=0.5, context_servers=group([ctx]),
+                   generation_servers=group([gen]))
+    # 100 decode steps of 20 ms each cannot finish in 0.5 s
+    st, _, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "slow", "max_tokens": 100})
+    assert st == 504, raw
+    assert json.loads(raw)["error"]["code"] == "upstream_timeout"
+    wait_for(lambda: metric(call("GET", gen + "/metrics")[2].decode(), "splitserve_worker_num_requests_running") == 0,
+             5, "the timed-out request to be aborted on the worker")
+    # streaming: the stream ends with an error event instead of hanging
+    st, _, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "slow", "max_tokens": 100,
+                                                       "stream": True})
+    assert st == 200 and b"upstream_timeout" in raw and raw.rstrip().endswith(b"data: [DONE]")
+
+
+def test_keepalive_request_cap(module_cluster, pair):
+    ctx, gen = pair
+    url, port = start(module_cluster, "kacap", fleet={"keepalive_requests": 2}, context_servers=group([ctx]),
+                      generation_servers=group([gen]))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    body = json.dumps({"model": "tiny", "prompt": "k", "max_tokens": 1})
+    headers = []
+    for _ in range(2):
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 200
+        headers.append(r.getheader("Connection"))
+    conn.close()
+    assert headers[0] != "close" and headers[1] == "close"
+
+
+def test_conversation_routing_by_session_header(module_cluster, pair):
+    ctx, gen = pair
+    url, _ = start(module_cluster, "conv", context_servers=group([ctx], "conversation"),
+                   generation_servers=group([gen], "conversation"))
+    st, h, raw = call("POST", url + "/v1/chat/completions",
+                      {"model": "tiny", "messages": [{"role": "user", "content": "turn one"}], "max_tokens": 2},
+                      {"X-Session-ID": "conv-8f21"})
+    assert st == 200, raw
+    assert json.loads(h["x-splitserve-route"])["context"]["policy"] == "conversation"
+
+
+def test_no_context_server_reject_and_aggregate(module_cluster, pair):
+    _, gen = pair
+    dead = f"127.0.0.1:{free_port()}"
+    url, _ = start(module_cluster, "reject", no_context_fallback="reject",
+                   context_servers={"urls": [dead], "router": {"type": "kv_cache_aware"}},
+                   generation_servers=group([gen], "kv_cache_aware"))
+    st, h, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
+    assert st == 503 and "Retry-After" in h, raw
+    assert json.loads(raw)["error"]["code"] == "no_context_server"
+    url2, _ = start(module_cluster, "aggregate", no_context_fallback="aggregate",
+                    context_servers={"urls": [dead], "router": {"type": "kv_cache_aware"}},
+                    generation_servers=group([gen], "kv_cache_aware"))
+    st, h, raw = call("POST", url2 + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
+    assert st == 200, raw
+    assert json.loads(h["x-splitserve-route"])["mode"] == "aggregated_fallback"
+    st, _, raw = call("GET", url2 + "/health")
+    assert st == 503     # below the minimum of one healthy context server, though requests are served
