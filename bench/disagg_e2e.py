@@ -1,0 +1,1049 @@
+#!/usr/bin/env python3
+"""Disaggregation benchmark on one host: KV transfer across GPUs, and the end-to-end TTFT/TPOT
+benefit of context/generation disaggregation over aggregated serving (issue 8).
+
+    python bench/disagg_e2e.py --gpus 0,1                    # the real run: ctx on GPU 0, gen on GPU 1
+    python bench/disagg_e2e.py --gpus 0                      # one-GPU dry run: both workers share GPU 0
+    python bench/disagg_e2e.py --device cpu --model tiny --scale tiny --gpus ""   # CPU smoke (CI)
+
+Every cluster is real processes started here: a ``splitserve coordinator``, a ``splitserve serve``
+fleet that uses it, and ``splitserve worker`` processes pinned to GPUs with ``CUDA_VISIBLE_DEVICES``
+(the random-weight ``--model`` preset, bf16 on CUDA). Three parts:
+
+1. **transfer** — KV bytes, time, GB/s and descriptors per transfer for each ``--sizes`` prompt,
+   context side on the first GPU and generation side on the last (see ``transfer_part``), next to the
+   ceiling measured in the same run: a torch copy of the same number of bytes from the first GPU to
+   the last (peer-to-peer with two GPUs; a device-local copy when both sides share one GPU, so the
+   one-GPU percentages are not the cross-GPU target; a host memcpy on the CPU).
+2. **end to end** — one fixed workload (seeded, fixed arrival times): a steady stream of short chat
+   requests decoding while long-prompt requests (8k–32k tokens at ``--scale full``) arrive, sent as
+   streaming requests through the fleet, against (a) *aggregated*: two ``both`` workers, one per
+   GPU, ``load_balancing``; (b) *disaggregated* 1P1D: a context and a generation worker,
+   ``kv_cache_aware``. Per request the client records the arrival time of every streamed token.
+3. **pipelined vs monolithic** — (b) again with the context worker sending the KV of each finished
+   prefill chunk right away (pipelined, the default) and with one transfer after the whole prefill.
+
+Metrics (all client-side, from token arrival times):
+
+- TTFT: request sent → first token received.
+- ITL, reported as *TPOT*: the gap before each token after the first (a chunk carrying k tokens
+  contributes k gaps of 1/k of its interval, so the gaps of one request sum to its decode time);
+  p50/p99 over all tokens of a class. ``tpot_req_*`` is the per-request mean (decode time / (n-1)).
+- output tokens/s: completion tokens of all requests / (last token − first send).
+
+The targets line compares to issue 8: transfer ≥ 80% of the ceiling at 16k tokens; short-request
+TPOT p99 disaggregated ≤ ½ of aggregated at equal or better output tokens/s.
+
+Every process started here is stopped on exit (also on Ctrl-C, SIGTERM and errors); their logs go to
+a temporary directory whose path is printed (``--keep-logs`` keeps it after a successful run).
+``--out FILE`` writes every number as JSON; ``--write-results`` replaces (or appends) the
+``## disagg_e2e`` section of bench/RESULTS.md with the command, machine, date and the tables.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import random
+import re
+import shlex
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import aiohttp  # noqa: E402
+import yaml  # noqa: E402
+
+RESULTS = ROOT / "bench" / "RESULTS.md"
+SECTION = "## disagg_e2e"
+HOST = "127.0.0.1"
+TARGET_TRANSFER_PCT = 80.0
+TARGET_TRANSFER_TOKENS = 16384
+TARGET_TPOT_RATIO = 2.0
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot go on (a process died, a cluster never became ready, bad flags)."""
+
+
+# ============================================================================ workload scales
+
+@dataclass(frozen=True)
+class Scale:
+    """One workload size. Prompt lengths are in tokens; times in seconds from the workload start."""
+
+    name: str
+    duration_s: float            # short requests arrive during [0, duration_s)
+    short_rate: float            # short requests per second (fixed spacing)
+    short_prompt: tuple[int, int]  # chat prompt length range (characters ≈ byte tokens)
+    short_max_tokens: int
+    long_count: int              # long requests, evenly spread over the middle of the run
+    long_prompt: tuple[int, int]   # prompt tokens range (token ids, exact lengths)
+    long_max_tokens: int
+    transfer_sizes: tuple[int, ...]
+    transfer_repeats: int
+    warmup_long: int             # prompt tokens of the warm-up long request
+
+    def scaled(self, factor: float) -> "Scale":
+        """``full`` with long prompts, duration and transfer sizes times ``factor``."""
+        def s(x: int) -> int:
+            return max(16, int(round(x * factor / 16)) * 16)
+        return dataclasses.replace(
+            self, name=f"x{factor:g}", duration_s=max(5.0, self.duration_s * min(1.0, factor)),
+            long_prompt=(s(self.long_prompt[0]), s(self.long_prompt[1])),
+            transfer_sizes=tuple(s(x) for x in self.transfer_sizes), warmup_long=s(self.warmup_long))
+
+
+SCALES: dict[str, Scale] = {
+    # Issue 8's sizes, for the two-GPU run.
+    "full": Scale("full", duration_s=60.0, short_rate=4.0, short_prompt=(200, 400), short_max_tokens=128,
+                  long_count=10, long_prompt=(8192, 32768), long_max_tokens=32,
+                  transfer_sizes=(1024, 4096, 16384, 65536), transfer_repeats=5, warmup_long=8192),
+    # The one-GPU dry run: same shapes, shorter, half-size long prompts (both workers share a GPU).
+    "dry": Scale("dry", duration_s=30.0, short_rate=4.0, short_prompt=(200, 400), short_max_tokens=96,
+                 long_count=6, long_prompt=(4096, 16384), long_max_tokens=32,
+                 transfer_sizes=(1024, 4096, 16384, 65536), transfer_repeats=3, warmup_long=4096),
+    # CPU smoke run with the tiny model (CI): every code path, seconds.
+    "tiny": Scale("tiny", duration_s=3.0, short_rate=2.0, short_prompt=(24, 48), short_max_tokens=6,
+                  long_count=2, long_prompt=(192, 384), long_max_tokens=4,
+                  transfer_sizes=(64, 256), transfer_repeats=2, warmup_long=128),
+}
+
+
+def parse_scale(value: str) -> Scale:
+    if value in SCALES:
+        return SCALES[value]
+    try:
+        f = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--scale: expected one of {', '.join(SCALES)} or a positive number, found {value!r}") from None
+    if not (0 < f <= 4):
+        raise argparse.ArgumentTypeError(f"--scale: a factor must be in (0, 4], found {f:g}")
+    return SCALES["full"].scaled(f)
+
+
+# ============================================================================ the workload
+
+@dataclass(frozen=True)
+class Req:
+    """One request of the workload; ``body`` is sent unchanged to every configuration."""
+
+    idx: int
+    kind: str          # "short" | "long"
+    arrival_s: float
+    path: str          # /v1/chat/completions | /v1/completions
+    body: dict
+    prompt_tokens: int  # exact for long (token ids); the character count for short chat prompts
+    max_tokens: int
+
+
+_WORDS = [w for w in (
+    "the of and to in is was for on that with as by at from his her an were are which this be or "
+    "has had not but what all when there can who been one more if out so about into than them only "
+    "other its time new some could these two may first then do any like my now over such our man "
+    "me even most made after also did many before must through back years where much your way well "
+    "down should because each just those people how too little state good very make world still own "
+    "see men work long get here between both life being under never day same another know while last "
+    "might us great old year off come since against go came right used take three").split()]
+
+
+def _chat_text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(_WORDS)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
+
+
+def build_workload(scale: Scale, seed: int, model: str, block_size: int = 16) -> list[Req]:
+    """The fixed request list: same seed → same bodies and arrival times, for every configuration.
+
+    Short requests are chat prompts of random words, evenly spaced at ``short_rate``; long requests are
+    completions with random token ids (< 256: a valid id for every preset's byte-level tokenizer) of
+    block-aligned lengths, evenly spread over the middle 80% of the run so that they land while short
+    requests decode. Every prompt is distinct from its first block, so no prefix is shared.
+    """
+    rng = random.Random(seed)
+    reqs: list[Req] = []
+    n_short = max(1, int(scale.duration_s * scale.short_rate))
+    for i in range(n_short):
+        chars = rng.randint(*scale.short_prompt)
+        text = f"[{seed}:{i}] " + _chat_text(rng, chars)
+        body = {"model": model, "messages": [{"role": "user", "content": text}],
+                "max_tokens": scale.short_max_tokens, "ignore_eos": True, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        reqs.append(Req(i, "short", i / scale.short_rate, "/v1/chat/completions", body, len(text),
+                        scale.short_max_tokens))
+    lo, hi = scale.long_prompt
+    for j in range(scale.long_count):
+        n = rng.randint(lo, hi) // block_size * block_size
+        ids = [rng.randrange(256) for _ in range(n)]
+        at = scale.duration_s * (0.1 + 0.8 * (j + 0.5) / scale.long_count)
+        body = {"model": model, "prompt": ids, "max_tokens": scale.long_max_tokens, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        reqs.append(Req(n_short + j, "long", round(at, 3), "/v1/completions", body, n, scale.long_max_tokens))
+    reqs.sort(key=lambda r: (r.arrival_s, r.idx))
+    return reqs
+
+
+def workload_summary(reqs: list[Req]) -> dict:
+    short = [r for r in reqs if r.kind == "short"]
+    long_ = [r for r in reqs if r.kind == "long"]
+    return {
+        "short": {"count": len(short), "prompt_chars": [min(r.prompt_tokens for r in short),
+                                                         max(r.prompt_tokens for r in short)] if short else [],
+                  "max_tokens": short[0].max_tokens if short else 0,
+                  "arrivals_s": [short[0].arrival_s, short[-1].arrival_s] if short else []},
+        "long": {"count": len(long_), "prompt_tokens": [r.prompt_tokens for r in long_],
+                 "max_tokens": long_[0].max_tokens if long_ else 0,
+                 "arrivals_s": [r.arrival_s for r in long_]},
+    }
+
+
+# ============================================================================ the streaming client
+
+@dataclass
+class Result:
+    idx: int
+    kind: str
+    prompt_tokens: int
+    sent: float = 0.0
+    chunks: list[tuple[float, int]] = field(default_factory=list)   # (arrival, tokens in the chunk)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    status: int = 0
+    error: str | None = None
+    mode: str | None = None
+    token_ids_seen: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200 and bool(self.chunks)
+
+    @property
+    def end(self) -> float:
+        return self.chunks[-1][0] if self.chunks else self.sent
+
+
+def _chunk_tokens(obj: dict) -> tuple[int, bool, str | None]:
+    """(tokens carried, whether the count is exact, finish_reason) of one SSE chunk."""
+    choices = obj.get("choices") or []
+    if not choices:
+        return 0, True, None
+    c = choices[0]
+    fin = c.get("finish_reason")
+    ids = c.get("token_ids")
+    if isinstance(ids, list):
+        return len(ids), True, fin
+    text = c.get("text")
+    if text is None:
+        text = (c.get("delta") or {}).get("content")
+    # Without token ids a chunk with text is one token; a text-less final chunk closes the stream.
+    return (1 if text else 0), False, fin
+
+
+async def send_one(session: aiohttp.ClientSession, base: str, req: Req, start: float,
+                   timeout_s: float) -> Result:
+    loop = asyncio.get_running_loop()
+    res = Result(req.idx, req.kind, req.prompt_tokens)
+    delay = start + req.arrival_s - loop.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    res.sent = loop.time()
+    try:
+        async with session.post(base + req.path, json=req.body,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            res.status = resp.status
+            route = resp.headers.get("x-splitserve-route")
+            if route:
+                with contextlib.suppress(ValueError):
+                    res.mode = json.loads(route).get("mode")
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return res
+            async for raw in resp.content:
+                now = loop.time()
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = f"stream error: {obj['error'].get('message')}"
+                    break
+                usage = obj.get("usage")
+                if usage:
+                    res.completion_tokens = int(usage.get("completion_tokens") or 0)
+                n, exact, fin = _chunk_tokens(obj)
+                res.token_ids_seen |= exact and n > 0
+                if fin is not None:
+                    res.finish_reason = fin
+                if n or (fin is not None and not res.token_ids_seen):
+                    res.chunks.append((now, n))
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    if res.error is None and res.finish_reason is None:
+        res.error = "stream ended without a finish_reason"
+    return res
+
+
+async def run_requests(base: str, reqs: list[Req], timeout_s: float, lead_s: float = 0.5) -> list[Result]:
+    """Send every request at its arrival time (relative to one shared start) and collect the streams."""
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        start = asyncio.get_running_loop().time() + lead_s
+        return list(await asyncio.gather(*(send_one(session, base, r, start, timeout_s) for r in reqs)))
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    f = math.floor(k)
+    c = min(f + 1, len(s) - 1)
+    return s[f] + (s[c] - s[f]) * (k - f)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000.0, 3)
+
+
+def class_stats(results: list[Result]) -> dict:
+    """TTFT, ITL (TPOT) and per-request TPOT percentiles of one request class, in milliseconds."""
+    ok = [r for r in results if r.ok]
+    ttft, itl, tpot_req = [], [], []
+    exact = bool(ok) and all(r.token_ids_seen for r in ok)
+    for r in ok:
+        toks = [(t, n) for t, n in r.chunks if n > 0] or r.chunks[:1]
+        ttft.append(toks[0][0] - r.sent)
+        prev = toks[0][0]
+        # The first chunk may carry several tokens; only the first of them is the "first token".
+        for t, n in toks[1:]:
+            itl.extend([(t - prev) / n] * n)
+            prev = t
+        ntok = r.completion_tokens or sum(n for _, n in toks)
+        if ntok > 1:
+            tpot_req.append((toks[-1][0] - toks[0][0]) / (ntok - 1))
+    return {
+        "requests": len(results), "ok": len(ok), "errors": len(results) - len(ok),
+        "completion_tokens": sum(r.completion_tokens for r in ok),
+        "ttft_p50_ms": _ms(_pct(ttft, 50)), "ttft_p99_ms": _ms(_pct(ttft, 99)),
+        "tpot_p50_ms": _ms(_pct(itl, 50)), "tpot_p99_ms": _ms(_pct(itl, 99)),
+        "tpot_req_p50_ms": _ms(_pct(tpot_req, 50)), "tpot_req_p99_ms": _ms(_pct(tpot_req, 99)),
+        "token_timing": "token_ids" if exact else "text_chunks",
+    }
+
+
+def run_stats(results: list[Result]) -> dict:
+    ok = [r for r in results if r.ok]
+    out: dict = {k: class_stats([r for r in results if r.kind == k]) for k in ("short", "long")}
+    if ok:
+        span = max(r.end for r in ok) - min(r.sent for r in results)
+        toks = sum(r.completion_tokens for r in ok)
+        out["output_tokens_per_s"] = round(toks / span, 2) if span > 0 else None
+        out["span_s"] = round(span, 3)
+    else:
+        out["output_tokens_per_s"] = None
+        out["span_s"] = None
+    modes: dict[str, int] = {}
+    for r in results:
+        modes[str(r.mode)] = modes.get(str(r.mode), 0) + 1
+    out["modes"] = modes
+    out["errors"] = [f"#{r.idx} {r.kind}: {r.error or 'no tokens'}" for r in results if not r.ok][:10]
+    return out
+
+
+# ============================================================================ processes
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """One child process in its own session (so a terminal's Ctrl-C reaches only us, and we stop it in
+    order); stdout+stderr go to its log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict):
+        self.name, self.argv, self.log = name, argv, log
+        self._f = open(log, "ab")
+        self._f.write(("$ " + shlex.join(argv) + "\n").encode())
+        self._f.flush()
+        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, env=env,
+                                  stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+
+    @property
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM its process group (a fleet launcher's children share it), SIGKILL after ``grace``."""
+        if self.p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # Children of a launcher may outlive it; the group is ours alone (start_new_session).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.p.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.p.wait(5)
+        if not self._f.closed:
+            self._f.close()
+
+
+class Registry:
+    """Every process this benchmark started; ``stop_all`` ends them newest first."""
+
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+
+    def start(self, name: str, argv: list[str], log: Path, env: dict) -> Proc:
+        p = Proc(name, argv, log, env)
+        self.procs.append(p)
+        return p
+
+    def stop(self, procs: list[Proc], grace: float = 10.0) -> None:
+        for p in reversed(procs):
+            p.stop(grace)
+            with contextlib.suppress(ValueError):
+                self.procs.remove(p)
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        self.stop(list(self.procs), grace)
+
+
+def _http(url: str, timeout: float = 3.0, body: dict | None = None) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (OSError, ValueError):
+        return 0, b""
+
+
+def _child_env(gpu: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    return env
+
+
+# ============================================================================ clusters
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    role: str                       # context | generation | both
+    gpu: str | None                 # CUDA_VISIBLE_DEVICES value; None = inherit (cpu runs)
+    extra: tuple[str, ...] = ()
+
+
+@dataclass
+class RunningWorker:
+    spec: WorkerSpec
+    url: str
+    proc: Proc
+
+
+class Cluster:
+    """A coordinator, the workers (static ``urls`` in the cluster YAML) and a fleet using that
+    coordinator, on loopback ports picked by the OS. ``start`` returns once the fleet serves a probe."""
+
+    def __init__(self, name: str, args, reg: Registry, logdir: Path, workers: list[WorkerSpec],
+                 ctx_router: str | None, gen_router: str):
+        self.name, self.args, self.reg, self.logdir = name, args, reg, logdir
+        self.specs, self.ctx_router, self.gen_router = workers, ctx_router, gen_router
+        self.workers: list[RunningWorker] = []
+        self.procs: list[Proc] = []
+        self.url = ""
+        self.model = ""
+
+    def _worker_argv(self, spec: WorkerSpec, port: int) -> list[str]:
+        a = self.args
+        argv = [sys.executable, "-m", "splitserve_cli", "worker", "--role", spec.role, "--engine", "torch",
+                "--model", a.model, "--device", a.device, "--host", HOST, "--port", str(port),
+                "--num-blocks", str(a.num_blocks), "--transfer-agent", a.transfer_agent,
+                "--drain-timeout", "2", "--log-level", a.log_level.upper()]
+        if a.dtype:
+            argv += ["--dtype", a.dtype]
+        return argv + list(a.worker_arg) + list(spec.extra)
+
+    def start(self, timeout: float) -> None:
+        a = self.args
+        cport, fport = free_port(), free_port()
+        for spec in self.specs:
+            port = free_port()
+            p = self.reg.start(f"{self.name}/{spec.name}", self._worker_argv(spec, port),
+                               self.logdir / f"{self.name}-{spec.name}.log", _child_env(spec.gpu))
+            self.procs.append(p)
+            self.workers.append(RunningWorker(spec, f"http://{HOST}:{port}", p))
+        ctx = [w.url for w in self.workers if w.spec.role == "context"]
+        gen = [w.url for w in self.workers if w.spec.role in ("generation", "both")]
+        cfg = {"hostname": HOST, "port": fport, "num_workers": a.fleet_workers,
+               "server_start_timeout": timeout, "request_timeout": a.request_timeout,
+               "log_level": a.log_level.lower(),
+               "coordinator": {"host": HOST, "port": cport, "uds": False, "health_check_interval_s": 0.5},
+               "context_servers": {"urls": [u.split("//", 1)[1] for u in ctx],
+                                   "router": {"type": self.ctx_router or "round_robin"}},
+               "generation_servers": {"urls": [u.split("//", 1)[1] for u in gen],
+                                      "router": {"type": self.gen_router}}}
+        cfg_path = self.logdir / f"{self.name}.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        env = _child_env(None)
+        env["CUDA_VISIBLE_DEVICES"] = ""   # neither the coordinator nor the fleet touch a GPU
+        self.procs.append(self.reg.start(
+            f"{self.name}/coordinator", [sys.executable, "-m", "splitserve_cli", "coordinator", "-c", str(cfg_path),
+                                         "--port", str(cport), "--no-uds"],
+            self.logdir / f"{self.name}-coordinator.log", env))
+        deadline = time.monotonic() + timeout
+        self._wait([w.url + "/health" for w in self.workers] + [f"http://{HOST}:{cport}/cluster_info"], deadline)
+        status, body = _http(self.workers[0].url + "/v1/models")
+        self.model = json.loads(body)["data"][0]["id"] if status == 200 else a.model
+        self.procs.append(self.reg.start(
+            f"{self.name}/fleet", [sys.executable, "-m", "splitserve_cli", "serve", "-c", str(cfg_path),
+                                   "--coordinator-url", f"http://{HOST}:{cport}"],
+            self.logdir / f"{self.name}-fleet.log", env))
+        self.url = f"http://{HOST}:{fport}"
+        probe = {"model": self.model, "prompt": "probe", "max_tokens": 2, "ignore_eos": True}
+        while True:
+            self._check_alive()
+            status, _ = _http(self.url + "/v1/completions", timeout=max(5.0, a.request_timeout), body=probe)
+            if status == 200:
+                return
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.name}: the fleet at {self.url} did not answer a completion within "
+                                 f"{timeout:g}s (last HTTP status {status}); see {self.logdir}")
+            time.sleep(0.3)
+
+    def _check_alive(self) -> None:
+        for p in self.procs:
+            if not p.alive:
+                raise BenchError(f"{p.name} exited with code {p.p.returncode}; {p.log} ends with:\n{p.tail()}")
+
+    def _wait(self, urls: list[str], deadline: float) -> None:
+        pending = list(urls)
+        while pending:
+            self._check_alive()
+            pending = [u for u in pending if _http(u)[0] != 200]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.name}: not ready before the start timeout: {', '.join(pending)}; "
+                                 f"logs in {self.logdir}")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        self.reg.stop(self.procs, grace=10.0)
+        self.procs = []
+
+    def route_mode(self) -> str | None:
+        """The placement mode of one short non-streaming request (``disaggregated``, ``no_kv_transfer``…)."""
+        req = urllib.request.Request(
+            self.url + "/v1/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": self.model, "prompt": "which way?", "max_tokens": 2,
+                             "ignore_eos": True}).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=self.args.request_timeout) as r:
+                route = r.headers.get("x-splitserve-route")
+        except (OSError, ValueError) as e:
+            raise BenchError(f"{self.name}: probe request failed: {e}") from None
+        return json.loads(route).get("mode") if route else None
+
+    def worker_metrics(self) -> dict[str, dict[str, float]]:
+        return {w.spec.name: parse_metrics(_http(w.url + "/metrics")[1].decode(errors="replace"))
+                for w in self.workers}
+
+
+_METRIC_KEEP = re.compile(r"transfer|kv_recv|kv_send|preemption|prefix_cache_hit|prefill_tokens_total|"
+                          r"decode_tokens_total|generation_tokens_total")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The worker's counters and histogram sums/counts this benchmark reports (Prometheus text)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        if not _METRIC_KEEP.search(name) or "_bucket" in name or name.endswith("_created"):
+            continue
+        with contextlib.suppress(ValueError):
+            out[name] = float(value)
+    return out
+
+
+def metrics_delta(before: dict, after: dict) -> dict:
+    return {w: {k: round(v - before.get(w, {}).get(k, 0.0), 6) for k, v in m.items()
+                if v != before.get(w, {}).get(k, 0.0)}
+            for w, m in after.items()}
+
+
+# ============================================================================ part 2/3: end to end
+
+def _with_model(reqs: list[Req], model: str) -> list[Req]:
+    return [dataclasses.replace(r, body={**r.body, "model": model}) for r in reqs]
+
+
+def _warmup(cluster: Cluster, scale: Scale, seed: int, timeout_s: float) -> None:
+    """Compile/capture paths and connect transfer peers before measuring: one round of short and one of
+    long requests, as many at once as there are generation servers so load balancing touches each.
+    The prompts use their own seed, so they share no prefix with the workload."""
+    n = max(1, sum(1 for w in cluster.workers if w.spec.role in ("generation", "both")))
+    warm = build_workload(dataclasses.replace(scale, duration_s=n / 1000.0, short_rate=1000.0,
+                                              long_count=n, long_prompt=(scale.warmup_long, scale.warmup_long)),
+                          seed + 7919, cluster.model)
+    for kind in ("short", "long"):
+        batch = [dataclasses.replace(r, arrival_s=0.0) for r in warm if r.kind == kind]
+        res = asyncio.run(run_requests(cluster.url, batch, timeout_s, lead_s=0.0))
+        bad = [r.error for r in res if not r.ok]
+        if bad:
+            raise BenchError(f"{cluster.name}: warm-up {kind} request failed: {bad[0]}; logs in {cluster.logdir}")
+
+
+_T0 = time.monotonic()
+
+
+def _say(label: str, msg: str) -> None:
+    print(f"[{time.monotonic() - _T0:6.1f}s {label}] {msg}", flush=True)
+
+
+def run_config(label: str, args, reg: Registry, logdir: Path, specs: list[WorkerSpec], ctx_router: str | None,
+               gen_router: str, reqs: list[Req], need_disagg: bool) -> dict:
+    """Start one cluster, warm it up, replay the workload, stop it. ``{"skipped": why}`` when a
+    disaggregated cluster turns out not to move KV (the generation worker answers 501)."""
+    cluster = Cluster(label, args, reg, logdir, specs, ctx_router, gen_router)
+    t0 = time.monotonic()
+    info = {"workers": [{"name": s.name, "role": s.role, "gpu": s.gpu, "extra_args": list(s.extra)} for s in specs],
+            "context_router": ctx_router, "generation_router": gen_router}
+    try:
+        _say(label, f"starting {len(specs)} workers, coordinator and fleet")
+        cluster.start(args.start_timeout)
+        info["startup_s"] = round(time.monotonic() - t0, 1)
+        if need_disagg:
+            mode = cluster.route_mode()
+            if mode != "disaggregated":
+                why = ("the generation worker cannot receive KV (it answers 501 to generation_only: no KV "
+                       "transfer in this worker build)" if mode == "no_kv_transfer"
+                       else f"the fleet placed the probe request as {mode!r}, not 'disaggregated'")
+                _say(label, f"skipped: {why}")
+                return {**info, "skipped": why}
+        _warmup(cluster, args.scale, args.seed, args.request_timeout)
+        before = cluster.worker_metrics()
+        _say(label, f"up in {info['startup_s']:g}s, warmed up; running {len(reqs)} requests over "
+                    f"{args.scale.duration_s:g}s")
+        results = asyncio.run(run_requests(cluster.url, _with_model(reqs, cluster.model), args.request_timeout))
+        stats = run_stats(results)
+        stats["worker_metrics_delta"] = metrics_delta(before, cluster.worker_metrics())
+        if need_disagg and stats["modes"].get("disaggregated", 0) < len(results):
+            stats["warning"] = f"not every request was disaggregated: {stats['modes']}"
+        return {**info, **stats}
+    finally:
+        cluster.stop()
+        _say(label, "stopped")
+
+
+def e2e_specs(args) -> dict[str, list[WorkerSpec]]:
+    """Workers of each configuration. With two GPUs: aggregated = one ``both`` worker per GPU;
+    disaggregated = context on the first GPU, generation on the last. With one GPU both processes share
+    it; on the CPU ``gpu`` is None."""
+    g0, g1 = args.gpu_list[0], args.gpu_list[-1]
+    return {"aggregated": [WorkerSpec("both0", "both", g0), WorkerSpec("both1", "both", g1)],
+            "disaggregated": [WorkerSpec("ctx", "context", g0), WorkerSpec("gen", "generation", g1)]}
+
+
+# Candidate spellings of the worker's pipelined-transfer switch, checked against `worker --help`.
+_PIPELINE_FLAGS = (("--transfer-pipeline", "choice"), ("--kv-transfer-pipeline", "choice"),
+                   ("--transfer-pipelined", "choice"), ("--pipeline-transfer", "choice"))
+
+
+def pipeline_switch() -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(args for pipelined, args for monolithic) from the worker CLI, or None if it has no such flag."""
+    out = subprocess.run([sys.executable, "-m", "splitserve_cli", "worker", "--help"], capture_output=True,
+                         text=True, cwd=ROOT, env=_child_env(""), timeout=120).stdout
+    for flag, _ in _PIPELINE_FLAGS:
+        if f"--no-{flag[2:]}" in out:                                     # BooleanOptionalAction
+            return (flag,), (f"--no-{flag[2:]}",)
+        m = re.search(re.escape(flag) + r"\s+\{([^}]*)\}", out)
+        if m:
+            choices = [c.strip() for c in m.group(1).split(",")]
+            for on, off in (("on", "off"), ("true", "false"), ("1", "0"), ("yes", "no")):
+                if on in choices and off in choices:
+                    return (flag, on), (flag, off)
+    return None
+
+
+# ============================================================================ report
+
+def _f(x, fmt: str = "{:,.1f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def transfer_table(t: dict) -> str:
+    if "skipped" in t:
+        return f"Transfer: skipped — {t['skipped']}\n"
+    lines = [f"Transfer ({t['path']}, agent {t['agent']}; ceiling: {t['ceiling_kind']})", "",
+             "| prompt tokens | KV bytes | time ms | GB/s | ceiling GB/s | % of ceiling | descriptors |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in t["rows"]:
+        lines.append(f"| {r['tokens']:,} | {r['bytes']:,} | {_f(r['seconds'] * 1e3, '{:,.2f}')} | "
+                     f"{_f(r['gbps'], '{:,.2f}')} | {_f(r['ceiling_gbps'], '{:,.2f}')} | "
+                     f"{_f(r['pct_of_ceiling'])}% | {r['descriptors']} |")
+    return "\n".join(lines) + "\n"
+
+
+def e2e_table(runs: dict) -> str:
+    lines = ["| configuration | class | requests | errors | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+             "TPOT p99 ms | output tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    skipped = []
+    for name, r in runs.items():
+        if "skipped" in r:
+            skipped.append(f"{name}: skipped — {r['skipped']}")
+            continue
+        for k in ("short", "long"):
+            s = r[k]
+            lines.append(f"| {name} | {k} | {s['requests']} | {s['errors']} | {_f(s['ttft_p50_ms'])} | "
+                         f"{_f(s['ttft_p99_ms'])} | {_f(s['tpot_p50_ms'], '{:,.2f}')} | "
+                         f"{_f(s['tpot_p99_ms'], '{:,.2f}')} | "
+                         f"{_f(r['output_tokens_per_s']) if k == 'short' else ''} |")
+    return "\n".join(lines + ([""] + skipped if skipped else [])) + "\n"
+
+
+def targets(result: dict) -> dict:
+    out: dict = {}
+    t = result.get("transfer", {})
+    rows = t.get("rows") or []
+    if rows:
+        row = min(rows, key=lambda r: abs(r["tokens"] - TARGET_TRANSFER_TOKENS))
+        pct = row["pct_of_ceiling"]
+        out["transfer"] = {"tokens": row["tokens"], "pct_of_ceiling": pct, "target_pct": TARGET_TRANSFER_PCT,
+                           "met": pct is not None and pct >= TARGET_TRANSFER_PCT}
+    else:
+        out["transfer"] = {"met": None, "why": t.get("skipped", "not measured")}
+    runs = result.get("e2e", {}).get("runs", {})
+    agg, dis = runs.get("aggregated", {}), runs.get("disaggregated", {})
+    if "short" in agg and "short" in dis:
+        a99, d99 = agg["short"]["tpot_p99_ms"], dis["short"]["tpot_p99_ms"]
+        at, dt = agg.get("output_tokens_per_s"), dis.get("output_tokens_per_s")
+        ratio = (a99 / d99) if a99 and d99 else None
+        tput = (dt / at) if at and dt else None
+        out["tpot"] = {"aggregated_p99_ms": a99, "disaggregated_p99_ms": d99, "ratio": ratio and round(ratio, 3),
+                       "target_ratio": TARGET_TPOT_RATIO, "throughput_ratio": tput and round(tput, 3),
+                       "met": bool(ratio and tput and ratio >= TARGET_TPOT_RATIO and tput >= 1.0)}
+    else:
+        out["tpot"] = {"met": None, "why": dis.get("skipped") or agg.get("skipped") or "not measured"}
+    return out
+
+
+def targets_line(tg: dict, dry: str | None) -> str:
+    def verdict(m):
+        return "n/a" if m is None else ("PASS" if m else "FAIL")
+    t, p = tg["transfer"], tg["tpot"]
+    a = (f"transfer at {t['tokens']:,} tokens {_f(t['pct_of_ceiling'])}% of ceiling (target ≥{TARGET_TRANSFER_PCT:g}%): "
+         f"{verdict(t['met'])}" if "tokens" in t else f"transfer: n/a ({t['why']})")
+    b = (f"short TPOT p99 aggregated/disaggregated {_f(p['ratio'], '{:.2f}')}× (target ≥{TARGET_TPOT_RATIO:g}×) at "
+         f"{_f(p['throughput_ratio'], '{:.2f}')}× output tok/s (target ≥1×): {verdict(p['met'])}"
+         if "ratio" in p else f"TPOT: n/a ({p['why']})")
+    return f"targets: {a}; {b}" + (f"  [{dry}]" if dry else "")
+
+
+def pipeline_table(pl: dict) -> str:
+    if "skipped" in pl:
+        return f"Pipelined vs monolithic: skipped — {pl['skipped']}\n"
+    lines = ["| transfer | long TTFT p50 ms | long TTFT p99 ms | short TPOT p99 ms | output tok/s |",
+             "|---|---:|---:|---:|---:|"]
+    for name in ("pipelined", "monolithic"):
+        r = pl.get(name, {})
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | |")
+            continue
+        lines.append(f"| {name} | {_f(r['long']['ttft_p50_ms'])} | {_f(r['long']['ttft_p99_ms'])} | "
+                     f"{_f(r['short']['tpot_p99_ms'], '{:,.2f}')} | {_f(r['output_tokens_per_s'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def render(result: dict) -> str:
+    m = result["meta"]
+    parts = [f"`{m['command']}`", "",
+             f"{m['date']} · {m['machine']} · model {m['model']} ({m['dtype']}) on {m['device']} · "
+             f"GPUs {m['gpus'] or 'none'} · scale {m['scale']} · seed {m['seed']}", "",
+             transfer_table(result["transfer"]),
+             "End to end (same requests, same run; TPOT = inter-token latency over all tokens):", "",
+             e2e_table(result["e2e"]["runs"]),
+             "Pipelined vs monolithic KV transfer (disaggregated):", "",
+             pipeline_table(result["pipeline"]),
+             result["targets_line"]]
+    return "\n".join(parts) + "\n"
+
+
+def write_results(path: Path, body: str) -> None:
+    """Replace the ``## disagg_e2e`` section (up to the next ``## ``) or append it."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    block = f"{SECTION}\n\n{body.rstrip()}\n"
+    sec = re.search(rf"^{re.escape(SECTION)}\s*$.*?(?=^## |\Z)", text, flags=re.M | re.S)
+    if sec is None:
+        text = text.rstrip("\n") + "\n\n" + block
+    else:
+        text = text[:sec.start()] + block + ("\n" if text[sec.end():] else "") + text[sec.end():]
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def machine() -> str:
+    desc = f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})"
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run([smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20).stdout.strip()
+            if out:
+                desc += "; GPUs: " + "; ".join(x.strip() for x in out.splitlines())
+    return desc
+
+
+# ============================================================================ main
+
+def kv_bytes_per_token(model: str, dtype: str) -> int:
+    """K+V bytes of one token across all layers, from the preset or the HF ``config.json``."""
+    elt = 2 if dtype == "bfloat16" else 4
+    path = Path(model)
+    if path.is_dir():
+        c = json.loads((path / "config.json").read_text())
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * elt
+    from worker.presets import preset_config
+    c = preset_config(model)
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * elt
+
+
+def default_num_blocks(args, reqs: list[Req], block_size: int = 16) -> int:
+    """KV blocks per worker: the whole workload resident at once (+25%) or the largest transfer size,
+    capped at ``--kv-gib`` GiB. Explicit because two workers sharing one GPU must not each size their
+    pool from all of its memory."""
+    need = sum(math.ceil((r.prompt_tokens + 64 + r.max_tokens) / block_size) for r in reqs)
+    if "transfer" in args.parts:
+        need = max(need, math.ceil(max(args.sizes) / block_size) + 16)
+    need = int(need * 1.25) + 64
+    cap = int(args.kv_gib * (1 << 30) // (kv_bytes_per_token(args.model, args.dtype) * block_size))
+    if need > cap:
+        print(f"note: the workload would use {need} KV blocks per worker; --kv-gib {args.kv_gib:g} caps the pool at "
+              f"{cap} (the scheduler evicts cached prefixes and preempts beyond that)", flush=True)
+    return max(64, min(need, cap))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", default="0,1",
+                   help="GPU ids: '0,1' = context/first worker on GPU 0, generation/second on GPU 1; '0' = "
+                        "one-GPU dry run, both processes share GPU 0; ignored with --device cpu")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--model", default="1b", help="worker model: preset (tiny, 1b, 8b) or HF directory")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--scale", type=parse_scale, default=None,
+                   help="workload size: full (issue 8's sizes), dry, tiny, or a factor of full "
+                        "(default: full with two GPUs, dry with one, tiny on cpu)")
+    p.add_argument("--sizes", default=None,
+                   help="transfer prompt sizes in tokens, comma separated (default: the scale's, "
+                        "1024,4096,16384,65536 on GPUs)")
+    p.add_argument("--parts", default="transfer,e2e,pipeline",
+                   help="comma separated subset of transfer, e2e, pipeline")
+    p.add_argument("--transfer-agent", choices=("auto", "nixl", "tcp", "shm"), default="auto",
+                   help="KV transfer agent of the workers and of the transfer part (auto = nixl when installed)")
+    p.add_argument("--fleet-workers", type=int, default=None, help="fleet processes (default: 2 on cuda, 1 on cpu)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: sized from the workload)")
+    p.add_argument("--kv-gib", type=float, default=None,
+                   help="cap of one worker's KV pool in GiB when sizing it (default 24 on cuda, 1 on cpu)")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra argument for every worker (repeat; e.g. --worker-arg=--max-num-tokens=4096)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=None, help="seconds for a cluster to come up")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="log level of the started processes")
+    p.add_argument("--log-dir", default=None, help="where process logs go (default: a new temp directory)")
+    p.add_argument("--out", default=None, help="write every number as JSON to this file")
+    p.add_argument("--write-results", action="store_true",
+                   help="replace (or append) the '## disagg_e2e' section of bench/RESULTS.md")
+    p.add_argument("--results", default=str(RESULTS), help=argparse.SUPPRESS)
+    return p
+
+
+def resolve_args(args) -> None:
+    """Fill the defaults that depend on other flags; BenchError on inconsistent flags."""
+    if args.device == "cpu":
+        args.gpu_list = [None]
+    else:
+        gl = [g.strip() for g in args.gpus.split(",") if g.strip()]
+        if not gl or len(gl) > 2 or not all(g.isdigit() for g in gl):
+            raise BenchError(f"--gpus: expected one or two GPU ids like '0' or '0,1', found {args.gpus!r}")
+        args.gpu_list = gl
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.scale is None:
+        args.scale = SCALES["tiny" if args.device == "cpu" else ("full" if len(args.gpu_list) == 2 else "dry")]
+    try:
+        args.sizes = ([int(x) for x in args.sizes.split(",") if x.strip()] if args.sizes
+                      else list(args.scale.transfer_sizes))
+    except ValueError:
+        raise BenchError(f"--sizes: expected comma separated token counts, found {args.sizes!r}") from None
+    if not args.sizes or any(s < 16 for s in args.sizes):
+        raise BenchError(f"--sizes: every size must be at least 16 tokens, found {args.sizes}")
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    bad = [x for x in parts if x not in ("transfer", "e2e", "pipeline")]
+    if bad or not parts:
+        raise BenchError(f"--parts: expected a subset of transfer,e2e,pipeline, found {args.parts!r}")
+    args.parts = parts
+    if args.fleet_workers is None:
+        args.fleet_workers = 2 if args.device == "cuda" else 1
+    if args.kv_gib is None:
+        args.kv_gib = 24.0 if args.device == "cuda" else 1.0
+    if args.start_timeout is None:
+        args.start_timeout = 600.0 if args.device == "cuda" else 120.0
+
+
+def dry_note(args) -> str | None:
+    if args.device == "cpu":
+        return "CPU smoke run: not a measurement"
+    if len(args.gpu_list) == 1:
+        return "one-GPU dry run: both workers share GPU 0, the ceiling is a device-local copy"
+    return None
+
+
+def run_all(args, reg: Registry, logdir: Path) -> dict:
+    reqs = build_workload(args.scale, args.seed, model="")
+    if args.num_blocks is None:
+        args.num_blocks = default_num_blocks(args, reqs)
+    result: dict = {"meta": {
+        "command": "python bench/disagg_e2e.py " + shlex.join(args.argv),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(), "model": args.model, "dtype": args.dtype, "device": args.device,
+        "gpus": ",".join(g for g in args.gpu_list if g is not None), "scale": args.scale.name,
+        "scale_params": dataclasses.asdict(args.scale), "seed": args.seed, "num_blocks": args.num_blocks,
+        "fleet_workers": args.fleet_workers, "transfer_agent": args.transfer_agent, "logs": str(logdir),
+        "dry_run": dry_note(args)}}
+    t0 = time.monotonic()
+    if "transfer" in args.parts:
+        _say("transfer", f"prompt sizes {args.sizes}")
+        result["transfer"] = transfer_part(args, reg, logdir)
+    else:
+        result["transfer"] = {"skipped": "not selected (--parts)"}
+    specs = e2e_specs(args)
+    switch = pipeline_switch() if "pipeline" in args.parts else None
+    runs: dict = {}
+    if "e2e" in args.parts:
+        runs["aggregated"] = run_config("aggregated", args, reg, logdir, specs["aggregated"], None,
+                                        "load_balancing", reqs, need_disagg=False)
+    if "e2e" in args.parts or "pipeline" in args.parts:
+        dspecs = specs["disaggregated"]
+        if switch:   # (b) is the pipelined run: name the mode explicitly rather than trust a default
+            dspecs = [dataclasses.replace(s, extra=switch[0]) if s.role == "context" else s for s in dspecs]
+        runs["disaggregated"] = run_config("disaggregated", args, reg, logdir, dspecs, "kv_cache_aware",
+                                           "kv_cache_aware", reqs, need_disagg=True)
+    result["e2e"] = {"workload": workload_summary(reqs), "runs": runs}
+    if "pipeline" not in args.parts:
+        result["pipeline"] = {"skipped": "not selected (--parts)"}
+    elif switch is None:
+        result["pipeline"] = {"skipped": "the worker CLI has no pipelined-transfer switch (looked for "
+                                         + ", ".join(f for f, _ in _PIPELINE_FLAGS) + ")"}
+    elif "skipped" in runs["disaggregated"]:
+        result["pipeline"] = {"skipped": runs["disaggregated"]["skipped"]}
+    else:
+        mspecs = [dataclasses.replace(s, extra=switch[1]) if s.role == "context" else s
+                  for s in specs["disaggregated"]]
+        mono = run_config("monolithic", args, reg, logdir, mspecs, "kv_cache_aware", "kv_cache_aware", reqs,
+                          need_disagg=True)
+        result["pipeline"] = {"switch": {"pipelined": list(switch[0]), "monolithic": list(switch[1])},
+                              "pipelined": runs["disaggregated"], "monolithic": mono}
+    result["meta"]["wall_s"] = round(time.monotonic() - t0, 1)
+    result["targets"] = targets(result)
+    result["targets_line"] = targets_line(result["targets"], dry_note(args))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        resolve_args(args)
+    except BenchError as e:
+        print(f"disagg_e2e: {e}", file=sys.stderr)
+        return 2
+    logdir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="splitserve-disagg-e2e-"))
+    logdir.mkdir(parents=True, exist_ok=True)
+    print(f"disagg_e2e: logs in {logdir}", flush=True)
+    reg = Registry()
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        result = run_all(args, reg, logdir)
+    except BenchError as e:
+        print(f"disagg_e2e: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("disagg_e2e: interrupted; stopping every started process", file=sys.stderr)
+        return 130
+    finally:
+        reg.stop_all()
+        signal.signal(signal.SIGTERM, old)
+    text = render(result)
+    print("\n" + text, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"disagg_e2e: wrote {args.out}")
+    if args.write_results:
+        write_results(Path(args.results), text)
+        print(f"disagg_e2e: updated the '{SECTION}' section of {args.results}")
+    print(f"disagg_e2e: logs in {logdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def transfer_part(args, reg, logdir):
+    return {"skipped": "pending"}
