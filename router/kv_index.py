@@ -352,8 +352,9 @@ class KvIndex:
     def _tier_update(self, s: _Slot, tier: Tier, group: int, hashes: list) -> None:
         """A store without tokens: the blocks are known under another tier; copy them."""
         emap = s.emaps.setdefault((tier, group), {})
+        ident_tier = tier is _GPU and group == 0
         for h in hashes:
-            if h in emap:
+            if h in emap or (ident_tier and type(h) is int and s.owned.get(h, 0) & _IDENT):
                 self.stats.duplicate_stores += 1
                 continue
             e = self._lookup(s, tier, group, h)

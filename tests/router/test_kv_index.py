@@ -221,6 +221,16 @@ def test_identity_entries_of_our_workers():
     idx.check_invariants()
 
 
+def test_tier_only_store_of_a_resident_identity_block_is_a_duplicate():
+    idx = KvIndex(B)
+    idx.apply("w", stored(KEYS[:2], None, TOKS[:32]))
+    idx.apply("w", BlocksStored([KEYS[1]], None, None, B))  # GPU again, no tokens
+    assert idx.stats.duplicate_stores == 1
+    idx.apply("w", BlocksRemoved([KEYS[1]]))
+    assert idx.longest_prefix(KEYS) == {"w": 1}
+    idx.check_invariants()
+
+
 def test_load_snapshot_replaces_worker_state():
     idx = KvIndex(B)
     idx.apply("w", stored([1], None, [5] * 16))
@@ -405,3 +415,63 @@ def test_event_order_within_a_worker_matters(ops):
     assert c.apply_batch(w, EventBatch(2, 0.0, 0, [])) == StreamVerdict.GAP
     assert c.apply_batch(w, EventBatch(1, 0.0, 0, [rm])) == StreamVerdict.APPLIED
     assert c.worker_size(w) == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_mixed_operations_match_a_naive_model(data):
+    """Stores (foreign and identity hashes) on two tiers, removals, tier moves and clears,
+    against a model that keeps one set of keys per (worker, tier, engine hash)."""
+    idx = KvIndex(B)
+    model: dict[tuple, tuple] = {}   # (worker, tier, hash) -> owned keys
+    paths: dict[tuple, list] = {}    # (worker, hash) -> token path (for children)
+    counter = [5000]
+    tiers = [Tier.GPU, Tier.HOST]
+    for _ in range(data.draw(st.integers(1, 25))):
+        w = data.draw(st.sampled_from(["a", "b"]))
+        op = data.draw(st.sampled_from(["store", "store", "store", "remove", "move", "clear"]))
+        tier = data.draw(st.sampled_from(tiers))
+        mine = [k for k in model if k[0] == w]
+        if op == "store":
+            parent = None
+            prefix: list[int] = []
+            known = [k for k in paths if k[0] == w]
+            if known and data.draw(st.booleans()):
+                _, parent = data.draw(st.sampled_from(known))
+                prefix = paths[(w, parent)]
+            if parent is not None and not any(k[0] == w and k[2] == parent for k in model):
+                parent = None
+                prefix = []
+            n = data.draw(st.integers(1, 3))
+            toks = [data.draw(st.integers(0, 2)) for _ in range(n * B)]
+            keys = block_keys_list(prefix + toks, B)[len(prefix) // B:]
+            identity = data.draw(st.booleans())
+            hashes = []
+            for i in range(n):
+                counter[0] += 1
+                hashes.append(keys[i] if identity else counter[0])
+            idx.apply(w, BlocksStored(hashes, parent, toks, B, tier))
+            for i, h in enumerate(hashes):
+                model.setdefault((w, tier, h), (keys[i],))
+                paths[(w, h)] = prefix + toks[:(i + 1) * B]
+        elif op == "remove" and mine:
+            _, t, h = data.draw(st.sampled_from(mine))
+            idx.apply(w, BlocksRemoved([h], t))
+            model.pop((w, t, h))
+        elif op == "move" and mine:
+            _, t, h = data.draw(st.sampled_from(mine))
+            to = Tier.HOST if t is Tier.GPU else Tier.GPU
+            idx.apply(w, BlocksMoved([h], t, to))
+            e = model.pop((w, t, h))
+            model.setdefault((w, to, h), e)
+        elif op == "clear":
+            idx.apply(w, AllCleared(None))
+            for k in mine:
+                model.pop(k)
+        idx.check_invariants()
+        for ww in ("a", "b"):
+            expect = set()
+            for k, v in model.items():
+                if k[0] == ww:
+                    expect.update(v)
+            assert idx.keys_of(ww) == expect
