@@ -409,11 +409,16 @@ class Proc:
         except OSError:
             return ""
 
-    def stop(self, grace: float) -> None:
-        """SIGTERM its process group (a fleet launcher's children share it), SIGKILL after ``grace``."""
+    def terminate(self) -> None:
+        """SIGTERM its process group (a fleet launcher's children share it)."""
         if self.p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.p.pid, signal.SIGTERM)
+
+    def stop(self, grace: float) -> None:
+        """``terminate``, then SIGKILL whatever of its group is left after ``grace`` seconds."""
+        if self.p.poll() is None:
+            self.terminate()
             try:
                 self.p.wait(grace)
             except subprocess.TimeoutExpired:
@@ -439,6 +444,9 @@ class Registry:
         return p
 
     def stop(self, procs: list[Proc], grace: float = 10.0) -> None:
+        """SIGTERM all of ``procs`` at once (workers drain in parallel), then reap each."""
+        for p in procs:
+            p.terminate()
         for p in reversed(procs):
             p.stop(grace)
             with contextlib.suppress(ValueError):
@@ -532,19 +540,21 @@ class Cluster:
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         env = _child_env(None)
         env["CUDA_VISIBLE_DEVICES"] = ""   # neither the coordinator nor the fleet touch a GPU
+        # Everything starts at once: the fleet probes the coordinator with retries, and the coordinator
+        # health-checks the workers until they answer.
         self.procs.append(self.reg.start(
             f"{self.name}/coordinator", [sys.executable, "-m", "splitserve_cli", "coordinator", "-c", str(cfg_path),
                                          "--port", str(cport), "--no-uds"],
             self.logdir / f"{self.name}-coordinator.log", env))
-        deadline = time.monotonic() + timeout
-        self._wait([w.url + "/health" for w in self.workers] + [f"http://{HOST}:{cport}/cluster_info"], deadline)
-        status, body = _http(self.workers[0].url + "/v1/models")
-        self.model = json.loads(body)["data"][0]["id"] if status == 200 else a.model
         self.procs.append(self.reg.start(
             f"{self.name}/fleet", [sys.executable, "-m", "splitserve_cli", "serve", "-c", str(cfg_path),
                                    "--coordinator-url", f"http://{HOST}:{cport}"],
             self.logdir / f"{self.name}-fleet.log", env))
         self.url = f"http://{HOST}:{fport}"
+        deadline = time.monotonic() + timeout
+        self._wait([w.url + "/health" for w in self.workers], deadline)
+        status, body = _http(self.workers[0].url + "/v1/models")
+        self.model = json.loads(body)["data"][0]["id"] if status == 200 else a.model
         probe = {"model": self.model, "prompt": "probe", "max_tokens": 2, "ignore_eos": True}
         while True:
             self._check_alive()
@@ -554,7 +564,7 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise BenchError(f"{self.name}: the fleet at {self.url} did not answer a completion within "
                                  f"{timeout:g}s (last HTTP status {status}); see {self.logdir}")
-            time.sleep(0.3)
+            time.sleep(0.2)
 
     def _check_alive(self) -> None:
         for p in self.procs:
