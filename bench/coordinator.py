@@ -11,8 +11,10 @@ Phases (same run, same coordinator):
 2. closed loop, msgpack over TCP;
 3. closed loop, JSON over TCP with keys as a JSON list (upstream's shape) → ratio vs 1;
 4. closed loop through `HttpCoordinatorClient` (aiohttp) over UDS, for reference;
-5. open loop at a fixed offered rate (2,000 selects/s, each followed by its finish) over UDS:
-   select round-trip p50/p99.
+5. the HTTP floor: two /finish of no lease per "pair" (the server's own per-request cost);
+6. open loop at a fixed offered rate (2,000 selects/s, each followed by its finish) over UDS:
+   select round-trip p50/p99;
+7. the same closed loop and floor against the coordinator run with `--http aiohttp`.
 
 The load generator is a small HTTP/1.1 keep-alive client on raw asyncio transports so that the
 client core is not the bottleneck being measured. Prints a table and (unless --no-write)
@@ -330,7 +332,38 @@ def _cluster_ready(url: str, n: int) -> bool:
         r["healthy"] and r["kv_ready"] and r["kv_index_blocks"] > 0 for r in rows)
 
 
+def _start_coordinator(conf: Path, uds: str, http: str, env: dict, cpu: int | None, servers: int):
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve_cli", "coordinator", "-c", str(conf),
+                             "--port", "0", "--uds", uds, "--http", http], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, preexec_fn=_pin(cpu))
+    line = proc.stdout.readline().strip()
+    if not line.startswith("splitserve coordinator listening on "):
+        proc.kill()
+        raise RuntimeError(f"coordinator did not start: {line!r}")
+    tcp_url = line.split("listening on ", 1)[1].split(" and ")[0]
+    deadline = time.monotonic() + 60
+    while not _cluster_ready(tcp_url, servers):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("cluster did not become ready with loaded KV indexes")
+        time.sleep(0.1)
+    host, port = tcp_url.rsplit("//", 1)[1].rsplit(":", 1)
+    return proc, {"uds": uds, "pid": proc.pid}, {"uds": None, "host": host, "port": int(port), "pid": proc.pid}
+
+
+def _stop(p) -> None:
+    if p is not None and p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def run(args) -> dict:
+    import uvloop
+
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     coord_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-coord-"))
@@ -355,24 +388,8 @@ def run(args) -> dict:
             "leases": {"ttl_s": 60.0},
             "log_level": "warning",
         }))
-        uds = str(tmp / "coord.sock")
-        coord = subprocess.Popen([sys.executable, "-m", "splitserve_cli", "coordinator", "-c", str(conf),
-                                  "--port", "0", "--uds", uds], env=env, cwd=ROOT, text=True,
-                                 stdout=subprocess.PIPE, preexec_fn=_pin(coord_cpu))
-        line = coord.stdout.readline().strip()
-        if not line.startswith("splitserve coordinator listening on "):
-            raise RuntimeError(f"coordinator did not start: {line!r}")
-        tcp_url = line.split("listening on ", 1)[1].split(" and ")[0]
-        deadline = time.monotonic() + 60
-        while not _cluster_ready(tcp_url, args.servers):
-            if coord.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("cluster did not become ready with loaded KV indexes")
-            time.sleep(0.1)
         if client_cpu is not None:
             os.sched_setaffinity(0, {client_cpu})
-        host, port = tcp_url.rsplit("//", 1)[1].rsplit(":", 1)
-        uds_t = {"uds": uds, "pid": coord.pid}
-        tcp_t = {"uds": None, "host": host, "port": int(port), "pid": coord.pid}
 
         # the clients' prompts: documents' 3k-token prefixes + a 1k-token unique tail
         rng = np.random.default_rng(args.seed)
@@ -383,10 +400,14 @@ def run(args) -> dict:
             tail = rng.integers(0, 50_000, PROMPT_TOKENS - 3072).tolist()
             prompts.append(block_keys(d[:3072] + tail, BLOCK))
         mp, js = _Bodies(prompts, False), _Bodies(prompts, True)
+        res: dict = {}
+        rid = 1 << 40
 
-        async def phases():
-            res = {}
-            rid = 1 << 40
+        uds = str(tmp / "coord.sock")
+        coord, uds_t, tcp_t = _start_coordinator(conf, uds, "fast", env, coord_cpu, args.servers)
+
+        async def fast_phases():
+            nonlocal rid
             for name, target, bodies in (("uds_msgpack", uds_t, mp), ("tcp_msgpack", tcp_t, mp),
                                          ("tcp_json", tcp_t, js)):
                 r = await closed_loop(target, bodies, args.conns, args.seconds, rid)
@@ -400,23 +421,32 @@ def run(args) -> dict:
             rid = r["rid"] + 1
             res["floor_uds"] = r
             res["open_uds"] = await open_loop(uds_t, mp, args.rate, args.rate_seconds, rid)
-            return res
+            rid += int(args.rate * args.rate_seconds) + 1
 
-        import uvloop
-        res = uvloop.run(phases())
+        uvloop.run(fast_phases())
+        _stop(coord)
+
+        if not args.skip_aiohttp:
+            uds2 = str(tmp / "coord-aiohttp.sock")
+            coord, uds_t, _ = _start_coordinator(conf, uds2, "aiohttp", env, coord_cpu, args.servers)
+
+            async def aiohttp_phases():
+                nonlocal rid
+                r = await closed_loop(uds_t, mp, args.conns, args.seconds, rid)
+                rid = r["rid"] + 1
+                res["aiohttp_uds"] = r
+                r = await closed_loop(uds_t, mp, args.conns, args.seconds / 2, rid, finish_only=True)
+                res["aiohttp_floor"] = r
+            uvloop.run(aiohttp_phases())
+            _stop(coord)
+
         res["setup"] = {"servers": args.servers, "prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK,
                         "conns": args.conns, "seconds": args.seconds, "coord_cpu": coord_cpu,
-                        "client_cpu": client_cpu, "cpus": len(cpus)}
+                        "client_cpu": client_cpu, "cpus": len(cpus), "load": os.getloadavg()}
         return res
     finally:
-        for p in (coord, helper):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        _stop(coord)
+        _stop(helper)
 
 
 def render(res: dict, quick: bool) -> list[str]:
@@ -433,7 +463,8 @@ def render(res: dict, quick: bool) -> list[str]:
         "",
         f"`python bench/coordinator.py{' --quick' if quick else ''}` — "
         f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
-        f"{s['cpus']} CPUs, Python {platform.python_version()}; {pin}.",
+        f"{s['cpus']} CPUs, Python {platform.python_version()}; {pin}; load average at the end "
+        f"{s['load'][0]:.1f} (the box is shared: compare CPU µs per pair across runs).",
         f"{s['servers']} servers, `kv_cache_aware` on both roles, {s['prompt_tokens']}-token prompts "
         f"({s['prompt_tokens'] // s['block_size']} block keys, precomputed by the client), stand-in "
         "workers whose KV indexes were loaded from `/kv_snapshot`; "
@@ -446,7 +477,10 @@ def render(res: dict, quick: bool) -> list[str]:
           for label, r in (("msgpack over UDS (raw HTTP/1.1 client)", u), ("msgpack over TCP", t),
                            ("JSON over TCP, keys as a JSON list (upstream's shape)", j),
                            ("`HttpCoordinatorClient` (aiohttp) over UDS", cl),
-                           ("HTTP floor: two `/finish` of no lease, UDS", res["floor_uds"]))),
+                           ("HTTP floor: two `/finish` of no lease, UDS", res["floor_uds"]),
+                           *((("same, msgpack over UDS, `--http aiohttp` server", res["aiohttp_uds"]),
+                              ("same, HTTP floor, `--http aiohttp` server", res["aiohttp_floor"]))
+                             if "aiohttp_uds" in res else ()))),
         "",
         f"msgpack/UDS vs JSON/TCP: **{ratio:.2f}×**.",
         "",
@@ -486,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=2000.0, help="open-loop selects per second")
     ap.add_argument("--rate-seconds", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-aiohttp", action="store_true",
+                    help="skip the comparison run against the aiohttp-served coordinator")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
     ap.add_argument("--_workers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_docs", type=int, default=64, help=argparse.SUPPRESS)

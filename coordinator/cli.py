@@ -1,7 +1,7 @@
 """`splitserve coordinator -c cluster.yaml [--host H] [--port P] [--uds PATH] [--log-level L]`.
 
 Every flag also reads `SPLITSERVE_<FLAG>` (`SPLITSERVE_CONFIG`, `SPLITSERVE_HOST`, `SPLITSERVE_PORT`,
-`SPLITSERVE_UDS`, `SPLITSERVE_LOG_LEVEL`); config keys can be overridden with their own env names
+`SPLITSERVE_UDS`, `SPLITSERVE_NO_UDS`, `SPLITSERVE_HTTP`, `SPLITSERVE_LOG_LEVEL`); config keys can be overridden with their own env names
 (`SPLITSERVE_COORDINATOR__HEALTH_CHECK_INTERVAL_S`, ...). Precedence: file < env < flags.
 
 Once both listeners are up and the first health round is done, one line goes to stdout:
@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "<tmpdir>/splitserve-coordinator-<port>.sock when coordinator.uds is true)")
     p.add_argument("--no-uds", action="store_true", default=_env("NO_UDS", "") in ("1", "true"),
                    help="serve on TCP only")
+    p.add_argument("--http", default=_env("HTTP", "fast"), choices=["fast", "aiohttp"],
+                   help="HTTP server: fast (the API's own HTTP/1.1 protocol on httptools, default) "
+                        "or aiohttp (its low-level server; same API)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL"),
                    choices=["debug", "info", "warning", "error"],
                    help="log level (default: the config's log_level, info)")
@@ -63,10 +66,12 @@ def _configure(args):
         uds = os.path.join(tempfile.gettempdir(), f"splitserve-coordinator-{port}.sock")
     else:
         uds = None
+    if args.http not in ("fast", "aiohttp"):
+        raise SystemExit(f"splitserve coordinator: --http must be fast or aiohttp, got {args.http!r}")
     return cfg, cfg.coordinator.host, port, uds
 
 
-async def _serve(cfg, host: str, port: int, uds: str | None) -> int:
+async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast") -> int:
     from coordinator.service import Coordinator, CoordinatorServer
 
     stop = asyncio.Event()
@@ -74,7 +79,7 @@ async def _serve(cfg, host: str, port: int, uds: str | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     coord = Coordinator(cfg)
-    server = CoordinatorServer(coord, host=host, port=port, uds_path=uds)
+    server = CoordinatorServer(coord, host=host, port=port, uds_path=uds, http=http)
     try:
         urls = await server.start()
     except OSError as exc:
@@ -99,5 +104,5 @@ def run(args) -> int:
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; plain asyncio still works without it
-        return asyncio.run(_serve(cfg, host, port, uds))
-    return uvloop.run(_serve(cfg, host, port, uds))
+        return asyncio.run(_serve(cfg, host, port, uds, args.http))
+    return uvloop.run(_serve(cfg, host, port, uds, args.http))

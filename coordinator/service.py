@@ -23,7 +23,7 @@ import socket
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
@@ -32,10 +32,12 @@ from aiohttp.web_server import Server
 
 from coordinator import metrics as metrics_mod
 from coordinator import wire
+from coordinator.api import Api, aiohttp_handler, make_app
 from coordinator.config import ClusterConfig, load_config
 from coordinator.errors import BadRequest, NoServerAvailable
 from coordinator.health import HealthMonitor
-from coordinator.identity import IdentityExhausted, IdentityTable
+from coordinator.http import HttpServer
+from coordinator.identity import IdentityTable
 from coordinator.kv_ingest import FeedSource, KvIngest
 from coordinator.metrics import LatencyHistogram
 from coordinator.registry import CONTEXT, GENERATION, Registry, ServerEntry, ServerState, normalize_url
@@ -45,6 +47,8 @@ from router.leases import LeaseTable
 from router.policies import Candidate, RoutingKey, make_policy
 
 log = logging.getLogger("splitserve.coordinator")
+
+__all__ = ["Coordinator", "CoordinatorServer", "make_app"]
 
 VERSION = "0.1.0"
 ROLES = (CONTEXT, GENERATION)
@@ -151,6 +155,7 @@ class Coordinator:
         self.empty_index_check_s = 1.0
         self._inflight = {CONTEXT: 0, GENERATION: 0}   # mirrors the lease table per role
         self.started_at = now
+        self.version = VERSION
         self._maint: asyncio.Task | None = None
         self._started = False
 
@@ -616,213 +621,24 @@ def _advertised(endpoint: Any, host: str) -> str | None:
 
 # ===================================================================================== HTTP
 
-class Api:
-    """HTTP handlers over a `Coordinator`; bodies msgpack or JSON (answered in kind)."""
-
-    def __init__(self, coord: Coordinator):
-        self.coord = coord
-        self.routes: dict[tuple[str, str], Callable[[BaseRequest], Awaitable[web.StreamResponse]]] = {
-            ("POST", "/select"): self.select,
-            ("POST", "/select_pair"): self.select_pair,
-            ("POST", "/finish"): self.finish,
-            ("POST", "/renew"): self.renew,
-            ("GET", "/cluster_info"): self.cluster_info,
-            ("GET", "/health"): self.health,
-            ("GET", "/metrics"): self.metrics,
-            ("GET", "/version"): self.version,
-            ("POST", "/register"): self.register,
-            ("POST", "/heartbeat"): self.heartbeat,
-            ("POST", "/deregister"): self.deregister,
-            ("POST", "/identity"): self.identity,
-            ("POST", "/identity/release"): self.identity_release,
-        }
-        self._paths = {p for (_m, p) in self.routes}
-
-    # ---- dispatch (low-level server) ----------------------------------------------------------
-    async def dispatch(self, request: BaseRequest) -> web.StreamResponse:
-        path = request.path
-        h = self.routes.get((request.method, path))
-        if h is None:
-            if request.method == "HEAD" and ("GET", path) in self.routes:
-                return web.Response(status=200 if path != "/health" or self.coord.is_ready() else 503)
-            if path in self._paths:
-                allowed = sorted(m for (m, p) in self.routes if p == path)
-                return _reply({"error": f"method {request.method} not allowed on {path}; use "
-                                        f"{', '.join(allowed)}"}, False, 405,
-                              headers={"Allow": ", ".join(allowed)})
-            return _reply({"error": f"no endpoint {path}"}, False, 404)
-        return await h(request)
-
-    async def _post(self, request: BaseRequest, endpoint: str, schema: type,
-                    fn: Callable[[Any], Any]) -> web.StreamResponse:
-        """Decode the body into `schema`, run `fn` on it, answer in the body's encoding."""
-        body = await request.read()
-        try:
-            mp = wire.is_msgpack(request.headers.get("Content-Type"), body)
-        except BadRequest as exc:
-            return self._bad(endpoint, exc, _wants_msgpack(request))
-        try:
-            ans = fn(wire.decode(schema, body, mp))
-        except BadRequest as exc:
-            return self._bad(endpoint, exc, mp)
-        except NoServerAvailable as exc:
-            return _reply({"error": _reason(exc)}, mp, 503)
-        except IdentityExhausted as exc:
-            return _reply({"error": str(exc)}, mp, 503)
-        if type(ans) is _Status:
-            return _reply(ans.body, mp, ans.status)
-        return _reply(ans, mp)
-
-    def _bad(self, endpoint: str, exc: BadRequest, mp: bool) -> web.Response:
-        st = self.coord.stats
-        st.bad_requests[endpoint] = st.bad_requests.get(endpoint, 0) + 1
-        status = 415 if isinstance(exc, wire.UnsupportedMediaType) else 400
-        return _reply(exc.to_body(), mp, status)
-
-    def _select(self, b: wire.SelectBody) -> dict:
-        excl = b.exclude if b.exclude is not None else b.exclude_server
-        return self.coord.select(b.role, b.req_id, b.routing_key, excl)
-
-    def _select_pair(self, b: wire.SelectPairBody) -> dict:
-        return self.coord.select_pair(b.req_id, b.routing_key, b.exclude_ctx, b.exclude_gen)
-
-    def _finish(self, b: wire.FinishBody) -> dict:
-        self.coord.finish(b.role, b.req_id, b.success)
-        return _EMPTY
-
-    def _renew(self, b: wire.RenewBody) -> dict:
-        return {"renewed": self.coord.renew(b.role, b.req_id)}
-
-    def _register(self, b: wire.RegisterBody) -> dict:
-        return self.coord.register(b.url, b.role, b.ttl_s, b.worker_id)
-
-    def _heartbeat(self, b: wire.RegisterBody):
-        ans = self.coord.heartbeat(b.url, b.role, b.ttl_s, b.worker_id)
-        if ans is None:
-            return _Status(404, {"error": f"unknown server {b.url!r}: register it first (or send its "
-                                          "role with the heartbeat)", "field": "url"})
-        return ans
-
-    def _deregister(self, b: wire.DeregisterBody) -> dict:
-        return {"removed": self.coord.deregister(b.url)}
-
-    def _identity(self, b: wire.IdentityBody) -> dict:
-        return self.coord.lease_identity(b.holder, b.node_id, b.process_id)
-
-    def _identity_release(self, b: wire.IdentityReleaseBody) -> dict:
-        return {"released": self.coord.release_identity(b.holder)}
-
-    async def select(self, request: BaseRequest) -> web.StreamResponse:
-        return await self._post(request, "select", wire.SelectBody, self._select)
-
-    async def select_pair(self, request: BaseRequest) -> web.StreamResponse:
-        return await self._post(request, "select_pair", wire.SelectPairBody, self._select_pair)
-
-    async def finish(self, request: BaseRequest) -> web.StreamResponse:
-        return await self._post(request, "finish", wire.FinishBody, self._finish)
-
-    async def renew(self, request: BaseRequest) -> web.StreamResponse:
-        return await self._post(request, "renew", wire.RenewBody, self._renew)
-
-    async def register(self, request: BaseRequest) -> web.StreamResponse:
-        return await self._post(request, "register", wire.RegisterBody, self._register)
-
-    async def heartbeat(self, request: BaseRequest) -> web.StreamResponse:
-        return await self._post(request, "heartbeat", wire.RegisterBody, self._heartbeat)
-
-    async def deregister(self, request: BaseRequest) -> web.StreamResponse:
-        return await self._post(request, "deregister", wire.DeregisterBody, self._deregister)
-
-    async def identity(self, request: BaseRequest) -> web.StreamResponse:
-        return await self._post(request, "identity", wire.IdentityBody, self._identity)
-
-    async def identity_release(self, request: BaseRequest) -> web.StreamResponse:
-        return await self._post(request, "identity_release", wire.IdentityReleaseBody,
-                                self._identity_release)
-
-    async def cluster_info(self, request: BaseRequest) -> web.StreamResponse:
-        return _reply(self.coord.cluster_info(), _wants_msgpack(request))
-
-    async def health(self, request: BaseRequest) -> web.StreamResponse:
-        reason = self.coord.not_ready_reason()
-        mp = _wants_msgpack(request)
-        if reason is None:
-            return _reply({"status": "ready"}, mp)
-        return _reply({"status": "not_ready", "error": reason}, mp, 503)
-
-    async def metrics(self, request: BaseRequest) -> web.StreamResponse:
-        return web.Response(body=self.coord.metrics_text(),
-                            headers={"Content-Type": metrics_mod.CONTENT_TYPE})
-
-    async def version(self, request: BaseRequest) -> web.StreamResponse:
-        return _reply({"version": VERSION}, _wants_msgpack(request))
-
-
-_EMPTY: dict = {}
-
-
-@dataclass(frozen=True, slots=True)
-class _Status:
-    """A non-200 answer from a handler body function."""
-    status: int
-    body: dict
-
-
-def _reason(exc: Exception) -> str:
-    r = getattr(exc, "reason", None)
-    return r if isinstance(r, str) and r else str(exc)
-
-
-_MP_HEADERS = {"Content-Type": wire.MSGPACK}
-_JS_HEADERS = {"Content-Type": wire.JSON}
-
-
-def _reply(obj: Any, mp: bool, status: int = 200, headers: dict | None = None) -> web.Response:
-    if mp:
-        body, h = wire.encode_msgpack(obj), _MP_HEADERS
-    else:
-        body, h = wire.encode_json(obj), _JS_HEADERS
-    if headers:
-        h = {**h, **headers}
-    return web.Response(body=body, status=status, headers=h)
-
-
-def _wants_msgpack(request: BaseRequest) -> bool:
-    accept = request.headers.get("Accept", "")
-    return "msgpack" in accept
-
-
-def make_app(coord: Coordinator) -> web.Application:
-    """The API as an aiohttp Application (for embedding; `CoordinatorServer` serves the same
-    handlers on aiohttp's low-level server, which skips the router and middleware machinery)."""
-    api = Api(coord)
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
-    for (method, path), h in api.routes.items():
-        app.router.add_route(method, path, h)
-    app["coordinator"] = coord
-    return app
-
-
-def _request_factory(server: Server):
-    loop = asyncio.get_running_loop()
-
-    def make(message, payload, protocol, writer, task) -> BaseRequest:
-        return BaseRequest(message, payload, protocol, writer, task, loop,
-                           client_max_size=MAX_BODY_BYTES)
-    return make
-
-
 class CoordinatorServer:
-    """Serves a Coordinator over TCP and (optionally) a Unix socket; owns its start and stop."""
+    """Serves a Coordinator over TCP and (optionally) a Unix socket; owns its start and stop.
+
+    `http="fast"` (default) uses the API's own HTTP/1.1 protocol (`coordinator.http`);
+    `http="aiohttp"` uses aiohttp's low-level server with the same handlers."""
 
     def __init__(self, coord: Coordinator, host: str = "127.0.0.1", port: int = 0,
-                 uds_path: str | None = None, shutdown_timeout_s: float = 5.0):
+                 uds_path: str | None = None, shutdown_timeout_s: float = 5.0, http: str = "fast"):
+        if http not in ("fast", "aiohttp"):
+            raise ValueError(f"http must be 'fast' or 'aiohttp', got {http!r}")
         self.coord = coord
         self.host = host
         self.port = port
         self.uds_path = uds_path
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.http = http
         self.api = Api(coord)
+        self._fast: HttpServer | None = None
         self._runner: ServerRunner | None = None
         self.urls: list[str] = []
         self.tcp_url: str | None = None
@@ -831,26 +647,39 @@ class CoordinatorServer:
     async def start(self, start_coordinator: bool = True) -> list[str]:
         if start_coordinator:
             await self.coord.start()
-        srv = Server(self.api.dispatch, access_log=None, keepalive_timeout=75.0)
-        srv.request_factory = _request_factory(srv)
-        self._runner = ServerRunner(srv, shutdown_timeout=self.shutdown_timeout_s)
-        await self._runner.setup()
-        sock = _tcp_socket(self.host, self.port)
-        await web.SockSite(self._runner, sock).start()
-        h, p = sock.getsockname()[:2]
+        socks = [_tcp_socket(self.host, self.port)]
+        if self.uds_path:
+            try:
+                socks.append(_unix_socket(self.uds_path))
+            except OSError:
+                socks[0].close()
+                raise
+        if self.http == "fast":
+            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES)
+            for sock in socks:
+                await self._fast.serve(sock)
+        else:
+            srv = Server(aiohttp_handler(self.api), access_log=None, keepalive_timeout=75.0)
+            srv.request_factory = _request_factory(srv)
+            self._runner = ServerRunner(srv, shutdown_timeout=self.shutdown_timeout_s)
+            await self._runner.setup()
+            for sock in socks:
+                await web.SockSite(self._runner, sock, backlog=4096).start()
+        h, p = socks[0].getsockname()[:2]
         self.port = p
         shown = f"[{h}]" if ":" in h else h
         self.tcp_url = f"http://{shown}:{p}"
         self.urls = [self.tcp_url]
         if self.uds_path:
-            usock = _unix_socket(self.uds_path)
-            await web.SockSite(self._runner, usock).start()
             self.uds_url = f"unix://{self.uds_path}"
             self.urls.append(self.uds_url)
         return self.urls
 
     async def stop(self) -> None:
         """Stop listening, let in-flight requests finish (bounded), then stop the coordinator."""
+        if self._fast is not None:
+            await self._fast.close(self.shutdown_timeout_s)
+            self._fast = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -860,6 +689,15 @@ class CoordinatorServer:
             except FileNotFoundError:
                 pass
         await self.coord.stop()
+
+
+def _request_factory(server: Server):
+    loop = asyncio.get_running_loop()
+
+    def make(message, payload, protocol, writer, task) -> BaseRequest:
+        return BaseRequest(message, payload, protocol, writer, task, loop,
+                           client_max_size=MAX_BODY_BYTES)
+    return make
 
 
 def _tcp_socket(host: str, port: int) -> socket.socket:

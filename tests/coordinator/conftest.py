@@ -246,15 +246,16 @@ def cfg(ctx_urls=(), gen_urls=(), *, ctx_router="kv_cache_aware", gen_router="kv
 
 @pytest.fixture
 async def coordinator():
-    """`await coordinator(config_dict, serve=True)` → (Coordinator, CoordinatorServer|None)."""
+    """`await coordinator(config_dict, serve=True, http="fast"|"aiohttp")` → (Coordinator,
+    CoordinatorServer|None)."""
     from coordinator.service import Coordinator, CoordinatorServer
 
     made = []
 
-    async def make(config: dict, *, serve: bool = True, uds: str | None = None):
+    async def make(config: dict, *, serve: bool = True, uds: str | None = None, http: str = "fast"):
         c = Coordinator(config)
         if serve:
-            s = CoordinatorServer(c, host="127.0.0.1", port=0, uds_path=uds)
+            s = CoordinatorServer(c, host="127.0.0.1", port=0, uds_path=uds, http=http)
             await s.start()
             made.append(s)
             return c, s

@@ -25,11 +25,12 @@ async def post(session, url, body, *, mp=True, raw: bytes | None = None, headers
         return r.status, obj, ctype
 
 
-@pytest.fixture
-async def cluster(workers, coordinator):
+@pytest.fixture(params=["fast", "aiohttp"])
+async def cluster(request, workers, coordinator):
+    """Two context and two generation servers, served by both HTTP implementations."""
     ctx = [await workers("context") for _ in range(2)]
     gen = [await workers("generation") for _ in range(2)]
-    c, s = await coordinator(cfg([w.url for w in ctx], [w.url for w in gen]))
+    c, s = await coordinator(cfg([w.url for w in ctx], [w.url for w in gen]), http=request.param)
     await wait_for(c.is_ready, what="cluster ready")
     async with aiohttp.ClientSession() as session:
         yield c, s, ctx, gen, session
