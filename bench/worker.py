@@ -204,6 +204,8 @@ def render(rows: list[dict], info: dict, command: str) -> str:
 def write_results(path: Path, body: str, info: dict) -> None:
     """Replace this configuration's subsection under ``## worker`` (or add it), keeping other text."""
     title = f"### {info['model']} · {info['device']} · {info['dtype']}"
+    if info["device"].startswith("cuda"):
+        title += " · CUDA graphs " + ("on" if info["cuda_graphs"] else "off")
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     section = re.search(r"^## worker\s*$.*?(?=^## |\Z)", text, flags=re.M | re.S)
     block = f"{title}\n\n{body}\n"

@@ -123,14 +123,19 @@ class ModelRunner:
             _limit_cpu_threads(model, cpu_threads)
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("SPLITSERVE_CUDA_GRAPHS", "1") != "0"
-        #: Decode-only steps replay captured CUDA graphs (CUDA only; not with dynamic RoPE, whose
-        #: frequencies depend on the step's lengths).
+        #: Replay captured CUDA graphs for decode-only steps (up to ``max_graph_batch`` rows) and for a
+        #: lone fresh prompt of up to ``max_prefill_graph_tokens`` (where launch overhead, not the GPU,
+        #: bounds eager prefill). CUDA only; not with dynamic RoPE, whose frequencies depend on lengths.
+        #: Graphs are captured lazily per size bucket and share one memory pool.
         self.use_cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and (
             model.rotary.rope_type != "dynamic")
         self.max_graph_batch = 256
-        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self.max_prefill_graph_tokens = 2048
+        self.prefill_graph_granularity = 128
+        self._graphs: dict[tuple, _StepGraph] = {}
         self._graph_pool = None
         self._graph_max_len = min(num_blocks * block_size, max(cfg.max_position_embeddings, block_size))
+        self._rope_len = max(self._graph_max_len, self.max_prefill_graph_tokens)
 
     # ------------------------------------------------------------------ geometry
 
@@ -215,10 +220,12 @@ class ModelRunner:
             raise RunnerInputError("step needs at least one chunk, found none")
         checked = [self._check(i, c) for i, c in enumerate(chunks)]
         self._check_slots(checked)
-        if (self.use_cuda_graphs and len(chunks) <= self.max_graph_batch
-                and all(end - start == 1 for _, start, end, _ in checked)
-                and max(end for _, _, end, _ in checked) <= self._graph_max_len):
-            return self._graph_step(checked)
+        if self.use_cuda_graphs:
+            if (len(checked) <= self.max_graph_batch and all(end - start == 1 for _, start, end, _ in checked)
+                    and max(end for _, _, end, _ in checked) <= self._graph_max_len):
+                return self._graph_step(checked)
+            if len(checked) == 1 and checked[0][1] == 0 and 1 < checked[0][2] <= self.max_prefill_graph_tokens:
+                return self._prefill_graph_step(checked[0])
         batch = self._prepare(checked)
         hidden = self.model(batch["input_ids"], batch["positions"], batch["meta"], self.kv_cache,
                             batch["seq_lens"], batch["max_position"], batch["max_seq_len"])
@@ -342,18 +349,19 @@ class ModelRunner:
             "last_idx": last_t,
         }
 
-    # ------------------------------------------------------------------ CUDA graphs (decode)
+    # ------------------------------------------------------------------ CUDA graphs
 
     def _graph_step(self, checked) -> torch.Tensor:
+        """Decode rows through the graph captured for (batch bucket, blocks-per-row bucket)."""
         bs, n = self.block_size, len(checked)
         firsts = [self._first_key_block(start) for _, start, _, _ in checked]
         need = max(used.size - f for (_, _, _, used), f in zip(checked, firsts))
         bb = _bucket(n, self.max_graph_batch)
         nb = _bucket(need, max(need, (self._graph_max_len + bs - 1) // bs))
-        g = self._graphs.get((bb, nb)) or self._capture(bb, nb)
+        g = self._graphs.get(("decode", bb, nb)) or self._capture_decode(bb, nb)
         g.ready.synchronize()  # the previous upload from this pinned buffer has finished
-        host = g.host_view
-        _fill_padding(host, self.scratch_block)
+        host = g.host
+        self._decode_padding(host)
         for i, ((tokens, start, _, used), f) in enumerate(zip(checked, firsts)):
             host["ids"][i] = tokens[0]
             host["pos"][i] = start
@@ -362,22 +370,41 @@ class ModelRunner:
             host["first_key"][i] = f * bs
             row = used[f:]
             host["tables"][i, : row.size] = row
-        g.dev.copy_(g.host, non_blocking=True)
-        g.ready.record()
-        g.graph.replay()
-        return g.logits[:n].clone()
+        return g.run()[:n].clone()
 
-    def _capture(self, bb: int, nb: int) -> "_DecodeGraph":
+    def _prefill_graph_step(self, chunk) -> torch.Tensor:
+        """A fresh prompt (start 0) padded to a multiple of ``prefill_graph_granularity`` tokens.
+        Padding tokens sit causally after the prompt, so no prompt token attends to them; their K/V
+        go to the scratch block."""
+        tokens, _, end, used = chunk
+        tb = -(-end // self.prefill_graph_granularity) * self.prefill_graph_granularity
+        g = self._graphs.get(("prefill", tb)) or self._capture_prefill(tb)
+        g.ready.synchronize()
+        host = g.host
+        host["ids"][:end] = tokens
+        host["ids"][end:] = 0
+        host["slot_block"][:end] = used[np.arange(end) // self.block_size]
+        host["slot_block"][end:] = self.scratch_block
+        host["last"][0] = end - 1
+        return g.run().clone()
+
+    def _decode_padding(self, host: dict[str, np.ndarray]) -> None:
+        """Padding rows: token 0 at position 0 writing into (and reading only) the scratch block."""
+        host["ids"][:] = 0
+        host["pos"][:] = 0
+        host["slot_block"][:] = self.scratch_block
+        host["slot_off"][:] = 0
+        host["first_key"][:] = 0
+        host["tables"][:] = self.scratch_block
+
+    def _capture_decode(self, bb: int, nb: int) -> "_StepGraph":
         bs, dev, window, model = self.block_size, self.device, self._window, self.model
-        model.rotary.ensure(self._graph_max_len)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        g = _DecodeGraph(bb, nb, dev)
-        _fill_padding(g.host_view, self.scratch_block)
-        g.dev.copy_(g.host)
-        v = g.dev_view
+        g = _StepGraph({"ids": (bb,), "pos": (bb,), "slot_block": (bb,), "slot_off": (bb,),
+                        "first_key": (bb,), "tables": (bb, nb)}, dev)
+        self._decode_padding(g.host)
         token_idx = torch.arange(bb, device=dev)
         key_off = torch.arange(nb * bs, device=dev)
+        v = g.dev
 
         def body() -> torch.Tensor:
             kp = v["first_key"][:, None] + key_off[None, :]
@@ -388,9 +415,37 @@ class ModelRunner:
             bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
             meta = AttentionMetadata(v["slot_block"], v["slot_off"], [],
                                      DecodeBatch(token_idx, v["tables"], bias[:, None, None, :]), bs)
-            h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._graph_max_len - 1)
+            h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
             return model.compute_logits(h).float()
 
+        return self._capture(("decode", bb, nb), g, body, keep=(token_idx, key_off))
+
+    def _capture_prefill(self, tb: int) -> "_StepGraph":
+        bs, dev, window, model = self.block_size, self.device, self._window, self.model
+        g = _StepGraph({"ids": (tb,), "slot_block": (tb,), "last": (1,)}, dev)
+        g.host["ids"][:] = 0
+        g.host["slot_block"][:] = self.scratch_block
+        g.host["last"][:] = 0
+        pos = torch.arange(tb, device=dev)
+        slot_off = pos % bs
+        mask = None
+        if window and tb > window:
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        v = g.dev
+
+        def body() -> torch.Tensor:
+            meta = AttentionMetadata(v["slot_block"], slot_off, [PrefillSeq(0, tb, 0, None, 0, mask)], None, bs)
+            h = model(v["ids"], pos, meta, self.kv_cache, None, max_position=self._rope_len - 1)
+            return model.compute_logits(h.index_select(0, v["last"])).float()
+
+        return self._capture(("prefill", tb), g, body, keep=(pos, slot_off, mask))
+
+    def _capture(self, key: tuple, g: "_StepGraph", body, keep: tuple) -> "_StepGraph":
+        dev, model = self.device, self.model
+        model.rotary.ensure(self._rope_len)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        g.upload(blocking=True)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -399,53 +454,49 @@ class ModelRunner:
         torch.cuda.current_stream(dev).wait_stream(side)
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self._graph_pool):
-            g.logits = body()
+            g.output = body()
         # The graph replays raw addresses: every tensor it reads that was allocated outside the capture
         # must outlive it (a freed index tensor would be reused and read back as garbage indices).
-        g.keep = (token_idx, key_off, model.rotary._cos, model.rotary._sin)
-        self._graphs[(bb, nb)] = g
+        g.keep = keep + (model.rotary._cos, model.rotary._sin)
+        self._graphs[key] = g
         return g
 
 
 def _bucket(n: int, cap: int) -> int:
+    """Smallest power of two >= n, but at most ``cap`` (callers ensure cap >= n)."""
     b = 1
     while b < n:
         b *= 2
-    return min(b, cap) if cap >= n else b
+    return min(b, cap)
 
 
-def _fill_padding(host: dict[str, np.ndarray], scratch: int) -> None:
-    """Padding rows: token 0 at position 0 writing into (and reading only) the scratch block."""
-    host["ids"][:] = 0
-    host["pos"][:] = 0
-    host["slot_block"][:] = scratch
-    host["slot_off"][:] = 0
-    host["first_key"][:] = 0
-    host["tables"][:] = scratch
+class _StepGraph:
+    """One captured step and its static inputs: every integer input lives in one pinned host buffer
+    mirrored by one device buffer, so a replay costs one host→device copy and the graph launch."""
 
-
-class _DecodeGraph:
-    """Static buffers of one captured decode step for ``bb`` rows reading ``nb`` blocks each.
-
-    All integer inputs live in one pinned host buffer mirrored by one device buffer, so a replay costs
-    one host→device copy."""
-
-    FIELDS = ("ids", "pos", "slot_block", "slot_off", "first_key")
-
-    def __init__(self, bb: int, nb: int, dev: torch.device) -> None:
-        size = bb * len(self.FIELDS) + bb * nb
-        self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        self.dev = torch.empty(size, dtype=torch.int64, device=dev)
+    def __init__(self, fields: dict[str, tuple[int, ...]], dev: torch.device) -> None:
+        sizes = {k: int(np.prod(shape)) for k, shape in fields.items()}
+        total = sum(sizes.values())
+        self._host = torch.empty(total, dtype=torch.int64, pin_memory=True)
+        self._dev = torch.empty(total, dtype=torch.int64, device=dev)
+        host_np = self._host.numpy()
+        self.host: dict[str, np.ndarray] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        off = 0
+        for k, shape in fields.items():
+            self.host[k] = host_np[off:off + sizes[k]].reshape(shape)
+            self.dev[k] = self._dev[off:off + sizes[k]].view(shape)
+            off += sizes[k]
         self.ready = torch.cuda.Event()
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
-        self.keep: tuple[torch.Tensor, ...] = ()
-        host_np = self.host.numpy()
-        self.host_view: dict[str, np.ndarray] = {}
-        self.dev_view: dict[str, torch.Tensor] = {}
-        for k, name in enumerate(self.FIELDS):
-            self.host_view[name] = host_np[k * bb:(k + 1) * bb]
-            self.dev_view[name] = self.dev[k * bb:(k + 1) * bb]
-        base = bb * len(self.FIELDS)
-        self.host_view["tables"] = host_np[base:].reshape(bb, nb)
-        self.dev_view["tables"] = self.dev[base:].view(bb, nb)
+        self.output: torch.Tensor | None = None
+        self.keep: tuple = ()
+
+    def upload(self, blocking: bool = False) -> None:
+        self._dev.copy_(self._host, non_blocking=not blocking)
+
+    def run(self) -> torch.Tensor:
+        self.upload()
+        self.ready.record()
+        self.graph.replay()
+        return self.output

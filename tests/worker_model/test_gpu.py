@@ -47,6 +47,29 @@ def test_cuda_graph_decode_equals_eager(dtype, window):
         assert graphed_runner.kv_cache[n * 40:400].abs().sum() == 0
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_cuda_graph_prefill_equals_eager(window):
+    cfg = dataclasses.replace(preset_config("tiny"), sliding_window=window, name="tiny-gpu")
+    model = LlamaForCausalLM(cfg, device="cuda", dtype=torch.float32)
+    init_random_weights(model)
+    eager = ModelRunner(model, 200, BS, cuda_graphs=False)
+    graphed = ModelRunner(model, 200, BS, cuda_graphs=True)
+    for n in (2, 100, 128, 129, 700):
+        toks = [(j * 13 + n) % 250 for j in range(n + 1)]
+        blocks = list(range(0, (n + BS) // BS + 1))
+        a = eager.step([Chunk(toks[:n], 0, blocks)])
+        b = graphed.step([Chunk(toks[:n], 0, blocks)])
+        assert ("prefill", -(-n // 128) * 128) in graphed._graphs
+        tol = 1e-4 * a.abs().max().item()
+        torch.testing.assert_close(b, a, atol=tol, rtol=0)
+        # The prompt's K/V landed in its blocks (and only there): the next decode step agrees too.
+        torch.testing.assert_close(graphed.read_blocks(blocks), eager.read_blocks(blocks), atol=1e-4, rtol=0)
+        assert graphed.kv_cache[blocks[-1] + 1:200].abs().sum() == 0
+        torch.testing.assert_close(graphed.step([Chunk(toks[n:], n, blocks)]),
+                                   eager.step([Chunk(toks[n:], n, blocks)]), atol=tol, rtol=0)
+        graphed.kv_cache.zero_()
+
+
 def test_cuda_fp32_matches_cpu():
     seqs = prompts(2, 30)
     cpu = decode_run(ModelRunner(build_preset("tiny"), 100, BS), seqs, 5)
