@@ -220,9 +220,14 @@ class TransferAgent(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None: ...
 
+    selection: dict | None = None  # how make_agent chose this agent (requested kind, fallback)
+
     def describe(self) -> dict:
         """What /server_info shows about this agent."""
-        return {"kind": self.kind, "name": self.name, "mem_types": list(self.mem_types)}
+        d = {"kind": self.kind, "name": self.name, "mem_types": list(self.mem_types)}
+        if self.selection:
+            d.update(self.selection)
+        return d
 
     def __enter__(self):
         return self
@@ -254,17 +259,20 @@ def make_agent(kind: str = "auto", name: str | None = None, *, host: str = "127.
     if kind not in AGENT_KINDS:
         raise ValueError(f"transfer agent kind must be one of {AGENT_KINDS}; found {kind!r}")
     name = name or unique_agent_name()
+    requested, fallback = kind, None
     if kind in ("auto", "nixl"):
         try:
             from .nixl_agent import NixlAgent
 
             agent = NixlAgent(name, **{k: v for k, v in options.items()
                                        if k in NixlAgent.OPTIONS})
+            agent.selection = {"requested": requested, "fallback": None}
             log.info("transfer agent: nixl (UCX) name=%s requested=%s", name, kind)
             return agent
         except AgentUnavailable as e:
             if kind == "nixl":
                 raise
+            fallback = f"nixl unavailable: {e}"
             log.warning("transfer agent: nixl unavailable (%s); falling back to tcp", e)
             kind = "tcp"
     if kind == "shm":
@@ -275,6 +283,7 @@ def make_agent(kind: str = "auto", name: str | None = None, *, host: str = "127.
         from .tcp_agent import TcpAgent
 
         agent = TcpAgent(name, host=host, advertise_host=advertise_host, port=port)
+    agent.selection = {"requested": requested, "fallback": fallback}
     log.info("transfer agent: %s name=%s endpoint=%s", agent.kind, name,
              getattr(agent, "endpoint", None))
     return agent

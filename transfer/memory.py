@@ -6,8 +6,9 @@ without NIXL (slowly, staged through the host — they are the fallback).
 
 `alloc_shared_host(nbytes)` returns a uint8 tensor whose pages live in a file under /dev/shm, so a
 `ShmAgent` peer on the same host can map and write them. Files are named
-`splitserve-kv-<pid>-<random>`; they are unlinked when the tensor dies or the process exits, and
-files left by dead processes are swept on the next allocation.
+`splitserve-kv-<pid>-<random>`. A file must outlive any Python view of it (peers open it by name
+while the pages are mapped through other views), so it is unlinked when the process exits, and
+files left by processes that died without cleaning up are swept on the next allocation.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import logging
 import os
 import re
 import uuid
-import weakref
 
 import numpy as np
 
@@ -156,17 +156,13 @@ def alloc_shared_host(nbytes: int, directory: str = SHM_DIR):
     import torch
 
     path = _new_shm_file(nbytes, directory)
-    t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    weakref.finalize(t, _unlink, path)
-    return t
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def alloc_shared_array(nbytes: int, directory: str = SHM_DIR) -> np.ndarray:
     """A zero-filled uint8 numpy array of `nbytes` backed by a shared file (MAP_SHARED)."""
     path = _new_shm_file(nbytes, directory)
-    arr = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
-    weakref.finalize(arr, _unlink, path)
-    return arr
+    return np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
 
 
 def find_file_mapping(addr: int, nbytes: int, maps_path: str = "/proc/self/maps"):

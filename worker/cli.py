@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--transfer-agent", "auto", choices=["auto", "nixl", "shm", "tcp"],
         help="KV transfer agent for disaggregated requests")
     add("--transfer-port", 0, type=int, help="KV transfer control port (0 = pick free)")
+    add("--transfer-timeout", 120.0, type=float,
+        help="seconds a generation_only request waits for its KV (generation_first: including "
+             "the context worker's prefill) before it fails")
     add("--tp-size", 1, type=int, help="tensor-parallel size")
     add("--pp-size", 1, type=int, help="pipeline-parallel size")
     add("--sim-prefill-us-per-token", 20.0, type=float,
@@ -172,9 +175,47 @@ def build_server(args):
     publisher = KvEventPublisher(host=args.host, pub_port=args.kv_events_port,
                                  replay_port=args.kv_replay_port, advertise_host=advertise)
     name = args.model if args.model in SIM_PRESET_VOCAB else Path(args.model).name or args.model
-    return WorkerServer(engine, model_name=name, role=args.role, host=args.host, port=args.port,
-                        advertise_host=advertise, publisher=publisher,
-                        coordinator_url=args.coordinator_url, register_ttl_s=args.register_ttl)
+    link = _build_transfer(args, engine, name, advertise) if args.engine == "torch" else None
+    server = WorkerServer(engine, model_name=name, role=args.role, host=args.host, port=args.port,
+                          advertise_host=advertise, publisher=publisher,
+                          coordinator_url=args.coordinator_url, register_ttl_s=args.register_ttl,
+                          transfer_info=link.server_info() if link else None,
+                          ctx_info_endpoint=link.endpoint if link else None)
+    server.transfer_link = link  # closed by _serve after the engine stopped
+    return server
+
+
+def _build_transfer(args, engine, model_name: str, advertise: str | None):
+    """KV transfer for the torch engine (transfer/engine_link.py wires it into the engine's hooks):
+    registers the runner's K/V pool with the selected agent and serves the control endpoint that
+    /server_info advertises as ``disaggregated_params.ctx_info_endpoint``."""
+    from transfer.engine_link import EngineTransferLink
+    from transfer.errors import TransferError
+    from transfer.page_table import PageTable
+    from transfer.session import KvTransceiver, RankTopology, TransferConfig
+
+    runner = engine.runner
+    if args.transfer_agent == "shm":
+        if runner.device.type != "cpu":
+            raise ValueError("--transfer-agent shm moves host memory only; use nixl or tcp on cuda")
+        from transfer.memory import alloc_shared_host
+
+        # The shm agent's peers write straight into these pages: move the (still empty) K/V pool
+        # into a shared-memory file before anything registers or captures its address.
+        t = runner.kv_cache
+        shared = alloc_shared_host(t.numel() * t.element_size())
+        runner.kv_cache = shared.view(t.dtype).view(t.shape)
+    cfg = TransferConfig(agent=args.transfer_agent, host=args.host, advertise_host=advertise,
+                         port=args.transfer_port, send_timeout_s=args.pin_timeout,
+                         recv_timeout_s=args.transfer_timeout)
+    mc = runner.cfg
+    topo = RankTopology(role=args.role, num_layers=mc.num_hidden_layers,
+                        total_kv_heads=mc.num_key_value_heads, model=model_name)
+    try:
+        tx = KvTransceiver(PageTable.from_runner_dict(engine.page_table()), topo, cfg)
+    except TransferError as e:
+        raise ValueError(f"KV transfer setup failed: {e}") from None
+    return EngineTransferLink(engine, tx)
 
 
 async def _serve(args) -> int:
@@ -210,6 +251,8 @@ async def _serve(args) -> int:
     for t in (drain, abort):
         t.cancel()
     await server.stop()
+    if getattr(server, "transfer_link", None) is not None:
+        await server.transfer_link.close()
     return 0
 
 

@@ -170,6 +170,11 @@ class Scheduler(abc.ABC):
         self.worker_url: str | None = None
         # Extra entries for a context response's opaque state (the transfer layer adds its own).
         self.opaque_state_hook: Callable[[PinnedTransfer], dict] | None = None
+        # KV-transfer hooks (transfer/engine_link.py): a context_only request computed another
+        # prefill chunk — (request, prompt tokens computed, block ids) — so its finished blocks can
+        # be sent while the rest is computed; and a context_only request left the scheduler.
+        self.prefill_hook: Callable[[EngineRequest, int, list[int]], None] | None = None
+        self.context_end_hook: Callable[[EngineRequest], None] | None = None
         self.event_sink: Callable[[list], None] | None = None
         self._clock = clock
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -638,6 +643,9 @@ class Scheduler(abc.ABC):
                 continue
             s.num_computed = start + n
             self._commit_full_blocks(s)
+            if self.prefill_hook is not None and s.req.request_type == CONTEXT_ONLY \
+                    and start < s.num_prompt:
+                self.prefill_hook(s.req, min(s.num_computed, s.num_prompt), s.blocks)
             if sample:
                 self._on_token(s, int(sampled[i]))
 
@@ -760,6 +768,8 @@ class Scheduler(abc.ABC):
         last.finish_reason = reason
         last.error = error
         s.queue.put_nowait(last)
+        if self.context_end_hook is not None and s.req.request_type == CONTEXT_ONLY:
+            self.context_end_hook(s.req)
         self._wake.set()
 
     def _drop_blocks(self, s: _Seq) -> None:
