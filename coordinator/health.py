@@ -28,9 +28,13 @@ class HealthMonitor:
 
     def __init__(self, registry: Registry, *, interval_s: float, timeout_s: float,
                  on_prepared: PreparedHook, on_tick: Callable[[float], Awaitable[None] | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, info_refresh_s: float = 30.0):
         self.registry = registry
         self.interval_s = interval_s
+        # A healthy server's /server_info is re-read this often (instead of one probe): a worker
+        # restarted between two probes may have new KV-event ports and a new worker id.
+        self.info_refresh_s = info_refresh_s
+        self._info_at: dict[str, float] = {}
         self.timeout_s = timeout_s
         self.on_prepared = on_prepared
         self.on_tick = on_tick
@@ -116,6 +120,10 @@ class HealthMonitor:
         if e is None:
             return
         state = e.state
+        if state is ServerState.HEALTHY and \
+                self.clock() - self._info_at.get(url, -1e18) >= self.info_refresh_s:
+            await self._prepare(url)
+            return
         if state is ServerState.HEALTHY:
             err = await self._probe(url)
             now = self.clock()
@@ -149,42 +157,47 @@ class HealthMonitor:
         self.probe_failures += 1
         return err
 
+    def _info_failed(self, url: str, error: str) -> None:
+        e = self.registry.get(url)
+        if e is not None and e.state is ServerState.HEALTHY:
+            self.probe_failures += 1
+            self.registry.probe_failed(url, error, self.clock())
+        else:
+            self.registry.prepare_failed(url, error, self.clock())
+
     async def _prepare(self, url: str) -> None:
         try:
             async with self.session.get(url + "/server_info", allow_redirects=False) as r:
                 body = await r.read()
                 status = r.status
         except asyncio.TimeoutError:
-            self.registry.prepare_failed(url, f"GET /server_info timed out after {self.timeout_s:g}s",
-                                         self.clock())
+            self._info_failed(url, f"GET /server_info timed out after {self.timeout_s:g}s")
             return
         except (aiohttp.ClientError, OSError) as exc:
-            self.registry.prepare_failed(url, f"GET /server_info failed: {type(exc).__name__}: {exc}",
-                                         self.clock())
+            self._info_failed(url, f"GET /server_info failed: {type(exc).__name__}: {exc}")
             return
         if status == 404:
             # A stock engine without /server_info: admit it once it is healthy; its KV events, if
             # any, come from the config (`kv_events`).
             err = await self._probe(url)
             if err is not None:
-                self.registry.prepare_failed(url, err, self.clock())
+                self._info_failed(url, err)
                 return
             info: dict = {}
         elif status != 200:
-            self.registry.prepare_failed(url, f"GET /server_info answered {status}", self.clock())
+            self._info_failed(url, f"GET /server_info answered {status}")
             return
         else:
             try:
                 info = orjson.loads(body)
             except orjson.JSONDecodeError as exc:
-                self.registry.prepare_failed(url, f"GET /server_info returned invalid JSON: {exc}",
-                                             self.clock())
+                self._info_failed(url, f"GET /server_info returned invalid JSON: {exc}")
                 return
             if not isinstance(info, dict):
-                self.registry.prepare_failed(
-                    url, f"GET /server_info returned {type(info).__name__}, expected an object",
-                    self.clock())
+                self._info_failed(url, f"GET /server_info returned {type(info).__name__}, "
+                                       "expected an object")
                 return
         e = self.registry.get(url)
         if e is not None:
+            self._info_at[url] = self.clock()
             self.on_prepared(e, info)

@@ -158,18 +158,21 @@ class KvIngest:
             log.info("KV-event ingest bound at %s", self.bound_endpoint)
 
     async def stop(self) -> None:
+        tasks = [t for f in self.feeds.values() for t in f.tasks]
         for server in list(self.feeds):
             self.detach(server, remove=False)
         if self._bound_task is not None:
             self._bound_task.cancel()
-            await asyncio.gather(self._bound_task, return_exceptions=True)
+            tasks.append(self._bound_task)
             self._bound_task = None
+        # Let cancelled readers and repairs run their cleanup (closing DEALER sockets) first:
+        # a context cannot terminate while any of its sockets is open.
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._bound is not None:
             self._bound.close(linger=0)
             self._bound = None
-        await asyncio.sleep(0)
         if self.ctx is not None:
-            self.ctx.term()
+            self.ctx.destroy(linger=0)
             self.ctx = None
 
     # ---- membership -------------------------------------------------------------------------

@@ -180,8 +180,8 @@ class Coordinator:
             self._maint.cancel()
             await asyncio.gather(self._maint, return_exceptions=True)
             self._maint = None
+        await self.kv.stop()       # first: its rebuilds use the health monitor's HTTP session
         await self.health.stop()
-        await self.kv.stop()
 
     async def _maintenance(self) -> None:
         next_check = 0.0
@@ -582,7 +582,7 @@ class Coordinator:
             e = self.registry.get(server)
             if e is None or not e.healthy:
                 continue
-            if self._confirmed_blocks(server) > 0:
+            if self.index_size(server) > 0:   # confirmed entries only: speculation excluded
                 self._kv_traffic_since.pop(server, None)
                 self.empty_index_servers.discard(server)
                 continue
@@ -600,12 +600,6 @@ class Coordinator:
                             "empty (%s): kv_cache_aware routing is degrading to load-only for it",
                             server, n, now - since, where)
 
-    def _confirmed_blocks(self, server: str) -> int:
-        """Blocks known from events or snapshots (speculative entries excluded)."""
-        feed = self.kv.feeds.get(server)
-        if feed is None:
-            return 0
-        return self.index_size(server) if feed.blocks_stored > 0 else 0
 
 
 def _advertised(endpoint: Any, host: str) -> str | None:

@@ -316,3 +316,22 @@ async def test_select_does_not_wait_for_a_slow_replay(workers, coordinator, zctx
     await wait_for(lambda: matched(c, w.url, TOK_B) == 2, timeout=5)
     await client.close()
     pub.close()
+
+
+async def test_healthy_worker_restarted_between_probes_is_resubscribed(workers, coordinator, zctx):
+    old = FakePublisher(zctx)
+    w, c, s = await kv_cluster(workers, coordinator, old)
+    c.health.info_refresh_s = 0.1
+    await publish_until_seen(old, c, w.url, [stored(TOK_A, chain(TOK_A))], TOK_A, 4)
+    # the process was replaced without a failed probe: new worker id, new publisher ports
+    new = FakePublisher(zctx)
+    w.info["kv_events"] = new.kv_events()
+    w.info["worker_id"] = "replacement"
+    await wait_for(lambda: c.kv.feeds.get(w.url) is not None
+                   and c.kv.feeds[w.url].source.endpoint == new.endpoint, what="resubscribed")
+    assert matched(c, w.url, TOK_A) == 0
+    await new.publish([stored(TOK_B, chain(TOK_B, base=500))])
+    await wait_for(lambda: matched(c, w.url, TOK_B) == 2, what="events from the new publisher")
+    assert c.registry.get(w.url).healthy
+    old.close()
+    new.close()
