@@ -335,3 +335,25 @@ async def test_healthy_worker_restarted_between_probes_is_resubscribed(workers, 
     assert c.registry.get(w.url).healthy
     old.close()
     new.close()
+
+
+async def test_sglang_signed_hashes_and_config_sourced_publisher(workers, coordinator, zctx):
+    """A stock engine without /server_info: its publisher comes from the config (`kv_events`);
+    SGLang sends signed int64 hashes in the legacy array layout."""
+    pub = FakePublisher(zctx, legacy=True)
+    w = await workers("both")
+    w.info_status = 404
+    c, s = await coordinator(cfg([w.url], [w.url], extra={}) | {
+        "context_servers": {"urls": [w.url], "router": {"type": "kv_cache_aware"},
+                            "kv_events": [{"server": w.url, "endpoint": pub.endpoint,
+                                           "replay_endpoint": pub.replay_endpoint,
+                                           "topic": "kv-events", "engine": "sglang"}]}})
+    await wait_for(lambda: w.url in c.kv.feeds and c.kv.kv_ready(w.url), what="feed from config")
+    feed = c.kv.feeds[w.url]
+    assert feed.source.engine == "sglang" and c.registry.get(w.url).server_info == {}
+    signed = [-(2**63) + 5, -42, -7, -1]
+    await pub.publish([stored(TOK_A, signed)])
+    await wait_for(lambda: matched(c, w.url, TOK_A) == 4, what="signed-hash stores applied")
+    await pub.publish([removed([-1])])
+    await wait_for(lambda: matched(c, w.url, TOK_A) == 3, what="removal by signed hash")
+    pub.close()
