@@ -135,7 +135,7 @@ class Messenger:
 
         def lost(ep: str, reason: str) -> None:
             close_dealer(ep)
-            log.warning("control connection to %s lost: %s", ep, reason)
+            log.info("control connection to %s lost: %s", ep, reason)
             self._safe(self._on_peer_lost, ep, reason)
 
         running = True

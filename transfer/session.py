@@ -892,6 +892,8 @@ class KvTransceiver:
                         w.state = "lost"
                         hit = True
                 if hit:
+                    log.warning("request %s: context rank at %s lost (%s)", r.req_id, endpoint,
+                                reason)
                     r.error = r.error or f"context rank at {endpoint} lost: {reason}"
                     self._send_cancels_locked(r)
                     self._check_recv_locked(r)
