@@ -25,8 +25,9 @@ the last canonical boundary stay pending in its chain state (SGLang partial page
 With ``E < B`` the engine block completing a canonical block owns it: engines evict leaves first,
 so removing that block (the leaf) removes the canonical key.
 
-Our own workers publish ``engine hash == canonical key``; such entries (GPU tier, group 0, default
-namespace) are stored as a flag on the refcount instead of an emap entry, halving memory.
+Our own workers publish ``engine hash == canonical key``; such entries (GPU tier, group 0, the
+index's namespace) are stored as a flag on the refcount instead of an emap entry, halving memory.
+A bare int entry (or identity entry) stands for one key in the index's namespace.
 """
 
 from __future__ import annotations
@@ -106,10 +107,16 @@ class StreamVerdict:
 class KvIndex:
     """Per-worker, per-dp-rank ownership of canonical block keys. Single writer, no I/O."""
 
-    def __init__(self, block_size: int = 16):
+    def __init__(self, block_size: int = 16, namespace: str | None = None):
+        """``namespace`` is the cluster's cache namespace (``routing.namespace``): chains that
+        start at the root without their own cache salt are keyed in it, as the fleet keys
+        prompts, so ``ns = salt_seed(event.cache_salt or namespace, event.lora_name)``."""
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, found {block_size!r}")
         self.block_size = block_size
+        self.namespace = namespace or None
+        # the namespace seed that bare int entries (and identity entries) stand for
+        self._ns = salt_seed(self.namespace, None)
         self.stats = IndexStats()
         self._owners: dict[int, int] = {}
         self._spec_owners: dict[int, int] = {}
@@ -281,14 +288,15 @@ class KvIndex:
             return
         if ev.parent_engine_hash is None:
             last, pending = None, ()
-            ns = salt_seed(ev.cache_salt, ev.lora_name) if (ev.cache_salt or ev.lora_name) else 0
+            ns = salt_seed(ev.cache_salt or self.namespace, ev.lora_name) \
+                if (ev.cache_salt or ev.lora_name) else self._ns
         else:
             p = self._lookup(s, tier, group, ev.parent_engine_hash)
             if p is None:
                 self.stats.dangling_parents += 1
                 return
             if type(p) is int:
-                last, pending, ns = p, (), 0
+                last, pending, ns = p, (), self._ns
             else:
                 last, pending, ns = p.last, p.pending, p.ns
         emap = s.emaps.get((tier, group))
@@ -301,7 +309,8 @@ class KvIndex:
         stats = self.stats
         if not pending and E == B and len(tokens) == n * B:
             keys = block_keys_list(tokens, B, ns, last)
-            ident_ok = tier is _GPU and group == 0 and ns == 0
+            dflt = ns == self._ns
+            ident_ok = tier is _GPU and group == 0 and dflt
             owned, owners, bit, spec = s.owned, self._owners, s.bit, s.spec
             added = 0
             # the hot path of every store: _incref inlined
@@ -316,7 +325,7 @@ class KvIndex:
                         continue
                     owned[ck] = c + _IDENT + 1
                 else:
-                    emap[h] = ck if ns == 0 else _Entry((ck,), ck, (), ns)
+                    emap[h] = ck if dflt else _Entry((ck,), ck, (), ns)
                     owned[ck] = c + 1
                 if not c:
                     owners[ck] = owners.get(ck, 0) | bit
@@ -340,7 +349,7 @@ class KvIndex:
             own = tuple(keys[prev_full:full])
             e_last = keys[full - 1] if full else last
             e_pending = tuple(stream[full * B:end])
-            if not e_pending and ns == 0 and len(own) == 1:
+            if not e_pending and ns == self._ns and len(own) == 1:
                 emap[h] = own[0]
             else:
                 emap[h] = _Entry(own, e_last, e_pending, ns)

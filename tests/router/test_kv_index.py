@@ -202,6 +202,20 @@ def test_namespaced_chains_match_namespaced_request_keys():
     assert idx.longest_prefix(salted) == {"v": 1}
 
 
+def test_cluster_namespace_keys_events_like_the_fleet_keys_prompts():
+    ns_keys = block_keys_list(TOKS, B, salt_seed("prod", None))
+    idx = KvIndex(B, namespace="prod")
+    idx.apply("w", stored(ns_keys[:3], None, TOKS[:48]))          # our worker, same namespace
+    idx.apply("w", stored(ns_keys[3:4], ns_keys[2], TOKS[48:64]))
+    assert idx.longest_prefix(ns_keys) == {"w": 4}
+    assert not idx._slots[("w", 0)].emaps.get((Tier.GPU, 0))      # identity entries
+    idx.apply("v", stored([1], None, TOKS[:16], cache_salt="tenant"))  # own salt wins
+    assert idx.longest_prefix(block_keys_list(TOKS, B, salt_seed("tenant", None))) == {"v": 1}
+    idx.apply("u", stored([1], None, TOKS[:16], lora_name="l"))
+    assert idx.longest_prefix(block_keys_list(TOKS, B, salt_seed("prod", "l"))) == {"u": 1}
+    assert idx.longest_prefix(KEYS) == {}
+
+
 def test_identity_entries_of_our_workers():
     idx = KvIndex(B)
     idx.apply("w", stored(KEYS[:4], None, TOKS[:64]))           # engine hash == key
