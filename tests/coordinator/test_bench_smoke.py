@@ -13,6 +13,7 @@ def test_bench_quick_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "coordinator.py"), "--quick", "--no-write",
          "--servers", "4", "--docs", "4", "--seconds", "0.3", "--rate", "200", "--rate-seconds", "0.3",
+         "--client-procs", "1",
          "--results", str(results)],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
