@@ -113,8 +113,9 @@ class HttpCoordinatorClient:
                 conn = aiohttp.UnixConnector(path=self._uds, limit=0)
             else:
                 conn = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-            s = self._session = aiohttp.ClientSession(connector=conn, timeout=self.timeout,
-                                                      trust_env=False, skip_auto_headers=("User-Agent",))
+            s = self._session = aiohttp.ClientSession(
+                connector=conn, timeout=self.timeout, trust_env=False, auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding"))
         return s
 
     async def close(self) -> None:

@@ -211,3 +211,18 @@ async def test_server_without_server_info_is_admitted_when_healthy(workers, coor
     c.register(w2.url, "context", 30)
     await wait_for(lambda: "answered 500" in (c.registry.get(w2.url).reason or ""))
     assert state(c, w2.url) == "pending"
+
+
+async def test_readiness_minimums_without_disagg_cluster(workers, coordinator):
+    from coordinator.service import Coordinator
+    gen = await workers("generation")
+    # an aggregated cluster lists generation servers only: ready with them alone
+    c, s = await coordinator(cfg([], [gen.url]))
+    await wait_for(c.is_ready, what="aggregated cluster ready")
+    assert c.minimal == {"context": 0, "generation": 1}
+    # ... unless context legs must not be skipped
+    c2 = Coordinator(cfg([], [gen.url], extra={"no_context_fallback": "reject"}))
+    assert c2.minimal == {"context": 1, "generation": 1}
+    # nothing listed: every server registers, one of each is needed
+    assert Coordinator(cfg([], [])).minimal == {"context": 1, "generation": 1}
+    assert Coordinator(cfg([gen.url], [gen.url])).minimal == {"context": 1, "generation": 1}
