@@ -122,8 +122,14 @@ def _build_engine(args):
                          decode_us_per_step=args.sim_decode_us_per_step,
                          pin_timeout_s=args.pin_timeout)
     if args.tp_size != 1 or args.pp_size != 1:
-        raise ValueError(f"the torch engine runs one device per worker; --tp-size {args.tp_size} "
-                         f"--pp-size {args.pp_size} needs one worker per rank (use 1 and 1)")
+        # One process per rank; this one is rank 0 (worker/parallel_engine.py, INTERFACES §7).
+        from worker.parallel_engine import build_parallel_engine
+
+        return build_parallel_engine(
+            args.model, tp_size=args.tp_size, pp_size=args.pp_size, device=args.device,
+            dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
+            max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+            pin_timeout_s=args.pin_timeout, log_level=args.log_level)
     import torch
 
     from worker.engine import TorchEngine
@@ -194,6 +200,10 @@ def _build_transfer(args, engine, model_name: str, advertise: str | None):
     from transfer.page_table import PageTable
     from transfer.session import KvTransceiver, RankTopology, TransferConfig
 
+    if getattr(engine, "rank_group", None) is not None:  # multi-rank: one transceiver per rank
+        from worker.rank_transfer import build_rank_transfer
+
+        return build_rank_transfer(args, engine, model_name, advertise)
     runner = engine.runner
     if args.transfer_agent == "shm":
         if runner.device.type != "cpu":
@@ -240,6 +250,8 @@ async def _serve(args) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    if hasattr(server.engine, "on_fatal"):  # a multi-rank worker lost a rank: stop, no drain
+        server.engine.on_fatal = lambda: (stop.set(), hard.set())
     info = server.server_info_dict()
     print(f"splitserve worker ready at {url} (role={info['role']} engine={info['engine']} "
           f"model={info['model']} kv_events={info['kv_events']['publisher']})", flush=True)
@@ -253,7 +265,7 @@ async def _serve(args) -> int:
     await server.stop()
     if getattr(server, "transfer_link", None) is not None:
         await server.transfer_link.close()
-    return 0
+    return getattr(server.engine, "exit_code", 0)
 
 
 def run(args) -> int:

@@ -1,0 +1,289 @@
+"""KV transfer for a multi-rank worker: one ``KvTransceiver`` per rank, driven as one.
+
+Each rank — the leader and every follower process — hosts its own transfer agent and control
+endpoint over its own KV pool (its layers, its KV heads), so every rank writes (context side) or
+receives (generation side) its own shard over the data plane; nothing funnels through rank 0.
+Rank 0's transceiver answers ``get_instance`` with every rank's RankInfo (``set_instance``), so a
+peer needs only rank 0's endpoint (the ``ctx_info_endpoint`` / opaque state) to find them all.
+
+:class:`MultiRankTransceiver` lives on the leader and has the ``KvTransceiver`` surface that
+``transfer.engine_link.EngineTransferLink`` uses. Each operation runs on every rank at once
+(``RankGroup.call_all``) with identical arguments — block ids are global, one scheduler — and the
+results are combined so that the instance moves only when every rank agrees:
+
+* a status is quiescent only when every rank's is; it is ``done`` only when every rank is done
+  (``transfer.session.combine_codes``: min over ranks), else the first failure's state and error;
+* ``cancel_*`` is True only when every rank said True (a False anywhere means a write may still
+  be in flight: nothing may be freed);
+* once one rank failed, the others are cancelled, so the instance converges instead of waiting
+  out their timeouts.
+
+When the rank group is gone (shut down, or a rank died) follower processes can no longer write or
+be written: their part counts as cancelled and only rank 0 is still driven.
+
+The functions ``_setup``, ``_set_instance``, ``_op`` run inside each rank (``RankGroup.call_all``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from typing import Any
+
+from transfer.session import DONE, FAILED, IN_FLIGHT, Status, combine_codes
+
+log = logging.getLogger("splitserve.worker.rank_transfer")
+
+__all__ = ["MultiRankTransceiver", "build_rank_transfer", "combine_statuses"]
+
+_SETUP = "worker.rank_transfer:_setup"
+_SET_INSTANCE = "worker.rank_transfer:_set_instance"
+_OP = "worker.rank_transfer:_op"
+
+#: Transceiver methods a rank may be asked to run (the EngineTransferLink surface).
+_OPS = frozenset({"begin_send", "progress_send", "finish_send", "send_status", "cancel_send",
+                  "release_send", "begin_receive", "recv_status", "cancel_receive",
+                  "release_receive", "pending", "shutdown"})
+
+
+# ---------------------------------------------------------------------------------- in each rank
+def _setup(ctx, cfg: dict, role: str, model_name: str, instance_id: str) -> bytes:
+    """Build this rank's transceiver over its own pool; returns its encoded RankInfo."""
+    from transfer.page_table import PageTable
+    from transfer.session import KvTransceiver, RankTopology, TransferConfig
+
+    if "kv_transceiver" in ctx.state:
+        raise RuntimeError(f"rank {ctx.rank} already has a KV transceiver")
+    runner, lay, mc = ctx.runner, ctx.layout, ctx.model_config
+    if cfg.get("agent") == "shm":
+        if runner.device.type != "cpu":
+            raise ValueError("--transfer-agent shm moves host memory only; use nixl or tcp on cuda")
+        from transfer.memory import alloc_shared_host
+
+        # Peers write straight into these pages: move the (still empty) pool into a shared file
+        # before anything registers its address.
+        t = runner.kv_cache
+        runner.kv_cache = alloc_shared_host(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+    ls, le = lay.layer_range(mc.num_hidden_layers)
+    hs, nh = lay.head_range(mc.num_key_value_heads)
+    pt = PageTable.from_runner_dict(runner.page_table(), layer_offset=ls, head_start=hs)
+    topo = RankTopology(role=role, num_layers=mc.num_hidden_layers,
+                        total_kv_heads=mc.num_key_value_heads, tp_size=lay.tp_size,
+                        tp_rank=lay.tp_rank, pp_size=lay.pp_size, pp_rank=lay.pp_rank,
+                        model=model_name, instance_id=instance_id)
+    tx = KvTransceiver(pt, topo, TransferConfig(**cfg))
+    ctx.state["kv_transceiver"] = tx
+    if ctx.rank != 0:
+        # A follower's process ends with the group; rank 0's transceiver is closed by its link
+        # (after the link cancelled what is still in flight — shutting it down first would leave
+        # those cancels waiting on a stopped transfer thread).
+        ctx.at_exit.append(tx.shutdown)
+    return tx.info.encode()
+
+
+def _set_instance(ctx, infos: list[bytes]) -> None:
+    ctx.state["kv_transceiver"].set_instance(infos)
+
+
+def _op(ctx, name: str, *args) -> Any:
+    if name not in _OPS:
+        raise ValueError(f"unknown transceiver operation {name!r}; expected one of {sorted(_OPS)}")
+    out = getattr(ctx.state["kv_transceiver"], name)(*args)
+    return dataclasses.asdict(out) if isinstance(out, Status) else out
+
+
+# ---------------------------------------------------------------------------------- combining
+def combine_statuses(statuses: list[Status]) -> Status:
+    """The instance's status from every rank's (see the module docstring)."""
+    code = combine_codes([s.code for s in statuses])
+    bad = next((s for s in statuses if s.quiescent and s.state != "done"), None)
+    if code == DONE:
+        state = "done"
+    elif code == FAILED:
+        state = bad.state
+    else:
+        state = "transferring" if any(s.state == "transferring" for s in statuses) else statuses[0].state
+    return Status(state=state, quiescent=code != IN_FLIGHT,
+                  error=next((s.error for s in statuses if s.error), None),
+                  meta=next((s.meta for s in statuses if s.meta is not None), None),
+                  timed_out=any(s.timed_out for s in statuses),
+                  bytes=sum(s.bytes for s in statuses),
+                  descriptors=sum(s.descriptors for s in statuses))
+
+
+_GONE = Status(state="cancelled", quiescent=True, error="the rank's process has stopped")
+
+
+# ---------------------------------------------------------------------------------- the facade
+class MultiRankTransceiver:
+    """Every rank's ``KvTransceiver`` behind the single-transceiver surface (see module doc)."""
+
+    def __init__(self, engine, config, *, role: str, model_name: str,
+                 instance_id: str | None = None) -> None:
+        """``config.port`` is rank 0's control port (the one peers are told about); the other
+        ranks pick free ports and are announced through rank 0's instance list."""
+        self.group = engine.rank_group
+        self.cfg = config
+        inst = instance_id or uuid.uuid4().hex[:16]
+        base = dataclasses.asdict(config)
+        per_rank = [[{**base, "port": base["port"] if r == 0 else 0}, role, model_name, inst]
+                    for r in range(self.group.world_size)]
+        infos = self.group.call_all(_SETUP, per_rank=per_rank)
+        try:
+            self.group.call(0, _SET_INSTANCE, infos)
+        except Exception:
+            self._shutdown_all()
+            raise
+        self._rank_infos = infos
+        self.tx0 = self.group.context.state["kv_transceiver"]
+
+    # ------------------------------------------------------------------ identity (rank 0's)
+    @property
+    def endpoint(self) -> str:
+        return self.tx0.endpoint
+
+    @property
+    def instance_id(self) -> str:
+        return self.tx0.instance_id
+
+    @property
+    def agent(self):
+        return self.tx0.agent
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.tx0.tokens_per_block
+
+    @property
+    def info(self):
+        return self.tx0.info
+
+    @property
+    def topology(self):
+        return self.tx0.topology
+
+    @property
+    def page_table(self):
+        return self.tx0.page_table
+
+    def rank_infos(self) -> list:
+        from transfer.rank_info import decode_rank_info
+
+        return [decode_rank_info(b) for b in self._rank_infos]
+
+    def server_info(self) -> dict:
+        d = self.tx0.server_info()
+        d["ranks"] = [{"rank": i.flat_rank, "endpoint": i.endpoint, "tp_rank": i.tp_rank,
+                       "pp_rank": i.pp_rank, "layers": [i.layer_start, i.layer_end],
+                       "heads": [i.head_start, i.head_start + i.kv_heads]}
+                      for i in self.rank_infos()]
+        return d
+
+    def opaque_state(self, req_id: int, num_tokens: int) -> str:
+        return self.tx0.opaque_state(req_id, num_tokens)
+
+    # ------------------------------------------------------------------ fan-out
+    def _all(self, name: str, *args) -> list[Any]:
+        """Run a transceiver operation on every rank; None stands for a follower that is gone."""
+        g = self.group
+        if g.healthy:
+            from worker.rank_group import RankGroupFailed
+
+            try:
+                return g.call_all(_OP, name, *args)
+            except RankGroupFailed:
+                pass  # fall through: only rank 0 is left to drive
+        return [_op(g.context, name, *args)] + [None] * (g.world_size - 1)
+
+    def _statuses(self, name: str, req_id: int) -> list[Status]:
+        return [Status(**r) if r is not None else _GONE for r in self._all(name, req_id)]
+
+    def _status(self, kind: str, req_id: int) -> Status:
+        sts = self._statuses(f"{kind}_status", req_id)
+        if any(s.quiescent and s.state != "done" for s in sts) and not all(s.quiescent for s in sts):
+            # One rank failed: the instance's outcome is failure; stop the others' writes now.
+            self._all(f"cancel_{kind}", req_id)
+            sts = self._statuses(f"{kind}_status", req_id)
+        return combine_statuses(sts)
+
+    # ------------------------------------------------------------------ context side
+    def begin_send(self, req_id: int, num_tokens: int, block_ids) -> None:
+        self._all("begin_send", req_id, num_tokens, _ids(block_ids))
+
+    def progress_send(self, req_id: int, tokens_done: int, block_ids=None) -> None:
+        self._all("progress_send", req_id, tokens_done, _ids(block_ids))
+
+    def finish_send(self, req_id: int, meta: dict | None = None, block_ids=None) -> None:
+        self._all("finish_send", req_id, meta, _ids(block_ids))
+
+    def send_status(self, req_id: int) -> Status:
+        return self._status("send", req_id)
+
+    def cancel_send(self, req_id: int) -> bool:
+        return all(r is None or r for r in self._all("cancel_send", req_id))
+
+    def release_send(self, req_id: int) -> None:
+        self._all("release_send", req_id)
+
+    # ------------------------------------------------------------------ generation side
+    def begin_receive(self, req_id: int, ctx_endpoint: str, num_tokens: int, block_ids) -> None:
+        self._all("begin_receive", req_id, ctx_endpoint, num_tokens, _ids(block_ids))
+
+    def recv_status(self, req_id: int) -> Status:
+        return self._status("recv", req_id)
+
+    def cancel_receive(self, req_id: int) -> bool:
+        return all(r is None or r for r in self._all("cancel_receive", req_id))
+
+    def release_receive(self, req_id: int) -> None:
+        self._all("release_receive", req_id)
+
+    # ------------------------------------------------------------------ shared
+    def pending(self) -> dict:
+        out: dict[str, int] = {}
+        for p in self._all("pending"):
+            for k, v in (p or {}).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def shutdown(self) -> None:
+        self._shutdown_all()
+
+    def _shutdown_all(self) -> None:
+        try:
+            self._all("shutdown")
+        except Exception:  # rank 0's own shutdown still has to happen
+            log.exception("shutting down the ranks' KV transceivers")
+            tx0 = self.group.context.state.get("kv_transceiver")
+            if tx0 is not None:
+                tx0.shutdown()
+
+
+def _ids(block_ids):
+    """Block ids as plain ints (msgpack), per group or flat, None kept."""
+    if block_ids is None:
+        return None
+    out = []
+    for b in block_ids:
+        if isinstance(b, (list, tuple)) or hasattr(b, "tolist") and getattr(b, "ndim", 0) > 0:
+            out.append([int(x) for x in (b.tolist() if hasattr(b, "tolist") else b)])
+        else:
+            out.append(int(b))
+    return out
+
+
+def build_rank_transfer(args, engine, model_name: str, advertise: str | None):
+    """``worker.cli._build_transfer`` for a multi-rank engine: the same flags, one transceiver
+    per rank, wired into the engine by ``EngineTransferLink``."""
+    from transfer.engine_link import EngineTransferLink
+    from transfer.errors import TransferError
+    from transfer.session import TransferConfig
+
+    cfg = TransferConfig(agent=args.transfer_agent, host=args.host, advertise_host=advertise,
+                         port=args.transfer_port, send_timeout_s=args.pin_timeout,
+                         recv_timeout_s=args.transfer_timeout)
+    try:
+        tx = MultiRankTransceiver(engine, cfg, role=args.role, model_name=model_name)
+    except TransferError as e:
+        raise ValueError(f"KV transfer setup failed: {e}") from None
+    return EngineTransferLink(engine, tx)
