@@ -217,7 +217,9 @@ def fleet_config(work: Path, name: str, port: int, gen: list[str], ctx: list[str
     doc = {"hostname": "127.0.0.1", "port": port, "num_workers": num_workers,
            "generation_servers": {"urls": [u.split("//")[1] for u in gen], "router": {"type": policy}},
            "context_servers": {"urls": [u.split("//")[1] for u in ctx], "router": {"type": policy}},
-           "log_level": "warning"}
+           "log_level": "warning",
+           # the mocks serve model "m"; routing keys use the byte-level preset tokenizer
+           "tokenizer": "tiny"}
     if num_workers > 1:
         doc["coordinator"] = {"port": port - 1}
     p = work / f"{name}.yaml"
@@ -260,7 +262,7 @@ def lua(work: Path, name: str, path: str, body: dict) -> Path:
 
 def measure(work: Path, name: str, cfg: Path, script: Path, path: str, body: dict, conns: int, duration: str,
             warm: str) -> dict:
-    port = int(re.search(r"port: (\d+)", cfg.read_text()).group(1))
+    port = int(re.search(r"^port: (\d+)", cfg.read_text(), re.M).group(1))
     g = start_fleet(work, name, cfg)
     url = f"http://127.0.0.1:{port}"
     try:

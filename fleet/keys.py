@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -103,10 +102,19 @@ class KeyBuilder:
         return await asyncio.to_thread(self._keys, creq, bs, ns)
 
 
-def make_key_builder(config) -> KeyBuilder | None:
-    """A builder when some role's policy needs block keys, else None (round robin never tokenizes)."""
+def make_key_builder(config, reported_models: list[str] = ()) -> KeyBuilder | None:
+    """A builder when some role's policy needs block keys, else None (round robin never tokenizes).
+
+    The tokenizer comes from the config's `tokenizer` (upstream's engine key, top level or per server
+    section), else its `model`, else the model the servers report in `/server_info`. It must be the workers' own: with another tokenizer the block keys never match the
+    index and KV-aware routing silently degrades to load balancing — so failing to build it is an error.
+    """
     types = {config.context_servers.router.type, config.generation_servers.router.type}
     if not types & {"kv_cache_aware", "conversation"}:
         return None
-    model = config.served_model or os.environ.get("SPLITSERVE_TOKENIZER")
+    tok = config.generation_servers.engine_args.get("tokenizer") or config.context_servers.engine_args.get("tokenizer")
+    model = tok or config.served_model or next(iter(reported_models), None)
+    if model is None:
+        raise TokenizerUnavailable("KV-aware routing needs the workers' tokenizer, but neither the config's "
+                                   "`model` nor any server's /server_info names a model")
     return KeyBuilder(load_tokenizer(model), config.routing.namespace)

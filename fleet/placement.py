@@ -147,6 +147,7 @@ class Placer:
     # ------------------------------------------------------------------ server list
     def _reindex(self) -> None:
         self._by_url = {s.url: s for role in (CTX, GEN) for s in self.servers[role]}
+        self._models = self._collect_models()
 
     def delegated(self, role: str) -> bool:
         return self.policy[role] in DELEGATED
@@ -269,6 +270,10 @@ class Placer:
             self._ejected.pop(url, None)
 
     def models(self) -> list[str]:
+        """Served model names: the config's, then those the servers report (cached per refresh)."""
+        return self._models
+
+    def _collect_models(self) -> list[str]:
         names = []
         if self.config.served_model:
             names.append(self.config.served_model)
@@ -310,7 +315,8 @@ class Placer:
     def _answer(self, role: str, req_id: int, ans: dict) -> Placement:
         info = ans.get("info") or {}
         expl = info.get("explanation", info) if isinstance(info, dict) else {}
-        return Placement(role, ans["server"], req_id, True, self.policy[role], expl if isinstance(expl, dict) else {})
+        return Placement(role, ans["server"], req_id, True, self.policy[role], expl if isinstance(expl, dict) else {},
+                         last_renew=time.monotonic())
 
     async def place(self, role: str, req_id: int, routing_key: dict | None, exclude: set[str]) -> Placement:
         if not self.delegated(role):

@@ -27,7 +27,7 @@ from . import metrics as M
 from .auth import AUTH_HEADER, ApiKeys, vet_client_params
 from .errors import ApiError
 from .flow import Flow
-from .keys import make_key_builder
+from .keys import TokenizerUnavailable, make_key_builder
 from .placement import CTX, GEN, Placer
 from .snowflake import SnowflakeGenerator
 from .upstream import UpstreamPool
@@ -78,7 +78,7 @@ class FleetServer:
         self.pool = UpstreamPool(connect_timeout=min(3.0, config.request_timeout),
                                  idle_timeout=min(15.0, max(1.0, config.server_keep_alive_timeout)))
         self.placer = Placer(config, coordinator)
-        self.keys = make_key_builder(config)
+        self.keys = None
         self.ids: SnowflakeGenerator | None = None
         self.identity: tuple[int, int] | None = None
         self.flow: Flow | None = None
@@ -88,7 +88,8 @@ class FleetServer:
         self.keepalive_requests = config.fleet.keepalive_requests
         self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         mi = config.disagg_cluster.minimal_instances if config.disagg_cluster else None
-        self.min_ctx = mi.context_servers if mi else 1
+        # No context servers configured and no dynamic membership: an aggregated deployment needs none.
+        self.min_ctx = mi.context_servers if mi else (1 if config.context_servers.urls else 0)
         self.min_gen = mi.generation_servers if mi else 1
         self._identity_task: asyncio.Task | None = None
         self._m_req: dict = {}
@@ -126,6 +127,12 @@ class FleetServer:
     async def start(self) -> None:
         ci = await self.probe_coordinator()
         self.placer.apply_cluster_info(ci)
+        try:
+            self.keys = make_key_builder(self.config, self.placer.models())
+        except (TokenizerUnavailable, ValueError) as e:
+            raise StartupError(f"cannot compute routing keys: {e}; set `model:` in the config to a preset "
+                               f"(tiny, 1b, 8b) or a local Hugging Face directory with tokenizer.json",
+                               EXIT_CONFIG) from None
         try:
             self.identity = await self._lease_identity()
         except (CoordinatorError, OSError, asyncio.TimeoutError) as e:
@@ -362,7 +369,9 @@ async def _watch_parent(ppid: int, stop: asyncio.Event) -> None:
 async def run_process(config, *, coordinator_url: str | None, process_index: int = 0,
                       reuse_port: bool = False, ready_fd: int | None = None) -> int:
     """One fleet process, start to exit. With no `coordinator_url` the coordinator runs in-process."""
-    from coordinator.client import HttpCoordinatorClient, InProcessCoordinatorClient
+    from coordinator.client import InProcessCoordinatorClient
+
+    from .coord_client import FleetCoordinatorClient
 
     stop = asyncio.Event()
     install_stop_signals(stop)
@@ -382,7 +391,7 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
         client = InProcessCoordinatorClient(coord_obj)
         label = "in-process"
     else:
-        client = HttpCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s)
+        client = FleetCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s)
         label = coordinator_url
     holder = f"{socket.gethostname()}:{config.port}:{os.getpid()}"
     server = FleetServer(config, client, holder=holder, process_index=process_index, coordinator_label=label)

@@ -62,18 +62,25 @@ class UpstreamProtocolError(UpstreamError):
 
 
 class _Origin:
-    __slots__ = ("url", "host", "port", "ssl", "host_header", "idle")
+    __slots__ = ("url", "host", "port", "ssl", "host_header", "idle", "uds")
 
     def __init__(self, url: str):
+        self.url = url
+        self.idle: collections.deque[_Conn] = collections.deque()
+        if url.startswith("unix:"):
+            # unix:///path/to.sock (or unix:/path): HTTP over a Unix socket.
+            self.uds = "/" + url[len("unix:"):].lstrip("/")
+            self.host, self.port, self.ssl = "localhost", 0, False
+            self.host_header = b"localhost"
+            return
+        self.uds = None
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"upstream URL must be http(s)://host[:port], got {url!r}")
-        self.url = url
+            raise ValueError(f"upstream URL must be http(s)://host[:port] or unix:///path, got {url!r}")
         self.host = u.hostname
         self.ssl = u.scheme == "https"
         self.port = u.port or (443 if self.ssl else 80)
         self.host_header = f"{u.hostname}:{self.port}".encode()
-        self.idle: collections.deque[_Conn] = collections.deque()
 
 
 class Response:
@@ -336,7 +343,10 @@ class UpstreamPool:
             ssl_ctx = self._ssl_ctx
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(o, self), o.host, o.port, ssl=ssl_ctx)
+                if o.uds is not None:
+                    _, conn = await loop.create_unix_connection(lambda: _Conn(o, self), o.uds)
+                else:
+                    _, conn = await loop.create_connection(lambda: _Conn(o, self), o.host, o.port, ssl=ssl_ctx)
         except TimeoutError:
             raise UpstreamConnectError(o.url, f"connect timed out after {self.connect_timeout}s") from None
         except OSError as e:
@@ -358,7 +368,8 @@ class UpstreamPool:
         return None
 
     async def request(self, url: str, path: str, body: bytes, headers: bytes = b"",
-                      method: bytes = b"POST", timeout: float | None = None) -> Response:
+                      method: bytes = b"POST", timeout: float | None = None,
+                      content_type: bytes = b"application/json") -> Response:
         """Send one request; return once the response *headers* arrived.
 
         `headers` are extra pre-encoded header lines, each ending in CRLF. `timeout` bounds the whole
@@ -376,8 +387,8 @@ class UpstreamPool:
         conn._hdr_future = fut
         if timeout is not None:
             conn._timer = loop.call_later(timeout, conn._on_timeout, timeout)
-        head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
-            method, path.encode(), o.host_header, len(body), headers)
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n" % (
+            method, path.encode(), o.host_header, content_type, len(body), headers)
         if len(body) < 65536:
             conn.transport.write(head + body)
         else:
