@@ -11,7 +11,6 @@ Precedence: config file < `SPLITSERVE_*` environment < flags. Every flag also re
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys

@@ -43,8 +43,7 @@ from . import metrics as M
 from .auth import AUTH_HEADER, sign
 from .errors import ApiError
 from .placement import CTX, GEN, Placement, Placer
-from .upstream import (UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool,
-                       UpstreamProtocolError, UpstreamTimeout, Response)
+from .upstream import Response, UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
 from .validate import CHAT, ClientRequest
 
 log = logging.getLogger("splitserve.fleet.flow")
@@ -246,7 +245,7 @@ class Flow:
             try:
                 ctx = await self._place_ctx(st, key, gen)
             except BaseException:
-                p.finish(gen, False)
+                p.finish(gen, True)     # unused, not failed
                 raise
         for x in (ctx, gen):
             if x is not None:

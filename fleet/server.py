@@ -21,7 +21,7 @@ import weakref
 
 from aiohttp import web
 
-from coordinator.errors import CoordinatorError, CoordinatorUnavailable
+from coordinator.errors import CoordinatorError
 
 from . import metrics as M
 from .auth import AUTH_HEADER, ApiKeys, vet_client_params

@@ -10,7 +10,6 @@ ids, retries 4xx/5xx, and has no local fallback):
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time

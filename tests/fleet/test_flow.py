@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from .conftest import free_port, group, healthy, http as call, metric, wait_for
+from .conftest import free_port, group, http as call, metric, wait_for
 
 
 @pytest.fixture(scope="module")

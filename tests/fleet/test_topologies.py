@@ -8,13 +8,14 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
 
 import pytest
 
-from .conftest import PY, free_port, free_port_pair, group, healthy, http, metric, wait_for
+from .conftest import free_port, free_port_pair, group, healthy, http, metric, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,6 @@ def test_implicit_coordinator_two_processes(cluster, workers):
     victim = next(iter(ids))
     with Load(url, body) as load:
         time.sleep(0.5)
-        import os
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: len(set(fleet_pids(url, 2, 5)) - {victim}) == 2, 60, "a restarted fleet process", launcher)
         before = load.ok
