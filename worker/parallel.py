@@ -268,5 +268,5 @@ def encode_chunks(chunks) -> list:
 def decode_chunks(wire: list):
     from worker.runner import Chunk
 
-    return [Chunk(token_ids=np.frombuffer(t, dtype=np.int64), start_pos=int(s),
-                  block_ids=np.frombuffer(b, dtype=np.int64)) for t, s, b in wire]
+    return [Chunk(token_ids=np.frombuffer(t, dtype=np.int64).copy(), start_pos=int(s),
+                  block_ids=np.frombuffer(b, dtype=np.int64).copy()) for t, s, b in wire]

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from transfer.session import DONE, FAILED, IN_FLIGHT, Status, combine_codes
 
@@ -39,6 +41,7 @@ __all__ = ["MultiRankTransceiver", "build_rank_transfer", "combine_statuses"]
 _SETUP = "worker.rank_transfer:_setup"
 _SET_INSTANCE = "worker.rank_transfer:_set_instance"
 _OP = "worker.rank_transfer:_op"
+WATCH_POLL_S = 0.002
 
 #: Transceiver methods a rank may be asked to run (the EngineTransferLink surface).
 _OPS = frozenset({"begin_send", "progress_send", "finish_send", "send_status", "cancel_send",
@@ -94,7 +97,9 @@ def _op(ctx, name: str, *args) -> Any:
 
 # ---------------------------------------------------------------------------------- combining
 def combine_statuses(statuses: list[Status]) -> Status:
-    """The instance's status from every rank's (see the module docstring)."""
+    """The instance's status from every rank's (see the module docstring). Byte and descriptor
+    counts add up; ``write_s`` (ranks write in parallel) is the longest; any other field is
+    rank 0's."""
     code = combine_codes([s.code for s in statuses])
     bad = next((s for s in statuses if s.quiescent and s.state != "done"), None)
     if code == DONE:
@@ -103,12 +108,21 @@ def combine_statuses(statuses: list[Status]) -> Status:
         state = bad.state
     else:
         state = "transferring" if any(s.state == "transferring" for s in statuses) else statuses[0].state
-    return Status(state=state, quiescent=code != IN_FLIGHT,
-                  error=next((s.error for s in statuses if s.error), None),
-                  meta=next((s.meta for s in statuses if s.meta is not None), None),
-                  timed_out=any(s.timed_out for s in statuses),
-                  bytes=sum(s.bytes for s in statuses),
-                  descriptors=sum(s.descriptors for s in statuses))
+    out = dataclasses.asdict(statuses[0])
+    out.update(state=state, quiescent=code != IN_FLIGHT,
+               error=next((s.error for s in statuses if s.error), None),
+               meta=next((s.meta for s in statuses if s.meta is not None), None),
+               timed_out=any(s.timed_out for s in statuses),
+               bytes=sum(s.bytes for s in statuses),
+               descriptors=sum(s.descriptors for s in statuses))
+    if "write_s" in out:
+        out["write_s"] = max(getattr(s, "write_s", 0.0) for s in statuses)
+    return Status(**out)
+
+
+def _status_from(d: dict) -> Status:
+    names = {f.name for f in dataclasses.fields(Status)}
+    return Status(**{k: v for k, v in d.items() if k in names})
 
 
 _GONE = Status(state="cancelled", quiescent=True, error="the rank's process has stopped")
@@ -136,6 +150,10 @@ class MultiRankTransceiver:
             raise
         self._rank_infos = infos
         self.tx0 = self.group.context.state["kv_transceiver"]
+        self._watch_lock = threading.Lock()
+        self._watched: dict[int, Callable[[], None]] = {}
+        self._watcher: threading.Thread | None = None
+        self._closed = False
 
     # ------------------------------------------------------------------ identity (rank 0's)
     @property
@@ -196,7 +214,7 @@ class MultiRankTransceiver:
         return [_op(g.context, name, *args)] + [None] * (g.world_size - 1)
 
     def _statuses(self, name: str, req_id: int) -> list[Status]:
-        return [Status(**r) if r is not None else _GONE for r in self._all(name, req_id)]
+        return [_status_from(r) if r is not None else _GONE for r in self._all(name, req_id)]
 
     def _status(self, kind: str, req_id: int) -> Status:
         sts = self._statuses(f"{kind}_status", req_id)
@@ -226,8 +244,41 @@ class MultiRankTransceiver:
         self._all("release_send", req_id)
 
     # ------------------------------------------------------------------ generation side
-    def begin_receive(self, req_id: int, ctx_endpoint: str, num_tokens: int, block_ids) -> None:
+    def begin_receive(self, req_id: int, ctx_endpoint: str, num_tokens: int, block_ids,
+                      on_done: Callable[[], None] | None = None) -> None:
+        """As ``KvTransceiver.begin_receive``; ``on_done()`` is called once, from a watcher
+        thread, when the receive is quiescent on every rank."""
         self._all("begin_receive", req_id, ctx_endpoint, num_tokens, _ids(block_ids))
+        if on_done is not None:
+            with self._watch_lock:
+                self._watched[req_id] = on_done
+                if self._watcher is None or not self._watcher.is_alive():
+                    self._watcher = threading.Thread(target=self._watch_receives,
+                                                     name="rank-recv-watch", daemon=True)
+                    self._watcher.start()
+
+    def _watch_receives(self) -> None:
+        """Fire ``on_done`` callbacks: the ranks' own callbacks fire in their processes, so the
+        leader polls the combined status while any watched receive is open."""
+        while not self._closed:
+            with self._watch_lock:
+                if not self._watched:
+                    self._watcher = None
+                    return
+                items = list(self._watched.items())
+            for req_id, cb in items:
+                try:
+                    done = self.recv_status(req_id).quiescent
+                except Exception:  # released or unknown by now: nothing left to wait for
+                    done = True
+                if done:
+                    with self._watch_lock:
+                        self._watched.pop(req_id, None)
+                    try:
+                        cb()
+                    except Exception:
+                        log.exception("receive completion callback failed")
+            time.sleep(WATCH_POLL_S)
 
     def recv_status(self, req_id: int) -> Status:
         return self._status("recv", req_id)
@@ -236,6 +287,8 @@ class MultiRankTransceiver:
         return all(r is None or r for r in self._all("cancel_receive", req_id))
 
     def release_receive(self, req_id: int) -> None:
+        with self._watch_lock:
+            self._watched.pop(req_id, None)
         self._all("release_receive", req_id)
 
     # ------------------------------------------------------------------ shared
@@ -247,6 +300,7 @@ class MultiRankTransceiver:
         return out
 
     def shutdown(self) -> None:
+        self._closed = True
         self._shutdown_all()
 
     def _shutdown_all(self) -> None:
