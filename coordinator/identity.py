@@ -4,14 +4,17 @@ A snowflake id is unique only if no two live processes share a pair, so pairs ar
 than derived from a MAC address. Invariants:
 - At any time each pair is held by at most one holder, and each holder holds at most one pair.
 - Leasing again with the same holder renews and returns the same pair.
-- A released or expired pair goes to the back of the free queue, so it is reused as late as
-  possible (a holder that missed its renewal is unlikely to collide with a newcomer).
-- A preferred pair (the one a process held before a coordinator restart) is granted if free.
+- A holder's pair is chosen deterministically from its name (a hash, then the next free pair), so
+  after a coordinator restart a fleet process that renews gets the pair it already uses instead
+  of a new one (the coordinator keeps no state on disk). An explicit preferred pair wins when free.
+- A pair whose lease *expired* (its holder may still be running, just unable to renew) is not given
+  to a different holder for one TTL; a released pair is free at once.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+
+import xxhash
 
 NODE_IDS = 256      # 8 bits in the snowflake layout
 PROCESS_IDS = 64    # 6 bits
@@ -19,7 +22,7 @@ SLOTS = NODE_IDS * PROCESS_IDS
 
 
 class IdentityExhausted(RuntimeError):
-    """All 16,384 pairs are held."""
+    """All 16,384 pairs are held (or quarantined)."""
 
 
 @dataclass(slots=True)
@@ -37,6 +40,10 @@ class IdentityLease:
         return self.slot % PROCESS_IDS
 
 
+def home_slot(holder: str) -> int:
+    return xxhash.xxh64_intdigest(holder.encode("utf-8")) % SLOTS
+
+
 class IdentityTable:
     def __init__(self, ttl_s: float):
         if ttl_s <= 0:
@@ -44,16 +51,28 @@ class IdentityTable:
         self.ttl_s = ttl_s
         self._by_holder: dict[str, IdentityLease] = {}
         self._by_slot: dict[int, IdentityLease] = {}
-        self._free: deque[int] = deque(range(SLOTS))
+        self._quarantine: dict[int, tuple[str, float]] = {}   # slot -> (expired holder, until)
         self.expired_total = 0
         self.granted_total = 0
 
     def __len__(self) -> int:
         return len(self._by_holder)
 
+    def _free(self, slot: int, holder: str, now: float) -> bool:
+        if slot in self._by_slot:
+            return False
+        q = self._quarantine.get(slot)
+        if q is None:
+            return True
+        if q[0] == holder or q[1] <= now:
+            del self._quarantine[slot]
+            return True
+        return False
+
     def lease(self, holder: str, now: float, node_id: int | None = None,
               process_id: int | None = None) -> IdentityLease:
-        self.expire(now)
+        # Expiry is swept by the owner (`expire`), not here: a late renewal before the sweep
+        # simply keeps the pair, which is what the holder is still using.
         cur = self._by_holder.get(holder)
         if cur is not None:
             cur.expires_at = now + self.ttl_s
@@ -64,14 +83,18 @@ class IdentityTable:
                 raise ValueError(f"preferred pair ({node_id}, {process_id}) is out of range: "
                                  f"node_id < {NODE_IDS}, process_id < {PROCESS_IDS}")
             want = node_id * PROCESS_IDS + process_id
-            if want not in self._by_slot:
-                slot = want  # its stale copy in the free queue is skipped when popped
-        while slot is None:
-            if not self._free:
-                raise IdentityExhausted(f"all {SLOTS} (node_id, process_id) pairs are leased")
-            s = self._free.popleft()
-            if s not in self._by_slot:
-                slot = s
+            if self._free(want, holder, now):
+                slot = want
+        if slot is None:
+            start = home_slot(holder)
+            for i in range(SLOTS):
+                s = (start + i) % SLOTS
+                if self._free(s, holder, now):
+                    slot = s
+                    break
+            else:
+                raise IdentityExhausted(f"all {SLOTS} (node_id, process_id) pairs are leased or "
+                                        "held back after an expiry")
         lease = IdentityLease(holder, slot, now + self.ttl_s)
         self._by_holder[holder] = lease
         self._by_slot[slot] = lease
@@ -83,14 +106,16 @@ class IdentityTable:
         if lease is None:
             return False
         del self._by_slot[lease.slot]
-        self._free.append(lease.slot)
         return True
 
     def expire(self, now: float) -> list[IdentityLease]:
         gone = [l for l in self._by_holder.values() if l.expires_at <= now]
         for lease in gone:
             self.release(lease.holder)
+            self._quarantine[lease.slot] = (lease.holder, now + self.ttl_s)
             self.expired_total += 1
+        if self._quarantine and len(self._quarantine) > 1024:
+            self._quarantine = {s: q for s, q in self._quarantine.items() if q[1] > now}
         return gone
 
     def holders(self) -> list[dict]:
