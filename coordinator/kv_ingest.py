@@ -447,7 +447,9 @@ class KvIngest:
             # Unrepairable: the entries may hold removed blocks or miss stored ones.
             self._clear(feed, feed.server, "gap_unrepaired")
             feed.last_seq = None
-            if feed.source.snapshot_url:
+            # A snapshot makes them complete again, unless repairs keep failing in a row (then
+            # the stream restarts from the next batch rather than loop on a lagging snapshot).
+            if feed.source.snapshot_url and feed.repairs_in_a_row <= MAX_REPAIRS_IN_A_ROW:
                 await self._load_snapshot(feed)
         except asyncio.CancelledError:
             raise
