@@ -612,9 +612,10 @@ class Coordinator:
                 feed = self.kv.feeds.get(server)
                 where = ("it advertises no KV-event publisher" if feed is None else
                          f"no events applied from {feed.source.endpoint or feed.source.topic!r}")
-                log.warning("server %s received %d kv-aware placements in %.1fs but its KV index is "
-                            "empty (%s): kv_cache_aware routing is degrading to load-only for it",
-                            server, n, now - since, where)
+                log.warning("server %s has received kv-aware placements for %.1fs (%d in the last "
+                            "%.1fs) but its KV index is empty (%s): kv_cache_aware routing is "
+                            "degrading to load-only for it", server, now - since, n,
+                            self.empty_index_check_s, where)
 
 
 
