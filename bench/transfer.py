@@ -30,6 +30,7 @@ import platform
 import re
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -132,13 +133,15 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
             elif cmd == "wait_send":
                 st = wait(tx.send_status, a[0])
                 tx.release_send(a[0])
-                out = (st.state, st.bytes, st.descriptors)
+                out = (st.state, st.bytes, st.descriptors, st.write_s)
             elif cmd == "recv":        # (req, ep, ntok, ids) -> seconds from post to done
                 req, ep, ntok, ids = a
+                ev = threading.Event()
                 t0 = time.monotonic()
-                tx.begin_receive(req, ep, ntok, ids)
-                st = wait(tx.recv_status, req)
+                tx.begin_receive(req, ep, ntok, ids, on_done=ev.set)
+                ev.wait(600)
                 t1 = time.monotonic()
+                st = tx.recv_status(req)
                 tx.release_receive(req)
                 out = (st.state, t1 - t0, st.error)
             elif cmd == "post_recv":
@@ -249,7 +252,7 @@ def run(args) -> tuple[str, dict]:
     kinds = args.agent or (["tcp"] if args.quick else
                            (["nixl", "tcp"] + (["shm"] if device == "cpu" else [])))
     rate = args.prefill_tok_s or (191_000.0 if device == "cuda" else 20_000.0)
-    results: dict = {"bw": {}, "scatter": {}, "ttft": {}, "kinds": []}
+    results: dict = {"bw": {}, "write": {}, "scatter": {}, "ttft": {}, "kinds": []}
     req = iter(range(1, 1 << 30))
     rng = np.random.default_rng(0)
     for kind in kinds:
@@ -271,23 +274,25 @@ def run(args) -> tuple[str, dict]:
             for ntok in sizes:
                 nblk = -(-ntok // TPB)
                 ids = list(range(nblk))
-                ts = []
+                ts, ws = [], []
                 for _ in range(repeats):
                     r = next(req)
                     ctx("send", r, ntok, ids)
                     state, dt, err = gen("recv", r, ctx.endpoint, ntok, ids)
                     assert state == "done", err
-                    _, nbytes, ndesc = ctx("wait_send", r)
+                    _, nbytes, ndesc, write_s = ctx("wait_send", r)
                     ts.append(dt)
+                    ws.append(write_s)
                 assert ctx("digest", ids) == gen("digest", ids), "bytes differ after transfer"
                 results["bw"][(actual, ntok)] = (statistics.median(ts), nbytes, ndesc)
+                results["write"][(actual, ntok)] = statistics.median(ws)
                 # scattered destination blocks: nothing merges across blocks
                 perm = [int(x) for x in rng.permutation(num_blocks)[:nblk]]
                 r = next(req)
                 ctx("send", r, ntok, ids)
                 state, dt, err = gen("recv", r, ctx.endpoint, ntok, perm)
                 assert state == "done", err
-                _, _, ndesc_s = ctx("wait_send", r)
+                _, _, ndesc_s, _ = ctx("wait_send", r)
                 results["scatter"][(actual, ntok)] = (dt, ndesc_s)
                 print(f"{actual:5s} {ntok:6d} tok: {statistics.median(ts) * 1e3:9.2f} ms "
                       f"({nbytes / statistics.median(ts) / 1e9:7.2f} GB/s, {ndesc} desc) "
@@ -331,19 +336,24 @@ def render(args, results, base, rate) -> str:
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- KV shape: `1b` ({LAYERS} layers × K/V × {TPB} tokens × {KV_HEADS} heads × {HEAD_DIM} dims, "
         f"{args.dtype}) = {block_bytes(args.dtype) // 1024} KiB per block, "
-        f"{block_bytes(args.dtype) // TPB // 1024} KiB per token; two processes; time = receive "
-        f"posted → receive complete (median of {2 if args.quick else args.repeats})",
+        f"{block_bytes(args.dtype) // TPB // 1024} KiB per token; two processes. *e2e* = receive "
+        f"posted → receive complete (control round trip included); *write* = the writes alone, "
+        f"submit → done on the context side; medians of {2 if args.quick else args.repeats}",
         "",
-        "| tokens | KV MiB | " + " | ".join(f"{k} ms | {k} GB/s | {k} % of ceiling" for k in kinds)
+        "| tokens | KV MiB | " + " | ".join(f"{k} e2e ms | {k} e2e GB/s | {k} write ms | "
+                                             f"{k} write GB/s | {k} write % of ceiling"
+                                             for k in kinds)
         + f" | {ceiling} ms | {ceiling} GB/s |",
-        "|---:|---:|" + "---:|---:|---:|" * len(kinds) + "---:|---:|",
+        "|---:|---:|" + "---:|---:|---:|---:|---:|" * len(kinds) + "---:|---:|",
     ]
     for ntok in sizes:
         nb = -(-ntok // TPB) * block_bytes(args.dtype)
         row = [f"{ntok:,}", f"{nb / 2**20:,.0f}"]
         for k in kinds:
             t, nbytes, _ = results["bw"].get((k, ntok), (float("nan"), nb, 0))
-            row += [f"{t * 1e3:,.2f}", f"{nbytes / t / 1e9:,.2f}", f"{base[ntok] / t * 100:.0f}%"]
+            w = results["write"].get((k, ntok), float("nan")) or float("nan")
+            row += [f"{t * 1e3:,.2f}", f"{nbytes / t / 1e9:,.2f}", f"{w * 1e3:,.2f}",
+                    f"{nbytes / w / 1e9:,.2f}", f"{base[ntok] / w * 100:.0f}%"]
         row += [f"{base[ntok] * 1e3:,.2f}", f"{nb / base[ntok] / 1e9:,.2f}"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Descriptors per transfer (unmerged = one per layer × K/V × block; merged = runs "

@@ -96,6 +96,8 @@ class EngineTransferLink:
         if self._closed or req.ctx_request_id is None:
             return
         cid = int(req.ctx_request_id)
+        if cid in self._ended_early:
+            return  # its receiver cancelled or failed: nothing more to send for this request
         n = len(req.prompt_token_ids)
         blocks = self._blocks_of(block_ids, min(tokens_done, n))
         st = self._sends.get(cid)
@@ -207,8 +209,11 @@ class EngineTransferLink:
         if self._closed:
             raise KvTransferFailed("the worker is shutting down")
         ep, key = self._source(spec)
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
         try:
-            self.tx.begin_receive(key, ep, len(spec.prompt_token_ids), list(spec.block_ids))
+            self.tx.begin_receive(key, ep, len(spec.prompt_token_ids), list(spec.block_ids),
+                                  on_done=lambda: loop.call_soon_threadsafe(done.set))
         except SessionError as e:
             raise KvTransferFailed(str(e)) from None
         try:
@@ -216,7 +221,10 @@ class EngineTransferLink:
                 st = self.tx.recv_status(key)
                 if st.quiescent:
                     break
-                await asyncio.sleep(self.poll_s)
+                try:  # woken by the completion callback; the timeout is only a safety net
+                    await asyncio.wait_for(done.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
         except asyncio.CancelledError:
             await self._cancel_receive(key)
             raise

@@ -70,6 +70,7 @@ log = logging.getLogger("splitserve.transfer.session")
 IN_FLIGHT, FAILED, DONE = 0, 1, 2
 OPAQUE_VERSION = 1
 RETIRED_MAX = 65536
+SPIN_S = 0.002
 
 
 # ============================================================================ public data
@@ -85,6 +86,7 @@ class Status:
     timed_out: bool = False
     bytes: int = 0
     descriptors: int = 0
+    write_s: float = 0.0
 
     @property
     def code(self) -> int:
@@ -202,6 +204,7 @@ class _Task:
     error: str | None = None
     nbytes: int = 0
     ndescs: int = 0
+    started: float = 0.0
 
 
 @dataclass
@@ -222,6 +225,7 @@ class _SendSession:
     timed_out: bool = False
     nbytes: int = 0
     ndescs: int = 0
+    write_s: float = 0.0                    # time writes were in flight (submit → DONE)
 
     def inflight(self) -> bool:
         return any(t.inflight is not None for t in self.targets.values())
@@ -255,6 +259,7 @@ class _RecvSession:
     cancel_requested: bool = False
     cancel_sent: bool = False
     timed_out: bool = False
+    on_done: object = None                   # called once (any thread) when quiescent
 
 
 @dataclass
@@ -425,7 +430,7 @@ class KvTransceiver:
                 state = "transferring" if s.inflight() or s.targets else "waiting"
             return Status(state=state, quiescent=not s.inflight() and s.state != "active",
                           error=s.error, meta=s.meta, timed_out=s.timed_out, bytes=s.nbytes,
-                          descriptors=s.ndescs)
+                          descriptors=s.ndescs, write_s=s.write_s)
 
     def cancel_send(self, req_id: int) -> bool:
         """True: no write from these pages can happen any more (free them). False: a write is in
@@ -462,9 +467,11 @@ class KvTransceiver:
             self._retire(self._retired_send, req_id)
 
     # ================================================================== generation side API
-    def begin_receive(self, req_id: int, ctx_endpoint: str, num_tokens: int, block_ids) -> None:
+    def begin_receive(self, req_id: int, ctx_endpoint: str, num_tokens: int, block_ids,
+                      on_done=None) -> None:
         """Register a whole-prompt receive of `num_tokens` tokens into `block_ids` (per group or one
-        list) from the context instance at `ctx_endpoint`. Returns at once; poll `recv_status`."""
+        list) from the context instance at `ctx_endpoint`. Returns at once; poll `recv_status`, or
+        pass `on_done()`: called once, from a transfer thread, when the receive is quiescent."""
         ids = self._group_ids(block_ids)
         need = -(-num_tokens // self.tokens_per_block)
         for g, a in enumerate(ids):
@@ -478,7 +485,7 @@ class KvTransceiver:
                 raise SessionError(f"request {req_id}: its receive session was retired")
             self._recv[req_id] = _RecvSession(
                 req_id=req_id, endpoint=ctx_endpoint, num_tokens=num_tokens, dst_ids=ids,
-                deadline=time.monotonic() + self.cfg.recv_timeout_s)
+                deadline=time.monotonic() + self.cfg.recv_timeout_s, on_done=on_done)
         self.messenger.call_soon(lambda: self._ensure_peer(ctx_endpoint, req_id))
 
     def recv_status(self, req_id: int) -> Status:
@@ -498,7 +505,7 @@ class KvTransceiver:
                 return True
             r.cancel_requested = True
             if r.state == "waiting":
-                r.state, r.error = "cancelled", r.error or "cancelled"
+                self._recv_final_locked(r, "cancelled", "cancelled")
                 return True
             if r.state != "posted":
                 return True
@@ -726,7 +733,7 @@ class KvTransceiver:
             if r is None or r.state != "waiting":
                 return
             if r.cancel_requested:
-                r.state = "cancelled"
+                self._recv_final_locked(r, "cancelled", "cancelled")
                 return
             pi = self._peers.get(endpoint)
             if pi is None:
@@ -788,7 +795,7 @@ class KvTransceiver:
                     r = self._recv.get(req)
                     if r is not None and r.state == "waiting":
                         if r.cancel_requested:
-                            r.state = "cancelled"
+                            self._recv_final_locked(r, "cancelled", "cancelled")
                         else:
                             self._post_locked(pi, r)
 
@@ -813,7 +820,7 @@ class KvTransceiver:
         for req in pi.waiting:
             r = self._recv.get(req)
             if r is not None and r.state == "waiting":
-                r.state, r.error = "failed", reason
+                self._recv_final_locked(r, "failed", reason)
         pi.waiting = []
 
     def _post_locked(self, pi: _PeerInstance, r: _RecvSession) -> None:
@@ -860,17 +867,28 @@ class KvTransceiver:
             if not w.terminal:
                 self.messenger.send(w.endpoint, {"t": "cancel", "req": r.req_id})
 
+    @staticmethod
+    def _recv_final_locked(r: _RecvSession, state: str, error: str | None = None) -> None:
+        """Move a receive to a terminal state and fire its completion callback (once)."""
+        r.state = state
+        if error is not None or state != "done":
+            r.error = r.error or error or state
+        cb, r.on_done = r.on_done, None
+        if cb is not None:
+            try:
+                cb()
+            except Exception:  # a callback bug must not break the control plane
+                log.exception("receive completion callback failed")
+
     def _check_recv_locked(self, r: _RecvSession) -> None:
         if r.state != "posted" or not all(w.terminal for w in r.writers.values()):
             return
         if r.cancel_requested:
-            r.state = "cancelled"
-            r.error = r.error or "cancelled"
+            self._recv_final_locked(r, "cancelled", "cancelled")
         elif all(w.state == "done" for w in r.writers.values()) and not r.timed_out:
-            r.state = "done"
+            self._recv_final_locked(r, "done")
         else:
-            r.state = "failed"
-            r.error = r.error or "transfer failed"
+            self._recv_final_locked(r, "failed", "transfer failed")
         self.stats[f"recv_{r.state}"] += 1
 
     def _on_peer_lost(self, endpoint: str, reason: str) -> None:
@@ -898,7 +916,8 @@ class KvTransceiver:
                     self._send_cancels_locked(r)
                     self._check_recv_locked(r)
                 elif r.state == "waiting" and r.endpoint == endpoint:
-                    r.state, r.error = "failed", f"context instance at {endpoint}: {reason}"
+                    self._recv_final_locked(r, "failed",
+                                            f"context instance at {endpoint}: {reason}")
 
     # -- replies (context side)
     def _reply_result(self, key: str, req: int, status: str, *, ident: bytes | None = None,
@@ -922,8 +941,16 @@ class KvTransceiver:
             with self._lock:
                 if self._stop:
                     break
-                if not busy and not self._work:
+                if busy or self._work:
+                    continue
+                # A write just posted usually completes within a fraction of a millisecond on
+                # NVLink/CMA: yield-spin for SPIN_S after a submit, then back off to short sleeps
+                # (long TCP transfers must not burn a core the agent's own thread needs).
+                spin = any(time.monotonic() - t.started < SPIN_S for t in self._tasks)
+                if not spin:
                     self._cv.wait(0.0005 if self._tasks else 0.005)
+            if spin:
+                time.sleep(0)
 
     def _step(self) -> bool:
         self.agent.progress()
@@ -990,7 +1017,8 @@ class KvTransceiver:
                 for t in s.targets.values():
                     if t.inflight is None and not t.cancelled and not t.final_sent \
                             and t.next_slice < len(s.slices):
-                        task = _Task(session=s, target=t, s0=t.next_slice, s1=len(s.slices))
+                        task = _Task(session=s, target=t, s0=t.next_slice, s1=len(s.slices),
+                                     started=time.monotonic())
                         t.inflight = task  # TRANSFERRING before any byte moves
                         self._tasks.append(task)
                         todo.append(task)
@@ -1085,6 +1113,8 @@ class KvTransceiver:
     def _complete_locked(self, task: _Task) -> None:
         s, t = task.session, task.target
         t.inflight = None
+        if task.handles:
+            s.write_s += time.monotonic() - task.started
         s.nbytes += task.nbytes
         s.ndescs += task.ndescs
         key = t.rx.info.key
@@ -1180,7 +1210,7 @@ class KvTransceiver:
                     r.error = r.error or f"timed out after {self.cfg.recv_timeout_s:.1f}s"
                     log.warning("request %s: receive %s", r.req_id, r.error)
                     if r.state == "waiting":
-                        r.state = "failed"
+                        self._recv_final_locked(r, "failed", r.error)
                     else:
                         self._send_cancels_locked(r)
                         self._check_recv_locked(r)

@@ -112,7 +112,8 @@ def test_write_permuted_blocks_with_notification(kind, peer_factory):
         agent.shutdown()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["tcp", "shm", pytest.param(
+    "nixl", marks=[pytest.mark.nixl, pytest.mark.slow])])
 def test_read_pulls_bytes(kind, peer_factory):
     peer = peer_factory(kind)
     agent = make_agent(kind)
