@@ -31,8 +31,15 @@ from worker.parallel import WireClosed, decode_chunks, recv_msg, send_msg
 log = logging.getLogger("splitserve.worker.rank")
 
 #: Modules a ``call`` RPC may name (the leader is the only peer; this guards against typos, and
-#: keeps the channel from becoming a general "import anything" hook).
+#: keeps the channel from becoming a general "import anything" hook). Extensions (and tests) add
+#: package prefixes with ``SPLITSERVE_RANK_CALLABLE_PACKAGES`` (comma-separated, e.g.
+#: ``myplugin.``); followers inherit it from the leader's environment.
 CALLABLE_PACKAGES = ("worker.", "transfer.")
+
+
+def callable_packages() -> tuple[str, ...]:
+    extra = os.environ.get("SPLITSERVE_RANK_CALLABLE_PACKAGES", "")
+    return CALLABLE_PACKAGES + tuple(p.strip() for p in extra.split(",") if p.strip())
 
 
 class RankContext:
@@ -73,8 +80,9 @@ class RankContext:
 def resolve_callable(path: str) -> Callable:
     """``"package.module:function"`` within :data:`CALLABLE_PACKAGES`."""
     mod, sep, name = path.partition(":")
-    if not sep or not name or not mod.startswith(CALLABLE_PACKAGES):
-        raise ValueError(f"rank call target must be 'module:function' inside {CALLABLE_PACKAGES}, "
+    allowed = callable_packages()
+    if not sep or not name or not mod.startswith(allowed):
+        raise ValueError(f"rank call target must be 'module:function' inside {allowed}, "
                          f"found {path!r}")
     fn = importlib.import_module(mod)
     for part in name.split("."):

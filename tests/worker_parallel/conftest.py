@@ -1,0 +1,125 @@
+"""Fixtures for multi-rank worker tests: in-process leaders (followers are real processes),
+single-rank references, HTTP helpers, and /proc-based process inspection."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+
+from router.tokenizer import ByteTokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    import torch
+
+    # Two shared cores and several rank processes: intra-op threads only add contention.
+    torch.set_num_threads(1)
+    os.environ.setdefault("SPLITSERVE_CPU_THREADS", "1")
+    # Followers inherit this: the tests' own per-rank functions (tests/worker_parallel/rank_fns.py).
+    os.environ["SPLITSERVE_RANK_CALLABLE_PACKAGES"] = "tests.worker_parallel."
+
+
+class Worker:
+    """An in-process worker (engine [+ transfer link] + HTTP server on 127.0.0.1:0)."""
+
+    def __init__(self, server, url):
+        self.server, self.url = server, url
+        self.engine = server.engine
+        self.link = getattr(server, "transfer_link", None)
+
+    async def close(self):
+        await self.server.stop()
+        if self.link is not None:
+            await self.link.close()
+
+
+async def start_worker(model="tiny", *, tp=1, pp=1, role="both", transfer=None, block_size=4,
+                       num_blocks=96, max_num_tokens=64, pin_timeout=30.0, transfer_timeout=30.0,
+                       hf_dir=None) -> Worker:
+    """A single-rank (tp=pp=1) or multi-rank worker; ``transfer`` names an agent (tcp, shm) or None."""
+    from worker.cli import _build_transfer
+    from worker.server import WorkerServer
+
+    name = hf_dir or model
+    if tp * pp > 1:
+        from worker.parallel_engine import build_parallel_engine
+
+        engine = await asyncio.get_running_loop().run_in_executor(None, lambda: build_parallel_engine(
+            name, tp_size=tp, pp_size=pp, device="cpu", dtype="float32", num_blocks=num_blocks,
+            block_size=block_size, max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout))
+    else:
+        from worker.engine import TorchEngine
+        from worker.loader import load_model
+        from worker.runner import ModelRunner
+
+        m, tok, _ = load_model(name, device="cpu", dtype="float32")
+        engine = TorchEngine(ModelRunner(m, num_blocks=num_blocks, block_size=block_size), tok,
+                             max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout)
+    link = None
+    if transfer:
+        ns = SimpleNamespace(transfer_agent=transfer, host="127.0.0.1", transfer_port=0, role=role,
+                             pin_timeout=pin_timeout, transfer_timeout=transfer_timeout)
+        link = _build_transfer(ns, engine, "tiny", None)
+    srv = WorkerServer(engine, model_name="tiny", role=role, host="127.0.0.1", port=0,
+                       transfer_info=link.server_info() if link else None,
+                       ctx_info_endpoint=link.endpoint if link else None)
+    srv.transfer_link = link
+    return Worker(srv, await srv.start())
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def complete(http, url, body):
+    async with http.post(url + "/v1/completions", json=body) as r:
+        return r.status, await r.json()
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from /proc; zombies excluded)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        fields = st[st.rfind(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read()
+    except OSError:
+        return False
+    return st[st.rfind(")") + 2:].split()[0] != "Z"
+
+
+def wait_gone(pids, timeout=15.0) -> list[int]:
+    """Wait until none of ``pids`` is alive; returns the survivors (empty on success)."""
+    deadline = time.monotonic() + timeout
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if alive(p)]
+        if left:
+            time.sleep(0.05)
+    return left
+
+
+@pytest.fixture
+def byte_tok():
+    return ByteTokenizer()
