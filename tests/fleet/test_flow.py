@@ -102,3 +102,58 @@ def test_no_context_server_reject_and_aggregate(module_cluster, pair):
     assert json.loads(h["x-splitserve-route"])["mode"] == "aggregated_fallback"
     st, _, raw = call("GET", url2 + "/health")
     assert st == 503     # below the minimum of one healthy context server, though requests are served
+
+
+def test_signed_client_params_are_forwarded(module_cluster, pair):
+    from fleet.auth import AUTH_HEADER, sign
+    ctx, gen = pair
+    key = "internal-secret"
+    url, _ = start(module_cluster, "hmac", internal_request_auth_key=key, context_servers=group([ctx]),
+                   generation_servers=group([gen]))
+    params = {"request_type": "context_and_generation", "disagg_request_id": 4242424242}
+    body = {"model": "tiny", "prompt": "signed", "max_tokens": 2, "disaggregated_params": params}
+    st, h, raw = call("POST", url + "/v1/completions", body, {AUTH_HEADER: sign(key, params)})
+    assert st == 200, raw
+    r = json.loads(h["x-splitserve-route"])
+    assert r["mode"] == "aggregated" and r["id"] == 4242424242 and "context" not in r
+    st, h, raw = call("POST", url + "/v1/completions", body, {AUTH_HEADER: sign("wrong-key", params)})
+    assert st == 200, raw
+    assert json.loads(h["x-splitserve-route"])["mode"] == "disaggregated"    # forged: stripped
+
+
+def test_long_stream_renews_its_lease(module_cluster, pair):
+    ctx, gen = pair
+    url, _ = start(module_cluster, "renew", leases={"ttl_s": 1.0, "renew_interval_s": 0.3},
+                   context_servers=group([ctx], "kv_cache_aware"), generation_servers=group([gen], "kv_cache_aware"))
+    # 100 decode steps of 20 ms: a 2 s stream, twice the lease TTL
+    st, _, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "renew me", "max_tokens": 100,
+                                                       "stream": True}, timeout=30)
+    assert st == 200 and raw.rstrip().endswith(b"data: [DONE]")
+    leases = json.loads(call("GET", url + "/cluster_info")[2])["leases"]
+    assert leases["expired_total"]["generation"] == 0, leases
+    assert sum(leases["in_flight"].values()) == 0
+
+
+def test_sigterm_drains_in_flight_stream(module_cluster, pair):
+    import signal
+    import threading
+    ctx, gen = pair
+    port = free_port()
+    cfg = module_cluster.config("drain.yaml", port=port, context_servers=group([ctx]),
+                                generation_servers=group([gen]), fleet={"drain_timeout_s": 10})
+    f = module_cluster.fleet(cfg, name="drain")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: call("GET", url + "/cluster_info")[0] == 200, 60, "drain fleet", f)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=call(
+        "POST", url + "/v1/completions", {"model": "tiny", "prompt": "drain", "max_tokens": 60, "stream": True},
+        timeout=30)))
+    t.start()
+    wait_for(lambda: metric(call("GET", gen + "/metrics")[2].decode(), "splitserve_worker_num_requests_running") >= 1,
+             10, "the stream to run")
+    f.kill(signal.SIGTERM)
+    t.join(30)
+    st, _, raw = out["r"]
+    assert st == 200 and raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw
+    f.p.wait(20)
+    assert f.p.returncode == 0
