@@ -73,6 +73,10 @@ def setup_logging(level: str) -> None:
 
 def run(args) -> int:
     from coordinator.config import ConfigError
+    if not args.config:
+        print("splitserve serve: a cluster config is required: -c cluster.yaml (or SPLITSERVE_CONFIG)",
+              file=sys.stderr)
+        return 2
     try:
         cfg = load(args)
     except ConfigError as e:
