@@ -333,6 +333,19 @@ class RankGroup:
         raise _rethrow(f.rank, reply)
 
     # ------------------------------------------------------------------ failure and shutdown
+    def step_failed(self, exc: BaseException, grace_s: float = 2.0) -> str:
+        """A step raised on rank 0: name the cause — usually a follower that died (its sockets
+        close a moment before the watchdog sees it exit) — fail the group, return the reason."""
+        deadline = time.monotonic() + grace_s
+        while self.failure is None and time.monotonic() < deadline:
+            dead = next((f for f in self.followers if f.proc.poll() is not None), None)
+            if dead is not None:
+                self._fail(f"rank {dead.rank} (pid {dead.proc.pid}) exited: {_exit_note(dead.proc)}")
+                break
+            time.sleep(0.01)
+        self._fail(f"rank 0's step failed: {type(exc).__name__}: {exc}")
+        return self.failure or f"{type(exc).__name__}: {exc}"
+
     def _watchdog(self) -> None:
         while not self._closing and self.failure is None:
             for f in self.followers:
@@ -441,14 +454,17 @@ class ParallelRunner:
         self.inner.kv_cache = t
 
     def step(self, chunks):
+        from worker.runner import RunnerInputError
+
         g = self.group
         g.broadcast_step(chunks)
         try:
             return self.inner.step(chunks)
+        except RunnerInputError:
+            raise  # rejected identically on every rank before any collective: still in step
         except Exception as e:
-            if g.failure is not None:
-                raise RankGroupFailed(g.failure) from e
-            raise
+            # Anything else leaves the ranks' collectives out of step: the group is finished.
+            raise RankGroupFailed(g.step_failed(e)) from e
 
     def page_table(self) -> dict:
         return self.group.context.page_table()
