@@ -60,7 +60,7 @@ async def test_sim_worker_flags_env_and_sigterm_drain(http):
 def test_startup_errors_exit_2_with_a_message():
     for args, want in [(["--model", "/no/such/dir", "--engine", "sim"], b"neither a preset"),
                        (["--engine", "sim", "--block-size", "0"], b"--block-size must be >= 1"),
-                       (["--engine", "torch", "--tp-size", "2"], b"one device per worker")]:
+                       (["--engine", "torch", "--tp-size", "3"], b"--tp-size 3 must divide")]:
         r = subprocess.run([sys.executable, "-m", "splitserve_cli", "worker", "--port", "0", *args],
                            cwd=REPO, capture_output=True, timeout=120,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
