@@ -4,24 +4,29 @@ benefit of context/generation disaggregation over aggregated serving (issue 8).
 
     python bench/disagg_e2e.py --gpus 0,1                    # the real run: ctx on GPU 0, gen on GPU 1
     python bench/disagg_e2e.py --gpus 0                      # one-GPU dry run: both workers share GPU 0
-    python bench/disagg_e2e.py --device cpu --model tiny --scale tiny --gpus ""   # CPU smoke (CI)
+    python bench/disagg_e2e.py --device cpu --model tiny     # CPU smoke run (CI), --scale tiny implied
 
 Every cluster is real processes started here: a ``splitserve coordinator``, a ``splitserve serve``
 fleet that uses it, and ``splitserve worker`` processes pinned to GPUs with ``CUDA_VISIBLE_DEVICES``
 (the random-weight ``--model`` preset, bf16 on CUDA). Three parts:
 
-1. **transfer** — KV bytes, time, GB/s and descriptors per transfer for each ``--sizes`` prompt,
-   context side on the first GPU and generation side on the last (see ``transfer_part``), next to the
-   ceiling measured in the same run: a torch copy of the same number of bytes from the first GPU to
-   the last (peer-to-peer with two GPUs; a device-local copy when both sides share one GPU, so the
-   one-GPU percentages are not the cross-GPU target; a host memcpy on the CPU).
+1. **transfer** — KV bytes, time, GB/s and descriptors per transfer for each ``--sizes`` prompt: a
+   context pool on the first GPU and a generation pool on the last, each in its own process, moved by
+   the ``KvTransceiver`` the workers use (``--transfer-agent``), every copy checked byte-exact. Next
+   to it the ceiling, measured in the same run: a torch copy of the same bytes from the first GPU to
+   the last (peer-to-peer with two GPUs; a device-local copy when both share one GPU, so one-GPU
+   percentages are not the cross-GPU target; on the CPU bench/transfer.py's memcpy baseline).
+   bench/transfer.py's rank processes are not reused because their pools are fixed to the 1b shape;
+   here the pools are real ``ModelRunner`` pools of ``--model`` (tiny, 1b or 8b), pinned per GPU.
 2. **end to end** — one fixed workload (seeded, fixed arrival times): a steady stream of short chat
    requests decoding while long-prompt requests (8k–32k tokens at ``--scale full``) arrive, sent as
    streaming requests through the fleet, against (a) *aggregated*: two ``both`` workers, one per
    GPU, ``load_balancing``; (b) *disaggregated* 1P1D: a context and a generation worker,
    ``kv_cache_aware``. Per request the client records the arrival time of every streamed token.
-3. **pipelined vs monolithic** — (b) again with the context worker sending the KV of each finished
-   prefill chunk right away (pipelined, the default) and with one transfer after the whole prefill.
+   A disaggregated run whose generation worker cannot receive KV (501) is reported as skipped.
+3. **pipelined vs monolithic** — (b) with the context worker sending each finished prefill chunk's
+   KV right away (pipelined) and again with one transfer after the whole prefill (monolithic); the
+   mode each context worker reports in ``/server_info`` is checked (see ``pipeline_switch``).
 
 Metrics (all client-side, from token arrival times):
 
@@ -29,14 +34,17 @@ Metrics (all client-side, from token arrival times):
 - ITL, reported as *TPOT*: the gap before each token after the first (a chunk carrying k tokens
   contributes k gaps of 1/k of its interval, so the gaps of one request sum to its decode time);
   p50/p99 over all tokens of a class. ``tpot_req_*`` is the per-request mean (decode time / (n-1)).
+  Requests ask for ``return_token_ids``; a worker that streams only text chunks (none for tokens
+  without text) leaves tokens untimed: ``timed_token_coverage`` says how many were timed alone.
 - output tokens/s: completion tokens of all requests / (last token − first send).
 
 The targets line compares to issue 8: transfer ≥ 80% of the ceiling at 16k tokens; short-request
-TPOT p99 disaggregated ≤ ½ of aggregated at equal or better output tokens/s.
+TPOT p99 disaggregated ≤ ½ of aggregated at equal or better output tokens/s (not judged when fewer
+than 95% of the tokens were timed alone).
 
-Every process started here is stopped on exit (also on Ctrl-C, SIGTERM and errors); their logs go to
-a temporary directory whose path is printed (``--keep-logs`` keeps it after a successful run).
-``--out FILE`` writes every number as JSON; ``--write-results`` replaces (or appends) the
+Every process started here is stopped on exit (also on Ctrl-C, SIGTERM and errors; their pids are
+listed in ``<logs>/pids``); logs go to a new temporary directory (or ``--log-dir``) whose path is
+printed. ``--out FILE`` writes every number as JSON; ``--write-results`` replaces (or appends) the
 ``## disagg_e2e`` section of bench/RESULTS.md with the command, machine, date and the tables.
 """
 from __future__ import annotations
@@ -524,13 +532,18 @@ class Cluster:
 
     def _worker_argv(self, spec: WorkerSpec, port: int) -> list[str]:
         a = self.args
-        argv = [sys.executable, "-m", "splitserve_cli", "worker", "--role", spec.role, "--engine", "torch",
+        extra = list(spec.extra)
+        if extra[:1] == [SHIM]:      # started through this script, which then runs the worker CLI
+            head, extra = [sys.executable, str(Path(__file__).resolve()), *extra[:2]], extra[2:]
+        else:
+            head = [sys.executable, "-m", "splitserve_cli", "worker"]
+        argv = [*head, "--role", spec.role, "--engine", "torch",
                 "--model", a.model, "--device", a.device, "--host", HOST, "--port", str(port),
                 "--num-blocks", str(a.num_blocks), "--transfer-agent", a.transfer_agent,
                 "--drain-timeout", "2", "--log-level", a.log_level.upper()]
         if a.dtype:
             argv += ["--dtype", a.dtype]
-        return argv + list(a.worker_arg) + list(spec.extra)
+        return argv + list(a.worker_arg) + extra
 
     def start(self, timeout: float) -> None:
         a = self.args
@@ -570,6 +583,20 @@ class Cluster:
         self.url = f"http://{HOST}:{fport}"
         deadline = time.monotonic() + timeout
         self._wait([w.url + "/health" for w in self.workers], deadline)
+        # The coordinator admits a server after its own health probe; until then the fleet would
+        # serve the probe below by a fallback (e.g. aggregated on the generation server).
+        want = {"context": set(ctx), "generation": set(gen)}
+        cinfo = f"http://{HOST}:{cport}/cluster_info"
+        while True:
+            self._check_alive()
+            status, body = _http(cinfo)
+            lists = json.loads(body).get("server_lists", {}) if status == 200 else {}
+            if all(want[r] <= set(lists.get(r, [])) for r in want):
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.name}: the coordinator did not admit every worker within {timeout:g}s "
+                                 f"(healthy: {lists}); see {self.logdir}")
+            time.sleep(0.2)
         status, body = _http(self.workers[0].url + "/v1/models")
         self.model = json.loads(body)["data"][0]["id"] if status == 200 else a.model
         probe = {"model": self.model, "prompt": "probe", "max_tokens": 2, "ignore_eos": True}
@@ -665,8 +692,6 @@ def _transfer_peer(conn, spec: dict) -> None:
 
         dev = torch.device(spec["device"])
         if spec["role"] == "ceiling":
-            if dev.type == "cpu":
-                torch.set_num_threads(1)   # a memcpy; OpenMP wake-ups would dominate small copies
             conn.send(("ok", {"device": str(dev)}))
         else:
             from transfer.page_table import PageTable
@@ -756,28 +781,25 @@ def _transfer_peer(conn, spec: dict) -> None:
                 t1, st = wait(tx.recv_status, a["req"], a["timeout"])
                 tx.release_receive(a["req"])
                 out = {"t_recv_done": t1, "state": st.state, "error": st.error}
-            elif cmd == "copy":                   # the ceiling: one copy of the same bytes
+            elif cmd == "copy":   # the ceiling (cuda): first visible GPU → last visible GPU, same bytes
                 n, reps = a["bytes"], a["repeats"]
-                d0 = torch.device(dev.type, 0) if dev.type == "cuda" else dev
-                d1 = torch.device(dev.type, torch.cuda.device_count() - 1) if dev.type == "cuda" else dev
+                d0, d1 = torch.device("cuda", 0), torch.device("cuda", torch.cuda.device_count() - 1)
                 src = torch.empty(n, dtype=torch.uint8, device=d0).fill_(7)
                 dst = torch.empty(n, dtype=torch.uint8, device=d1)
                 times = []
                 for i in range(reps + 1):
-                    for d in {d0, d1}:
-                        if d.type == "cuda":
-                            torch.cuda.synchronize(d)
+                    torch.cuda.synchronize(d0)
+                    torch.cuda.synchronize(d1)
                     t = time.perf_counter()
                     dst.copy_(src, non_blocking=True)
-                    for d in {d0, d1}:
-                        if d.type == "cuda":
-                            torch.cuda.synchronize(d)
+                    torch.cuda.synchronize(d0)
+                    torch.cuda.synchronize(d1)
                     if i:   # the first copy enables peer access and warms the allocator
                         times.append(time.perf_counter() - t)
                 del src, dst
+                torch.cuda.empty_cache()
                 out = {"seconds": sorted(times)[len(times) // 2],
-                       "kind": ("peer-to-peer copy cuda:0→cuda:1" if d0 != d1 else
-                                "device-local copy on one GPU" if dev.type == "cuda" else "host memcpy")}
+                       "kind": "peer-to-peer copy GPU→GPU" if d0 != d1 else "device-local copy on one GPU"}
             else:
                 raise ValueError(f"unknown command {cmd!r}")
             conn.send(("ok", out))
@@ -854,9 +876,11 @@ def transfer_part(args, reg: "Registry", logdir: Path) -> dict:
         ctx = _Peer("transfer-ctx", {**base, "role": "context"}, g0, reg)
         gen = _Peer("transfer-gen", {**base, "role": "generation"}, g1, reg)
         peers += [ctx, gen]
-        both = None if args.device == "cpu" else ",".join(dict.fromkeys(args.gpu_list))
-        ceil = _Peer("transfer-ceiling", {**base, "role": "ceiling"}, both, reg)
-        peers.append(ceil)
+        if args.device == "cuda":
+            ceil = _Peer("transfer-ceiling", {**base, "role": "ceiling"}, ",".join(dict.fromkeys(args.gpu_list)), reg)
+            peers.append(ceil)
+        else:
+            ceil = None   # a host memcpy: bench/transfer.py's baseline, in this process
         infos = [p.result(args.start_timeout) for p in peers]
         cinfo = infos[0]
         _say("transfer", f"peers up: agent {cinfo['agent']}, {cinfo['block_bytes']:,} bytes per block")
@@ -886,18 +910,22 @@ def transfer_part(args, reg: "Registry", logdir: Path) -> dict:
             samples = samples[1:]
             med = sorted(samples, key=lambda x: x["seconds"])[len(samples) // 2]
             nbytes = med["bytes"]
-            copy = ceil.call("copy", wait_s=args.request_timeout, bytes=nbytes,
-                             repeats=max(3, args.scale.transfer_repeats))
+            reps = max(3, args.scale.transfer_repeats)
+            if ceil is not None:
+                copy = ceil.call("copy", wait_s=args.request_timeout, bytes=nbytes, repeats=reps)
+            else:
+                from bench.transfer import copy_baseline
+                copy = {"seconds": copy_baseline("cpu", nbytes, reps), "kind": "host memcpy"}
             gbps = nbytes / med["seconds"] / 1e9
             cgbps = nbytes / copy["seconds"] / 1e9
-            rows.append({"tokens": n, "blocks": nb, "bytes": nbytes, "seconds": round(med["seconds"], 6),
-                         "send_seconds": round(med["send_seconds"], 6), "gbps": round(gbps, 3),
-                         "ceiling_seconds": round(copy["seconds"], 6), "ceiling_gbps": round(cgbps, 3),
-                         "pct_of_ceiling": round(100.0 * gbps / cgbps, 1), "descriptors": med["descriptors"],
+            rows.append({"tokens": n, "blocks": nb, "bytes": nbytes, "seconds": med["seconds"],
+                         "send_seconds": med["send_seconds"], "gbps": gbps,
+                         "ceiling_seconds": copy["seconds"], "ceiling_gbps": cgbps,
+                         "pct_of_ceiling": 100.0 * gbps / cgbps, "descriptors": med["descriptors"],
                          "repeats": len(samples),
-                         "seconds_all": [round(x["seconds"], 6) for x in samples]})
+                         "seconds_all": [x["seconds"] for x in samples]})
             _say("transfer", f"{n:>6} tokens: {nbytes / 1e6:,.1f} MB in {med['seconds'] * 1e3:,.2f} ms = "
-                             f"{gbps:,.2f} GB/s ({rows[-1]['pct_of_ceiling']}% of {cgbps:,.2f} GB/s), "
+                             f"{gbps:,.2f} GB/s ({rows[-1]['pct_of_ceiling']:.1f}% of {cgbps:,.2f} GB/s), "
                              f"{med['descriptors']} descriptors")
         where = f"GPU {g0} → GPU {g1}" if args.device == "cuda" else "cpu → cpu"
         return {"path": where + (", two processes" if g0 == g1 else ""), "agent": cinfo["agent"],
@@ -941,7 +969,7 @@ def _say(label: str, msg: str) -> None:
 
 
 def run_config(label: str, args, reg: Registry, logdir: Path, specs: list[WorkerSpec], ctx_router: str | None,
-               gen_router: str, reqs: list[Req], need_disagg: bool) -> dict:
+               gen_router: str, reqs: list[Req], need_disagg: bool, pipeline: bool | None = None) -> dict:
     """Start one cluster, warm it up, replay the workload, stop it. ``{"skipped": why}`` when a
     disaggregated cluster turns out not to move KV (the generation worker answers 501)."""
     cluster = Cluster(label, args, reg, logdir, specs, ctx_router, gen_router)
@@ -952,6 +980,15 @@ def run_config(label: str, args, reg: Registry, logdir: Path, specs: list[Worker
         _say(label, f"starting {len(specs)} workers, coordinator and fleet")
         cluster.start(args.start_timeout)
         info["startup_s"] = round(time.monotonic() - t0, 1)
+        ctx_info = [w for w in cluster.workers if w.spec.role == "context"]
+        if ctx_info:
+            st, body = _http(ctx_info[0].url + "/server_info")
+            tinfo = (json.loads(body).get("transfer") or {}) if st == 200 else {}
+            info["transfer"] = tinfo
+            info["transfer_pipeline"] = tinfo.get("pipeline")
+            if pipeline is not None and tinfo.get("pipeline") is not pipeline:
+                raise BenchError(f"{label}: the context worker reports transfer pipeline="
+                                 f"{tinfo.get('pipeline')!r} in /server_info; this run needs {pipeline}")
         if need_disagg:
             mode = cluster.route_mode()
             if mode != "disaggregated":
@@ -984,25 +1021,59 @@ def e2e_specs(args) -> dict[str, list[WorkerSpec]]:
             "disaggregated": [WorkerSpec("ctx", "context", g0), WorkerSpec("gen", "generation", g1)]}
 
 
-# Candidate spellings of the worker's pipelined-transfer switch, checked against `worker --help`.
-_PIPELINE_FLAGS = (("--transfer-pipeline", "choice"), ("--kv-transfer-pipeline", "choice"),
-                   ("--transfer-pipelined", "choice"), ("--pipeline-transfer", "choice"))
+# Candidate spellings of a worker CLI switch for pipelined KV transfer, checked against `worker --help`.
+_PIPELINE_FLAGS = ("--transfer-pipeline", "--kv-transfer-pipeline", "--transfer-pipelined", "--pipeline-transfer")
+SHIM = "--worker-transfer-pipeline"
 
 
-def pipeline_switch() -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-    """(args for pipelined, args for monolithic) from the worker CLI, or None if it has no such flag."""
+def pipeline_switch() -> dict | None:
+    """How to start a context worker with pipelined / monolithic transfer.
+
+    ``{"how": "flag", "pipelined": args, "monolithic": args}`` when the worker CLI has a switch;
+    otherwise ``{"how": "shim", ...}``: the worker is started through this script (``SHIM on|off``),
+    which sets ``TransferConfig.pipeline`` on the worker's transfer link right after the worker CLI
+    builds it — the same knob the transfer tests flip — and then runs the unchanged worker CLI. Either
+    way every run checks the mode the context worker reports in ``/server_info`` (``transfer.pipeline``).
+    None when neither is possible (the worker CLI builds no transfer link we can reach)."""
     out = subprocess.run([sys.executable, "-m", "splitserve_cli", "worker", "--help"], capture_output=True,
                          text=True, cwd=ROOT, env=_child_env(""), timeout=120).stdout
-    for flag, _ in _PIPELINE_FLAGS:
+    for flag in _PIPELINE_FLAGS:
         if f"--no-{flag[2:]}" in out:                                     # BooleanOptionalAction
-            return (flag,), (f"--no-{flag[2:]}",)
+            return {"how": "flag", "pipelined": [flag], "monolithic": [f"--no-{flag[2:]}"]}
         m = re.search(re.escape(flag) + r"\s+\{([^}]*)\}", out)
         if m:
             choices = [c.strip() for c in m.group(1).split(",")]
             for on, off in (("on", "off"), ("true", "false"), ("1", "0"), ("yes", "no")):
                 if on in choices and off in choices:
-                    return (flag, on), (flag, off)
-    return None
+                    return {"how": "flag", "pipelined": [flag, on], "monolithic": [flag, off]}
+    try:
+        import worker.cli as wcli
+    except ImportError:
+        return None
+    if not callable(getattr(wcli, "_build_transfer", None)):
+        return None
+    return {"how": "shim", "pipelined": [SHIM, "on"], "monolithic": [SHIM, "off"]}
+
+
+def worker_shim(mode: str, worker_argv: list[str]) -> int:
+    """``python bench/disagg_e2e.py --worker-transfer-pipeline on|off WORKER-ARGS``: the worker CLI with
+    its transfer link's ``pipeline`` set (see ``pipeline_switch``)."""
+    if mode not in ("on", "off"):
+        print(f"{SHIM}: expected on or off, found {mode!r}", file=sys.stderr)
+        return 2
+    import worker.cli as wcli
+
+    build = wcli._build_transfer
+
+    def build_with_mode(*a, **k):
+        link = build(*a, **k)
+        if link is not None:
+            link.tx.cfg.pipeline = mode == "on"
+        return link
+
+    wcli._build_transfer = build_with_mode
+    from splitserve_cli import main as cli_main
+    return cli_main(["worker", *worker_argv])
 
 
 # ============================================================================ report
@@ -1276,27 +1347,29 @@ def run_all(args, reg: Registry, logdir: Path) -> dict:
     if "e2e" in args.parts:
         runs["aggregated"] = run_config("aggregated", args, reg, logdir, specs["aggregated"], None,
                                         "load_balancing", reqs, need_disagg=False)
+
+    def disagg(mode: str | None) -> list[WorkerSpec]:
+        return [dataclasses.replace(s, extra=tuple(switch[mode])) if mode and s.role == "context" else s
+                for s in specs["disaggregated"]]
+
     if "e2e" in args.parts or "pipeline" in args.parts:
-        dspecs = specs["disaggregated"]
-        if switch:   # (b) is the pipelined run: name the mode explicitly rather than trust a default
-            dspecs = [dataclasses.replace(s, extra=switch[0]) if s.role == "context" else s for s in dspecs]
-        runs["disaggregated"] = run_config("disaggregated", args, reg, logdir, dspecs, "kv_cache_aware",
-                                           "kv_cache_aware", reqs, need_disagg=True)
+        # (b) is the pipelined run of part 3: its mode is set explicitly and checked, not assumed.
+        runs["disaggregated"] = run_config("disaggregated", args, reg, logdir,
+                                           disagg("pipelined" if switch else None), "kv_cache_aware",
+                                           "kv_cache_aware", reqs, need_disagg=True,
+                                           pipeline=True if switch else None)
     result["e2e"] = {"workload": workload_summary(reqs), "runs": runs}
     if "pipeline" not in args.parts:
         result["pipeline"] = {"skipped": "not selected (--parts)"}
     elif switch is None:
-        result["pipeline"] = {"skipped": "the worker CLI has no pipelined-transfer switch (looked for "
-                                         + ", ".join(f for f, _ in _PIPELINE_FLAGS) + ")"}
+        result["pipeline"] = {"skipped": "the worker has no pipelined-transfer switch (CLI flags "
+                                         + ", ".join(_PIPELINE_FLAGS) + ") and no transfer link to set"}
     elif "skipped" in runs["disaggregated"]:
         result["pipeline"] = {"skipped": runs["disaggregated"]["skipped"]}
     else:
-        mspecs = [dataclasses.replace(s, extra=switch[1]) if s.role == "context" else s
-                  for s in specs["disaggregated"]]
-        mono = run_config("monolithic", args, reg, logdir, mspecs, "kv_cache_aware", "kv_cache_aware", reqs,
-                          need_disagg=True)
-        result["pipeline"] = {"switch": {"pipelined": list(switch[0]), "monolithic": list(switch[1])},
-                              "pipelined": runs["disaggregated"], "monolithic": mono}
+        mono = run_config("monolithic", args, reg, logdir, disagg("monolithic"), "kv_cache_aware",
+                          "kv_cache_aware", reqs, need_disagg=True, pipeline=False)
+        result["pipeline"] = {"switch": switch, "pipelined": runs["disaggregated"], "monolithic": mono}
     result["meta"]["wall_s"] = round(time.monotonic() - t0, 1)
     result["targets"] = targets(result)
     result["targets_line"] = targets_line(result["targets"], dry_note(args))
@@ -1305,6 +1378,8 @@ def run_all(args, reg: Registry, logdir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [SHIM]:
+        return worker_shim(argv[1] if len(argv) > 1 else "", argv[2:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:

@@ -20,7 +20,8 @@ from bench import disagg_e2e as bench
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "disagg_e2e.py"
-SMOKE = ["--device", "cpu", "--model", "tiny", "--scale", "tiny"]
+# tcp: the NIXL agent (UCX) takes seconds to start per process on a busy 2-core CI machine.
+SMOKE = ["--device", "cpu", "--model", "tiny", "--scale", "tiny", "--transfer-agent", "tcp"]
 SCALE = bench.SCALES["tiny"]
 N_SHORT = int(SCALE.duration_s * SCALE.short_rate)
 N_LONG = SCALE.long_count
@@ -80,13 +81,14 @@ def test_meta_and_logs(smoke):
 
 def test_every_started_process_is_gone(smoke):
     pids = [int(line.split()[0]) for line in (smoke["logs"] / "pids").read_text().splitlines()]
-    assert len(pids) >= 3 + 4 + 4, pids   # transfer peers, then two clusters of 2 workers + coordinator + fleet
+    # two transfer peers, then clusters of 2 workers + coordinator + fleet (aggregated, disaggregated, …)
+    assert len(pids) >= 2 + 4 + 4, pids
     assert _alive(pids, wait_s=10) == []
 
 
 def test_transfer_section(smoke):
     t = smoke["result"]["transfer"]
-    assert t["agent"] in ("nixl", "tcp", "shm")
+    assert t["agent"] == "tcp"
     assert t["ceiling_kind"] == "host memcpy"
     assert [row["tokens"] for row in t["rows"]] == list(SCALE.transfer_sizes)
     # tiny: 4 layers x (K, V) x 16 tokens x 2 KV heads x 32 dims x fp32
@@ -94,8 +96,9 @@ def test_transfer_section(smoke):
     for row in t["rows"]:
         assert row["bytes"] == -(-row["tokens"] // 16) * t["block_bytes"], row
         assert row["seconds"] > 0 and row["ceiling_seconds"] > 0
-        assert row["gbps"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9, rel=1e-2)
-        assert row["pct_of_ceiling"] == pytest.approx(100 * row["gbps"] / row["ceiling_gbps"], rel=2e-2, abs=0.2)
+        assert row["gbps"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9)
+        assert row["ceiling_gbps"] == pytest.approx(row["bytes"] / row["ceiling_seconds"] / 1e9)
+        assert row["pct_of_ceiling"] == pytest.approx(100 * row["gbps"] / row["ceiling_gbps"])
         assert row["descriptors"] >= 1 and row["repeats"] == SCALE.transfer_repeats
 
 
@@ -141,7 +144,11 @@ def test_pipeline_section(smoke):
         pytest.skip(f"pipelined vs monolithic skipped by the benchmark: {pl['skipped']}")
     assert pl["pipelined"] == r["e2e"]["runs"]["disaggregated"]
     _check_run(pl["monolithic"], "disaggregated")
-    assert [w["extra_args"] for w in pl["monolithic"]["workers"]][0] == pl["switch"]["monolithic"]
+    assert pl["monolithic"]["workers"][0]["extra_args"] == pl["switch"]["monolithic"]
+    assert pl["pipelined"]["workers"][0]["extra_args"] == pl["switch"]["pipelined"]
+    # what the context workers themselves reported in /server_info
+    assert (pl["pipelined"]["transfer_pipeline"], pl["monolithic"]["transfer_pipeline"]) == (True, False)
+    assert "| pipelined |" in smoke["stdout"] and "| monolithic |" in smoke["stdout"]
 
 
 def test_report_table_and_results_file(smoke):
@@ -248,3 +255,19 @@ def test_interrupt_stops_every_process(tmp_path):
     pids = [int(line.split()[0]) for line in pid_file.read_text().splitlines()]
     assert len(pids) == 4
     assert _alive(pids, wait_s=10) == []
+
+
+@pytest.mark.gpu
+def test_one_gpu_dry_run_with_the_tiny_model(tmp_path):
+    """The one-GPU path (both workers and both transfer ends on GPU 0, device-local ceiling)."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--gpus", "0", "--model", "tiny",
+                           "--scale", "tiny", "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["meta"]["gpus"] == "0" and r["meta"]["dtype"] == "bfloat16"
+    assert r["transfer"]["ceiling_kind"] == "device-local copy on one GPU"
+    assert all(row["gbps"] > 0 and row["descriptors"] >= 1 for row in r["transfer"]["rows"])
+    _check_run(r["e2e"]["runs"]["aggregated"], "aggregated")
+    _check_run(r["e2e"]["runs"]["disaggregated"], "disaggregated")
