@@ -63,14 +63,14 @@ async def test_thousand_concurrent_interleavings_end_at_zero(workers, coordinato
     c, s = await coordinator(cfg(urls, urls, ctx_router="load_balancing", gen_router="kv_cache_aware",
                                  ttl=TTL_S, threshold=1_000_000))
     await wait_for(c.is_ready)
-    client = HttpCoordinatorClient(s.tcp_url)
+    client = HttpCoordinatorClient(s.tcp_url, timeout_s=60)   # 1,000 at once on a busy 2-core box
     rng = random.Random(1234)
     try:
         kinds = await asyncio.gather(*[_flow(client, i, rng, urls) for i in range(1000)])
     finally:
         await client.close()
     assert set(kinds) == {"finish", "retry", "fail", "double", "renew", "abandon", "pair", "late"}
-    await wait_for(lambda: len(c.leases) == 0, timeout=5, what="abandoned leases to expire")
+    await wait_for(lambda: len(c.leases) == 0, timeout=30, what="abandoned leases to expire")
     _check_zero(c)
     assert sum(c.stats.leases_expired.values()) >= kinds.count("abandon")
     assert c.stats.leases_replaced >= kinds.count("retry")
@@ -84,7 +84,7 @@ async def test_in_process_client_same_accounting(workers, coordinator):
     client = InProcessCoordinatorClient(c)
     rng = random.Random(99)
     await asyncio.gather(*[_flow(client, i, rng, urls) for i in range(1000)])
-    await wait_for(lambda: len(c.leases) == 0, timeout=5)
+    await wait_for(lambda: len(c.leases) == 0, timeout=30)
     _check_zero(c)
 
 
