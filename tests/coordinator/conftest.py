@@ -19,7 +19,7 @@ from router.events import AllCleared, BlocksRemoved, BlocksStored, encode_vllm_b
 END = (-1).to_bytes(8, "big", signed=True)
 
 
-async def wait_for(pred, timeout: float = 5.0, interval: float = 0.01, what: str = "condition"):
+async def wait_for(pred, timeout: float = 10.0, interval: float = 0.01, what: str = "condition"):
     """Poll `pred()` until true; fail the test with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
