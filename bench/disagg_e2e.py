@@ -110,31 +110,31 @@ class Scale:
     long_max_tokens: int
     transfer_sizes: tuple[int, ...]
     transfer_repeats: int
-    warmup_long: int             # prompt tokens of the warm-up long request
+    warmup_burst: int            # concurrent short warm-up requests per generation worker
 
     def scaled(self, factor: float) -> "Scale":
-        """``full`` with long prompts, duration and transfer sizes times ``factor``."""
+        """``full`` with long prompts and (up to 1×) the duration times ``factor``; the transfer sizes
+        stay (``--sizes`` sets them)."""
         def s(x: int) -> int:
             return max(16, int(round(x * factor / 16)) * 16)
         return dataclasses.replace(
             self, name=f"x{factor:g}", duration_s=max(5.0, self.duration_s * min(1.0, factor)),
-            long_prompt=(s(self.long_prompt[0]), s(self.long_prompt[1])),
-            transfer_sizes=tuple(s(x) for x in self.transfer_sizes), warmup_long=s(self.warmup_long))
+            long_prompt=(s(self.long_prompt[0]), s(self.long_prompt[1])))
 
 
 SCALES: dict[str, Scale] = {
     # Issue 8's sizes, for the two-GPU run.
     "full": Scale("full", duration_s=60.0, short_rate=4.0, short_prompt=(200, 400), short_max_tokens=128,
                   long_count=10, long_prompt=(8192, 32768), long_max_tokens=32,
-                  transfer_sizes=(1024, 4096, 16384, 65536), transfer_repeats=5, warmup_long=8192),
+                  transfer_sizes=(1024, 4096, 16384, 65536), transfer_repeats=5, warmup_burst=32),
     # The one-GPU dry run: same shapes, shorter, half-size long prompts (both workers share a GPU).
     "dry": Scale("dry", duration_s=30.0, short_rate=4.0, short_prompt=(200, 400), short_max_tokens=96,
                  long_count=6, long_prompt=(4096, 16384), long_max_tokens=32,
-                 transfer_sizes=(1024, 4096, 16384, 65536), transfer_repeats=3, warmup_long=4096),
+                 transfer_sizes=(1024, 4096, 16384, 65536), transfer_repeats=3, warmup_burst=16),
     # CPU smoke run with the tiny model (CI): every code path, seconds.
     "tiny": Scale("tiny", duration_s=3.0, short_rate=2.0, short_prompt=(24, 48), short_max_tokens=6,
                   long_count=2, long_prompt=(192, 384), long_max_tokens=4,
-                  transfer_sizes=(64, 256), transfer_repeats=2, warmup_long=128),
+                  transfer_sizes=(64, 256), transfer_repeats=2, warmup_burst=2),
 }
 
 
@@ -275,7 +275,7 @@ def _chunk_tokens(obj: dict) -> tuple[int, bool, str | None]:
 
 
 async def send_one(session: aiohttp.ClientSession, base: str, req: Req, start: float,
-                   timeout_s: float) -> Result:
+                   timeout_s: float, first: asyncio.Event | None = None) -> Result:
     loop = asyncio.get_running_loop()
     res = Result(req.idx, req.kind, req.prompt_tokens)
     delay = start + req.arrival_s - loop.time()
@@ -314,8 +314,13 @@ async def send_one(session: aiohttp.ClientSession, base: str, req: Req, start: f
                     res.finish_reason = fin
                 if n or (fin is not None and not res.token_ids_seen):
                     res.chunks.append((now, n))
+                    if first is not None:
+                        first.set()
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
+    finally:
+        if first is not None:
+            first.set()
     if res.error is None and res.finish_reason is None:
         res.error = "stream ended without a finish_reason"
     return res
@@ -945,20 +950,79 @@ def _with_model(reqs: list[Req], model: str) -> list[Req]:
     return [dataclasses.replace(r, body={**r.body, "model": model}) for r in reqs]
 
 
-def _warmup(cluster: Cluster, scale: Scale, seed: int, timeout_s: float) -> None:
-    """Compile/capture paths and connect transfer peers before measuring: one round of short and one of
-    long requests, as many at once as there are generation servers so load balancing touches each.
-    The prompts use their own seed, so they share no prefix with the workload."""
-    n = max(1, sum(1 for w in cluster.workers if w.spec.role in ("generation", "both")))
-    warm = build_workload(dataclasses.replace(scale, duration_s=n / 1000.0, short_rate=1000.0,
-                                              long_count=n, long_prompt=(scale.warmup_long, scale.warmup_long)),
-                          seed + 7919, cluster.model)
-    for kind in ("short", "long"):
-        batch = [dataclasses.replace(r, arrival_s=0.0) for r in warm if r.kind == kind]
-        res = asyncio.run(run_requests(cluster.url, batch, timeout_s, lead_s=0.0))
+def _bucket(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+def warmup_plan(scale: Scale, reqs: list[Req], n_gen: int, seed: int, model: str,
+                block_size: int = 16) -> list[tuple[Req | None, list[Req]]]:
+    """Warm-up rounds: ``(long request or None, short requests)``.
+
+    The workers capture a CUDA graph the first time they decode a (batch bucket, blocks bucket) pair
+    (powers of two) and the first time they prefill a lone short prompt of a new 128-token bucket; a
+    capture in the middle of the measured run would show up as a latency spike. So the warm-up walks
+    the buckets the workload will touch: ``warmup_burst × n_gen`` short requests at once with
+    max_tokens 2, 3, … (the decode batch shrinks through every size), first alone, then while one long
+    request per distinct long-request blocks bucket decodes (its max_tokens outlasts the burst). Its
+    prompts use their own seed: no prefix is shared with the workload."""
+    k = scale.warmup_burst * n_gen
+    rng = random.Random(seed + 7919)
+    burst = build_workload(dataclasses.replace(scale, duration_s=k / 1000.0, short_rate=1000.0, long_count=0),
+                           seed + 7919, model)
+
+    def staggered(tag: int) -> list[Req]:
+        out = []
+        for i, r in enumerate(burst):
+            body = {**r.body, "max_tokens": 2 + i,
+                    "messages": [{"role": "user", "content": f"<w{tag}> " + r.body["messages"][0]["content"]}]}
+            out.append(dataclasses.replace(r, arrival_s=0.0, body=body, max_tokens=2 + i))
+        return out
+
+    rounds: list[tuple[Req | None, list[Req]]] = [(None, staggered(0))]
+    sizes: dict[int, int] = {}
+    for r in reqs:
+        if r.kind == "long":
+            b = _bucket(math.ceil((r.prompt_tokens + r.max_tokens) / block_size))
+            sizes[b] = max(sizes.get(b, 0), r.prompt_tokens)
+    for j, (_, n) in enumerate(sorted(sizes.items())):
+        max_tokens = k + 40
+        ids = [rng.randrange(256) for _ in range(n)]
+        body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        rounds.append((Req(-1 - j, "long", 0.0, "/v1/completions", body, n, max_tokens), staggered(j + 1)))
+    return rounds
+
+
+async def _warm_round(url: str, long: Req | None, shorts: list[Req], timeout_s: float) -> list[Result]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        loop = asyncio.get_running_loop()
+        if long is None:
+            return list(await asyncio.gather(*(send_one(session, url, r, loop.time(), timeout_s) for r in shorts)))
+        first = asyncio.Event()
+        lt = asyncio.create_task(send_one(session, url, long, loop.time(), timeout_s, first))
+        # Start the burst once the long request decodes; without a streamed first token (a worker that
+        # sends no chunk for text-less tokens) after a generous prefill estimate.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(first.wait(), 0.5 + long.prompt_tokens / 20_000)
+        rest = await asyncio.gather(*(send_one(session, url, r, loop.time(), timeout_s) for r in shorts))
+        return [await lt, *rest]
+
+
+def _warmup(cluster: Cluster, scale: Scale, reqs: list[Req], seed: int, timeout_s: float) -> dict:
+    n_gen = max(1, sum(1 for w in cluster.workers if w.spec.role in ("generation", "both")))
+    t0 = time.monotonic()
+    plan = warmup_plan(scale, reqs, n_gen, seed, cluster.model)
+    for long, shorts in plan:
+        res = asyncio.run(_warm_round(cluster.url, long, shorts, timeout_s))
         bad = [r.error for r in res if not r.ok]
         if bad:
-            raise BenchError(f"{cluster.name}: warm-up {kind} request failed: {bad[0]}; logs in {cluster.logdir}")
+            raise BenchError(f"{cluster.name}: a warm-up request failed: {bad[0]}; logs in {cluster.logdir}")
+    return {"rounds": len(plan), "requests": sum(len(s) + (long is not None) for long, s in plan),
+            "long_prompt_tokens": [long.prompt_tokens for long, _ in plan if long is not None],
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 _T0 = time.monotonic()
@@ -997,7 +1061,7 @@ def run_config(label: str, args, reg: Registry, logdir: Path, specs: list[Worker
                        else f"the fleet placed the probe request as {mode!r}, not 'disaggregated'")
                 _say(label, f"skipped: {why}")
                 return {**info, "skipped": why}
-        _warmup(cluster, args.scale, args.seed, args.request_timeout)
+        info["warmup"] = _warmup(cluster, args.scale, reqs, args.seed, args.request_timeout)
         before = cluster.worker_metrics()
         _say(label, f"up in {info['startup_s']:g}s, warmed up; running {len(reqs)} requests over "
                     f"{args.scale.duration_s:g}s")
@@ -1215,6 +1279,15 @@ def machine() -> str:
 
 # ============================================================================ main
 
+def max_context(model: str) -> int:
+    """The model's context length (preset or HF ``config.json``)."""
+    path = Path(model)
+    if path.is_dir():
+        return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings") or 1 << 20)
+    from worker.presets import preset_config
+    return preset_config(model).max_position_embeddings
+
+
 def kv_bytes_per_token(model: str, dtype: str) -> int:
     """K+V bytes of one token across all layers, from the preset or the HF ``config.json``."""
     elt = 2 if dtype == "bfloat16" else 4
@@ -1315,6 +1388,20 @@ def resolve_args(args) -> None:
         args.start_timeout = 600.0 if args.device == "cuda" else 120.0
 
 
+def check_model(args) -> None:
+    """The model exists and holds the workload's longest request (BenchError otherwise)."""
+    try:
+        limit = max_context(args.model)
+    except (KeyError, OSError, ValueError) as e:
+        raise BenchError(f"--model {args.model!r}: {e}") from None
+    if "e2e" in args.parts or "pipeline" in args.parts:
+        longest = max(r.prompt_tokens + 64 + r.max_tokens for r in build_workload(args.scale, args.seed, ""))
+        if longest > limit:
+            raise BenchError(f"--model {args.model}: its context is {limit} tokens, but the workload's longest "
+                             f"request needs about {longest} (--scale {args.scale.name}); pick a smaller --scale "
+                             f"factor or another model")
+
+
 def dry_note(args) -> str | None:
     if args.device == "cpu":
         return "CPU smoke run: not a measurement"
@@ -1384,6 +1471,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         resolve_args(args)
+        check_model(args)
     except BenchError as e:
         print(f"disagg_e2e: {e}", file=sys.stderr)
         return 2
