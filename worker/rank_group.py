@@ -16,6 +16,7 @@ step channel's EOF), so a killed leader leaves no orphans.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import shutil
@@ -37,6 +38,9 @@ __all__ = ["RankGroup", "ParallelRunner", "RankGroupFailed", "RankStartupError",
 
 WATCH_INTERVAL_S = 0.1
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process: spawn
+# from one thread that lives as long as the process, whichever (maybe short-lived) thread launches.
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rank-spawner")
 
 
 class RankGroupFailed(RuntimeError):
@@ -140,11 +144,12 @@ class RankGroup:
                 step_a, step_b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 rpc_a, rpc_b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
-                    proc = subprocess.Popen(
+                    proc = _SPAWNER.submit(
+                        subprocess.Popen,
                         [sys.executable, "-m", "worker.rank_worker", "--step-fd", str(step_b.fileno()),
                          "--rpc-fd", str(rpc_b.fileno()), "--leader-pid", str(os.getpid())],
                         pass_fds=(step_b.fileno(), rpc_b.fileno()), env=env, cwd=_REPO_ROOT,
-                        stdin=subprocess.DEVNULL)
+                        stdin=subprocess.DEVNULL).result()
                 finally:
                     step_b.close()
                     rpc_b.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -38,10 +39,32 @@ class Worker:
             await self.link.close()
 
 
+async def _in_transient_thread(fn):
+    """Run ``fn`` on a thread that exits right after (unlike an executor's pooled threads)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def body():
+        try:
+            r = fn()
+        except BaseException as e:
+            loop.call_soon_threadsafe(fut.set_exception, e)
+        else:
+            loop.call_soon_threadsafe(fut.set_result, r)
+
+    t = threading.Thread(target=body, name="transient-launcher")
+    t.start()
+    out = await fut
+    await asyncio.get_running_loop().run_in_executor(None, t.join)
+    return out
+
+
 async def start_worker(model="tiny", *, tp=1, pp=1, role="both", transfer=None, block_size=4,
                        num_blocks=96, max_num_tokens=64, pin_timeout=30.0, transfer_timeout=30.0,
                        hf_dir=None) -> Worker:
-    """A single-rank (tp=pp=1) or multi-rank worker; ``transfer`` names an agent (tcp, shm) or None."""
+    """A single-rank (tp=pp=1) or multi-rank worker; ``transfer`` names an agent (tcp, shm) or None.
+    Multi-rank workers are launched from a thread that then exits: the followers must not care
+    which thread spawned them (PR_SET_PDEATHSIG is per thread)."""
     from worker.cli import _build_transfer
     from worker.server import WorkerServer
 
@@ -49,7 +72,7 @@ async def start_worker(model="tiny", *, tp=1, pp=1, role="both", transfer=None, 
     if tp * pp > 1:
         from worker.parallel_engine import build_parallel_engine
 
-        engine = await asyncio.get_running_loop().run_in_executor(None, lambda: build_parallel_engine(
+        engine = await _in_transient_thread(lambda: build_parallel_engine(
             name, tp_size=tp, pp_size=pp, device="cpu", dtype="float32", num_blocks=num_blocks,
             block_size=block_size, max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout))
     else:

@@ -83,6 +83,8 @@ async def test_in_process_follower_death_fails_requests_and_health(leaders):
     try:
         eng, group = w.engine, w.engine.rank_group
         follower = group.pids()[1]
+        await asyncio.sleep(0.3)  # the launching thread has exited: the follower must live on
+        assert alive(follower) and eng.alive
         from worker.engine import EngineRequest, SamplingParams
 
         req = EngineRequest(request_id="long", prompt_token_ids=list(range(60, 90)),
