@@ -205,7 +205,8 @@ async def _baseline(*workers, timeout=15.0):
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("ctx,gen,ref", [("tp2", "ref", "ref"), ("ref", "pp2", "ref"),
+@pytest.mark.parametrize("ctx,gen,ref", [("tp2", "ref", "ref"), ("ref", "tp2", "ref"),
+                                         ("pp2", "ref", "ref"), ("ref", "pp2", "ref"),
                                          ("pp2", "tp2", "ref"), ("kv1_tp2", "kv1_ref", "kv1_ref")])
 async def test_disaggregated_across_layouts_equals_aggregated(ws, ctx, gen, ref):
     """Each rank sends / receives its own shard (MultiRankTransceiver); the generation worker
@@ -243,3 +244,31 @@ async def test_call_all_runs_on_every_rank_and_reraises_typed_errors(ws):
         g.call_all("os:getpid")
     # The group is still healthy after errors.
     assert g.healthy and g.call_all("tests.worker_parallel.rank_fns:echo", 7) == [7, 7]
+
+
+@pytest.mark.parametrize("ctx,gen", [("pp2", "tp2"), ("tp2", "pp2")])
+async def test_generation_first_across_layouts_equals_aggregated(ws, ctx, gen):
+    """The generation leg posts its receives (on every rank) before the context leg exists; the
+    context ranks adopt them and send pipelined chunks as prefill proceeds."""
+    did = 1 << 42 | hash((ctx, gen, "gf")) & 0xFFFFFF
+    async with aiohttp.ClientSession() as http:
+        async with http.get(ws[ctx].url + "/server_info") as r:
+            ep = (await r.json())["disaggregated_params"]["ctx_info_endpoint"]
+        for i, p in enumerate(PROMPTS):
+            st, a = await complete(http, ws["ref"].url, {"prompt": p, "max_tokens": N_NEW,
+                                                          "temperature": 0, "ignore_eos": True})
+            assert st == 200, a
+            gen_task = asyncio.create_task(complete(http, ws[gen].url, {
+                "prompt": p, "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True,
+                "disaggregated_params": {"request_type": "generation_only", "ctx_request_id": did + i,
+                                         "disagg_request_id": did + i, "ctx_info_endpoint": ep,
+                                         "schedule_style": "generation_first"}}))
+            await asyncio.sleep(0.05)
+            st, c = await complete(http, ws[ctx].url, {
+                "prompt": p, "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True,
+                "disaggregated_params": {"request_type": "context_only", "disagg_request_id": did + i}})
+            assert st == 200, c
+            st, g = await gen_task
+            assert st == 200, g
+            assert g["choices"][0]["text"] == a["choices"][0]["text"], (ctx, gen, p)
+    await _baseline(ws[ctx], ws[gen])
