@@ -157,3 +157,42 @@ def test_sigterm_drains_in_flight_stream(module_cluster, pair):
     assert st == 200 and raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw
     f.p.wait(20)
     assert f.p.returncode == 0
+
+
+def test_overload_sheds_with_429(module_cluster, pair):
+    import threading
+    ctx, gen = pair
+    url, _ = start(module_cluster, "shed", fleet={"max_inflight_requests": 1}, context_servers=group([ctx]),
+                   generation_servers=group([gen]))
+    first = {}
+    t = threading.Thread(target=lambda: first.update(r=call(
+        "POST", url + "/v1/completions", {"model": "tiny", "prompt": "hold", "max_tokens": 50}, timeout=30)))
+    t.start()
+    wait_for(lambda: metric(call("GET", gen + "/metrics")[2].decode(), "splitserve_worker_num_requests_running") >= 1,
+             10, "the first request to run")
+    st, h, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "shed me", "max_tokens": 1})
+    assert st == 429 and h.get("Retry-After") == "1", raw
+    assert json.loads(raw)["error"]["type"] == "rate_limit_error"
+    t.join(30)
+    assert first["r"][0] == 200
+
+
+def test_dynamically_registered_workers(cluster):
+    from .conftest import free_port_pair
+    port = free_port_pair()
+    cfg = cluster.config("dyn.yaml", port=port, num_workers=2,
+                         disagg_cluster={"cluster_uri": f"http://127.0.0.1:{port - 1}"},
+                         context_servers={"router": {"type": "kv_cache_aware"}},
+                         generation_servers={"router": {"type": "kv_cache_aware"}})
+    f = cluster.fleet(cfg, name="dyn-fleet")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: call("GET", url + "/cluster_info")[0] == 200, 90, "fleet without workers", f)
+    assert call("GET", url + "/health")[0] == 503            # nothing registered yet
+    coord = f"http://127.0.0.1:{port - 1}"
+    cluster.worker("context", name="dyn-ctx", extra=("--coordinator-url", coord, "--register-ttl", 5))
+    cluster.worker("generation", name="dyn-gen", extra=("--coordinator-url", coord, "--register-ttl", 5))
+    wait_for(lambda: call("GET", url + "/health", headers={"Connection": "close"})[0] == 200, 30,
+             "registered workers to reach every fleet process", f)
+    st, h, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "dynamic", "max_tokens": 2})
+    assert st == 200, raw
+    assert json.loads(h["x-splitserve-route"])["mode"] == "disaggregated"
