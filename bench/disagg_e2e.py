@@ -64,7 +64,6 @@ import shlex
 import shutil
 import signal
 import socket
-import string
 import subprocess
 import sys
 import tempfile
@@ -1253,15 +1252,30 @@ def render(result: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-def write_results(path: Path, body: str) -> None:
-    """Replace the ``## disagg_e2e`` section (up to the next ``## ``) or append it."""
+def results_title(result: dict) -> str:
+    """The subsection one configuration owns under ``## disagg_e2e`` (a two-GPU run does not replace
+    the one-GPU dry run)."""
+    m = result["meta"]
+    gpus = [g for g in (m.get("gpus") or "").split(",") if g]
+    where = "CPU smoke run" if m["device"] == "cpu" else (
+        f"{len(set(gpus))} GPUs" if len(set(gpus)) > 1 else "one GPU (dry run)")
+    return f"### {m['model']} · {where} · scale {m['scale']}"
+
+
+def write_results(path: Path, body: str, title: str) -> None:
+    """Replace ``title``'s subsection of ``## disagg_e2e`` (or add it, or the section), keeping the rest."""
     text = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = f"{SECTION}\n\n{body.rstrip()}\n"
+    block = f"{title}\n\n{body.rstrip()}\n"
     sec = re.search(rf"^{re.escape(SECTION)}\s*$.*?(?=^## |\Z)", text, flags=re.M | re.S)
     if sec is None:
-        text = text.rstrip("\n") + "\n\n" + block
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n" + block
     else:
-        text = text[:sec.start()] + block + ("\n" if text[sec.end():] else "") + text[sec.end():]
+        old = sec.group(0)
+        sub = re.search(rf"^{re.escape(title)}\s*$.*?(?=^### |\Z)", old, flags=re.M | re.S)
+        new = (old[:sub.start()] + block + ("\n" if old[sub.end():] else "") + old[sub.end():] if sub
+               else old.rstrip("\n") + "\n\n" + block)
+        rest = text[sec.end():]
+        text = text[:sec.start()] + new.rstrip("\n") + "\n" + ("\n" if rest else "") + rest
     path.write_text(text.rstrip("\n") + "\n")
 
 
@@ -1351,6 +1365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write every number as JSON to this file")
     p.add_argument("--write-results", action="store_true",
                    help="replace (or append) the '## disagg_e2e' section of bench/RESULTS.md")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="run nothing: print (and with --write-results record) the tables of a saved --out file")
     p.add_argument("--results", default=str(RESULTS), help=argparse.SUPPRESS)
     return p
 
@@ -1469,6 +1485,19 @@ def main(argv: list[str] | None = None) -> int:
         return worker_shim(argv[1] if len(argv) > 1 else "", argv[2:])
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if args.from_json:
+        try:
+            result = json.loads(Path(args.from_json).read_text())
+            text = render(result)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"disagg_e2e: --from-json {args.from_json}: not a saved result ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+            return 2
+        print(text, end="")
+        if args.write_results:
+            write_results(Path(args.results), text, results_title(result))
+            print(f"disagg_e2e: updated '{results_title(result)}' in {args.results}")
+        return 0
     try:
         resolve_args(args)
         check_model(args)
@@ -1505,8 +1534,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"disagg_e2e: wrote {args.out}")
     if args.write_results:
-        write_results(Path(args.results), text)
-        print(f"disagg_e2e: updated the '{SECTION}' section of {args.results}")
+        write_results(Path(args.results), text, results_title(result))
+        print(f"disagg_e2e: updated '{results_title(result)}' in {args.results}")
     print(f"disagg_e2e: logs in {logdir}")
     return 0
 

@@ -159,20 +159,40 @@ def test_report_table_and_results_file(smoke):
     assert r["targets"]["transfer"]["tokens"] == max(SCALE.transfer_sizes)   # the size nearest 16k
     text = smoke["results"].read_text()
     assert text.startswith("# Benchmark results\n\n## worker\n\nkept as is\n")
-    assert text.count("## disagg_e2e") == 1
+    assert text.count("## disagg_e2e") == 1 and "### tiny · CPU smoke run · scale tiny" in text
     assert "`python bench/disagg_e2e.py --device cpu" in text and r["targets_line"] in text
 
 
-def test_write_results_replaces_only_its_section(tmp_path):
+def test_write_results_replaces_only_its_subsection(tmp_path):
     p = tmp_path / "RESULTS.md"
-    p.write_text("# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\nold\n\n## b\n\ntwo\n")
-    bench.write_results(p, "new table\n")
-    assert p.read_text() == "# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\nnew table\n\n## b\n\ntwo\n"
-    bench.write_results(p, "newer\n")
-    assert p.read_text().count("## disagg_e2e") == 1 and "newer" in p.read_text() and "new table" not in p.read_text()
+    p.write_text("# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\n### x\n\nold x\n\n### y\n\nold y\n\n"
+                 "## b\n\ntwo\n")
+    bench.write_results(p, "new x\n", "### x")
+    assert p.read_text() == ("# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\n### x\n\nnew x\n\n"
+                             "### y\n\nold y\n\n## b\n\ntwo\n")
+    bench.write_results(p, "new y\n", "### y")
+    bench.write_results(p, "z\n", "### z")
+    assert p.read_text() == ("# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\n### x\n\nnew x\n\n"
+                             "### y\n\nnew y\n\n### z\n\nz\n\n## b\n\ntwo\n")
     q = tmp_path / "missing.md"
-    bench.write_results(q, "first\n")
-    assert q.read_text() == "# Benchmark results\n\n## disagg_e2e\n\nfirst\n"
+    bench.write_results(q, "first\n", "### t")
+    assert q.read_text() == "# Benchmark results\n\n## disagg_e2e\n\n### t\n\nfirst\n"
+
+
+def test_from_json_renders_and_records_a_saved_run(smoke, tmp_path, capsys):
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(smoke["result"]))
+    results = tmp_path / "RESULTS.md"
+    assert bench.main(["--from-json", str(saved), "--write-results", "--results", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert bench.render(smoke["result"]) in out and smoke["result"]["targets_line"] in out
+    text = results.read_text()
+    assert "### tiny · CPU smoke run · scale tiny" in text
+    assert text == smoke["results"].read_text().replace("## worker\n\nkept as is\n\n", "")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert bench.main(["--from-json", str(bad)]) == 2
+    assert "not a saved result" in capsys.readouterr().err
 
 
 def test_workload_is_fixed_by_the_seed():
