@@ -385,10 +385,19 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
         # A launcher's child: if the launcher dies (even SIGKILL), stop instead of lingering as an orphan.
         watchdog = asyncio.get_running_loop().create_task(_watch_parent(os.getppid(), stop))
     coord_obj = None
+    coord_server = None
     if coordinator_url is None:
-        from coordinator.service import Coordinator
+        from coordinator.service import Coordinator, CoordinatorServer
         coord_obj = Coordinator(config)
-        await coord_obj.start()
+        if config.disagg_cluster is not None:
+            # Dynamic membership: workers must reach the coordinator to register, so the in-process
+            # coordinator also serves its API (loopback by default) on port - 1 and its Unix socket.
+            coord_server = CoordinatorServer(coord_obj, host=config.coordinator.host,
+                                             port=config.coordinator_port, uds_path=config.coordinator_uds_path)
+            urls = await coord_server.start()
+            log.info("in-process coordinator serving its API on %s", " and ".join(urls))
+        else:
+            await coord_obj.start()
         client = InProcessCoordinatorClient(coord_obj)
         label = "in-process"
     else:
@@ -427,5 +436,7 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
                 await closer()
             except Exception:
                 pass
-        if coord_obj is not None:
+        if coord_server is not None:
+            await coord_server.stop()
+        elif coord_obj is not None:
             await coord_obj.stop()

@@ -177,10 +177,12 @@ def test_overload_sheds_with_429(module_cluster, pair):
     assert first["r"][0] == 200
 
 
-def test_dynamically_registered_workers(cluster):
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_dynamically_registered_workers(cluster, num_workers):
     from .conftest import free_port_pair
     port = free_port_pair()
-    cfg = cluster.config("dyn.yaml", port=port, num_workers=2,
+    # one process: the in-process coordinator also serves its API on port - 1 for registrations
+    cfg = cluster.config("dyn.yaml", port=port, num_workers=num_workers,
                          disagg_cluster={"cluster_uri": f"http://127.0.0.1:{port - 1}"},
                          context_servers={"router": {"type": "kv_cache_aware"}},
                          generation_servers={"router": {"type": "kv_cache_aware"}})
