@@ -181,6 +181,10 @@ class Placer:
         t0 = time.perf_counter()
         ci = await self.coord.cluster_info()
         self._rtt["cluster_info"].observe(time.perf_counter() - t0)
+        if not self.coord_ok and ci.get("is_ready") is False:
+            # A coordinator that just (re)started has not probed its servers yet: its lists would say
+            # "nothing healthy" and its placements 503. Keep placing locally until it is ready.
+            return ci
         self.apply_cluster_info(ci)
         self._coord_back()
         return ci
