@@ -253,6 +253,7 @@ def run(args) -> tuple[str, dict]:
                            (["nixl", "tcp"] + (["shm"] if device == "cpu" else [])))
     rate = args.prefill_tok_s or (191_000.0 if device == "cuda" else 20_000.0)
     results: dict = {"bw": {}, "write": {}, "scatter": {}, "ttft": {}, "kinds": []}
+    base: dict[int, float] = {}
     req = iter(range(1, 1 << 30))
     rng = np.random.default_rng(0)
     for kind in kinds:
@@ -274,6 +275,10 @@ def run(args) -> tuple[str, dict]:
             for ntok in sizes:
                 nblk = -(-ntok // TPB)
                 ids = list(range(nblk))
+                # the ceiling, measured right next to the transfers it is compared with (the
+                # machine may be shared); best over every agent's turn
+                base[ntok] = min(base.get(ntok, float("inf")),
+                                 copy_baseline(device, nblk * block_bytes(dtype), max(3, repeats)))
                 ts, ws = [], []
                 for _ in range(repeats):
                     r = next(req)
@@ -320,8 +325,6 @@ def run(args) -> tuple[str, dict]:
         tp, tm = results["ttft"][(actual, True)], results["ttft"][(actual, False)]
         print(f"{actual:5s} TTFT {ntok} tok: pipelined {tp * 1e3:.1f} ms, monolithic "
               f"{tm * 1e3:.1f} ms (prefill {prefill * 1e3:.1f} ms)", flush=True)
-    base = {ntok: copy_baseline(device, -(-ntok // TPB) * block_bytes(dtype), max(3, repeats))
-            for ntok in sizes}
     return render(args, results, base, rate), results
 
 

@@ -41,7 +41,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -236,17 +236,6 @@ class TransferAgent(abc.ABC):
         self.shutdown()
 
 
-def nixl_importable() -> tuple[bool, str]:
-    """(True, "") when a NIXL python binding imports; else (False, reason)."""
-    from .nixl_agent import import_nixl
-
-    try:
-        import_nixl()
-        return True, ""
-    except AgentUnavailable as e:
-        return False, str(e)
-
-
 def make_agent(kind: str = "auto", name: str | None = None, *, host: str = "127.0.0.1",
                advertise_host: str | None = None, port: int = 0, **options) -> TransferAgent:
     """Create a transfer agent of `kind` and log the choice.
@@ -287,11 +276,3 @@ def make_agent(kind: str = "auto", name: str | None = None, *, host: str = "127.
     log.info("transfer agent: %s name=%s endpoint=%s", agent.kind, name,
              getattr(agent, "endpoint", None))
     return agent
-
-
-def collect_regions(regs: Iterable[RegHandle]) -> list[tuple[int, int, int, str]]:
-    out = []
-    for h in regs:
-        for a, n, d in h.regions.tolist():
-            out.append((a, n, d, h.mem_type))
-    return out

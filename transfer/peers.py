@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from .errors import UnsupportedTopology
 from .mappers import PoolPairMapper, build_mapper
 from .page_table import PageTable, PoolView
-from .rank_info import RankInfo, flatten_rank  # noqa: F401  (re-exported: rank flattening lives with peers)
+from .rank_info import RankInfo
 
 
 def layer_range(pp_rank: int, pp_size: int, num_layers: int) -> tuple[int, int]:

@@ -27,7 +27,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, RegHandle, TransferAgent, XferHandle,
-                    collect_regions, regions_array)
+                    regions_array)
 from .descs import Coverage, Descs, check_pair
 from .errors import (AgentMismatch, InvalidDescriptors, NameConflict, OutOfRange, PeerLost,
                      ProtocolError, RemoteNotLoaded, TransferError)
@@ -503,8 +503,3 @@ def desc_from_bytes(b: bytes) -> np.ndarray:
     if len(b) % 24:
         raise ProtocolError(f"descriptor bytes not a multiple of 24: {len(b)}")
     return np.frombuffer(b, dtype=np.uint64).reshape(-1, 3)
-
-
-def collect_local_regions(agent: PyAgentBase):
-    with agent._lock:
-        return collect_regions(agent._regs.values())

@@ -5,7 +5,6 @@ Every agent kind runs the same cases: the fallbacks always, NIXL when `import ni
 from __future__ import annotations
 
 from tests.transfer.conftest import peer_context
-import os
 import time
 
 import msgpack

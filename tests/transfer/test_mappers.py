@@ -18,8 +18,8 @@ from tests.transfer.geometry import (Model, Side, build_instance, fill, kv_eleme
 from transfer.errors import UnsupportedTopology
 from transfer.mappers import build_mapper
 from transfer.page_table import LayerGroup, PageTable, PhysicalPool, PoolView
-from transfer.peers import (flatten_rank, head_range, layer_range, peer_flat_ranks, plan_pair,
-                            standard_layout)
+from transfer.peers import head_range, layer_range, peer_flat_ranks, plan_pair, standard_layout
+from transfer.rank_info import flatten_rank
 
 
 def _tp_choices(heads):

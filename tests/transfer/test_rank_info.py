@@ -57,7 +57,7 @@ def test_block_size_and_layout_version_mismatch():
 
 
 def test_from_runner_dict_wraps_the_worker_page_table():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from worker.presets import build_preset
     from worker.runner import ModelRunner
 
