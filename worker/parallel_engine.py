@@ -112,8 +112,12 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
     Without ``num_blocks`` the pool is sized from rank 0's free memory (CUDA) or a 1 GiB budget
     (CPU) over *rank 0's* bytes per block — every rank holds the same number of blocks, and rank 0
     stores at least as many layers as any other stage."""
+    import json
+    from pathlib import Path
+
     import torch
 
+    from router.tokenizer import ByteTokenizer
     from worker.loader import load_tokenizer, resolve_device, resolve_dtype
     from worker.model import ModelConfig
     from worker.parallel import RankLayout
@@ -124,16 +128,10 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    from pathlib import Path
-
     if is_preset(model) and not Path(model).is_dir():
-        from router.tokenizer import ByteTokenizer
-
         cfg = preset_config(model)
         tok = ByteTokenizer(vocab_size=cfg.vocab_size)
     else:
-        import json
-
         path = Path(model)
         if not (path / "config.json").is_file():
             raise ValueError(f"model {model!r} is neither a preset (tiny, 1b, 8b) nor a directory "

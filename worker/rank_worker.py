@@ -101,9 +101,10 @@ def handle_rpc(ctx: RankContext, msg: dict) -> Any:
     if op == "call":
         return resolve_callable(msg["fn"])(ctx, *msg.get("args", ()))
     if op == "read_blocks":
+        # Diagnostics/tests: float32 bytes whatever the pool's dtype (numpy has no bfloat16).
         t = ctx.runner.read_blocks(msg["ids"])
-        return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                "data": t.float().cpu().numpy().tobytes()}
+        return {"shape": list(t.shape), "pool_dtype": str(t.dtype).removeprefix("torch."),
+                "dtype": "float32", "data": t.float().cpu().numpy().tobytes()}
     raise ValueError(f"unknown rank RPC op {op!r}; expected ping, page_table, call or read_blocks")
 
 
@@ -178,11 +179,10 @@ def _build(init: dict):
     import torch
 
     from worker.loader import resolve_dtype
+    from worker.model import ModelConfig
     from worker.parallel import RankComm, RankLayout
     from worker.runner import ModelRunner
     from worker.tp_model import build_rank_model
-
-    from worker.model import ModelConfig
 
     layout = RankLayout(tp_size=init["tp_size"], pp_size=init["pp_size"], rank=init["rank"])
     device = torch.device(init["device"])

@@ -11,8 +11,6 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from router.tokenizer import ByteTokenizer
-
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
@@ -141,8 +139,3 @@ def wait_gone(pids, timeout=15.0) -> list[int]:
         if left:
             time.sleep(0.05)
     return left
-
-
-@pytest.fixture
-def byte_tok():
-    return ByteTokenizer()
