@@ -393,7 +393,7 @@ def run_stats(results: list[Result]) -> dict:
     for r in results:
         modes[str(r.mode)] = modes.get(str(r.mode), 0) + 1
     out["modes"] = modes
-    out["errors"] = [f"#{r.idx} {r.kind}: {r.error or 'no tokens'}" for r in results if not r.ok][:10]
+    out["error_samples"] = [f"#{r.idx} {r.kind}: {r.error or 'no tokens'}" for r in results if not r.ok][:10]
     return out
 
 
@@ -1054,16 +1054,18 @@ def run_config(label: str, args, reg: Registry, logdir: Path, specs: list[Worker
                                  f"{tinfo.get('pipeline')!r} in /server_info; this run needs {pipeline}")
         if need_disagg:
             mode = cluster.route_mode()
-            if mode != "disaggregated":
+            if mode == "no_kv_transfer":
                 why = ("the generation worker cannot receive KV (it answers 501 to generation_only: no KV "
-                       "transfer in this worker build)" if mode == "no_kv_transfer"
-                       else f"the fleet placed the probe request as {mode!r}, not 'disaggregated'")
+                       "transfer in this worker build)")
                 _say(label, f"skipped: {why}")
                 return {**info, "skipped": why}
+            if mode != "disaggregated":
+                raise BenchError(f"{label}: the fleet placed a probe request as {mode!r}, not 'disaggregated'; "
+                                 f"see {logdir}")
         info["warmup"] = _warmup(cluster, args.scale, reqs, args.seed, args.request_timeout)
         before = cluster.worker_metrics()
-        _say(label, f"up in {info['startup_s']:g}s, warmed up; running {len(reqs)} requests over "
-                    f"{args.scale.duration_s:g}s")
+        _say(label, f"up in {info['startup_s']:g}s, warmed up in {info['warmup']['seconds']:g}s; running "
+                    f"{len(reqs)} requests over {args.scale.duration_s:g}s")
         results = asyncio.run(run_requests(cluster.url, _with_model(reqs, cluster.model), args.request_timeout))
         stats = run_stats(results)
         stats["worker_metrics_delta"] = metrics_delta(before, cluster.worker_metrics())

@@ -49,7 +49,7 @@ def smoke(tmp_path_factory):
 def _check_run(run: dict, mode: str) -> None:
     """A configuration's stats: every request answered with its exact token count, sane latencies."""
     assert run["modes"] == {mode: N_SHORT + N_LONG}, run["modes"]
-    assert run["errors"] == []
+    assert run["error_samples"] == []
     for kind, n, max_tokens in (("short", N_SHORT, SCALE.short_max_tokens), ("long", N_LONG, SCALE.long_max_tokens)):
         s = run[kind]
         assert (s["requests"], s["ok"], s["errors"]) == (n, n, 0), s
