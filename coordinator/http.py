@@ -176,18 +176,18 @@ class _Conn(asyncio.Protocol):
 
     # ---- answers --------------------------------------------------------------------------------
     def _write(self, r: Reply, keep: bool, head: bool = False) -> None:
-        parts = [_status_line(r.status) if r.status != 200 else b"HTTP/1.1 200 OK\r\n",
-                 b"Content-Type: ", r.content_type.encode("latin-1"),
-                 b"\r\nContent-Length: ", str(len(r.body)).encode(), b"\r\n",
-                 self.srv.clock.get()]
+        srv = self.srv
+        key = (r.status, r.content_type)
+        prefix = srv.prefixes.get(key)
+        if prefix is None:
+            prefix = srv.prefixes[key] = (_status_line(r.status) + b"Content-Type: " +
+                                          r.content_type.encode("latin-1") + b"\r\nContent-Length: ")
+        head_ = prefix + str(len(r.body)).encode() + b"\r\n" + srv.clock.get()
         for k, v in r.headers:
-            parts += (k.encode("latin-1"), b": ", v.encode("latin-1"), b"\r\n")
+            head_ += k.encode("latin-1") + b": " + v.encode("latin-1") + b"\r\n"
         if not keep:
-            parts.append(b"Connection: close\r\n")
-        parts.append(b"\r\n")
-        if not head:
-            parts.append(r.body)
-        self.transport.write(b"".join(parts))
+            head_ += b"Connection: close\r\n"
+        self.transport.write(head_ + b"\r\n" if head else head_ + b"\r\n" + r.body)
 
     def _fail(self, status: int, message: str) -> None:
         if self.transport is None or self.closing:
@@ -209,6 +209,7 @@ class HttpServer:
         self.max_body = max_body
         self.keepalive_s = keepalive_s
         self.clock = _Clock()
+        self.prefixes: dict[tuple[int, str], bytes] = {}   # status line + content type, rendered once
         self.conns: set[_Conn] = set()
         self.servers: list[asyncio.base_events.Server] = []
         self.stopping = False

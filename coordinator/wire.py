@@ -116,14 +116,20 @@ def _decoder_pair(schema: type) -> tuple[msgspec.msgpack.Decoder, msgspec.json.D
     return pair
 
 
+_CT_CACHE: dict[str, bool] = {}
+
+
 def is_msgpack(content_type: str | None, body: bytes) -> bool:
     """Which codec a body uses: by Content-Type; with none given, JSON iff it looks like JSON."""
     if content_type:
+        known = _CT_CACHE.get(content_type)
+        if known is not None:
+            return known
         ct = content_type.split(";", 1)[0].strip().lower()
-        if ct in _MSGPACK_TYPES:
-            return True
-        if ct in _JSON_TYPES:
-            return False
+        if ct in _MSGPACK_TYPES or ct in _JSON_TYPES:
+            if len(_CT_CACHE) < 256:
+                _CT_CACHE[content_type] = ct in _MSGPACK_TYPES
+            return ct in _MSGPACK_TYPES
         if ct not in ("application/octet-stream", "text/plain", ""):
             raise UnsupportedMediaType(
                 f"unsupported Content-Type {ct!r}: expected application/msgpack or application/json")
