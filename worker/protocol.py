@@ -60,6 +60,10 @@ class ParsedRequest:
     first_gen_tokens: list[int] | None = None
     disagg_request_id: int | None = None
     echo: bool = False
+    # vLLM's extension: every chunk carries `token_ids`, and a stream sends one chunk per engine
+    # step even when the step's text is empty (a partial UTF-8 character, a special token), so a
+    # client can time each token.
+    return_token_ids: bool = False
 
 
 def _tname(v: Any) -> str:
@@ -285,7 +289,8 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int) -> ParsedReque
     out = ParsedRequest(kind="completion", model=model, prompt_token_ids=ids,
                         sampling=_sampling(body, 16, max_model_len, len(ids)),
                         stream=stream, include_usage=include_usage,
-                        echo=_bool(body, "echo", False))
+                        echo=_bool(body, "echo", False),
+                        return_token_ids=_bool(body, "return_token_ids", False))
     _disagg(body, out)
     return out
 
@@ -346,7 +351,8 @@ def parse_chat(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
     out = ParsedRequest(kind="chat", model=model, prompt_token_ids=ids,
                         sampling=_sampling(body, None, max_model_len, len(ids),
                                            ("max_completion_tokens", "max_tokens")),
-                        stream=stream, include_usage=include_usage)
+                        stream=stream, include_usage=include_usage,
+                        return_token_ids=_bool(body, "return_token_ids", False))
     _disagg(body, out)
     return out
 

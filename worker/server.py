@@ -338,9 +338,11 @@ class WorkerServer:
 
     async def _collect(self, stream, parsed, kind, oid, headers) -> web.Response:
         parts: list[str] = [self._echo(parsed)]
+        token_ids: list[int] = []
         last = None
         async for ev in stream:
             parts.append(ev.text)
+            token_ids.extend(ev.token_ids)
             last = ev
         if last.finish_reason == "error":
             return error_response(500, last.error or "generation failed", headers=headers)
@@ -348,8 +350,11 @@ class WorkerServer:
         disagg, prompt_ids = self._disagg_out(parsed, last)
         text = "".join(parts)
         shape = protocol.completion_response if kind == "completion" else protocol.chat_response
-        return _json(shape(oid, self.model_name, text, last.finish_reason, last.stop_reason, use,
-                           disagg, prompt_ids), headers=headers)
+        body = shape(oid, self.model_name, text, last.finish_reason, last.stop_reason, use,
+                     disagg, prompt_ids)
+        if parsed.return_token_ids:
+            body["choices"][0]["token_ids"] = token_ids
+        return _json(body, headers=headers)
 
     async def _stream(self, request, stream, parsed, kind, oid, headers) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -372,7 +377,8 @@ class WorkerServer:
                                                  "type": "internal_server_error", "param": None,
                                                  "code": None}}))
                 break
-            if ev.finish_reason is None and not ev.text:
+            if ev.finish_reason is None and not ev.text and not (
+                    parsed.return_token_ids and ev.token_ids):
                 continue  # an incomplete UTF-8 character: wait for the rest
             disagg = self._disagg_out(parsed, ev)[0] if ev.finish_reason else None
             if chat:
@@ -382,6 +388,8 @@ class WorkerServer:
             else:
                 chunk = protocol.completion_chunk(oid, created, model, ev.text, ev.finish_reason,
                                                   ev.stop_reason, disagg)
+            if parsed.return_token_ids:
+                chunk["choices"][0]["token_ids"] = list(ev.token_ids)
             if parsed.include_usage:
                 chunk["usage"] = None
             await resp.write(_sse(chunk))

@@ -314,3 +314,28 @@ async def test_echo_prepends_the_prompt(servers, http):
     async with http.post(url + "/v1/completions", json={**body, "echo": True, "stream": True}) as r:
         chunks = await sse(r)
     assert "".join(c["choices"][0]["text"] for c in chunks) == "echo this" + plain
+
+
+async def test_return_token_ids_times_every_token(servers, http):
+    """`return_token_ids` (vLLM's extension): the JSON answer lists the generated ids, and a stream
+    sends one chunk per produced token, even when its text is empty, so clients can time tokens."""
+    srv, url = await servers()
+    body = {"model": "tiny", "prompt": "token timing", "max_tokens": 9, "temperature": 0}
+    async with http.post(url + "/v1/completions", json=body) as r:
+        plain = await r.json()
+    assert "token_ids" not in plain["choices"][0]
+    async with http.post(url + "/v1/completions", json={**body, "return_token_ids": True}) as r:
+        full = await r.json()
+    ids = full["choices"][0]["token_ids"]
+    assert len(ids) == full["usage"]["completion_tokens"] == 9
+    async with http.post(url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "token timing"}],
+            "max_tokens": 9, "temperature": 0, "stream": True, "return_token_ids": True}) as r:
+        events = await sse(r)
+    per_chunk = [e["choices"][0]["token_ids"] for e in events[1:]]  # [0] is the role chunk
+    assert sum(len(t) for t in per_chunk) == 9
+    assert all(len(t) >= 1 for t in per_chunk[:-1])
+    async with http.post(url + "/v1/completions", json={
+            **body, "stream": True, "return_token_ids": True}) as r:
+        streamed = [i for e in await sse(r) for i in e["choices"][0]["token_ids"]]
+    assert streamed == ids
