@@ -71,6 +71,11 @@ IN_FLIGHT, FAILED, DONE = 0, 1, 2
 OPAQUE_VERSION = 1
 RETIRED_MAX = 65536
 SPIN_S = 0.002
+# Prepared lists (NIXL merges runs and posts from indices) beat building lists per transfer even
+# for a single run: on an H200 a 512 MiB contiguous write took 0.54 ms prepped vs 0.80 ms through
+# initialize_xfer with one merged descriptor (the per-call list building costs ~0.3 ms). Transfers
+# with at most this many runs take the per-transfer path.
+PREPPED_MIN_RUNS = 0
 
 
 # ============================================================================ public data
@@ -270,6 +275,13 @@ class _PeerInstance:
     peers: list[RankInfo] = field(default_factory=list)
     pending: set = field(default_factory=set)
     waiting: list[int] = field(default_factory=list)
+
+
+def _runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+    """Block runs consecutive on both sides (each becomes one copy when merged)."""
+    if src_ids.size <= 1:
+        return int(src_ids.size)
+    return 1 + int(np.count_nonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)))
 
 
 def _ids_bytes(ids) -> bytes:
@@ -1049,7 +1061,7 @@ class KvTransceiver:
                 continue
             src_ids = s.src_ids[m.src_group][b0:b1]
             dst_ids = t.dst_ids[m.dst_group][b0:b1]
-            if i in t.rx.preps:
+            if i in t.rx.preps and _runs(src_ids, dst_ids) > PREPPED_MIN_RUNS:
                 keep = (src_ids >= 0) & (dst_ids >= 0)
                 lp, rp = t.rx.preps[i]
                 h = self.agent.submit_prepped(t.rx.agent_name, lp, src_ids[keep], rp, dst_ids[keep])
