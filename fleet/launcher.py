@@ -197,11 +197,7 @@ class Launcher:
                         "--host", cfg.coordinator.host, "--port", str(cport)]
                 uds = cfg.coordinator_uds_path
                 if uds:
-                    argv += ["--uds", uds]
-                    try:
-                        os.unlink(uds)   # a stale socket file from a killed run
-                    except FileNotFoundError:
-                        pass
+                    argv += ["--uds", uds]   # the coordinator replaces a stale socket file, never a live one
                 self.coordinator = _Child("coordinator", argv, env)
                 self.coordinator.start()
                 log.info("launcher: coordinator pid %d on %s%s", self.coordinator.proc.pid, tcp_url,
@@ -273,8 +269,16 @@ class Launcher:
                     c.start()
             co = self.coordinator
             if co is not None and co.proc is not None and co.proc.poll() is not None:
-                log.warning("launcher: coordinator (pid %d) exited with code %s; restarting", co.proc.pid,
-                            co.proc.returncode)
+                # The fleet keeps serving from its last-known server list meanwhile.
+                if now - co.started_at > 30:
+                    co.backoff = 0.5
+                log.warning("launcher: coordinator (pid %d) exited with code %s; restarting in %.1fs",
+                            co.proc.pid, co.proc.returncode, co.backoff)
+                co.proc = None
+                co.next_start = now + co.backoff
+                co.backoff = min(co.backoff * 2, 10.0)
+            if co is not None and co.proc is None and now >= co.next_start and not self.stopping:
+                co.restarts += 1
                 co.start()
             if not announced and all(c.ready for c in self.fleet):
                 announced = True

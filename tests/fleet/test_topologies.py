@@ -181,3 +181,31 @@ def test_single_process_topology_and_sigterm(cluster, workers):
     f.kill(signal.SIGTERM)
     f.p.wait(30)
     assert f.p.returncode == 0
+
+
+def test_implicit_coordinator_crash_is_restarted_without_failed_requests(cluster, workers):
+    ctx, gen = workers
+    port = free_port_pair()
+    cfg = cluster.config("crash.yaml", port=port, num_workers=2, context_servers=group([ctx], "kv_cache_aware"),
+                         generation_servers=group([gen], "kv_cache_aware"), fleet={"coordinator_timeout_s": 1})
+    launcher = cluster.fleet(cfg, name="launcher-crash")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url), 90, "fleet of 2", launcher)
+    cport = port - 1
+
+    def coordinator_pid():
+        import subprocess as sp
+        out = sp.run(["ss", "-ltnpH", f"sport = :{cport}"], capture_output=True, text=True).stdout
+        return int(out.split("pid=")[1].split(",")[0])
+
+    old = coordinator_pid()
+    with Load(url, {"model": "tiny", "prompt": "through a coordinator crash", "max_tokens": 2}) as load:
+        time.sleep(0.5)
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: coordinator_pid() != old, 30, "the launcher to restart the coordinator", launcher)
+        wait_for(lambda: all(json.loads(http("GET", url + "/cluster_info", headers={"Connection": "close"})[2])
+                             ["fleet"]["coordinator_reachable"] for _ in range(4)), 30,
+                 "both fleet processes back on the coordinator", launcher)
+        time.sleep(0.5)
+    assert load.ok > 0 and load.failed == [], load.failed[:5]
+    assert "coordinator (pid" in launcher.log() and "restarting" in launcher.log()
