@@ -198,3 +198,27 @@ def test_dynamically_registered_workers(cluster, num_workers):
     st, h, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "dynamic", "max_tokens": 2})
     assert st == 200, raw
     assert json.loads(h["x-splitserve-route"])["mode"] == "disaggregated"
+
+
+def test_generation_server_without_kv_transfer_is_served_aggregated(module_cluster, pair):
+    from .conftest import PY, ROOT
+    ctx, _ = pair
+    sport = free_port()
+    stub = module_cluster.spawn("no-transfer-gen", [PY, str(ROOT / "tests" / "fleet" / "no_transfer_worker.py"),
+                                                   str(sport)])
+    gen = f"http://127.0.0.1:{sport}"
+    wait_for(lambda: call("GET", gen + "/health")[0] == 200, 30, "stub generation backend", stub)
+    url, _ = start(module_cluster, "notransfer", context_servers=group([ctx]), generation_servers=group([gen]))
+    wait_for(lambda: call("GET", url + "/health")[0] == 200, 30, "fleet health")
+    ctx_prompts = lambda: metric(call("GET", ctx + "/metrics")[2].decode(), "splitserve_worker_prompt_tokens_total")
+    st, h, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "first", "max_tokens": 1})
+    assert st == 200, raw
+    assert json.loads(h["x-splitserve-route"])["mode"] == "no_kv_transfer"
+    # the context leg that ran before the 501 is released at once (abort), not at its pin timeout
+    wait_for(lambda: metric(call("GET", ctx + "/metrics")[2].decode(), "splitserve_worker_num_pinned_transfers") == 0,
+             5, "the context leg's pinned KV to be released")
+    before = ctx_prompts()
+    st, h, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "second", "max_tokens": 1})
+    assert st == 200 and json.loads(h["x-splitserve-route"])["mode"] == "no_kv_transfer"
+    assert ctx_prompts() == before          # known not to receive KV: no context leg any more
+    assert json.loads(call("GET", gen + "/stats")[2])["aggregated"] == 2
