@@ -26,7 +26,7 @@ fleet that uses it, and ``splitserve worker`` processes pinned to GPUs with ``CU
    A disaggregated run whose generation worker cannot receive KV (501) is reported as skipped.
 3. **pipelined vs monolithic** — (b) with the context worker sending each finished prefill chunk's
    KV right away (pipelined) and again with one transfer after the whole prefill (monolithic); the
-   mode each context worker reports in ``/server_info`` is checked (see ``pipeline_switch``).
+   mode each context worker reports in ``/server_info`` is checked (``--transfer-pipeline on|off``).
 
 Metrics (all client-side, from token arrival times):
 
@@ -537,10 +537,7 @@ class Cluster:
     def _worker_argv(self, spec: WorkerSpec, port: int) -> list[str]:
         a = self.args
         extra = list(spec.extra)
-        if extra[:1] == [SHIM]:      # started through this script, which then runs the worker CLI
-            head, extra = [sys.executable, str(Path(__file__).resolve()), *extra[:2]], extra[2:]
-        else:
-            head = [sys.executable, "-m", "splitserve_cli", "worker"]
+        head = [sys.executable, "-m", "splitserve_cli", "worker"]
         argv = [*head, "--role", spec.role, "--engine", "torch",
                 "--model", a.model, "--device", a.device, "--host", HOST, "--port", str(port),
                 "--num-blocks", str(a.num_blocks), "--transfer-agent", a.transfer_agent,
@@ -1086,59 +1083,9 @@ def e2e_specs(args) -> dict[str, list[WorkerSpec]]:
             "disaggregated": [WorkerSpec("ctx", "context", g0), WorkerSpec("gen", "generation", g1)]}
 
 
-# Candidate spellings of a worker CLI switch for pipelined KV transfer, checked against `worker --help`.
-_PIPELINE_FLAGS = ("--transfer-pipeline", "--kv-transfer-pipeline", "--transfer-pipelined", "--pipeline-transfer")
-SHIM = "--worker-transfer-pipeline"
-
-
-def pipeline_switch() -> dict | None:
-    """How to start a context worker with pipelined / monolithic transfer.
-
-    ``{"how": "flag", "pipelined": args, "monolithic": args}`` when the worker CLI has a switch;
-    otherwise ``{"how": "shim", ...}``: the worker is started through this script (``SHIM on|off``),
-    which sets ``TransferConfig.pipeline`` on the worker's transfer link right after the worker CLI
-    builds it — the same knob the transfer tests flip — and then runs the unchanged worker CLI. Either
-    way every run checks the mode the context worker reports in ``/server_info`` (``transfer.pipeline``).
-    None when neither is possible (the worker CLI builds no transfer link we can reach)."""
-    out = subprocess.run([sys.executable, "-m", "splitserve_cli", "worker", "--help"], capture_output=True,
-                         text=True, cwd=ROOT, env=_child_env(""), timeout=120).stdout
-    for flag in _PIPELINE_FLAGS:
-        if f"--no-{flag[2:]}" in out:                                     # BooleanOptionalAction
-            return {"how": "flag", "pipelined": [flag], "monolithic": [f"--no-{flag[2:]}"]}
-        m = re.search(re.escape(flag) + r"\s+\{([^}]*)\}", out)
-        if m:
-            choices = [c.strip() for c in m.group(1).split(",")]
-            for on, off in (("on", "off"), ("true", "false"), ("1", "0"), ("yes", "no")):
-                if on in choices and off in choices:
-                    return {"how": "flag", "pipelined": [flag, on], "monolithic": [flag, off]}
-    try:
-        import worker.cli as wcli
-    except ImportError:
-        return None
-    if not callable(getattr(wcli, "_build_transfer", None)):
-        return None
-    return {"how": "shim", "pipelined": [SHIM, "on"], "monolithic": [SHIM, "off"]}
-
-
-def worker_shim(mode: str, worker_argv: list[str]) -> int:
-    """``python bench/disagg_e2e.py --worker-transfer-pipeline on|off WORKER-ARGS``: the worker CLI with
-    its transfer link's ``pipeline`` set (see ``pipeline_switch``)."""
-    if mode not in ("on", "off"):
-        print(f"{SHIM}: expected on or off, found {mode!r}", file=sys.stderr)
-        return 2
-    import worker.cli as wcli
-
-    build = wcli._build_transfer
-
-    def build_with_mode(*a, **k):
-        link = build(*a, **k)
-        if link is not None:
-            link.tx.cfg.pipeline = mode == "on"
-        return link
-
-    wcli._build_transfer = build_with_mode
-    from splitserve_cli import main as cli_main
-    return cli_main(["worker", *worker_argv])
+# The worker's switch for pipelined KV transfer (``splitserve worker --transfer-pipeline on|off``).
+PIPELINE_SWITCH = {"how": "flag", "pipelined": ["--transfer-pipeline", "on"],
+                   "monolithic": ["--transfer-pipeline", "off"]}
 
 
 # ============================================================================ report
@@ -1447,7 +1394,7 @@ def run_all(args, reg: Registry, logdir: Path) -> dict:
     else:
         result["transfer"] = {"skipped": "not selected (--parts)"}
     specs = e2e_specs(args)
-    switch = pipeline_switch() if "pipeline" in args.parts else None
+    switch = PIPELINE_SWITCH if "pipeline" in args.parts else None
     runs: dict = {}
     if "e2e" in args.parts:
         runs["aggregated"] = run_config("aggregated", args, reg, logdir, specs["aggregated"], None,
@@ -1466,9 +1413,6 @@ def run_all(args, reg: Registry, logdir: Path) -> dict:
     result["e2e"] = {"workload": workload_summary(reqs), "runs": runs}
     if "pipeline" not in args.parts:
         result["pipeline"] = {"skipped": "not selected (--parts)"}
-    elif switch is None:
-        result["pipeline"] = {"skipped": "the worker has no pipelined-transfer switch (CLI flags "
-                                         + ", ".join(_PIPELINE_FLAGS) + ") and no transfer link to set"}
     elif "skipped" in runs["disaggregated"]:
         result["pipeline"] = {"skipped": runs["disaggregated"]["skipped"]}
     else:
@@ -1483,8 +1427,6 @@ def run_all(args, reg: Registry, logdir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == [SHIM]:
-        return worker_shim(argv[1] if len(argv) > 1 else "", argv[2:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.from_json:

@@ -63,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--transfer-timeout", 120.0, type=float,
         help="seconds a generation_only request waits for its KV (generation_first: including "
              "the context worker's prefill) before it fails")
+    add("--transfer-pipeline", "on", choices=["on", "off"],
+        help="context side sends each finished prefill chunk's blocks while the next chunk "
+             "computes (on), or everything after the prefill (off)")
+    add("--transfer-prepped", "auto", choices=["auto", "on", "off"],
+        help="prepared NIXL descriptor lists (merge runs contiguous on both sides); auto = on "
+             "for nixl")
     add("--tp-size", 1, type=int, help="tensor-parallel size")
     add("--pp-size", 1, type=int, help="pipeline-parallel size")
     add("--sim-prefill-us-per-token", 20.0, type=float,
@@ -191,6 +197,17 @@ def build_server(args):
     return server
 
 
+def transfer_config(args, advertise: str | None):
+    """The one place worker flags become a ``transfer.session.TransferConfig``."""
+    from transfer.session import TransferConfig
+
+    return TransferConfig(agent=args.transfer_agent, host=args.host, advertise_host=advertise,
+                          port=args.transfer_port, send_timeout_s=args.pin_timeout,
+                          recv_timeout_s=args.transfer_timeout,
+                          pipeline=getattr(args, "transfer_pipeline", "on") == "on",
+                          prepped=getattr(args, "transfer_prepped", "auto"))
+
+
 def _build_transfer(args, engine, model_name: str, advertise: str | None):
     """KV transfer for the torch engine (transfer/engine_link.py wires it into the engine's hooks):
     registers the runner's K/V pool with the selected agent and serves the control endpoint that
@@ -198,12 +215,13 @@ def _build_transfer(args, engine, model_name: str, advertise: str | None):
     from transfer.engine_link import EngineTransferLink
     from transfer.errors import TransferError
     from transfer.page_table import PageTable
-    from transfer.session import KvTransceiver, RankTopology, TransferConfig
+    from transfer.session import KvTransceiver, RankTopology
 
+    cfg = transfer_config(args, advertise)
     if getattr(engine, "rank_group", None) is not None:  # multi-rank: one transceiver per rank
         from worker.rank_transfer import build_rank_transfer
 
-        return build_rank_transfer(args, engine, model_name, advertise)
+        return build_rank_transfer(args, engine, model_name, cfg)
     runner = engine.runner
     if args.transfer_agent == "shm":
         if runner.device.type != "cpu":
@@ -215,9 +233,6 @@ def _build_transfer(args, engine, model_name: str, advertise: str | None):
         t = runner.kv_cache
         shared = alloc_shared_host(t.numel() * t.element_size())
         runner.kv_cache = shared.view(t.dtype).view(t.shape)
-    cfg = TransferConfig(agent=args.transfer_agent, host=args.host, advertise_host=advertise,
-                         port=args.transfer_port, send_timeout_s=args.pin_timeout,
-                         recv_timeout_s=args.transfer_timeout)
     mc = runner.cfg
     topo = RankTopology(role=args.role, num_layers=mc.num_hidden_layers,
                         total_kv_heads=mc.num_key_value_heads, model=model_name)

@@ -326,16 +326,13 @@ def _ids(block_ids):
     return out
 
 
-def build_rank_transfer(args, engine, model_name: str, advertise: str | None):
-    """``worker.cli._build_transfer`` for a multi-rank engine: the same flags, one transceiver
-    per rank, wired into the engine by ``EngineTransferLink``."""
+def build_rank_transfer(args, engine, model_name: str, cfg):
+    """``worker.cli._build_transfer`` for a multi-rank engine: the same flags (already turned into
+    ``cfg`` by ``worker.cli.transfer_config``), one transceiver per rank, wired into the engine by
+    ``EngineTransferLink``."""
     from transfer.engine_link import EngineTransferLink
     from transfer.errors import TransferError
-    from transfer.session import TransferConfig
 
-    cfg = TransferConfig(agent=args.transfer_agent, host=args.host, advertise_host=advertise,
-                         port=args.transfer_port, send_timeout_s=args.pin_timeout,
-                         recv_timeout_s=args.transfer_timeout)
     try:
         tx = MultiRankTransceiver(engine, cfg, role=args.role, model_name=model_name)
     except TransferError as e:

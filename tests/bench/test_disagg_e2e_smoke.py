@@ -138,10 +138,7 @@ def test_pipeline_section(smoke):
     r = smoke["result"]
     pl = r["pipeline"]
     if "skipped" in pl:
-        # Allowed only while the worker cannot do the disaggregated run or has no pipelining switch.
-        assert "501" in pl["skipped"] or "no pipelined-transfer switch" in pl["skipped"], pl["skipped"]
-        assert bench.pipeline_switch() is None or "501" in pl["skipped"]
-        pytest.skip(f"pipelined vs monolithic skipped by the benchmark: {pl['skipped']}")
+        pytest.fail(f"pipelined vs monolithic was skipped: {pl['skipped']}")
     assert pl["pipelined"] == r["e2e"]["runs"]["disaggregated"]
     _check_run(pl["monolithic"], "disaggregated")
     assert pl["monolithic"]["workers"][0]["extra_args"] == pl["switch"]["monolithic"]
