@@ -74,8 +74,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# Run as `python bench/x.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
+# package: the repository root goes first and bench/ itself is dropped.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 import aiohttp  # noqa: E402
 import yaml  # noqa: E402

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# Run as `python bench/x.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
+# package: the repository root goes first and bench/ itself is dropped.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 from router.block_keys import block_keys, block_keys_list  # noqa: E402
 from router.events import (BlocksRemoved, BlocksStored, decode_zmq,  # noqa: E402

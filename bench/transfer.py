@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# Run as `python bench/x.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
+# package: the repository root goes first and bench/ itself is dropped.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 LAYERS, KV_HEADS, HEAD_DIM, TPB = 16, 8, 64, 16   # the 1b preset's KV geometry, block size 16
 SIZES = [1024, 4096, 16384, 65536]

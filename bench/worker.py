@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# Run as `python bench/x.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
+# package: the repository root goes first and bench/ itself is dropped.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
