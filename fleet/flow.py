@@ -172,8 +172,9 @@ class Flow:
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
-    async def _post_abort(self, role: str, server: str, rid: int) -> None:
-        M.ABORTS.labels(role).inc()
+    async def _post_abort(self, role: str, server: str, rid: int, count: bool = True) -> None:
+        if count:
+            M.ABORTS.labels(role).inc()
         try:
             async with asyncio.timeout(2.0):
                 r = await self.pool.request(server, "/v1/abort", orjson.dumps({"request_id": rid}),
@@ -554,7 +555,13 @@ class Flow:
             return self._context_answer(request, creq, st, ctx_raw)
         self._m_place["disaggregated"].inc()
         resp, gen = await gen_task
-        return await self._relay(request, creq, st, gen, resp)
+        out = await self._relay(request, creq, st, gen, resp)
+        if not st.failed:
+            # The generation leg is complete, so it holds the KV: release the context worker's pins now.
+            # (A context_first transfer carries the context worker's address and releases them itself; a
+            # generation_first one may not, and nothing else would before the pin timeout.)
+            self._spawn(self._post_abort(CTX, ctx.server, st.rid, count=False))
+        return out
 
     # ------------------------------------------------------------------ final leg + relay
     async def _final_leg(self, request, creq: ClientRequest, st: _State, gen: Placement, body: bytes,

@@ -39,6 +39,9 @@ def test_generation_first(module_cluster, pair):
     assert text
     st, h, _ = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "route?", "max_tokens": 2})
     assert st == 200 and json.loads(h["x-splitserve-route"])["mode"] == "disaggregated"
+    # every context leg's pinned KV is released once its generation leg is done (no pin-timeout wait)
+    wait_for(lambda: metric(call("GET", ctx + "/metrics")[2].decode(), "splitserve_worker_num_pinned_transfers") == 0,
+             5, "the context worker's pins to be released")
 
 
 def test_request_timeout_is_504_and_aborts(module_cluster, pair):
