@@ -6,7 +6,8 @@ Setup: 32 stand-in workers (one helper process: /health, /server_info, a ZMQ pub
 `splitserve coordinator` process pinned to one core. Clients run on the other core with
 pre-computed routing keys (4k-token prompts, 256 block keys, sent as binary u64).
 
-Phases (same run, same coordinator):
+Phases (same run, same coordinator; phases 1-4 interleave in rounds so that each meets the same
+mix of KV-index states, which keep changing as routed blocks are added):
 1. closed loop, msgpack over UDS: select+finish pairs per second;
 2. closed loop, msgpack over TCP;
 3. closed loop, JSON over TCP with keys as a JSON list (upstream's shape) → ratio vs 1;
@@ -204,109 +205,146 @@ def _prompts(seed: int, docs: int, n: int) -> list[np.ndarray]:
     return out
 
 
-async def _window(spec: dict, pipe) -> dict:
-    """One client process's closed loop: set up, report ready, receive the shared start time
-    (wall clock), warm up until it, and count the pairs completed in [start, start + seconds]."""
-    prompts = _prompts(spec["seed"], spec["docs"], spec["prompts"])
-    kind = spec["kind"]
-    rid = spec["rid0"]
-    pairs = errors = 0
-    cl = None
-    if kind == "client":
-        from coordinator.client import HttpCoordinatorClient
-        cl = HttpCoordinatorClient(spec["url"])
-        conns = [None] * spec["conns"]
-    else:
-        bodies = _Bodies(prompts, spec["json"])
-        conns = [await _connect(spec["target"]) for _ in range(spec["conns"])]
-    pipe.send("ready")
+async def _client_main(base: dict, pipe) -> None:
+    """A persistent client process: build the prompts once, then run one closed-loop window per
+    command from the parent (set up, report armed, wait for the shared start time, warm up until
+    it, count the pairs completed in [start, start + seconds], report)."""
+    prompts = _prompts(base["seed"], base["docs"], base["prompts"])
+    bodies = {False: _Bodies(prompts, False), True: _Bodies(prompts, True)}
     loop = asyncio.get_running_loop()
-    start_at = await loop.run_in_executor(None, pipe.recv)
-    end_at = start_at + spec["seconds"]
+    rid = base["rid0"]
 
-    async def worker(c):
-        nonlocal rid, pairs, errors
-        while True:
-            now = time.time()
-            if now >= end_at:
-                return
-            r = rid = rid + 1
-            role = "context" if r & 1 else "generation"
-            if cl is not None:
-                await cl.select(role, r, {"block_keys": prompts[r % len(prompts)], "num_tokens": PROMPT_TOKENS})
-                await cl.finish(role, r)
-                ok = True
-            else:
-                first = bodies.finish(r, role) if kind == "floor" else bodies.select(r, role)
-                st, _ = await c.request(first)
-                st2, _ = await c.request(bodies.finish(r, role))
-                ok = st == 200 and st2 == 200
-            if now >= start_at and time.time() <= end_at:
-                pairs += 1
-                errors += not ok
+    async def recv():
+        return await loop.run_in_executor(None, pipe.recv)
 
-    await asyncio.gather(*[worker(c) for c in conns])
-    if cl is not None:
-        await cl.close()
-    else:
-        for c in conns:
-            c.transport.close()
-    return {"pairs": pairs, "errors": errors}
+    pipe.send("ready")
+    while True:
+        spec = await recv()
+        if spec is None:
+            return
+        kind = spec["kind"]
+        pairs = errors = 0
+        cl = None
+        if kind == "client":
+            from coordinator.client import HttpCoordinatorClient
+            cl = HttpCoordinatorClient(spec["url"], timeout_s=60)
+            conns = [None] * spec["conns"]
+        else:
+            b = bodies[spec["json"]]
+            conns = [await _connect(spec["target"]) for _ in range(spec["conns"])]
+        pipe.send("armed")
+        start_at = await recv()
+        end_at = start_at + spec["seconds"]
+
+        async def worker(c):
+            nonlocal rid, pairs, errors
+            while True:
+                now = time.time()
+                if now >= end_at:
+                    return
+                r = rid = rid + 1
+                role = "context" if r & 1 else "generation"
+                if cl is not None:
+                    await cl.select(role, r, {"block_keys": prompts[r % len(prompts)],
+                                              "num_tokens": PROMPT_TOKENS})
+                    await cl.finish(role, r)
+                    ok = True
+                else:
+                    first = b.finish(r, role) if kind == "floor" else b.select(r, role)
+                    st, _ = await c.request(first)
+                    st2, _ = await c.request(b.finish(r, role))
+                    ok = st == 200 and st2 == 200
+                if now >= start_at and time.time() <= end_at:
+                    pairs += 1
+                    errors += not ok
+
+        await asyncio.gather(*[worker(c) for c in conns])
+        if cl is not None:
+            await cl.close()
+        else:
+            for c in conns:
+                c.transport.close()
+        pipe.send({"pairs": pairs, "errors": errors})
 
 
-def _client_proc(spec: dict, pipe) -> None:
+def _client_proc(base: dict, pipe) -> None:
     import uvloop
-    if spec.get("cpu") is not None:
-        os.sched_setaffinity(0, {spec["cpu"]})
+    if base.get("cpu") is not None:
+        os.sched_setaffinity(0, {base["cpu"]})
     try:
-        pipe.send(uvloop.run(_window(spec, pipe)))
+        uvloop.run(_client_main(base, pipe))
     except BaseException as exc:  # report, never hang the parent
         pipe.send({"error": f"{type(exc).__name__}: {exc}"})
 
 
-def closed_loop(args, kind: str, target: dict, *, url: str | None = None, json_body: bool = False,
-                seconds: float | None = None, rid0: int = 1 << 40, cpu: int | None = None) -> dict:
-    """Closed loop over `args.client_procs` processes x `args.conns` connections in total.
-    kind: "select" (select+finish), "floor" (two finishes of no lease: the HTTP path alone),
-    "client" (select+finish through HttpCoordinatorClient)."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    seconds = seconds or args.seconds
-    n = max(1, args.client_procs)
-    procs = []
-    for i in range(n):
-        parent, child = ctx.Pipe()
-        spec = {"kind": kind, "target": target, "url": url, "json": json_body,
-                "conns": max(1, args.conns // n), "seconds": seconds,
-                "rid0": rid0 + i * 10**9, "seed": args.seed, "docs": args.docs, "prompts": args.prompts,
-                "cpu": cpu}
-        p = ctx.Process(target=_client_proc, args=(spec, child), daemon=True)
-        p.start()
-        procs.append((p, parent))
-    for p, pipe in procs:
-        if not pipe.poll(120):
-            raise RuntimeError("a client process did not get ready")
+class ClientPool:
+    """`n` persistent client processes that run closed-loop windows on command."""
+
+    def __init__(self, args, cpu: int | None):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.n = max(1, args.client_procs)
+        self.conns = max(1, args.conns // self.n)
+        self.procs = []
+        for i in range(self.n):
+            parent, child = ctx.Pipe()
+            base = {"seed": args.seed, "docs": args.docs, "prompts": args.prompts,
+                    "rid0": (1 << 40) + i * 10**12, "cpu": cpu}
+            p = ctx.Process(target=_client_proc, args=(base, child), daemon=True)
+            p.start()
+            self.procs.append((p, parent))
+        for _p, pipe in self.procs:
+            self._expect(pipe, "ready", 120)
+
+    @staticmethod
+    def _expect(pipe, what: str | None, timeout: float):
+        if not pipe.poll(timeout):
+            raise RuntimeError(f"a client process did not report {what or 'its result'}")
         msg = pipe.recv()
-        if msg != "ready":
-            raise RuntimeError(f"client process failed: {msg}")
-    start_at = time.time() + min(1.0, seconds / 3)      # everyone warms up until then
-    for _p, pipe in procs:
-        pipe.send(start_at)
-    time.sleep(max(0.0, start_at - time.time()))
-    cpu0 = _proc_cpu(target["pid"])
-    time.sleep(seconds)
-    cpu = (_proc_cpu(target["pid"]) - cpu0) / seconds
-    pairs = errors = 0
-    for p, pipe in procs:
-        if not pipe.poll(60):
-            raise RuntimeError("a client process did not report")
-        r = pipe.recv()
-        if "error" in r:
-            raise RuntimeError(f"client process failed: {r['error']}")
-        pairs += r["pairs"]
-        errors += r["errors"]
-        p.join(10)
-    return {"pairs_per_s": pairs / seconds, "errors": errors, "coord_cpu": cpu}
+        if isinstance(msg, dict) and "error" in msg:
+            raise RuntimeError(f"client process failed: {msg['error']}")
+        if what is not None and msg != what:
+            raise RuntimeError(f"client process sent {msg!r}, expected {what!r}")
+        return msg
+
+    def window(self, kind: str, target: dict, seconds: float, *, url: str | None = None,
+               json_body: bool = False, warmup: float = 0.3) -> dict:
+        spec = {"kind": kind, "target": target, "url": url, "json": json_body,
+                "conns": self.conns, "seconds": seconds}
+        for _p, pipe in self.procs:
+            pipe.send(spec)
+        for _p, pipe in self.procs:
+            self._expect(pipe, "armed", 60)
+        start_at = time.time() + warmup
+        for _p, pipe in self.procs:
+            pipe.send(start_at)
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0 = _proc_cpu(target["pid"])
+        time.sleep(seconds)
+        cpu = _proc_cpu(target["pid"]) - cpu0
+        pairs = errors = 0
+        for _p, pipe in self.procs:
+            r = self._expect(pipe, None, 120)
+            pairs += r["pairs"]
+            errors += r["errors"]
+        return {"pairs": pairs, "errors": errors, "cpu_s": cpu, "seconds": seconds}
+
+    def close(self) -> None:
+        for p, pipe in self.procs:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def _total(windows: list[dict]) -> dict:
+    secs = sum(w["seconds"] for w in windows)
+    pairs = sum(w["pairs"] for w in windows)
+    return {"pairs_per_s": pairs / secs, "errors": sum(w["errors"] for w in windows),
+            "coord_cpu": sum(w["cpu_s"] for w in windows) / secs}
 
 
 async def open_loop(target: dict, bodies: _Bodies, rate: float, seconds: float, rid0: int) -> dict:
@@ -449,26 +487,42 @@ def run(args) -> dict:
         if client_cpu is not None:
             os.sched_setaffinity(0, {client_cpu})
         res: dict = {}
-        uds = str(tmp / "coord.sock")
-        coord, uds_t, tcp_t = _start_coordinator(conf, uds, "fast", env, coord_cpu, args.servers)
-        res["uds_msgpack"] = closed_loop(args, "select", uds_t, cpu=client_cpu)
-        res["tcp_msgpack"] = closed_loop(args, "select", tcp_t, cpu=client_cpu)
-        res["tcp_json"] = closed_loop(args, "select", tcp_t, json_body=True, cpu=client_cpu)
-        res["client_uds"] = closed_loop(args, "client", uds_t, url="unix://" + uds, cpu=client_cpu)
-        res["floor_uds"] = closed_loop(args, "floor", uds_t, seconds=args.seconds / 2, cpu=client_cpu)
-        mp_bodies = _Bodies(_prompts(args.seed, args.docs, args.prompts), False)
-        res["open_uds"] = uvloop.run(open_loop(uds_t, mp_bodies, args.rate, args.rate_seconds, 1 << 50))
-        _stop(coord)
-        if not args.skip_aiohttp:
-            uds2 = str(tmp / "coord-aiohttp.sock")
-            coord, uds_t, _ = _start_coordinator(conf, uds2, "aiohttp", env, coord_cpu, args.servers)
-            res["aiohttp_uds"] = closed_loop(args, "select", uds_t, cpu=client_cpu)
-            res["aiohttp_floor"] = closed_loop(args, "floor", uds_t, seconds=args.seconds / 2,
-                                               cpu=client_cpu)
+        pool = ClientPool(args, client_cpu)
+        try:
+            uds = str(tmp / "coord.sock")
+            coord, uds_t, tcp_t = _start_coordinator(conf, uds, "fast", env, coord_cpu, args.servers)
+            # Phases interleave in rounds: the KV index keeps filling with routed blocks as the
+            # run goes on, so back-to-back phases would each meet a different index.
+            phases = {"uds_msgpack": ("select", uds_t, None, False),
+                      "tcp_msgpack": ("select", tcp_t, None, False),
+                      "tcp_json": ("select", tcp_t, None, True),
+                      "client_uds": ("client", uds_t, "unix://" + uds, False)}
+            wins: dict[str, list] = {k: [] for k in phases}
+            pool.window("select", uds_t, min(2.0, args.seconds / 2))       # fill the index first
+            for _ in range(args.rounds):
+                for name, (kind, target, url, js) in phases.items():
+                    wins[name].append(pool.window(kind, target, args.seconds / args.rounds,
+                                                  url=url, json_body=js))
+            for name in phases:
+                res[name] = _total(wins[name])
+            res["floor_uds"] = _total([pool.window("floor", uds_t, args.seconds / 2)])
+            mp_bodies = _Bodies(_prompts(args.seed, args.docs, args.prompts), False)
+            res["open_uds"] = uvloop.run(open_loop(uds_t, mp_bodies, args.rate, args.rate_seconds,
+                                                   1 << 50))
             _stop(coord)
+            if not args.skip_aiohttp:
+                uds2 = str(tmp / "coord-aiohttp.sock")
+                coord, uds_t, _ = _start_coordinator(conf, uds2, "aiohttp", env, coord_cpu,
+                                                     args.servers)
+                pool.window("select", uds_t, min(2.0, args.seconds / 2))
+                res["aiohttp_uds"] = _total([pool.window("select", uds_t, args.seconds)])
+                res["aiohttp_floor"] = _total([pool.window("floor", uds_t, args.seconds / 2)])
+                _stop(coord)
+        finally:
+            pool.close()
 
         res["setup"] = {"servers": args.servers, "prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK,
-                        "conns": args.conns, "client_procs": args.client_procs,
+                        "conns": args.conns, "client_procs": args.client_procs, "rounds": args.rounds,
                         "seconds": args.seconds, "coord_cpu": coord_cpu,
                         "client_cpu": client_cpu, "cpus": len(cpus), "load": os.getloadavg()}
         return res
@@ -501,7 +555,7 @@ def render(res: dict, quick: bool) -> list[str]:
         f"({s['prompt_tokens'] // s['block_size']} block keys, precomputed by the client), stand-in "
         "workers whose KV indexes were loaded from `/kv_snapshot`; "
         f"{s['conns']} closed-loop connections over {s['client_procs']} client processes, "
-        f"{s['seconds']:g}s per phase.",
+        f"{s['seconds']:g}s per phase in {s['rounds']} interleaved rounds.",
         "",
         "| phase | select+finish pairs/s | coordinator CPU | CPU µs per pair | errors |",
         "|---|---|---|---|---|",
@@ -554,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conns", type=int, default=16, help="closed-loop connections (in total)")
     ap.add_argument("--client-procs", type=int, default=2,
                     help="client processes sharing the closed-loop connections")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="interleaved rounds of the closed-loop phases (default 4, quick 1)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per closed-loop phase")
     ap.add_argument("--rate", type=float, default=2000.0, help="open-loop selects per second")
     ap.add_argument("--rate-seconds", type=float, default=None)
@@ -568,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     if a._workers:
         _workers_main(a._workers, a.seed, a._docs, a._port_file)
         return 0
+    a.rounds = a.rounds or (1 if a.quick else 4)
     if a.quick:
         a.seconds = a.seconds or 1.0
         a.rate_seconds = a.rate_seconds or 1.0
