@@ -15,6 +15,12 @@ is bytes/bandwidth: the weights read once per step (the embedding table only whe
 LM head) plus every sequence's K/V read once, over the copy bandwidth of a large ``Tensor.copy_``
 measured here (counting read + write bytes).
 
+Mixed decode (``--mixed-decode``): one long context (``--long-len``) decoding in the same batch as
+``--short-rows`` short ones (``--short-len``), timed per step twice in the same run: with decode rows
+grouped by table length (the runner's default) and forced into one batch padded to the longest table
+(``max_decode_groups = 1``, the old behaviour). The K/V cache is left zero instead of prefilled:
+values do not change the work a step does, and a 32k prefill would dominate the run.
+
 Needs only torch and this repository. Appends (or replaces) a ``## worker`` section in bench/RESULTS.md
 unless ``--no-write``.
 """
@@ -182,6 +188,74 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
     return rows, info
 
 
+def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, dev)
+    model, _, cfg = load_model(args.model, dev, dtype)
+    gpu = dev.type == "cuda"
+    long_len = args.long_len or (32768 if gpu else 4096)
+    short_len = args.short_len or (512 if gpu else 64)
+    shorts = args.short_rows
+    steps = args.decode_steps or (4 if args.quick else (32 if gpu else 8))
+    bs = args.block_size
+    lengths = [long_len] + [short_len] * shorts
+    tables, first = [], 0
+    for n in lengths:
+        nb = (n + steps + 4 + bs - 1) // bs
+        tables.append(list(range(first, first + nb)))
+        first += nb
+    runner = ModelRunner(model, num_blocks=first, block_size=bs, device=dev, dtype=dtype)
+    if args.cuda_graphs is not None:
+        runner.use_cuda_graphs = args.cuda_graphs
+
+    rows, logits = [], {}
+    for label, groups in (("one padded batch", 1), ("grouped by length", runner.max_decode_groups)):
+        runner.max_decode_groups = groups
+        runner.kv_cache.zero_()
+
+        def step(k: int):
+            return runner.step([Chunk([(i + k) % 250], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))])
+
+        for k in range(2):  # warm-up (and CUDA-graph capture) at positions the timed steps do not reuse
+            step(steps + 2 + k)
+        sync(dev)
+        times = []
+        for k in range(steps):
+            t0 = time.perf_counter()
+            out = step(k)
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        logits[groups] = out.float().cpu()
+        st = runner.last_step_stats
+        rows.append({"mode": label, "ms": 1e3 * statistics.median(times), "groups": st["decode_groups"],
+                     "key_slots": st["decode_key_slots"], "context_slots": st["decode_context_slots"]})
+    a, b = logits.values()
+    info = {"model": args.model, "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
+            "machine": machine(dev), "block_size": bs, "long_len": long_len, "short_len": short_len,
+            "short_rows": shorts, "decode_steps": steps, "cuda_graphs": runner.use_cuda_graphs,
+            "max_abs_diff": float((a - b).abs().max()), "logit_scale": float(a.abs().max())}
+    return rows, info
+
+
+def render_mixed(rows: list[dict], info: dict, command: str) -> str:
+    lines = [
+        f"- command: `{command}`",
+        f"- machine: {info['machine']}",
+        f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- model `{info['model']}` ({info['dtype']}), device `{info['device']}`, block size {info['block_size']}, "
+        f"CUDA graphs {'on' if info['cuda_graphs'] else 'off'}: one row at {info['long_len']} tokens + "
+        f"{info['short_rows']} rows at {info['short_len']} tokens, median of {info['decode_steps']} steps",
+        f"- last-step logits, grouped vs one batch: max |diff| {info['max_abs_diff']:.2e} "
+        f"(max |logit| {info['logit_scale']:.2f})",
+        "",
+        "| decode batch | step ms | groups | key slots gathered / layer | keys the rows need |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['ms']:.2f} | {r['groups']} | {r['key_slots']:,} | {r['context_slots']:,} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(rows: list[dict], info: dict, command: str) -> str:
     lines = [
         f"- command: `{command}`",
@@ -202,9 +276,9 @@ def render(rows: list[dict], info: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(path: Path, body: str, info: dict) -> None:
+def write_results(path: Path, body: str, info: dict, kind: str = "") -> None:
     """Replace this configuration's subsection under ``## worker`` (or add it), keeping other text."""
-    title = f"### {info['model']} · {info['device']} · {info['dtype']}"
+    title = f"### {kind}{info['model']} · {info['device']} · {info['dtype']}"
     if info["device"].startswith("cuda"):
         title += " · CUDA graphs " + ("on" if info["cuda_graphs"] else "off")
     text = path.read_text() if path.exists() else "# Benchmark results\n"
@@ -233,11 +307,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="force CUDA graphs for decode on (default: the runner's choice)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
+    p.add_argument("--mixed-decode", action="store_true",
+                   help="time one long context decoding with short rows, grouped vs one padded batch")
+    p.add_argument("--long-len", type=int, default=0, help="mixed decode: long context (32768 GPU, 4096 CPU)")
+    p.add_argument("--short-len", type=int, default=0, help="mixed decode: short contexts (512 GPU, 64 CPU)")
+    p.add_argument("--short-rows", type=int, default=30, help="mixed decode: number of short rows")
     p.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md")
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     args = p.parse_args(argv)
-    rows, info = run(args)
     command = "python bench/worker.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.mixed_decode:
+        rows, info = mixed_decode(args)
+        body = render_mixed(rows, info, command.strip())
+        print(f"## worker mixed decode — {info['model']} on {info['device']} ({info['dtype']})\n")
+        print(body)
+        if not args.no_write:
+            write_results(Path(args.results), body, info, kind="mixed decode · ")
+            print(f"written to {args.results}")
+        return 0
+    rows, info = run(args)
     body = render(rows, info, command.strip())
     print(f"## worker — {info['model']} on {info['device']} ({info['dtype']})\n")
     print(body)

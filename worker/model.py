@@ -32,6 +32,7 @@ __all__ = [
     "AttentionMetadata",
     "PrefillSeq",
     "DecodeBatch",
+    "DecodeGroup",
     "RotaryEmbedding",
     "LlamaForCausalLM",
     "SUPPORTED_MODEL_TYPES",
@@ -412,14 +413,29 @@ class PrefillSeq:
 
 
 @dataclass
-class DecodeBatch:
-    """Single-token chunks attended to together: ``token_idx`` selects their rows of the flat batch,
-    ``tables`` [B, nblk] lists the blocks each reads (padded), ``bias`` [B, 1, 1, nblk*block_size] (model
-    dtype) is 0 where a key is visible and -inf elsewhere."""
+class DecodeGroup:
+    """Decode rows ``start:end`` (of the decode batch) that read block tables of similar length:
+    ``tables`` [end-start, nblk] lists the blocks each row reads (padded to the group's longest row),
+    ``bias`` [end-start, 1, 1, nblk*block_size] (model dtype) is 0 where a key is visible and -inf
+    elsewhere (causal/window range and padding)."""
 
-    token_idx: torch.Tensor
+    start: int
+    end: int
     tables: torch.Tensor
     bias: torch.Tensor
+
+
+@dataclass
+class DecodeBatch:
+    """Single-token chunks attended to together: ``token_idx`` selects their rows of the flat batch;
+    ``groups`` partition those rows into consecutive runs, each gathering only as many keys as its
+    own longest row needs, so one long context does not make every short row gather its length.
+
+    Invariant: the groups are ordered and contiguous, ``groups[0].start == 0`` and
+    ``groups[-1].end == len(token_idx)``."""
+
+    token_idx: torch.Tensor
+    groups: list[DecodeGroup]
 
 
 @dataclass
@@ -515,17 +531,23 @@ class Attention(nn.Module):
         return o[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, layer: torch.Tensor, d: "DecodeBatch", block_size: int) -> torch.Tensor:
-        """Attention output ``[B, H, D]`` of single-token rows ``q`` ``[B, H, D]``.
+        """Attention output ``[B, H, D]`` of single-token rows ``q`` ``[B, H, D]``, one gather and one
+        attention per :class:`DecodeGroup` (outputs concatenated in row order)."""
+        if len(d.groups) == 1:
+            return self._decode_group(q, layer, d.groups[0], block_size)
+        return torch.cat([self._decode_group(q[g.start:g.end], layer, g, block_size) for g in d.groups])
 
-        The query heads sharing one KV head become that KV head's "query rows", so GQA decode is plain
-        attention over ``[B, kv_heads, groups, D]`` with no repeated K/V; ``d.bias`` (additive, shared
-        by all layers) masks keys outside each row's causal/window range and the padding."""
-        b, nblk = d.tables.shape
+    def _decode_group(self, q: torch.Tensor, layer: torch.Tensor, g: "DecodeGroup",
+                      block_size: int) -> torch.Tensor:
+        """The query heads sharing one KV head become that KV head's "query rows", so GQA decode is
+        plain attention over ``[b, kv_heads, groups, D]`` with no repeated K/V; ``g.bias`` (additive,
+        shared by all layers) masks keys outside each row's causal/window range and the padding."""
+        b, nblk = g.tables.shape
         groups = self.num_heads // self.num_kv_heads
-        qd = q.view(b, self.num_kv_heads, groups, self.head_dim)
-        kd = layer[d.tables, 0].view(b, nblk * block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        vd = layer[d.tables, 1].view(b, nblk * block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.bias, scale=self.scale)
+        qd = q.reshape(b, self.num_kv_heads, groups, self.head_dim)
+        kd = layer[g.tables, 0].view(b, nblk * block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        vd = layer[g.tables, 1].view(b, nblk * block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.bias, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
 

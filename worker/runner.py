@@ -31,9 +31,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from worker.model import AttentionMetadata, DecodeBatch, LlamaForCausalLM, ModelConfig, PrefillSeq
+from worker.model import AttentionMetadata, DecodeBatch, DecodeGroup, LlamaForCausalLM, ModelConfig, PrefillSeq
 
-__all__ = ["Chunk", "ModelRunner", "RunnerInputError", "kv_bytes_per_block"]
+__all__ = ["Chunk", "ModelRunner", "RunnerInputError", "kv_bytes_per_block", "plan_decode_groups"]
 
 
 class RunnerInputError(ValueError):
@@ -80,6 +80,48 @@ def _limit_cpu_threads(model: LlamaForCausalLM, threads: int | None) -> None:
             threads = 1
     if threads is not None and threads > 0 and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
+
+
+def plan_decode_groups(need_blocks: Sequence[int], max_groups: int = 3,
+                       overhead_blocks: float = 0.0) -> list[np.ndarray]:
+    """Partition decode rows into at most ``max_groups`` groups (capped at 3) that each pad to their
+    own longest row.
+
+    ``need_blocks[i]`` is how many blocks row ``i`` reads. Returns the row indices of each group,
+    groups ordered longest first and rows inside a group longest first (a stable order, so equal
+    inputs always give equal plans: every rank of a tensor-parallel group plans alike).
+
+    A group costs ``rows × its longest row`` gathered block-rows plus ``overhead_blocks`` (the extra
+    kernels of one more gather + attention, in block-row equivalents). Splits are considered only
+    where the power-of-two bucket of the need changes, so within a group padding is bounded by the
+    bucket (< 2× a row's own need unless the split was not worth its overhead) and the candidates
+    are few (≤ log2 of the longest table), which keeps planning cheap and CUDA-graph keys few."""
+    need = np.asarray(need_blocks, dtype=np.int64).reshape(-1)
+    order = np.argsort(-need, kind="stable")
+    n = order.size
+    if n <= 1 or max_groups <= 1:
+        return [order]
+    srt = need[order]
+    bucket = np.left_shift(1, np.ceil(np.log2(np.maximum(srt, 1))).astype(np.int64))
+    cuts = (np.flatnonzero(bucket[1:] != bucket[:-1]) + 1).tolist()
+
+    def cost(bounds: tuple[int, ...]) -> float:
+        edges = (0,) + bounds + (n,)
+        return sum((edges[i + 1] - edges[i]) * int(srt[edges[i]]) for i in range(len(edges) - 1)) \
+            + overhead_blocks * (len(edges) - 1)
+
+    best, best_cost = (), cost(())
+    for a in cuts:
+        c = cost((a,))
+        if c < best_cost:
+            best, best_cost = (a,), c
+        if max_groups >= 3:
+            for b in cuts:
+                if b > a:
+                    c = cost((a, b))
+                    if c < best_cost:
+                        best, best_cost = (a, b), c
+    return np.split(order, list(best))
 
 
 class ModelRunner:
@@ -136,6 +178,16 @@ class ModelRunner:
         self._graph_pool = None
         self._graph_max_len = min(num_blocks * block_size, max(cfg.max_position_embeddings, block_size))
         self._rope_len = max(self._graph_max_len, self.max_prefill_graph_tokens)
+        #: Decode rows are split into at most this many groups by table length (see
+        #: :func:`plan_decode_groups`); 1 restores one batch padded to the longest table.
+        self.max_decode_groups = 3
+        #: What one more decode group costs, in gathered key slots: a gather and an attention kernel
+        #: per layer cost about as much as moving this many extra keys on a GPU.
+        self.decode_group_overhead_keys = 4096
+        #: Shape of the last step's decode attention: ``decode_rows``, ``decode_groups``,
+        #: ``decode_key_slots`` (key slots gathered per layer, padding included — what the step
+        #: pays for) and ``decode_context_slots`` (the block-rounded keys the rows actually need).
+        self.last_step_stats: dict[str, int] = {}
 
     # ------------------------------------------------------------------ geometry
 
@@ -270,6 +322,15 @@ class ModelRunner:
         window = self._window
         return (max(0, start - window + 1) // self.block_size) if window else 0
 
+    def _plan(self, checked, dec_chunks: list[int]) -> list[np.ndarray]:
+        """Group the decode chunks ``dec_chunks`` (indices into ``checked``) by blocks read; returns
+        positions into ``dec_chunks`` per group."""
+        if not dec_chunks:
+            return []
+        need = [checked[i][3].size - self._first_key_block(checked[i][1]) for i in dec_chunks]
+        return plan_decode_groups(need, self.max_decode_groups,
+                                  self.decode_group_overhead_keys / self.block_size)
+
     def _prepare(self, checked) -> dict[str, Any]:
         bs, window, dev = self.block_size, self._window, self.device
         tok_parts, pos_parts, blk_parts, len_parts = [], [], [], []
@@ -278,9 +339,16 @@ class ModelRunner:
         dec_rows: list[np.ndarray] = []
         dec_first: list[int] = []
         dec_pos: list[int] = []
-        last_idx: list[int] = []
+        # Decode rows go last, in group order, so each group is one contiguous run of the flat batch
+        # (and a decode-only step needs no scatter); ``last_idx`` maps results back to chunk order.
+        dec_chunks = [i for i, (_, s, e, _) in enumerate(checked) if e - s == 1]
+        plan = self._plan(checked, dec_chunks)
+        run_order = [i for i, (_, s, e, _) in enumerate(checked) if e - s != 1]
+        run_order += [dec_chunks[j] for grp in plan for j in grp]
+        last_idx = [0] * len(checked)
         offset = 0
-        for tokens, start, end, used in checked:
+        for ci in run_order:
+            tokens, start, end, used = checked[ci]
             n = end - start
             pos = np.arange(start, end, dtype=np.int64)
             tok_parts.append(tokens)
@@ -309,24 +377,34 @@ class ModelRunner:
                                            torch.from_numpy(used[first_blk:]).to(dev), key_start,
                                            torch.from_numpy(mask).to(dev)))
             offset += n
-            last_idx.append(offset - 1)
+            last_idx[ci] = offset - 1
 
         positions = np.concatenate(pos_parts)
         slot_block = np.concatenate(blk_parts)
         decode = None
+        self.last_step_stats = _decode_stats(0, 0, 0, 0)
         if dec_idx:
-            nblk = max(r.size for r in dec_rows)
-            tables = np.zeros((len(dec_rows), nblk), dtype=np.int64)
-            for j, r in enumerate(dec_rows):
-                tables[j, : r.size] = r
-            kp = np.asarray(dec_first)[:, None] + np.arange(nblk * bs)[None, :]
-            p = np.asarray(dec_pos)[:, None]
-            mask = kp <= p
-            if window:
-                mask &= kp > p - window
-            bias = np.where(mask, np.float32(0), np.float32(-np.inf))[:, None, None, :]
-            decode = DecodeBatch(torch.tensor(dec_idx, device=dev), torch.from_numpy(tables).to(dev),
-                                 torch.from_numpy(bias).to(dev, self.dtype))
+            groups, start, gathered = [], 0, 0
+            for grp in plan:
+                end_row = start + len(grp)
+                rows = dec_rows[start:end_row]
+                nblk = max(r.size for r in rows)
+                tables = np.zeros((len(rows), nblk), dtype=np.int64)
+                for j, r in enumerate(rows):
+                    tables[j, : r.size] = r
+                kp = np.asarray(dec_first[start:end_row])[:, None] + np.arange(nblk * bs)[None, :]
+                p = np.asarray(dec_pos[start:end_row])[:, None]
+                mask = kp <= p
+                if window:
+                    mask &= kp > p - window
+                bias = np.where(mask, np.float32(0), np.float32(-np.inf))[:, None, None, :]
+                groups.append(DecodeGroup(start, end_row, torch.from_numpy(tables).to(dev),
+                                          torch.from_numpy(bias).to(dev, self.dtype)))
+                gathered += tables.size * bs
+                start = end_row
+            decode = DecodeBatch(torch.tensor(dec_idx, device=dev), groups)
+            self.last_step_stats = _decode_stats(len(dec_idx), len(groups), gathered,
+                                                 sum(r.size for r in dec_rows) * bs)
 
         # One host→device copy for all per-token integer inputs (each copy from pageable memory syncs).
         n = positions.size
@@ -352,24 +430,36 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
 
     def _graph_step(self, checked) -> torch.Tensor:
-        """Decode rows through the graph captured for (batch bucket, blocks-per-row bucket)."""
+        """Decode rows through the graph captured for their grouping: per group, a (batch bucket,
+        blocks-per-row bucket) pair. Graph rows are laid out group after group, each group padded to
+        its batch bucket; the graph's ``order`` input maps them back to chunk order."""
         bs, n = self.block_size, len(checked)
         firsts = [self._first_key_block(start) for _, start, _, _ in checked]
-        need = max(used.size - f for (_, _, _, used), f in zip(checked, firsts))
-        bb = _bucket(n, self.max_graph_batch)
-        nb = _bucket(need, max(need, (self._graph_max_len + bs - 1) // bs))
-        g = self._graphs.get(("decode", bb, nb)) or self._capture_decode(bb, nb)
+        need = [used.size - f for (_, _, _, used), f in zip(checked, firsts)]
+        plan = plan_decode_groups(need, self.max_decode_groups, self.decode_group_overhead_keys / bs)
+        cap = (self._graph_max_len + bs - 1) // bs
+        shape = tuple((_bucket(len(grp), self.max_graph_batch),
+                       _bucket(int(need[grp[0]]), max(int(need[grp[0]]), cap))) for grp in plan)
+        g = self._graphs.get(("decode", shape)) or self._capture_decode(shape)
         g.ready.synchronize()  # the previous upload from this pinned buffer has finished
         host = g.host
-        self._decode_padding(host)
-        for i, ((tokens, start, _, used), f) in enumerate(zip(checked, firsts)):
-            host["ids"][i] = tokens[0]
-            host["pos"][i] = start
-            host["slot_block"][i] = used[start // bs]
-            host["slot_off"][i] = start % bs
-            host["first_key"][i] = f * bs
-            row = used[f:]
-            host["tables"][i, : row.size] = row
+        self._decode_padding(host, len(shape))
+        row0 = 0
+        for gi, grp in enumerate(plan):
+            tables = host[f"tables{gi}"]
+            for j, ci in enumerate(grp.tolist()):
+                tokens, start, _, used = checked[ci]
+                f, row = firsts[ci], row0 + j
+                host["ids"][row] = tokens[0]
+                host["pos"][row] = start
+                host["slot_block"][row] = used[start // bs]
+                host["slot_off"][row] = start % bs
+                host["first_key"][row] = f * bs
+                host["order"][ci] = row
+                blocks = used[f:]
+                tables[j, : blocks.size] = blocks
+            row0 += shape[gi][0]
+        self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, sum(need) * bs)
         return g.run()[:n].clone()
 
     def _prefill_graph_step(self, chunk) -> torch.Tensor:
@@ -388,37 +478,48 @@ class ModelRunner:
         host["last"][0] = end - 1
         return g.run().clone()
 
-    def _decode_padding(self, host: dict[str, np.ndarray]) -> None:
+    def _decode_padding(self, host: dict[str, np.ndarray], num_groups: int) -> None:
         """Padding rows: token 0 at position 0 writing into (and reading only) the scratch block."""
         host["ids"][:] = 0
         host["pos"][:] = 0
         host["slot_block"][:] = self.scratch_block
         host["slot_off"][:] = 0
         host["first_key"][:] = 0
-        host["tables"][:] = self.scratch_block
+        host["order"][:] = np.arange(host["order"].size)
+        for gi in range(num_groups):
+            host[f"tables{gi}"][:] = self.scratch_block
 
-    def _capture_decode(self, bb: int, nb: int) -> "_StepGraph":
+    def _capture_decode(self, shape: tuple[tuple[int, int], ...]) -> "_StepGraph":
+        """Capture a decode step whose rows form ``len(shape)`` groups of ``(rows, blocks per row)``.
+        Distinct captures stay few: each group's pair comes from power-of-two buckets, groups are
+        split only where the blocks bucket changes, and there are at most ``max_decode_groups``."""
         bs, dev, window, model = self.block_size, self.device, self._window, self.model
-        g = _StepGraph({"ids": (bb,), "pos": (bb,), "slot_block": (bb,), "slot_off": (bb,),
-                        "first_key": (bb,), "tables": (bb, nb)}, dev)
-        self._decode_padding(g.host)
-        token_idx = torch.arange(bb, device=dev)
-        key_off = torch.arange(nb * bs, device=dev)
+        rows = sum(b for b, _ in shape)
+        fields = {"ids": (rows,), "pos": (rows,), "slot_block": (rows,), "slot_off": (rows,),
+                  "first_key": (rows,), "order": (rows,)}
+        fields.update({f"tables{gi}": grp for gi, grp in enumerate(shape)})
+        g = _StepGraph(fields, dev)
+        self._decode_padding(g.host, len(shape))
+        token_idx = torch.arange(rows, device=dev)
+        key_offs = [torch.arange(nb * bs, device=dev) for _, nb in shape]
         v = g.dev
 
         def body() -> torch.Tensor:
-            kp = v["first_key"][:, None] + key_off[None, :]
-            pos = v["pos"][:, None]
-            mask = kp <= pos
-            if window:
-                mask = mask & (kp > pos - window)
-            bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
-            meta = AttentionMetadata(v["slot_block"], v["slot_off"], [],
-                                     DecodeBatch(token_idx, v["tables"], bias[:, None, None, :]), bs)
+            groups, row0 = [], 0
+            for gi, (b, _) in enumerate(shape):
+                kp = v["first_key"][row0:row0 + b, None] + key_offs[gi][None, :]
+                pos = v["pos"][row0:row0 + b, None]
+                mask = kp <= pos
+                if window:
+                    mask = mask & (kp > pos - window)
+                bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
+                groups.append(DecodeGroup(row0, row0 + b, v[f"tables{gi}"], bias[:, None, None, :]))
+                row0 += b
+            meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], DecodeBatch(token_idx, groups), bs)
             h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
-            return model.compute_logits(h).float()
+            return model.compute_logits(h.index_select(0, v["order"])).float()
 
-        return self._capture(("decode", bb, nb), g, body, keep=(token_idx, key_off))
+        return self._capture(("decode", shape), g, body, keep=(token_idx, *key_offs))
 
     def _capture_prefill(self, tb: int) -> "_StepGraph":
         bs, dev, window, model = self.block_size, self.device, self._window, self.model
@@ -460,6 +561,11 @@ class ModelRunner:
         g.keep = keep + (model.rotary._cos, model.rotary._sin)
         self._graphs[key] = g
         return g
+
+
+def _decode_stats(rows: int, groups: int, key_slots: int, context_slots: int) -> dict[str, int]:
+    return {"decode_rows": rows, "decode_groups": groups, "decode_key_slots": key_slots,
+            "decode_context_slots": context_slots}
 
 
 def _bucket(n: int, cap: int) -> int:

@@ -33,3 +33,17 @@ def test_bench_worker_no_write_leaves_results_alone(tmp_path):
                           "--results", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "% of roofline" in out.stdout and not results.exists()
+
+
+def test_bench_worker_mixed_decode(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = subprocess.run([sys.executable, "bench/worker.py", "--mixed-decode", "--quick", "--long-len", "2000",
+                          "--short-len", "20", "--short-rows", "10", "--results", str(results)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = re.findall(r"^\| (one padded batch|grouped by length) \| ([\d.]+) \| (\d) \| ([\d,]+) \| ([\d,]+) \|",
+                      out.stdout, re.M)
+    assert [(r[0], r[2]) for r in rows] == [("one padded batch", "1"), ("grouped by length", "2")]
+    single, grouped = (int(r[3].replace(",", "")) for r in rows)
+    assert grouped < single / 3 and all(float(r[1]) > 0 for r in rows)
+    assert "### mixed decode · tiny · cpu · float32" in results.read_text()
