@@ -3,20 +3,24 @@
 Layout (kv_events.md §9.4, built for one-walk prefix matching):
 
 - ``_owners: dict[key, int]`` maps a canonical key to a bitmask of *slots*; a slot is one
-  ``(worker, dp_rank)`` pair and owns one bit. ``longest_prefix`` walks the request's keys once
-  and narrows the active bitmask, so its cost is O(matched depth), independent of the number of
-  workers (TensorRT-LLM's router scans one ``set`` per server instead: O(workers x depth)).
+  ``(worker, dp_rank)`` pair and owns one bit. A slot's bit is set when it holds the key or
+  holds it speculatively (``_spec_owners`` has the speculative bits alone), so
+  ``longest_prefix`` does one dict lookup per key: it walks the request's keys once and narrows
+  the active bitmask, so its cost is O(matched depth), independent of the number of workers
+  (TensorRT-LLM's router scans one ``set`` per server instead: O(workers x depth)).
 - per slot, ``owned: dict[key, refcount]`` says how many engine entries hold the key (the same
   tokens can be resident under several engine hashes or tiers), and ``emaps[(tier, group)]``
   maps each engine hash to what it stands for: the canonical keys it completed, plus the chain
   state (last full key, pending tokens, namespace seed) a child event resumes from.
 
 Invariants (checked by the property tests):
-- ``key in _owners`` iff some slot's ``owned`` holds it, and the bit of slot s is set in
-  ``_owners[key]`` iff ``key in s.owned``; refcounts are positive;
+- the bit of slot s is set in ``_owners[key]`` iff ``key in s.owned or key in s.spec`` (never
+  both), and in ``_spec_owners[key]`` iff ``key in s.spec``; no mask is stored as 0;
+  ``size`` counts the keys with a confirmed owner (``_owners[key] & ~_spec_owners[key]``);
+  refcounts are positive;
 - storing an engine hash that is already present changes nothing (idempotent stores);
 - removing what a store added restores the index exactly; ``AllCleared`` empties the slot;
-- speculative entries live in a separate layer (``_spec``), are never counted in sizes, and are
+- speculative entries (per slot ``spec``: key -> deadline) are never counted in sizes, and are
   dropped when confirmed by a store, when they expire, or when their slot is cleared.
 
 Engine block size ``E`` vs canonical ``B``: the event's tokens are chained at ``B`` from the
@@ -38,7 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from bisect import bisect_right
 from itertools import accumulate, repeat, takewhile
-from operator import and_, neg, or_
+from operator import and_, neg
 
 import numpy as np
 
@@ -118,8 +122,9 @@ class KvIndex:
         # the namespace seed that bare int entries (and identity entries) stand for
         self._ns = salt_seed(self.namespace, None)
         self.stats = IndexStats()
-        self._owners: dict[int, int] = {}
-        self._spec_owners: dict[int, int] = {}
+        self._owners: dict[int, int] = {}       # confirmed | speculative bits
+        self._spec_owners: dict[int, int] = {}  # speculative bits only
+        self._n_keys = 0                        # keys with a confirmed owner
         self._spec_heap: list = []
         self._spec_seq = itertools.count()
         self._slots: dict[tuple[str, int], _Slot] = {}
@@ -159,8 +164,8 @@ class KvIndex:
 
     @property
     def size(self) -> int:
-        """Distinct canonical keys held by any worker."""
-        return len(self._owners)
+        """Distinct canonical keys held by any worker (speculation excluded)."""
+        return self._n_keys
 
     def speculative_size(self) -> int:
         return sum(len(s.spec) for s in self._slots.values())
@@ -172,11 +177,44 @@ class KvIndex:
         c = owned.get(ck, 0)
         owned[ck] = c + (_IDENT + 1 if ident else 1)
         if not c:
-            owners = self._owners
-            owners[ck] = owners.get(ck, 0) | s.bit
-            if s.spec and ck in s.spec:
-                self._drop_spec(s, ck)
-                self.stats.speculative_confirmed += 1
+            self._own(s, ck)
+
+    def _own(self, s: _Slot, ck: int) -> None:
+        """Slot ``s`` now holds ``ck`` (it held no reference before): set its bit, confirming a
+        speculative entry of the slot, and count the key if it had no confirmed owner."""
+        owners = self._owners
+        o = owners.get(ck, 0)
+        if not o:
+            owners[ck] = s.bit
+            self._n_keys += 1
+            return
+        sp = self._spec_owners.get(ck, 0) if self._spec_owners else 0
+        if sp & s.bit:
+            # the speculative bit becomes a confirmed one: ``_owners[ck]`` keeps it
+            rest = sp ^ s.bit
+            if rest:
+                self._spec_owners[ck] = rest
+            else:
+                del self._spec_owners[ck]
+            del s.spec[ck]
+            self.stats.speculative_confirmed += 1
+        else:
+            owners[ck] = o | s.bit
+        if not o & ~sp:
+            self._n_keys += 1
+
+    def _disown(self, s: _Slot, ck: int) -> None:
+        """Slot ``s`` no longer holds ``ck`` (its last reference went): clear its bit, and stop
+        counting the key if no confirmed owner is left."""
+        owners = self._owners
+        m = owners[ck] & ~s.bit
+        if m:
+            owners[ck] = m
+            if not m & ~self._spec_owners.get(ck, 0):
+                self._n_keys -= 1
+        else:
+            del owners[ck]
+            self._n_keys -= 1
 
     def _decref(self, s: _Slot, ck: int, ident: bool = False) -> None:
         owned = s.owned
@@ -188,19 +226,22 @@ class KvIndex:
             owned[ck] = c
             return
         del owned[ck]
-        m = self._owners.get(ck, 0) & ~s.bit
-        if m:
-            self._owners[ck] = m
-        else:
-            self._owners.pop(ck, None)
+        self._disown(s, ck)
 
     def _drop_spec(self, s: _Slot, ck: int) -> None:
+        """Forget the slot's speculative entry for ``ck`` (the key keeps its confirmed owners)."""
         del s.spec[ck]
-        m = self._spec_owners.get(ck, 0) & ~s.bit
+        nb = ~s.bit
+        m = self._spec_owners[ck] & nb
         if m:
             self._spec_owners[ck] = m
         else:
-            self._spec_owners.pop(ck, None)
+            del self._spec_owners[ck]
+        m = self._owners[ck] & nb
+        if m:
+            self._owners[ck] = m
+        else:
+            del self._owners[ck]
 
     @staticmethod
     def _entry_keys(e) -> tuple:
@@ -311,7 +352,7 @@ class KvIndex:
             keys = block_keys_list(tokens, B, ns, last)
             dflt = ns == self._ns
             ident_ok = tier is _GPU and group == 0 and dflt
-            owned, owners, bit, spec = s.owned, self._owners, s.bit, s.spec
+            owned, owners, bit = s.owned, self._owners, s.bit
             added = 0
             # the hot path of every store: _incref inlined
             for h, ck in zip(hashes, keys):
@@ -328,10 +369,12 @@ class KvIndex:
                     emap[h] = ck if dflt else _Entry((ck,), ck, (), ns)
                     owned[ck] = c + 1
                 if not c:
-                    owners[ck] = owners.get(ck, 0) | bit
-                    if spec and ck in spec:
-                        self._drop_spec(s, ck)
-                        stats.speculative_confirmed += 1
+                    o = owners.get(ck, 0)
+                    if not o:
+                        owners[ck] = bit
+                        self._n_keys += 1
+                    else:
+                        self._own(s, ck)
                 added += 1
             stats.stored_blocks += added
             return
@@ -381,7 +424,7 @@ class KvIndex:
         ident_ok = tier is _GPU and group == 0
         owned = s.owned
         stats = self.stats
-        owners, nbit = self._owners, ~s.bit
+        owners, nbit, spec_owners = self._owners, ~s.bit, self._spec_owners
         removed = 0
         for h in ev.engine_hashes:
             e = emap.pop(h, None) if emap else None
@@ -393,10 +436,13 @@ class KvIndex:
                 else:
                     del owned[e]
                     m = owners[e] & nbit
-                    if m:
-                        owners[e] = m
-                    else:
+                    if not m:
                         del owners[e]
+                        self._n_keys -= 1
+                    else:
+                        owners[e] = m
+                        if spec_owners and not m & ~spec_owners.get(e, 0):
+                            self._n_keys -= 1
                 removed += 1
             elif e is not None:
                 for ck in e.keys:
@@ -432,14 +478,9 @@ class KvIndex:
 
     def _clear_slot(self, s: _Slot, tier: Tier | None) -> None:
         if tier is None:
-            owners = self._owners
-            nb = ~s.bit
+            disown = self._disown
             for ck in s.owned:
-                m = owners[ck] & nb
-                if m:
-                    owners[ck] = m
-                else:
-                    del owners[ck]
+                disown(s, ck)
             s.owned.clear()
             s.emaps.clear()
             for ck in list(s.spec):
@@ -473,22 +514,40 @@ class KvIndex:
             self._streams.pop((s.worker, s.dp_rank), None)
         self._mask_cache.clear()
 
-    def load_snapshot(self, worker: str, block_keys: Iterable[int], dp_rank: int = 0) -> None:
-        """Replace the slot's content with a snapshot of *our* worker (engine hash == key)."""
+    def load_snapshot(self, worker: str, block_keys: Iterable[int], dp_rank: int = 0, *,
+                      append: bool = False) -> None:
+        """Replace the slot's content with a snapshot of *our* worker (engine hash == key).
+
+        ``append=True`` adds the keys to what the slot holds instead, so a large snapshot can be
+        loaded in slices (the first one without ``append``) with the event loop served between
+        them; the stats count one snapshot per non-append call.
+        """
         s = self._slot(worker, dp_rank)
-        self._clear_slot(s, None)
-        keys = block_keys.tolist() if isinstance(block_keys, np.ndarray) else block_keys
+        if not append:
+            self._clear_slot(s, None)
+            self.stats.snapshots += 1
+        if isinstance(block_keys, np.ndarray):
+            if block_keys.dtype != np.uint64:
+                block_keys = block_keys.astype(np.uint64)
+            keys = block_keys.tolist()
+        else:
+            keys = [int(ck) & 0xFFFFFFFFFFFFFFFF for ck in block_keys]
         owned = s.owned
         owners = self._owners
         bit = s.bit
         flag = _IDENT + 1
+        new = 0
         for ck in keys:
-            ck = int(ck) & 0xFFFFFFFFFFFFFFFF
             if ck in owned:
                 continue
             owned[ck] = flag
-            owners[ck] = owners.get(ck, 0) | bit
-        self.stats.snapshots += 1
+            o = owners.get(ck, 0)
+            if not o:
+                owners[ck] = bit
+                new += 1
+            else:
+                self._own(s, ck)
+        self._n_keys += new
 
     def keys_of(self, worker: str, dp_rank: int = 0) -> set[int]:
         s = self._slots.get((worker, dp_rank))
@@ -509,13 +568,14 @@ class KvIndex:
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
         deadline = now + ttl
-        spec, owned, so, bit = s.spec, s.owned, self._spec_owners, s.bit
+        spec, owned, so, owners, bit = s.spec, s.owned, self._spec_owners, self._owners, s.bit
         added = []
         for ck in keys:
             if ck in owned:
                 continue
             if ck not in spec:
                 so[ck] = so.get(ck, 0) | bit
+                owners[ck] = owners.get(ck, 0) | bit
             spec[ck] = deadline
             added.append(ck)
         if added:
@@ -560,10 +620,8 @@ class KvIndex:
         """
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
-        get = self._owners.get
-        masks = map(get, keys, repeat(0))
-        if self._spec_owners:
-            masks = map(or_, masks, map(self._spec_owners.get, keys, repeat(0)))
+        # one lookup per key: ``_owners`` holds the speculative bits too
+        masks = map(self._owners.get, keys, repeat(0))
         # running[i] = slots matching the first i keys; as a set it only shrinks, and a subset
         # bitmask is never larger, so the list is non-increasing and bisect finds each change
         running = list(takewhile(bool, accumulate(masks, and_, initial=active)))
@@ -627,11 +685,17 @@ class KvIndex:
     def check_invariants(self) -> None:
         """Assert the ownership invariants (tests and debugging; O(index size))."""
         seen: dict[int, int] = {}
+        spec: dict[int, int] = {}
         for s in self._slots.values():
             for ck, c in s.owned.items():
                 assert c & _COUNT > 0, (s.worker, ck, c)
                 seen[ck] = seen.get(ck, 0) | s.bit
             for ck in s.spec:
                 assert ck not in s.owned, (s.worker, ck)
-                assert self._spec_owners.get(ck, 0) & s.bit
-        assert seen == self._owners, "owners bitmasks disagree with slot ownership"
+                spec[ck] = spec.get(ck, 0) | s.bit
+        assert spec == self._spec_owners, "speculative bitmasks disagree with slot speculation"
+        combined = dict(seen)
+        for ck, m in spec.items():
+            combined[ck] = combined.get(ck, 0) | m
+        assert combined == self._owners, "owners bitmasks disagree with slot ownership"
+        assert self._n_keys == len(seen), ("confirmed key count", self._n_keys, len(seen))

@@ -489,3 +489,103 @@ def test_mixed_operations_match_a_naive_model(data):
                 if k[0] == ww:
                     expect.update(v)
             assert idx.keys_of(ww) == expect
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_speculation_mixed_with_events_matches_a_model(data):
+    """Speculative entries share the owner map with confirmed ones: stores (identity and foreign
+    engine hashes), removals, snapshots (whole and appended), speculation, expiry and clears
+    against a model of entries and speculative deadlines per worker."""
+    idx = KvIndex(B)
+    ents: dict[str, set] = {w: set() for w in "ab"}   # ("id" | "f", key index)
+    spec: dict[str, dict] = {w: {} for w in "ab"}    # key -> deadline
+    now = 0.0
+    n = len(KEYS)
+
+    def fh(w, k):  # a foreign engine hash, distinct per worker and block
+        return 1000 * ord(w) + k
+
+    def conf(w):
+        return {KEYS[k] for _, k in ents[w]}
+
+    for _ in range(data.draw(st.integers(4, 30))):
+        w = data.draw(st.sampled_from("ab"))
+        op = data.draw(st.sampled_from(["fstore", "spec", "fremove", "store", "remove", "fstore",
+                                        "spec", "fremove", "expire", "clear", "snap", "append"]))
+        i = data.draw(st.integers(0, 3))
+        j = data.draw(st.integers(i + 1, n))
+        if op in ("store", "fstore"):
+            kind = "id" if op == "store" else "f"
+            hashes = KEYS[i:j] if kind == "id" else [fh(w, k) for k in range(i, j)]
+            parent = None if not i else KEYS[i - 1] if kind == "id" else fh(w, i - 1)
+            idx.apply(w, stored(hashes, parent, TOKS[i * B:j * B]))
+            if parent is None or (kind, i - 1) in ents[w]:
+                ents[w].update((kind, k) for k in range(i, j))
+        elif op in ("remove", "fremove"):
+            kind = "id" if op == "remove" else "f"
+            present = sorted(k for kd, k in ents[w] if kd == kind)
+            if present and data.draw(st.booleans()):
+                i = data.draw(st.sampled_from(present))   # mostly entries that exist
+            idx.apply(w, BlocksRemoved([KEYS[i] if kind == "id" else fh(w, i)]))
+            ents[w].discard((kind, i))
+        elif op == "spec":
+            ttl = data.draw(st.sampled_from([1.0, 5.0]))
+            idx.add_speculative(w, KEYS[i:j], now, ttl)
+            held = conf(w)
+            for k in KEYS[i:j]:
+                if k not in held:
+                    spec[w][k] = now + ttl
+        elif op == "expire":
+            now += data.draw(st.sampled_from([0.5, 1.0, 3.0]))
+            idx.expire_speculative(now)
+            for sw in spec.values():
+                for k in [k for k, d in sw.items() if d <= now]:
+                    del sw[k]
+        elif op == "clear":
+            idx.clear_worker(w)
+            ents[w].clear()
+            spec[w].clear()
+        elif op == "snap":
+            idx.load_snapshot(w, KEYS[i:j])
+            ents[w] = {("id", k) for k in range(i, j)}
+            spec[w].clear()
+        else:
+            held = conf(w)
+            idx.load_snapshot(w, np.array(KEYS[i:j], dtype=np.uint64), append=True)
+            ents[w].update(("id", k) for k in range(i, j) if KEYS[k] not in held)
+        for ww in "ab":
+            for k in conf(ww):
+                spec[ww].pop(k, None)
+        idx.check_invariants()
+        assert idx.size == len(set().union(*(conf(ww) for ww in "ab")))
+        assert idx.speculative_size() == sum(len(sw) for sw in spec.values())
+        expect = {}
+        for ww in "ab":
+            held = conf(ww) | set(spec[ww])
+            d = 0
+            while d < n and KEYS[d] in held:
+                d += 1
+            if d:
+                expect[ww] = d
+        assert idx.longest_prefix(KEYS) == expect
+        assert {ww: idx.worker_size(ww) for ww in "ab"} == {ww: len(conf(ww)) for ww in "ab"}
+
+
+def test_load_snapshot_in_slices_equals_one_load():
+    one, sliced = KvIndex(B), KvIndex(B)
+    one.apply("w", stored([1, 2], None, TOKS[:32]))
+    sliced.apply("w", stored([1, 2], None, TOKS[:32]))
+    sliced.add_speculative("w", KEYS[8:], now=0.0, ttl=5.0)
+    keys = np.array(KEYS[3:], dtype=np.uint64)
+    one.load_snapshot("w", keys)
+    sliced.load_snapshot("w", keys[:4])
+    sliced.add_speculative("w", KEYS[:3], now=0.0, ttl=5.0)  # routed between two slices
+    sliced.load_snapshot("w", keys[4:], append=True)
+    assert sliced.keys_of("w") == one.keys_of("w") == set(KEYS[3:])
+    assert sliced.size == one.size == len(KEYS) - 3
+    assert sliced.stats.snapshots == one.stats.snapshots == 1
+    assert sliced.speculative_size() == 3 and sliced.longest_prefix(KEYS) == {"w": len(KEYS)}
+    assert one.longest_prefix(KEYS) == {}
+    sliced.check_invariants()
+    one.check_invariants()
