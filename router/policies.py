@@ -14,6 +14,7 @@ accepted with the meaning documented in the README ("Routing core").
 
 from __future__ import annotations
 
+import heapq
 import random
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -257,6 +258,10 @@ class KvCacheAwarePolicy(Policy):
     ``hotspot_factor * mean + hotspot_slack`` over the candidates (or ``requests /
     max_batch_size >= load_cap``); hot servers are skipped unless every candidate is hot. Equal
     costs are broken in turn.
+
+    The explanation's ``candidates`` rows: unhealthy candidates first, then the chosen server,
+    then the next-lowest costs, ``explain_rows`` healthy rows at most; ``candidates_total``
+    counts every candidate and ``hot`` the hot ones.
     """
 
     name = "kv_cache_aware"
@@ -266,8 +271,12 @@ class KvCacheAwarePolicy(Policy):
                  affinity_bonus: float = 0.25, hotspot_factor: float | None = 2.0,
                  hotspot_slack: float = 2.0, max_batch_size: int | None = None,
                  load_cap: float | None = None, max_conversations: int = 100_000,
-                 track_routed_blocks: bool = True, speculative_ttl_s: float = 30.0):
+                 track_routed_blocks: bool = True, speculative_ttl_s: float = 30.0,
+                 explain_rows: int = 8):
         super().__init__(block_size)
+        if type(explain_rows) is not int or explain_rows < 1:
+            raise ValueError(f"explain_rows must be a positive int, found {explain_rows!r}")
+        self.explain_rows = explain_rows
         self.prefill_weight = prefill_weight
         self.load_tokens_weight = load_tokens_weight
         self.load_requests_weight = load_requests_weight
@@ -292,7 +301,7 @@ class KvCacheAwarePolicy(Policy):
                 "affinity_bonus": self.affinity_bonus, "hotspot_factor": self.hotspot_factor,
                 "hotspot_slack": self.hotspot_slack, "max_batch_size": self.max_batch_size,
                 "load_cap": self.load_cap, "track_routed_blocks": self.track_routed_blocks,
-                "speculative_ttl_s": self.speculative_ttl_s}
+                "speculative_ttl_s": self.speculative_ttl_s, "explain_rows": self.explain_rows}
 
     def remove_server(self, server: str) -> None:
         self._pins.remove_server(server)
@@ -346,25 +355,37 @@ class KvCacheAwarePolicy(Policy):
         server = servers[pick]
         if conv:
             self._pins.put(conv, server)
-        why = ["higher cost"] * n
-        if len(tied) > 1:
-            for i in tied:
-                why[i] = "tied, not its turn"
-        if not all_hot:
-            for i, h in hot.items():
-                why[i] = h
-        why[pick] = "chosen: lowest cost" + (" (tie, in turn)" if len(tied) > 1 else "") + (
-            ", conversation affinity bonus" if server == pinned else "")
-        rows += [{"server": s, "matched_tokens": mt, "load_requests": l[0],
-                  "load_tokens": l[1], "score": c, "why": w}
-                 for s, mt, l, c, w in zip(servers, matched, loads, costs, why)]
+        # Rows for the chosen server and the next-cheapest ones only: building and encoding a
+        # row per candidate cost more than the decision itself at tens of servers.
+        n_unhealthy = len(rows)
+        shown = [pick]
+        if n > 1:
+            rest = [i for i in range(n) if i != pick]
+            shown += (heapq.nsmallest(self.explain_rows - 1, rest, key=costs.__getitem__)
+                      if n > self.explain_rows else sorted(rest, key=costs.__getitem__))
+        tie = len(tied) > 1
+        tied_set = set(tied) if tie else ()
+        for i in shown:
+            if i == pick:
+                w = "chosen: lowest cost" + (" (tie, in turn)" if tie else "") + (
+                    ", conversation affinity bonus" if server == pinned else "")
+            elif hot and not all_hot and i in hot:
+                w = hot[i]
+            elif i in tied_set:
+                w = "tied, not its turn"
+            else:
+                w = "higher cost"
+            req, tok = loads[i]
+            rows.append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
+                         "load_tokens": tok, "score": costs[i], "why": w})
         reason = (f"lowest cost: {matched[pick]} of {num_tokens} prompt tokens cached"
                   + (", every candidate hot: cap ignored" if all_hot else "")
                   + (", conversation affinity" if pinned == server else ""))
         return Decision(server, {
             "policy": self.name, "candidates": rows, "chosen": server, "reason": reason,
             "num_tokens": num_tokens, "matched_tokens": matched[pick],
-            "conversation": conv, "pinned": pinned})
+            "conversation": conv, "pinned": pinned, "candidates_total": n + n_unhealthy,
+            "hot": len(hot)})
 
 
 class _PrefixSessions:
@@ -555,6 +576,7 @@ _SPECS: dict[str, dict[str, Any]] = {
         "prefill_weight": "num", "load_tokens_weight": "num", "load_requests_weight": "num",
         "affinity_bonus": "num", "hotspot_factor": "num?", "hotspot_slack": "num",
         "max_conversations": int, "track_routed_blocks": bool, "speculative_ttl_s": "num",
+        "explain_rows": int,
         # upstream KvCacheAwareRouter
         "use_tokens": bool, "load_weight": "num", "load_cap": "num?",
         "tokens_per_block": "int?", **_TOKENIZER_ARGS,
@@ -594,6 +616,7 @@ def make_policy(type: str, args: dict | None = None, *, block_size: int = 16,
                  "hotspot_slack", "load_weight", "hotspot_factor", "load_cap"):
         _positive(ptype, name, args.get(name), allow_zero=True)
     for name in ("max_conversations", "max_sessions", "speculative_ttl_s", "max_batch_size",
+                 "explain_rows",
                  "tokens_per_block", "max_num_tokens"):
         _positive(ptype, name, args.get(name))
     passthrough = {k: args.pop(k) for k in list(args) if k in _TOKENIZER_ARGS or k in (

@@ -121,6 +121,29 @@ def test_kv_prefers_the_server_with_the_prefix(env):
                                      "score", "why"}
 
 
+def test_kv_explanation_lists_the_chosen_server_then_the_cheapest(env):
+    idx, leases, view = env
+    servers = [f"http://s{i}" for i in range(20)]
+    t = prompt(7)
+    for i, s in enumerate(servers):
+        cache(idx, s, t[:16 * (i % 10)])     # s9 and s19 hold the most
+    load(leases, "http://s9", 2)           # 2 x 32 tokens of load: now behind s8, s18, s7, s17
+    cands = [Candidate(s) for s in servers] + [Candidate("http://down", healthy=False)]
+    d = make_policy("kv_cache_aware", {"explain_rows": 5}).select(cands, key_of(t), view)
+    ex = d.explanation
+    assert d.server == "http://s19" and ex["candidates_total"] == 21 and ex["hot"] == 0
+    rows = ex["candidates"]
+    assert rows[0] == {"server": "http://down", "matched_tokens": 0, "load_requests": None,
+                       "load_tokens": None, "score": None, "why": "unhealthy"}
+    assert [r["server"] for r in rows[1:]] == ["http://s19", "http://s8", "http://s18",
+                                               "http://s7", "http://s17"]
+    assert rows[1]["why"].startswith("chosen") and rows[2]["why"] == "higher cost"
+    scores = [r["score"] for r in rows[1:]]
+    assert scores == sorted(scores)
+    with pytest.raises(ValueError, match="explain_rows"):
+        make_policy("kv_cache_aware", {"explain_rows": 0})
+
+
 def test_kv_fully_cached_prompt_still_prefills_one_token(env):
     idx, _, view = env
     t = prompt(2, 256)
