@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench clean lint
+.PHONY: install serve test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,8 +15,9 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	# nixl's meta package requires CUDA torch; the plain wheels work on CPU (see README, KV transfer).
-	-$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1 2>/dev/null
+	@# nixl's meta package requires CUDA torch; the plain wheels work on CPU (see README, KV transfer).
+	@$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1 2>/dev/null \
+		|| echo "nixl could not be installed: the NIXL agent is unavailable and its tests are skipped"
 	touch $(STAMP)
 
 install: $(STAMP)
