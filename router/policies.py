@@ -14,7 +14,6 @@ accepted with the meaning documented in the README ("Routing core").
 
 from __future__ import annotations
 
-import heapq
 import random
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -360,9 +359,10 @@ class KvCacheAwarePolicy(Policy):
         n_unhealthy = len(rows)
         shown = [pick]
         if n > 1:
-            rest = [i for i in range(n) if i != pick]
-            shown += (heapq.nsmallest(self.explain_rows - 1, rest, key=costs.__getitem__)
-                      if n > self.explain_rows else sorted(rest, key=costs.__getitem__))
+            # a sort of a few dozen floats is cheaper than heapq.nsmallest's bookkeeping
+            rest = sorted(range(n), key=costs.__getitem__)
+            rest.remove(pick)
+            shown += rest[:self.explain_rows - 1]
         tie = len(tied) > 1
         tied_set = set(tied) if tie else ()
         for i in shown:

@@ -179,6 +179,48 @@ async def test_initial_rebuild_from_snapshot_then_live(workers, coordinator, zct
     pub.close()
 
 
+async def test_large_snapshot_loads_in_slices_with_the_loop_served_between(
+        workers, coordinator, zctx, monkeypatch):
+    from coordinator import kv_ingest
+    from router.kv_index import KvIndex
+
+    monkeypatch.setattr(kv_ingest, "SNAPSHOT_SLICE", 16)
+    ticks = 0
+    calls = []   # (append, ticks of the loop so far)
+    real = KvIndex.load_snapshot
+
+    def recording(self, worker, keys, dp_rank=0, *, append=False):
+        calls.append((append, ticks))
+        return real(self, worker, keys, dp_rank, append=append)
+
+    monkeypatch.setattr(KvIndex, "load_snapshot", recording)
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    tick_task = asyncio.create_task(ticker())
+    try:
+        pub = FakePublisher(zctx, replay=False)
+        toks = list(range(20_000, 20_000 + 16 * 100))        # 100 blocks: 7 slices of 16
+        w = await workers("both", kv_events=pub.kv_events(snapshot=True))
+        w.snapshot = {"seq": -1, "block_size": 16, "key_scheme": "xxh3_chain_v1",
+                      "block_keys": keys_of(toks)}
+        c, s = await coordinator(cfg([w.url], [w.url]))
+        await wait_for(lambda: w.url in c.kv.feeds and c.kv.kv_ready(w.url))
+        feed = c.kv.feeds[w.url]
+        assert feed.sync_outcome == "snapshot" and feed.snapshots == 1
+        assert matched(c, w.url, toks) == 100 and c.index.worker_size(w.url) == 100
+        assert [a for a, _ in calls] == [False] + [True] * 6
+        assert all(t1 > t0 for (_, t0), (_, t1) in zip(calls, calls[1:]))
+        assert c.index.stats.snapshots == 1
+        pub.close()
+    finally:
+        tick_task.cancel()
+
+
 async def test_snapshot_repairs_an_unreplayable_gap(workers, coordinator, zctx):
     pub = FakePublisher(zctx, replay=False)
     w = await workers("both", kv_events=pub.kv_events(snapshot=True))
