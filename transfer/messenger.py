@@ -18,16 +18,15 @@ from __future__ import annotations
 import collections
 import logging
 import queue
-import socket
 import threading
 import time
 from typing import Callable
 
 import msgpack
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from .py_agent import _Wake
+from .zmq_io import (Wake, bind_router, close_dealer, monitor_events, open_dealer,
+                     pending_commands)
 
 log = logging.getLogger("splitserve.transfer.messenger")
 
@@ -56,21 +55,11 @@ class Messenger:
         self._connect_timeout_s = connect_timeout_s
         self._hb = (max(1, int(heartbeat_ivl_s * 1000)), max(1, int(heartbeat_timeout_s * 1000)))
         self._ctx = zmq.Context(io_threads=1)
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MSG)
-        self._router.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
-        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
-        if port:
-            self._router.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._router.bind_to_random_port(f"tcp://{host}")
-        adv = advertise_host or (host if host not in ("0.0.0.0", "::", "*") else socket.gethostname())
-        self.endpoint = f"tcp://{adv}:{port}"
+        self._router, self.endpoint = bind_router(self._ctx, host, port, advertise_host,
+                                                  heartbeat_ms=self._hb,
+                                                  max_msg_bytes=MAX_CONTROL_MSG)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = _Wake()
+        self._wake = Wake()
         self._closed = False
         self._thread = threading.Thread(target=self._main, name="transfer-messenger", daemon=True)
         self._thread.start()
@@ -117,24 +106,17 @@ class Messenger:
         outq: dict[str, collections.deque] = {}
         waiting_since: dict[str, float] = {}
 
-        def close_dealer(ep: str) -> None:
+        def drop_dealer(ep: str) -> None:
             s = dealers.pop(ep, None)
             if s is None:
                 return
-            s.disable_monitor()
-            for m, e in list(mons.items()):
-                if e == ep:
-                    poller.unregister(m)
-                    del mons[m]
-                    m.close(0)
-            poller.unregister(s)
-            s.close(0)
+            close_dealer(poller, s, mons, ep)
             connected.pop(ep, None)
             outq.pop(ep, None)
             waiting_since.pop(ep, None)
 
         def lost(ep: str, reason: str) -> None:
-            close_dealer(ep)
+            drop_dealer(ep)
             log.info("control connection to %s lost: %s", ep, reason)
             self._safe(self._on_peer_lost, ep, reason)
 
@@ -147,27 +129,15 @@ class Messenger:
                 break
             if self._wake.r in events:
                 self._wake.drain()
-            while True:
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
+            for cmd in pending_commands(self._cmds):
                 op = cmd[0]
                 if op == "stop":
                     running = False
                 elif op == "send":
                     ep, data = cmd[1], cmd[2]
                     if ep not in dealers:
-                        s = self._ctx.socket(zmq.DEALER)
-                        s.setsockopt(zmq.LINGER, 0)
-                        s.setsockopt(zmq.IMMEDIATE, 1)
-                        s.setsockopt(zmq.ROUTING_ID, self.identity)
-                        s.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
-                        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
-                        s.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MSG)
-                        mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED |
-                                                   zmq.EVENT_DISCONNECTED)
-                        s.connect(ep)
+                        s, mon = open_dealer(self._ctx, ep, self.identity, heartbeat_ms=self._hb,
+                                             options={zmq.MAXMSGSIZE: MAX_CONTROL_MSG})
                         dealers[ep] = s
                         mons[mon] = ep
                         connected[ep] = False
@@ -181,7 +151,7 @@ class Messenger:
                     except zmq.ZMQError as e:
                         log.info("control reply to %r dropped: %s", cmd[1], e)
                 elif op == "forget":
-                    close_dealer(cmd[1])
+                    drop_dealer(cmd[1])
                 elif op == "call":
                     self._safe(cmd[1])
             if self._router in events:
@@ -203,16 +173,13 @@ class Messenger:
                         self._dispatch(("dealer", ep), frames[0])
             for mon, ep in list(mons.items()):
                 if mon in events:
-                    while ep in dealers:
-                        try:
-                            ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                        if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    for ev in monitor_events(mon):
+                        if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                             connected[ep] = True
                             waiting_since.pop(ep, None)
-                        elif ev["event"] == zmq.EVENT_DISCONNECTED and connected.get(ep):
+                        elif ev == zmq.EVENT_DISCONNECTED and connected.get(ep):
                             lost(ep, "peer closed the connection or stopped answering heartbeats")
+                            break  # lost() closed `mon`
             now = time.monotonic()
             for ep in list(outq):
                 q = outq.get(ep)
@@ -227,7 +194,7 @@ class Messenger:
                             lost(ep, f"no connection within {self._connect_timeout_s:.1f}s")
                         break
         for ep in list(dealers):
-            close_dealer(ep)
+            drop_dealer(ep)
         self._router.close(0)
 
     def _dispatch(self, source: tuple, data: bytes) -> None:

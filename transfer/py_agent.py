@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, RegHandle, TransferAgent, XferHandle,
                     regions_array)
 from .descs import Coverage, Descs, check_pair
 from .errors import (AgentMismatch, InvalidDescriptors, NameConflict, OutOfRange, PeerLost,
                      ProtocolError, RemoteNotLoaded, TransferError)
+from .zmq_io import (Wake, bind_router, close_dealer, monitor_events, open_dealer,
+                     pending_commands)
 
 log = logging.getLogger("splitserve.transfer.pyagent")
 
@@ -62,35 +63,6 @@ class RemoteAgent:
     lost: str | None = None  # reason, once lost
 
 
-class _Wake:
-    """A pipe the I/O thread polls; any thread may write one byte to wake it."""
-
-    def __init__(self):
-        self.r, self.w = os.pipe()
-        os.set_blocking(self.r, False)
-        os.set_blocking(self.w, False)
-
-    def wake(self):
-        try:
-            os.write(self.w, b"x")
-        except BlockingIOError:
-            pass  # pipe full: the thread is awake anyway
-
-    def drain(self):
-        try:
-            while os.read(self.r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self):
-        for fd in (self.r, self.w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 class PyAgentBase(TransferAgent):
     """Registration, metadata, validation, notifications and the I/O thread."""
 
@@ -111,22 +83,12 @@ class PyAgentBase(TransferAgent):
         self._connect_timeout_s = connect_timeout_s
         self._hb = (int(heartbeat_ivl_s * 1000), int(heartbeat_timeout_s * 1000))
         self._ctx = zmq.Context(io_threads=1)
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES + (1 << 20))
-        self._router.setsockopt(zmq.RCVHWM, 0)
-        self._router.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
-        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
-        if port:
-            self._router.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._router.bind_to_random_port(f"tcp://{host}")
-        adv = advertise_host or (host if host not in ("0.0.0.0", "::", "*") else socket.gethostname())
-        self.endpoint = f"tcp://{adv}:{port}"
+        self._router, self.endpoint = bind_router(self._ctx, host, port, advertise_host,
+                                                  heartbeat_ms=self._hb,
+                                                  max_msg_bytes=MAX_MSG_BYTES + (1 << 20),
+                                                  options={zmq.RCVHWM: 0})
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = _Wake()
+        self._wake = Wake()
         self._stopped = False
         self._thread = threading.Thread(target=self._io_main, name=f"{self.kind}-agent-io",
                                         daemon=True)
@@ -319,11 +281,7 @@ class PyAgentBase(TransferAgent):
                 break
             if self._wake.r in events:
                 self._wake.drain()
-            while True:
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
+            for cmd in pending_commands(self._cmds):
                 op = cmd[0]
                 if op == "stop":
                     running = False
@@ -331,15 +289,8 @@ class PyAgentBase(TransferAgent):
                     _, name, endpoint = cmd
                     if name in dealers:
                         continue
-                    s = self._ctx.socket(zmq.DEALER)
-                    s.setsockopt(zmq.LINGER, 0)
-                    s.setsockopt(zmq.IMMEDIATE, 1)
-                    s.setsockopt(zmq.SNDHWM, 0)
-                    s.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
-                    s.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
-                    s.setsockopt(zmq.ROUTING_ID, self.name.encode())
-                    mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-                    s.connect(endpoint)
+                    s, mon = open_dealer(self._ctx, endpoint, self.name.encode(),
+                                         heartbeat_ms=self._hb, options={zmq.SNDHWM: 0})
                     dealers[name] = s
                     monitors[mon] = name
                     connected[name] = False
@@ -350,14 +301,7 @@ class PyAgentBase(TransferAgent):
                     _, name = cmd
                     s = dealers.pop(name, None)
                     if s is not None:
-                        s.disable_monitor()
-                        for m, n in list(monitors.items()):
-                            if n == name:
-                                poller.unregister(m)
-                                del monitors[m]
-                                m.close(0)
-                        poller.unregister(s)
-                        s.close(0)
+                        close_dealer(poller, s, monitors, name)
                     for frames, xfer in outq.pop(name, ()):
                         if xfer is not None:
                             self._finish(xfer, False, f"remote agent {name!r} was invalidated")
@@ -377,15 +321,11 @@ class PyAgentBase(TransferAgent):
                     self._drain_dealer(name, s)
             for mon, name in list(monitors.items()):
                 if mon in events:
-                    while True:
-                        try:
-                            ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                        if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    for ev in monitor_events(mon):
+                        if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                             connected[name] = True
                             first_wait.pop(name, None)
-                        elif ev["event"] == zmq.EVENT_DISCONNECTED and connected.get(name):
+                        elif ev == zmq.EVENT_DISCONNECTED and connected.get(name):
                             connected[name] = False
                             reason = f"connection to remote agent {name!r} was lost"
                             log.warning("%s", reason)
@@ -417,11 +357,8 @@ class PyAgentBase(TransferAgent):
                             q.clear()
                         break
             self._io_tick()
-        for s in dealers.values():
-            s.disable_monitor()
-            s.close(0)
-        for m in monitors:
-            m.close(0)
+        for name, s in dealers.items():
+            close_dealer(poller, s, monitors, name)
         self._router.close(0)
 
     def _io_tick(self) -> None:
