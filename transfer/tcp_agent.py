@@ -155,20 +155,28 @@ class TcpAgent(PyAgentBase):
                 self._by_xid.pop(handle.backend["xid"], None)
 
     # ------------------------------------------------------------------ target
+    def _registered_descs(self, header: dict, access: str):
+        """The descriptors (and memory type) a peer's W/R header names, all inside our registrations.
+
+        A peer must never reach memory we did not register: the first row outside raises
+        `OutOfRange`, naming the `access` ("write to" / "read of").
+        """
+        descs = desc_from_bytes(header["d"])
+        mem = str(header["m"])
+        with self._lock:
+            bad = self._local.uncovered(Descs(descs, mem))
+        if bad >= 0:
+            a, n, dv = descs[bad].tolist()
+            raise OutOfRange(f"{access} unregistered {mem} addr=0x{a:x} len={n} dev={dv}")
+        return descs, mem
+
     def _handle_incoming(self, ident: bytes, kind: bytes, header: dict, payload: list) -> None:
         if kind == b"W":
             key = (ident, int(header["x"]))
             err = self._rx.get(key)
             if err is None:
                 try:
-                    descs = desc_from_bytes(header["d"])
-                    mem = str(header["m"])
-                    d = Descs(descs, mem)
-                    with self._lock:
-                        bad = self._local.uncovered(d)
-                    if bad >= 0:
-                        a, n, dv = descs[bad].tolist()
-                        raise OutOfRange(f"write to unregistered {mem} addr=0x{a:x} len={n} dev={dv}")
+                    descs, mem = self._registered_descs(header, "write to")
                     scatter([f.buffer for f in payload], descs, mem)
                 except Exception as e:
                     err = str(e) or type(e).__name__
@@ -183,14 +191,7 @@ class TcpAgent(PyAgentBase):
         elif kind == b"R":
             xid = int(header["x"])
             try:
-                descs = desc_from_bytes(header["d"])
-                mem = str(header["m"])
-                d = Descs(descs, mem)
-                with self._lock:
-                    bad = self._local.uncovered(d)
-                if bad >= 0:
-                    a, n, dv = descs[bad].tolist()
-                    raise OutOfRange(f"read of unregistered {mem} addr=0x{a:x} len={n} dev={dv}")
+                descs, mem = self._registered_descs(header, "read of")
                 frames = gather_frames(descs.tolist(), mem)
                 self._reply(ident, [b"D", msgpack.packb({"x": xid, "ok": True}), *frames])
             except Exception as e:
