@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import platform
-import re
 import statistics
 import sys
 import threading
@@ -38,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run as `python bench/x.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
 # package: the repository root goes first and bench/ itself is dropped.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
+
+from bench._common import cpu_model, replace_subsection  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, TPB = 16, 8, 64, 16   # the 1b preset's KV geometry, block size 16
 SIZES = [1024, 4096, 16384, 65536]
@@ -392,30 +392,12 @@ def machine(device: str) -> str:
 
     if device == "cuda":
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs (torch {torch.__version__})"
+    return f"{cpu_model()}, {os.cpu_count()} logical CPUs (torch {torch.__version__})"
 
 
 def write_results(path: Path, body: str, title: str) -> None:
     """Replace this configuration's subsection under ``## transfer`` (or add it)."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    section = re.search(r"^## transfer\s*$.*?(?=^## |\Z)", text, flags=re.M | re.S)
-    block = f"{title}\n\n{body}\n"
-    if section is None:
-        text = text.rstrip("\n") + "\n\n## transfer\n\n" + block
-    else:
-        sec = section.group(0)
-        sub = re.search(rf"^{re.escape(title)}\s*$.*?(?=^### |\Z)", sec, flags=re.M | re.S)
-        new_sec = sec.replace(sub.group(0), block) if sub else sec.rstrip("\n") + "\n\n" + block
-        text = text[:section.start()] + new_sec + text[section.end():]
-    path.write_text(text.rstrip("\n") + "\n")
+    replace_subsection(path, "transfer", title, body)
 
 
 def main(argv=None) -> int:

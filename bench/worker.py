@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -45,6 +43,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench._common import cpu_model, replace_subsection  # noqa: E402
 from worker.loader import load_model, resolve_device, resolve_dtype  # noqa: E402
 from worker.runner import Chunk, ModelRunner  # noqa: E402
 
@@ -122,15 +121,7 @@ def weight_bytes(model) -> int:
 def machine(dev: torch.device) -> str:
     if dev.type == "cuda":
         return f"{torch.cuda.get_device_name(dev)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads (torch {torch.__version__})"
+    return f"{cpu_model()}, {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads (torch {torch.__version__})"
 
 
 def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -281,17 +272,7 @@ def write_results(path: Path, body: str, info: dict, kind: str = "") -> None:
     title = f"### {kind}{info['model']} · {info['device']} · {info['dtype']}"
     if info["device"].startswith("cuda"):
         title += " · CUDA graphs " + ("on" if info["cuda_graphs"] else "off")
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    section = re.search(r"^## worker\s*$.*?(?=^## |\Z)", text, flags=re.M | re.S)
-    block = f"{title}\n\n{body}\n"
-    if section is None:
-        text = text.rstrip("\n") + "\n\n## worker\n\n" + block
-    else:
-        sec = section.group(0)
-        sub = re.search(rf"^{re.escape(title)}\s*$.*?(?=^### |\Z)", sec, flags=re.M | re.S)
-        new_sec = sec.replace(sub.group(0), block) if sub else sec.rstrip("\n") + "\n\n" + block
-        text = text[:section.start()] + new_sec + text[section.end():]
-    path.write_text(text.rstrip("\n") + "\n")
+    replace_subsection(path, "worker", title, body)
 
 
 def main(argv: list[str] | None = None) -> int:
