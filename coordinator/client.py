@@ -25,6 +25,7 @@ __all__ = [
     "CoordinatorClient",
     "HttpCoordinatorClient",
     "InProcessCoordinatorClient",
+    "answer_or_raise",
     "make_client",
 ]
 
@@ -52,6 +53,24 @@ class CoordinatorClient(Protocol):
     async def release_identity(self, holder: str) -> bool: ...
 
     async def close(self) -> None: ...
+
+
+def answer_or_raise(url: str, path: str, status: int, obj: Any, raw: bytes) -> Any:
+    """The decoded body `obj` of a 200 answer to `path`; for any other status, its typed error.
+
+    `obj` is None when the body was not one the coordinator writes (an error page from a proxy);
+    the error message then quotes the start of `raw`. 503 means "no server fits" only for the
+    placement calls; elsewhere it is the coordinator failing.
+    """
+    if status == 200:
+        return obj
+    msg = obj.get("error") if isinstance(obj, dict) else None
+    msg = msg if isinstance(msg, str) else raw[:200].decode("utf-8", "replace")
+    if status == 503 and path in ("/select", "/select_pair"):
+        raise NoServerAvailable(msg)
+    if 400 <= status < 500:
+        raise CoordinatorRequestError(status, msg, obj.get("field") if isinstance(obj, dict) else None)
+    raise CoordinatorUnavailable(f"coordinator {url} answered {status} for {path}: {msg}")
 
 
 def _wire_key(rk: Any) -> Any:
@@ -150,15 +169,7 @@ class HttpCoordinatorClient:
                 obj = orjson.loads(raw) if raw else None
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             obj = None  # an error page from something that is not the coordinator
-        if status == 200:
-            return obj
-        msg = obj.get("error") if isinstance(obj, dict) else None
-        msg = msg if isinstance(msg, str) else raw[:200].decode("utf-8", "replace")
-        if status == 503 and path in ("/select", "/select_pair"):
-            raise NoServerAvailable(msg)
-        if 400 <= status < 500:
-            raise CoordinatorRequestError(status, msg, obj.get("field") if isinstance(obj, dict) else None)
-        raise CoordinatorUnavailable(f"coordinator {self.url} answered {status} for {path}: {msg}")
+        return answer_or_raise(self.url, path, status, obj, raw)
 
     async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
         body = {"role": role, "req_id": req_id}

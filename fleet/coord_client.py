@@ -12,8 +12,8 @@ from typing import Any
 
 import msgpack
 
-from coordinator.client import HttpCoordinatorClient
-from coordinator.errors import CoordinatorRequestError, CoordinatorUnavailable, NoServerAvailable
+from coordinator.client import HttpCoordinatorClient, answer_or_raise
+from coordinator.errors import CoordinatorUnavailable
 
 from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 
@@ -55,15 +55,7 @@ class FleetCoordinatorClient:
             obj = msgpack.unpackb(raw, raw=False) if "msgpack" in r.content_type else None
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             obj = None
-        if status == 200:
-            return obj
-        msg = obj.get("error") if isinstance(obj, dict) else None
-        msg = msg if isinstance(msg, str) else raw[:200].decode("utf-8", "replace")
-        if status == 503 and path in ("/select", "/select_pair"):
-            raise NoServerAvailable(msg)
-        if 400 <= status < 500:
-            raise CoordinatorRequestError(status, msg, obj.get("field") if isinstance(obj, dict) else None)
-        raise CoordinatorUnavailable(f"coordinator {self.url} answered {status} for {path}: {msg}")
+        return answer_or_raise(self.url, path, status, obj, raw)
 
     async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
         body: dict = {"role": role, "req_id": req_id}
