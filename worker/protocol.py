@@ -409,26 +409,27 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str | None, st
     return out
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason=None,
-                     stop_reason=None, disagg: dict | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _stream_chunk(obj: str, rid: str, created: int, model: str, content_key: str, content,
+                  finish_reason, stop_reason, disagg: dict | None) -> dict:
+    """One SSE chunk with a single choice; `stop_reason` appears only once the choice finishes."""
+    choice = {"index": 0, content_key: content, "logprobs": None, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     if disagg is not None:
         choice["disaggregated_params"] = disagg
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason=None,
+                     stop_reason=None, disagg: dict | None = None) -> dict:
+    return _stream_chunk("text_completion", rid, created, model, "text", text, finish_reason,
+                         stop_reason, disagg)
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason=None,
                stop_reason=None, disagg: dict | None = None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-    if disagg is not None:
-        choice["disaggregated_params"] = disagg
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
+    return _stream_chunk("chat.completion.chunk", rid, created, model, "delta", delta,
+                         finish_reason, stop_reason, disagg)
 
 
 def usage_chunk(kind: str, rid: str, created: int, model: str, use: dict) -> dict:
