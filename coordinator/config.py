@@ -820,6 +820,18 @@ def _parse_yaml(text: str, origin: str) -> Any:
         raise ConfigError("", f"{origin}: invalid YAML: {e}") from None
 
 
+def _parse_document(text: str, origin: str, where: str) -> dict:
+    """The config mapping in YAML `text` (an empty document is an empty config); `where` prefixes
+    the error when the document is not a mapping."""
+    doc = _parse_yaml(text, origin)
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError("", f"{where}expected the config document to be a mapping, found "
+                          f"{_show(doc)}")
+    return doc
+
+
 def _read_source(src: Any) -> dict:
     if isinstance(src, Mapping):
         return copy.deepcopy(_thaw(src))
@@ -831,13 +843,7 @@ def _read_source(src: Any) -> dict:
             os.path.exists(src) or src.endswith((".yaml", ".yml", ".json"))
             or (":" not in src and not src.lstrip().startswith(("{", "[", "#"))))
         if not looks_like_path:
-            doc = _parse_yaml(src, "<config text>")
-            if doc is None:
-                doc = {}
-            if not isinstance(doc, dict):
-                raise ConfigError("", f"expected the config document to be a mapping, found "
-                                  f"{_show(doc)}")
-            return doc
+            return _parse_document(src, "<config text>", "")
         path = Path(src)
     else:
         raise ConfigError("", f"expected a path, a mapping or YAML text, found {_show(src)}")
@@ -845,13 +851,7 @@ def _read_source(src: Any) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError("", f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
-    doc = _parse_yaml(text, str(path))
-    if doc is None:
-        doc = {}
-    if not isinstance(doc, dict):
-        raise ConfigError("", f"{path}: expected the config document to be a mapping, found "
-                          f"{_show(doc)}")
-    return doc
+    return _parse_document(text, str(path), f"{path}: ")
 
 
 _GROUPS = ("context_servers", "generation_servers")
