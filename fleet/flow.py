@@ -223,11 +223,7 @@ class Flow:
     async def _place(self, st: _State, key: dict | None) -> tuple[Placement | None, Placement]:
         p = self.placer
         if self.aggregated_only:
-            try:
-                gen = await p.place(GEN, st.rid, key, set())
-            except NoServerAvailable as e:
-                raise ApiError(503, f"no generation server available: {e}", code="no_server_available",
-                               retry_after=1) from None
+            gen = await self._place_gen(st, key)
             ctx = None
             st.mode = "aggregated"
         elif p.delegated(CTX) and p.delegated(GEN):
@@ -237,11 +233,7 @@ class Flow:
                 code = "no_context_server" if self.fallback == "reject" else "no_server_available"
                 raise ApiError(503, f"no server available: {e}", code=code, retry_after=1) from None
         else:
-            try:
-                gen = await p.place(GEN, st.rid, key, set())
-            except NoServerAvailable as e:
-                raise ApiError(503, f"no generation server available: {e}", code="no_server_available",
-                               retry_after=1) from None
+            gen = await self._place_gen(st, key)
             ctx = None
             try:
                 ctx = await self._place_ctx(st, key, gen)
@@ -429,12 +421,16 @@ class Flow:
             return await self._final_leg(request, creq, st, e.placement,
                                          orjson.dumps(self._gen_base(creq)), key)
 
-    async def _place_single(self, st: _State, key: dict | None) -> Placement:
+    async def _place_gen(self, st: _State, key: dict | None) -> Placement:
+        """A generation server for `st`, or the client's 503 when none is available."""
         try:
-            p = await self.placer.place(GEN, st.rid, key, set())
+            return await self.placer.place(GEN, st.rid, key, set())
         except NoServerAvailable as e:
             raise ApiError(503, f"no generation server available: {e}", code="no_server_available",
                            retry_after=1) from None
+
+    async def _place_single(self, st: _State, key: dict | None) -> Placement:
+        p = await self._place_gen(st, key)
         st.placements.append(p)
         self.placer.track(p, +1)
         return p
