@@ -2,29 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 
 import openai
 import pytest
 
+from tests.procs import alive, children
+
 from .conftest import PY, clean_env, free_port_pair, http, wait_for
-
-
-def _children_of(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid:
-            out.append(int(d))
-    return out
 
 
 @pytest.mark.parametrize("engine", ["sim", "torch"])
@@ -43,12 +29,12 @@ def test_local_cluster(cluster, engine):
     r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert r.usage.completion_tokens >= 1
-    kids = _children_of(p.pid)
+    kids = children(p.pid)
     assert len(kids) == 3          # context worker, generation worker, fleet launcher
     p.kill(signal.SIGTERM)
     p.p.wait(60)
     assert p.p.returncode == 0, p.log()[-2000:]
     for k in kids:
-        assert not os.path.exists(f"/proc/{k}") or open(f"/proc/{k}/stat").read().split()[2] == "Z"
+        assert not alive(k)
     with pytest.raises(OSError):
         http("GET", url + "/health", timeout=1)

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
+from tests.procs import alive, children  # noqa: F401 - re-exported to the tests here
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
@@ -102,32 +104,6 @@ async def http():
 async def complete(http, url, body):
     async with http.post(url + "/v1/completions", json=body) as r:
         return r.status, await r.json()
-
-
-def children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (from /proc; zombies excluded)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                st = f.read()
-        except OSError:
-            continue
-        fields = st[st.rfind(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(d))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            st = f.read()
-    except OSError:
-        return False
-    return st[st.rfind(")") + 2:].split()[0] != "Z"
 
 
 def wait_gone(pids, timeout=15.0) -> list[int]:
