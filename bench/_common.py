@@ -22,6 +22,19 @@ def cpu_model() -> str:
     return cpu
 
 
+def replace_section(path: Path, section: list[str]) -> None:
+    """Replace the whole `## ...` section whose heading is `section[0]` (or append it) in the
+    results file at `path`; every other section is kept as it was."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    block = "\n".join(section).rstrip() + "\n"
+    pat = re.compile(rf"^{re.escape(section[0].rstrip())}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pat.search(text):
+        text = pat.sub(lambda _: block + "\n", text, count=1)
+    else:
+        text = text.rstrip() + "\n\n" + block
+    path.write_text(text.rstrip() + "\n")
+
+
 def replace_subsection(path: Path, section: str, title: str, body: str) -> None:
     """Put `title` + `body` under the `## {section}` heading of the results file at `path`.
 
@@ -30,13 +43,16 @@ def replace_subsection(path: Path, section: str, title: str, body: str) -> None:
     subsection is kept as it was, so each configuration owns only its own block.
     """
     text = path.read_text() if path.exists() else "# Benchmark results\n"
-    found = re.search(rf"^## {re.escape(section)}\s*$.*?(?=^## |\Z)", text, flags=re.M | re.S)
-    block = f"{title}\n\n{body}\n"
-    if found is None:
-        text = text.rstrip("\n") + f"\n\n## {section}\n\n" + block
+    heading = f"## {section}"
+    block = f"{title}\n\n{body.rstrip()}\n"
+    sec = re.search(rf"^{re.escape(heading)}\s*$.*?(?=^## |\Z)", text, flags=re.M | re.S)
+    if sec is None:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n" + block
     else:
-        sec = found.group(0)
-        sub = re.search(rf"^{re.escape(title)}\s*$.*?(?=^### |\Z)", sec, flags=re.M | re.S)
-        new_sec = sec.replace(sub.group(0), block) if sub else sec.rstrip("\n") + "\n\n" + block
-        text = text[:found.start()] + new_sec + text[found.end():]
+        old = sec.group(0)
+        sub = re.search(rf"^{re.escape(title)}\s*$.*?(?=^### |\Z)", old, flags=re.M | re.S)
+        new = (old[:sub.start()] + block + ("\n" if old[sub.end():] else "") + old[sub.end():] if sub
+               else old.rstrip("\n") + "\n\n" + block)
+        rest = text[sec.end():]
+        text = text[:sec.start()] + new.rstrip("\n") + "\n" + ("\n" if rest else "") + rest
     path.write_text(text.rstrip("\n") + "\n")

@@ -32,7 +32,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys
@@ -48,6 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run as `python bench/x.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
 # package: the repository root goes first and bench/ itself is dropped.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
+
+from bench._common import replace_section  # noqa: E402
 
 from router.block_keys import block_keys  # noqa: E402
 
@@ -587,17 +588,6 @@ def render(res: dict, quick: bool) -> list[str]:
     return lines
 
 
-def write_results(path: Path, section: list[str]) -> None:
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = "\n".join(section).rstrip() + "\n"
-    pat = re.compile(r"^## coordinator\n.*?(?=^## |\Z)", re.S | re.M)
-    if pat.search(text):
-        text = pat.sub(lambda _: block + "\n", text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + block
-    path.write_text(text.rstrip() + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short phases: a smoke run in seconds")
@@ -638,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print(f"\n(total {time.perf_counter() - t0:.1f}s)")
     if not a.no_write:
-        write_results(a.results, lines)
+        replace_section(a.results, lines)
         print(f"wrote the coordinator section of {a.results}")
     return 0
 

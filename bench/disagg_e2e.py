@@ -78,6 +78,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # package: the repository root goes first and bench/ itself is dropped.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
+from bench._common import replace_subsection  # noqa: E402
+
 import aiohttp  # noqa: E402
 import yaml  # noqa: E402
 
@@ -1214,19 +1216,7 @@ def results_title(result: dict) -> str:
 
 def write_results(path: Path, body: str, title: str) -> None:
     """Replace ``title``'s subsection of ``## disagg_e2e`` (or add it, or the section), keeping the rest."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = f"{title}\n\n{body.rstrip()}\n"
-    sec = re.search(rf"^{re.escape(SECTION)}\s*$.*?(?=^## |\Z)", text, flags=re.M | re.S)
-    if sec is None:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n" + block
-    else:
-        old = sec.group(0)
-        sub = re.search(rf"^{re.escape(title)}\s*$.*?(?=^### |\Z)", old, flags=re.M | re.S)
-        new = (old[:sub.start()] + block + ("\n" if old[sub.end():] else "") + old[sub.end():] if sub
-               else old.rstrip("\n") + "\n\n" + block)
-        rest = text[sec.end():]
-        text = text[:sec.start()] + new.rstrip("\n") + "\n" + ("\n" if rest else "") + rest
-    path.write_text(text.rstrip("\n") + "\n")
+    replace_subsection(path, SECTION[3:], title, body)
 
 
 def machine() -> str:

@@ -18,7 +18,6 @@ import datetime as _dt
 import gc
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run as `python bench/x.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
 # package: the repository root goes first and bench/ itself is dropped.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
+
+from bench._common import replace_section  # noqa: E402
 
 from router.block_keys import block_keys, block_keys_list  # noqa: E402
 from router.events import (BlocksRemoved, BlocksStored, decode_zmq,  # noqa: E402
@@ -423,17 +424,6 @@ def _machine() -> str:
             f"{platform.python_version()}, numpy {np.__version__}, commit {commit or '?'}")
 
 
-def write_results(path: Path, section: list[str]) -> None:
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = "\n".join(section).rstrip() + "\n"
-    pat = re.compile(r"^## router core\n.*?(?=^## |\Z)", re.S | re.M)
-    if pat.search(text):
-        text = pat.sub(lambda _: block + "\n", text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + block
-    path.write_text(text.rstrip() + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
@@ -489,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(section))
     print(f"\n(total {time.perf_counter() - t_start:.1f} s)")
     if not a.no_write:
-        write_results(a.results, section)
+        replace_section(a.results, section)
         print(f"wrote {a.results}")
     return 0
 

@@ -25,7 +25,7 @@ def test_bench_quick_runs_and_reports_every_measure(tmp_path):
 
 def test_bench_writes_and_replaces_its_section(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from bench.router_core import write_results
+    from bench._common import replace_section as write_results
     path = tmp_path / "RESULTS.md"
     write_results(path, ["## router core", "", "first"])
     assert path.read_text().startswith("# Benchmark results\n")
