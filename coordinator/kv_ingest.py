@@ -250,8 +250,9 @@ class KvIngest:
         t.add_done_callback(feed.tasks.discard)
         return t
 
-    async def _read(self, feed: WorkerFeed) -> None:
-        sock = feed.sock
+    async def _recv_loop(self, sock, handle, where: str) -> None:
+        """Hand every multipart message of ``sock`` to ``handle`` until the socket is closed;
+        transient ZMQ errors are logged (rate-limited) and retried, never fatal."""
         while True:
             try:
                 frames = await sock.recv_multipart()
@@ -260,31 +261,26 @@ class KvIngest:
             except zmq.ZMQError as exc:
                 if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
                     return
-                self._rl(logging.WARNING, ("recv", feed.server), "KV events from %s: %s", feed.server, exc)
+                self._rl(logging.WARNING, ("recv", where), "KV events from %s: %s", where, exc)
                 await asyncio.sleep(0.1)
                 continue
-            self._on_frames(feed, frames)
+            handle(frames)
+
+    async def _read(self, feed: WorkerFeed) -> None:
+        await self._recv_loop(feed.sock, lambda frames: self._on_frames(feed, frames), feed.server)
 
     async def _read_bound(self) -> None:
-        sock = self._bound
-        while True:
-            try:
-                frames = await sock.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    return
-                await asyncio.sleep(0.1)
-                continue
-            feed = self._by_topic.get(frames[0]) if len(frames) == 3 else None
-            if feed is None:
-                self.unknown_topic += 1
-                self._rl(logging.WARNING, ("topic", frames[0] if frames else b""),
-                         "KV events on the bound endpoint with unknown topic %r dropped",
-                         frames[0] if frames else b"")
-                continue
-            self._on_frames(feed, frames)
+        await self._recv_loop(self._bound, self._on_bound_frames, "the bound endpoint")
+
+    def _on_bound_frames(self, frames: list[bytes]) -> None:
+        feed = self._by_topic.get(frames[0]) if len(frames) == 3 else None
+        if feed is None:
+            self.unknown_topic += 1
+            self._rl(logging.WARNING, ("topic", frames[0] if frames else b""),
+                     "KV events on the bound endpoint with unknown topic %r dropped",
+                     frames[0] if frames else b"")
+            return
+        self._on_frames(feed, frames)
 
     def _on_frames(self, feed: WorkerFeed, frames: list[bytes]) -> None:
         try:
