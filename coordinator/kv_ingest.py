@@ -76,6 +76,7 @@ class FeedSource:
     dp_size: int = 1
     poll_interval_s: float = 0.5
     origin: str = "advertised"
+    problem: str | None = None   # the source as given cannot work (reported, never guessed at)
 
 
 def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
@@ -294,6 +295,9 @@ class KvIngest:
 
     def _open(self, feed: WorkerFeed) -> None:
         src = feed.source
+        if src.problem:
+            self._connect_failed(feed, src.problem)
+            return
         if src.transport == "http_poll":
             if self._http is None:
                 feed.error = "no HTTP session to poll with"
