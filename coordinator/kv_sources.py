@@ -22,6 +22,7 @@ from typing import Any
 from coordinator.kv_ingest import FeedSource
 
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]", "")
+_OURS = {"publisher", "replay", "topic", "snapshot", "format"}
 
 
 def static_source(src: Any) -> FeedSource:
@@ -65,7 +66,7 @@ def advertised_source(info: dict, url: str, *, snapshot_ok: bool) -> FeedSource 
     if "endpoint_port_base" in kv or "endpoint_host" in kv:
         return _sglang(kv, host)
     pub = kv.get("publisher")
-    if pub is None and not kv.get("topic"):
+    if pub is None and not kv.get("topic") and set(kv) <= _OURS:
         return None   # a splitserve worker with its publisher switched off
     if (isinstance(pub, str) and "://" in pub) or (pub is None and kv.get("topic")):
         fmt = kv.get("format")
