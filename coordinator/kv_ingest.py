@@ -61,11 +61,11 @@ class _RateLimitedLog:
         self.period_s = period_s
         self._last: dict = {}
 
-    def __call__(self, level: int, key, msg: str, *args) -> None:
+    def __call__(self, level: int, key, msg: str, *args, **kw) -> None:
         now = time.monotonic()
         if now - self._last.get(key, -1e9) >= self.period_s:
             self._last[key] = now
-            log.log(level, msg, *args)
+            log.log(level, msg, *args, **kw)
 
 
 class KvIngest(HttpPollMixin):
@@ -281,15 +281,19 @@ class KvIngest(HttpPollMixin):
                     self.bound_reader_restarts += 1
                 else:
                     feed.reader_restarts += 1
-                    feed.error = f"reader restarted after {type(exc).__name__}: {exc}"
+                    msg = f"reader restarted after {type(exc).__name__}: {exc}"
+                    feed.error = msg
                     self._clear(feed, feed.server, "reader_restart")
                     feed.last_seq = None
-                log.error("KV-event reader of %s died (%s: %s); restarting in %.2fs", where,
-                          type(exc).__name__, exc, backoff, exc_info=True)
+                    self._changed(feed)
+                self._rl(logging.ERROR, ("reader", where),
+                         "KV-event reader of %s died (%s: %s); restarting in %.2fs", where,
+                         type(exc).__name__, exc, backoff, exc_info=True)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, READER_BACKOFF_MAX_S)
-                if feed is not None:
+                if feed is not None and feed.error == msg:
                     feed.error = None
+                    self._changed(feed)
 
     async def _monitor(self, feed: WorkerFeed, sock: zmq.asyncio.Socket, mon) -> None:
         """Track the SUB connection: a publisher that cannot be reached is reported (once per
