@@ -329,7 +329,8 @@ class Placer:
             excl = sorted(exclude | set(self.ejected()))
             t0 = time.perf_counter()
             try:
-                ans = await self.coord.select(role, req_id, routing_key=routing_key, exclude=excl or None)
+                ans = await self._leased(self.coord.select(role, req_id, routing_key=routing_key,
+                                                           exclude=excl or None), (role,), req_id)
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
@@ -348,9 +349,10 @@ class Placer:
             ej = set(self.ejected())
             t0 = time.perf_counter()
             try:
-                ans = await self.coord.select_pair(req_id, routing_key=routing_key,
-                                                   exclude_ctx=sorted(exclude_ctx | ej) or None,
-                                                   exclude_gen=sorted(exclude_gen | ej) or None)
+                ans = await self._leased(self.coord.select_pair(req_id, routing_key=routing_key,
+                                                                exclude_ctx=sorted(exclude_ctx | ej) or None,
+                                                                exclude_gen=sorted(exclude_gen | ej) or None),
+                                         (CTX, GEN), req_id)
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
@@ -369,6 +371,28 @@ class Placer:
                 raise
             return None, gen, "aggregated_fallback"
         return ctx, gen, "disaggregated"
+
+    async def _leased(self, call, roles: tuple[str, ...], req_id: int) -> dict:
+        """Await a coordinator placement so that a cancelled caller never leaks the lease it creates.
+
+        The coordinator leases `(role, req_id)` while it answers, so a caller cancelled mid-call (the
+        client hung up) would never learn of the lease and never `/finish` it. The call itself is
+        shielded and runs to its end; if the caller is gone by then, every role it may have leased is
+        finished here (`/finish` is idempotent: a lease that was never created is a no-op).
+        """
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._orphaned(t, roles, req_id))
+            raise
+
+    def _orphaned(self, task: asyncio.Task, roles: tuple[str, ...], req_id: int) -> None:
+        if not task.cancelled():
+            task.exception()   # retrieved: a failed placement nobody waits for is not an error
+        M.ORPHANED_LEASES.inc()
+        for role in roles:
+            self.finish(Placement(role, "", req_id, True, self.policy[role], {}), True)
 
     # ------------------------------------------------------------------ lease end
     def finish(self, p: Placement | None, success: bool) -> None:
