@@ -420,7 +420,12 @@ class FleetConfig:
                                   "server", ge=0)
     coordinator_timeout_s: float = _fld(5.0, "timeout of one coordinator call", gt=0)
     max_inflight_requests: Optional[int] = _fld(None, "per fleet process; beyond it requests get "
-                                                "503 + Retry-After (null = unlimited)", ge=1)
+                                                "429 + Retry-After (null = unlimited)", ge=1)
+    header_timeout_s: float = _fld(10.0, "a request head (request line and headers) must arrive "
+                                   "within this long once it has started (408 beyond)", gt=0)
+    body_timeout_s: float = _fld(30.0, "a request body must arrive within this long once its "
+                                 "head is read (408 beyond); a request counts toward "
+                                 "max_inflight_requests only once its body is read", gt=0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,13 +112,17 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def _token_ids(v: Any, name: str) -> list[int]:
+def _token_ids(v: Any, name: str, vocab_size: int | None = None) -> list[int]:
     if not isinstance(v, list) or not all(_is_int(t) for t in v):
         raise InvalidRequest(f"'{name}' must be a list of integer token ids, got {_tname(v)}",
                              param=name)
     if any(t < 0 for t in v):
         raise InvalidRequest(f"'{name}' must hold non-negative token ids, found "
                              f"{[t for t in v if t < 0][:5]}", param=name)
+    if vocab_size is not None and any(t >= vocab_size for t in v):
+        # checked here, where the field's name is known (the scheduler only knows "the prompt")
+        raise InvalidRequest(f"'{name}' must hold token ids in [0, {vocab_size}), found "
+                             f"{[t for t in v if t >= vocab_size][:5]}", param=name)
     return list(v)
 
 
@@ -248,21 +252,22 @@ def _disagg(body: dict, out: ParsedRequest) -> None:
     out.disagg_request_id = did
 
 
-def _top_prompt_ids(body: dict) -> list[int] | None:
+def _top_prompt_ids(body: dict, vocab_size: int | None) -> list[int] | None:
     v = body.get("prompt_token_ids")
     if v is None:
         return None
-    ids = _token_ids(v, "prompt_token_ids")
+    ids = _token_ids(v, "prompt_token_ids", vocab_size)
     if not ids:
         raise InvalidRequest("'prompt_token_ids' must not be empty", param="prompt_token_ids")
     return ids
 
 
-def parse_completion(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
+def parse_completion(body: Any, tokenizer, *, max_model_len: int,
+                     vocab_size: int | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {_tname(body)}")
     model = _model(body)
-    ids = _top_prompt_ids(body)
+    ids = _top_prompt_ids(body, vocab_size)
     if ids is None:
         if "prompt" not in body or body["prompt"] is None:
             raise InvalidRequest("'prompt' is required (a string or a list of token ids)",
@@ -275,7 +280,7 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int) -> ParsedReque
                 raise InvalidRequest("'prompt' must not be empty", param="prompt")
             ids = list(tokenizer.encode(p))
         elif isinstance(p, list) and p and all(_is_int(t) for t in p):
-            ids = _token_ids(p, "prompt")
+            ids = _token_ids(p, "prompt", vocab_size)
         elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
             raise InvalidRequest(
                 f"'prompt' holds {len(p)} prompts; this worker serves one prompt per request",
@@ -304,8 +309,11 @@ def _message_text(m: dict, i: int) -> str:
     if isinstance(c, list):
         parts = []
         for j, part in enumerate(c):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+            if isinstance(part, dict) and part.get("type") == "text" and not isinstance(
                     part.get("text"), str):
+                raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string, got "
+                                     f"{_tname(part.get('text'))}", param=f"messages[{i}].content[{j}].text")
+            if not isinstance(part, dict) or part.get("type") != "text":
                 raise InvalidRequest(
                     f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}; this "
                     f"worker serves text only", param=f"messages[{i}].content[{j}]")
@@ -315,7 +323,8 @@ def _message_text(m: dict, i: int) -> str:
                          f"{_tname(c)}", param=f"messages[{i}].content")
 
 
-def parse_chat(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
+def parse_chat(body: Any, tokenizer, *, max_model_len: int,
+               vocab_size: int | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {_tname(body)}")
     model = _model(body)
@@ -335,7 +344,7 @@ def parse_chat(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
                 f"messages[{i}].role must be one of system, developer, user, assistant, tool; got "
                 f"{role!r}", param=f"messages[{i}].role")
         clean.append({"role": role, "content": _message_text(m, i)})
-    ids = _top_prompt_ids(body)
+    ids = _top_prompt_ids(body, vocab_size)
     if ids is None:
         agp = _bool(body, "add_generation_prompt", True)
         try:

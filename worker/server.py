@@ -285,7 +285,8 @@ class WorkerServer:
         eng = self.engine
         parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
         try:
-            parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len)
+            parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len,
+                           vocab_size=getattr(eng, "vocab_size", None))
         except ValueError as e:
             if isinstance(e, EngineError):
                 raise
