@@ -60,6 +60,10 @@ class ParsedRequest:
     first_gen_tokens: list[int] | None = None
     disagg_request_id: int | None = None
     echo: bool = False
+    # The body fields the prompt and the token budget came from, so that an engine's error about
+    # "the prompt" or "max_tokens" names the field this client actually sent.
+    prompt_field: str = "prompt"
+    max_tokens_field: str = "max_tokens"
     # vLLM's extension: every chunk carries `token_ids`, and a stream sends one chunk per engine
     # step even when the step's text is empty (a partial UTF-8 character, a special token), so a
     # client can time each token.
@@ -268,6 +272,7 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int,
         raise InvalidRequest(f"the request body must be a JSON object, got {_tname(body)}")
     model = _model(body)
     ids = _top_prompt_ids(body, vocab_size)
+    from_ids = ids is not None
     if ids is None:
         if "prompt" not in body or body["prompt"] is None:
             raise InvalidRequest("'prompt' is required (a string or a list of token ids)",
@@ -295,7 +300,8 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int,
                         sampling=_sampling(body, 16, max_model_len, len(ids)),
                         stream=stream, include_usage=include_usage,
                         echo=_bool(body, "echo", False),
-                        return_token_ids=_bool(body, "return_token_ids", False))
+                        return_token_ids=_bool(body, "return_token_ids", False),
+                        prompt_field="prompt_token_ids" if from_ids else "prompt")
     _disagg(body, out)
     return out
 
@@ -345,6 +351,7 @@ def parse_chat(body: Any, tokenizer, *, max_model_len: int,
                 f"{role!r}", param=f"messages[{i}].role")
         clean.append({"role": role, "content": _message_text(m, i)})
     ids = _top_prompt_ids(body, vocab_size)
+    from_ids = ids is not None
     if ids is None:
         agp = _bool(body, "add_generation_prompt", True)
         try:
@@ -361,7 +368,10 @@ def parse_chat(body: Any, tokenizer, *, max_model_len: int,
                         sampling=_sampling(body, None, max_model_len, len(ids),
                                            ("max_completion_tokens", "max_tokens")),
                         stream=stream, include_usage=include_usage,
-                        return_token_ids=_bool(body, "return_token_ids", False))
+                        return_token_ids=_bool(body, "return_token_ids", False),
+                        prompt_field="prompt_token_ids" if from_ids else "messages",
+                        max_tokens_field="max_completion_tokens"
+                        if body.get("max_completion_tokens") is not None else "max_tokens")
     _disagg(body, out)
     return out
 

@@ -316,7 +316,12 @@ class WorkerServer:
             sampling=parsed.sampling, request_type=rt, aliases=aliases, ctx_request_id=ctx_id,
             disaggregated_params=dp if rt == GENERATION_ONLY else None,
             first_gen_tokens=parsed.first_gen_tokens)
-        stream = await eng.submit(ereq)
+        try:
+            stream = await eng.submit(ereq)
+        except InvalidRequest as e:
+            # the engine knows "the prompt" and "max_tokens"; the client sent these fields
+            e.param = {"prompt": parsed.prompt_field, "max_tokens": parsed.max_tokens_field}.get(e.param, e.param)
+            raise
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         oid = prefix + (xrid if xrid else ereq.request_id)
         headers = {"X-Request-Id": xrid} if xrid else None

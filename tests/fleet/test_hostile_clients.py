@@ -242,13 +242,21 @@ BAD_BODIES = [
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": "9"},
      "max_completion_tokens"),
+    # past the worker's context (tiny: 8192 tokens): the engine's error names what the client sent
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10 ** 6},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_token_ids": [65] * 9000},
+     "prompt_token_ids"),
+    ("/v1/completions", {"prompt_token_ids": [65] * 9000}, "prompt_token_ids"),
+    ("/v1/completions", {"prompt": [65] * 9000}, "prompt"),
+    ("/v1/completions", {"prompt_token_ids": [65, 10 ** 6]}, "prompt_token_ids"),   # over the vocabulary
 ]
 
 
 @pytest.mark.parametrize("path,body,param", BAD_BODIES, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD_BODIES)])
 def test_bad_body_is_400_naming_the_field(one, path, body, param):
     st, _, raw = http("POST", one["url"] + path, {"model": "tiny", "max_tokens": 2, **body})
-    assert st == 400, raw
+    assert st == 400, raw[:300]
     assert error_of(st, raw)["param"] == param
 
 
