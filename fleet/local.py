@@ -116,7 +116,8 @@ def run(args) -> int:
     cfg = {"hostname": host, "port": args.port, "num_workers": args.num_workers, "model": args.model,
            "context_servers": {"urls": [urls["context"].split("//")[1]], "router": {"type": args.policy}},
            "generation_servers": {"urls": [urls["generation"].split("//")[1]], "router": {"type": args.policy}},
-           "server_start_timeout": args.ready_timeout}
+           "server_start_timeout": args.ready_timeout,
+           "coordinator": {"host": host}}   # --host is every listener's address, the coordinator's too
     cfg_path = work / "cluster.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     fleet = _Proc("fleet", [py, "-m", "splitserve_cli", "serve", "-c", str(cfg_path)], work / "fleet.log", env)
