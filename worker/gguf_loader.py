@@ -47,7 +47,7 @@ from router.tokenizer import TokenizerError
 from worker.loader import LoaderError, load_directory
 
 __all__ = ["GGUFError", "GGUFLoadInfo", "load_gguf", "convert_gguf", "read_gguf", "hf_config_from_gguf",
-           "cache_root", "file_digest", "CACHE_FORMAT"]
+           "gguf_directory", "cache_root", "file_digest", "CACHE_FORMAT"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class GGUFLoadInfo:
     digest: str           # xxh3-128 of the file's bytes
     converted: bool       # this call converted the file (False: loaded from the cache)
     convert_s: float      # seconds spent converting (0 when cached)
+    load_s: float         # seconds for the whole load (hash, convert if needed, read weights)
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -326,13 +327,24 @@ def _convert_into_cache(path: Path, digest: str, root: Path) -> tuple[Path, floa
     return final, took, True
 
 
+def gguf_directory(source: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached Hugging Face directory of a named model or ``.gguf`` path, converted now if
+    missing (for callers that hand a directory on, like the tensor-parallel ranks)."""
+    path = _source_path(source)
+    return _convert_into_cache(path, file_digest(path), cache_root(cache_dir))[0]
+
+
+def _source_path(source: str | os.PathLike) -> Path:
+    try:
+        return gguf_source_path(source)
+    except (FileNotFoundError, KeyError) as e:
+        raise LoaderError(str(e)) from None
+
+
 def load_gguf(source: str | os.PathLike, device: str | torch.device | None = "cpu",
               dtype: str | torch.dtype | None = None, cache_dir: str | os.PathLike | None = None):
     """``(model, tokenizer, config, GGUFLoadInfo)`` for a named model or a ``.gguf`` path."""
-    try:
-        path = gguf_source_path(source)
-    except (FileNotFoundError, KeyError) as e:
-        raise LoaderError(str(e)) from None
+    path = _source_path(source)
     name = os.fspath(source) if is_named_model(os.fspath(source)) else path.name
     t0 = time.perf_counter()
     digest = file_digest(path)
@@ -353,4 +365,4 @@ def load_gguf(source: str | os.PathLike, device: str | torch.device | None = "cp
     total = time.perf_counter() - t0
     log.info("loaded %s from %s in %.2fs (%s)", name, path, total,
              f"converted in {took:.2f}s, cached at {cdir}" if converted else f"cached at {cdir}")
-    return model, tok, cfg, GGUFLoadInfo(path, cdir, digest, converted, took)
+    return model, tok, cfg, GGUFLoadInfo(path, cdir, digest, converted, took, total)
