@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from router.block_keys import block_keys, salt_seed
+from router.gguf_tokenizer import gguf_tokenizer
+from router.named_models import gguf_source_path, is_gguf_source
 from router.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 from .validate import CHAT, ClientRequest
@@ -33,9 +35,12 @@ class TokenizerUnavailable(RuntimeError):
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:
-    """The tokenizer the workers use for `model`: a preset name or a Hugging Face model directory."""
+    """The tokenizer the workers use for `model`: a preset name, a Hugging Face model directory, or
+    a GGUF source (a named model such as `smollm2-135m`, or a `.gguf` file)."""
     if model is None or model in _PRESETS:
         return ByteTokenizer()
+    if is_gguf_source(model) and not Path(model).is_dir():
+        return _gguf_tokenizer(model)
     d = Path(model)
     tj = d / "tokenizer.json"
     if not tj.is_file():
@@ -47,6 +52,17 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     if tc.is_file():
         cfg = json.loads(tc.read_text(encoding="utf-8"))
     return HFTokenizer.from_json(tj.read_text(encoding="utf-8"), cfg)
+
+
+def _gguf_tokenizer(model: str) -> Tokenizer:
+    """The GGUF file's own tokenizer, built by the recipe the workers use (router/gguf_tokenizer.py)."""
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(gguf_source_path(model)).fields
+    except (OSError, ValueError, KeyError) as e:
+        raise TokenizerUnavailable(f"cannot build the routing tokenizer for model {model!r}: {e}") from None
+    return gguf_tokenizer({k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")})
 
 
 def _message_text(m: dict) -> str:

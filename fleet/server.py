@@ -139,7 +139,8 @@ class FleetServer:
             self.keys = make_key_builder(self.config, self.placer.models())
         except (TokenizerUnavailable, ValueError) as e:
             raise StartupError(f"cannot compute routing keys: {e}; set `model:` in the config to a preset "
-                               f"(tiny, 1b, 8b) or a local Hugging Face directory with tokenizer.json",
+                               f"(tiny, 1b, 8b), a named GGUF model (smollm2-135m), a .gguf file or a local "
+                               f"Hugging Face directory with tokenizer.json",
                                EXIT_CONFIG) from None
         try:
             self.identity = await self._lease_identity()

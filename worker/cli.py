@@ -17,6 +17,8 @@ import signal
 import sys
 from pathlib import Path
 
+from router.named_models import gguf_source_path, is_gguf_source, is_named_model
+
 log = logging.getLogger("splitserve.worker")
 
 __all__ = ["add_arguments", "run", "build_server"]
@@ -42,7 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="which leg(s) of a disaggregated request this worker serves")
     add("--host", "127.0.0.1", help="bind address for HTTP and KV-event sockets")
     add("--port", 8001, type=int, help="HTTP port (0 = pick a free one)")
-    add("--model", "tiny", help="preset name (tiny, 1b, 8b) or a Hugging Face-format directory")
+    add("--model", "tiny", help="preset name (tiny, 1b, 8b), named GGUF model (smollm2-135m), "
+                                "path/to/file.gguf, or a Hugging Face-format directory")
+    add("--cache-dir", None, help="where GGUF models are kept converted (default "
+                                  "$XDG_CACHE_HOME/splitserve or ~/.cache/splitserve)")
     add("--engine", "torch", choices=["torch", "sim"], help="torch model or simulated engine")
     add("--device", None, choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     add("--dtype", None, choices=["float32", "bfloat16"],
@@ -91,6 +96,15 @@ def _sim_tokenizer(model: str):
     path = Path(model)
     if model in SIM_PRESET_VOCAB and not path.is_dir():
         return ByteTokenizer(vocab_size=SIM_PRESET_VOCAB[model]), SIM_PRESET_MAX_LEN[model]
+    if is_gguf_source(model) and not path.is_dir():
+        import gguf
+
+        from router.gguf_tokenizer import gguf_tokenizer
+
+        fields = gguf.GGUFReader(gguf_source_path(model)).fields
+        meta = {k: f.contents() for k, f in fields.items()}
+        arch = meta.get("general.architecture")
+        return gguf_tokenizer(meta), int(meta.get(f"{arch}.context_length") or 1 << 20)
     if not path.is_dir():
         raise ValueError(f"model {model!r} is neither a preset ({', '.join(SIM_PRESET_VOCAB)}) "
                          f"nor a directory")
@@ -135,7 +149,7 @@ def _build_engine(args):
             args.model, tp_size=args.tp_size, pp_size=args.pp_size, device=args.device,
             dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
             max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-            pin_timeout_s=args.pin_timeout, log_level=args.log_level)
+            pin_timeout_s=args.pin_timeout, log_level=args.log_level, cache_dir=args.cache_dir)
     import torch
 
     from worker.engine import TorchEngine
@@ -143,7 +157,7 @@ def _build_engine(args):
     from worker.runner import ModelRunner, kv_bytes_per_block
 
     device = resolve_device(args.device)
-    model, tok, cfg = load_model(args.model, device=device, dtype=args.dtype)
+    model, tok, cfg = load_model(args.model, device=device, dtype=args.dtype, cache_dir=args.cache_dir)
     num_blocks = args.num_blocks
     per_block = kv_bytes_per_block(cfg, args.block_size, model.dtype)
     if not num_blocks:
@@ -186,7 +200,8 @@ def build_server(args):
         advertise = socket.gethostname()
     publisher = KvEventPublisher(host=args.host, pub_port=args.kv_events_port,
                                  replay_port=args.kv_replay_port, advertise_host=advertise)
-    name = args.model if args.model in SIM_PRESET_VOCAB else Path(args.model).name or args.model
+    name = args.model if args.model in SIM_PRESET_VOCAB or is_named_model(args.model) \
+        else Path(args.model).name or args.model
     link = _build_transfer(args, engine, name, advertise) if args.engine == "torch" else None
     server = WorkerServer(engine, model_name=name, role=args.role, host=args.host, port=args.port,
                           advertise_host=advertise, publisher=publisher,
