@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from worker.attention import resolve_backend
-from worker.attention.plan import PagedDecode, choose_split, fill_units, max_units, num_sms, row_ranges
+from worker.attention.plan import PagedDecode, build_paged_decode, choose_split, fill_units, max_units, num_sms, row_ranges
 from worker.model import AttentionMetadata, DecodeBatch, DecodeGroup, LlamaForCausalLM, ModelConfig, PrefillSeq
 
 __all__ = ["Chunk", "ModelRunner", "RunnerInputError", "kv_bytes_per_block", "plan_decode_groups"]
@@ -445,29 +445,11 @@ class ModelRunner:
 
     def _paged_decode_meta(self, rows: list[np.ndarray], first: list[int], pos: list[int],
                            token_start: int) -> PagedDecode:
-        """Eager-step metadata of the paged decode kernel (worker/attention/plan.py), uploaded in one copy."""
-        r = len(rows)
-        width = max(t.size for t in rows)
-        pos_a, key0 = np.asarray(pos, dtype=np.int64), np.asarray(first, dtype=np.int64)
-        lo, hi = row_ranges(pos_a, key0, self._window)
-        split = choose_split(int((hi - lo).sum()), self.kv_cache.shape[4], num_sms(self.device))
-        units = int((-(-(hi - lo) // split)).sum())
-        buf = np.zeros(r * width + 2 * r + 3 * units + r + 1, dtype=np.int64)
-        tables = buf[:r * width].reshape(r, width)
-        for j, t in enumerate(rows):
-            tables[j, :t.size] = t
-        o = r * width
-        buf[o:o + r], buf[o + r:o + 2 * r] = pos_a, key0
-        o += 2 * r
-        u_row, u_lo, u_hi = buf[o:o + units], buf[o + units:o + 2 * units], buf[o + 2 * units:o + 3 * units]
-        row_start = buf[o + 3 * units:]
-        fill_units(lo, hi, split, u_row, u_lo, u_hi, row_start)
-        d = torch.from_numpy(buf).to(self.device)
-        o = r * width
-        self.last_step_stats = _decode_stats(r, 1, int((hi - lo).sum()), sum(t.size for t in rows) * self.block_size)
-        return PagedDecode(d[:o].view(r, width), d[o:o + r], d[o + r:o + 2 * r], d[o + 2 * r:o + 2 * r + units],
-                           d[o + 2 * r + units:o + 2 * r + 2 * units], d[o + 2 * r + 2 * units:o + 2 * r + 3 * units],
-                           d[o + 2 * r + 3 * units:], bool(units == r), token_start)
+        """Eager-step metadata of the paged decode kernel (worker/attention/plan.py)."""
+        meta, read = build_paged_decode(rows, pos, first, self._window, self.kv_cache.shape[4], self.device,
+                                        token_start=token_start)
+        self.last_step_stats = _decode_stats(len(rows), 1, read, sum(t.size for t in rows) * self.block_size)
+        return meta
 
     # ------------------------------------------------------------------ CUDA graphs
 

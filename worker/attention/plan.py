@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["PagedDecode", "MIN_SPLIT", "PROGRAMS_PER_SM", "choose_split", "max_units", "row_ranges",
+__all__ = ["PagedDecode", "build_paged_decode", "MIN_SPLIT", "PROGRAMS_PER_SM", "choose_split", "max_units", "row_ranges",
            "fill_units", "num_sms"]
 
 #: Smallest work unit, in key slots (a few BLOCK_N tiles: below this the merge costs more than the
@@ -112,3 +112,35 @@ def fill_units(lo: np.ndarray, hi: np.ndarray, split: int, unit_row: np.ndarray,
     unit_lo[total:] = 0
     unit_hi[total:] = 0
     return total
+
+
+def build_paged_decode(tables, pos, key0, window: int | None, kv_heads: int, device: torch.device,
+                       split: int | None = None, token_start: int = 0) -> tuple[PagedDecode, int]:
+    """Metadata of one eager decode launch, uploaded in one host→device copy, and the number of key
+    slots it reads. ``tables``: each row's block ids from position ``key0[r]`` on; ``split``
+    overrides :func:`choose_split` (tests force the merge path with it)."""
+    r = len(tables)
+    width = max(len(t) for t in tables)
+    pos_a, key0_a = np.asarray(pos, dtype=np.int64), np.asarray(key0, dtype=np.int64)
+    lo, hi = row_ranges(pos_a, key0_a, window)
+    read = int((hi - lo).sum())
+    split = split or choose_split(read, kv_heads, num_sms(torch.device(device)))
+    units = int((-(-(hi - lo) // split)).sum())
+    sizes = (r * width, r, r, units, units, units, r + 1)
+    buf = np.zeros(sum(sizes), dtype=np.int64)
+    parts, o = [], 0
+    for n in sizes:
+        parts.append(buf[o:o + n])
+        o += n
+    tab = parts[0].reshape(r, width)
+    for j, t in enumerate(tables):
+        tab[j, :len(t)] = t
+    parts[1][:], parts[2][:] = pos_a, key0_a
+    fill_units(lo, hi, split, parts[3], parts[4], parts[5], parts[6])
+    d = torch.from_numpy(buf).to(device)
+    dev_parts, o = [], 0
+    for n in sizes:
+        dev_parts.append(d[o:o + n])
+        o += n
+    meta = PagedDecode(dev_parts[0].view(r, width), *dev_parts[1:], direct=units == r, token_start=token_start)
+    return meta, read
