@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--device", None, choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     add("--dtype", None, choices=["float32", "bfloat16"],
         help="default: float32 on cpu, bfloat16 on cuda")
+    add("--attention-backend", "auto", choices=["auto", "triton", "torch"],
+        help="attention over the paged KV cache: triton kernels reading blocks in place, or torch "
+             "(gather + SDPA); auto = triton on CUDA, torch on the CPU")
     add("--block-size", 16, type=int, help="tokens per KV block (= the routing block size)")
     add("--num-blocks", None, type=int,
         help="KV blocks in the pool (default: sized from memory; sim: 4096)")
@@ -168,10 +171,11 @@ def _build_engine(args):
             budget = 1 << 30
         max_blocks = -(-cfg.max_position_embeddings // args.block_size) * args.max_batch_size
         num_blocks = max(16, min(budget // per_block, max_blocks))
-    runner = ModelRunner(model, num_blocks, args.block_size, device=device, dtype=model.dtype)
-    log.info("torch engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB)", args.model,
+    runner = ModelRunner(model, num_blocks, args.block_size, device=device, dtype=model.dtype,
+                         attention_backend=args.attention_backend)
+    log.info("torch engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB), %s attention", args.model,
              device, str(model.dtype).removeprefix("torch."), num_blocks, args.block_size,
-             num_blocks * per_block / 2**20)
+             num_blocks * per_block / 2**20, runner.attention_backend)
     return TorchEngine(runner, tok, max_batch_size=args.max_batch_size,
                        max_num_tokens=args.max_num_tokens, pin_timeout_s=args.pin_timeout)
 
@@ -184,7 +188,8 @@ def build_server(args):
     # argparse checks choices on the command line only; values from the environment land here.
     for name, choices in (("role", ("context", "generation", "both")), ("engine", ("torch", "sim")),
                           ("device", ("cpu", "cuda", None)), ("dtype", ("float32", "bfloat16", None)),
-                          ("transfer_agent", ("auto", "nixl", "shm", "tcp"))):
+                          ("transfer_agent", ("auto", "nixl", "shm", "tcp")),
+                          ("attention_backend", ("auto", "triton", "torch"))):
         if getattr(args, name) not in choices:
             raise ValueError(f"--{name.replace('_', '-')} must be one of "
                              f"{[c for c in choices if c]}, got {getattr(args, name)!r}")

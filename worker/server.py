@@ -217,6 +217,8 @@ class WorkerServer:
             "role": self.role,
             "model": self.model_name,
             "engine": self.engine.engine_name,
+            # "triton" / "torch" for the torch engine (worker/attention), null for engines without one.
+            "attention_backend": getattr(getattr(self.engine, "runner", None), "attention_backend", None),
             "block_size": self.engine.block_size,
             "key_scheme": KEY_SCHEME,
             "ns_seed": self.engine.pool.ns_seed,
