@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--dtype", None, choices=["float32", "bfloat16"],
         help="default: float32 on cpu, bfloat16 on cuda")
     add("--block-size", 16, type=int, help="tokens per KV block (= the routing block size)")
+    add("--kv-namespace", None, help="cache namespace salted into this worker's block keys "
+        "(= the cluster's routing.namespace; its /kv_snapshot keys are trusted only when equal)")
     add("--num-blocks", None, type=int,
         help="KV blocks in the pool (default: sized from memory; sim: 4096)")
     add("--max-batch-size", 64, type=int, help="sequences per engine step")
@@ -114,6 +116,13 @@ def _sim_tokenizer(model: str):
                                  extra_eos_token_ids=extra), max_len
 
 
+def _ns_seed(args) -> int:
+    from router.block_keys import salt_seed
+
+    ns = getattr(args, "kv_namespace", None)
+    return salt_seed(ns) if ns else 0
+
+
 def _build_engine(args):
     if args.tp_size < 1 or args.pp_size < 1:
         raise ValueError(f"--tp-size and --pp-size must be >= 1, got {args.tp_size}, {args.pp_size}")
@@ -122,6 +131,7 @@ def _build_engine(args):
 
         tok, max_len = _sim_tokenizer(args.model)
         return SimEngine(tok, num_blocks=args.num_blocks or 4096, block_size=args.block_size,
+                         ns_seed=_ns_seed(args),
                          max_model_len=max_len, max_batch_size=args.max_batch_size,
                          max_num_tokens=args.max_num_tokens,
                          prefill_us_per_token=args.sim_prefill_us_per_token,
@@ -159,7 +169,8 @@ def _build_engine(args):
              device, str(model.dtype).removeprefix("torch."), num_blocks, args.block_size,
              num_blocks * per_block / 2**20)
     return TorchEngine(runner, tok, max_batch_size=args.max_batch_size,
-                       max_num_tokens=args.max_num_tokens, pin_timeout_s=args.pin_timeout)
+                       max_num_tokens=args.max_num_tokens, pin_timeout_s=args.pin_timeout,
+                       ns_seed=_ns_seed(args))
 
 
 def build_server(args):
