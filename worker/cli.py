@@ -77,6 +77,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sim engine: prefill cost per uncached prompt token (µs)")
     add("--sim-decode-us-per-step", 5000.0, type=float,
         help="sim engine: cost of one batched decode step (µs)")
+    add("--sim-prefill-us-per-token-per-kctx", 0.0, type=float,
+        help="sim engine: extra prefill cost per token per 1000 tokens of context before it (µs)")
+    add("--sim-decode-us-per-seq", 0.0, type=float,
+        help="sim engine: extra decode-step cost per decoding sequence (µs)")
+    add("--sim-decode-us-per-ctx-token", 0.0, type=float,
+        help="sim engine: extra decode-step cost per context token attended to (µs)")
+    add("--sim-prefix-reuse", "on", choices=["on", "off"],
+        help="sim engine: off = publish KV events but never reuse a cached block (a fault "
+             "injection for the routing diagnostics)")
     add("--pin-timeout", 60.0, type=float,
         help="seconds a context request's KV stays pinned waiting for its transfer")
     add("--drain-timeout", 25.0, type=float,
@@ -136,6 +145,10 @@ def _build_engine(args):
                          max_num_tokens=args.max_num_tokens,
                          prefill_us_per_token=args.sim_prefill_us_per_token,
                          decode_us_per_step=args.sim_decode_us_per_step,
+                         prefill_us_per_token_per_kctx=args.sim_prefill_us_per_token_per_kctx,
+                         decode_us_per_seq=args.sim_decode_us_per_seq,
+                         decode_us_per_ctx_token=args.sim_decode_us_per_ctx_token,
+                         prefix_reuse=args.sim_prefix_reuse != "off",
                          pin_timeout_s=args.pin_timeout)
     if args.tp_size != 1 or args.pp_size != 1:
         # One process per rank; this one is rank 0 (worker/parallel_engine.py, INTERFACES §7).
@@ -181,7 +194,8 @@ def build_server(args):
     # argparse checks choices on the command line only; values from the environment land here.
     for name, choices in (("role", ("context", "generation", "both")), ("engine", ("torch", "sim")),
                           ("device", ("cpu", "cuda", None)), ("dtype", ("float32", "bfloat16", None)),
-                          ("transfer_agent", ("auto", "nixl", "shm", "tcp"))):
+                          ("transfer_agent", ("auto", "nixl", "shm", "tcp")),
+                          ("sim_prefix_reuse", ("on", "off"))):
         if getattr(args, name) not in choices:
             raise ValueError(f"--{name.replace('_', '-')} must be one of "
                              f"{[c for c in choices if c]}, got {getattr(args, name)!r}")

@@ -122,3 +122,38 @@ def test_parity_probe_marks_mismatch_and_rechecks_after_restart(cluster, dirs):
     wait_for(fixed, 30, "b re-probed after its restart")
     assert servers(cluster_info(curl))[b]["kv_mismatch"] is None
     assert "KV keys match again" in coord.log()
+
+
+def test_predicted_vs_actual_alarm_on_a_worker_that_never_reuses(cluster):
+    _, good = cluster.worker("generation", name="pva-good")
+    _, bad = cluster.worker("generation", name="pva-bad", extra=("--sim-prefix-reuse", "off"))
+    url, curl, coord, _ = coordinator_and_fleet(cluster, gen_urls=[good, bad])
+    landed = {good: 0, bad: 0}
+    for i in range(12):
+        body = {"model": "tiny", "prompt": f"conversation {i}: " + PROMPT, "max_tokens": 2}
+        for _ in range(4):
+            r, u = post(url, "/v1/completions", body)
+            g = r["generation"]
+            landed[g["server"]] += 1
+            if g["server"] == bad:
+                assert _cached(u) == 0      # the fault: events stored, nothing ever reused
+    assert min(landed.values()) >= 8, landed
+
+    def alarmed():
+        return bad in cluster_info(curl)["routing_diagnostics"]["prediction_alarm"]
+    wait_for(alarmed, 10, "the predicted-vs-actual alarm for the worker that never reuses")
+    s = servers(cluster_info(curl))
+    pb, pg = s[bad]["routing_prediction"], s[good]["routing_prediction"]
+    assert pb["alarm"] and pb["predicted_tokens"] > 0 and pb["actual_cached_tokens"] == 0
+    assert pb["recent"]["ratio"] == 0.0
+    assert not pg["alarm"] and pg["recent"]["ratio"] >= 0.9
+    assert cluster_info(curl)["routing_diagnostics"]["prediction_alarm"] == [bad]
+    _, _, m = http("GET", curl + "/metrics")
+    text = m.decode()
+    assert metric(text, "splitserve_coordinator_routing_prediction_alarm", server=bad) == 1
+    assert metric(text, "splitserve_coordinator_routing_prediction_alarm", server=good) == 0
+    assert metric(text, "splitserve_coordinator_routing_predicted_cached_tokens_total",
+                  server=bad) == pb["predicted_tokens"]
+    assert metric(text, "splitserve_coordinator_routing_actual_cached_tokens_total",
+                  server=good) == pg["actual_cached_tokens"] > 0
+    assert f"server {bad}: workers reported 0 cached tokens where routing predicted" in coord.log()
