@@ -599,7 +599,7 @@ class Flow:
                 out[k] = e[k]
         cands = e.get("candidates")
         if isinstance(cands, list) and cands:
-            out["candidates"] = [{k: c.get(k) for k in ("server", "matched_tokens", "load_requests", "score")
+            out["candidates"] = [{k: c.get(k) for k in ("server", "matched_tokens", "load_requests", "score", "why")
                                   if k in c} for c in cands[:4] if isinstance(c, dict)]
         return out
 
@@ -618,6 +618,7 @@ class Flow:
         if ct is None:
             return
         prompt, cached = ct
+        p.usage = (prompt, cached)
         k = (role, p.server)
         m = self._m_tokens.get(k)
         if m is None:

@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="attention over the paged KV cache: triton kernels reading blocks in place, or torch "
              "(gather + SDPA); auto = triton on CUDA, torch on the CPU")
     add("--block-size", 16, type=int, help="tokens per KV block (= the routing block size)")
+    add("--kv-namespace", None, help="cache namespace salted into this worker's block keys "
+        "(= the cluster's routing.namespace; its /kv_snapshot keys are trusted only when equal)")
     add("--num-blocks", None, type=int,
         help="KV blocks in the pool (default: sized from memory; sim: 4096)")
     add("--max-batch-size", 64, type=int, help="sequences per engine step")
@@ -83,6 +85,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sim engine: prefill cost per uncached prompt token (µs)")
     add("--sim-decode-us-per-step", 5000.0, type=float,
         help="sim engine: cost of one batched decode step (µs)")
+    add("--sim-prefill-us-per-token-per-kctx", 0.0, type=float,
+        help="sim engine: extra prefill cost per token per 1000 tokens of context before it (µs)")
+    add("--sim-decode-us-per-seq", 0.0, type=float,
+        help="sim engine: extra decode-step cost per decoding sequence (µs)")
+    add("--sim-decode-us-per-ctx-token", 0.0, type=float,
+        help="sim engine: extra decode-step cost per context token attended to (µs)")
+    add("--sim-prefix-reuse", "on", choices=["on", "off"],
+        help="sim engine: off = publish KV events but never reuse a cached block (a fault "
+             "injection for the routing diagnostics)")
     add("--pin-timeout", 60.0, type=float,
         help="seconds a context request's KV stays pinned waiting for its transfer")
     add("--drain-timeout", 25.0, type=float,
@@ -131,6 +142,13 @@ def _sim_tokenizer(model: str):
                                  extra_eos_token_ids=extra), max_len
 
 
+def _ns_seed(args) -> int:
+    from router.block_keys import salt_seed
+
+    ns = getattr(args, "kv_namespace", None)
+    return salt_seed(ns) if ns else 0
+
+
 def _build_engine(args):
     if args.tp_size < 1 or args.pp_size < 1:
         raise ValueError(f"--tp-size and --pp-size must be >= 1, got {args.tp_size}, {args.pp_size}")
@@ -139,10 +157,15 @@ def _build_engine(args):
 
         tok, max_len = _sim_tokenizer(args.model)
         return SimEngine(tok, num_blocks=args.num_blocks or 4096, block_size=args.block_size,
+                         ns_seed=_ns_seed(args),
                          max_model_len=max_len, max_batch_size=args.max_batch_size,
                          max_num_tokens=args.max_num_tokens,
                          prefill_us_per_token=args.sim_prefill_us_per_token,
                          decode_us_per_step=args.sim_decode_us_per_step,
+                         prefill_us_per_token_per_kctx=args.sim_prefill_us_per_token_per_kctx,
+                         decode_us_per_seq=args.sim_decode_us_per_seq,
+                         decode_us_per_ctx_token=args.sim_decode_us_per_ctx_token,
+                         prefix_reuse=args.sim_prefix_reuse != "off",
                          pin_timeout_s=args.pin_timeout)
     if args.tp_size != 1 or args.pp_size != 1:
         # One process per rank; this one is rank 0 (worker/parallel_engine.py, INTERFACES §7).
@@ -177,7 +200,8 @@ def _build_engine(args):
              device, str(model.dtype).removeprefix("torch."), num_blocks, args.block_size,
              num_blocks * per_block / 2**20, runner.attention_backend)
     return TorchEngine(runner, tok, max_batch_size=args.max_batch_size,
-                       max_num_tokens=args.max_num_tokens, pin_timeout_s=args.pin_timeout)
+                       max_num_tokens=args.max_num_tokens, pin_timeout_s=args.pin_timeout,
+                       ns_seed=_ns_seed(args))
 
 
 def build_server(args):
@@ -189,7 +213,8 @@ def build_server(args):
     for name, choices in (("role", ("context", "generation", "both")), ("engine", ("torch", "sim")),
                           ("device", ("cpu", "cuda", None)), ("dtype", ("float32", "bfloat16", None)),
                           ("transfer_agent", ("auto", "nixl", "shm", "tcp")),
-                          ("attention_backend", ("auto", "triton", "torch"))):
+                          ("attention_backend", ("auto", "triton", "torch")),
+                          ("sim_prefix_reuse", ("on", "off"))):
         if getattr(args, name) not in choices:
             raise ValueError(f"--{name.replace('_', '-')} must be one of "
                              f"{[c for c in choices if c]}, got {getattr(args, name)!r}")

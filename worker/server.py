@@ -23,7 +23,7 @@ import msgpack
 import orjson
 from aiohttp import web
 
-from router.block_keys import KEY_SCHEME
+from router.block_keys import KEY_SCHEME, block_keys_list
 from worker import protocol
 from worker.metrics import make_registry, render
 from worker.requests import (
@@ -104,6 +104,7 @@ class WorkerServer:
         r.add_get("/health", self.health)
         r.add_get("/server_info", self.server_info)
         r.add_get("/kv_snapshot", self.kv_snapshot)
+        r.add_post("/kv_keys", self.kv_keys)
         r.add_post("/v1/abort", self.abort)
         r.add_post("/kv_release", self.kv_release)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
@@ -243,6 +244,27 @@ class WorkerServer:
                 "block_size": self.engine.block_size, "key_scheme": KEY_SCHEME,
                 "block_keys": self.engine.pool.resident_keys()}
         return web.Response(body=msgpack.packb(body), content_type="application/msgpack")
+
+    async def kv_keys(self, request: web.Request) -> web.Response:
+        """The prompt token ids and block keys this worker computes for a request body, by the
+        same parse as generation (`?kind=completion|chat`): the coordinator's key parity probe
+        compares them with its own recipe (coordinator/kv_parity.py)."""
+        kind = request.query.get("kind", "completion")
+        if kind not in ("completion", "chat"):
+            raise InvalidRequest(f"'kind' must be 'completion' or 'chat', got {kind!r}", param="kind")
+        body = await self._body(request)
+        eng = self.engine
+        parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
+        try:
+            parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len)
+        except ValueError as e:
+            if isinstance(e, EngineError):
+                raise
+            raise InvalidRequest(f"cannot tokenize the prompt: {e}", param="prompt") from None
+        ids = list(parsed.prompt_token_ids)
+        return _json({"token_ids": ids, "block_size": eng.block_size, "key_scheme": KEY_SCHEME,
+                      "ns_seed": eng.pool.ns_seed,
+                      "block_keys": block_keys_list(ids, eng.block_size, eng.pool.ns_seed)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=render(self.registry),
