@@ -29,11 +29,11 @@ KEEP_HEADERS = ("x-request-id", "authorization", "content-type", "x-splitserve-r
 
 
 def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
-             tokens: int = 3, delay_s: float = 0.0) -> web.Application:
+             tokens: int = 3, delay_s: float = 0.0, port: int | None = None) -> web.Application:
     seq = {"n": 0}
 
     def log(request: web.Request, body) -> None:
-        rec = {"t": time.time(), "method": request.method, "path": request.path,
+        rec = {"t": time.time(), "port": port, "method": request.method, "path": request.path,
                "query": request.query_string,
                "headers": {k.lower(): v for k, v in request.headers.items() if k.lower() in KEEP_HEADERS},
                "body": body}
@@ -64,7 +64,7 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
             ch.update({"message": {"role": "assistant", "content": "a"}} if chat else {"text": "a"})
             out.update(choices=[ch], usage=usage, kv_transfer_params={
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4]],
-                "remote_engine_id": f"engine-{request.url.port}", "remote_request_id": f"cmpl-{rid}-0",
+                "remote_engine_id": f"engine-{port}", "remote_request_id": f"cmpl-{rid}-0",
                 "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "dcp_size": 1,
                 "pp_size": 1, "remote_num_tokens": 8, "remote_blocks_expiry_time": None,
                 "remote_registration_generation": 0, "transfer_mode": "pull"})
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--delay-s", type=float, default=0.0)
     a = ap.parse_args(argv)
-    web.run_app(make_app(a.record, a.engine, a.role, a.bootstrap_port, a.tokens, a.delay_s),
+    web.run_app(make_app(a.record, a.engine, a.role, a.bootstrap_port, a.tokens, a.delay_s, a.port),
                 host=a.host, port=a.port, print=None, access_log=None)
 
 
