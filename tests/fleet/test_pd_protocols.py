@@ -11,6 +11,7 @@ both engines) with no request, lease or KV block left behind.
 from __future__ import annotations
 
 import json
+import signal
 import time
 import uuid
 
@@ -33,7 +34,8 @@ def pd(request, module_cluster):
     ctx_group, gen_group = group([ctx], "kv_cache_aware"), group([gen], "kv_cache_aware")
     if proto == "vllm":
         ctx_group["protocol"] = gen_group["protocol"] = "vllm"
-    cfg = c.config(f"{proto}.yaml", port=port, context_servers=ctx_group, generation_servers=gen_group)
+    cfg = c.config(f"{proto}.yaml", port=port, context_servers=ctx_group, generation_servers=gen_group,
+                   conditional_disagg_config={"max_local_prefill_length": 32})
     f = c.fleet(cfg, name=f"fleet-{proto}")
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: healthy(url), 60, "fleet", f)
@@ -138,3 +140,62 @@ def test_requests_complete_after_hang_ups(pd):
                       timeout=30)
     assert st == 200, raw
     settle(pd)
+
+
+def route_of(h) -> dict:
+    return json.loads(h["x-splitserve-route"])
+
+
+def test_conditional_disaggregation_where_the_protocol_allows_it(pd):
+    """A prompt the decode server already holds: vLLM serves it there alone (local prefill); an SGLang
+    decode server cannot serve a request without a prefill leg, so it still gets one."""
+    settle(pd)
+    body = {"model": "tiny", "prompt": uuid.uuid4().hex * 6, "max_tokens": 2, "temperature": 0}
+    st, h, raw = http("POST", pd["url"] + "/v1/completions", body, timeout=30)
+    assert st == 200 and route_of(h)["mode"] == "disaggregated", raw
+    settle(pd)
+    deadline = time.monotonic() + 10
+    while True:     # until the decode server's KV events for the moved prompt reached the coordinator
+        ctx_prompts = metric(wm(pd["ctx"]), "splitserve_worker_prompt_tokens_total")
+        st, h, raw = http("POST", pd["url"] + "/v1/completions", body, timeout=30)
+        assert st == 200, raw
+        r = route_of(h)
+        settle(pd)
+        if r["generation"].get("matched_tokens", 0) >= 160 or time.monotonic() > deadline:
+            break
+    assert r["generation"].get("matched_tokens", 0) >= 160, r
+    prefilled = metric(wm(pd["ctx"]), "splitserve_worker_prompt_tokens_total") > ctx_prompts
+    if pd["proto"] == "vllm":
+        assert r["mode"] == "local_prefill" and "context" not in r and not prefilled, r
+    else:
+        assert r["mode"] == "disaggregated" and r["context"]["server"] == pd["ctx"] and prefilled, r
+
+
+@pytest.mark.parametrize("proto", ["vllm", "sglang"])
+def test_dead_prefill_server_is_retried_elsewhere(cluster, proto):
+    _, ctx = cluster.worker("context", name="live-ctx", extra=("--disagg-protocol", proto))
+    doomed, dead = cluster.worker("context", name="dead-ctx", extra=("--disagg-protocol", proto))
+    _, gen = cluster.worker("generation", name="live-gen", extra=("--disagg-protocol", proto))
+    port = free_port()
+    cfg = cluster.config(port=port, context_servers={**group([dead, ctx]), "protocol": proto},
+                         generation_servers={**group([gen]), "protocol": proto}, fleet={"retry_backoff_s": 0.01})
+    f = cluster.fleet(cfg)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url) and json.loads(http("GET", url + "/health")[2])["context_servers"] == 2, 60,
+             "fleet with both prefill servers healthy", f)
+    doomed.kill(signal.SIGKILL)
+    doomed.p.wait(10)
+    retried = []
+    for _ in range(6):
+        st, h, raw = http("POST", url + "/v1/completions", {"model": "tiny", "prompt": "retry me", "max_tokens": 2})
+        assert st == 200, raw
+        r = route_of(h)
+        assert r["mode"] == "disaggregated" and r["context"]["server"] == ctx, r
+        if r.get("retries", {}).get("context"):
+            retried.append(r)
+    assert retried and retried[0]["retries"]["context"] == 1, "round robin must have tried the dead server once"
+    st, _, raw = http("GET", url + "/cluster_info")
+    assert sum(json.loads(raw)["leases"]["in_flight"].values()) == 0
+    for w in (ctx, gen):
+        wait_for(lambda w=w: running(w) == 0 and blocks(w, "used") == 0 and blocks(w, "pinned") == 0, 5,
+                 f"worker {w} idle")
