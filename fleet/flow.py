@@ -41,6 +41,7 @@ from aiohttp import web
 from coordinator.errors import NoServerAvailable
 
 from . import metrics as M
+from . import pd_flow
 from .auth import AUTH_HEADER, sign
 from .errors import ApiError
 from .placement import CTX, GEN, Placement, Placer
@@ -193,9 +194,12 @@ class Flow:
     async def _post_abort(self, role: str, server: str, rid: int, count: bool = True) -> None:
         if count:
             M.ABORTS.labels(role).inc()
+        path, body = pd_flow.abort_request(self, role, server, rid)
+        if path is None:
+            return      # this engine's only cancellation is the closed connection
         try:
             async with asyncio.timeout(2.0):
-                r = await self.pool.request(server, "/v1/abort", orjson.dumps({"request_id": rid}),
+                r = await self.pool.request(server, path, orjson.dumps(body),
                                             b"X-Request-Id: %d\r\n" % rid)
                 try:
                     await r.read()
@@ -292,11 +296,14 @@ class Flow:
             st.rid, st.attempts[role], role.encode())
 
     async def _send(self, st: _State, role: str, p: Placement, path: str, body: bytes, key: dict | None,
-                    extra: bytes = b"", gen_only: bool = False) -> tuple[Response, Placement]:
-        """Send a leg; retry connect-level failures and worker 503s on another server.
+                    extra: bytes = b"", gen_only: bool = False,
+                    retries: int | None = None) -> tuple[Response, Placement]:
+        """Send a leg; retry connect-level failures and worker 503s on another server (at most
+        `retries` times, default `max_retries`; 0 when the caller retries a pair of legs itself).
 
         Returns the response (status < 400) with its headers read, and the placement finally used.
         """
+        max_retries = self.max_retries if retries is None else retries
         tried: set[str] = set()
         while True:
             tried.add(p.server)
@@ -338,7 +345,7 @@ class Flow:
                 err = f"{role} server {p.server} is shedding load (503)"
             # retryable failure: finish this lease (a shedding server is not a failed one), pick another
             self.placer.finish(p, not p.failed)
-            if st.attempts[role] >= self.max_retries:
+            if st.attempts[role] >= max_retries:
                 raise ApiError(502 if "unreachable" in err else 503,
                                f"{err}; gave up after {st.attempts[role] + 1} attempt(s)",
                                code="upstream_unavailable", retry_after=1 if "503" in err else None)
@@ -405,6 +412,9 @@ class Flow:
             body["disaggregated_params"] = client_params
             return await self._final_leg(request, creq, st, p, orjson.dumps(body), key, self._sig(client_params))
         ctx, gen = await self._place(st, key)
+        proto = pd_flow.request_protocol(self, ctx, gen)
+        if proto != "trtllm":
+            return await pd_flow.run(self, request, creq, st, ctx, gen, key, proto)
         if ctx is not None and gen.server in self.no_transfer:
             # Known not to receive KV: the context leg would be wasted work.
             self.placer.finish(ctx, True)

@@ -21,6 +21,7 @@ import orjson
 from router.block_keys import TOKEN_ID_LIMIT
 
 from .errors import ApiError, bad_request
+from .legs import INTERNAL_FIELDS
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -274,6 +275,10 @@ def parse_request(raw: bytes, kind: str) -> ClientRequest:
         _int(body, "logprobs", 0, 20)
         _int(body, "best_of", 1, 1)
         _str(body, "suffix")
+    for name in INTERNAL_FIELDS:
+        if name in body:
+            raise bad_request(f"'{name}' is a leg field set by the router, not by clients; remove it",
+                              name, "internal_field")
     dp = body.pop("disaggregated_params", None)
     if dp is not None and not isinstance(dp, dict):
         raise bad_request(f"'disaggregated_params' must be an object, got {_tname(dp)}", "disaggregated_params",

@@ -99,6 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--drain-timeout", 25.0, type=float,
         help="on SIGTERM, seconds to let running requests and pending KV transfers finish "
              "(new requests get 503) before aborting them")
+    add("--disagg-protocol", "trtllm", choices=["trtllm", "vllm", "sglang"],
+        help="leg protocol this worker speaks (worker/pd_protocols.py): trtllm "
+             "disaggregated_params, vllm kv_transfer_params, sglang bootstrap rendezvous "
+             "(vllm and sglang: sim engine only)")
+    add("--bootstrap-port", 0, type=int,
+        help="sglang protocol, context role: the bootstrap server's port (0 = pick a free one)")
     add("--log-level", "INFO", help="logging level")
 
 
@@ -214,7 +220,8 @@ def build_server(args):
                           ("device", ("cpu", "cuda", None)), ("dtype", ("float32", "bfloat16", None)),
                           ("transfer_agent", ("auto", "nixl", "shm", "tcp")),
                           ("attention_backend", ("auto", "triton", "torch")),
-                          ("sim_prefix_reuse", ("on", "off"))):
+                          ("sim_prefix_reuse", ("on", "off")),
+                          ("disagg_protocol", ("trtllm", "vllm", "sglang"))):
         if getattr(args, name) not in choices:
             raise ValueError(f"--{name.replace('_', '-')} must be one of "
                              f"{[c for c in choices if c]}, got {getattr(args, name)!r}")
@@ -223,6 +230,9 @@ def build_server(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise ValueError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.disagg_protocol != "trtllm" and args.engine != "sim":
+        raise ValueError(f"--disagg-protocol {args.disagg_protocol} is implemented for --engine sim "
+                         f"only (its KV moves through the sim receiver), got --engine {args.engine}")
     engine = _build_engine(args)
     advertise = args.advertise_host
     if advertise is None and args.host in ("0.0.0.0", "::", ""):
@@ -237,7 +247,8 @@ def build_server(args):
                           advertise_host=advertise, publisher=publisher,
                           coordinator_url=args.coordinator_url, register_ttl_s=args.register_ttl,
                           transfer_info=link.server_info() if link else None,
-                          ctx_info_endpoint=link.endpoint if link else None)
+                          ctx_info_endpoint=link.endpoint if link else None,
+                          disagg_protocol=args.disagg_protocol, bootstrap_port=args.bootstrap_port)
     server.transfer_link = link  # closed by _serve after the engine stopped
     return server
 
