@@ -186,6 +186,7 @@ FRAMING = [
     ("header over 8 KiB", b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431),
     ("too many headers", b"GET /v1/models HTTP/1.1\r\nHost: t\r\n"
                          + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n", 400),
+    ("CONNECT", b"CONNECT /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n", 404),
     ("not HTTP", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40 + b"\r\n\r\n", 400),
 ]
 
