@@ -52,9 +52,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_compat()
 
 
-def _prec(q: torch.Tensor) -> str:
-    """fp32 models keep fp32 products (``tl.dot`` would use TF32 on the GPU); bf16/fp16 use the default."""
-    return "ieee" if q.dtype == torch.float32 else "tf32"
+def _prec(q: torch.Tensor) -> str | None:
+    """fp32 models keep fp32 products (``tl.dot`` would use TF32 on the GPU); bf16/fp16 take the default."""
+    return "ieee" if q.dtype == torch.float32 else None
 
 
 def _pow2(n: int, lo: int = 16) -> int:
