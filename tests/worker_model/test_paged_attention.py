@@ -220,3 +220,37 @@ def test_backend_resolution():
         with pytest.raises(AttentionBackendError, match="triton"):
             ModelRunner(build_preset("tiny"), 4, 16, attention_backend="triton")
     assert ModelRunner(build_preset("tiny"), 4, 16).attention_backend == "torch"
+
+
+def test_work_units_cover_each_row_once():
+    """Units partition every row's visible range in order, none longer than the split; a graph
+    buffer sized by ``max_units`` from the rows' buckets always holds them, its tail left empty."""
+    from worker.attention.plan import MIN_SPLIT, choose_split, fill_units, max_units, row_ranges
+
+    rng = np.random.default_rng(0)
+    for window in (None, 300):
+        for _ in range(50):
+            rows = int(rng.integers(1, 40))
+            pos = rng.integers(0, 40000, rows)
+            bs = int(rng.choice([16, 32, 64]))
+            first = (np.maximum(0, pos - window + 1) // bs) if window else np.zeros(rows, dtype=np.int64)
+            lo, hi = row_ranges(pos, first * bs, window)
+            assert (hi - lo >= 1).all() and (hi - lo <= (window or 1 << 30)).all()
+            need = -(-(hi) // bs)  # blocks each table holds from its first block
+            bucket = 1 << np.ceil(np.log2(np.maximum(need, 1))).astype(int)
+            split = choose_split(int((bucket * bs).sum()), 8, 132)
+            assert split >= MIN_SPLIT and split & (split - 1) == 0
+            cap = max_units([(1, int(b) * bs) for b in bucket], split)
+            u_row, u_lo, u_hi = (np.full(cap, -7, dtype=np.int64) for _ in range(3))
+            row_start = np.full(rows + 1, -7, dtype=np.int64)
+            n = fill_units(lo, hi, split, u_row, u_lo, u_hi, row_start)
+            assert (u_lo[n:] == u_hi[n:]).all(), "unused units are empty"
+            for r in range(rows):
+                us, ue = row_start[r], row_start[r + 1]
+                assert (u_row[us:ue] == r).all()
+                assert u_lo[us] == lo[r] and u_hi[ue - 1] == hi[r]
+                assert (u_lo[us + 1:ue] == u_hi[us:ue - 1]).all(), "contiguous, no overlap"
+                assert (u_hi[us:ue] - u_lo[us:ue] <= split).all() and (u_hi[us:ue] > u_lo[us:ue]).all()
+    with pytest.raises(ValueError, match="work units"):
+        fill_units(np.array([0]), np.array([5000]), 256, *(np.zeros(3, dtype=np.int64) for _ in range(3)),
+                   np.zeros(2, dtype=np.int64))
