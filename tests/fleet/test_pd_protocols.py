@@ -253,3 +253,46 @@ def test_vllm_prefill_pins_end_at_the_lease_when_no_decode_comes(cluster):
              and blocks(ctx, "pinned") == 0, 5, "the prefill's pins freed at the lease")
     assert time.monotonic() - t0 < 3
     wait_for(lambda: in_flight(url) == 0, 5, "every lease finished")
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def pd2(request, module_cluster):
+    """Two prefill and two decode servers per protocol, kv-aware placement on both roles."""
+    proto = request.param
+    c = module_cluster
+    ctxs = [c.worker("context", name=f"{proto}-kv-ctx{i}", extra=("--disagg-protocol", proto))[1] for i in range(2)]
+    gens = [c.worker("generation", name=f"{proto}-kv-gen{i}", extra=("--disagg-protocol", proto))[1]
+            for i in range(2)]
+    port = free_port()
+    cfg = c.config(f"{proto}-kv.yaml", port=port, context_servers={**group(ctxs, "kv_cache_aware"), "protocol": proto},
+                   generation_servers={**group(gens, "kv_cache_aware"), "protocol": proto})
+    f = c.fleet(cfg, name=f"fleet-{proto}-kv")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url) and json.loads(http("GET", url + "/health")[2])["context_servers"] == 2
+             and json.loads(http("GET", url + "/health")[2])["generation_servers"] == 2, 60, "fleet", f)
+    return {"proto": proto, "url": url, "ctxs": ctxs, "gens": gens}
+
+
+def test_kv_aware_placement_on_both_roles(pd2):
+    url = pd2["url"]
+    prompts = [uuid.uuid4().hex * 6 for _ in range(3)]
+    first = {}
+    for p in prompts:
+        st, h, raw = http("POST", url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 2}, timeout=30)
+        assert st == 200, raw
+        r = route_of(h)
+        assert r["mode"] == "disaggregated" and r["protocol"] == pd2["proto"], r
+        first[p] = (r["context"]["server"], r["generation"]["server"])
+    time.sleep(1.0)   # the workers' KV events reach the coordinator's index
+    for p in prompts:
+        ctx, gen = first[p]
+        hits = metric(wm(ctx), "splitserve_worker_prefix_cache_hit_tokens_total")
+        st, h, raw = http("POST", url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 2}, timeout=30)
+        assert st == 200, raw
+        r = route_of(h)
+        # Each leg went where the prompt's KV is, and the coordinator said why.
+        assert (r["context"]["server"], r["generation"]["server"]) == (ctx, gen), r
+        assert r["context"]["matched_tokens"] >= 160 and r["generation"]["matched_tokens"] >= 160, r
+        # ...and the prefill server really had it cached.
+        assert metric(wm(ctx), "splitserve_worker_prefix_cache_hit_tokens_total") - hits >= 160
+    wait_for(lambda: in_flight(url) == 0, 5, "every lease finished")
