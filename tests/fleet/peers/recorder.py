@@ -33,6 +33,8 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
     seq = {"n": 0}
 
     def log(request: web.Request, body) -> None:
+        if not record:
+            return
         rec = {"t": time.time(), "port": port, "method": request.method, "path": request.path,
                "query": request.query_string,
                "headers": {k.lower(): v for k, v in request.headers.items() if k.lower() in KEEP_HEADERS},
@@ -58,6 +60,15 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
         kv = b.get("kv_transfer_params") if isinstance(b.get("kv_transfer_params"), dict) else None
         if delay_s:
             await asyncio.sleep(delay_s)
+        dp = b.get("disaggregated_params") if isinstance(b.get("disaggregated_params"), dict) else None
+        if engine == "trtllm" and dp and dp.get("request_type") == "context_only":
+            # TensorRT-LLM's context answer (trtllm_disagg.md in the shared reference).
+            ch = {"index": 0, "finish_reason": "length", "disaggregated_params": {
+                "request_type": "context_only", "ctx_request_id": 42, "first_gen_tokens": [7],
+                "encoded_opaque_state": "AAAA", "ctx_info_endpoint": None}}
+            ch.update({"message": {"role": "assistant", "content": ""}} if chat else {"text": ""})
+            out.update(choices=[ch], usage=usage, prompt_token_ids=list(range(1000, 1008)))
+            return web.json_response(out)
         if engine == "vllm" and kv and kv.get("do_remote_decode"):
             # The prefill answer: one token, finish_reason length, the NIXL producer's params.
             ch = {"index": 0, "finish_reason": "length", "logprobs": None}
@@ -126,8 +137,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--record", required=True)
-    ap.add_argument("--engine", choices=("vllm", "sglang"), required=True)
+    ap.add_argument("--record", required=True, help="JSON-lines file ('' = record nothing)")
+    ap.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), required=True)
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     ap.add_argument("--bootstrap-port", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=3)
