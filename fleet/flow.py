@@ -1,6 +1,7 @@
 """The two-leg disaggregated flow (DESIGN.md §5), with the failure semantics of the fleet.
 
-One request = one snowflake id used on both legs, in the coordinator and in the logs. Steps:
+One request = one snowflake id, minted here, used on both legs, in the coordinator and in the logs (a
+client's own `disagg_request_id` is only an alias: see `Flow.handle`). Steps:
 
 1. routing key (token ids → block keys) only when a delegated policy needs it;
 2. placement (`Placer`); conditional disaggregation comes back from the coordinator as "no context
@@ -94,8 +95,9 @@ def _cached_tokens(usage: dict | None) -> tuple[int, int] | None:
 
 @dataclass(slots=True)
 class _State:
-    rid: int
+    rid: int                        # minted by this fleet process: the id every worker and lease sees
     t0: float
+    alias: int | None = None        # the client's disagg_request_id (logs and route header only)
     mode: str = "disaggregated"
     placements: list = field(default_factory=list)          # every Placement taken (for /finish)
     open_resp: list = field(default_factory=list)           # upstream Responses not yet done
@@ -123,6 +125,7 @@ class Flow:
         self.renew_every = config.leases.effective_renew_interval_s
         self._bg: set[asyncio.Task] = set()
         self.inflight = 0
+        self.aliases: set[int] = set()      # client disagg_request_ids of requests in flight
         self._m_place = {m: M.PLACEMENT.labels(m) for m in
                          ("disaggregated", "local_prefill", "aggregated_fallback", "context_only", "aggregated",
                           "no_kv_transfer")}
@@ -135,9 +138,21 @@ class Flow:
         self.aggregated_only = not config.context_servers.urls and config.disagg_cluster is None
 
     # ------------------------------------------------------------------ entry point
-    async def handle(self, request: web.Request, creq: ClientRequest, rid: int | None,
+    async def handle(self, request: web.Request, creq: ClientRequest, alias: int | None,
                      client_params: dict | None, t0: float) -> web.StreamResponse:
-        st = _State(rid if rid is not None else self.ids.next_id(), t0)
+        """Serve one request. Its id is always minted here; `alias` is the client's own
+        `disagg_request_id`, kept for logs and the route header only (never sent to a worker, never
+        an abort or transfer key), and unique among this process's requests in flight."""
+        if alias is not None:
+            if alias in self.aliases:
+                M.DUPLICATE_IDS.inc()
+                raise ApiError(409, f"disaggregated_params.disagg_request_id {alias} is already used by a "
+                                    f"request in flight; use a unique id per concurrent request",
+                               param="disaggregated_params.disagg_request_id", code="duplicate_request_id")
+            self.aliases.add(alias)
+        st = _State(self.ids.next_id(), t0, alias=alias)
+        if alias is not None:
+            log.debug("request %d: client request id %d", st.rid, alias)
         ok = False
         try:
             resp = await self._run(request, creq, st, client_params)
@@ -147,7 +162,8 @@ class Flow:
             return resp
         except asyncio.CancelledError:
             M.DISCONNECTS.labels("generation" if st.bytes_sent or st.attempts[GEN] else "context").inc()
-            log.info("request %d: client went away; aborting %d open leg(s)", st.rid, len(st.touched))
+            log.info("request %d%s: client went away; aborting %d open leg(s)", st.rid,
+                     f" (client id {st.alias})" if st.alias is not None else "", len(st.touched))
             raise
         finally:
             for p in st.placements:
@@ -157,6 +173,8 @@ class Flow:
                 self.placer.finish(p, not p.failed)
             if not ok:
                 self._abort_all(st)
+            if alias is not None:
+                self.aliases.discard(alias)
 
     # ------------------------------------------------------------------ aborts
     def _abort_all(self, st: _State) -> None:
@@ -205,6 +223,12 @@ class Flow:
         for name in SESSION_HEADERS:
             v = h.get(name)
             if v:
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    # aiohttp keeps undecodable header bytes as surrogates: no valid id to route by
+                    raise ApiError(400, f"header {name} must be UTF-8 text, got undecodable bytes",
+                                   param=name, code="invalid_value") from None
                 return v
         return None
 
@@ -402,6 +426,8 @@ class Flow:
             ctx = None
             st.mode = "no_kv_transfer"
         st.route = {"id": st.rid, "mode": st.mode}
+        if st.alias is not None:
+            st.route["client_request_id"] = st.alias
         if ctx is None:
             self._m_place[st.mode].inc()
             return await self._final_leg(request, creq, st, gen, orjson.dumps(self._gen_base(creq)), key)
@@ -586,12 +612,14 @@ class Flow:
                 out[k] = e[k]
         cands = e.get("candidates")
         if isinstance(cands, list) and cands:
-            out["candidates"] = [{k: c.get(k) for k in ("server", "matched_tokens", "load_requests", "score")
+            out["candidates"] = [{k: c.get(k) for k in ("server", "matched_tokens", "load_requests", "score", "why")
                                   if k in c} for c in cands[:4] if isinstance(c, dict)]
         return out
 
     def _route_header(self, st: _State, gen: Placement) -> str:
         r = st.route or {"id": st.rid, "mode": st.mode}
+        if st.alias is not None:
+            r["client_request_id"] = st.alias
         r["mode"] = st.mode
         r["generation"] = self._route_of(gen)
         if st.attempts[CTX] or st.attempts[GEN]:
@@ -603,6 +631,7 @@ class Flow:
         if ct is None:
             return
         prompt, cached = ct
+        p.usage = (prompt, cached)
         k = (role, p.server)
         m = self._m_tokens.get(k)
         if m is None:

@@ -25,7 +25,7 @@ import msgpack
 import orjson
 from aiohttp import web
 
-from router.block_keys import KEY_SCHEME
+from router.block_keys import KEY_SCHEME, block_keys_list
 from worker import pd_protocols, protocol
 from worker.metrics import make_registry, render
 from worker.requests import (
@@ -114,6 +114,7 @@ class WorkerServer:
         r.add_get("/health", self.health)
         r.add_get("/server_info", self.server_info)
         r.add_get("/kv_snapshot", self.kv_snapshot)
+        r.add_post("/kv_keys", self.kv_keys)
         r.add_post("/v1/abort", self.abort)
         r.add_post("/kv_release", self.kv_release)
         r.add_post("/kv_wait", self.kv_wait)
@@ -248,6 +249,8 @@ class WorkerServer:
             "role": self.role,
             "model": self.model_name,
             "engine": self.engine.engine_name,
+            # "triton" / "torch" for the torch engine (worker/attention), null for engines without one.
+            "attention_backend": getattr(getattr(self.engine, "runner", None), "attention_backend", None),
             "block_size": self.engine.block_size,
             "key_scheme": KEY_SCHEME,
             "ns_seed": self.engine.pool.ns_seed,
@@ -276,6 +279,27 @@ class WorkerServer:
                 "block_size": self.engine.block_size, "key_scheme": KEY_SCHEME,
                 "block_keys": self.engine.pool.resident_keys()}
         return web.Response(body=msgpack.packb(body), content_type="application/msgpack")
+
+    async def kv_keys(self, request: web.Request) -> web.Response:
+        """The prompt token ids and block keys this worker computes for a request body, by the
+        same parse as generation (`?kind=completion|chat`): the coordinator's key parity probe
+        compares them with its own recipe (coordinator/kv_parity.py)."""
+        kind = request.query.get("kind", "completion")
+        if kind not in ("completion", "chat"):
+            raise InvalidRequest(f"'kind' must be 'completion' or 'chat', got {kind!r}", param="kind")
+        body = await self._body(request)
+        eng = self.engine
+        parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
+        try:
+            parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len)
+        except ValueError as e:
+            if isinstance(e, EngineError):
+                raise
+            raise InvalidRequest(f"cannot tokenize the prompt: {e}", param="prompt") from None
+        ids = list(parsed.prompt_token_ids)
+        return _json({"token_ids": ids, "block_size": eng.block_size, "key_scheme": KEY_SCHEME,
+                      "ns_seed": eng.pool.ns_seed,
+                      "block_keys": block_keys_list(ids, eng.block_size, eng.pool.ns_seed)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=render(self.registry),
@@ -353,7 +377,8 @@ class WorkerServer:
             body, pd = pd_protocols.incoming(self.disagg_protocol, self.role, body, next(self._local_ids))
         parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
         try:
-            parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len)
+            parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len,
+                           vocab_size=getattr(eng, "vocab_size", None))
         except ValueError as e:
             if isinstance(e, EngineError):
                 raise
@@ -386,7 +411,12 @@ class WorkerServer:
             sampling=parsed.sampling, request_type=rt, aliases=aliases, ctx_request_id=ctx_id,
             disaggregated_params=dp if rt == GENERATION_ONLY else None,
             first_gen_tokens=parsed.first_gen_tokens)
-        stream = await eng.submit(ereq)
+        try:
+            stream = await eng.submit(ereq)
+        except InvalidRequest as e:
+            # the engine knows "the prompt" and "max_tokens"; the client sent these fields
+            e.param = {"prompt": parsed.prompt_field, "max_tokens": parsed.max_tokens_field}.get(e.param, e.param)
+            raise
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         oid = prefix + (xrid if xrid else ereq.request_id)
         headers = {"X-Request-Id": xrid} if xrid else None
