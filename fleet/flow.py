@@ -14,6 +14,9 @@ client's own `disagg_request_id` is only an alias: see `Flow.handle`). Steps:
    `Raw`); the generation worker emits the first token itself — nothing is prepended here;
 5. the generation answer is relayed (SSE events as they arrive).
 
+That is TensorRT-LLM's protocol; servers speaking vLLM's or SGLang's are handed to fleet/pd_flow.py
+once placed (docs/protocols.md).
+
 Failure rules (beating upstream, reference §7):
 - a connect-level failure (`UpstreamConnectError`) or a worker 503 is retried on a *different*
   server (`exclude`), after a jittered backoff, at most `max_retries` times; the id stays the same
@@ -22,8 +25,8 @@ Failure rules (beating upstream, reference §7):
   (disconnect, timeout, 5xx) is not retried; nothing is retried after bytes went to the client;
 - every lease gets exactly one `/finish` (`Placer.finish` is idempotent and sits in `finally`);
 - client disconnect (the handler task is cancelled by aiohttp) → every leg still open is aborted at
-  once: the upstream connection is closed and `POST /v1/abort` is sent to each worker that saw the
-  request (including a finished context leg, whose KV blocks stay pinned for the transfer); no
+  once: the upstream connection is closed and the engine's abort (`POST /v1/abort`; per protocol,
+  fleet/legs/) is sent to each worker that saw the request (including a finished context leg, whose KV blocks stay pinned for the transfer); no
   further leg is started.
 """
 from __future__ import annotations

@@ -54,6 +54,10 @@ def request_protocol(flow, ctx: Placement | None, gen: Placement) -> str:
 
 async def run(flow, request, creq, st, ctx: Placement | None, gen: Placement, key, proto: str):
     if ctx is not None and server_protocol(flow, CTX, ctx.server) != proto:
+        if proto == "sglang":
+            raise ApiError(502, f"context server {ctx.server} does not speak sglang like generation server "
+                                f"{gen.server}, and an SGLang decode server cannot serve a request alone; "
+                                f"set context_servers.protocol", code="protocol_mismatch")
         # The KV cannot move between two engine families: serve it on the decode server alone.
         log.warning("request %d: context server %s does not speak %s like generation server %s; "
                     "serving it without a context leg", st.rid, ctx.server, proto, gen.server)
@@ -137,7 +141,8 @@ async def _sglang(flow, request, creq, st, ctx, gen, key):
         flow.placer.track(ctx, +1)
     st.mode = st.route["mode"] = "disaggregated"
     base = flow._gen_base(creq)
-    room = sgl.room_of(st.rid)
+    # The room is the request's snowflake (< 2**63); an id from elsewhere gets a fresh one.
+    room = sgl.room_of(st.rid if 0 <= st.rid < 1 << sgl.ROOM_BITS else flow.ids.next_id())
     tried = {CTX: set(), GEN: set()}
     while True:
         port = sgl.bootstrap_port(flow.config.context_servers.bootstrap_port,

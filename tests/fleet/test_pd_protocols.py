@@ -199,3 +199,100 @@ def test_dead_prefill_server_is_retried_elsewhere(cluster, proto):
     for w in (ctx, gen):
         wait_for(lambda w=w: running(w) == 0 and blocks(w, "used") == 0 and blocks(w, "pinned") == 0, 5,
                  f"worker {w} idle")
+
+
+def test_sglang_prefill_dying_aborts_the_waiting_decode(cluster):
+    """sglang #9726: a decode whose prefill failed must not wait for KV that never comes."""
+    doomed, ctx = cluster.worker("context", name="sg-ctx", extra=(
+        "--disagg-protocol", "sglang", "--sim-prefill-us-per-token", 20000))
+    _, gen = cluster.worker("generation", name="sg-gen", extra=("--disagg-protocol", "sglang"))
+    port = free_port()
+    cfg = cluster.config(port=port, context_servers=group([ctx]), generation_servers=group([gen]),
+                         max_retries=0)
+    f = cluster.fleet(cfg)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url), 60, "fleet", f)
+    s = send(port, "/v1/completions", {"model": "tiny", "prompt": f"{uuid.uuid4().hex} " * 4, "max_tokens": 4})
+    wait_for(lambda: running(ctx) == 1, 5, "the prefill leg to start")
+    doomed.kill(signal.SIGKILL)
+    doomed.p.wait(10)
+    s.settimeout(10)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(65536)
+        assert chunk, "the fleet closed the connection without an answer"
+        got += chunk
+    s.close()
+    assert got.startswith(b"HTTP/1.1 502"), got[:200]
+    wait_for(lambda: blocks(gen, "used") == 0 and metric(wm(gen), "splitserve_worker_num_requests_waiting") == 0,
+             3, "the decode leg aborted, its blocks freed")
+    wait_for(lambda: in_flight(url) == 0, 5, "every lease finished")
+    st, _, raw = http("GET", url + "/metrics")
+    assert metric(raw.decode(), "splitserve_fleet_upstream_aborts_total", role="generation") >= 1
+
+
+def test_vllm_prefill_pins_end_at_the_lease_when_no_decode_comes(cluster):
+    """vLLM has no abort for a finished prefill: its blocks wait for the decode's read and are freed
+    at the lease (`kv_lease_duration`; the sim's --pin-timeout) when the decode never comes."""
+    _, ctx = cluster.worker("context", name="vl-ctx", extra=("--disagg-protocol", "vllm", "--pin-timeout", 1))
+    doomed, gen = cluster.worker("generation", name="vl-gen", extra=("--disagg-protocol", "vllm"))
+    port = free_port()
+    cfg = cluster.config(port=port, context_servers={**group([ctx]), "protocol": "vllm"},
+                         generation_servers={**group([gen]), "protocol": "vllm"}, max_retries=0)
+    f = cluster.fleet(cfg)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url), 60, "fleet", f)
+    doomed.kill(signal.SIGKILL)
+    doomed.p.wait(10)
+    st, _, raw = http("POST", url + "/v1/completions", {"model": "tiny", "prompt": "orphan", "max_tokens": 2},
+                      timeout=30)
+    assert st in (502, 503), raw
+    assert metric(wm(ctx), "splitserve_worker_num_pinned_transfers") == 1
+    t0 = time.monotonic()
+    wait_for(lambda: metric(wm(ctx), "splitserve_worker_num_pinned_transfers") == 0
+             and blocks(ctx, "pinned") == 0, 5, "the prefill's pins freed at the lease")
+    assert time.monotonic() - t0 < 3
+    wait_for(lambda: in_flight(url) == 0, 5, "every lease finished")
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def pd2(request, module_cluster):
+    """Two prefill and two decode servers per protocol, kv-aware placement on both roles."""
+    proto = request.param
+    c = module_cluster
+    ctxs = [c.worker("context", name=f"{proto}-kv-ctx{i}", extra=("--disagg-protocol", proto))[1] for i in range(2)]
+    gens = [c.worker("generation", name=f"{proto}-kv-gen{i}", extra=("--disagg-protocol", proto))[1]
+            for i in range(2)]
+    port = free_port()
+    cfg = c.config(f"{proto}-kv.yaml", port=port, context_servers={**group(ctxs, "kv_cache_aware"), "protocol": proto},
+                   generation_servers={**group(gens, "kv_cache_aware"), "protocol": proto})
+    f = c.fleet(cfg, name=f"fleet-{proto}-kv")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url) and json.loads(http("GET", url + "/health")[2])["context_servers"] == 2
+             and json.loads(http("GET", url + "/health")[2])["generation_servers"] == 2, 60, "fleet", f)
+    return {"proto": proto, "url": url, "ctxs": ctxs, "gens": gens}
+
+
+def test_kv_aware_placement_on_both_roles(pd2):
+    url = pd2["url"]
+    prompts = [uuid.uuid4().hex * 6 for _ in range(3)]
+    first = {}
+    for p in prompts:
+        st, h, raw = http("POST", url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 2}, timeout=30)
+        assert st == 200, raw
+        r = route_of(h)
+        assert r["mode"] == "disaggregated" and r["protocol"] == pd2["proto"], r
+        first[p] = (r["context"]["server"], r["generation"]["server"])
+    time.sleep(1.0)   # the workers' KV events reach the coordinator's index
+    for p in prompts:
+        ctx, gen = first[p]
+        hits = metric(wm(ctx), "splitserve_worker_prefix_cache_hit_tokens_total")
+        st, h, raw = http("POST", url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 2}, timeout=30)
+        assert st == 200, raw
+        r = route_of(h)
+        # Each leg went where the prompt's KV is, and the coordinator said why.
+        assert (r["context"]["server"], r["generation"]["server"]) == (ctx, gen), r
+        assert r["context"]["matched_tokens"] >= 160 and r["generation"]["matched_tokens"] >= 160, r
+        # ...and the prefill server really had it cached.
+        assert metric(wm(ctx), "splitserve_worker_prefix_cache_hit_tokens_total") - hits >= 160
+    wait_for(lambda: in_flight(url) == 0, 5, "every lease finished")

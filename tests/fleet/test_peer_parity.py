@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from .peers.capture import CASES, PREFILL_DELAY_S, capture, fixture_path, router_bin
+from .peers.capture import ABORT_PATHS, CASES, PREFILL_DELAY_S, capture, fixture_path, router_bin
 
 ROUTERS = {"vllm": "vllm-router", "sglang": "sglang-router"}
 CHANGED_ON_VLLM_PREFILL = {"stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
@@ -41,9 +41,27 @@ def _client_fields(case: str, body: dict, skip=()) -> dict:
     return out
 
 
+GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _gen_legs(recs: list[dict]) -> list[dict]:
+    return [r for r in recs if r.get("event") is None and r["path"] in GEN_PATHS]
+
+
+def aborts(cap: dict) -> dict:
+    """{role: [(path, body)]} of the abort calls each engine received."""
+    return {role: [(r["path"], r["body"]) for r in cap[role] if r["path"] in ABORT_PATHS]
+            for role in ("prefill", "decode") if any(r["path"] in ABORT_PATHS for r in cap[role])}
+
+
 def view(engine: str, case: str, cap: dict) -> dict:
-    pre, dec = cap["prefill"], cap["decode"]
+    pre, dec = _gen_legs(cap["prefill"]), _gen_legs(cap["decode"])
     v = {"answer_status": cap["answer_status"], "legs": (len(pre), len(dec))}
+    if case == "hangup":
+        # How the client's hang-up reached the engines (the abort calls are compared separately).
+        v["decode_connection_closed"] = any(r.get("event") == "connection_closed" for r in cap["decode"])
+        return v
+    v["abort_calls"] = aborts(cap)
     if len(pre) != 1 or len(dec) != 1:
         return v
     p, d = pre[0], dec[0]
@@ -105,10 +123,27 @@ def test_splitserve_legs_match_the_peer_router(engine, ours, case):
     ref = view(engine, case, _fixture(engine)["cases"][case])
     got = view(engine, case, ours[case])
     assert got == ref
-    if engine == "sglang":
+    if engine == "sglang" and case != "hangup":
         # Beyond the router: both legs carry one `rid`, what /abort_request names on hang-up.
         p, d = ours[case]["prefill"][0]["body"], ours[case]["decode"][0]["body"]
         assert p["rid"] == d["rid"] == str(p["bootstrap_room"])
+
+
+def test_hang_up_reaches_both_engines(engine, ours):
+    """Both routers close the decode leg's connection when the client hangs up, and send no abort
+    call (the fixtures). splitserve does the same for vLLM (it has no abort endpoint); for SGLang it
+    also sends `/abort_request` with the legs' `rid` to both engines, so a prefill or a decode still
+    waiting at the bootstrap server is dropped by the engine, not left to time out."""
+    fx = _fixture(engine)["cases"]["hangup"]
+    assert aborts(fx) == {}
+    got = ours["hangup"]
+    assert view(engine, "hangup", got)["decode_connection_closed"]
+    if engine == "vllm":
+        assert aborts(got) == {}
+        return
+    rid = _gen_legs(got["decode"])[0]["body"]["rid"]
+    assert aborts(got) == {"prefill": [("/abort_request", {"rid": rid})],
+                           "decode": [("/abort_request", {"rid": rid})]}
 
 
 def test_fixture_is_what_the_router_sends(engine, tmp_path):

@@ -32,7 +32,11 @@ CASES = {
         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}),
     "completion": ("/v1/completions", {"model": "mock", "prompt": "hi there", "max_tokens": 5,
                                        "temperature": 0, "stream": False, "min_tokens": 2}),
+    # The client hangs up after the first streamed event (the decode mock streams 300 tokens, 3 s).
+    "hangup": ("/v1/chat/completions", {"model": "mock", "messages": [{"role": "user", "content": "bye"}],
+                                        "max_tokens": 300, "temperature": 0, "stream": True}),
 }
+ABORT_PATHS = ("/abort_request", "/v1/abort", "/abort_requests", "/inference/v1/abort_requests")
 
 
 def free_port() -> int:
@@ -88,8 +92,29 @@ def _records(path: Path) -> list[dict]:
 
 
 def _legs(recs: list[dict]) -> list[dict]:
-    # Only the generation legs (routers also probe health, models, render endpoints).
-    return [r for r in recs if r["method"] == "POST" and r["path"] in ("/v1/completions", "/v1/chat/completions")]
+    # The generation legs, the abort calls and closed connections (routers also probe health,
+    # models, render endpoints: left out).
+    return [r for r in recs if r["method"] == "POST" and (
+        r["path"] in ("/v1/completions", "/v1/chat/completions") or r["path"] in ABORT_PATHS)]
+
+
+def _hang_up(url: str, path: str, body: dict) -> int:
+    """Send a streaming request, read until the first event arrived, close the socket."""
+    import socket
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    data = json.dumps(body).encode()
+    s = socket.create_connection((u.hostname, u.port), timeout=10)
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+              % (path.encode(), u.netloc.encode(), len(data)) + data)
+    got = b""
+    while b"data: " not in got:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    s.close()
+    return int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/") else 0
 
 
 def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> dict:
@@ -115,7 +140,7 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
     try:
         for role, port in (("prefill", pp), ("decode", dp)):
             argv = [py, "-m", "tests.fleet.peers.recorder", "--port", str(port), "--record", str(rec[role]),
-                    "--engine", engine, "--role", role]
+                    "--engine", engine, "--role", role, "--tokens", "300"]
             if role == "prefill":
                 argv += ["--delay-s", str(PREFILL_DELAY_S)]
                 if engine == "sglang":
@@ -150,8 +175,12 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
         out = {}
         for name, (path, body) in CASES.items():
             n = {r: len(_legs(_records(f))) for r, f in rec.items()}
-            status, _ = _post(f"http://127.0.0.1:{rp}{path}", body)
-            time.sleep(0.3)
+            if name == "hangup":
+                status = _hang_up(f"http://127.0.0.1:{rp}", path, body)
+                time.sleep(1.0)
+            else:
+                status, _ = _post(f"http://127.0.0.1:{rp}{path}", body)
+                time.sleep(0.3)
             legs = {r: _legs(_records(f))[n[r]:] for r, f in rec.items()}
             out[name] = {"answer_status": status, "bootstrap_port": bp if engine == "sglang" else None, **legs}
         return out

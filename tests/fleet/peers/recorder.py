@@ -32,8 +32,10 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
              tokens: int = 3, delay_s: float = 0.0, port: int | None = None) -> web.Application:
     seq = {"n": 0}
 
-    def log(request: web.Request, body) -> None:
-        rec = {"t": time.time(), "port": port, "method": request.method, "path": request.path,
+    def log(request: web.Request, body, event: str | None = None) -> None:
+        if not record:
+            return
+        rec = {"t": time.time(), "port": port, "event": event, "method": request.method, "path": request.path,
                "query": request.query_string,
                "headers": {k.lower(): v for k, v in request.headers.items() if k.lower() in KEEP_HEADERS},
                "body": body}
@@ -58,6 +60,15 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
         kv = b.get("kv_transfer_params") if isinstance(b.get("kv_transfer_params"), dict) else None
         if delay_s:
             await asyncio.sleep(delay_s)
+        dp = b.get("disaggregated_params") if isinstance(b.get("disaggregated_params"), dict) else None
+        if engine == "trtllm" and dp and dp.get("request_type") == "context_only":
+            # TensorRT-LLM's context answer (trtllm_disagg.md in the shared reference).
+            ch = {"index": 0, "finish_reason": "length", "disaggregated_params": {
+                "request_type": "context_only", "ctx_request_id": 42, "first_gen_tokens": [7],
+                "encoded_opaque_state": "AAAA", "ctx_info_endpoint": None}}
+            ch.update({"message": {"role": "assistant", "content": ""}} if chat else {"text": ""})
+            out.update(choices=[ch], usage=usage, prompt_token_ids=list(range(1000, 1008)))
+            return web.json_response(out)
         if engine == "vllm" and kv and kv.get("do_remote_decode"):
             # The prefill answer: one token, finish_reason length, the NIXL producer's params.
             ch = {"index": 0, "finish_reason": "length", "logprobs": None}
@@ -69,22 +80,29 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
                 "pp_size": 1, "remote_num_tokens": 8, "remote_blocks_expiry_time": None,
                 "remote_registration_generation": 0, "transfer_mode": "pull"})
             return web.json_response(out)
+        mt = b.get("max_tokens") or b.get("max_completion_tokens")
+        n = min(tokens, mt) if type(mt) is int and mt > 0 else tokens
         if b.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for i in range(tokens):
-                ch = {"index": 0, "finish_reason": "length" if i == tokens - 1 else None}
-                ch.update({"delta": {"content": "b"}} if chat else {"text": "b"})
-                await resp.write(b"data: " + json.dumps({**out, "object": "chat.completion.chunk" if chat
-                                                         else "text_completion", "choices": [ch]}).encode()
-                                 + b"\n\n")
-                await asyncio.sleep(0.01)
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            try:
+                for i in range(n):
+                    ch = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
+                    ch.update({"delta": {"content": "b"}} if chat else {"text": "b"})
+                    await resp.write(b"data: " + json.dumps({**out, "object": "chat.completion.chunk" if chat
+                                                             else "text_completion", "choices": [ch]}).encode()
+                                     + b"\n\n")
+                    await asyncio.sleep(0.01)
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+            except (ConnectionError, asyncio.CancelledError):
+                # The router closed this leg's connection: that is how a hang-up reaches the engine.
+                log(request, None, event="connection_closed")
+                raise
             return resp
         ch = {"index": 0, "finish_reason": "length", "logprobs": None}
-        ch.update({"message": {"role": "assistant", "content": "b" * tokens}} if chat else {"text": "b" * tokens})
-        out.update(choices=[ch], usage={**usage, "completion_tokens": tokens})
+        ch.update({"message": {"role": "assistant", "content": "b" * n}} if chat else {"text": "b" * n})
+        out.update(choices=[ch], usage={**usage, "completion_tokens": n})
         return web.json_response(out)
 
     async def any_get(request: web.Request) -> web.Response:
@@ -126,8 +144,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--record", required=True)
-    ap.add_argument("--engine", choices=("vllm", "sglang"), required=True)
+    ap.add_argument("--record", required=True, help="JSON-lines file ('' = record nothing)")
+    ap.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), required=True)
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     ap.add_argument("--bootstrap-port", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=3)
