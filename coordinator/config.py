@@ -258,6 +258,13 @@ class ServerGroupConfig:
     kv_events: tuple[KvEventSource, ...] = _fld(
         doc="static KV-event sources (they take precedence over what a server's /server_info "
         "advertises)", factory=tuple)
+    protocol: Optional[Literal["trtllm", "vllm", "sglang"]] = _fld(
+        None, "leg protocol of these servers (fleet/legs/): trtllm disaggregated_params, vllm "
+        "kv_transfer_params, sglang bootstrap rendezvous (null = what each server's /server_info "
+        "says, else trtllm)")
+    bootstrap_port: Optional[int] = _fld(
+        None, "SGLang prefill servers' bootstrap port (null = each server's /server_info "
+        "disaggregation_bootstrap_port, else 8998)", gt=0, le=65535)
     engine_args: Mapping[str, Any] = _fld(
         doc="every engine-level key of this section as given (upstream `other_args`), including "
         "the ones inherited from the top level", factory=lambda: types.MappingProxyType({}),
@@ -422,7 +429,12 @@ class FleetConfig:
                                   "server", ge=0)
     coordinator_timeout_s: float = _fld(5.0, "timeout of one coordinator call", gt=0)
     max_inflight_requests: Optional[int] = _fld(None, "per fleet process; beyond it requests get "
-                                                "503 + Retry-After (null = unlimited)", ge=1)
+                                                "429 + Retry-After (null = unlimited)", ge=1)
+    header_timeout_s: float = _fld(10.0, "a request head (request line and headers) must arrive "
+                                   "within this long once it has started (408 beyond)", gt=0)
+    body_timeout_s: float = _fld(30.0, "a request body must arrive within this long once its "
+                                 "head is read (408 beyond); a request counts toward "
+                                 "max_inflight_requests only once its body is read", gt=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,6 +585,12 @@ class ClusterConfig:
                     raise ConfigError(f"{name}.kv_events[{i}].block_size",
                                       f"expected a divisor or multiple of routing.block_size "
                                       f"({rb}), found {bs}")
+        cp, gp = self.context_servers.protocol, self.generation_servers.protocol
+        if cp is not None and gp is not None and cp != gp:
+            # The KV moves between the two engines: both sides must be the same engine family.
+            raise ConfigError("generation_servers.protocol", f"expected the context servers' "
+                              f"protocol ({cp!r}): a KV transfer needs one engine family on both "
+                              f"legs, found {gp!r}")
         if self.api_keys_env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$",
                                                           self.api_keys_env):
             raise ConfigError("api_keys_env", "expected an environment variable name, found "
