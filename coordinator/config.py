@@ -32,6 +32,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS
+
 __all__ = [
     "ConfigError",
     "ClusterConfig",
@@ -61,11 +63,11 @@ ENV_PREFIX = "SPLITSERVE_"
 ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware", "conversation")
 REDACTED = "<redacted>"
 
-# TensorRT-LLM's own argument names (LLM args, `trtllm-serve` flags, KvCacheConfig fields), derived
-# from upstream's definitions in `coordinator/upstream_args.py` (source commit cited there). We keep
-# them in `ServerGroupConfig.engine_args` / `KvCacheConfig.extra` so an upstream file loads
-# unchanged, but do not interpret them; anything outside those sets is a typo and an error.
-from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS  # noqa: E402
+# TensorRT-LLM's own argument names (`UPSTREAM_ENGINE_ARGS`, `UPSTREAM_KV_CACHE_ARGS`: LLM args,
+# `trtllm-serve` flags, KvCacheConfig fields) come from upstream's definitions, source commit in
+# `coordinator/upstream_args.py`. We keep them in `ServerGroupConfig.engine_args` /
+# `KvCacheConfig.extra` so an upstream file loads unchanged, but do not interpret them; anything
+# outside those sets is a typo and an error.
 
 
 class ConfigError(ValueError):
