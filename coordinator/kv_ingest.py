@@ -244,7 +244,7 @@ class KvIngest(HttpPollMixin):
     def resync(self, server: str, cause: str) -> None:
         """Forget a server's entries and rebuild them (e.g. the worker process was replaced)."""
         feed = self.feeds.get(server)
-        self._clear(feed, server, cause)
+        self._clear(feed, server, cause, all_ranks=True)
         if feed is not None:
             for f in (feed, *feed.ranks):
                 f.last_seq = None
@@ -466,8 +466,15 @@ class KvIngest(HttpPollMixin):
             feed.lag_s = max(0.0, time.time() - batch.ts)
         feed.last_applied_mono = time.monotonic()
 
-    def _clear(self, feed: WorkerFeed | None, server: str, cause: str) -> None:
-        self.index.clear_worker(server)
+    def _clear(self, feed: WorkerFeed | None, server: str, cause: str,
+               all_ranks: bool = False) -> None:
+        """Forget what one stream told us: its DP rank's entries when the server publishes per
+        rank (the other ranks' streams are intact), else all of the server's."""
+        primary = self.feeds.get(server)
+        if feed is not None and not all_ranks and primary is not None and primary.ranks:
+            self.index.apply(server, AllCleared(None), feed.dp_rank)
+        else:
+            self.index.clear_worker(server)
         if feed is not None:
             feed.clears[cause] = feed.clears.get(cause, 0) + 1
 
