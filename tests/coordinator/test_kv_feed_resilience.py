@@ -144,8 +144,10 @@ async def test_unreachable_publisher_is_not_ready_logged_once_and_recovers(
     pub.close()
 
 
-async def test_invalid_endpoint_is_reported_not_raised(workers, coordinator):
-    # What the old SGLang misreading produced: the publisher kind ("zmq") used as an endpoint.
+async def test_invalid_endpoint_is_reported_not_raised(workers, coordinator, caplog):
+    # What the old SGLang misreading produced: an endpoint ZMQ refuses. attach() raised, and the
+    # health tick's gather(return_exceptions=True) dropped the error without a word.
+    caplog.set_level(logging.WARNING, logger="splitserve.coordinator.kv_ingest")
     w = await workers("both", kv_events={"publisher": "zmq://nowhere", "topic": "t",
                                          "format": "vllm"})
     c, s = await coordinator(cfg([w.url], [w.url]))
@@ -153,3 +155,9 @@ async def test_invalid_endpoint_is_reported_not_raised(workers, coordinator):
     feed = c.kv.feeds[w.url]
     assert "cannot connect a SUB socket" in feed.error and not c.kv.kv_ready(w.url)
     assert c.registry.get(w.url).state.value == "healthy", "the server itself stays in service"
+    await asyncio.sleep(0.3)     # several health ticks and /server_info re-reads later
+    logged = [r.getMessage() for r in caplog.records if "zmq://nowhere" in r.getMessage()]
+    assert len(logged) == 1 and w.url in logged[0]
+    row = kv_row(await cluster_info(s), w.url)
+    assert row["kv_ready"] is False and "zmq://nowhere" in row["kv_events"]["error"]
+    assert row["kv_events"]["connect_failures"] == 1
