@@ -4,6 +4,7 @@
     python bench/worker.py                          # tiny on CPU (fp32)
     python bench/worker.py --device cuda --model 1b # Llama-3.2-1B shapes, bf16 on a GPU
     python bench/worker.py --quick --no-write       # smoke run
+    python bench/worker.py --model smollm2-135m     # SmolLM2-135M-Instruct (GGUF, real weights)
 
 Prefill: one ``ModelRunner.step`` over ``batch`` prompts of ``--prompt-len`` tokens. Its roofline is the
 time of the model's own GEMMs alone — ``F.linear`` with the model's weight matrices on an activation of
@@ -143,7 +144,9 @@ def backends(args: argparse.Namespace, dev: torch.device) -> list[str]:
 def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
-    model, _, cfg = load_model(args.model, dev, dtype)
+    t_load = time.perf_counter()
+    model, _, cfg = load_model(args.model, dev, dtype, cache_dir=args.cache_dir)
+    t_load = time.perf_counter() - t_load
     quick = args.quick
     prompt_len = args.prompt_len or (64 if quick else (1024 if dev.type == "cuda" else 256))
     contexts = tuple(args.context) if args.context else ((1024, 8192, 32768) if dev.type == "cuda" and not quick
@@ -204,7 +207,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
         "model": args.model, "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
         "params": sum(p.numel() for p in model.parameters()), "weight_bytes": wbytes,
         "copy_bw": bw, "prompt_len": prompt_len, "decode_steps": steps, "block_size": bs,
-        "machine": machine(dev), "cuda_graphs": bool(graphs), "backends": used,
+        "machine": machine(dev), "cuda_graphs": bool(graphs), "backends": used, "load_s": t_load,
     }
     return rows, info
 
@@ -212,7 +215,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
 def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
-    model, _, cfg = load_model(args.model, dev, dtype)
+    model, _, cfg = load_model(args.model, dev, dtype, cache_dir=args.cache_dir)
     gpu = dev.type == "cuda"
     long_len = args.long_len or (32768 if gpu else 4096)
     short_len = args.short_len or (512 if gpu else 64)
@@ -299,8 +302,8 @@ def render(rows: list[dict], info: dict, command: str) -> str:
         f"{info['weight_bytes'] / 1e6:.1f} MB read per decode step), device `{info['device']}`, "
         f"block size {info['block_size']}, prompt {info['prompt_len']} tokens, "
         f"{info['decode_steps']} decode steps per context, CUDA graphs {'on' if info['cuda_graphs'] else 'off'}",
-        f"- measured copy bandwidth: {info['copy_bw'] / 1e9:.1f} GB/s; attention backends: "
-        f"{', '.join(info['backends'])}",
+        f"- measured copy bandwidth: {info['copy_bw'] / 1e9:.1f} GB/s; model load {info['load_s']:.2f}s; "
+        f"attention backends: {', '.join(info['backends'])}",
         "",
         "| phase | batch | tokens/s | roofline tokens/s | % of roofline | backend | context | step ms | roofline basis |",
         "|---|---:|---:|---:|---:|---|---:|---:|---|",
@@ -323,7 +326,9 @@ def write_results(path: Path, body: str, info: dict, kind: str = "") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="preset (tiny, 1b, 8b) or HF directory")
+    p.add_argument("--model", default="tiny",
+                   help="preset (tiny, 1b, 8b), named GGUF model (smollm2-135m), .gguf file or HF directory")
+    p.add_argument("--cache-dir", default=None, help="converted-GGUF cache (default ~/.cache/splitserve)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--batch", type=int, action="append", help=f"batch sizes (default {BATCHES})")
