@@ -267,8 +267,9 @@ def _sig(names: str, types: dict[str, str], constexprs: dict) -> dict[str, str]:
                     reason="needs triton (not under its interpreter)")
 @pytest.mark.parametrize("dim", [64, 128])
 def test_kernels_compile_for_hopper_without_spills(dim):
-    """Every kernel compiles to sm_90 machine code with Triton's bundled ptxas (no GPU needed), and
-    the bf16 decode/prefill kernels spill no registers at the launchers' block shapes."""
+    """Every kernel compiles to sm_90 machine code with Triton's bundled ptxas (no GPU needed); the
+    bf16 decode/prefill kernels spill no registers at the launchers' block shapes and their K/V
+    loads are software-pipelined (cp.async)."""
     import re
     import subprocess
     import tempfile
@@ -281,9 +282,16 @@ def test_kernels_compile_for_hopper_without_spills(dim):
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     bf, i64 = "*bf16", "*i64"
 
-    def build(fn, names, types, const, num_warps):
-        k = triton.compile(ASTSource(fn, _sig(names, types, const), const), target=GPUTarget("cuda", 90, 32),
+    def build(fn, names, types, const, num_warps, pipelined=False):
+        # As the JIT specialises a launch: pointers and these strides are multiples of 16.
+        hinted = [i for i, n in enumerate(names.split()) if types.get(n, "").startswith("*")
+                  or n in ("stride_qt", "stride_qh", "stride_blk", "stride_tok", "stride_ot", "stride_oh",
+                           "stride_mu", "stride_mh", "stride_lu")]
+        attrs = {(i,): [["tt.divisibility", 16]] for i in hinted}
+        k = triton.compile(ASTSource(fn, _sig(names, types, const), const, attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": num_warps, "num_stages": 2})
+        if pipelined:
+            assert "async_copy_global_to_local" in k.asm["ttgir"], f"{fn.__name__}: K/V loads are not pipelined"
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(k.asm["ptx"])
         arch = re.search(r"\.target (\w+)", k.asm["ptx"]).group(1)
@@ -301,13 +309,13 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                  "DIRECT": direct, "PREC": None}
         assert build(T._decode_kernel, "Q K V Tables Pos Key0 URow ULo UHi Out MidO MidL stride_qt stride_qh "
                      "stride_blk stride_tok stride_tab stride_ot stride_oh stride_mu stride_mh stride_lu qk_scale",
-                     dec_types, const, 4 if bd <= 64 else 8) == 0
+                     dec_types, const, 4 if bd <= 64 else 8, pipelined=True) == 0
     pre_types = {n: bf for n in ("Q", "K", "V", "Out")} | {"Table": i64, "stride_blk": "i64", "qk_scale": "fp32"}
     for window in (0, 100):
         const = {"GROUP": 4, "GROUP_P": 4, "BLOCK_T": (128 if dim <= 64 else 64) // 4, "HEAD_DIM": dim, "BLOCK_D": bd,
                  "BLOCK_N": T.PREFILL_BLOCK_N, "PAGE": 16, "WINDOW": window, "PREC": None}
         assert build(T._prefill_kernel, "Q K V Table Out q_pos0 num_q key0 stride_qt stride_qh stride_blk stride_tok "
-                     "stride_ot stride_oh qk_scale", pre_types, const, 8) == 0
+                     "stride_ot stride_oh qk_scale", pre_types, const, 8, pipelined=True) == 0
     build(T._merge_kernel, "MidO MidL RowStart Out stride_mu stride_mh stride_lu stride_ot stride_oh",
           {"MidO": "*fp32", "MidL": "*fp32", "RowStart": i64, "Out": bf},
           {"NQ": 32, "BLOCK_HQ": 32, "HEAD_DIM": dim, "BLOCK_D": bd}, 4)

@@ -31,10 +31,12 @@ from worker.attention.plan import PagedDecode
 __all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_mul"]
 
 _LOG2E = 1.4426950408889634
-#: Keys per tile. Decode: 32 as vLLM's/SGLang's grouped kernel (4 warps, 128 registers a thread at
-#: head_dim 64 for sm_90 by ``ptxas -v``, no spills; 64 keys took all 255 registers, halving the CTAs
-#: resident per SM). Prefill: 64 keys × 128 query rows with 8 warps (176 registers, no spills).
-DECODE_BLOCK_N = 32
+#: Keys per tile. Shapes picked from ``ptxas -v`` and the TTGIR for sm_90 with the launcher's
+#: specialisation (16-aligned pointers and strides): decode 64 keys × 16 query rows, 4 warps (8 at
+#: head_dim 128), 64 registers a thread, K/V/table loads software-pipelined with cp.async, no
+#: spills; prefill 128 query rows × 64 keys, 8 warps, wgmma, 121 registers (4 warps took 255).
+#: vLLM's/SGLang's grouped decode kernel uses 32 keys × 16 rows, 4 warps, 2 stages.
+DECODE_BLOCK_N = 64
 PREFILL_BLOCK_N = 64
 
 
