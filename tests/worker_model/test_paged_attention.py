@@ -83,7 +83,8 @@ def test_paged_decode_matches_reference(mode, group, window, bs):
     big = mode == "cuda"
     lengths = [1, 2, 17, 100, 1000, 4097, 32768, 700] if big else [1, 2, 17, 70, 150]
     win = (1500 if big else 40) if window else None
-    dtypes = [torch.bfloat16, torch.float16] if big else [torch.float32, torch.float16]
+    # fp16 at one block size only: every extra dtype is another set of kernel compiles on the GPU
+    dtypes = ([torch.bfloat16] + ([torch.float16] if bs == 16 else [])) if big else [torch.float32, torch.float16]
     kvh, dim = 2, 64 if big else 32
     heads = group * kvh
     rng = np.random.default_rng(bs * 10 + group)
