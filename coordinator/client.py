@@ -41,7 +41,8 @@ class CoordinatorClient(Protocol):
     async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
                           exclude_gen: Any = None) -> dict: ...
 
-    async def finish(self, role: str, req_id: int, success: bool = True) -> None: ...
+    async def finish(self, role: str, req_id: int, success: bool = True,
+                     usage: dict | None = None) -> None: ...
 
     async def renew(self, role: str, req_id: int) -> bool: ...
 
@@ -190,8 +191,11 @@ class HttpCoordinatorClient:
             body["exclude_gen"] = _excl(exclude_gen)
         return await self._call("POST", "/select_pair", body)
 
-    async def finish(self, role: str, req_id: int, success: bool = True) -> None:
-        await self._call("POST", "/finish", {"role": role, "req_id": req_id, "success": bool(success)})
+    async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
+        body = {"role": role, "req_id": req_id, "success": bool(success)}
+        if usage is not None:
+            body["usage"] = usage
+        await self._call("POST", "/finish", body)
 
     async def renew(self, role: str, req_id: int) -> bool:
         ans = await self._call("POST", "/renew", {"role": role, "req_id": req_id})
@@ -240,9 +244,9 @@ class InProcessCoordinatorClient:
         except BadRequest as exc:
             raise CoordinatorRequestError(400, exc.message, exc.field) from None
 
-    async def finish(self, role: str, req_id: int, success: bool = True) -> None:
+    async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
         try:
-            self.coord.finish(role, req_id, success)
+            self.coord.finish(role, req_id, success, usage)
         except BadRequest as exc:
             raise CoordinatorRequestError(400, exc.message, exc.field) from None
 

@@ -76,8 +76,11 @@ class FleetCoordinatorClient:
             body["exclude_gen"] = list(exclude_gen)
         return await self._call("/select_pair", body)
 
-    async def finish(self, role: str, req_id: int, success: bool = True) -> None:
-        await self._call("/finish", {"role": role, "req_id": req_id, "success": bool(success)})
+    async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
+        body = {"role": role, "req_id": req_id, "success": bool(success)}
+        if usage is not None:
+            body["usage"] = usage
+        await self._call("/finish", body)
 
     async def renew(self, role: str, req_id: int) -> bool:
         ans = await self._call("/renew", {"role": role, "req_id": req_id})
