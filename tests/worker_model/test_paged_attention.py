@@ -76,7 +76,7 @@ def reference(q, kv, layer, table, qpos: list[int], window, scale):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("bs", [16, 32, 64])
 def test_paged_decode_matches_reference(mode, group, window, bs):
@@ -110,7 +110,7 @@ def test_paged_decode_matches_reference(mode, group, window, bs):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("bs", [16, 64])
 def test_paged_prefill_matches_reference(mode, group, window, bs):
