@@ -292,6 +292,11 @@ def policies(args) -> list[tuple[str, str, dict]]:
 
 
 def run_size(n: int, args, reqs, tokens, work: Path) -> dict:
+    if args.per_worker_load:
+        # the same requests at the same load per worker: arrivals and the latency model both
+        # n/8 x faster/slower, so every size costs the host the same CPU per wall second
+        args = argparse.Namespace(**{**vars(args), "compress": args.compress * n / 8,
+                                     "dilation": args.dilation * n / 8})
     ws = T.working_set_blocks(reqs, args.tokens_per_block, BLOCK)
     per_worker = max(64, int(ws * args.kv_ratio / n))
     procs = Procs(work)
@@ -304,6 +309,7 @@ def run_size(n: int, args, reqs, tokens, work: Path) -> dict:
     finally:
         procs.stop_all()
     return {"workers": n, "requests": len(reqs), "working_set_blocks": ws,
+            "compress": args.compress, "dilation": args.dilation,
             "blocks_per_worker": per_worker, "rows": rows}
 
 
@@ -311,14 +317,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", type=Path, default=T.DEFAULT_TRACE)
     ap.add_argument("--workers", default="8,32", help="cluster sizes, comma-separated")
-    ap.add_argument("--sample", default="auto", help="keep 1/K of the prefix trees (auto: 32/workers)")
+    ap.add_argument("--sample", type=int, default=8, help="keep 1/K of the prefix trees")
+    ap.add_argument("--per-worker-load", action=argparse.BooleanOptionalAction, default=True,
+                    help="scale --compress and --dilation by workers/8 (same load per worker)")
     ap.add_argument("--limit", type=int, default=None, help="at most this many requests")
-    ap.add_argument("--compress", type=float, default=150.0, help="arrival-time compression factor")
-    ap.add_argument("--dilation", type=float, default=8.0, help="wall time per model time")
+    ap.add_argument("--compress", type=float, default=120.0,
+                    help="arrival-time compression factor (at 8 workers, see --per-worker-load)")
+    ap.add_argument("--dilation", type=float, default=4.0,
+                    help="wall time per model time (at 8 workers, see --per-worker-load)")
     ap.add_argument("--tokens-per-block", type=int, default=32)
     ap.add_argument("--kv-ratio", type=float, default=0.5,
                     help="KV capacity of the whole cluster as a fraction of the working set")
     ap.add_argument("--max-batch-size", type=int, default=128)
+    ap.add_argument("--max-output", type=int, default=None,
+                    help="cap every request's output length (CI smoke: fewer streamed chunks)")
     ap.add_argument("--policies", default=None, help="only these (policy types or row names)")
     ap.add_argument("--oracle-cache-weight", type=float, default=2.0,
                     help="oracle cost: queued prefill + this x uncached tokens")
@@ -326,14 +338,24 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="no kv_cache_aware search")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--from-json", type=Path, nargs="+", default=None,
+                    help="write the report from earlier --json runs (their runs concatenated)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        parts = [json.loads(p.read_text()) for p in args.from_json]
+        out = {"meta": parts[0]["meta"], "runs": [r for p in parts for r in p["runs"]]}
+        out["meta"]["command"] = " ; ".join(p["meta"]["command"] for p in parts)
+        return _write(out, OUTDIR / "routing.json")
     sizes = [int(x) for x in args.workers.split(",")]
     tokens = T.Tokens(args.tokens_per_block)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         for n in sizes:
-            k = max(1, 32 // n) if args.sample == "auto" else int(args.sample)
+            k = args.sample
             reqs = T.load(args.trace, sample=k, limit=args.limit)
+            if args.max_output:
+                for r in reqs:
+                    r.output_length = min(r.output_length, args.max_output)
             r = run_size(n, args, reqs, tokens, Path(tmp))
             r["sample"] = k
             runs.append(r)
@@ -343,20 +365,25 @@ def main(argv=None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({platform.machine()})",
             "command": "python bench/routing.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    out = {"meta": meta, "runs": runs}
-    path = args.json or OUTDIR / "routing.json"
+    out = json.loads(json.dumps({"meta": meta, "runs": runs}, default=str))
+    if args.json:
+        args.json.write_text(json.dumps(out))
     if not args.no_write:
-        OUTDIR.mkdir(exist_ok=True)
-        slim = json.loads(json.dumps(out, default=str))
-        for r in slim["runs"]:
-            for row in r["rows"]:
-                row.pop("ttft_ms_sorted", None)
-        path.write_text(json.dumps(slim, indent=1))
-        from bench._routing_report import plot, section
-        plot(out, OUTDIR / "routing.png")
-        replace_section(RESULTS, section(out))
-    elif args.json:
-        args.json.write_text(json.dumps(out, default=str))
+        return _write(out, OUTDIR / "routing.json")
+    return 0
+
+
+def _write(out: dict, path: Path) -> int:
+    """bench/results/routing.json (without the TTFT samples), the PNG, the RESULTS.md section."""
+    from bench._routing_report import plot, section
+    OUTDIR.mkdir(exist_ok=True)
+    slim = json.loads(json.dumps(out))
+    for r in slim["runs"]:
+        for row in r["rows"]:
+            row.pop("ttft_ms_sorted", None)
+    path.write_text(json.dumps(slim, indent=1))
+    plot(out, OUTDIR / "routing.png")
+    replace_section(RESULTS, section(out))
     return 0
 
 
