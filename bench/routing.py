@@ -123,13 +123,13 @@ class Procs:
             self.stop(p)
 
 
-def start_workers(procs: Procs, n: int, num_blocks: int, args) -> list[str]:
+def start_workers(procs: Procs, n: int, num_blocks: int, args, model: str = "1b") -> list[str]:
     flags = T.sim_flags(args.tokens_per_block, args.dilation)
     ports, ps = [], []
     for k in range(n):
         port = free_port()
         argv = [PY, "-m", "splitserve_cli", "worker", "--engine", "sim", "--role", "both",
-                "--model", "1b", "--host", "127.0.0.1", "--port", str(port),
+                "--model", model, "--host", "127.0.0.1", "--port", str(port),
                 "--block-size", str(BLOCK), "--num-blocks", str(num_blocks),
                 "--max-batch-size", str(args.max_batch_size), "--log-level", "WARNING", *flags]
         if args.no_reuse_worker and k == 0:
@@ -142,9 +142,10 @@ def start_workers(procs: Procs, n: int, num_blocks: int, args) -> list[str]:
     return urls
 
 
-def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: dict):
+def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: dict,
+                model: str = "1b"):
     """An external coordinator and one fleet process for `policy` → (fleet url, coord url, procs)."""
-    doc = {"hostname": "127.0.0.1", "model": "1b", "request_timeout": 600,
+    doc = {"hostname": "127.0.0.1", "model": model, "request_timeout": 600,
            "generation_servers": {"urls": [u.removeprefix("http://") for u in urls],
                                   "router": {"type": policy, **rargs}},
            "routing": {"block_size": BLOCK}}
@@ -167,10 +168,10 @@ def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: d
 
 
 async def _one(session, url: str, r: T.Req, ids: list[int], at: float, oracle: Oracle | None,
-               res: T.Result) -> None:
+               res: T.Result, model: str) -> None:
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, at - loop.time()))
-    body = {"model": "1b", "prompt": ids, "max_tokens": r.output_length, "stream": True,
+    body = {"model": model, "prompt": ids, "max_tokens": r.output_length, "stream": True,
             "stream_options": {"include_usage": True}}
     target = url
     if oracle is not None:
@@ -211,14 +212,14 @@ async def _one(session, url: str, r: T.Req, ids: list[int], at: float, oracle: O
 
 
 async def replay(url: str, reqs: list[T.Req], tokens: T.Tokens, args,
-                 oracle: Oracle | None = None) -> list[T.Result]:
+                 oracle: Oracle | None = None, model: str = "1b") -> list[T.Result]:
     prompts = [tokens.prompt(r) for r in reqs]
     results = [T.Result(i=k) for k in range(len(reqs))]
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as s:
         t0 = asyncio.get_running_loop().time() + 0.5
         scale = args.dilation / args.compress
-        await asyncio.gather(*(_one(s, url, r, ids, t0 + r.t_s * scale, oracle, res)
+        await asyncio.gather(*(_one(s, url, r, ids, t0 + r.t_s * scale, oracle, res, model)
                                for r, ids, res in zip(reqs, prompts, results)))
     return results
 
