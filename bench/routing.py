@@ -57,6 +57,8 @@ KV_GRID = [  # the search: load weight against cache weight, and the hot-spot ca
     {"load_requests_weight": 256.0},
     {"load_tokens_weight": 0.5, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
     {"load_tokens_weight": 2.0, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
+    {"load_tokens_weight": 0.5, "hotspot_factor": 1.2, "hotspot_slack": 0.5},
+    {"load_tokens_weight": 0.25, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
 ]
 
 
@@ -125,8 +127,8 @@ class Procs:
 
 def start_workers(procs: Procs, n: int, num_blocks: int, args, model: str = "1b") -> list[str]:
     flags = T.sim_flags(args.tokens_per_block, args.dilation)
-    ports, ps = [], []
-    for k in range(n):
+
+    def spawn(k: int, attempt: int) -> tuple[str, subprocess.Popen]:
         port = free_port()
         argv = [PY, "-m", "splitserve_cli", "worker", "--engine", "sim", "--role", "both",
                 "--model", model, "--host", "127.0.0.1", "--port", str(port),
@@ -134,11 +136,21 @@ def start_workers(procs: Procs, n: int, num_blocks: int, args, model: str = "1b"
                 "--max-batch-size", str(args.max_batch_size), "--log-level", "WARNING", *flags]
         if args.no_reuse_worker and k == 0:
             argv += ["--sim-prefix-reuse", "off"]
-        ps.append(procs.spawn(f"worker-{n}-{k}", argv))
-        ports.append(port)
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    for u, p in zip(urls, ps):
-        procs.wait_http(u + "/health", p)
+        return f"http://127.0.0.1:{port}", procs.spawn(f"worker-{n}-{k}-{attempt}", argv)
+
+    started = [spawn(k, 0) for k in range(n)]
+    urls = []
+    for k, (u, p) in enumerate(started):
+        for attempt in range(1, 4):
+            try:
+                procs.wait_http(u + "/health", p)
+                break
+            except RuntimeError as e:
+                # a port picked free can be taken by another worker's KV-event socket meanwhile
+                if "Address already in use" not in str(e) or attempt == 3:
+                    raise
+                u, p = spawn(k, attempt)
+        urls.append(u)
     return urls
 
 
@@ -286,8 +298,8 @@ def policies(args) -> list[tuple[str, str, dict]]:
         out += [(f"kv_cache_aware {json.dumps(g, separators=(',', ':'))}", "kv_cache_aware", g)
                 for g in KV_GRID]
     out += [("conversation", "conversation", {}), ("oracle (outside the product)", "oracle", {})]
-    if args.policies:
-        keep = set(args.policies.split(","))
+    if args.policies:   # types or row names, ';'-separated (row names hold commas)
+        keep = set(args.policies.split(";" if ";" in args.policies else ","))
         out = [p for p in out if p[1] in keep or p[0] in keep]
     return out
 
@@ -299,7 +311,9 @@ def run_size(n: int, args, reqs, tokens, work: Path) -> dict:
         args = argparse.Namespace(**{**vars(args), "compress": args.compress * n / 8,
                                      "dilation": args.dilation * n / 8})
     ws = T.working_set_blocks(reqs, args.tokens_per_block, BLOCK)
-    per_worker = max(64, int(ws * args.kv_ratio / n))
+    # at least twice the longest prompt, so every request fits a worker's pool
+    longest = max(len(tokens.prompt(r)) for r in reqs) // BLOCK + 1
+    per_worker = max(2 * longest, int(ws * args.kv_ratio / n))
     procs = Procs(work)
     try:
         urls = start_workers(procs, n, per_worker, args)
@@ -310,6 +324,7 @@ def run_size(n: int, args, reqs, tokens, work: Path) -> dict:
     finally:
         procs.stop_all()
     return {"workers": n, "requests": len(reqs), "working_set_blocks": ws,
+            "kv_ratio_effective": per_worker * n / ws,
             "compress": args.compress, "dilation": args.dilation,
             "blocks_per_worker": per_worker, "rows": rows}
 
@@ -344,7 +359,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         parts = [json.loads(p.read_text()) for p in args.from_json]
-        out = {"meta": parts[0]["meta"], "runs": [r for p in parts for r in p["runs"]]}
+        runs: dict[int, dict] = {}
+        for part in parts:   # a later file's rows replace the same-named rows of that size
+            for r in part["runs"]:
+                have = runs.setdefault(r["workers"], r)
+                if have is not r:
+                    names = [x["name"] for x in have["rows"]]
+                    for row in r["rows"]:
+                        if row["name"] in names:
+                            have["rows"][names.index(row["name"])] = row
+                        else:
+                            have["rows"].append(row)
+        out = {"meta": parts[0]["meta"], "runs": sorted(runs.values(), key=lambda r: r["workers"])}
         out["meta"]["command"] = " ; ".join(p["meta"]["command"] for p in parts)
         return _write(out, OUTDIR / "routing.json")
     sizes = [int(x) for x in args.workers.split(",")]
