@@ -95,6 +95,7 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
                     await asyncio.sleep(0.01)
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
+                log(request, None, event="stream_completed")
             except (ConnectionError, asyncio.CancelledError):
                 # The router closed this leg's connection: that is how a hang-up reaches the engine.
                 log(request, None, event="connection_closed")
