@@ -235,3 +235,23 @@ async def _drain_prefill(flow, st, ctx, resp, gen, gen_resp, t0: float) -> None:
             flow._observe_usage(CTX, ctx, orjson.loads(raw).get("usage"))
         except (orjson.JSONDecodeError, AttributeError):
             M.LEG_ERRORS.labels(CTX, "invalid_answer").inc()
+
+
+def strip_stream_kv(events: bytes) -> bytes:
+    """SSE events without `kv_transfer_params` (vLLM puts the decode side's KV handle on a stream's
+    final chunk; it is internal, like `disaggregated_params`)."""
+    out = []
+    for ev in events.split(b"\n\n"):
+        if not ev:
+            continue
+        if ev.startswith(b"data: {") and b'"kv_transfer_params"' in ev:
+            try:
+                obj = orjson.loads(ev[6:])
+            except orjson.JSONDecodeError:
+                out.append(ev)
+                continue
+            if isinstance(obj, dict):
+                obj.pop("kv_transfer_params", None)
+                ev = b"data: " + orjson.dumps(obj)
+        out.append(ev)
+    return b"".join(e + b"\n\n" for e in out)

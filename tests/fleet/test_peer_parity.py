@@ -159,3 +159,14 @@ def test_fixture_is_what_the_router_sends(engine, tmp_path):
     fx = _fixture(engine)["cases"]
     for case in CASES:
         assert view(engine, case, live[case]) == view(engine, case, fx[case]), case
+
+
+def test_decode_kv_handle_stays_internal(engine, ours):
+    """A vLLM decode answers with its own `kv_transfer_params` (the final chunk, or the top level):
+    vllm-router hands it to the client (the fixture); splitserve drops it, like `disaggregated_params`."""
+    if engine != "vllm":
+        pytest.skip("a vLLM decode's params only")
+    fx = _fixture("vllm")["cases"]
+    for case in ("chat_stream", "completion"):
+        assert '"kv_transfer_params"' in fx[case]["answer"], case
+        assert "kv_transfer_params" not in ours[case]["answer"], case

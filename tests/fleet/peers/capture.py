@@ -179,10 +179,12 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
                 status = _hang_up(f"http://127.0.0.1:{rp}", path, body)
                 time.sleep(2.0)     # past the decode stream's natural end: closed early, or ran to completion
             else:
-                status, _ = _post(f"http://127.0.0.1:{rp}{path}", body)
+                status, answer = _post(f"http://127.0.0.1:{rp}{path}", body)
                 time.sleep(0.3)
             legs = {r: _legs(_records(f))[n[r]:] for r, f in rec.items()}
             out[name] = {"answer_status": status, "bootstrap_port": bp if engine == "sglang" else None, **legs}
+            if name != "hangup":
+                out[name]["answer"] = answer.decode("utf-8", "replace")
         return out
     finally:
         for p in reversed(procs):
