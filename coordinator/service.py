@@ -259,6 +259,8 @@ class Coordinator:
     def _feed_source(self, entry: ServerEntry) -> FeedSource | None:
         info = entry.server_info or {}
         kv = info.get("kv_events")
+        if isinstance(kv, dict) and kv.get("publisher") == "zmq" and "endpoint_port_base" in kv:
+            return _sglang_feed(kv, entry.url) or self._static_kv.get(entry.url)
         if isinstance(kv, dict) and (kv.get("publisher") or kv.get("topic")):
             host = entry.url.split("://", 1)[1].rsplit(":", 1)[0]
             snap = kv.get("snapshot")
@@ -642,6 +644,24 @@ class Coordinator:
                             "degrading to load-only for it", server, now - since, n,
                             self.empty_index_check_s, where)
 
+
+
+def _sglang_feed(kv: dict, url: str) -> FeedSource | None:
+    """SGLang's `/server_info` `kv_events` descriptor (sglang 0.5.23, srt/runtime_context.py
+    `describe_kv_events_publisher`): `{publisher: "zmq", endpoint_host, endpoint_port_base, topic,
+    block_size, dp_size}`, rank r on port base + r; a wildcard host means the server's own. None when
+    it is not usable (the static `kv_events` entry, if any, applies then)."""
+    base, dp = kv.get("endpoint_port_base"), kv.get("dp_size", 1)
+    if type(base) is not int or not 0 < base < 65536 or type(dp) is not int or dp < 1:
+        log.warning("server %s advertises an unusable SGLang kv_events descriptor %r", url, kv)
+        return None
+    host = kv.get("endpoint_host")
+    if not isinstance(host, str) or host in ("", "*", "0.0.0.0", "::", "[::]"):
+        host = url.split("://", 1)[1].rsplit(":", 1)[0]
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return FeedSource(endpoint=f"tcp://{host}:{base}", topic=str(kv.get("topic") or ""), engine="sglang",
+                      dp_size=dp)
 
 
 def _advertised(endpoint: Any, host: str) -> str | None:

@@ -284,6 +284,16 @@ def test_kv_aware_placement_on_both_roles(pd2):
         assert r["mode"] == "disaggregated" and r["protocol"] == pd2["proto"], r
         first[p] = (r["context"]["server"], r["generation"]["server"])
     time.sleep(1.0)   # the workers' KV events reach the coordinator's index
+    # The index is fed by each engine's KV events (SGLang: found through the kv_events descriptor
+    # in its /server_info), not only by the coordinator's own routed-block predictions.
+    st, _, raw = http("GET", url + "/cluster_info")
+    servers = {d["url"]: d for role in ("context", "generation") for d in json.loads(raw)["servers"][role]}
+    used = {s for s in first.values() for s in s}
+    for u in pd2["ctxs"] + pd2["gens"]:
+        d = servers[u]
+        assert d["kv_ready"] and d["kv_events"]["format"] == pd2["proto"], d["kv_events"]
+        if u in used:
+            assert d["kv_index_blocks"] > 0, d
     for p in prompts:
         ctx, gen = first[p]
         hits = metric(wm(ctx), "splitserve_worker_prefix_cache_hit_tokens_total")
