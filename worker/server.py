@@ -279,6 +279,10 @@ class WorkerServer:
                 "topic": pub.topic, "snapshot": "/kv_snapshot", "format": "vllm"}
 
     async def server_info(self, request: web.Request) -> web.Response:
+        if self.disagg_protocol == "vllm":
+            # Like a stock vLLM (it serves /server_info only with VLLM_SERVER_DEV_MODE=1): the fleet
+            # must be told the protocol, and the coordinator its KV-event publisher (`kv_events`).
+            return error_response(404, "no route GET /server_info (a vLLM server without dev mode)")
         return _json(self.server_info_dict())
 
     async def kv_snapshot(self, request: web.Request) -> web.Response:
