@@ -53,10 +53,11 @@ def request_protocol(flow, ctx: Placement | None, gen: Placement) -> str:
 
 
 async def run(flow, request, creq, st, ctx: Placement | None, gen: Placement, key, proto: str):
+    mod = legs.module(proto)
     if ctx is not None and server_protocol(flow, CTX, ctx.server) != proto:
-        if proto == "sglang":
-            raise ApiError(502, f"context server {ctx.server} does not speak sglang like generation server "
-                                f"{gen.server}, and an SGLang decode server cannot serve a request alone; "
+        if not mod.LOCAL_PREFILL:
+            raise ApiError(502, f"context server {ctx.server} does not speak {proto} like generation server "
+                                f"{gen.server}, and a {proto} decode server cannot serve a request alone; "
                                 f"set context_servers.protocol", code="protocol_mismatch")
         # The KV cannot move between two engine families: serve it on the decode server alone.
         log.warning("request %d: context server %s does not speak %s like generation server %s; "
@@ -65,7 +66,17 @@ async def run(flow, request, creq, st, ctx: Placement | None, gen: Placement, ke
         ctx = None
         st.mode = "no_kv_transfer"
     st.route = {"id": st.rid, "mode": st.mode, "protocol": proto}
-    if proto == "vllm":
+    if ctx is None and not mod.LOCAL_PREFILL and not flow.aggregated_only:
+        # Its decode servers need a prefill leg: no local prefill, no aggregated fallback.
+        try:
+            ctx = await flow.placer.place(CTX, st.rid, key, set())
+        except NoServerAvailable as e:
+            raise ApiError(503, f"no prefill server available ({e}); {proto} decode servers cannot serve "
+                                "a request alone", code="no_context_server", retry_after=1) from None
+        st.placements.append(ctx)
+        flow.placer.track(ctx, +1)
+        st.mode = "disaggregated"
+    if mod.SEQUENTIAL:
         return await _vllm(flow, request, creq, st, ctx, gen, key)
     return await _sglang(flow, request, creq, st, ctx, gen, key)
 
@@ -85,6 +96,7 @@ def _fallback_ok(flow, e: ApiError) -> bool:
 # --------------------------------------------------------------------------- vLLM
 
 async def _vllm(flow, request, creq, st, ctx, gen, key):
+    """The sequential flow (vLLM's legs)."""
     path = PATHS[creq.kind]
     if ctx is None:
         flow._m_place[st.mode].inc()
@@ -125,20 +137,11 @@ async def _vllm(flow, request, creq, st, ctx, gen, key):
 # --------------------------------------------------------------------------- SGLang
 
 async def _sglang(flow, request, creq, st, ctx, gen, key):
+    """The concurrent flow (SGLang's legs)."""
     path = PATHS[creq.kind]
-    if ctx is None and flow.aggregated_only:
+    if ctx is None:     # aggregated deployment: SGLang servers without PD
         flow._m_place[st.mode].inc()
         return await flow._final_leg(request, creq, st, gen, orjson.dumps(flow._gen_base(creq)), key)
-    if ctx is None:
-        # A decode-mode SGLang server needs a prefill leg: no local prefill, no aggregated fallback.
-        try:
-            ctx = await flow.placer.place(CTX, st.rid, key, set())
-        except NoServerAvailable as e:
-            raise ApiError(503, f"no prefill server available for an SGLang decode server ({e}); "
-                                "SGLang decode servers cannot serve a request alone",
-                           code="no_context_server", retry_after=1) from None
-        st.placements.append(ctx)
-        flow.placer.track(ctx, +1)
     st.mode = st.route["mode"] = "disaggregated"
     base = flow._gen_base(creq)
     # The room is the request's snowflake (< 2**63); an id from elsewhere gets a fresh one.
