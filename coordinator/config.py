@@ -181,24 +181,56 @@ class KvCacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class KvEventSource:
-    """A static KV-event publisher for a server that has no `/server_info` (e.g. a stock vLLM,
-    SGLang or TensorRT-LLM worker). Our own workers advertise theirs and need no entry."""
+    """A static KV-event source for a server, e.g. a stock vLLM, SGLang or TensorRT-LLM worker.
+    It takes precedence over what the server's `/server_info` advertises. Our own workers
+    advertise theirs and need no entry."""
     server: str = _fld(doc="the server URL this publisher belongs to (one of `urls`)")
-    endpoint: str = _fld(doc="ZMQ PUB endpoint to subscribe to, e.g. tcp://10.0.0.5:5557")
-    replay_endpoint: Optional[str] = _fld(None, "ZMQ ROUTER replay endpoint (null = no gap repair;"
-                                          " a gap clears the server's index entries)")
-    topic: str = _fld("", "ZMQ topic prefix to subscribe to ('' = all)")
-    engine: Literal["vllm", "sglang", "trtllm"] = _fld("vllm", "payload encoding of the events")
+    transport: Literal["zmq", "http_poll"] = _fld(
+        "zmq", "zmq: subscribe to a PUB socket; http_poll: poll TensorRT-LLM's "
+        "`POST /kv_cache_events` (trtllm-serve without a streaming publisher)")
+    endpoint: Optional[str] = _fld(
+        None, "zmq: the PUB endpoint of DP rank 0, e.g. tcp://10.0.0.5:5557 (null = the publisher "
+        "connects to coordinator.event_ingest.bind_endpoint, recognised by `topic`: vLLM's "
+        "connect mode); http_poll: the URL to poll (null = <server>/kv_cache_events)")
+    replay_endpoint: Optional[str] = _fld(None, "ZMQ ROUTER replay endpoint of DP rank 0 (null = "
+                                          "no gap repair; a gap clears the server's index entries)")
+    topic: str = _fld("", "ZMQ topic prefix to subscribe to ('' = all); required without "
+                      "`endpoint`")
+    engine: Literal["vllm", "sglang", "trtllm"] = _fld(
+        "vllm", "payload encoding of the events (http_poll: trtllm)")
+    dp_size: int = _fld(1, "data-parallel ranks publishing; rank r uses port + r of `endpoint` "
+                        "and `replay_endpoint` (as vLLM and SGLang bind them)", ge=1, le=1024)
+    poll_interval_s: float = _fld(0.5, "http_poll: seconds between polls (backs off to 30 s while "
+                                  "polls fail)", gt=0)
     block_size: Optional[int] = _fld(None, "engine block size of the events (null = "
                                      "kv_cache_config.tokens_per_block or routing.block_size)",
                                      gt=0)
 
     def _check(self, path: str) -> None:
-        for name in ("endpoint", "replay_endpoint"):
-            v = getattr(self, name)
-            if v is not None and not re.match(r"^(tcp|ipc|inproc)://.+", v):
-                raise ConfigError(_join(path, name), f"expected a ZMQ endpoint like "
-                                  f"'tcp://host:port' or 'ipc:///path', found {v!r}")
+        if self.transport == "zmq":
+            for name in ("endpoint", "replay_endpoint"):
+                v = getattr(self, name)
+                if v is not None and not re.match(r"^(tcp|ipc|inproc)://.+", v):
+                    raise ConfigError(_join(path, name), f"expected a ZMQ endpoint like "
+                                      f"'tcp://host:port' or 'ipc:///path', found {v!r}")
+            if self.endpoint is None and not self.topic:
+                raise ConfigError(_join(path, "topic"), "expected a non-empty topic when "
+                                  "`endpoint` is null (the coordinator's bound endpoint tells "
+                                  "publishers apart by topic)")
+            return
+        if self.endpoint is not None and not re.match(r"^https?://[^/]+", self.endpoint):
+            raise ConfigError(_join(path, "endpoint"), "expected an http(s) URL like "
+                              f"'http://host:port/kv_cache_events', found {self.endpoint!r}")
+        if self.engine != "trtllm":
+            raise ConfigError(_join(path, "engine"), "http_poll reads TensorRT-LLM's "
+                              f"/kv_cache_events JSON: expected 'trtllm', found {self.engine!r}")
+        for name in ("replay_endpoint", "topic"):
+            if getattr(self, name):
+                raise ConfigError(_join(path, name), f"not used with transport http_poll, found "
+                                  f"{getattr(self, name)!r}")
+        if self.dp_size != 1:
+            raise ConfigError(_join(path, "dp_size"), "http_poll splits ranks by the events' "
+                              f"attention_dp_rank: expected 1, found {self.dp_size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +256,8 @@ class ServerGroupConfig:
     pipeline_parallel_size: int = _fld(1, "PP ranks per server", upstream=True, ge=1, engine=True)
     context_parallel_size: int = _fld(1, "CP ranks per server", upstream=True, ge=1, engine=True)
     kv_events: tuple[KvEventSource, ...] = _fld(
-        doc="static KV-event publishers for servers without /server_info", factory=tuple)
+        doc="static KV-event sources (they take precedence over what a server's /server_info "
+        "advertises)", factory=tuple)
     protocol: Optional[Literal["trtllm", "vllm", "sglang"]] = _fld(
         None, "leg protocol of these servers (fleet/legs/): trtllm disaggregated_params, vllm "
         "kv_transfer_params, sglang bootstrap rendezvous (null = what each server's /server_info "
@@ -541,6 +574,12 @@ class ClusterConfig:
                                   f"expected a divisor or multiple of routing.block_size ({rb}), "
                                   f"found {tpb}")
             for i, ev in enumerate(grp.kv_events):
+                if ev.transport == "zmq" and ev.endpoint is None \
+                        and not self.coordinator.event_ingest.bind_endpoint:
+                    raise ConfigError(f"{name}.kv_events[{i}].endpoint",
+                                      "null (the publisher connects to the coordinator) needs "
+                                      "coordinator.event_ingest.bind_endpoint; set one or give "
+                                      "the publisher's endpoint")
                 bs = ev.block_size
                 if bs is not None and bs % rb and rb % bs:
                     raise ConfigError(f"{name}.kv_events[{i}].block_size",

@@ -27,21 +27,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import aiohttp
 import msgpack
-import orjson
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from coordinator.errors import BadRequest
+from coordinator.kv_feed import FeedSource, WorkerFeed, rank_endpoint
+from coordinator.kv_poll import HttpPollMixin
 from coordinator.wire import block_keys_array
 from router.events import (MAX_PAYLOAD_BYTES, AllCleared, BlocksRemoved, BlocksStored,
-                           EventDecodeError, decode_trtllm_http, decode_zmq)
+                           EventDecodeError, decode_zmq)
 
 log = logging.getLogger("splitserve.coordinator.kv_ingest")
 
@@ -53,131 +52,8 @@ MAX_REPAIRS_IN_A_ROW = 3
 SNAPSHOT_SLICE = 8192
 RECONNECT_MS = 100          # first ZMQ reconnect interval; libzmq doubles it up to the max
 RECONNECT_MAX_MS = 5000
-POLL_BACKOFF_MAX_S = 30.0   # an HTTP feed that keeps failing polls at most this rarely
 READER_BACKOFF_MAX_S = 5.0
 TRANSPORTS = ("zmq", "http_poll")
-
-
-@dataclass(frozen=True, slots=True)
-class FeedSource:
-    """Where one server's events come from.
-
-    `zmq`: `endpoint` is the SUB endpoint of DP rank 0 (rank r: `rank_endpoint(endpoint, r)`), or
-    None = the publisher connects to our bound endpoint and is recognised by its (non-empty)
-    `topic`. `http_poll`: `endpoint` is the full URL to `POST` (a trtllm-serve
-    `/kv_cache_events`), polled every `poll_interval_s`. `origin` says who named the source
-    (`config` or the server's `/server_info`), for /cluster_info."""
-    endpoint: str | None
-    replay_endpoint: str | None = None
-    topic: str = ""
-    engine: str = "vllm"
-    snapshot_url: str | None = None   # full http URL of the worker's /kv_snapshot
-    transport: str = "zmq"
-    dp_size: int = 1
-    poll_interval_s: float = 0.5
-    origin: str = "advertised"
-
-
-def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
-    """The endpoint of DP rank `rank`: tcp port + rank (port 0 left alone), `_dp{rank}` appended to
-    ipc/inproc paths. This is `ZmqEventPublisher.offset_endpoint_port` of vLLM 0.33
-    (`vllm/distributed/kv_events.py`) and SGLang 0.5.23 (`srt/disaggregation/kv_events.py`)."""
-    if not endpoint or rank == 0:
-        return endpoint
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return f"{endpoint}_dp{rank}"
-    base, _, port = endpoint.rpartition(":")
-    if not port.isdigit() or int(port) == 0:
-        return endpoint
-    return f"{base}:{int(port) + rank}"
-
-
-@dataclass(slots=True, eq=False)
-class WorkerFeed:
-    server: str
-    source: FeedSource
-    dp_rank: int = 0
-    ranks: list = field(default_factory=list)    # feeds of DP ranks 1.. (rank 0's feed only)
-    endpoint: str | None = None                  # this rank's endpoint
-    replay_endpoint: str | None = None
-    sock: zmq.asyncio.Socket | None = None
-    connected: bool | None = None                # None: not known (bound endpoint, not polled yet)
-    error: str | None = None                     # why the feed is not delivering, if it is not
-    connect_failures: int = 0
-    reader_restarts: int = 0
-    polls: int = 0
-    last_seq: int | None = None
-    ready: bool = False
-    repairing: bool = False
-    pending: deque = field(default_factory=deque)
-    tasks: set = field(default_factory=set)
-    repairs_in_a_row: int = 0
-    # counters
-    batches_applied: int = 0
-    events_applied: int = 0
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replays_ok: int = 0
-    replays_failed: int = 0
-    snapshots: int = 0
-    resets: int = 0
-    clears: dict = field(default_factory=dict)   # cause -> count
-    decode_errors: int = 0
-    apply_errors: int = 0
-    stale_dropped: int = 0
-    last_ts: float | None = None                 # publisher wall time of the last applied batch
-    lag_s: float | None = None                   # apply time - publish time of that batch
-    last_applied_mono: float | None = None
-    sync_started_mono: float | None = None
-    sync_outcome: str = "pending"
-
-    @property
-    def usable(self) -> bool:
-        """Synced, and not known to be cut off from its publisher."""
-        return self.ready and self.error is None and self.connected is not False
-
-    def describe(self, now_mono: float) -> dict:
-        d = self._describe(now_mono)
-        if self.ranks:
-            d["ranks"] = [r._describe(now_mono) for r in self.ranks]
-            d["ready"] = d["ready"] and all(r["ready"] for r in d["ranks"])
-        return d
-
-    def _describe(self, now_mono: float) -> dict:
-        return {
-            "dp_rank": self.dp_rank,
-            "transport": self.source.transport,
-            "origin": self.source.origin,
-            "endpoint": self.endpoint,
-            "replay_endpoint": self.replay_endpoint,
-            "topic": self.source.topic,
-            "format": self.source.engine,
-            "snapshot": self.source.snapshot_url,
-            "ready": self.usable,
-            "error": self.error,
-            "connected": self.connected,
-            "connect_failures": self.connect_failures,
-            "reader_restarts": self.reader_restarts,
-            "synced": self.ready,
-            "sync": self.sync_outcome,
-            "repairing": self.repairing,
-            "last_seq": self.last_seq,
-            "lag_s": None if self.lag_s is None else round(self.lag_s, 6),
-            "age_s": None if self.last_applied_mono is None else round(now_mono - self.last_applied_mono, 3),
-            "batches_applied": self.batches_applied,
-            "events_applied": self.events_applied,
-            "blocks_stored": self.blocks_stored,
-            "blocks_removed": self.blocks_removed,
-            "gaps": self.gaps,
-            "replays": {"ok": self.replays_ok, "failed": self.replays_failed},
-            "snapshots": self.snapshots,
-            "resets": self.resets,
-            "clears": dict(self.clears),
-            "decode_errors": self.decode_errors,
-            "apply_errors": self.apply_errors,
-        }
 
 
 class _RateLimitedLog:
@@ -192,7 +68,7 @@ class _RateLimitedLog:
             log.log(level, msg, *args)
 
 
-class KvIngest:
+class KvIngest(HttpPollMixin):
     """Owns the ZMQ context and one feed per server. `index` is the router's `KvIndex`."""
 
     def __init__(self, index, *, block_size: int, key_scheme: str, replay_timeout_s: float,
@@ -294,6 +170,9 @@ class KvIngest:
 
     def _open(self, feed: WorkerFeed) -> None:
         src = feed.source
+        if src.problem:
+            self._connect_failed(feed, src.problem)
+            return
         if src.transport == "http_poll":
             if self._http is None:
                 feed.error = "no HTTP session to poll with"
@@ -591,92 +470,6 @@ class KvIngest:
     def _drain(self, feed: WorkerFeed) -> None:
         while feed.pending and not feed.repairing:
             self._ingest(feed, feed.pending.popleft(), front=True)
-
-    # ---- HTTP poll (TensorRT-LLM `POST /kv_cache_events`) -----------------------------------
-    async def _poll_loop(self, feed: WorkerFeed) -> None:
-        """Drain the server's event buffer every `poll_interval_s` (backing off while it fails).
-        The drain is destructive, so a response that cannot be decoded is lost state: handled
-        like an undecodable ZMQ batch. Events are split by `attention_dp_rank`, each rank's
-        `event_id` sequence ordered on its own."""
-        url = feed.endpoint
-        interval = feed.source.poll_interval_s
-        failures = 0
-        while True:
-            feed.polls += 1
-            err, body = None, b""
-            try:
-                timeout = aiohttp.ClientTimeout(total=max(2.0, self.replay_timeout_s))
-                async with self._http().post(url, timeout=timeout, allow_redirects=False) as r:
-                    if r.status != 200:
-                        err = f"POST {url} answered {r.status}"
-                    else:
-                        chunks, size = [], 0
-                        async for chunk in r.content.iter_chunked(1 << 16):
-                            size += len(chunk)
-                            if size > MAX_PAYLOAD_BYTES:
-                                err = f"POST {url} returned more than {MAX_PAYLOAD_BYTES} bytes"
-                                break
-                            chunks.append(chunk)
-                        body = b"".join(chunks)
-            except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-                err = f"POST {url} failed: {type(exc).__name__}: {exc}"
-            if err is not None:
-                failures += 1
-                feed.connect_failures += 1
-                feed.error = f"{err} (retrying with backoff)"
-                if feed.connected is not False:
-                    feed.connected = False
-                    self._changed(feed)
-                key = (feed.server, url, "poll")
-                if key not in self._warned:
-                    self._warned.add(key)
-                    log.warning("KV events of %s: %s; retrying with backoff", feed.server, err)
-                await asyncio.sleep(min(interval * 2 ** min(failures, 16), POLL_BACKOFF_MAX_S))
-                continue
-            if failures:
-                log.info("KV events of %s: %s answers again after %d failed polls", feed.server,
-                         url, failures)
-            failures = 0
-            if feed.connected is not True or feed.error is not None:
-                feed.connected, feed.error = True, None
-                self._changed(feed)
-            try:
-                batches = decode_trtllm_http(orjson.loads(body))
-            except (orjson.JSONDecodeError, EventDecodeError) as exc:
-                self._lost(feed, None, "decode_error", exc)
-                await asyncio.sleep(interval)
-                continue
-            now = time.time()
-            for b in batches:
-                b.ts = now   # TensorRT-LLM events carry no time; lag is measured from the drain
-                target = self._rank_feed(feed, b.dp_rank)
-                try:
-                    self._ingest(target, b, front=False)
-                except Exception as exc:  # noqa: BLE001 - one bad event must not stop the feed
-                    self._lost(target, b.seq, "ingest_error", exc)
-            await asyncio.sleep(interval)
-
-    def _rank_feed(self, feed: WorkerFeed, rank: int | None) -> WorkerFeed:
-        if not rank:
-            return feed
-        for r in feed.ranks:
-            if r.dp_rank == rank:
-                return r
-        # An attention-DP rank seen for the first time in a polled response: live only (the
-        # drain has no replay), ordered by its own event ids.
-        r = WorkerFeed(server=feed.server, source=feed.source, dp_rank=rank, endpoint=feed.endpoint,
-                       ready=True, sync_outcome="live only")
-        feed.ranks.append(r)
-        return r
-
-    def _attached(self, feed: WorkerFeed) -> bool:
-        primary = self.feeds.get(feed.server)
-        return primary is feed or (primary is not None and feed in primary.ranks)
-
-    def _changed(self, feed: WorkerFeed) -> None:
-        """The feed's usability changed: placement candidates must be recomputed."""
-        if self._on_ready is not None and self._attached(feed):
-            self._on_ready(feed.server)
 
     # ---- repair and rebuild -----------------------------------------------------------------
     def _start_rebuild(self, feed: WorkerFeed, cause: str) -> None:

@@ -40,6 +40,7 @@ from coordinator.health import HealthMonitor
 from coordinator.http import HttpServer
 from coordinator.identity import IdentityTable
 from coordinator.kv_ingest import FeedSource, KvIngest
+from coordinator.kv_sources import advertised_source, static_source
 from coordinator.metrics import LatencyHistogram
 from coordinator.registry import CONTEXT, GENERATION, Registry, ServerEntry, ServerState, normalize_url
 from router.block_keys import salt_seed
@@ -131,9 +132,7 @@ class Coordinator:
             for url in g.urls:
                 self.registry.add_static(url, role, now)
             for src in g.kv_events:
-                self._static_kv[normalize_url(src.server)] = FeedSource(
-                    endpoint=src.endpoint, replay_endpoint=src.replay_endpoint, topic=src.topic,
-                    engine=src.engine, snapshot_url=None)
+                self._static_kv[normalize_url(src.server)] = static_source(src)
         self.kv = KvIngest(self.index, block_size=self.block_size, key_scheme=self.key_scheme,
                            replay_timeout_s=co.event_ingest.replay_timeout_s,
                            rebuild_timeout_s=co.event_ingest.rebuild_timeout_s,
@@ -257,26 +256,17 @@ class Coordinator:
         self._bump()
 
     def _feed_source(self, entry: ServerEntry) -> FeedSource | None:
+        """An explicit static `kv_events` entry wins; else what `/server_info` advertises, read
+        as the engine writes it (`coordinator/kv_sources.py`)."""
+        static = self._static_kv.get(entry.url)
+        if static is not None:
+            return static
         info = entry.server_info or {}
-        kv = info.get("kv_events")
-        if isinstance(kv, dict) and kv.get("publisher") == "zmq" and "endpoint_port_base" in kv:
-            return _sglang_feed(kv, entry.url) or self._static_kv.get(entry.url)
-        if isinstance(kv, dict) and (kv.get("publisher") or kv.get("topic")):
-            host = entry.url.split("://", 1)[1].rsplit(":", 1)[0]
-            snap = kv.get("snapshot")
-            if isinstance(snap, str) and snap.startswith("/"):
-                snap = entry.url + snap
-            elif not (isinstance(snap, str) and snap.startswith(("http://", "https://"))):
-                snap = None
-            if info.get("block_size") != self.block_size or info.get("key_scheme") != self.key_scheme \
-                    or int(info.get("ns_seed") or 0) != self.ns_seed:
-                snap = None  # its snapshot keys would not be our canonical keys
-            return FeedSource(endpoint=_advertised(kv.get("publisher"), host),
-                              replay_endpoint=_advertised(kv.get("replay"), host),
-                              topic=str(kv.get("topic") or ""),
-                              engine=str(kv.get("format") or "vllm"),
-                              snapshot_url=snap)
-        return self._static_kv.get(entry.url)
+        # Its snapshot keys are our canonical keys only at the same block size, scheme and namespace.
+        snapshot_ok = (info.get("block_size") == self.block_size
+                       and info.get("key_scheme") == self.key_scheme
+                       and int(info.get("ns_seed") or 0) == self.ns_seed)
+        return advertised_source(info, entry.url, snapshot_ok=snapshot_ok)
 
     def _on_state_change(self, entry: ServerEntry, old: ServerState, new: ServerState) -> None:
         if new is ServerState.REFUSED:
@@ -598,7 +588,8 @@ class Coordinator:
             "leases": {"in_flight": self.in_flight(), "ttl_s": self.lease_ttl_s,
                        "expired_total": dict(self.stats.leases_expired),
                        "replaced_total": self.stats.leases_replaced},
-            "kv_index": {"size": self.index_size(), "bind_endpoint": self.kv.bound_endpoint},
+            "kv_index": {"size": self.index_size(), "bind_endpoint": self.kv.bound_endpoint,
+                         "bound_reader_restarts": self.kv.bound_reader_restarts},
             "routing_diagnostics": {
                 "kv_mismatch": sorted(u for u in self.diag.parity if self.diag.kv_unknown(u)),
                 "prediction_alarm": sorted(u for u, p in self.diag.pred.items() if p.alarm),
@@ -644,35 +635,6 @@ class Coordinator:
                             "degrading to load-only for it", server, now - since, n,
                             self.empty_index_check_s, where)
 
-
-
-def _sglang_feed(kv: dict, url: str) -> FeedSource | None:
-    """SGLang's `/server_info` `kv_events` descriptor (sglang 0.5.23, srt/runtime_context.py
-    `describe_kv_events_publisher`): `{publisher: "zmq", endpoint_host, endpoint_port_base, topic,
-    block_size, dp_size}`, rank r on port base + r; a wildcard host means the server's own. None when
-    it is not usable (the static `kv_events` entry, if any, applies then)."""
-    base, dp = kv.get("endpoint_port_base"), kv.get("dp_size", 1)
-    if type(base) is not int or not 0 < base < 65536 or type(dp) is not int or dp < 1:
-        log.warning("server %s advertises an unusable SGLang kv_events descriptor %r", url, kv)
-        return None
-    host = kv.get("endpoint_host")
-    if not isinstance(host, str) or host in ("", "*", "0.0.0.0", "::", "[::]"):
-        host = url.split("://", 1)[1].rsplit(":", 1)[0]
-    elif ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return FeedSource(endpoint=f"tcp://{host}:{base}", topic=str(kv.get("topic") or ""), engine="sglang",
-                      dp_size=dp)
-
-
-def _advertised(endpoint: Any, host: str) -> str | None:
-    """A publisher endpoint as advertised, with a wildcard host replaced by the server's host."""
-    if not isinstance(endpoint, str) or not endpoint:
-        return None
-    for wild in ("*", "0.0.0.0", "[::]", "::"):
-        prefix = f"tcp://{wild}:"
-        if endpoint.startswith(prefix):
-            return f"tcp://{host}:{endpoint[len(prefix):]}"
-    return endpoint
 
 
 # ===================================================================================== HTTP

@@ -71,6 +71,14 @@ class FleetRequestHandler(RequestHandler):
         resp.force_close()
         return resp
 
+    async def finish_response(self, request, resp, start_time):
+        if isinstance(resp, web.HTTPException) and resp.status >= 400:
+            # raised by aiohttp itself (e.g. its router for a request no route can take): plain text
+            err = ApiError(resp.status, f"{resp.reason}: {request.method} {request.path[:200]}",
+                           code="http_" + str(resp.status))
+            resp = err.response()
+        return await super().finish_response(request, resp, start_time)
+
     # ---- header read timeout
     def data_received(self, data: bytes) -> None:
         n = len(self._messages)

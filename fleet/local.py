@@ -155,7 +155,7 @@ def run(args) -> int:
                           f"/metrics)\n\ntry:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: "
                           f"application/json' \\\n    -d '{{\"model\": \"{args.model}\", \"messages\": "
                           f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
-                          f"\"max_tokens\": 32}}'\n\n"
+                          f"\"max_tokens\": 32, \"temperature\": 0}}'\n\n"
                           f"Ctrl-C stops everything.", flush=True)
                 elif time.monotonic() > deadline:
                     print(f"splitserve local: not healthy after {args.ready_timeout:g}s; fleet log:\n"

@@ -382,6 +382,9 @@ class Placer:
         shielded and runs to its end; if the caller is gone by then, every role it may have leased is
         finished here (`/finish` is idempotent: a lease that was never created is a no-op).
         """
+        if self._inproc is not None:
+            # in-process: the call never suspends, so there is no point at which it can be cancelled
+            return await call
         task = asyncio.ensure_future(call)
         try:
             return await asyncio.shield(task)

@@ -93,7 +93,7 @@ def gguf_tokenizer_files(meta: Mapping[str, Any]) -> tuple[str, dict[str, Any], 
                              f"of {sorted(GGUF_PRE_TOKENIZERS)}")
     tokens = list(_get(meta, "tokenizer.ggml.tokens", (list, tuple)))
     types = list(_get(meta, "tokenizer.ggml.token_type", (list, tuple), required=False) or [])
-    merges = list(_get(meta, "tokenizer.ggml.merges", (list, tuple)))
+    merges = list(_get(meta, "tokenizer.ggml.merges", (list, tuple), required=False) or [])
     if types and len(types) != len(tokens):
         raise TokenizerError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     spelling, alphabet = _byte_alphabet()

@@ -633,6 +633,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
+        if meta.backend == "triton":
+            ops = _triton_ops()
+            a = self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
+            h, x = ops.add_rms_norm(h, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+            return h + self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(x)))
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -14,6 +14,7 @@ construction (the client half-closed before the request was whole).
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -23,7 +24,8 @@ from hypothesis import strategies as st
 from .conftest import free_port_pair, group, healthy, wait_for
 from .hostile import error_of, read_answer
 
-FUZZ = settings(max_examples=150, deadline=None, database=None,
+# SPLITSERVE_FUZZ_EXAMPLES=5000 for a long run
+FUZZ = settings(max_examples=int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "150")), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
@@ -40,7 +42,7 @@ def fleet(module_cluster):
     f = c.fleet(cfg, name="fz-fleet")
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: healthy(url), 90, "fleet", f)
-    return {"port": port, "proc": f}
+    return {"port": port, "proc": f, "worker_port": int(gen.rsplit(":", 1)[1])}
 
 
 # --------------------------------------------------------------------------- OpenAI request schema
@@ -121,6 +123,17 @@ def check(status: int, headers: dict, body: bytes, what) -> None:
        session=st.one_of(st.none(), st.tuples(st.sampled_from([b"x-session-affinity", b"x-session-id",
                                                                b"x-correlation-id"]), header_value)))
 def test_request_schema_never_5xx(fleet, kind, data, ctype, session):
+    schema_case(fleet["port"], kind, data, ctype, session)
+
+
+@FUZZ
+@given(kind=st.sampled_from(["completion", "chat"]), data=st.data())
+def test_worker_request_schema_never_5xx(fleet, kind, data):
+    """A worker's own public API (reachable directly on its port) holds to the same rule."""
+    schema_case(fleet["worker_port"], kind, data, b"application/json", None)
+
+
+def schema_case(port, kind, data, ctype, session):
     body = data.draw(completion_body if kind == "completion" else chat_body)
     raw = json.dumps(body).encode()
     path = b"/v1/completions" if kind == "completion" else b"/v1/chat/completions"
@@ -129,7 +142,7 @@ def test_request_schema_never_5xx(fleet, kind, data, ctype, session):
         head += b"Content-Type: %s\r\n" % ctype
     if session is not None:
         head += session[0] + b": " + session[1] + b"\r\n"
-    st_, h, out = exchange(fleet["port"], head + b"\r\n" + raw)
+    st_, h, out = exchange(port, head + b"\r\n" + raw)
     check(st_, h, out, (body, ctype, session))
 
 

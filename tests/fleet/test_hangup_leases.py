@@ -35,19 +35,23 @@ def workers(module_cluster):
 
 # (fleet processes, context policy, generation policy): both delegated → one /select_pair; a local
 # context policy → one /select for the generation leg; one process → the coordinator in-process.
-TOPOLOGIES = [(2, "kv_cache_aware", "kv_cache_aware"), (2, "round_robin", "kv_cache_aware"),
-              (1, "kv_cache_aware", "kv_cache_aware")]
+# generation_first: the generation leg is sent (and may be retried) while the context leg runs.
+TOPOLOGIES = [(2, "kv_cache_aware", "kv_cache_aware", "context_first"),
+              (2, "round_robin", "kv_cache_aware", "context_first"),
+              (2, "kv_cache_aware", "kv_cache_aware", "generation_first"),
+              (1, "kv_cache_aware", "kv_cache_aware", "context_first")]
 
 
-@pytest.fixture(params=TOPOLOGIES, ids=lambda t: f"{t[0]}proc-{t[1]}-{t[2]}")
+@pytest.fixture(params=TOPOLOGIES, ids=lambda t: f"{t[0]}proc-{t[1]}-{t[2]}-{t[3]}")
 def local(request, module_cluster, workers):
-    n, pc, pg = request.param
+    n, pc, pg, style = request.param
     ctx, gen = workers
     c = module_cluster
     port = free_port_pair()
-    cfg = c.config(f"hangup-{n}-{pc}.yaml", port=port, num_workers=n, leases={"ttl_s": TTL_S},
+    name = f"hl-fleet-{n}-{pc}-{style}"
+    cfg = c.config(f"{name}.yaml", port=port, num_workers=n, leases={"ttl_s": TTL_S}, schedule_style=style,
                    context_servers=group([ctx], pc), generation_servers=group([gen], pg))
-    f = c.fleet(cfg, name=f"hl-fleet-{n}-{pc}")
+    f = c.fleet(cfg, name=name)
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: healthy(url), 90, "the fleet", f)
     # two processes: the implicit coordinator's own API; one: the fleet's /cluster_info embeds it

@@ -108,6 +108,31 @@ def test_reused_id_and_hangup_does_not_abort_the_other_stream(two):
     assert not err and fin == "length" and n >= 39, (n, fin, raw[-300:])
 
 
+def test_concurrent_duplicates_across_processes_are_whole_or_409(two):
+    """Four clients send one id at once to the two-process fleet: each is served in full (its own
+    minted id) or refused with 409 — never a 502 or a stream cut short by another's abort."""
+    outs = [None] * 4
+
+    def one_client(i):
+        outs[i] = exchange(two["port"], post("/v1/completions", completion(99, 20)), 30)
+
+    ts = [threading.Thread(target=one_client, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    served = 0
+    for st, _, raw in outs:
+        if st == 409:
+            assert error_of(st, raw)["code"] == "duplicate_request_id"
+            continue
+        assert st == 200, raw[:300]
+        n, fin, err = sse_tokens(raw)
+        assert not err and fin == "length" and n >= 19, raw[-300:]
+        served += 1
+    assert served >= 1
+
+
 def test_concurrent_duplicate_id_is_409_and_retry_after_completion_succeeds(one):
     rid = 777
     out = {}
@@ -186,6 +211,7 @@ FRAMING = [
     ("header over 8 KiB", b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431),
     ("too many headers", b"GET /v1/models HTTP/1.1\r\nHost: t\r\n"
                          + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n", 400),
+    ("CONNECT", b"CONNECT /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n", 404),
     ("not HTTP", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40 + b"\r\n\r\n", 400),
 ]
 
@@ -260,8 +286,11 @@ def test_bad_body_is_400_naming_the_field(one, path, body, param):
     assert error_of(st, raw)["param"] == param
 
 
-def test_non_utf8_session_header_is_400(one):
-    st, _, raw = exchange(one["port"], post("/v1/chat/completions", json.dumps(
+@pytest.mark.parametrize("topology", ["one", "two"])
+def test_non_utf8_session_header_is_400(request, topology):
+    # two processes: the id used to break the msgpack body of the coordinator call (a 500)
+    f = request.getfixturevalue(topology)
+    st, _, raw = exchange(f["port"], post("/v1/chat/completions", json.dumps(
         {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode(),
         extra=b"x-session-affinity: \xff\xfe\r\n"))
     assert st == 400, raw

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from worker.attention.plan import PagedDecode
 
-__all__ = ["rope_store", "paged_decode", "paged_prefill"]
+__all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_mul"]
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile (vLLM's grouped decode uses 32; 64 halves the loop trips for D ≤ 128)
@@ -52,9 +52,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_compat()
 
 
-def _prec(q: torch.Tensor) -> str:
-    """fp32 models keep fp32 products (``tl.dot`` would use TF32 on the GPU); bf16/fp16 use the default."""
-    return "ieee" if q.dtype == torch.float32 else "tf32"
+def _prec(q: torch.Tensor) -> str | None:
+    """fp32 models keep fp32 products (``tl.dot`` would use TF32 on the GPU); bf16/fp16 take the default."""
+    return "ieee" if q.dtype == torch.float32 else None
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -310,4 +310,62 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: to
         scale * _LOG2E,
         GROUP=group, GROUP_P=gp, BLOCK_T=block_t, HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_N=BLOCK_N,
         PAGE=kv_cache.shape[3], WINDOW=window or 0, PREC=_prec(q), num_warps=4, num_stages=2)
+    return out
+
+
+# ----------------------------------------------------------------------------- per-row fusions
+# A decode step is a few hundred small kernels; at batch 1 their launches, not bytes, fill most of
+# the step. These two fold the residual add into the post-attention RMSNorm and SiLU into the
+# gate·up product (one kernel each instead of two), with the torch path's rounding points kept:
+# the residual sum is rounded to the model dtype before it is normalised.
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, n, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
+    r = tl.load(R + row * stride_r + offs, mask=m, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(H + row * stride_h + offs, h, mask=m)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
+    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(x.dtype), mask=m)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` and ``rms_norm(h) · weight`` of ``[rows, hidden]`` in one launch."""
+    rows, n = x.shape
+    h, y = torch.empty_like(x), torch.empty_like(x)
+    if rows:
+        block = triton.next_power_of_2(n)
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, h, y, x.stride(0), residual.stride(0), h.stride(0),
+                                      y.stride(0), n, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return h, y
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < inter
+    g = tl.load(GU + row * stride_gu + offs, mask=m, other=0.0)
+    u = tl.load(GU + row * stride_gu + inter + offs, mask=m, other=0.0)
+    gf = g.to(tl.float32)
+    tl.store(Out + row * stride_o + offs, (gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)).to(g.dtype), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) · up`` of ``gate_up [rows, 2·I]`` (gate columns first) → ``[rows, I]``."""
+    rows, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
+                                                            BLOCK=block, num_warps=4)
     return out
