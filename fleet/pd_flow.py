@@ -20,6 +20,7 @@ import logging
 import random
 import time
 
+import msgspec
 import orjson
 
 from coordinator.errors import NoServerAvailable
@@ -34,6 +35,13 @@ from .placement import CTX, GEN, Placement
 log = logging.getLogger("splitserve.fleet.pd_flow")
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+class _Usage(msgspec.Struct):
+    usage: dict | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_Usage)
 
 
 def server_protocol(flow, role: str, server: str) -> str:
@@ -233,10 +241,10 @@ async def _drain_prefill(flow, st, ctx, resp, gen, gen_resp, t0: float) -> None:
             await flow._post_abort(GEN, gen.server, st.rid)
         return
     flow._m_leglat[CTX].observe(time.perf_counter() - t0)
-    if raw[:1] == b"{":
+    if raw[:1] == b"{":     # a JSON answer (a streamed one's usage is not needed: the decode's counts)
         try:
-            flow._observe_usage(CTX, ctx, orjson.loads(raw).get("usage"))
-        except (orjson.JSONDecodeError, AttributeError):
+            flow._observe_usage(CTX, ctx, _usage_decoder.decode(raw).usage)
+        except msgspec.DecodeError:
             M.LEG_ERRORS.labels(CTX, "invalid_answer").inc()
 
 
