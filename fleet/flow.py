@@ -670,6 +670,8 @@ class Flow:
                 if cut < 0:
                     continue
                 events, buf = buf[:cut + 2], buf[cut + 2:]
+                if b'"kv_transfer_params":{' in events or b'"kv_transfer_params": {' in events:
+                    events = pd_flow.strip_stream_kv(events)
                 if b'"usage":{' in events or b'"usage": {' in events:
                     events = self._stream_usage(events, gen, drop)
                     if not events:
@@ -741,7 +743,8 @@ class Flow:
         return b"".join(e + b"\n\n" for e in keep)
 
     def _clean_json(self, data: bytes, role: str, p: Placement) -> bytes:
-        if b"disaggregated_params" not in data and b"prompt_token_ids" not in data:
+        if b"disaggregated_params" not in data and b"prompt_token_ids" not in data \
+                and b"kv_transfer_params" not in data:
             try:
                 self._observe_usage(role, p, _usage_decoder.decode(data).usage)
             except msgspec.DecodeError:
@@ -755,6 +758,7 @@ class Flow:
             self._observe_usage(role, p, obj.get("usage"))
             obj.pop("prompt_token_ids", None)
             obj.pop("prompt_token_ids_b64", None)
+            obj.pop("kv_transfer_params", None)     # a vLLM decode's KV handle: internal
             for c in obj.get("choices") or ():
                 if isinstance(c, dict):
                     c.pop("disaggregated_params", None)
