@@ -33,6 +33,7 @@ from aiohttp.web_server import Server
 from coordinator import metrics as metrics_mod
 from coordinator import wire
 from coordinator.api import Api, aiohttp_handler, make_app
+from coordinator.channel import ChannelServer, LoopWatch
 from coordinator.config import ClusterConfig, load_config
 from coordinator.errors import BadRequest, NoServerAvailable
 from coordinator.health import HealthMonitor
@@ -648,7 +649,12 @@ class CoordinatorServer:
         self.uds_path = uds_path
         self.shutdown_timeout_s = shutdown_timeout_s
         self.http = http
-        self.api = Api(coord)
+        co = coord.config.coordinator
+        self.watch = LoopWatch()
+        self.api = Api(coord, watch=self.watch, max_queue_delay_s=co.max_queue_delay_s)
+        # The fleet channel rides on the fast server's listeners (an HTTP upgrade).
+        self.channel = (ChannelServer(coord, max_queue_delay_s=co.max_queue_delay_s)
+                        if co.channel and http == "fast" else None)
         self._fast: HttpServer | None = None
         self._runner: ServerRunner | None = None
         self.urls: list[str] = []
@@ -666,7 +672,7 @@ class CoordinatorServer:
                 socks[0].close()
                 raise
         if self.http == "fast":
-            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES)
+            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES, channel=self.channel)
             for sock in socks:
                 await self._fast.serve(sock)
         else:
@@ -676,6 +682,7 @@ class CoordinatorServer:
             await self._runner.setup()
             for sock in socks:
                 await web.SockSite(self._runner, sock, backlog=4096).start()
+        self.watch.start()
         h, p = socks[0].getsockname()[:2]
         self.port = p
         shown = f"[{h}]" if ":" in h else h
@@ -694,6 +701,7 @@ class CoordinatorServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self.watch.stop()
         if self.uds_path:
             try:
                 os.unlink(self.uds_path)

@@ -401,7 +401,9 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
         client = InProcessCoordinatorClient(coord_obj)
         label = "in-process"
     else:
-        client = FleetCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s)
+        client = FleetCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s,
+                                        channel=config.fleet.coordinator_channel,
+                                        max_pending=config.fleet.coordinator_max_pending)
         label = coordinator_url
     holder = f"{socket.gethostname()}:{config.port}:{os.getpid()}"
     server = FleetServer(config, client, holder=holder, process_index=process_index, coordinator_label=label)
