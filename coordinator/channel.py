@@ -91,12 +91,16 @@ class ChannelServer:
             c.close()
 
     # ---- one batch ------------------------------------------------------------------------------
-    def run_batch(self, b: cw.Batch, queued_s: float) -> cw.Replies:
+    def run_batch(self, b: cw.Batch, since: float) -> cw.Replies:
+        """Answer one batch. `since`: when it would have arrived unloaded (this process's
+        monotonic clock); a placement is shed once now - since exceeds `max_queue_delay_s`, which
+        also covers the calls queued behind earlier ones of the same batch."""
         coord = self.coord
         st = self.stats
         st.batches += 1
         results = []
-        shed = queued_s > self.max_queue_delay_s
+        limit = since + self.max_queue_delay_s
+        mono = time.monotonic
         # Finishes first: none can be for a lease taken by a call of the same batch (its answer has
         # not reached the client), while a call may follow a finish of the same key (a retry).
         for raw in b.finishes:
@@ -124,11 +128,12 @@ class ChannelServer:
                 results.append(cw.Result(call.id, cw.OK,
                                          {"renewed": coord.renew(call.role, call.req_id)}))
                 continue
-            if shed:
+            now = mono()
+            if now > limit:
                 st.shed += 1
                 results.append(cw.Result(call.id, cw.OVERLOADED, {
-                    "error": f"coordinator overloaded: the placement waited {queued_s * 1e3:.0f} ms "
-                             f"(max_queue_delay_s {self.max_queue_delay_s:g})",
+                    "error": f"coordinator overloaded: the placement waited {(now - since) * 1e3:.1f} "
+                             f"ms (max_queue_delay_s {self.max_queue_delay_s:g})",
                     "retry_after": _RETRY_AFTER_S}))
                 continue
             try:
@@ -214,15 +219,15 @@ class ChannelConn(asyncio.Protocol):
                 self._fatal(f"malformed channel frame: {exc}")
                 return
             now = time.monotonic()
-            queued = 0.0
+            since = now
             if b.sent is not None:
                 d = now - b.sent
                 off = self.offset
                 if off is None or d < off:
                     self.offset = off = d
-                queued = d - off
+                since = b.sent + off
             try:
-                out.append(cw.frame(srv.run_batch(b, queued)))
+                out.append(cw.frame(srv.run_batch(b, since)))
             except Exception:   # a bug must cost this connection, not the loop
                 log.exception("coordinator channel failed on a batch")
                 self._fatal("internal error in the coordinator")

@@ -138,9 +138,11 @@ class ChannelClient:
         self._seq = 0
         self._calls: list = []
         self._fins: list[cw.Finish] = []
+        self._fin_waiters: list[asyncio.Future] = []   # `await finish()` callers of queued finishes
         self._scheduled = False
         self._waiting: dict[int, tuple[asyncio.Future, Any]] = {}
-        self._unacked: dict[int, tuple[list[int], list[cw.Finish], asyncio.TimerHandle | None]] = {}
+        self._unacked: dict[int, tuple[list[int], list[cw.Finish], asyncio.TimerHandle | None,
+                                       list[asyncio.Future]]] = {}
         self._abandoned: dict[int, Any] = {}
         self._bg: set[asyncio.Task] = set()
         self._closed = False
@@ -216,10 +218,12 @@ class ChannelClient:
         # owned until acknowledged, so re-sent.
         err = CoordinatorUnavailable(f"coordinator channel to {self.url} lost: {why}")
         resend: list[cw.Finish] = []
-        for seq, (ids, fins, timer) in self._unacked.items():
+        waiters: list[asyncio.Future] = []
+        for seq, (ids, fins, timer, fw) in self._unacked.items():
             if timer is not None:
                 timer.cancel()
             resend += fins
+            waiters += fw
             for i in ids:
                 w = self._waiting.pop(i, None)
                 if w is not None and not w[0].done():
@@ -234,6 +238,7 @@ class ChannelClient:
         if resend:
             self.stats["resent_finishes"] += len(resend)
             self._fins = resend + self._fins
+            self._fin_waiters = waiters + self._fin_waiters
         if self._fins and not self._closed:
             t = asyncio.get_running_loop().create_task(self._reconnect_for_finishes())
             self._bg.add(t)
@@ -246,6 +251,10 @@ class ChannelClient:
             self._fins = []
 
     def _fins_to_http(self, fins: list[cw.Finish]) -> None:
+        waiters, self._fin_waiters = self._fin_waiters, []
+        for f in waiters:    # handed over: the HTTP path retries them on its own
+            if not f.done():
+                f.set_result(None)
         if self.fallback_finish is None:
             log.warning("%d lease end(s) could not be sent: no channel and no HTTP fallback; the "
                         "coordinator expires them", len(fins))
@@ -269,12 +278,12 @@ class ChannelClient:
             return
         self._seq += 1
         seq = self._seq
-        calls, fins = self._calls, self._fins
-        self._calls, self._fins = [], []
+        calls, fins, fw = self._calls, self._fins, self._fin_waiters
+        self._calls, self._fins, self._fin_waiters = [], [], []
         ids = [c.id for c in calls]
         timer = (asyncio.get_running_loop().call_later(self.timeout_s, self._expire, seq)
                  if ids else None)
-        self._unacked[seq] = (ids, fins, timer)
+        self._unacked[seq] = (ids, fins, timer, fw)
         self.stats["batches"] += 1
         self.stats["calls"] += len(calls)
         self.stats["finishes"] += len(fins)
@@ -299,8 +308,12 @@ class ChannelClient:
 
     def _on_replies(self, r: cw.Replies) -> None:
         ent = self._unacked.pop(r.seq, None)
-        if ent is not None and ent[2] is not None:
-            ent[2].cancel()
+        if ent is not None:
+            if ent[2] is not None:
+                ent[2].cancel()
+            for f in ent[3]:
+                if not f.done():
+                    f.set_result(None)
         waiting = self._waiting
         for res in r.results:
             w = waiting.pop(res.id, None)
@@ -388,6 +401,16 @@ class ChannelClient:
             self._schedule()
         return True
 
+    async def finish_acked(self, role: str, req_id: int, success: bool = True) -> bool:
+        """Like `finish`, then wait until the coordinator acknowledged it (or it was handed to the
+        HTTP fallback); False when the channel is not usable (the caller sends it by HTTP)."""
+        if not self.finish(role, req_id, success):
+            return False
+        fut = asyncio.get_running_loop().create_future()
+        self._fin_waiters.append(fut)
+        await fut
+        return True
+
     async def close(self, timeout: float = 2.0) -> None:
         """Send queued finishes, wait (bounded) for their acknowledgement, then close."""
         if self._proto is not None and (self._fins or self._unacked):
@@ -396,6 +419,13 @@ class ChannelClient:
             while self._unacked and self._proto is not None and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
         self._closed = True
+        for f in self._fin_waiters:
+            if not f.done():
+                f.set_result(None)
+        for ent in self._unacked.values():
+            for f in ent[3]:
+                if not f.done():
+                    f.set_result(None)
         if self._proto is not None and self._proto.transport is not None:
             self._proto.transport.close()
         self._proto = None

@@ -230,7 +230,9 @@ class HttpCoordinatorClient:
         return ch is not None and ch.finish(role, req_id, success)
 
     async def finish(self, role: str, req_id: int, success: bool = True) -> None:
-        if self.finish_nowait(role, req_id, success):
+        """Returns once the coordinator applied it (on the channel: its batch was acknowledged)."""
+        ch = self._chan
+        if ch is not None and await ch.finish_acked(role, req_id, success):
             return
         await self._call("POST", "/finish", {"role": role, "req_id": req_id, "success": bool(success)})
 

@@ -408,7 +408,7 @@ class CoordinatorConfig:
                                  "renewed by the holder", gt=0)
     channel: bool = _fld(True, "offer the fleet processes' persistent pipelined channel "
                          "(`GET /channel` upgrade on the API listeners; docs/coordinator-api.md)")
-    max_queue_delay_s: float = _fld(0.025, "placements that waited longer than this behind a "
+    max_queue_delay_s: float = _fld(0.1, "placements that waited longer than this behind a "
                                     "saturated event loop are shed: 429 + Retry-After, no lease",
                                     gt=0)
 

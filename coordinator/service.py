@@ -655,6 +655,7 @@ class CoordinatorServer:
         # The fleet channel rides on the fast server's listeners (an HTTP upgrade).
         self.channel = (ChannelServer(coord, max_queue_delay_s=co.max_queue_delay_s)
                         if co.channel and http == "fast" else None)
+        coord.transport = self      # its shedding and channel counters, for coordinator.metrics
         self._fast: HttpServer | None = None
         self._runner: ServerRunner | None = None
         self.urls: list[str] = []
