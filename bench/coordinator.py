@@ -212,6 +212,7 @@ async def _client_main(base: dict, pipe) -> None:
     """A persistent client process: build the prompts once, then run one closed-loop window per
     command from the parent (set up, report armed, wait for the shared start time, warm up until
     it, count the pairs completed in [start, start + seconds], report)."""
+    from coordinator.errors import NoServerAvailable
     prompts = _prompts(base["seed"], base["docs"], base["prompts"])
     bodies = {False: _Bodies(prompts, False), True: _Bodies(prompts, True)}
     loop = asyncio.get_running_loop()
@@ -256,9 +257,12 @@ async def _client_main(base: dict, pipe) -> None:
                 role = "context" if r & 1 else "generation"
                 if ch is not None:
                     # the fleet's pattern: await the placement, queue the finish (no round trip)
-                    await ch.select(role, r, {"block_keys": keys[r % len(keys)],
-                                              "num_tokens": PROMPT_TOKENS})
-                    ok = ch.finish(role, r)
+                    try:
+                        await ch.select(role, r, {"block_keys": keys[r % len(keys)],
+                                                  "num_tokens": PROMPT_TOKENS})
+                        ok = ch.finish(role, r)
+                    except NoServerAvailable:       # CoordinatorOverloaded too: shed, no lease
+                        ok = False
                 elif cl is not None:
                     await cl.select(role, r, {"block_keys": prompts[r % len(prompts)],
                                               "num_tokens": PROMPT_TOKENS})
