@@ -56,6 +56,7 @@ ROLES = (CONTEXT, GENERATION)
 EMPTY_INDEX_GRACE_S = 10.0      # kv-aware traffic this long with an empty index raises the warning
 EMPTY_INDEX_WARN_EVERY_S = 60.0
 MAX_BODY_BYTES = 32 * 1024 * 1024
+SPEC_EXPIRE_PER_TICK = 256      # speculative index entries (routed prompts) expired per maintenance tick
 
 
 @dataclass(slots=True)
@@ -225,7 +226,8 @@ class Coordinator:
             log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
                         gone[0].role, gone[0].req_id, gone[0].server)
         self.identities.expire(now)
-        self.index.expire_speculative(now)
+        # Bounded (a few ms): under traffic each placement already expires two due entries.
+        self.index.expire_speculative(now, SPEC_EXPIRE_PER_TICK)
         return len(gone)
 
     # ---- registry hooks ---------------------------------------------------------------------
@@ -405,6 +407,9 @@ class Coordinator:
                 have = int(decision.explanation.get("matched_tokens") or 0) // self.block_size
                 if have < key.block_keys.size:
                     self.index.add_speculative(server, key.block_keys[have:], now, ttl)
+                    # Two due entries out per entry in: expiry keeps pace with placements in
+                    # small steps instead of one burst per maintenance tick (a select stall).
+                    self.index.expire_speculative(now, 2)
         info = decision.explanation
         entry = self._entries.get(server)
         info["server_info"] = entry.server_info if entry is not None else None

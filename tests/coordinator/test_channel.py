@@ -204,7 +204,7 @@ async def _in_flight(cl: HttpCoordinatorClient) -> int:
 
 
 async def test_past_saturation_only_answers_or_sheds_and_no_lease_is_left(coordinator_process):
-    tcp, uds, gen = await coordinator_process(max_queue_delay_s=0.05)
+    tcp, uds, gen = await coordinator_process(max_queue_delay_s=0.2)
     keys = block_keys(list(range(4096)), 16)
     clients = [HttpCoordinatorClient(uds, timeout=30.0) for _ in range(4)]
     probe = HttpCoordinatorClient(tcp, timeout=10.0, channel=False)
@@ -231,11 +231,15 @@ async def test_past_saturation_only_answers_or_sheds_and_no_lease_is_left(coordi
                 outcomes["ok"] += 1
                 placed.append((cl, rid))
 
-        # 4 clients x 1000 concurrent placements of 256 keys each: several times the work the
-        # coordinator can do within 50 ms, all at once
-        await asyncio.gather(*[one(cl, k * 10_000 + i) for k, cl in enumerate(clients)
-                               for i in range(1000)])
-        assert outcomes["ok"] + outcomes["shed"] == 4000
+        # 4 clients x 2000 concurrent placements of 256 keys each, 100 per client per loop turn
+        # (batches of 200 kB): several times the work the coordinator can do within 200 ms
+        tasks = []
+        for chunk in range(20):
+            tasks += [asyncio.ensure_future(one(cl, k * 10_000 + chunk * 100 + i))
+                      for k, cl in enumerate(clients) for i in range(100)]
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        assert outcomes["ok"] + outcomes["shed"] == 8000
         assert outcomes["ok"] > 0 and outcomes["shed"] > 0, outcomes
         async with aiohttp.ClientSession() as http:
             async with http.get(tcp + "/metrics") as r:
