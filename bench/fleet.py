@@ -545,6 +545,8 @@ def main() -> int:
                     help="command that starts vllm-router (e.g. 'vllm-router' or 'python3 DIR/vr/vr_launch.py'); "
                          "default: vllm-router when it is on PATH")
     ap.add_argument("--json-out", type=Path, default=None, help="also write the raw rows as JSON here")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="results file whose '## fleet' section gets the subsections (default bench/RESULTS.md)")
     ap.add_argument("--extra-workers", type=int, default=1, help="fleet size in the peer run")
     ap.add_argument("--peers-venv", default=str(ROOT / ".bench_out" / "venv"))
     ap.add_argument("--duration", default=None)
@@ -605,8 +607,8 @@ def main() -> int:
     if not args.no_write:
         from bench._common import replace_subsection
         for title, body in subs:
-            replace_subsection(RESULTS, "fleet", title, body)
-        print(f"wrote the fleet section of {RESULTS}")
+            replace_subsection(args.results, "fleet", title, body)
+        print(f"wrote the fleet section of {args.results}")
     return 0
 
 
