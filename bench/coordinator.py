@@ -74,8 +74,10 @@ def _workers_main(n: int, seed: int, docs: int, port_file: str) -> None:
         ctx = zmq.Context()
         urls = []
         runners = []
+        pubs = []   # kept referenced: a collected PUB socket closes and its port stops listening
         for i in range(n):
             pub = ctx.socket(zmq.PUB)
+            pubs.append(pub)
             pport = pub.bind_to_random_port("tcp://127.0.0.1")
             resident = []
             for d in range(i % docs, docs, max(1, n // 2)):   # each doc on ~2 servers

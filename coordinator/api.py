@@ -95,7 +95,7 @@ class Api:
                                  b.exclude if b.exclude is not None else b.exclude_server)
 
     def _finish(self, b: wire.FinishBody) -> dict:
-        self.coord.finish(b.role, b.req_id, b.success)
+        self.coord.finish(b.role, b.req_id, b.success, b.usage)
         return _EMPTY
 
     def _heartbeat(self, b: wire.RegisterBody):

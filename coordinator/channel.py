@@ -111,7 +111,12 @@ class ChannelServer:
                 st.bad_calls += 1
                 log.warning("ignored a malformed finish on the channel: %s", exc)
                 continue
-            coord.finish(f.role, f.req_id, f.success)
+            try:
+                coord.finish(f.role, f.req_id, f.success, f.usage)
+            except BadRequest as exc:    # e.g. usage numbers out of range: the lease still ends
+                st.bad_calls += 1
+                log.warning("finish on the channel: %s; ending the lease without its usage", exc)
+                coord.finish(f.role, f.req_id, f.success)
         for raw in b.calls:
             st.calls += 1
             try:

@@ -29,7 +29,7 @@ from coordinator.errors import (BadRequest, CoordinatorOverloaded, CoordinatorRe
 
 log = logging.getLogger("splitserve.coordinator.channel")
 
-FallbackFinish = Callable[[str, int, bool], Awaitable[None]]
+FallbackFinish = Callable[[str, int, bool, "dict | None"], Awaitable[None]]
 
 
 def _wire_key(rk: Any) -> Any:
@@ -261,7 +261,8 @@ class ChannelClient:
             return
         self.stats["http_finishes"] += len(fins)
         for f in fins:
-            t = asyncio.get_running_loop().create_task(self.fallback_finish(f.role, f.req_id, f.success))
+            t = asyncio.get_running_loop().create_task(
+                self.fallback_finish(f.role, f.req_id, f.success, f.usage))
             self._bg.add(t)
             t.add_done_callback(self._bg.discard)
 
@@ -388,7 +389,7 @@ class ChannelClient:
         ans = await self._call(lambda i: cw.Renew(i, role, req_id))
         return bool(ans.get("renewed")) if isinstance(ans, dict) else False
 
-    def finish(self, role: str, req_id: int, success: bool = True) -> bool:
+    def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> bool:
         """Queue a lease end; False when the channel is not usable (the caller sends it by HTTP)."""
         if self._closed or (self._proto is None and self._connecting is None):
             return False
@@ -396,15 +397,21 @@ class ChannelClient:
         if canon is None or type(req_id) is not int or not 0 <= req_id <= wire.U64_MAX \
                 or type(success) is not bool:
             return False    # the HTTP API answers it with its 400 naming the field
-        self._fins.append(cw.Finish(canon, req_id, success))
+        if usage is not None:
+            try:
+                wire.finish_usage(usage)
+            except BadRequest:
+                return False
+        self._fins.append(cw.Finish(canon, req_id, success, usage))
         if self._proto is not None:
             self._schedule()
         return True
 
-    async def finish_acked(self, role: str, req_id: int, success: bool = True) -> bool:
+    async def finish_acked(self, role: str, req_id: int, success: bool = True,
+                           usage: dict | None = None) -> bool:
         """Like `finish`, then wait until the coordinator acknowledged it (or it was handed to the
         HTTP fallback); False when the channel is not usable (the caller sends it by HTTP)."""
-        if not self.finish(role, req_id, success):
+        if not self.finish(role, req_id, success, usage):
             return False
         fut = asyncio.get_running_loop().create_future()
         self._fin_waiters.append(fut)

@@ -65,10 +65,11 @@ class Renew(msgspec.Struct, tag=2, array_like=True):
     req_id: U64
 
 
-class Finish(msgspec.Struct, array_like=True):
+class Finish(msgspec.Struct, array_like=True, omit_defaults=True):
     role: Role
     req_id: U64
     success: bool = True
+    usage: wire.FinishUsage | None = None   # the worker's report against the prediction (/finish's)
 
 
 Call = Union[Select, SelectPair, Renew]

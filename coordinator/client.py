@@ -47,9 +47,10 @@ class CoordinatorClient(Protocol):
     async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
                           exclude_gen: Any = None) -> dict: ...
 
-    async def finish(self, role: str, req_id: int, success: bool = True) -> None: ...
+    async def finish(self, role: str, req_id: int, success: bool = True,
+                     usage: dict | None = None) -> None: ...
 
-    # Optional: `finish_nowait(role, req_id, success) -> bool` queues the finish without awaiting
+    # Optional: `finish_nowait(role, req_id, success, usage) -> bool` queues the finish without awaiting
     # (True) or declines (False: call `finish`).
 
     async def renew(self, role: str, req_id: int) -> bool: ...
@@ -224,25 +225,32 @@ class HttpCoordinatorClient:
             body["exclude_gen"] = _excl(exclude_gen)
         return await self._call("POST", "/select_pair", body)
 
-    def finish_nowait(self, role: str, req_id: int, success: bool = True) -> bool:
+    def finish_nowait(self, role: str, req_id: int, success: bool = True,
+                      usage: dict | None = None) -> bool:
         """Queue the finish on the channel (True), or decline (False: await `finish`)."""
         ch = self._chan
-        return ch is not None and ch.finish(role, req_id, success)
+        return ch is not None and ch.finish(role, req_id, success, usage)
 
-    async def finish(self, role: str, req_id: int, success: bool = True) -> None:
+    async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
         """Returns once the coordinator applied it (on the channel: its batch was acknowledged)."""
         ch = self._chan
-        if ch is not None and await ch.finish_acked(role, req_id, success):
+        if ch is not None and await ch.finish_acked(role, req_id, success, usage):
             return
-        await self._call("POST", "/finish", {"role": role, "req_id": req_id, "success": bool(success)})
+        body = {"role": role, "req_id": req_id, "success": bool(success)}
+        if usage is not None:
+            body["usage"] = usage
+        await self._call("POST", "/finish", body)
 
-    async def _finish_retrying(self, role: str, req_id: int, success: bool) -> None:
+    async def _finish_retrying(self, role: str, req_id: int, success: bool,
+                               usage: dict | None = None) -> None:
         """A channel's unacknowledged finish, over HTTP (idempotent, so retried)."""
+        body = {"role": role, "req_id": req_id, "success": bool(success)}
+        if usage is not None:
+            body["usage"] = usage
         delay = 0.05
         for attempt in range(4):
             try:
-                await self._call("POST", "/finish", {"role": role, "req_id": req_id,
-                                                     "success": bool(success)})
+                await self._call("POST", "/finish", body)
                 return
             except CoordinatorUnavailable:
                 if attempt == 3:
@@ -303,9 +311,9 @@ class InProcessCoordinatorClient:
         except BadRequest as exc:
             raise CoordinatorRequestError(400, exc.message, exc.field) from None
 
-    async def finish(self, role: str, req_id: int, success: bool = True) -> None:
+    async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
         try:
-            self.coord.finish(role, req_id, success)
+            self.coord.finish(role, req_id, success, usage)
         except BadRequest as exc:
             raise CoordinatorRequestError(400, exc.message, exc.field) from None
 

@@ -189,6 +189,7 @@ class CoordinatorCollector:
                        "whose index stayed empty")
         warn.add_metric([], st.empty_index_warnings)
         yield warn
+        yield from _diagnostics(c.diag, counter, gauge)
         ut = counter("kv_unknown_topic", "batches on the bound endpoint from an unknown topic")
         ut.add_metric([], c.kv.unknown_topic)
         yield ut
@@ -228,6 +229,34 @@ class CoordinatorCollector:
         upt = gauge("uptime_seconds", "seconds since the coordinator started")
         upt.add_metric([], max(0.0, now - c.started_at))
         yield upt
+
+
+def _diagnostics(d, counter, gauge) -> Iterable[Metric]:
+    """Key parity and predicted-vs-actual cached tokens (coordinator/diagnostics.py)."""
+    mm = counter("kv_key_mismatch", "key parity probes that found a server's block keys differ "
+                 "from the routing recipe, by the first differing field", ["server", "field"])
+    for (server, fld), n in d.mismatches_total.items():
+        mm.add_metric([server, fld], n)
+    st = gauge("kv_parity", "1 for the server's current key parity status", ["server", "status"])
+    for server, p in d.parity.items():
+        st.add_metric([server, p.status], 1.0)
+    pr = counter("routing_predicted_cached_tokens", "prompt tokens kv-aware placement predicted "
+                 "cached on the chosen server (route receipt matched_tokens)", ["server"])
+    ac = counter("routing_actual_cached_tokens", "prompt tokens the server reported cached "
+                 "(usage.prompt_tokens_details.cached_tokens) for kv-aware placements", ["server"])
+    pt = counter("routing_reported_prompt_tokens", "prompt tokens of kv-aware placements with a "
+                 "usage report", ["server"])
+    al = gauge("routing_prediction_alarm", "1 while actual/predicted cached tokens stays below "
+               "the alarm ratio under traffic", ["server"])
+    alt = counter("routing_prediction_alarms", "times the predicted-vs-actual alarm was raised",
+                  ["server"])
+    for server, p in d.pred.items():
+        pr.add_metric([server], p.predicted)
+        ac.add_metric([server], p.actual)
+        pt.add_metric([server], p.prompt)
+        al.add_metric([server], 1.0 if p.alarm else 0.0)
+        alt.add_metric([server], p.alarms)
+    yield from (mm, st, pr, ac, pt, al, alt)
 
 
 def render(coord: "Coordinator") -> bytes:

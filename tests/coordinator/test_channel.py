@@ -87,6 +87,22 @@ async def test_default_client_batches_selects_and_queues_finishes(served):
     assert "splitserve_coordinator_channel_batches_total" in m
 
 
+async def test_finish_usage_travels_on_the_channel(served):
+    c, s, ctx, gen = await served()
+    cl = HttpCoordinatorClient(s.uds_url, timeout=5.0)
+    try:
+        await cl.select("gen", 11, {"block_keys": block_keys(list(range(64)), 16), "num_tokens": 64})
+        usage = {"prompt_tokens": 64, "cached_tokens": 32, "predicted_tokens": 48}
+        assert cl.finish_nowait("gen", 11, True, usage)
+        await wait_for(lambda: _leases(c) == 0, what="finish with usage applied")
+        p = c.diag.pred[gen.url]
+        assert (p.requests, p.prompt, p.predicted, p.actual) == (1, 64, 48, 32)
+        # a usage the coordinator would reject is not queued: the caller's HTTP /finish answers it
+        assert cl.finish_nowait("gen", 12, True, {"prompt_tokens": -1}) is False
+    finally:
+        await cl.close()
+
+
 @pytest.mark.parametrize("how", ["aiohttp", "disabled"])
 async def test_not_offered_falls_back_to_http(served, how):
     if how == "aiohttp":
