@@ -6,8 +6,8 @@ computes the whole answer; both servers use this: the lean HTTP/1.1 protocol in
 
 Bodies are msgpack or JSON and answered in kind; GET answers are JSON unless `Accept` names
 msgpack. Errors: 400 `{error, field}`, 415, 404, 405 (with `Allow`), 503 `{error}`; a placement
-that found the event loop saturated (timers late by more than `max_queue_delay_s`) is shed with
-429 `{error, retry_after}` + `Retry-After`, no lease taken.
+that found the event loop saturated (its timers late by more than `max_queue_delay_s`, twice in a
+row) is shed with 429 `{error, retry_after}` + `Retry-After`, no lease taken.
 """
 from __future__ import annotations
 
@@ -119,9 +119,9 @@ class Api:
             ep = self.post.get(path)
             if ep is not None:
                 if self.watch is not None and (path == "/select" or path == "/select_pair"):
-                    lag = self.watch.lag(time.monotonic())
-                    if lag > self.max_queue_delay_s:
-                        return self._overloaded(lag, content_type, body)
+                    now = time.monotonic()
+                    if self.watch.saturated(now, self.max_queue_delay_s):
+                        return self._overloaded(self.watch.lag(now), content_type, body)
                 return self._call(ep, content_type, accept, body)
         elif method == "GET" or method == "HEAD":
             ep = self.get.get(path)

@@ -48,11 +48,14 @@ class ChannelStats:
 
 class LoopWatch:
     """How late the event loop runs its timers: a tick every `interval_s`; `lag(now)` is how far
-    past its due time the next tick already is (0 while the loop keeps up)."""
+    past its due time the next tick already is (0 while the loop keeps up). `saturated(now, s)`
+    also needs the previous tick to have been late by `s`: one pause of the whole process (the
+    OS ran something else) makes one late tick, a loop that cannot keep up makes them in a row."""
 
     def __init__(self, interval_s: float = 0.005):
         self.interval_s = interval_s
         self.last = time.monotonic()
+        self.last_late = 0.0          # how late the previous tick ran
         self._handle: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -62,11 +65,16 @@ class LoopWatch:
         self._handle = self._loop.call_later(self.interval_s, self._tick)
 
     def _tick(self) -> None:
-        self.last = time.monotonic()
+        now = time.monotonic()
+        self.last_late = max(0.0, now - self.last - self.interval_s)
+        self.last = now
         self._handle = self._loop.call_later(self.interval_s, self._tick)
 
     def lag(self, now: float) -> float:
         return max(0.0, now - self.last - self.interval_s)
+
+    def saturated(self, now: float, limit_s: float) -> bool:
+        return self.last_late > limit_s and self.lag(now) > limit_s
 
     def stop(self) -> None:
         if self._handle is not None:
