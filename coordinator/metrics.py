@@ -212,6 +212,28 @@ class CoordinatorCollector:
         ide = counter("identities_expired", "fleet identity leases that expired")
         ide.add_metric([], c.identities.expired_total)
         yield ide
+        srv = getattr(c, "transport", None)   # the CoordinatorServer serving it, if any
+        if srv is not None:
+            shed = counter("shed", "placements shed by a saturated coordinator (429, no lease)",
+                           ["transport"])
+            shed.add_metric(["http"], srv.api.shed)
+            ch = srv.channel
+            if ch is not None:
+                cs = ch.stats
+                shed.add_metric(["channel"], cs.shed)
+                conns = gauge("channel_connections", "open fleet channel connections")
+                conns.add_metric([], cs.connections)
+                yield conns
+                frames = counter("channel_batches", "batches received on fleet channels")
+                frames.add_metric([], cs.batches)
+                yield frames
+                calls = counter("channel_calls", "calls and finishes received on fleet channels",
+                                ["kind"])
+                calls.add_metric(["call"], cs.calls)
+                calls.add_metric(["finish"], cs.finishes)
+                calls.add_metric(["malformed"], cs.bad_calls)
+                yield calls
+            yield shed
         upt = gauge("uptime_seconds", "seconds since the coordinator started")
         upt.add_metric([], max(0.0, now - c.started_at))
         yield upt
