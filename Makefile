@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean peers-venv
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/router_core.py
+
+# The peers' routers (tests/fleet/test_peer_parity.py re-captures their leg requests when present).
+peers-venv:
+	$(PY) -m venv .venv-peers
+	.venv-peers/bin/pip install -q sglang-router==0.3.2 vllm-router==0.1.17
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

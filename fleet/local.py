@@ -127,6 +127,7 @@ def run(args) -> int:
     gen = urls["both" if args.aggregated else "generation"]
     cfg["generation_servers"] = {"urls": [gen.split("//")[1]], "router": {"type": args.policy}}
     cfg["server_start_timeout"] = args.ready_timeout
+    cfg["coordinator"] = {"host": host}   # --host is every listener's address, the coordinator's too
     cfg_path = work / "cluster.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     fleet = _Proc("fleet", [py, "-m", "splitserve_cli", "serve", "-c", str(cfg_path)], work / "fleet.log", env)

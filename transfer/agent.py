@@ -253,8 +253,8 @@ def make_agent(kind: str = "auto", name: str | None = None, *, host: str = "127.
         try:
             from .nixl_agent import NixlAgent
 
-            agent = NixlAgent(name, **{k: v for k, v in options.items()
-                                       if k in NixlAgent.OPTIONS})
+            agent = NixlAgent(name, host=host, **{k: v for k, v in options.items()
+                                                  if k in NixlAgent.OPTIONS and k != "host"})
             agent.selection = {"requested": requested, "fallback": None}
             log.info("transfer agent: nixl (UCX) name=%s requested=%s", name, kind)
             return agent
