@@ -149,6 +149,10 @@ class CoordinatorCollector:
         rp = counter("kv_replays", "replay requests", ["server", "outcome"])
         cl = counter("kv_clears", "times a server's entries were cleared", ["server", "cause"])
         de = counter("kv_decode_errors", "undecodable event batches", ["server"])
+        cf = counter("kv_connect_failures", "failed connects to (or polls of) a server's event "
+                     "source", ["server"])
+        rr = counter("kv_reader_restarts", "KV-event readers that died and were restarted",
+                     ["server"])
         rdy = gauge("kv_ready", "1 once the server's index was rebuilt and it counts for kv-aware "
                     "placement", ["server"])
         empty = gauge("kv_index_empty_under_traffic",
@@ -179,8 +183,12 @@ class CoordinatorCollector:
             rp.add_metric([s, "failed"], feed.replays_failed)
             for cause, n in feed.clears.items():
                 cl.add_metric([s, cause], n)
-            de.add_metric([s], feed.decode_errors)
-        yield from (up, load_r, load_t, ej, idx, lag, age, ev, bl, gaps, rp, cl, de, rdy, empty)
+            fs = (feed, *feed.ranks)
+            de.add_metric([s], sum(f.decode_errors for f in fs))
+            cf.add_metric([s], sum(f.connect_failures for f in fs))
+            rr.add_metric([s], sum(f.reader_restarts for f in fs))
+        yield from (up, load_r, load_t, ej, idx, lag, age, ev, bl, gaps, rp, cl, de, cf, rr, rdy,
+                    empty)
 
         total = gauge("kv_index_size", "KV-index entries over all servers")
         total.add_metric([], c.index_size())
@@ -189,6 +197,7 @@ class CoordinatorCollector:
                        "whose index stayed empty")
         warn.add_metric([], st.empty_index_warnings)
         yield warn
+        yield from _diagnostics(c.diag, counter, gauge)
         ut = counter("kv_unknown_topic", "batches on the bound endpoint from an unknown topic")
         ut.add_metric([], c.kv.unknown_topic)
         yield ut
@@ -203,9 +212,59 @@ class CoordinatorCollector:
         ide = counter("identities_expired", "fleet identity leases that expired")
         ide.add_metric([], c.identities.expired_total)
         yield ide
+        srv = getattr(c, "transport", None)   # the CoordinatorServer serving it, if any
+        if srv is not None:
+            shed = counter("shed", "placements shed by a saturated coordinator (429, no lease)",
+                           ["transport"])
+            shed.add_metric(["http"], srv.api.shed)
+            ch = srv.channel
+            if ch is not None:
+                cs = ch.stats
+                shed.add_metric(["channel"], cs.shed)
+                conns = gauge("channel_connections", "open fleet channel connections")
+                conns.add_metric([], cs.connections)
+                yield conns
+                frames = counter("channel_batches", "batches received on fleet channels")
+                frames.add_metric([], cs.batches)
+                yield frames
+                calls = counter("channel_calls", "calls and finishes received on fleet channels",
+                                ["kind"])
+                calls.add_metric(["call"], cs.calls)
+                calls.add_metric(["finish"], cs.finishes)
+                calls.add_metric(["malformed"], cs.bad_calls)
+                yield calls
+            yield shed
         upt = gauge("uptime_seconds", "seconds since the coordinator started")
         upt.add_metric([], max(0.0, now - c.started_at))
         yield upt
+
+
+def _diagnostics(d, counter, gauge) -> Iterable[Metric]:
+    """Key parity and predicted-vs-actual cached tokens (coordinator/diagnostics.py)."""
+    mm = counter("kv_key_mismatch", "key parity probes that found a server's block keys differ "
+                 "from the routing recipe, by the first differing field", ["server", "field"])
+    for (server, fld), n in d.mismatches_total.items():
+        mm.add_metric([server, fld], n)
+    st = gauge("kv_parity", "1 for the server's current key parity status", ["server", "status"])
+    for server, p in d.parity.items():
+        st.add_metric([server, p.status], 1.0)
+    pr = counter("routing_predicted_cached_tokens", "prompt tokens kv-aware placement predicted "
+                 "cached on the chosen server (route receipt matched_tokens)", ["server"])
+    ac = counter("routing_actual_cached_tokens", "prompt tokens the server reported cached "
+                 "(usage.prompt_tokens_details.cached_tokens) for kv-aware placements", ["server"])
+    pt = counter("routing_reported_prompt_tokens", "prompt tokens of kv-aware placements with a "
+                 "usage report", ["server"])
+    al = gauge("routing_prediction_alarm", "1 while actual/predicted cached tokens stays below "
+               "the alarm ratio under traffic", ["server"])
+    alt = counter("routing_prediction_alarms", "times the predicted-vs-actual alarm was raised",
+                  ["server"])
+    for server, p in d.pred.items():
+        pr.add_metric([server], p.predicted)
+        ac.add_metric([server], p.actual)
+        pt.add_metric([server], p.prompt)
+        al.add_metric([server], 1.0 if p.alarm else 0.0)
+        alt.add_metric([server], p.alarms)
+    yield from (mm, st, pr, ac, pt, al, alt)
 
 
 def render(coord: "Coordinator") -> bytes:

@@ -33,12 +33,15 @@ from aiohttp.web_server import Server
 from coordinator import metrics as metrics_mod
 from coordinator import wire
 from coordinator.api import Api, aiohttp_handler, make_app
+from coordinator.channel import ChannelServer, LoopWatch
 from coordinator.config import ClusterConfig, load_config
+from coordinator.diagnostics import Diagnostics
 from coordinator.errors import BadRequest, NoServerAvailable
 from coordinator.health import HealthMonitor
 from coordinator.http import HttpServer
 from coordinator.identity import IdentityTable
 from coordinator.kv_ingest import FeedSource, KvIngest
+from coordinator.kv_sources import advertised_source, static_source
 from coordinator.metrics import LatencyHistogram
 from coordinator.registry import CONTEXT, GENERATION, Registry, ServerEntry, ServerState, normalize_url
 from router.block_keys import salt_seed
@@ -55,6 +58,7 @@ ROLES = (CONTEXT, GENERATION)
 EMPTY_INDEX_GRACE_S = 10.0      # kv-aware traffic this long with an empty index raises the warning
 EMPTY_INDEX_WARN_EVERY_S = 60.0
 MAX_BODY_BYTES = 32 * 1024 * 1024
+SPEC_EXPIRE_PER_TICK = 256      # speculative index entries (routed prompts) expired per maintenance tick
 
 
 @dataclass(slots=True)
@@ -101,7 +105,8 @@ class Coordinator:
         co = cfg.coordinator
         dc = cfg.disagg_cluster
         self.minimal = self._minimal_instances(cfg)
-        self.index = KvIndex(block_size=self.block_size)
+        # The index keys event tokens under the same namespace salt the fleet keys prompts with.
+        self.index = KvIndex(block_size=self.block_size, namespace=cfg.routing.namespace)
         self.leases = LeaseTable()
         self.identities = IdentityTable(co.identity_ttl_s)
         self.stats = Stats()
@@ -129,9 +134,7 @@ class Coordinator:
             for url in g.urls:
                 self.registry.add_static(url, role, now)
             for src in g.kv_events:
-                self._static_kv[normalize_url(src.server)] = FeedSource(
-                    endpoint=src.endpoint, replay_endpoint=src.replay_endpoint, topic=src.topic,
-                    engine=src.engine, snapshot_url=None)
+                self._static_kv[normalize_url(src.server)] = static_source(src)
         self.kv = KvIngest(self.index, block_size=self.block_size, key_scheme=self.key_scheme,
                            replay_timeout_s=co.event_ingest.replay_timeout_s,
                            rebuild_timeout_s=co.event_ingest.rebuild_timeout_s,
@@ -140,6 +143,10 @@ class Coordinator:
         self.health = HealthMonitor(self.registry, interval_s=co.health_check_interval_s,
                                     timeout_s=co.server_info_timeout_s, on_prepared=self._on_prepared,
                                     clock=clock)
+        self.diag = Diagnostics(cfg, block_size=self.block_size, key_scheme=self.key_scheme,
+                                ns_seed=self.ns_seed, enabled=any(self._kv_aware.values()),
+                                session=lambda: self.health.session, clock=clock,
+                                on_change=self._bump)
         self._view = _LoadView(self.leases, self.index)
         self._cand_version = -1
         self._kv_version = 0
@@ -196,6 +203,7 @@ class Coordinator:
             self._maint.cancel()
             await asyncio.gather(self._maint, return_exceptions=True)
             self._maint = None
+        await self.diag.stop()
         await self.kv.stop()       # first: its rebuilds use the health monitor's HTTP session
         await self.health.stop()
 
@@ -209,6 +217,7 @@ class Coordinator:
                 if now >= next_check:
                     next_check = now + self.empty_index_check_s
                     self._check_empty_indexes(now)
+                    self.diag.check(now)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -224,7 +233,8 @@ class Coordinator:
             log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
                         gone[0].role, gone[0].req_id, gone[0].server)
         self.identities.expire(now)
-        self.index.expire_speculative(now)
+        # Bounded (a few ms): under traffic each placement already expires two due entries.
+        self.index.expire_speculative(now, SPEC_EXPIRE_PER_TICK)
         return len(gone)
 
     # ---- registry hooks ---------------------------------------------------------------------
@@ -236,6 +246,7 @@ class Coordinator:
         if entry.state is not ServerState.HEALTHY:
             return
         new_wid = entry.worker_id
+        self.diag.admitted(entry.url, entry.server_info, new_wid)
         src = self._feed_source(entry)
         if src is not None:
             feed = self.kv.feeds.get(entry.url)
@@ -248,23 +259,17 @@ class Coordinator:
         self._bump()
 
     def _feed_source(self, entry: ServerEntry) -> FeedSource | None:
+        """An explicit static `kv_events` entry wins; else what `/server_info` advertises, read
+        as the engine writes it (`coordinator/kv_sources.py`)."""
+        static = self._static_kv.get(entry.url)
+        if static is not None:
+            return static
         info = entry.server_info or {}
-        kv = info.get("kv_events")
-        if isinstance(kv, dict) and (kv.get("publisher") or kv.get("topic")):
-            host = entry.url.split("://", 1)[1].rsplit(":", 1)[0]
-            snap = kv.get("snapshot")
-            if isinstance(snap, str) and snap.startswith("/"):
-                snap = entry.url + snap
-            elif not (isinstance(snap, str) and snap.startswith(("http://", "https://"))):
-                snap = None
-            if info.get("block_size") != self.block_size or info.get("key_scheme") != self.key_scheme:
-                snap = None  # its snapshot keys would not be our canonical keys
-            return FeedSource(endpoint=_advertised(kv.get("publisher"), host),
-                              replay_endpoint=_advertised(kv.get("replay"), host),
-                              topic=str(kv.get("topic") or ""),
-                              engine=str(kv.get("format") or "vllm"),
-                              snapshot_url=snap)
-        return self._static_kv.get(entry.url)
+        # Its snapshot keys are our canonical keys only at the same block size, scheme and namespace.
+        snapshot_ok = (info.get("block_size") == self.block_size
+                       and info.get("key_scheme") == self.key_scheme
+                       and int(info.get("ns_seed") or 0) == self.ns_seed)
+        return advertised_source(info, entry.url, snapshot_ok=snapshot_ok)
 
     def _on_state_change(self, entry: ServerEntry, old: ServerState, new: ServerState) -> None:
         if new is ServerState.REFUSED:
@@ -278,6 +283,7 @@ class Coordinator:
             policy.remove_server(entry.url)
         self._kv_traffic.pop(entry.url, None)
         self.empty_index_servers.discard(entry.url)
+        self.diag.removed(entry.url)
         self._bump()
 
     def _on_kv_ready(self, server: str) -> None:
@@ -300,7 +306,8 @@ class Coordinator:
             if self._kv_aware[role]:
                 ready = [e for e in healthy if self.kv.kv_ready(e.url)]
                 healthy = ready or healthy
-            self._cands[role] = [Candidate(server=e.url, healthy=True, info=e.server_info or {})
+            self._cands[role] = [Candidate(server=e.url, healthy=True, info=e.server_info or {},
+                                           kv_unknown=self.diag.kv_unknown(e.url))
                                  for e in healthy]
             for e in healthy:
                 entries[e.url] = e
@@ -404,6 +411,9 @@ class Coordinator:
                 have = int(decision.explanation.get("matched_tokens") or 0) // self.block_size
                 if have < key.block_keys.size:
                     self.index.add_speculative(server, key.block_keys[have:], now, ttl)
+                    # Two due entries out per entry in: expiry keeps pace with placements in
+                    # small steps instead of one burst per maintenance tick (a select stall).
+                    self.index.expire_speculative(now, 2)
         info = decision.explanation
         entry = self._entries.get(server)
         info["server_info"] = entry.server_info if entry is not None else None
@@ -448,17 +458,22 @@ class Coordinator:
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}
 
-    def finish(self, role: str, req_id: int, success: bool = True) -> bool:
+    def finish(self, role: str, req_id: int, success: bool = True, usage: Any = None) -> bool:
         """Release a lease (idempotent; False when none was live). `success=False` means the
-        server failed the request and counts toward its ejection."""
+        server failed the request and counts toward its ejection. `usage` (`{prompt_tokens,
+        cached_tokens, predicted_tokens}`) is what the worker reported against what the route
+        receipt predicted, for the predicted-vs-actual diagnosis."""
         role = wire.parse_role(role)
         wire.check_req_id(req_id)
         if type(success) is not bool:
             raise BadRequest(f"success must be a boolean, got {success!r}", "success")
+        u = wire.finish_usage(usage)
         lease = self.leases.finish(role, req_id)
         if lease is None:
             self.stats.finish_unknown += 1
             return False
+        if u is not None and self._kv_aware[role]:
+            self.diag.report(lease.server, *u)
         self._inflight[role] -= 1
         k = (role, success)
         self.stats.finishes[k] = self.stats.finishes.get(k, 0) + 1
@@ -553,6 +568,10 @@ class Coordinator:
             d["kv_index_blocks"] = self.index_size(e.url)
             d["kv_ready"] = self.kv.kv_ready(e.url)
             d["kv_index_empty_under_traffic"] = e.url in self.empty_index_servers
+            par = self.diag.parity.get(e.url)
+            d["kv_parity"] = par.describe() if par is not None else None
+            d["kv_mismatch"] = par.field if par is not None and par.status == "kv_mismatch" else None
+            d["routing_prediction"] = self.diag.describe_prediction(e.url)
             feed = self.kv.feeds.get(e.url)
             d["kv_events"] = feed.describe(mono) if feed is not None else None
             d["server_info"] = e.server_info
@@ -575,7 +594,12 @@ class Coordinator:
             "leases": {"in_flight": self.in_flight(), "ttl_s": self.lease_ttl_s,
                        "expired_total": dict(self.stats.leases_expired),
                        "replaced_total": self.stats.leases_replaced},
-            "kv_index": {"size": self.index_size(), "bind_endpoint": self.kv.bound_endpoint},
+            "kv_index": {"size": self.index_size(), "bind_endpoint": self.kv.bound_endpoint,
+                         "bound_reader_restarts": self.kv.bound_reader_restarts},
+            "routing_diagnostics": {
+                "kv_mismatch": sorted(u for u in self.diag.parity if self.diag.kv_unknown(u)),
+                "prediction_alarm": sorted(u for u, p in self.diag.pred.items() if p.alarm),
+                "alarm_ratio": self.diag.alarm_ratio, "window_s": self.diag.window_s},
             "select_latency_s": {"count": self.stats.select_latency.n,
                                  "p50_le": self.stats.select_latency.quantile(0.5),
                                  "p99_le": self.stats.select_latency.quantile(0.99)},
@@ -619,17 +643,6 @@ class Coordinator:
 
 
 
-def _advertised(endpoint: Any, host: str) -> str | None:
-    """A publisher endpoint as advertised, with a wildcard host replaced by the server's host."""
-    if not isinstance(endpoint, str) or not endpoint:
-        return None
-    for wild in ("*", "0.0.0.0", "[::]", "::"):
-        prefix = f"tcp://{wild}:"
-        if endpoint.startswith(prefix):
-            return f"tcp://{host}:{endpoint[len(prefix):]}"
-    return endpoint
-
-
 # ===================================================================================== HTTP
 
 class CoordinatorServer:
@@ -648,7 +661,13 @@ class CoordinatorServer:
         self.uds_path = uds_path
         self.shutdown_timeout_s = shutdown_timeout_s
         self.http = http
-        self.api = Api(coord)
+        co = coord.config.coordinator
+        self.watch = LoopWatch()
+        self.api = Api(coord, watch=self.watch, max_queue_delay_s=co.max_queue_delay_s)
+        # The fleet channel rides on the fast server's listeners (an HTTP upgrade).
+        self.channel = (ChannelServer(coord, max_queue_delay_s=co.max_queue_delay_s)
+                        if co.channel and http == "fast" else None)
+        coord.transport = self      # its shedding and channel counters, for coordinator.metrics
         self._fast: HttpServer | None = None
         self._runner: ServerRunner | None = None
         self.urls: list[str] = []
@@ -666,7 +685,7 @@ class CoordinatorServer:
                 socks[0].close()
                 raise
         if self.http == "fast":
-            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES)
+            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES, channel=self.channel)
             for sock in socks:
                 await self._fast.serve(sock)
         else:
@@ -676,6 +695,7 @@ class CoordinatorServer:
             await self._runner.setup()
             for sock in socks:
                 await web.SockSite(self._runner, sock, backlog=4096).start()
+        self.watch.start()
         h, p = socks[0].getsockname()[:2]
         self.port = p
         shown = f"[{h}]" if ":" in h else h
@@ -694,6 +714,7 @@ class CoordinatorServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self.watch.stop()
         if self.uds_path:
             try:
                 os.unlink(self.uds_path)

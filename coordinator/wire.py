@@ -56,10 +56,39 @@ class SelectPairBody(msgspec.Struct, forbid_unknown_fields=True):
     exclude_gen: StrList = None
 
 
+class FinishUsage(msgspec.Struct, forbid_unknown_fields=True):
+    """What the worker reported for a finished leg, against the route receipt's prediction."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_tokens: int = 0
+
+
 class FinishBody(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     req_id: int
     success: bool = True
+    usage: FinishUsage | None = None
+
+
+def finish_usage(u) -> tuple[int, int, int] | None:
+    """(prompt, predicted, cached) from a FinishUsage, a dict or None; BadRequest naming the field."""
+    if u is None:
+        return None
+    if isinstance(u, FinishUsage):
+        vals = {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
+                "predicted_tokens": u.predicted_tokens}
+    elif isinstance(u, dict):
+        unknown = set(u) - {"prompt_tokens", "cached_tokens", "predicted_tokens"}
+        if unknown:
+            raise BadRequest(f"unknown usage field(s) {sorted(unknown)}: expected prompt_tokens, "
+                             "cached_tokens, predicted_tokens", f"usage.{sorted(unknown)[0]}")
+        vals = {k: u.get(k, 0) for k in ("prompt_tokens", "cached_tokens", "predicted_tokens")}
+    else:
+        raise BadRequest(f"usage must be an object, got {type(u).__name__}", "usage")
+    for k, v in vals.items():
+        if type(v) is not int or v < 0:
+            raise BadRequest(f"usage.{k} must be a non-negative integer, got {v!r}", f"usage.{k}")
+    return vals["prompt_tokens"], vals["predicted_tokens"], vals["cached_tokens"]
 
 
 class RenewBody(msgspec.Struct, forbid_unknown_fields=True):

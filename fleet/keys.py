@@ -3,9 +3,9 @@
 The coordinator's KV index is keyed by canonical block keys (`router.block_keys`), which the workers
 publish from the token ids they actually cached. The fleet must therefore produce the *same* token
 ids as the worker for the same request: completions encode the prompt with special tokens, chats
-render the model's chat template over the text of each message (list parts joined by newlines) and
-encode the result without adding special tokens (worker/protocol.py does the same). Requests that
-already carry `prompt_token_ids` (or a token-id `prompt`) are not tokenized at all.
+render the model's chat template over the text of each message and encode the result without
+adding special tokens: the recipe and the tokenizer loader live in coordinator/prompt_tokens.py,
+which the coordinator's key parity probe runs too.
 
 Long prompts are tokenized in a worker thread (the `tokenizers` library releases the GIL), short
 ones inline: a thread hop costs more than tokenizing a few hundred characters.
@@ -13,49 +13,19 @@ ones inline: a thread hop costs more than tokenizing a few hundred characters.
 from __future__ import annotations
 
 import asyncio
-import json
-from pathlib import Path
 
 import numpy as np
 
+from coordinator.prompt_tokens import (TokenizerUnavailable, load_tokenizer, request_token_ids,
+                                      routing_tokenizer_name)
 from router.block_keys import block_keys, salt_seed
-from router.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from router.tokenizer import Tokenizer
 
 from .validate import CHAT, ClientRequest
 
+__all__ = ["KeyBuilder", "TokenizerUnavailable", "load_tokenizer", "make_key_builder"]
+
 _INLINE_CHARS = 8192
-# Names the workers resolve to a built-in model with the byte-level tokenizer (worker/presets.py).
-_PRESETS = frozenset({"tiny", "1b", "8b"})
-
-
-class TokenizerUnavailable(RuntimeError):
-    pass
-
-
-def load_tokenizer(model: str | None) -> Tokenizer:
-    """The tokenizer the workers use for `model`: a preset name or a Hugging Face model directory."""
-    if model is None or model in _PRESETS:
-        return ByteTokenizer()
-    d = Path(model)
-    tj = d / "tokenizer.json"
-    if not tj.is_file():
-        raise TokenizerUnavailable(
-            f"cannot build the routing tokenizer for model {model!r}: expected a preset "
-            f"({', '.join(sorted(_PRESETS))}) or a directory with tokenizer.json, found neither")
-    cfg = {}
-    tc = d / "tokenizer_config.json"
-    if tc.is_file():
-        cfg = json.loads(tc.read_text(encoding="utf-8"))
-    return HFTokenizer.from_json(tj.read_text(encoding="utf-8"), cfg)
-
-
-def _message_text(m: dict) -> str:
-    c = m.get("content")
-    if c is None:
-        return ""
-    if isinstance(c, str):
-        return c
-    return "\n".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
 
 
 class KeyBuilder:
@@ -66,19 +36,7 @@ class KeyBuilder:
         self.ns_seed = salt_seed(namespace) if namespace else 0
 
     def token_ids(self, creq: ClientRequest) -> list[int]:
-        b = creq.body
-        ids = b.get("prompt_token_ids")
-        if ids is not None:
-            return ids
-        if creq.kind == CHAT:
-            msgs = [{"role": m["role"], "content": _message_text(m)} for m in b["messages"]]
-            agp = b.get("add_generation_prompt", True)
-            text = self.tok.apply_chat_template(msgs, add_generation_prompt=agp is not False)
-            return self.tok.encode(text, add_special_tokens=False)
-        p = b["prompt"]
-        if isinstance(p, list):
-            return p
-        return self.tok.encode(p)
+        return request_token_ids(self.tok, creq.body, creq.kind == CHAT)
 
     def _size(self, creq: ClientRequest) -> int:
         b = creq.body
@@ -96,7 +54,8 @@ class KeyBuilder:
     async def keys_for(self, creq: ClientRequest, routing: dict) -> tuple[bytes, int]:
         """→ (block keys as little-endian u64 bytes, number of prompt tokens)."""
         bs = int(routing.get("block_size") or 16)
-        ns = int(routing.get("ns_seed") or self.ns_seed)
+        # the coordinator's published seed wins: its index keys events under it
+        ns = int(routing["ns_seed"] if routing.get("ns_seed") is not None else self.ns_seed)
         if self._size(creq) <= _INLINE_CHARS:
             return self._keys(creq, bs, ns)
         return await asyncio.to_thread(self._keys, creq, bs, ns)
@@ -112,8 +71,7 @@ def make_key_builder(config, reported_models: list[str] = ()) -> KeyBuilder | No
     types = {config.context_servers.router.type, config.generation_servers.router.type}
     if not types & {"kv_cache_aware", "conversation"}:
         return None
-    tok = config.generation_servers.engine_args.get("tokenizer") or config.context_servers.engine_args.get("tokenizer")
-    model = tok or config.served_model or next(iter(reported_models), None)
+    model = routing_tokenizer_name(config, reported_models)
     if model is None:
         raise TokenizerUnavailable("KV-aware routing needs the workers' tokenizer, but neither the config's "
                                    "`model` nor any server's /server_info names a model")

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from coordinator.errors import CoordinatorRequestError, CoordinatorUnavailable, NoServerAvailable
+from router.block_keys import salt_seed
 
 from . import metrics as M
 
@@ -52,6 +53,7 @@ class Placement:
     finished: bool = False
     last_renew: float = 0.0
     failed: bool = False     # the server failed this leg (its /finish says success=false)
+    usage: tuple | None = None   # (prompt_tokens, cached_tokens) the worker reported
 
     @property
     def predicted_tokens(self) -> int:
@@ -134,12 +136,13 @@ class Placer:
         self.cluster_info: dict = {}
         self.cluster_info_at = 0.0
         self.routing = {"block_size": config.routing.block_size, "key_scheme": config.routing.key_scheme,
-                        "ns_seed": 0}
+                        "ns_seed": salt_seed(config.routing.namespace) if config.routing.namespace else 0}
         self._task: asyncio.Task | None = None
         self._bg: set[asyncio.Task] = set()
         # In the one-process topology the coordinator object is right here: /finish is a plain call.
         from coordinator.client import InProcessCoordinatorClient
         self._inproc = coordinator.coord if isinstance(coordinator, InProcessCoordinatorClient) else None
+        self._nowait = getattr(coordinator, "finish_nowait", None)
         self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
         M.COORD_UP.set(1)
@@ -329,7 +332,8 @@ class Placer:
             excl = sorted(exclude | set(self.ejected()))
             t0 = time.perf_counter()
             try:
-                ans = await self.coord.select(role, req_id, routing_key=routing_key, exclude=excl or None)
+                ans = await self._leased(self.coord.select(role, req_id, routing_key=routing_key,
+                                                           exclude=excl or None), (role,), req_id)
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
@@ -348,9 +352,10 @@ class Placer:
             ej = set(self.ejected())
             t0 = time.perf_counter()
             try:
-                ans = await self.coord.select_pair(req_id, routing_key=routing_key,
-                                                   exclude_ctx=sorted(exclude_ctx | ej) or None,
-                                                   exclude_gen=sorted(exclude_gen | ej) or None)
+                ans = await self._leased(self.coord.select_pair(req_id, routing_key=routing_key,
+                                                                exclude_ctx=sorted(exclude_ctx | ej) or None,
+                                                                exclude_gen=sorted(exclude_gen | ej) or None),
+                                         (CTX, GEN), req_id)
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
@@ -370,6 +375,31 @@ class Placer:
             return None, gen, "aggregated_fallback"
         return ctx, gen, "disaggregated"
 
+    async def _leased(self, call, roles: tuple[str, ...], req_id: int) -> dict:
+        """Await a coordinator placement so that a cancelled caller never leaks the lease it creates.
+
+        The coordinator leases `(role, req_id)` while it answers, so a caller cancelled mid-call (the
+        client hung up) would never learn of the lease and never `/finish` it. The call itself is
+        shielded and runs to its end; if the caller is gone by then, every role it may have leased is
+        finished here (`/finish` is idempotent: a lease that was never created is a no-op).
+        """
+        if self._inproc is not None:
+            # in-process: the call never suspends, so there is no point at which it can be cancelled
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._orphaned(t, roles, req_id))
+            raise
+
+    def _orphaned(self, task: asyncio.Task, roles: tuple[str, ...], req_id: int) -> None:
+        if not task.cancelled():
+            task.exception()   # retrieved: a failed placement nobody waits for is not an error
+        M.ORPHANED_LEASES.inc()
+        for role in roles:
+            self.finish(Placement(role, "", req_id, True, self.policy[role], {}), True)
+
     # ------------------------------------------------------------------ lease end
     def finish(self, p: Placement | None, success: bool) -> None:
         """Exactly one /finish per lease: idempotent, never blocks the request path."""
@@ -380,21 +410,33 @@ class Placer:
             return
         if self._inproc is not None:
             try:
-                self._inproc.finish(p.role, p.req_id, success)
+                self._inproc.finish(p.role, p.req_id, success, self._usage(p))
             except Exception as e:   # a bad lease must not fail the request that already completed
                 log.warning("in-process /finish of %s %d failed: %s", p.role, p.req_id, e)
                 M.FINISH_DROPPED.inc()
             return
+        if self._nowait is not None and self._nowait(p.role, p.req_id, success, self._usage(p)):
+            return   # queued on the coordinator channel: sent with the next batch, acknowledged there
         t = asyncio.get_running_loop().create_task(self._finish(p, success))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
+    @staticmethod
+    def _usage(p: Placement) -> dict | None:
+        """The worker's report against the prediction, for the coordinator's diagnosis."""
+        if p.usage is None:
+            return None
+        # clamped: a worker's odd numbers must never make the coordinator reject the /finish
+        return {"prompt_tokens": max(0, p.usage[0]), "cached_tokens": max(0, p.usage[1]),
+                "predicted_tokens": max(0, p.predicted_tokens)}
+
     async def _finish(self, p: Placement, success: bool) -> None:
         delay = 0.05
+        usage = self._usage(p)
         for attempt in range(4):
             t0 = time.perf_counter()
             try:
-                await self.coord.finish(p.role, p.req_id, success=success)
+                await self.coord.finish(p.role, p.req_id, success=success, usage=usage)
                 self._rtt["finish"].observe(time.perf_counter() - t0)
                 return
             except CoordinatorRequestError as e:

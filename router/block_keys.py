@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 KEY_SCHEME = "xxh3_chain_v1"
+TOKEN_ID_LIMIT = 1 << 32     # token ids are hashed as uint32: every id must be in [0, TOKEN_ID_LIMIT)
 CHAIN_SEED = 1337
 _M64 = (1 << 64) - 1
 

@@ -41,6 +41,9 @@ class Candidate:
     server: str
     healthy: bool = True
     info: dict = field(default_factory=dict)
+    # The server's block keys are known not to match ours (the coordinator's key parity probe):
+    # its index matches mean nothing, so kv_cache_aware neither trusts nor penalises them.
+    kv_unknown: bool = False
 
 
 @dataclass(slots=True)
@@ -322,8 +325,12 @@ class KvCacheAwarePolicy(Policy):
         cap = max(num_tokens - 1, 0)
         pw, tw, rw = self.prefill_weight, self.load_tokens_weight, self.load_requests_weight
         matched = [mt if (mt := mget(s, 0) * B) < cap else cap for s in servers]
+        unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
+        est = matched
+        if unknown:
+            matched, est = _unknown_matches(matched, unknown)
         costs = [pw * (num_tokens - mt) + tw * tok + rw * req
-                 for mt, (req, tok) in zip(matched, loads)]
+                 for mt, (req, tok) in zip(est, loads)]
         if pinned is not None and pinned in servers:
             costs[servers.index(pinned)] -= self.affinity_bonus * num_tokens
         n = len(servers)
@@ -376,6 +383,8 @@ class KvCacheAwarePolicy(Policy):
             else:
                 w = "higher cost"
             req, tok = loads[i]
+            if unknown and ok[i].kv_unknown:
+                w += " (kv_mismatch: cache match unknown, mean of the others assumed)"
             rows.append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
                          "load_tokens": tok, "score": costs[i], "why": w})
         reason = (f"lowest cost: {matched[pick]} of {num_tokens} prompt tokens cached"
@@ -386,6 +395,19 @@ class KvCacheAwarePolicy(Policy):
             "num_tokens": num_tokens, "matched_tokens": matched[pick],
             "conversation": conv, "pinned": pinned, "candidates_total": n + n_unhealthy,
             "hot": len(hot)})
+
+
+def _unknown_matches(matched: list[int], unknown: list[int]) -> tuple[list[int], list[int]]:
+    """(reported, estimated) matched tokens when some servers' matches are unknown: reported as
+    0 (nothing is predicted cached there: conditional disaggregation and the predicted-vs-actual
+    check must not rely on it), estimated as the mean over the servers whose keys are verified,
+    so placement between an unknown server and the others falls to load, not to a match of 0
+    that would starve it (or, when every server is unknown, to load alone)."""
+    u = set(unknown)
+    known = [m for i, m in enumerate(matched) if i not in u]
+    mean = int(sum(known) / len(known)) if known else 0
+    return ([0 if i in u else m for i, m in enumerate(matched)],
+            [mean if i in u else m for i, m in enumerate(matched)])
 
 
 class _PrefixSessions:

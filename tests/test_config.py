@@ -108,6 +108,11 @@ def test_example_files_load():
     assert cfg.generation_servers.router.type == "kv_cache_aware"
     up = load_config(EXAMPLES / "upstream_trtllm.yaml", env={})
     assert up.context_servers.num_instances == 2 and len(up.context_servers.urls) == 2
+    v = load_config(EXAMPLES / "vllm_pd.yaml", env={})
+    assert v.context_servers.protocol == v.generation_servers.protocol == "vllm"
+    assert v.context_servers.kv_events[0].server == v.context_servers.urls[0]
+    s = load_config(EXAMPLES / "sglang_pd.yaml", env={})
+    assert s.context_servers.protocol is None and s.context_servers.bootstrap_port is None  # inferred
 
 
 def test_yaml_text_dict_and_path_are_equivalent(tmp_path):

@@ -1,8 +1,14 @@
 """The sim engine: the real scheduler, block pool, prefix cache and KV events, with no model.
 
-A step takes ``prefill_us_per_token`` per uncached prompt token it feeds plus
-``decode_us_per_step`` when it carries any decode (a batch of decodes costs one step, as on a GPU),
-slept on the event loop. Tokens are a pure function of (prompt, seed, position), drawn from
+A step takes ``prefill_us_per_token`` per uncached prompt token it feeds (plus
+``prefill_us_per_token_per_kctx`` per token per thousand tokens of context before it: attention
+grows with the position) and, when it carries any decode, ``decode_us_per_step`` +
+``decode_us_per_seq`` per decoding sequence + ``decode_us_per_ctx_token`` per context token those
+sequences attend to (a batch of decodes costs one step, as on a GPU; the KV read grows with
+batch and context), slept on the event loop. bench/routing.py calibrates these to the H200 ``1b``
+numbers in bench/RESULTS.md. ``prefix_reuse=False`` publishes every stored block as usual but
+never reuses one (an engine whose events claim a cache it does not use: the coordinator's
+predicted-vs-actual check must notice). Tokens are a pure function of (prompt, seed, position), drawn from
 tokens that decode to plain letters and spaces, so:
 
 * outputs are reproducible whatever the batch, cache state or preemptions;
@@ -55,39 +61,62 @@ class SimReceiver:
     token, then asks the context worker to release the pinned blocks (best effort; the context
     side's pin timeout covers a lost notification)."""
 
-    def __init__(self, us_per_token: float = 0.0, notify_timeout_s: float = 2.0):
+    def __init__(self, us_per_token: float = 0.0, notify_timeout_s: float = 2.0,
+                 wait_timeout_s: float = 30.0):
         self.us_per_token = float(us_per_token)
         self.notify_timeout_s = notify_timeout_s
+        self.wait_timeout_s = wait_timeout_s
         self._session = None
         self._tasks: set[asyncio.Task] = set()
         self.notified = 0
 
     async def receive(self, spec: ReceiveSpec) -> None:
-        if self.us_per_token > 0:
-            await asyncio.sleep(self.us_per_token * len(spec.prompt_token_ids) / 1e6)
         url = None
+        state: dict = {}
         blob = spec.disaggregated_params.get("encoded_opaque_state")
         if isinstance(blob, str):
             from worker.protocol import decode_opaque_state
             try:
-                url = decode_opaque_state(blob).get("worker_url")
+                state = decode_opaque_state(blob)
+                url = state.get("worker_url")
             except ValueError as e:
                 log.warning("opaque state of %s unreadable (%s); the context side will time out "
                             "its pins", spec.request_id, e)
         cid = spec.ctx_request_id
         if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
             url = None  # only a worker URL, never another scheme, is ever called back
+        if state.get("wait") and url and cid is not None:
+            # Both legs started together (SGLang): the prefill may still be running.
+            await self._wait_ready(url, cid)
+        if self.us_per_token > 0:
+            await asyncio.sleep(self.us_per_token * len(spec.prompt_token_ids) / 1e6)
         if url and cid is not None:
             t = asyncio.create_task(self._notify(url, cid))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _notify(self, url: str, ctx_request_id: int) -> None:
+    def _http(self):
         import aiohttp
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.notify_timeout_s))
+        return self._session
+
+    async def _wait_ready(self, url: str, ctx_request_id: int) -> None:
+        """Wait at the prefill's bootstrap server until its KV for ``ctx_request_id`` is ready
+        (raises, failing the request, when it never is)."""
+        import aiohttp
+
+        t = self.wait_timeout_s
+        async with self._http().post(f"{url}/kv_wait", json={"ctx_request_id": ctx_request_id, "timeout_s": t},
+                                     timeout=aiohttp.ClientTimeout(total=t + 5)) as r:
+            ok = r.status == 200 and (await r.json()).get("ready") is True
+        if not ok:
+            raise TimeoutError(f"the prefill of room {ctx_request_id} at {url} was not ready within {t:g}s")
+
+    async def _notify(self, url: str, ctx_request_id: int) -> None:
+        self._http()
         try:
             async with self._session.post(f"{url}/kv_release", json={
                     "ctx_request_id": ctx_request_id, "reason": "transferred"}) as r:
@@ -117,10 +146,15 @@ class SimEngine(Scheduler):
                  max_num_tokens: int = 8192, prefill_us_per_token: float = 20.0,
                  decode_us_per_step: float = 5000.0, transfer_us_per_token: float = 0.0,
                  pin_timeout_s: float = 60.0, worker_id: str = "sim", ns_seed: int = 0,
-                 vocab_size: int | None = None, eos_token_ids=None):
-        if prefill_us_per_token < 0 or decode_us_per_step < 0:
-            raise ValueError("sim latencies must be >= 0 µs, got prefill "
-                             f"{prefill_us_per_token}, decode {decode_us_per_step}")
+                 vocab_size: int | None = None, eos_token_ids=None,
+                 prefill_us_per_token_per_kctx: float = 0.0, decode_us_per_seq: float = 0.0,
+                 decode_us_per_ctx_token: float = 0.0, prefix_reuse: bool = True):
+        lat = {"prefill": prefill_us_per_token, "decode": decode_us_per_step,
+               "prefill per kctx": prefill_us_per_token_per_kctx,
+               "decode per seq": decode_us_per_seq, "decode per ctx token": decode_us_per_ctx_token}
+        bad = {k: v for k, v in lat.items() if v < 0}
+        if bad:
+            raise ValueError(f"sim latencies must be >= 0 µs, got {bad}")
         vocab = int(vocab_size or tokenizer.vocab_size)
         eos = tuple(eos_token_ids if eos_token_ids is not None
                     else getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -133,13 +167,30 @@ class SimEngine(Scheduler):
         self._sim_receiver = self.receiver
         self.prefill_us_per_token = float(prefill_us_per_token)
         self.decode_us_per_step = float(decode_us_per_step)
+        self.prefill_us_per_token_per_kctx = float(prefill_us_per_token_per_kctx)
+        self.decode_us_per_seq = float(decode_us_per_seq)
+        self.decode_us_per_ctx_token = float(decode_us_per_ctx_token)
+        self.prefix_reuse = bool(prefix_reuse)
         self._alphabet = _alphabet(tokenizer, vocab, set(eos))
 
     def step_time_s(self, plan: Plan) -> float:
         us = plan.num_prefill_tokens * self.prefill_us_per_token
+        kctx, dctx = self.prefill_us_per_token_per_kctx, self.decode_us_per_ctx_token
+        if kctx or (dctx and plan.num_decode_tokens):
+            pre = ctx = 0.0
+            for s, start, n, _ in plan.entries:
+                if start >= s.num_prompt and n == 1:
+                    ctx += start
+                else:  # positions start .. start+n-1 attend to their prefix
+                    pre += n * (start + (n - 1) / 2)
+            us += pre * kctx / 1000 + ctx * dctx
         if plan.num_decode_tokens:
-            us += self.decode_us_per_step
+            us += self.decode_us_per_step + plan.num_decode_tokens * self.decode_us_per_seq
         return us / 1e6
+
+    def _match_prefix(self, s) -> None:
+        if self.prefix_reuse:
+            super()._match_prefix(s)
 
     def fake_token(self, prompt_token_ids, seed: int | None, position: int) -> int:
         """The token the sim emits at ``position`` (index into prompt + output) for this prompt."""

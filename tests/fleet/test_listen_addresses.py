@@ -70,7 +70,7 @@ def test_every_listener_is_on_the_configured_host(cluster, engine, host):
     if not _loopback_alias_usable(host):
         pytest.skip(f"{host} cannot be bound on this machine")
     port = _free_pair(host)
-    argv = [PY, "-m", "splitserve_cli", "local", "--engine", engine, "--host", host,
+    argv = [PY, "-m", "splitserve_cli", "local", "--engine", engine, "--model", "tiny", "--host", host,
             "--port", str(port)]
     p = cluster.spawn(f"local-{engine}-{host}", argv, env=clean_env())
     wait_for(lambda: "splitserve is up" in p.log(), 150, "the local cluster", p)
