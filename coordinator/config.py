@@ -32,6 +32,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS
+
 __all__ = [
     "ConfigError",
     "ClusterConfig",
@@ -61,11 +63,11 @@ ENV_PREFIX = "SPLITSERVE_"
 ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware", "conversation")
 REDACTED = "<redacted>"
 
-# TensorRT-LLM's own argument names (LLM args, `trtllm-serve` flags, KvCacheConfig fields), derived
-# from upstream's definitions in `coordinator/upstream_args.py` (source commit cited there). We keep
-# them in `ServerGroupConfig.engine_args` / `KvCacheConfig.extra` so an upstream file loads
-# unchanged, but do not interpret them; anything outside those sets is a typo and an error.
-from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS  # noqa: E402
+# TensorRT-LLM's own argument names (`UPSTREAM_ENGINE_ARGS`, `UPSTREAM_KV_CACHE_ARGS`: LLM args,
+# `trtllm-serve` flags, KvCacheConfig fields) come from upstream's definitions, source commit in
+# `coordinator/upstream_args.py`. We keep them in `ServerGroupConfig.engine_args` /
+# `KvCacheConfig.extra` so an upstream file loads unchanged, but do not interpret them; anything
+# outside those sets is a typo and an error.
 
 
 class ConfigError(ValueError):
@@ -415,6 +417,11 @@ class CoordinatorConfig:
                                            factory=EventIngestConfig)
     identity_ttl_s: float = _fld(60.0, "lease of a fleet process's (node_id, process_id) pair; "
                                  "renewed by the holder", gt=0)
+    channel: bool = _fld(True, "offer the fleet processes' persistent pipelined channel "
+                         "(`GET /channel` upgrade on the API listeners; docs/coordinator-api.md)")
+    max_queue_delay_s: float = _fld(0.1, "placements that waited longer than this behind a "
+                                    "saturated event loop are shed: 429 + Retry-After, no lease",
+                                    gt=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,6 +435,11 @@ class FleetConfig:
     retry_backoff_s: float = _fld(0.05, "pause before retrying a connect failure on another "
                                   "server", ge=0)
     coordinator_timeout_s: float = _fld(5.0, "timeout of one coordinator call", gt=0)
+    coordinator_channel: bool = _fld(True, "use the coordinator's persistent channel when it "
+                                     "offers one (else one HTTP exchange per call)")
+    coordinator_max_pending: int = _fld(4096, "coordinator calls one fleet process may have "
+                                        "unanswered; beyond it requests are shed with 503 + "
+                                        "Retry-After", ge=1)
     max_inflight_requests: Optional[int] = _fld(None, "per fleet process; beyond it requests get "
                                                 "429 + Retry-After (null = unlimited)", ge=1)
     header_timeout_s: float = _fld(10.0, "a request head (request line and headers) must arrive "

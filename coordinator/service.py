@@ -33,6 +33,7 @@ from aiohttp.web_server import Server
 from coordinator import metrics as metrics_mod
 from coordinator import wire
 from coordinator.api import Api, aiohttp_handler, make_app
+from coordinator.channel import ChannelServer, LoopWatch
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
 from coordinator.errors import BadRequest, NoServerAvailable
@@ -57,6 +58,7 @@ ROLES = (CONTEXT, GENERATION)
 EMPTY_INDEX_GRACE_S = 10.0      # kv-aware traffic this long with an empty index raises the warning
 EMPTY_INDEX_WARN_EVERY_S = 60.0
 MAX_BODY_BYTES = 32 * 1024 * 1024
+SPEC_EXPIRE_PER_TICK = 256      # speculative index entries (routed prompts) expired per maintenance tick
 
 
 @dataclass(slots=True)
@@ -231,7 +233,8 @@ class Coordinator:
             log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
                         gone[0].role, gone[0].req_id, gone[0].server)
         self.identities.expire(now)
-        self.index.expire_speculative(now)
+        # Bounded (a few ms): under traffic each placement already expires two due entries.
+        self.index.expire_speculative(now, SPEC_EXPIRE_PER_TICK)
         return len(gone)
 
     # ---- registry hooks ---------------------------------------------------------------------
@@ -408,6 +411,9 @@ class Coordinator:
                 have = int(decision.explanation.get("matched_tokens") or 0) // self.block_size
                 if have < key.block_keys.size:
                     self.index.add_speculative(server, key.block_keys[have:], now, ttl)
+                    # Two due entries out per entry in: expiry keeps pace with placements in
+                    # small steps instead of one burst per maintenance tick (a select stall).
+                    self.index.expire_speculative(now, 2)
         info = decision.explanation
         entry = self._entries.get(server)
         info["server_info"] = entry.server_info if entry is not None else None
@@ -655,7 +661,13 @@ class CoordinatorServer:
         self.uds_path = uds_path
         self.shutdown_timeout_s = shutdown_timeout_s
         self.http = http
-        self.api = Api(coord)
+        co = coord.config.coordinator
+        self.watch = LoopWatch()
+        self.api = Api(coord, watch=self.watch, max_queue_delay_s=co.max_queue_delay_s)
+        # The fleet channel rides on the fast server's listeners (an HTTP upgrade).
+        self.channel = (ChannelServer(coord, max_queue_delay_s=co.max_queue_delay_s)
+                        if co.channel and http == "fast" else None)
+        coord.transport = self      # its shedding and channel counters, for coordinator.metrics
         self._fast: HttpServer | None = None
         self._runner: ServerRunner | None = None
         self.urls: list[str] = []
@@ -673,7 +685,7 @@ class CoordinatorServer:
                 socks[0].close()
                 raise
         if self.http == "fast":
-            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES)
+            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES, channel=self.channel)
             for sock in socks:
                 await self._fast.serve(sock)
         else:
@@ -683,6 +695,7 @@ class CoordinatorServer:
             await self._runner.setup()
             for sock in socks:
                 await web.SockSite(self._runner, sock, backlog=4096).start()
+        self.watch.start()
         h, p = socks[0].getsockname()[:2]
         self.port = p
         shown = f"[{h}]" if ":" in h else h
@@ -701,6 +714,7 @@ class CoordinatorServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self.watch.stop()
         if self.uds_path:
             try:
                 os.unlink(self.uds_path)

@@ -142,6 +142,7 @@ class Placer:
         # In the one-process topology the coordinator object is right here: /finish is a plain call.
         from coordinator.client import InProcessCoordinatorClient
         self._inproc = coordinator.coord if isinstance(coordinator, InProcessCoordinatorClient) else None
+        self._nowait = getattr(coordinator, "finish_nowait", None)
         self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
         M.COORD_UP.set(1)
@@ -414,6 +415,8 @@ class Placer:
                 log.warning("in-process /finish of %s %d failed: %s", p.role, p.req_id, e)
                 M.FINISH_DROPPED.inc()
             return
+        if self._nowait is not None and self._nowait(p.role, p.req_id, success, self._usage(p)):
+            return   # queued on the coordinator channel: sent with the next batch, acknowledged there
         t = asyncio.get_running_loop().create_task(self._finish(p, success))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)

@@ -37,6 +37,12 @@ Lifecycle rules:
   heartbeat timeout: a dead process cannot write).
 - `release_*` retires a request; a retired request cannot be re-created, and a late `recv` for it
   gets an error result.
+- A generation rank that gives up on a request before its `recv` was posted (cancelled while it
+  was still fetching the context instance, or — `abandon_receive` — a request that ended before
+  its receive began) still sends `cancel` to the context instance: only then does the context rank
+  learn that nobody will fetch the pinned KV, instead of holding it until its send timeout.
+- A send session ends with a typed `Status.cause` (`SendEnd`): what the engine's pin is released
+  with.
 - Multi-rank workers must agree before acting: each rank reports `Status.code` (0 in flight,
   1 failed, 2 done); `combine_codes` (min over ranks = global AND) gives the instance's outcome.
 """
@@ -80,6 +86,16 @@ PREPPED_MIN_RUNS = 0
 
 # ============================================================================ public data
 
+class SendEnd:
+    """Why a send session ended (`Status.cause`; the engine releases its pin with this reason)."""
+
+    TRANSFERRED = "transferred"                 # every receiving rank has the KV
+    RECEIVER_CANCELLED = "receiver_cancelled"   # a generation rank gave up (abort, client gone)
+    WRITE_FAILED = "write_failed"               # a write failed (receiver lost mid-transfer)
+    TIMED_OUT = "send_timeout"                  # no (complete) receiver within send_timeout_s
+    CANCELLED = "context_cancelled"             # this side dropped the request
+
+
 @dataclass(frozen=True)
 class Status:
     """Where one request's transfer stands on this rank."""
@@ -92,6 +108,7 @@ class Status:
     bytes: int = 0
     descriptors: int = 0
     write_s: float = 0.0
+    cause: str | None = None   # a send session's SendEnd once it ended
 
     @property
     def code(self) -> int:
@@ -224,6 +241,7 @@ class _SendSession:
     deadline: float | None = None
     state: str = "active"                   # active | done | failed | cancelled
     error: str | None = None
+    cause: str | None = None                # SendEnd, once not active
     targets: dict[str, _Target] = field(default_factory=dict)
     expected: int | None = None
     cancel_requested: bool = False
@@ -442,7 +460,7 @@ class KvTransceiver:
                 state = "transferring" if s.inflight() or s.targets else "waiting"
             return Status(state=state, quiescent=not s.inflight() and s.state != "active",
                           error=s.error, meta=s.meta, timed_out=s.timed_out, bytes=s.nbytes,
-                          descriptors=s.ndescs, write_s=s.write_s)
+                          descriptors=s.ndescs, write_s=s.write_s, cause=s.cause)
 
     def cancel_send(self, req_id: int) -> bool:
         """True: no write from these pages can happen any more (free them). False: a write is in
@@ -457,7 +475,7 @@ class KvTransceiver:
             if s.inflight():
                 return False
             if s.state == "active":
-                self._end_send_locked(s, "cancelled", "cancelled by context")
+                self._end_send_locked(s, "cancelled", "cancelled by context", SendEnd.CANCELLED)
             return True
 
     def release_send(self, req_id: int) -> None:
@@ -517,13 +535,36 @@ class KvTransceiver:
                 return True
             r.cancel_requested = True
             if r.state == "waiting":
+                # No recv was posted, so no write can come; but the context rank holds the KV
+                # for us until told (its send session may already exist).
                 self._recv_final_locked(r, "cancelled", "cancelled")
+                self.messenger.call_soon(lambda: self._send_abandon(r.endpoint, req_id))
                 return True
             if r.state != "posted":
                 return True
             self._send_cancels_locked(r)
             self._check_recv_locked(r)
             return r.state != "posted"
+
+    def abandon_receive(self, req_id: int, ctx_endpoint: str) -> None:
+        """A request that will never call `begin_receive` here (it ended first: aborted, client
+        gone, shutdown) but whose context leg may have pinned KV for it: tell the context
+        instance, which ends its send session (`SendEnd.RECEIVER_CANCELLED`). No-op for a request
+        that has a receive session (`cancel_receive` covers it)."""
+        with self._lock:
+            if req_id in self._recv or req_id in self._retired_recv:
+                return
+        self.messenger.call_soon(lambda: self._send_abandon(ctx_endpoint, req_id))
+
+    def _send_abandon(self, endpoint: str, req_id: int) -> None:
+        """(listener thread) `cancel` to the context instance at `endpoint`: every rank of it we
+        know (a receive cancelled while registering), else the rank the endpoint names."""
+        with self._lock:
+            pi = self._peer_for_endpoint(endpoint)
+            eps = {endpoint} | ({x.endpoint for x in pi.peers} if pi is not None else set())
+        self.stats["abandons_sent"] += 1
+        for ep in eps:
+            self.messenger.send(ep, {"t": "cancel", "req": req_id})
 
     def release_receive(self, req_id: int) -> None:
         with self._lock:
@@ -703,8 +744,9 @@ class KvTransceiver:
             if s.state == "active":
                 s.cancel_requested = True
                 s.error = s.error or f"cancelled by generation rank {key}"
+                s.cause = s.cause or SendEnd.RECEIVER_CANCELLED
                 if not s.inflight():
-                    self._end_send_locked(s, "cancelled", s.error)
+                    self._end_send_locked(s, "cancelled", s.error, SendEnd.RECEIVER_CANCELLED)
             elif tgt is not None and tgt.inflight is None and not tgt.final_sent:
                 tgt.final_sent = True
                 self._reply_result(key, req, "cancelled", error="cancelled by generation rank")
@@ -1136,7 +1178,8 @@ class KvTransceiver:
                 t.final_sent = True
                 self._reply_result(key, s.req_id, "error", error=task.error)
             if s.state == "active":
-                self._end_send_locked(s, "failed", f"write to {key} failed: {task.error}")
+                self._end_send_locked(s, "failed", f"write to {key} failed: {task.error}",
+                                      SendEnd.WRITE_FAILED)
             return
         t.next_slice = task.s1
         covered = s.slices[task.s0:task.s1]
@@ -1157,14 +1200,17 @@ class KvTransceiver:
         if s.state != "active" or s.cancel_requested:
             if not s.inflight():
                 if s.state == "active":
-                    self._end_send_locked(s, "cancelled", "cancelled by context")
+                    self._end_send_locked(s, "cancelled", s.error or "cancelled by context",
+                                          s.cause or SendEnd.CANCELLED)
                 else:
                     self._notify_end_locked(s)
             return
         self._check_send_locked(s)
 
-    def _end_send_locked(self, s: _SendSession, state: str, error: str | None) -> None:
+    def _end_send_locked(self, s: _SendSession, state: str, error: str | None,
+                         cause: str) -> None:
         s.state, s.error = state, error
+        s.cause = s.cause or cause
         self.stats[f"send_{state}"] += 1
         self._notify_end_locked(s)
         for _t, key, _m in self._parked.pop(s.req_id, []):
@@ -1186,9 +1232,10 @@ class KvTransceiver:
             return
         if all(t.final_sent and t.inflight is None for t in s.targets.values()):
             if any(t.cancelled for t in s.targets.values()):
-                self._end_send_locked(s, "cancelled", "cancelled by generation rank")
+                self._end_send_locked(s, "cancelled", "cancelled by generation rank",
+                                      SendEnd.RECEIVER_CANCELLED)
             else:
-                s.state = "done"
+                s.state, s.cause = "done", SendEnd.TRANSFERRED
                 self.stats["send_done"] += 1
 
     def _timeouts(self) -> None:
@@ -1202,7 +1249,7 @@ class KvTransceiver:
                               f"receivers ({len(s.targets)}/{s.expected or '?'} posted)"
                     log.warning("request %s: %s", s.req_id, s.error)
                 if s.timed_out and s.state == "active" and not s.inflight():
-                    self._end_send_locked(s, "failed", s.error)
+                    self._end_send_locked(s, "failed", s.error, SendEnd.TIMED_OUT)
             for req in list(self._parked):
                 keep = []
                 for item in self._parked[req]:

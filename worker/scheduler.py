@@ -175,6 +175,9 @@ class Scheduler(abc.ABC):
         # be sent while the rest is computed; and a context_only request left the scheduler.
         self.prefill_hook: Callable[[EngineRequest, int, list[int]], None] | None = None
         self.context_end_hook: Callable[[EngineRequest], None] | None = None
+        # A generation_only request ended before its KV receive began (aborted while queued,
+        # client gone, shutdown): the context worker may hold its KV pinned; the hook tells it.
+        self.receive_abandoned_hook: Callable[[EngineRequest], None] | None = None
         self.event_sink: Callable[[list], None] | None = None
         self._clock = clock
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -412,6 +415,8 @@ class Scheduler(abc.ABC):
             "decode_tokens_per_s": dec / span if self._history else 0.0,
             "requests_finished": {k.removeprefix("finished_"): v for k, v in self.counters.items()
                                   if k.startswith("finished_")},
+            "pins_released": {k.removeprefix("pins_released_"): v
+                              for k, v in self.counters.items() if k.startswith("pins_released_")},
         }
 
     def _trim_history(self, now: float) -> None:
@@ -713,6 +718,7 @@ class Scheduler(abc.ABC):
             self.pool.pin(prompt_blocks)
             self._pinned[cid] = p
             self.counters["pins_created"] += 1
+            log.debug("pinned transfer %s (%d blocks)", cid, len(prompt_blocks))
             if self.opaque_state_hook is not None:
                 opaque.update(self.opaque_state_hook(p))
         return ContextResult(ctx_request_id=cid, first_gen_tokens=list(s.tokens[s.num_prompt:]),
@@ -770,6 +776,9 @@ class Scheduler(abc.ABC):
         s.queue.put_nowait(last)
         if self.context_end_hook is not None and s.req.request_type == CONTEXT_ONLY:
             self.context_end_hook(s.req)
+        if self.receive_abandoned_hook is not None and not s.admitted \
+                and s.req.request_type == GENERATION_ONLY:
+            self.receive_abandoned_hook(s.req)
         self._wake.set()
 
     def _drop_blocks(self, s: _Seq) -> None:

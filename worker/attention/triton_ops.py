@@ -31,7 +31,13 @@ from worker.attention.plan import PagedDecode
 __all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_mul"]
 
 _LOG2E = 1.4426950408889634
-BLOCK_N = 64  # keys per tile (vLLM's grouped decode uses 32; 64 halves the loop trips for D ≤ 128)
+#: Keys per tile. Shapes picked from ``ptxas -v`` and the TTGIR for sm_90 with the launcher's
+#: specialisation (16-aligned pointers and strides): decode 64 keys × 16 query rows, 4 warps (8 at
+#: head_dim 128), 64 registers a thread, K/V/table loads software-pipelined with cp.async, no
+#: spills; prefill 128 query rows × 64 keys, 8 warps, wgmma, 121 registers (4 warps took 255).
+#: vLLM's/SGLang's grouped decode kernel uses 32 keys × 16 rows, 4 warps, 2 stages.
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_N = 64
 
 
 def _interpreter_compat() -> None:
@@ -224,8 +230,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: Page
         q, k, v, meta.tables, meta.pos, meta.key0, meta.unit_row, meta.unit_lo, meta.unit_hi, out, mid_o, mid_l,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3), meta.tables.stride(0),
         out.stride(0), out.stride(1), smu, smh, slu, scale * _LOG2E,
-        GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGE=kv_cache.shape[3],
-        DIRECT=meta.direct, PREC=_prec(q), num_warps=4, num_stages=2)
+        GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=DECODE_BLOCK_N, PAGE=kv_cache.shape[3],
+        DIRECT=meta.direct, PREC=_prec(q), num_warps=4 if bd <= 64 else 8, num_stages=2)
     if not meta.direct:
         _merge_kernel[(rows,)](mid_o, mid_l, meta.row_start, out, smu, smh, slu, out.stride(0), out.stride(1),
                                NQ=nq, BLOCK_HQ=triton.next_power_of_2(nq), HEAD_DIM=d, BLOCK_D=bd,
@@ -308,8 +314,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: to
         q, kv_cache[:, layer, 0], kv_cache[:, layer, 1], table, out, start_pos, lq, key0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3), out.stride(0), out.stride(1),
         scale * _LOG2E,
-        GROUP=group, GROUP_P=gp, BLOCK_T=block_t, HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_N=BLOCK_N,
-        PAGE=kv_cache.shape[3], WINDOW=window or 0, PREC=_prec(q), num_warps=4, num_stages=2)
+        GROUP=group, GROUP_P=gp, BLOCK_T=block_t, HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_N=PREFILL_BLOCK_N,
+        PAGE=kv_cache.shape[3], WINDOW=window or 0, PREC=_prec(q), num_warps=8, num_stages=2)
     return out
 
 
