@@ -538,7 +538,7 @@ class ClusterConfig:
 
     @property
     def topology(self) -> Literal["single", "implicit_coordinator", "external_coordinator"]:
-        """DESIGN.md §2: which of the three process topologies this config selects."""
+        """docs/design.md §2: which of the three process topologies this config selects."""
         if self.disagg_coordinator_url:
             return "external_coordinator"
         return "single" if self.num_workers == 1 else "implicit_coordinator"

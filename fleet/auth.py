@@ -4,7 +4,7 @@
 forge them. A client-supplied object is forwarded only with header `x-splitserve-disagg-auth:
 sha256=<hex>` = HMAC-SHA256(`internal_request_auth_key`, canonical JSON of the object) — canonical
 meaning sorted keys, no whitespace (orjson `OPT_SORT_KEYS`). Otherwise only a positive
-`disagg_request_id` survives (DESIGN.md §3) and the rest is dropped. The fleet signs the
+`disagg_request_id` survives (docs/design.md §3) and the rest is dropped. The fleet signs the
 `disaggregated_params` it sends to workers the same way when the key is configured.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The two-leg disaggregated flow (DESIGN.md §5), with the failure semantics of the fleet.
+"""The two-leg disaggregated flow (docs/design.md §5), with the failure semantics of the fleet.
 
 One request = one snowflake id, minted here, used on both legs, in the coordinator and in the logs (a
 client's own `disagg_request_id` is only an alias: see `Flow.handle`). Steps:

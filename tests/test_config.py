@@ -22,7 +22,7 @@ from coordinator.config import (
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
-# Modelled on reference/trtllm_disagg.md §4.1: what a TensorRT-LLM user already has on disk.
+# Modelled on docs/reference/trtllm_disagg.md §4.1: what a TensorRT-LLM user already has on disk.
 UPSTREAM_YAML = """
 hostname: localhost
 port: 8000

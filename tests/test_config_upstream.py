@@ -1,7 +1,7 @@
 """Upstream TensorRT-LLM disaggregated configs load unchanged; typos still fail.
 
 Fixtures in tests/fixtures/trtllm_disagg/ are verbatim copies of NVIDIA/TensorRT-LLM files (path and
-commit per file in SOURCES.md); the allow-lists come from that repository's
+commit per file in tests/fixtures/trtllm_disagg/SOURCES.md); the allow-lists come from that repository's
 tensorrt_llm/llmapi/llm_args.py (commit in coordinator/upstream_args.py).
 """
 from __future__ import annotations

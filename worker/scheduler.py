@@ -245,7 +245,7 @@ class Scheduler(abc.ABC):
 
     # ------------------------------------------------------------------ requests
     def next_local_id(self) -> int:
-        """Worker-local ids stay below 2**40 (DESIGN.md §3), never colliding with snowflakes."""
+        """Worker-local ids stay below 2**40 (docs/design.md §3), never colliding with snowflakes."""
         self._local_ids = (self._local_ids + 1) % (1 << 40)
         return self._local_ids
 

@@ -62,7 +62,7 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
             await asyncio.sleep(delay_s)
         dp = b.get("disaggregated_params") if isinstance(b.get("disaggregated_params"), dict) else None
         if engine == "trtllm" and dp and dp.get("request_type") == "context_only":
-            # TensorRT-LLM's context answer (trtllm_disagg.md in the shared reference).
+            # TensorRT-LLM's context answer (docs/reference/trtllm_disagg.md).
             ch = {"index": 0, "finish_reason": "length", "disaggregated_params": {
                 "request_type": "context_only", "ctx_request_id": 42, "first_gen_tokens": [7],
                 "encoded_opaque_state": "AAAA", "ctx_info_endpoint": None}}
