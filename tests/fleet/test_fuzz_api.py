@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import free_port_pair, group, healthy, wait_for
+from .conftest import NO_SHEDDING, free_port_pair, group, healthy, wait_for
 from .hostile import error_of, read_answer
 
 # SPLITSERVE_FUZZ_EXAMPLES=5000 for a long run
@@ -36,6 +36,7 @@ def fleet(module_cluster):
     _, gen = c.worker("generation", name="fz-gen")
     port = free_port_pair()
     cfg = c.config("fuzz.yaml", port=port, num_workers=2, api_keys=["sk-fuzz"], internal_request_auth_key="k",
+                   coordinator=NO_SHEDDING,
                    fleet={"header_timeout_s": 2.0, "body_timeout_s": 2.0},
                    context_servers=group([ctx], "kv_cache_aware"),
                    generation_servers=group([gen], "kv_cache_aware"))

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from .conftest import free_port, free_port_pair, group, healthy, http, metric, wait_for
+from .conftest import NO_SHEDDING, free_port, free_port_pair, group, healthy, http, metric, wait_for
 from .hostile import error_of, exchange, post, read_answer
 
 TIMEOUT_S = 1.5
@@ -64,7 +64,7 @@ def two(module_cluster, workers):
     """`splitserve local`'s topology: two fleet processes and the implicit coordinator."""
     ctx, gen = workers
     port = free_port_pair()
-    cfg = module_cluster.config("hc-two.yaml", port=port, num_workers=2,
+    cfg = module_cluster.config("hc-two.yaml", port=port, num_workers=2, coordinator=NO_SHEDDING,
                                 context_servers=group([ctx], "kv_cache_aware"),
                                 generation_servers=group([gen], "kv_cache_aware"))
     f = module_cluster.fleet(cfg, name="hc-two")
