@@ -291,6 +291,54 @@ def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
     return rows, info
 
 
+def profile_decode(args: argparse.Namespace) -> int:
+    """Where a decode step's time goes: ``--profile-decode BATCH:CONTEXT`` replays 8 steps per backend
+    under torch.profiler and prints the kernels by GPU time per step, and their sum against the wall
+    time per step (the difference is launch gaps and host work). Prints only; writes nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, dev)
+    model, _, cfg = load_model(args.model, dev, dtype)
+    b, ctx = (int(x) for x in args.profile_decode.split(":"))
+    bs, steps = args.block_size, 8
+    per_seq = (ctx + 4 * steps + bs - 1) // bs + 1
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for backend in backends(args, dev):
+        runner = ModelRunner(model, num_blocks=b * per_seq, block_size=bs, device=dev, dtype=dtype,
+                             attention_backend=backend)
+        if args.cuda_graphs is not None:
+            runner.use_cuda_graphs = args.cuda_graphs
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+
+        def run(base: int) -> None:
+            for k in range(steps):
+                runner.step([Chunk([(7 * i + k) % 250], base + k, tables[i]) for i in range(b)])
+
+        run(ctx + 2 * steps)  # compile, capture
+        sync(dev)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            run(ctx)
+            sync(dev)
+            wall = (time.perf_counter() - t0) / steps
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+        kernels = [e for e in events if dev.type != "cuda"
+                   or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA] or events
+        total = sum(getattr(e, key, 0) for e in kernels) / steps
+        print(f"\n### {backend}: batch {b}, context {ctx}: {1e3 * wall:.3f} ms/step wall, "
+              f"{total / 1e3:.3f} ms/step in {'kernels' if dev.type == 'cuda' else 'ops'}\n")
+        print("| kernel | calls/step | µs/step | µs/call |\n|---|---:|---:|---:|")
+        for e in kernels[:args.profile_top]:
+            t = getattr(e, key, 0)
+            print(f"| `{e.key[:90]}` | {e.count / steps:.1f} | {t / steps:.1f} | {t / max(1, e.count):.2f} |")
+        del runner
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
 def render_mixed(rows: list[dict], info: dict, command: str) -> str:
     lines = [
         f"- command: `{command}`",
@@ -362,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="force CUDA graphs for decode on (default: the runner's choice)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
+    p.add_argument("--profile-decode", default=None, metavar="BATCH:CONTEXT",
+                   help="profile decode steps at this batch and context per backend (prints only)")
+    p.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile-decode")
     p.add_argument("--mixed-decode", action="store_true",
                    help="time one long context decoding with short rows, grouped vs one padded batch")
     p.add_argument("--long-len", type=int, default=0, help="mixed decode: long context (32768 GPU, 4096 CPU)")
@@ -371,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     args = p.parse_args(argv)
     command = "python bench/worker.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.profile_decode:
+        return profile_decode(args)
     if args.mixed_decode:
         rows, info = mixed_decode(args)
         body = render_mixed(rows, info, command.strip())

@@ -187,29 +187,42 @@ def test_runner_triton_backend_equals_torch(mode, window):
 @pytest.mark.gpu
 def test_1b_greedy_tokens_equal_torch_path():
     """``1b`` bf16, CUDA graphs on: a batch of short rows and one long row (prefilled in two chunks,
-    the second through the paged prefill kernel) decodes the same greedy tokens with the triton
-    backend as with the torch path."""
+    the second through the paged prefill kernel) decodes greedily on the torch path; the triton
+    backend, fed the same tokens, gives logits within bf16 noise of it and the same greedy token at
+    every step that is not a near-tie.
+
+    Why near-ties are excluded: the preset's logits have a spread of about 2 over 128k tokens, so the
+    top-2 gap is below bf16's end-to-end noise at some steps, where either token is a correct greedy
+    choice and rounding order decides. With logits within ``atol`` of each other, the argmax can only
+    differ where the gap is below ``2·atol``; every other step must pick the same token (and most
+    steps are such steps, or the check would be vacuous)."""
     model = build_preset("1b", device="cuda", dtype=torch.bfloat16)
     lengths = [5, 40, 300, 20000]
     steps, bs = 24, 16
     seqs = [[(i * 131 + j * 17 + 3) % 250 for j in range(n)] for i, n in enumerate(lengths)]
     tables, nblocks = _tables(lengths, steps + 4, bs)
 
-    def run(backend):
+    def run(backend, forced=None):
         r = ModelRunner(model, nblocks, bs, attention_backend=backend)
         half = lengths[-1] // 2
         short = r.step([Chunk(s, 0, t) for s, t in zip(seqs[:-1], tables[:-1])]
                        + [Chunk(seqs[-1][:half], 0, tables[-1])])
         long = r.step([Chunk(seqs[-1][half:], half, tables[-1])])
-        toks = [short[:-1].argmax(-1).tolist() + long.argmax(-1).tolist()]
+        logits = [torch.cat([short[:-1], long])]
         for k in range(steps):
-            out = r.step([Chunk([toks[-1][i]], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))])
-            toks.append(out.argmax(-1).tolist())
+            feed = (forced[k] if forced is not None else logits[-1].argmax(-1)).tolist()
+            logits.append(r.step([Chunk([feed[i]], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))]))
         assert r._graphs, "decode steps did not replay CUDA graphs"
-        return toks
+        return torch.stack(logits)  # [steps + 1, rows, vocab]
 
-    ref, got = run("torch"), run("triton")
-    assert got == ref
+    ref = run("torch")
+    got = run("triton", forced=ref.argmax(-1))
+    atol = 2e-2 * ref.abs().max().item()
+    torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * atol
+    assert clear.float().mean() > 0.15, f"only {int(clear.sum())} of {clear.numel()} greedy steps are not near-ties"
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 def test_backend_resolution():
