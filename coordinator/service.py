@@ -267,7 +267,7 @@ class Coordinator:
             elif not (isinstance(snap, str) and snap.startswith(("http://", "https://"))):
                 snap = None
             if info.get("block_size") != self.block_size or info.get("key_scheme") != self.key_scheme \
-                    or int(info.get("ns_seed") or 0) != self.ns_seed:
+                    or (info.get("ns_seed") or 0) != self.ns_seed:
                 snap = None  # its snapshot keys would not be our canonical keys
             return FeedSource(endpoint=_advertised(kv.get("publisher"), host),
                               replay_endpoint=_advertised(kv.get("replay"), host),
