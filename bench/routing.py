@@ -354,6 +354,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="no kv_cache_aware search")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--work", type=Path, default=None, help="keep the processes' logs here")
     ap.add_argument("--from-json", type=Path, nargs="+", default=None,
                     help="write the report from earlier --json runs (their runs concatenated)")
     args = ap.parse_args(argv)
@@ -377,6 +378,9 @@ def main(argv=None) -> int:
     tokens = T.Tokens(args.tokens_per_block)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        if args.work:
+            tmp = str(args.work)
+            args.work.mkdir(parents=True, exist_ok=True)
         for n in sizes:
             k = args.sample
             reqs = T.load(args.trace, sample=k, limit=args.limit)

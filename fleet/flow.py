@@ -245,7 +245,11 @@ class Flow:
             return key
         if self.keys is None:
             return key or None
-        keys, n = await self.keys.keys_for(creq, self.placer.routing)
+        try:
+            keys, n = await self.keys.keys_for(creq, self.placer.routing)
+        except ValueError as e:   # ChatTemplateError / TokenizerError: what the worker says too
+            param = "messages" if creq.kind == CHAT else "prompt"
+            raise ApiError(400, f"cannot tokenize the prompt: {e}", param=param) from None
         key["block_keys"] = keys
         key["num_tokens"] = n
         return key
