@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -73,6 +72,7 @@ def _configure(args):
 
 
 async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast") -> int:
+    from coordinator.gc_tuning import settle_heap
     from coordinator.service import Coordinator, CoordinatorServer
 
     stop = asyncio.Event()
@@ -87,11 +87,7 @@ async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast")
         await coord.stop()
         print(f"splitserve coordinator: {exc}", file=sys.stderr, flush=True)
         return 2
-    # Modules, config and the KV indexes loaded at start live as long as the process: keep them out
-    # of the collector's full scans, which measured 16-37 ms each (a select's p99 stall) on a
-    # 32-server coordinator (bench/coordinator.py, docs/coordinator-api.md "Stalls").
-    gc.collect()
-    gc.freeze()
+    settle_heap()   # coordinator/gc_tuning.py: the collector's pauses were a select's p99 stall
     print("splitserve coordinator listening on " + " and ".join(urls), flush=True)
     logging.getLogger("splitserve.coordinator").info(
         "ready=%s (%s)", coord.is_ready(), coord.not_ready_reason() or "all minimums met")

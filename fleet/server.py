@@ -12,7 +12,6 @@ in-flight requests drain (bounded by `fleet.drain_timeout_s`), then leases and a
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from coordinator.errors import CoordinatorError
+from coordinator.gc_tuning import settle_heap
 
 from . import metrics as M
 from .auth import AUTH_HEADER, ApiKeys, vet_client_params
@@ -55,7 +55,6 @@ class StartupError(RuntimeError):
 
 
 LISTEN_BACKLOG = 4096
-
 
 def bind_socket(host: str, port: int, reuse_port: bool, backlog: int = LISTEN_BACKLOG) -> socket.socket:
     """A listening TCP socket; with `reuse_port` it joins the SO_REUSEPORT group of `port`."""
@@ -461,8 +460,7 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
                  sock.getsockname()[1])
         # Everything allocated so far (modules, config, tokenizer) lives as long as the process: keep it
         # out of the collector's scans so per-request garbage collection stays cheap.
-        gc.collect()
-        gc.freeze()
+        settle_heap()
         if ready_fd is not None:
             os.write(ready_fd, b"%d\n" % sock.getsockname()[1])
             os.close(ready_fd)
