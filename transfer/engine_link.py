@@ -7,6 +7,8 @@ Duck-typed (this package imports nothing of the worker). The engine provides (wo
 - `prefill_hook(req, tokens_done, block_ids)`: a `context_only` request computed another prefill
   chunk (pipelined transfer: the finished blocks can leave now).
 - `context_end_hook(req)`: a `context_only` request left the scheduler (finished, aborted, failed).
+- `receive_expected_hook(req)`: a `generation_only` request was accepted (it may wait for blocks
+  before its receive begins): the context instance is told it is claimed.
 - `receive_abandoned_hook(req)`: a `generation_only` request ended before its receive began
   (aborted while queued, client gone): the context instance is told, so it frees the KV it
   pinned for it now rather than at its pin timeout.
@@ -74,6 +76,8 @@ class EngineTransferLink:
             engine.context_end_hook = self._context_ended
         if hasattr(engine, "receive_abandoned_hook"):
             engine.receive_abandoned_hook = self._receive_abandoned
+        if hasattr(engine, "receive_expected_hook"):
+            engine.receive_expected_hook = self._receive_expected
 
     # ------------------------------------------------------------------ info
     def server_info(self) -> dict:
@@ -206,6 +210,19 @@ class EngineTransferLink:
         self._sends.pop(cid, None)
 
     # ------------------------------------------------------------------ generation side
+    def _receive_expected(self, req) -> None:
+        """A generation_only request was accepted: claim its KV at the context instance."""
+        if self._closed:
+            return
+        try:
+            ep, key = self._source(req)
+        except KvTransferFailed:
+            return  # its receive will fail with this error; nothing to claim
+        try:
+            self.tx.claim_receive(key, ep)
+        except Exception:  # never let a transfer problem stop the engine loop
+            log.exception("claim of receive %s", key)
+
     def _receive_abandoned(self, req) -> None:
         """A generation_only request ended before `receive` was called for it."""
         if self._closed:

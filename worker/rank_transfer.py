@@ -46,7 +46,7 @@ WATCH_POLL_S = 0.002
 #: Transceiver methods a rank may be asked to run (the EngineTransferLink surface).
 _OPS = frozenset({"begin_send", "progress_send", "finish_send", "send_status", "cancel_send",
                   "release_send", "begin_receive", "recv_status", "cancel_receive",
-                  "release_receive", "abandon_receive", "pending", "shutdown"})
+                  "release_receive", "abandon_receive", "claim_receive", "pending", "shutdown"})
 
 
 # ---------------------------------------------------------------------------------- in each rank
@@ -286,6 +286,9 @@ class MultiRankTransceiver:
 
     def cancel_receive(self, req_id: int) -> bool:
         return all(r is None or r for r in self._all("cancel_receive", req_id))
+
+    def claim_receive(self, req_id: int, ctx_endpoint: str) -> None:
+        self._all("claim_receive", req_id, ctx_endpoint)
 
     def abandon_receive(self, req_id: int, ctx_endpoint: str) -> None:
         self._all("abandon_receive", req_id, ctx_endpoint)

@@ -175,9 +175,13 @@ class Scheduler(abc.ABC):
         # be sent while the rest is computed; and a context_only request left the scheduler.
         self.prefill_hook: Callable[[EngineRequest, int, list[int]], None] | None = None
         self.context_end_hook: Callable[[EngineRequest], None] | None = None
-        # A generation_only request ended before its KV receive began (aborted while queued,
-        # client gone, shutdown): the context worker may hold its KV pinned; the hook tells it.
+        # A generation_only request ended before its KV receive began (aborted while queued, or
+        # its receive task cancelled before it ran; client gone, shutdown): the context worker
+        # may hold its KV pinned; the hook tells it.
         self.receive_abandoned_hook: Callable[[EngineRequest], None] | None = None
+        # A generation_only request was accepted (queued): the context worker holding its KV is
+        # told at once, before the receive (which waits for free blocks) begins.
+        self.receive_expected_hook: Callable[[EngineRequest], None] | None = None
         self.event_sink: Callable[[list], None] | None = None
         self._clock = clock
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -306,6 +310,8 @@ class Scheduler(abc.ABC):
             self._aliases.setdefault(str(req.ctx_request_id), set()).add(seq.id)
         self._waiting.append(seq)
         self.counters["requests_submitted"] += 1
+        if self.receive_expected_hook is not None and req.request_type == GENERATION_ONLY:
+            self.receive_expected_hook(req)
         self._wake.set()
         return RequestStream(self, seq)
 
@@ -603,6 +609,10 @@ class Scheduler(abc.ABC):
             if s.state != FINISHED:
                 self._finish(s, "abort", keep_blocks=True)
             self._drop_blocks(s)
+            # A task cancelled before its first step never began the receive: the context
+            # worker must hear it from us (the receiver ignores this when its receive began).
+            if self.receive_abandoned_hook is not None:
+                self.receive_abandoned_hook(s.req)
             return
         exc = task.exception()
         if exc is not None:

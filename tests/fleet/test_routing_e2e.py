@@ -129,7 +129,7 @@ def test_predicted_vs_actual_alarm_on_a_worker_that_never_reuses(cluster):
     _, bad = cluster.worker("generation", name="pva-bad", extra=("--sim-prefix-reuse", "off"))
     url, curl, coord, _ = coordinator_and_fleet(cluster, gen_urls=[good, bad])
     landed = {good: 0, bad: 0}
-    for i in range(12):
+    for i in range(40):   # until both have had repeated prompts (placement decides which)
         body = {"model": "tiny", "prompt": f"conversation {i}: " + PROMPT, "max_tokens": 2}
         for _ in range(4):
             r, u = post(url, "/v1/completions", body)
@@ -137,7 +137,9 @@ def test_predicted_vs_actual_alarm_on_a_worker_that_never_reuses(cluster):
             landed[g["server"]] += 1
             if g["server"] == bad:
                 assert _cached(u) == 0      # the fault: events stored, nothing ever reused
-    assert min(landed.values()) >= 8, landed
+        if min(landed.values()) >= 12:
+            break
+    assert min(landed.values()) >= 12, landed
 
     def alarmed():
         return bad in cluster_info(curl)["routing_diagnostics"]["prediction_alarm"]

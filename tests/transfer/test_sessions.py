@@ -350,6 +350,37 @@ def test_a_receiver_that_gives_up_before_posting_frees_the_context_at_once(procs
     assert_idle(ctx, gen)
 
 
+def test_an_unclaimed_send_ends_at_the_claim_timeout_and_a_claimed_one_waits(procs):
+    """Issue 15 item 7: the KV of a context answer that never reached a generation worker (its
+    requester died between the legs) is freed at the claim timeout, not the send timeout; a
+    request the generation worker accepted (claimed) waits for its receive as long as needed."""
+    ctx = procs("context", "tcp", "ctx", cfg={"send_timeout_s": 30.0, "claim_timeout_s": 0.5})
+    gen = procs("generation", "tcp", "gen")
+    ctx("begin_send", 41, 30, SRC)
+    ctx("finish_send", 41, None)
+    gen("claim_receive", 42, ctx.endpoint)       # claimed before the context leg began
+    ctx("begin_send", 42, 30, SRC)
+    ctx("finish_send", 42, None)
+    ctx("begin_send", 43, 30, SRC)
+    ctx("finish_send", 43, None)
+    gen("claim_receive", 43, ctx.endpoint)       # claimed after the answer
+    t0 = time.monotonic()
+    st = wait_status(ctx, "send_status", 41, timeout=5)
+    assert st["state"] == "failed" and st["cause"] == "unclaimed", st
+    assert time.monotonic() - t0 < 3.0
+    time.sleep(1.0)                              # twice the claim timeout
+    for r in (42, 43):
+        st = ctx("send_status", r)
+        assert not st["quiescent"] and st["state"] == "waiting", st
+        gen("begin_receive", r, ctx.endpoint, 30, DST)
+        assert wait_status(gen, "recv_status", r)["state"] == "done"
+        assert wait_status(ctx, "send_status", r)["cause"] == "transferred"
+        gen("release_receive", r)
+    for r in (41, 42, 43):
+        ctx("release_send", r)
+    assert_idle(ctx, gen)
+
+
 def test_receive_times_out_when_the_context_never_starts(procs):
     ctx = procs("context", "tcp", "ctx")
     gen = procs("generation", "tcp", "gen", cfg={"recv_timeout_s": 1.0})

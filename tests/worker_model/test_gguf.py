@@ -187,21 +187,26 @@ def test_chat_template_matches_transformers(smol, hf_smol, agp):
 
 
 def test_fleet_routing_tokenizer_is_the_workers(smol):
-    """The fleet resolves `smollm2-135m` to the same tokenizer: token ids and block keys of a chat and a
-    text request equal what the worker's request parser computes."""
+    """The fleet (and the sim engine) resolve `smollm2-135m` to the same tokenizer: token ids and block
+    keys of a chat and a text request equal what the worker's request parser computes."""
     from fleet.keys import KeyBuilder, load_tokenizer
     from fleet.validate import CHAT, COMPLETION, parse_request
     from worker.protocol import parse_chat, parse_completion
 
+    from worker.cli import _sim_tokenizer
+
     _, tok, _, _, _ = smol
     keys = KeyBuilder(load_tokenizer("smollm2-135m"))
+    sim_tok, sim_max_len = _sim_tokenizer("smollm2-135m")  # the sim engine, which never imports torch
+    assert sim_max_len == 8192
     long_chat = CAPITAL + [{"role": "assistant", "content": "Paris."},
                            {"role": "user", "content": "And of Italy? Answer in one word, 2024 style."}]
     for kind, body, parse in ((CHAT, {"model": "smollm2-135m", "messages": long_chat}, parse_chat),
                               (COMPLETION, {"model": "smollm2-135m", "prompt": TEXTS[1] * 3}, parse_completion)):
         fleet_ids = keys.token_ids(parse_request(json.dumps(body).encode(), kind))
         worker_ids = parse(body, tok, max_model_len=8192).prompt_token_ids
-        assert fleet_ids == worker_ids and len(worker_ids) >= 2 * BS
+        assert fleet_ids == worker_ids == parse(body, sim_tok, max_model_len=8192).prompt_token_ids
+        assert len(worker_ids) >= 2 * BS
         assert list(block_keys(fleet_ids, BS, 0)) == list(block_keys(worker_ids, BS, 0))
 
 
