@@ -2,8 +2,8 @@
 
 Keys and defaults follow `trtllm-serve disaggregated` (TensorRT-LLM's `extract_disagg_cfg`) wherever
 that command has them, so an upstream config file loads unchanged. Our additions (routing key scheme,
-leases, fallback, auth, coordinator and fleet tuning) are documented field by field below and in the
-README ("Configuration").
+leases, fallback, auth, coordinator and fleet tuning) are documented field by field below and in
+docs/configuration.md (generated from this schema by coordinator/config_doc.py).
 
 Invariants:
 - Every value in a `ClusterConfig` was validated; unknown keys and wrong types raise `ConfigError`
@@ -261,7 +261,7 @@ class ServerGroupConfig:
         doc="static KV-event sources (they take precedence over what a server's /server_info "
         "advertises)", factory=tuple)
     protocol: Optional[Literal["trtllm", "vllm", "sglang"]] = _fld(
-        None, "leg protocol of these servers (fleet/legs/): trtllm disaggregated_params, vllm "
+        None, "leg protocol of these servers (fleet/legs/, docs/protocols.md): trtllm disaggregated_params, vllm "
         "kv_transfer_params, sglang bootstrap rendezvous (null = what each server's /server_info "
         "says, else trtllm)")
     bootstrap_port: Optional[int] = _fld(
@@ -1140,8 +1140,9 @@ def _public(obj: Any) -> Any:
 
 
 def schema_rows(cls: type = ClusterConfig, prefix: str = "") -> list[dict[str, Any]]:
-    """Every documented key: `{path, type, default, doc, upstream}`; nested mappings flattened.
-    Used to keep the README's table honest (a test checks every path appears there)."""
+    """Every documented key: `{path, type, default, doc, upstream, parse}`; nested mappings flattened.
+    docs/configuration.md is generated from these (coordinator/config_doc.py; tests/test_config.py
+    checks it is current)."""
     rows = []
     hints = _hints(cls)
     for f in _schema_fields(cls):
@@ -1160,7 +1161,8 @@ def schema_rows(cls: type = ClusterConfig, prefix: str = "") -> list[dict[str, A
         nested = dataclasses.is_dataclass(inner)
         rows.append({"path": path, "type": _type_name(tp),
                      "default": _public(default) if not nested else None,
-                     "doc": f.metadata.get("doc", ""), "upstream": bool(f.metadata.get("upstream"))})
+                     "doc": f.metadata.get("doc", ""), "upstream": bool(f.metadata.get("upstream")),
+                     "parse": f.metadata.get("parse")})
         if nested:
             rows.extend(schema_rows(inner, path))
         elif typing.get_origin(inner) is tuple and dataclasses.is_dataclass(

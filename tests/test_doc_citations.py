@@ -1,8 +1,8 @@
 """Comments, docstrings and docs cite only files that are in the repository.
 
 A citation is a path ending in `.md` inside a comment or a docstring of any Python file here, or a
-`docs/….md` path or a relative Markdown link in a Markdown file (docs/reference/ quotes other
-projects' paths, so only its links are checked). It resolves against the repository
+`docs/….md` path or a relative Markdown link (with its `#heading`) in a Markdown file
+(docs/reference/ quotes other projects' paths, so only its links are checked). It resolves against the repository
 root or the citing file's directory. `docs/design.md §N` must also name a section that exists.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIP = {".venv", ".git", "node_modules", "splitserve.egg-info", ".bench_out", "build"}
 MD_PATH = re.compile(r"(?<![\w./-])((?:\.\./|\./)?[\w-]+(?:/[\w.-]+)*\.md)\b")
 DESIGN_SECTION = re.compile(r"docs/design\.md ?§ ?(\d+)")
-MD_LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
+MD_LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
 
 
 def _files(ext: str) -> list[Path]:
@@ -45,6 +45,13 @@ def _resolves(cited: str, citing: Path) -> bool:
     return (ROOT / cited).is_file() or (citing.parent / cited).is_file()
 
 
+def _anchors(md: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, each space a hyphen."""
+    text = re.sub(r"^```.*?^```", "", md.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
 def _design_sections() -> set[str]:
     text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
     return set(re.findall(r"^## (\d+)\.", text, re.M))
@@ -68,9 +75,14 @@ def test_markdown_cites_files_that_exist():
     for path in _files(".md"):
         text = path.read_text(encoding="utf-8")
         rel = path.relative_to(ROOT)
-        for m in MD_LINK.findall(text):
-            if "://" not in m and not (path.parent / m).is_file():
-                missing.append(f"{rel}: link {m}")
+        for target, anchor in MD_LINK.findall(text):
+            if "://" in target or (target and not target.endswith(".md")):
+                continue
+            md = path.parent / target if target else path
+            if not md.is_file():
+                missing.append(f"{rel}: link {target}")
+            elif anchor and anchor not in _anchors(md):
+                missing.append(f"{rel}: link {target}#{anchor} (no such heading)")
         # docs/reference/ restates other projects, whose own docs/… paths it quotes.
         ours = [] if rel.parts[:2] == ("docs", "reference") else re.findall(
             r"(?<![\w./-])(docs/[\w./-]+\.md)", text)
