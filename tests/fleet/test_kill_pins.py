@@ -126,7 +126,13 @@ def test_kill_9_under_load_releases_context_pins_promptly(cluster):
     _wait_unpinned(ctx, t_kill, "the generation worker killed -9")
 
     t = _metrics(ctx)
-    assert metric(t, "splitserve_worker_pins_released_total", reason="timeout") == 0
-    assert metric(t, "splitserve_worker_pins_released_total", reason="receiver_cancelled") > 0
-    assert metric(t, "splitserve_worker_pins_released_total", reason="transferred") > 0
+    released = {r: metric(t, "splitserve_worker_pins_released_total", reason=r)
+                for r in ("timeout", "send_timeout", "transferred", "receiver_cancelled",
+                          "unclaimed", "write_failed", "abort")}
+    assert released["timeout"] == 0 and released["send_timeout"] == 0, released
+    assert released["transferred"] > 0, released
+    # the kills' requests were freed by the paths that say why (which ones depends on where
+    # each request was when its process died)
+    assert sum(released[r] for r in ("receiver_cancelled", "unclaimed", "write_failed",
+                                     "abort")) > 0, released
     assert metric(t, "splitserve_worker_pins_released_total") > released_before
