@@ -26,7 +26,8 @@ def section(out: dict) -> list[str]:
         f"`{m['command']}` · {m['date']} · {m['machine']} · trace `{Path(m['trace']).name}`", "",
         "Mooncake's FAST'25 synthetic trace replayed open-loop through one fleet process and an "
         "external coordinator onto `--engine sim` workers (aggregated: generation servers only). "
-        f"Arrivals compressed {m['compress']:g}× (trace time / {m['compress']:g}); each 512-token "
+        f"Arrivals compressed {m['compress']:g}× at 8 workers (trace time / {m['compress']:g}; "
+        "scaled with the worker count, per size below); each 512-token "
         f"trace block is {m['tokens_per_block']} synthetic tokens (per-token costs × "
         f"{512 // m['tokens_per_block']}); every latency runs {m['dilation']:g}× slower on the wall "
         "clock and is reported divided by that (H200-equivalent), so this 2-core host's overhead "
@@ -36,8 +37,9 @@ def section(out: dict) -> list[str]:
         f"estimate), decode step {lat['decode_us_per_step']:.0f} µs + {lat['decode_us_per_seq']} "
         f"µs/sequence + {lat['decode_us_per_ctx_token']} µs/context token, chunked prefill "
         f"budget {lat['max_num_tokens']} tokens/step, batch ≤ {m['max_batch_size']}. KV "
-        f"capacity: the whole cluster holds {m['kv_ratio']:.0%} of the sampled working set "
-        "(LRU). Hit ratio = Σ worker-reported cached tokens / Σ prompt tokens. Hotspot = the most "
+        f"capacity (LRU): `--kv-ratio {m['kv_ratio']:g}` of the sampled working set over the "
+        "cluster, floored at twice the longest prompt per worker (the effective share is given "
+        "per size below). Hit ratio = Σ worker-reported cached tokens / Σ prompt tokens. Hotspot = the most "
         "loaded worker's time-averaged in-flight requests / the mean's; \"inst.\" = the mean over "
         "time of max/mean in-flight. TPOT Δ = p99 against round_robin's. Oracle: outside the "
         "product (bench/_routing_oracle.py), placed with the workers' true caches and loads and "
@@ -68,6 +70,15 @@ def section(out: dict) -> list[str]:
     return lines
 
 
+def _short(name: str) -> str:
+    for a, b in (("kv_cache_aware", "kv"), ("load_tokens_weight", "tok"),
+                 ("load_requests_weight", "req"), ("hotspot_factor", "hf"),
+                 ("hotspot_slack", "hs"), ('"', ""), ("load_balancing", "lb"),
+                 (" (outside the product)", "")):
+        name = name.replace(a, b)
+    return name
+
+
 def plot(out: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -77,25 +88,28 @@ def plot(out: dict, path: Path) -> bool:
         print("matplotlib not installed (pip install -e .[bench]); no plot written")
         return False
     runs = out["runs"]
-    fig, axes = plt.subplots(2, len(runs), figsize=(7 * len(runs), 9), squeeze=False)
+    fig, axes = plt.subplots(2, len(runs), figsize=(7 * len(runs), 10), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
     for k, run in enumerate(runs):
         rows = run["rows"]
         ax = axes[0][k]
-        names = [r["name"] for r in rows]
-        ax.barh(range(len(rows)), [r["hit_ratio"] for r in rows], color="tab:blue")
+        names = [_short(r["name"]) for r in rows]
+        ax.barh(range(len(rows)), [r["hit_ratio"] for r in rows],
+                color=[colors[i % len(colors)] for i in range(len(rows))])
         ax.set_yticks(range(len(rows)), names, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("prefix-hit ratio (worker-reported cached / prompt tokens)")
         ax.set_title(f"{run['workers']} workers, {run['requests']} requests")
         ax = axes[1][k]
-        for r in rows:
+        for i, r in enumerate(rows):
             xs = r.get("ttft_ms_sorted") or []
             if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["name"], lw=1.2)
+                ax.plot(xs, [(j + 1) / len(xs) for j in range(len(xs))], label=_short(r["name"]),
+                        lw=1.4, color=colors[i % len(colors)])
         ax.set_xscale("log")
         ax.set_xlabel("TTFT ms (H200-equivalent)")
         ax.set_ylabel("CDF")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
