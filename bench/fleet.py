@@ -496,7 +496,7 @@ def header(args) -> str:
     from bench._common import cpu_model
     cpu = cpu_model()
     load = os.getloadavg()[0]
-    return (f"`python bench/fleet.py {' '.join(args.argv)}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+    return (f"`python bench/fleet.py {shlex.join(args.argv)}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{cores} cores ({cpu}), Python {platform.python_version()}, load average {load:.1f} at the end; "
             f"wrk {args.wrk_threads} thread(s) × {args.conns} connections, {args.duration} per point after "
             f"{args.warmup} warm-up and a 1 s pause; mock backends are nginx `return 200` ({args.backend_workers} worker "
