@@ -7,6 +7,8 @@ cache and load at decision time, to bound what any router could achieve on the t
 - true load: the harness itself holds every request, so it knows, per worker, the prefill work
   queued (uncached tokens of requests that have not produced their first token) and the
   requests decoding;
+- blocks being computed count as cached: a request placed on a worker whose queue already holds
+  the same prefix will find it there (FCFS prefill), before any event says so;
 - decision: the least `queued prefill + cache_weight x this request's uncached tokens`, ties to
   the fewest decoding requests. cache_weight 1 is the earliest first token under a FCFS prefill
   queue; above 1 it also counts what the uncached tokens cost every later request on that worker
@@ -33,7 +35,8 @@ class Oracle:
         self.cache: dict[str, set[int]] = {u: set() for u in urls}
         self.queued: dict[str, int] = {u: 0 for u in urls}       # uncached prefill tokens
         self.decoding: dict[str, int] = {u: 0 for u in urls}
-        self._req: dict[int, tuple[str, int, bool]] = {}          # i -> (server, uncached, first)
+        self._req: dict[int, tuple[str, int, bool, list]] = {}    # i -> (server, uncached, first, keys)
+        self.pending: dict[str, dict[int, int]] = {u: {} for u in urls}   # key -> requests computing it
         self._ctx = zmq.asyncio.Context()
         self._socks: list = []
         self._tasks: list[asyncio.Task] = []
@@ -65,13 +68,22 @@ class Oracle:
                     cache.clear()
 
     def _matched(self, url: str, keys: list[int]) -> int:
-        c = self.cache[url]
+        c, p = self.cache[url], self.pending[url]
         n = 0
         for k in keys:
-            if k not in c:
+            if k not in c and k not in p:
                 break
             n += 1
         return n * self.B
+
+    def _unpend(self, u: str, keys: list[int]) -> None:
+        p = self.pending[u]
+        for k in keys:
+            c = p.get(k, 0) - 1
+            if c > 0:
+                p[k] = c
+            else:
+                p.pop(k, None)
 
     def place(self, i: int, ids: list[int]) -> tuple[str, int]:
         keys = block_keys_list(ids, self.B)
@@ -84,25 +96,30 @@ class Oracle:
                 best = (cost, u, m)
         _, u, m = best
         self.queued[u] += n - m
-        self._req[i] = (u, n - m, False)
+        p = self.pending[u]
+        for k in keys:
+            p[k] = p.get(k, 0) + 1
+        self._req[i] = (u, n - m, False, keys)
         return u, m
 
     def first_token(self, i: int) -> None:
-        u, unc, first = self._req[i]
+        u, unc, first, keys = self._req[i]
         if not first:
             self.queued[u] -= unc
             self.decoding[u] += 1
-            self._req[i] = (u, unc, True)
+            self._unpend(u, keys)      # its blocks are committed now (events follow)
+            self._req[i] = (u, unc, True, [])
 
     def done(self, i: int) -> None:
         t = self._req.pop(i, None)
         if t is None:
             return
-        u, unc, first = t
+        u, unc, first, keys = t
         if first:
             self.decoding[u] -= 1
         else:
             self.queued[u] -= unc
+            self._unpend(u, keys)
 
     async def stop(self) -> None:
         for t in self._tasks:

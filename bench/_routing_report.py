@@ -49,7 +49,9 @@ def section(out: dict) -> list[str]:
         lines += [
             f"### {run['workers']} workers · {run['requests']} requests (1/{run['sample']} of the "
             f"prefix trees) · working set {run['working_set_blocks']:,} blocks of 16 · "
-            f"{run['blocks_per_worker']:,} blocks per worker", "",
+            f"{run['blocks_per_worker']:,} blocks per worker (the cluster holds "
+            f"{run.get('kv_ratio_effective', out['meta']['kv_ratio']):.0%} of the working set)", "",
+            f"Arrivals compressed {run['compress']:g}×, dilation {run['dilation']:g}.", "",
             "| policy | hit ratio | of oracle | TTFT p50 ms | TTFT p99 ms | TTFT p50 vs RR | "
             "TPOT p50 ms | TPOT p99 ms | TPOT p99 Δ | tokens/s | req/s | requests/worker | "
             "hotspot | inst. | errors |",

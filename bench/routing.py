@@ -57,6 +57,8 @@ KV_GRID = [  # the search: load weight against cache weight, and the hot-spot ca
     {"load_requests_weight": 256.0},
     {"load_tokens_weight": 0.5, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
     {"load_tokens_weight": 2.0, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
+    {"load_tokens_weight": 0.5, "hotspot_factor": 1.2, "hotspot_slack": 0.5},
+    {"load_tokens_weight": 0.25, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
 ]
 
 
@@ -123,28 +125,39 @@ class Procs:
             self.stop(p)
 
 
-def start_workers(procs: Procs, n: int, num_blocks: int, args) -> list[str]:
+def start_workers(procs: Procs, n: int, num_blocks: int, args, model: str = "1b") -> list[str]:
     flags = T.sim_flags(args.tokens_per_block, args.dilation)
-    ports, ps = [], []
-    for k in range(n):
+
+    def spawn(k: int, attempt: int) -> tuple[str, subprocess.Popen]:
         port = free_port()
         argv = [PY, "-m", "splitserve_cli", "worker", "--engine", "sim", "--role", "both",
-                "--model", "1b", "--host", "127.0.0.1", "--port", str(port),
+                "--model", model, "--host", "127.0.0.1", "--port", str(port),
                 "--block-size", str(BLOCK), "--num-blocks", str(num_blocks),
                 "--max-batch-size", str(args.max_batch_size), "--log-level", "WARNING", *flags]
         if args.no_reuse_worker and k == 0:
             argv += ["--sim-prefix-reuse", "off"]
-        ps.append(procs.spawn(f"worker-{n}-{k}", argv))
-        ports.append(port)
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    for u, p in zip(urls, ps):
-        procs.wait_http(u + "/health", p)
+        return f"http://127.0.0.1:{port}", procs.spawn(f"worker-{n}-{k}-{attempt}", argv)
+
+    started = [spawn(k, 0) for k in range(n)]
+    urls = []
+    for k, (u, p) in enumerate(started):
+        for attempt in range(1, 4):
+            try:
+                procs.wait_http(u + "/health", p)
+                break
+            except RuntimeError as e:
+                # a port picked free can be taken by another worker's KV-event socket meanwhile
+                if "Address already in use" not in str(e) or attempt == 3:
+                    raise
+                u, p = spawn(k, attempt)
+        urls.append(u)
     return urls
 
 
-def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: dict):
+def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: dict,
+                model: str = "1b"):
     """An external coordinator and one fleet process for `policy` → (fleet url, coord url, procs)."""
-    doc = {"hostname": "127.0.0.1", "model": "1b", "request_timeout": 600,
+    doc = {"hostname": "127.0.0.1", "model": model, "request_timeout": 600,
            "generation_servers": {"urls": [u.removeprefix("http://") for u in urls],
                                   "router": {"type": policy, **rargs}},
            "routing": {"block_size": BLOCK}}
@@ -167,10 +180,10 @@ def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: d
 
 
 async def _one(session, url: str, r: T.Req, ids: list[int], at: float, oracle: Oracle | None,
-               res: T.Result) -> None:
+               res: T.Result, model: str) -> None:
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, at - loop.time()))
-    body = {"model": "1b", "prompt": ids, "max_tokens": r.output_length, "stream": True,
+    body = {"model": model, "prompt": ids, "max_tokens": r.output_length, "stream": True,
             "stream_options": {"include_usage": True}}
     target = url
     if oracle is not None:
@@ -211,14 +224,14 @@ async def _one(session, url: str, r: T.Req, ids: list[int], at: float, oracle: O
 
 
 async def replay(url: str, reqs: list[T.Req], tokens: T.Tokens, args,
-                 oracle: Oracle | None = None) -> list[T.Result]:
+                 oracle: Oracle | None = None, model: str = "1b") -> list[T.Result]:
     prompts = [tokens.prompt(r) for r in reqs]
     results = [T.Result(i=k) for k in range(len(reqs))]
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as s:
         t0 = asyncio.get_running_loop().time() + 0.5
         scale = args.dilation / args.compress
-        await asyncio.gather(*(_one(s, url, r, ids, t0 + r.t_s * scale, oracle, res)
+        await asyncio.gather(*(_one(s, url, r, ids, t0 + r.t_s * scale, oracle, res, model)
                                for r, ids, res in zip(reqs, prompts, results)))
     return results
 
@@ -285,15 +298,22 @@ def policies(args) -> list[tuple[str, str, dict]]:
         out += [(f"kv_cache_aware {json.dumps(g, separators=(',', ':'))}", "kv_cache_aware", g)
                 for g in KV_GRID]
     out += [("conversation", "conversation", {}), ("oracle (outside the product)", "oracle", {})]
-    if args.policies:
-        keep = set(args.policies.split(","))
+    if args.policies:   # types or row names, ';'-separated (row names hold commas)
+        keep = set(args.policies.split(";" if ";" in args.policies else ","))
         out = [p for p in out if p[1] in keep or p[0] in keep]
     return out
 
 
 def run_size(n: int, args, reqs, tokens, work: Path) -> dict:
+    if args.per_worker_load:
+        # the same requests at the same load per worker: arrivals and the latency model both
+        # n/8 x faster/slower, so every size costs the host the same CPU per wall second
+        args = argparse.Namespace(**{**vars(args), "compress": args.compress * n / 8,
+                                     "dilation": args.dilation * n / 8})
     ws = T.working_set_blocks(reqs, args.tokens_per_block, BLOCK)
-    per_worker = max(64, int(ws * args.kv_ratio / n))
+    # at least twice the longest prompt, so every request fits a worker's pool
+    longest = max(len(tokens.prompt(r)) for r in reqs) // BLOCK + 1
+    per_worker = max(2 * longest, int(ws * args.kv_ratio / n))
     procs = Procs(work)
     try:
         urls = start_workers(procs, n, per_worker, args)
@@ -304,6 +324,8 @@ def run_size(n: int, args, reqs, tokens, work: Path) -> dict:
     finally:
         procs.stop_all()
     return {"workers": n, "requests": len(reqs), "working_set_blocks": ws,
+            "kv_ratio_effective": per_worker * n / ws,
+            "compress": args.compress, "dilation": args.dilation,
             "blocks_per_worker": per_worker, "rows": rows}
 
 
@@ -311,14 +333,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", type=Path, default=T.DEFAULT_TRACE)
     ap.add_argument("--workers", default="8,32", help="cluster sizes, comma-separated")
-    ap.add_argument("--sample", default="auto", help="keep 1/K of the prefix trees (auto: 32/workers)")
+    ap.add_argument("--sample", type=int, default=8, help="keep 1/K of the prefix trees")
+    ap.add_argument("--per-worker-load", action=argparse.BooleanOptionalAction, default=True,
+                    help="scale --compress and --dilation by workers/8 (same load per worker)")
     ap.add_argument("--limit", type=int, default=None, help="at most this many requests")
-    ap.add_argument("--compress", type=float, default=150.0, help="arrival-time compression factor")
-    ap.add_argument("--dilation", type=float, default=8.0, help="wall time per model time")
+    ap.add_argument("--compress", type=float, default=120.0,
+                    help="arrival-time compression factor (at 8 workers, see --per-worker-load)")
+    ap.add_argument("--dilation", type=float, default=4.0,
+                    help="wall time per model time (at 8 workers, see --per-worker-load)")
     ap.add_argument("--tokens-per-block", type=int, default=32)
     ap.add_argument("--kv-ratio", type=float, default=0.5,
                     help="KV capacity of the whole cluster as a fraction of the working set")
     ap.add_argument("--max-batch-size", type=int, default=128)
+    ap.add_argument("--max-output", type=int, default=None,
+                    help="cap every request's output length (CI smoke: fewer streamed chunks)")
     ap.add_argument("--policies", default=None, help="only these (policy types or row names)")
     ap.add_argument("--oracle-cache-weight", type=float, default=2.0,
                     help="oracle cost: queued prefill + this x uncached tokens")
@@ -326,14 +354,39 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="no kv_cache_aware search")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--work", type=Path, default=None, help="keep the processes' logs here")
+    ap.add_argument("--from-json", type=Path, nargs="+", default=None,
+                    help="write the report from earlier --json runs (their runs concatenated)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        parts = [json.loads(p.read_text()) for p in args.from_json]
+        runs: dict[int, dict] = {}
+        for part in parts:   # a later file's rows replace the same-named rows of that size
+            for r in part["runs"]:
+                have = runs.setdefault(r["workers"], r)
+                if have is not r:
+                    names = [x["name"] for x in have["rows"]]
+                    for row in r["rows"]:
+                        if row["name"] in names:
+                            have["rows"][names.index(row["name"])] = row
+                        else:
+                            have["rows"].append(row)
+        out = {"meta": parts[0]["meta"], "runs": sorted(runs.values(), key=lambda r: r["workers"])}
+        out["meta"]["command"] = " ; ".join(p["meta"]["command"] for p in parts)
+        return _write(out, OUTDIR / "routing.json")
     sizes = [int(x) for x in args.workers.split(",")]
     tokens = T.Tokens(args.tokens_per_block)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        if args.work:
+            tmp = str(args.work)
+            args.work.mkdir(parents=True, exist_ok=True)
         for n in sizes:
-            k = max(1, 32 // n) if args.sample == "auto" else int(args.sample)
+            k = args.sample
             reqs = T.load(args.trace, sample=k, limit=args.limit)
+            if args.max_output:
+                for r in reqs:
+                    r.output_length = min(r.output_length, args.max_output)
             r = run_size(n, args, reqs, tokens, Path(tmp))
             r["sample"] = k
             runs.append(r)
@@ -343,20 +396,25 @@ def main(argv=None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({platform.machine()})",
             "command": "python bench/routing.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    out = {"meta": meta, "runs": runs}
-    path = args.json or OUTDIR / "routing.json"
+    out = json.loads(json.dumps({"meta": meta, "runs": runs}, default=str))
+    if args.json:
+        args.json.write_text(json.dumps(out))
     if not args.no_write:
-        OUTDIR.mkdir(exist_ok=True)
-        slim = json.loads(json.dumps(out, default=str))
-        for r in slim["runs"]:
-            for row in r["rows"]:
-                row.pop("ttft_ms_sorted", None)
-        path.write_text(json.dumps(slim, indent=1))
-        from bench._routing_report import plot, section
-        plot(out, OUTDIR / "routing.png")
-        replace_section(RESULTS, section(out))
-    elif args.json:
-        args.json.write_text(json.dumps(out, default=str))
+        return _write(out, OUTDIR / "routing.json")
+    return 0
+
+
+def _write(out: dict, path: Path) -> int:
+    """bench/results/routing.json (without the TTFT samples), the PNG, the RESULTS.md section."""
+    from bench._routing_report import plot, section
+    OUTDIR.mkdir(exist_ok=True)
+    slim = json.loads(json.dumps(out))
+    for r in slim["runs"]:
+        for row in r["rows"]:
+            row.pop("ttft_ms_sorted", None)
+    path.write_text(json.dumps(slim, indent=1))
+    plot(out, OUTDIR / "routing.png")
+    replace_section(RESULTS, section(out))
     return 0
 
 

@@ -4,6 +4,7 @@
     python bench/worker.py                          # tiny on CPU (fp32)
     python bench/worker.py --device cuda --model 1b # Llama-3.2-1B shapes, bf16 on a GPU
     python bench/worker.py --quick --no-write       # smoke run
+    python bench/worker.py --model smollm2-135m     # SmolLM2-135M-Instruct (GGUF, real weights)
 
 Prefill: one ``ModelRunner.step`` over ``batch`` prompts of ``--prompt-len`` tokens. Its roofline is the
 time of the model's own GEMMs alone — ``F.linear`` with the model's weight matrices on an activation of
@@ -40,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +145,9 @@ def backends(args: argparse.Namespace, dev: torch.device) -> list[str]:
 def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
-    model, _, cfg = load_model(args.model, dev, dtype)
+    t_load = time.perf_counter()
+    model, _, cfg = load_model(args.model, dev, dtype, cache_dir=args.cache_dir)
+    t_load = time.perf_counter() - t_load
     quick = args.quick
     prompt_len = args.prompt_len or (64 if quick else (1024 if dev.type == "cuda" else 256))
     contexts = tuple(args.context) if args.context else ((1024, 8192, 32768) if dev.type == "cuda" and not quick
@@ -158,53 +162,61 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     graphs = False
-    used = []
+    used, failures = [], []
     for backend in backends(args, dev):
-        runner = ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, block_size=bs,
-                             device=dev, dtype=dtype, attention_backend=backend)
-        used.append(runner.attention_backend)
-        if args.cuda_graphs is not None:
-            runner.use_cuda_graphs = args.cuda_graphs
-        graphs = runner.use_cuda_graphs
-        kv_token_bytes = runner.block_stride // bs
-        for b in batches:
-            tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
-            prompts = [torch.randint(0, min(cfg.vocab_size, 256), (prompt_len,), generator=gen).tolist()
-                       for _ in range(b)]
-            prefill = [Chunk(prompts[i], 0, tables[i]) for i in range(b)]
-            t_prefill = timed(lambda: runner.step(prefill), dev, repeats)
-            t_gemm = gemm_time(model, b * prompt_len, b, dev, repeats)
-            flops = gemm_flops(model, b * prompt_len, b)
-            rows.append({"phase": "prefill", "backend": runner.attention_backend, "batch": b, "context": prompt_len,
-                         "tokens": b * prompt_len, "tok_s": b * prompt_len / t_prefill,
-                         "roof_tok_s": b * prompt_len / t_gemm, "step_ms": 1e3 * t_prefill,
-                         "basis": f"GEMMs {flops / t_gemm / 1e12:.2f} TFLOP/s"})
-        runner.kv_cache.normal_()  # decode contexts hold noise, not prefilled K/V (see the docstring)
-        for ctx in contexts:
+        try:
+            runner = ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, block_size=bs,
+                                 device=dev, dtype=dtype, attention_backend=backend)
+            used.append(runner.attention_backend)
+            if args.cuda_graphs is not None:
+                runner.use_cuda_graphs = args.cuda_graphs
+            graphs = runner.use_cuda_graphs
+            kv_token_bytes = runner.block_stride // bs
             for b in batches:
                 tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
-                last = [(7 * i + 1) % 250 for i in range(b)]
+                prompts = [torch.randint(0, min(cfg.vocab_size, 256), (prompt_len,), generator=gen).tolist()
+                           for _ in range(b)]
+                prefill = [Chunk(prompts[i], 0, tables[i]) for i in range(b)]
+                t_prefill = timed(lambda: runner.step(prefill), dev, repeats)
+                t_gemm = gemm_time(model, b * prompt_len, b, dev, repeats)
+                flops = gemm_flops(model, b * prompt_len, b)
+                rows.append({"phase": "prefill", "backend": runner.attention_backend, "batch": b, "context": prompt_len,
+                             "tokens": b * prompt_len, "tok_s": b * prompt_len / t_prefill,
+                             "roof_tok_s": b * prompt_len / t_gemm, "step_ms": 1e3 * t_prefill,
+                             "basis": f"GEMMs {flops / t_gemm / 1e12:.2f} TFLOP/s"})
+            runner.kv_cache.normal_()  # decode contexts hold noise, not prefilled K/V (see the docstring)
+            for ctx in contexts:
+                for b in batches:
+                    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+                    last = [(7 * i + 1) % 250 for i in range(b)]
 
-                def decode(base: int):
-                    for s in range(steps):
-                        runner.step([Chunk([last[i]], base + s, tables[i]) for i in range(b)])
+                    def decode(base: int):
+                        for s in range(steps):
+                            runner.step([Chunk([last[i]], base + s, tables[i]) for i in range(b)])
 
-                decode(ctx + steps + 1)  # warm-up and CUDA-graph capture at positions past the timed ones
-                t_dec = timed(lambda: decode(ctx), dev, max(1, repeats // 2), warmup=0)
-                avg_ctx = ctx + (steps + 1) / 2
-                step_bytes = wbytes + b * avg_ctx * kv_token_bytes
-                rows.append({"phase": "decode", "backend": runner.attention_backend, "batch": b, "context": ctx,
-                             "tokens": b * steps, "tok_s": b * steps / t_dec, "roof_tok_s": b / (step_bytes / bw),
-                             "step_ms": 1e3 * t_dec / steps,
-                             "basis": f"{step_bytes / 1e6:.1f} MB/step @ {bw / 1e9:.0f} GB/s"})
-        del runner
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+                    decode(ctx + steps + 1)  # warm-up and CUDA-graph capture at positions past the timed ones
+                    t_dec = timed(lambda: decode(ctx), dev, max(1, repeats // 2), warmup=0)
+                    avg_ctx = ctx + (steps + 1) / 2
+                    step_bytes = wbytes + b * avg_ctx * kv_token_bytes
+                    rows.append({"phase": "decode", "backend": runner.attention_backend, "batch": b, "context": ctx,
+                                 "tokens": b * steps, "tok_s": b * steps / t_dec, "roof_tok_s": b / (step_bytes / bw),
+                                 "step_ms": 1e3 * t_dec / steps,
+                                 "basis": f"{step_bytes / 1e6:.1f} MB/step @ {bw / 1e9:.0f} GB/s"})
+            del runner
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:  # report and go on: the other backend's rows still get written
+            traceback.print_exc()
+            failures.append(f"{backend}: {type(e).__name__}: {e}")
+            runner = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     info = {
         "model": args.model, "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
         "params": sum(p.numel() for p in model.parameters()), "weight_bytes": wbytes,
         "copy_bw": bw, "prompt_len": prompt_len, "decode_steps": steps, "block_size": bs,
-        "machine": machine(dev), "cuda_graphs": bool(graphs), "backends": used,
+        "machine": machine(dev), "cuda_graphs": bool(graphs), "backends": used, "failures": failures,
+        "load_s": t_load,
     }
     return rows, info
 
@@ -212,7 +224,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
 def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
-    model, _, cfg = load_model(args.model, dev, dtype)
+    model, _, cfg = load_model(args.model, dev, dtype, cache_dir=args.cache_dir)
     gpu = dev.type == "cuda"
     long_len = args.long_len or (32768 if gpu else 4096)
     short_len = args.short_len or (512 if gpu else 64)
@@ -232,43 +244,99 @@ def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
             modes += [("one padded batch", "torch", 1), ("grouped by length", "torch", 3)]
         else:
             modes.append((f"paged kernel ({backend})", backend, 3))
-    runner = None
+    runner, failures, graphs = None, [], False
     for label, backend, groups in modes:
-        if runner is None or runner.attention_backend != resolve_backend(backend, dev):
-            runner = None
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            runner = ModelRunner(model, num_blocks=first, block_size=bs, device=dev, dtype=dtype,
-                                 attention_backend=backend)
-            if args.cuda_graphs is not None:
-                runner.use_cuda_graphs = args.cuda_graphs
-        runner.max_decode_groups = groups
-        runner.kv_cache.zero_()
+        try:
+            if runner is None or runner.attention_backend != resolve_backend(backend, dev):
+                runner = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                runner = ModelRunner(model, num_blocks=first, block_size=bs, device=dev, dtype=dtype,
+                                     attention_backend=backend)
+                if args.cuda_graphs is not None:
+                    runner.use_cuda_graphs = args.cuda_graphs
+                graphs = runner.use_cuda_graphs
+            runner.max_decode_groups = groups
+            runner.kv_cache.zero_()
 
-        def step(k: int):
-            return runner.step([Chunk([(i + k) % 250], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))])
+            def step(k: int):
+                return runner.step([Chunk([(i + k) % 250], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))])
 
-        for k in range(2):  # warm-up (and CUDA-graph capture) at positions the timed steps do not reuse
-            step(steps + 2 + k)
-        sync(dev)
-        times = []
-        for k in range(steps):
-            t0 = time.perf_counter()
-            out = step(k)
+            for k in range(2):  # warm-up (and CUDA-graph capture) at positions the timed steps do not reuse
+                step(steps + 2 + k)
             sync(dev)
-            times.append(time.perf_counter() - t0)
-        logits[label] = out.float().cpu()
-        st = runner.last_step_stats
-        rows.append({"mode": label, "ms": 1e3 * statistics.median(times), "groups": st["decode_groups"],
-                     "key_slots": st["decode_key_slots"], "context_slots": st["decode_context_slots"]})
-    vals = list(logits.values())
+            times = []
+            for k in range(steps):
+                t0 = time.perf_counter()
+                out = step(k)
+                sync(dev)
+                times.append(time.perf_counter() - t0)
+            logits[label] = out.float().cpu()
+            st = runner.last_step_stats
+            rows.append({"mode": label, "ms": 1e3 * statistics.median(times), "groups": st["decode_groups"],
+                         "key_slots": st["decode_key_slots"], "context_slots": st["decode_context_slots"]})
+        except Exception as e:  # report and go on with the other modes
+            traceback.print_exc()
+            failures.append(f"{label}: {type(e).__name__}: {e}")
+            runner = None
+    vals = list(logits.values()) or [torch.zeros(1)]
     a = vals[0]
     diff = max((float((a - b).abs().max()) for b in vals[1:]), default=0.0)
     info = {"model": args.model, "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
             "machine": machine(dev), "block_size": bs, "long_len": long_len, "short_len": short_len,
-            "short_rows": shorts, "decode_steps": steps, "cuda_graphs": runner.use_cuda_graphs,
-            "max_abs_diff": diff, "logit_scale": float(a.abs().max()), "first_mode": modes[0][0]}
+            "short_rows": shorts, "decode_steps": steps,
+            "cuda_graphs": graphs,
+            "max_abs_diff": diff, "logit_scale": float(a.abs().max()), "first_mode": next(iter(logits), "-"),
+            "failures": failures}
     return rows, info
+
+
+def profile_decode(args: argparse.Namespace) -> int:
+    """Where a decode step's time goes: ``--profile-decode BATCH:CONTEXT`` replays 8 steps per backend
+    under torch.profiler and prints the kernels by GPU time per step, and their sum against the wall
+    time per step (the difference is launch gaps and host work). Prints only; writes nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, dev)
+    model, _, cfg = load_model(args.model, dev, dtype)
+    b, ctx = (int(x) for x in args.profile_decode.split(":"))
+    bs, steps = args.block_size, 8
+    per_seq = (ctx + 4 * steps + bs - 1) // bs + 1
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for backend in backends(args, dev):
+        runner = ModelRunner(model, num_blocks=b * per_seq, block_size=bs, device=dev, dtype=dtype,
+                             attention_backend=backend)
+        if args.cuda_graphs is not None:
+            runner.use_cuda_graphs = args.cuda_graphs
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+
+        def run(base: int) -> None:
+            for k in range(steps):
+                runner.step([Chunk([(7 * i + k) % 250], base + k, tables[i]) for i in range(b)])
+
+        run(ctx + 2 * steps)  # compile, capture
+        sync(dev)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            run(ctx)
+            sync(dev)
+            wall = (time.perf_counter() - t0) / steps
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+        kernels = [e for e in events if dev.type != "cuda"
+                   or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA] or events
+        total = sum(getattr(e, key, 0) for e in kernels) / steps
+        print(f"\n### {backend}: batch {b}, context {ctx}: {1e3 * wall:.3f} ms/step wall, "
+              f"{total / 1e3:.3f} ms/step in {'kernels' if dev.type == 'cuda' else 'ops'}\n")
+        print("| kernel | calls/step | µs/step | µs/call |\n|---|---:|---:|---:|")
+        for e in kernels[:args.profile_top]:
+            t = getattr(e, key, 0)
+            print(f"| `{e.key[:90]}` | {e.count / steps:.1f} | {t / steps:.1f} | {t / max(1, e.count):.2f} |")
+        del runner
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
 
 
 def render_mixed(rows: list[dict], info: dict, command: str) -> str:
@@ -281,6 +349,7 @@ def render_mixed(rows: list[dict], info: dict, command: str) -> str:
         f"{info['short_rows']} rows at {info['short_len']} tokens, median of {info['decode_steps']} steps",
         f"- last-step logits, every mode vs {info['first_mode']}: max |diff| {info['max_abs_diff']:.2e} "
         f"(max |logit| {info['logit_scale']:.2f})",
+        *[f"- FAILED {f}" for f in info.get("failures", [])],
         "",
         "| decode batch | step ms | groups | key slots read / layer | keys the rows need |",
         "|---|---:|---:|---:|---:|",
@@ -299,8 +368,9 @@ def render(rows: list[dict], info: dict, command: str) -> str:
         f"{info['weight_bytes'] / 1e6:.1f} MB read per decode step), device `{info['device']}`, "
         f"block size {info['block_size']}, prompt {info['prompt_len']} tokens, "
         f"{info['decode_steps']} decode steps per context, CUDA graphs {'on' if info['cuda_graphs'] else 'off'}",
-        f"- measured copy bandwidth: {info['copy_bw'] / 1e9:.1f} GB/s; attention backends: "
-        f"{', '.join(info['backends'])}",
+        f"- measured copy bandwidth: {info['copy_bw'] / 1e9:.1f} GB/s; model load {info['load_s']:.2f}s; "
+        f"attention backends: {', '.join(info['backends'])}",
+        *[f"- FAILED {f}" for f in info.get("failures", [])],
         "",
         "| phase | batch | tokens/s | roofline tokens/s | % of roofline | backend | context | step ms | roofline basis |",
         "|---|---:|---:|---:|---:|---|---:|---:|---|",
@@ -323,7 +393,9 @@ def write_results(path: Path, body: str, info: dict, kind: str = "") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="preset (tiny, 1b, 8b) or HF directory")
+    p.add_argument("--model", default="tiny",
+                   help="preset (tiny, 1b, 8b), named GGUF model (smollm2-135m), .gguf file or HF directory")
+    p.add_argument("--cache-dir", default=None, help="converted-GGUF cache (default ~/.cache/splitserve)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--batch", type=int, action="append", help=f"batch sizes (default {BATCHES})")
@@ -338,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="force CUDA graphs for decode on (default: the runner's choice)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
+    p.add_argument("--profile-decode", default=None, metavar="BATCH:CONTEXT",
+                   help="profile decode steps at this batch and context per backend (prints only)")
+    p.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile-decode")
     p.add_argument("--mixed-decode", action="store_true",
                    help="time one long context decoding with short rows, grouped vs one padded batch")
     p.add_argument("--long-len", type=int, default=0, help="mixed decode: long context (32768 GPU, 4096 CPU)")
@@ -347,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     args = p.parse_args(argv)
     command = "python bench/worker.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.profile_decode:
+        return profile_decode(args)
     if args.mixed_decode:
         rows, info = mixed_decode(args)
         body = render_mixed(rows, info, command.strip())
@@ -355,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_write:
             write_results(Path(args.results), body, info, kind="mixed decode · ")
             print(f"written to {args.results}")
-        return 0
+        return 1 if info["failures"] else 0
     rows, info = run(args)
     body = render(rows, info, command.strip())
     print(f"## worker — {info['model']} on {info['device']} ({info['dtype']})\n")
@@ -363,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         write_results(Path(args.results), body, info)
         print(f"written to {args.results}")
-    return 0
+    return 1 if info["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def _wants_msgpack(accept: str | None) -> bool:
 
 
 class Api:
-    """Endpoints of DESIGN.md §6 (+ /select_pair, /identity, /version) over a Coordinator."""
+    """Endpoints of docs/design.md §6 (+ /select_pair, /identity, /version) over a Coordinator."""
 
     def __init__(self, coord, *, watch=None, max_queue_delay_s: float | None = None):
         self.coord = coord

@@ -2,8 +2,8 @@
 
 Keys and defaults follow `trtllm-serve disaggregated` (TensorRT-LLM's `extract_disagg_cfg`) wherever
 that command has them, so an upstream config file loads unchanged. Our additions (routing key scheme,
-leases, fallback, auth, coordinator and fleet tuning) are documented field by field below and in the
-README ("Configuration").
+leases, fallback, auth, coordinator and fleet tuning) are documented field by field below and in
+docs/configuration.md (generated from this schema by coordinator/config_doc.py).
 
 Invariants:
 - Every value in a `ClusterConfig` was validated; unknown keys and wrong types raise `ConfigError`
@@ -31,6 +31,8 @@ from typing import Any, Literal, Optional, Union
 from urllib.parse import urlsplit
 
 import yaml
+
+from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS
 
 __all__ = [
     "ConfigError",
@@ -61,11 +63,11 @@ ENV_PREFIX = "SPLITSERVE_"
 ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware", "conversation")
 REDACTED = "<redacted>"
 
-# TensorRT-LLM's own argument names (LLM args, `trtllm-serve` flags, KvCacheConfig fields), derived
-# from upstream's definitions in `coordinator/upstream_args.py` (source commit cited there). We keep
-# them in `ServerGroupConfig.engine_args` / `KvCacheConfig.extra` so an upstream file loads
-# unchanged, but do not interpret them; anything outside those sets is a typo and an error.
-from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS  # noqa: E402
+# TensorRT-LLM's own argument names (`UPSTREAM_ENGINE_ARGS`, `UPSTREAM_KV_CACHE_ARGS`: LLM args,
+# `trtllm-serve` flags, KvCacheConfig fields) come from upstream's definitions, source commit in
+# `coordinator/upstream_args.py`. We keep them in `ServerGroupConfig.engine_args` /
+# `KvCacheConfig.extra` so an upstream file loads unchanged, but do not interpret them; anything
+# outside those sets is a typo and an error.
 
 
 class ConfigError(ValueError):
@@ -259,7 +261,7 @@ class ServerGroupConfig:
         doc="static KV-event sources (they take precedence over what a server's /server_info "
         "advertises)", factory=tuple)
     protocol: Optional[Literal["trtllm", "vllm", "sglang"]] = _fld(
-        None, "leg protocol of these servers (fleet/legs/): trtllm disaggregated_params, vllm "
+        None, "leg protocol of these servers (fleet/legs/, docs/protocols.md): trtllm disaggregated_params, vllm "
         "kv_transfer_params, sglang bootstrap rendezvous (null = what each server's /server_info "
         "says, else trtllm)")
     bootstrap_port: Optional[int] = _fld(
@@ -536,7 +538,7 @@ class ClusterConfig:
 
     @property
     def topology(self) -> Literal["single", "implicit_coordinator", "external_coordinator"]:
-        """DESIGN.md §2: which of the three process topologies this config selects."""
+        """docs/design.md §2: which of the three process topologies this config selects."""
         if self.disagg_coordinator_url:
             return "external_coordinator"
         return "single" if self.num_workers == 1 else "implicit_coordinator"
@@ -1138,8 +1140,9 @@ def _public(obj: Any) -> Any:
 
 
 def schema_rows(cls: type = ClusterConfig, prefix: str = "") -> list[dict[str, Any]]:
-    """Every documented key: `{path, type, default, doc, upstream}`; nested mappings flattened.
-    Used to keep the README's table honest (a test checks every path appears there)."""
+    """Every documented key: `{path, type, default, doc, upstream, parse}`; nested mappings flattened.
+    docs/configuration.md is generated from these (coordinator/config_doc.py; tests/test_config.py
+    checks it is current)."""
     rows = []
     hints = _hints(cls)
     for f in _schema_fields(cls):
@@ -1158,7 +1161,8 @@ def schema_rows(cls: type = ClusterConfig, prefix: str = "") -> list[dict[str, A
         nested = dataclasses.is_dataclass(inner)
         rows.append({"path": path, "type": _type_name(tp),
                      "default": _public(default) if not nested else None,
-                     "doc": f.metadata.get("doc", ""), "upstream": bool(f.metadata.get("upstream"))})
+                     "doc": f.metadata.get("doc", ""), "upstream": bool(f.metadata.get("upstream")),
+                     "parse": f.metadata.get("parse")})
         if nested:
             rows.extend(schema_rows(inner, path))
         elif typing.get_origin(inner) is tuple and dataclasses.is_dataclass(

@@ -85,8 +85,8 @@ class Diagnostics:
         if not self.enabled:
             return
         p = self.parity.get(url)
-        if p is not None and p.worker_id == worker_id and p.status != kv_parity.UNVERIFIED:
-            return
+        if p is not None and p.worker_id == worker_id and not p.detail.startswith("probe failed"):
+            return   # this instance was probed (a failed probe is retried on the next admission)
         t = self._tasks.get(url)
         if t is not None and not t.done():
             return

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.kv_ingest import FeedSource
+from coordinator.kv_feed import FeedSource
 
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]", "")
 _OURS = {"publisher", "replay", "topic", "snapshot", "format"}

@@ -4,8 +4,9 @@ Accepted and kept as given (never interpreted) so that every upstream config fil
 while a name in none of these sets is a typo and an error (`coordinator/config.py`).
 
 Source: NVIDIA/TensorRT-LLM `tensorrt_llm/llmapi/llm_args.py` at commit
-0004396720054fd8e205cbf616f21f0b57c6b412 (main after the 1.3 release candidates: `TorchLlmArgs` is the
-only LLM-args class, `LlmArgs = TorchLlmArgs`), every pydantic field of `BaseLlmArgs`,
+0004396720054fd8e205cbf616f21f0b57c6b412 (a main-branch snapshot of the 1.3 line: it schedules
+removals "in release 1.4", `TorchLlmArgs` is the only LLM-args class, `LlmArgs = TorchLlmArgs`),
+every pydantic field of `BaseLlmArgs`,
 `TorchLlmArgs` and `KvCacheConfig`; plus `tensorrt_llm/commands/serve.py` `get_llm_args` (the
 `trtllm-serve` flags a server section may set) and `tensorrt_llm/llmapi/disagg_utils.py`
 `extract_disagg_cfg` at commit 0228a71223416496ff056a157936bad2e42c762f (the disaggregated

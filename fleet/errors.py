@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors of the public API (DESIGN.md §4).
+"""OpenAI-shaped errors of the public API (docs/design.md §4).
 
 Every error the fleet returns to a client is an `ApiError`, rendered as
 `{"error": {"message", "type", "param", "code"}}` with the matching status. Messages say what was

@@ -1,4 +1,4 @@
-"""The two-leg disaggregated flow (DESIGN.md §5), with the failure semantics of the fleet.
+"""The two-leg disaggregated flow (docs/design.md §5), with the failure semantics of the fleet.
 
 One request = one snowflake id, minted here, used on both legs, in the coordinator and in the logs (a
 client's own `disagg_request_id` is only an alias: see `Flow.handle`). Steps:
@@ -245,7 +245,11 @@ class Flow:
             return key
         if self.keys is None:
             return key or None
-        keys, n = await self.keys.keys_for(creq, self.placer.routing)
+        try:
+            keys, n = await self.keys.keys_for(creq, self.placer.routing)
+        except ValueError as e:   # ChatTemplateError / TokenizerError: what the worker says too
+            param = "messages" if creq.kind == CHAT else "prompt"
+            raise ApiError(400, f"cannot tokenize the prompt: {e}", param=param) from None
         key["block_keys"] = keys
         key["num_tokens"] = n
         return key
@@ -670,6 +674,8 @@ class Flow:
                 if cut < 0:
                     continue
                 events, buf = buf[:cut + 2], buf[cut + 2:]
+                if b'"kv_transfer_params":{' in events or b'"kv_transfer_params": {' in events:
+                    events = pd_flow.strip_stream_kv(events)
                 if b'"usage":{' in events or b'"usage": {' in events:
                     events = self._stream_usage(events, gen, drop)
                     if not events:
@@ -741,7 +747,8 @@ class Flow:
         return b"".join(e + b"\n\n" for e in keep)
 
     def _clean_json(self, data: bytes, role: str, p: Placement) -> bytes:
-        if b"disaggregated_params" not in data and b"prompt_token_ids" not in data:
+        if b"disaggregated_params" not in data and b"prompt_token_ids" not in data \
+                and b"kv_transfer_params" not in data:
             try:
                 self._observe_usage(role, p, _usage_decoder.decode(data).usage)
             except msgspec.DecodeError:
@@ -755,6 +762,7 @@ class Flow:
             self._observe_usage(role, p, obj.get("usage"))
             obj.pop("prompt_token_ids", None)
             obj.pop("prompt_token_ids_b64", None)
+            obj.pop("kv_transfer_params", None)     # a vLLM decode's KV handle: internal
             for c in obj.get("choices") or ():
                 if isinstance(c, dict):
                     c.pop("disaggregated_params", None)

@@ -2,7 +2,7 @@
 
 aiohttp answers requests its parser rejects (bad chunked encoding, duplicate Content-Length, an
 oversized URL or header) itself, with a plain-text 400, before any route runs. The public API
-answers every error with an OpenAI error body (DESIGN.md §4), so `FleetRunner` serves connections
+answers every error with an OpenAI error body (docs/design.md §4), so `FleetRunner` serves connections
 with `FleetRequestHandler`, whose `handle_error` renders `ApiError`s: 414 for a request line over
 `MAX_URL_BYTES`, 431 for a header line over `MAX_FIELD_BYTES`, 400 for the rest.
 

@@ -20,6 +20,7 @@ import logging
 import random
 import time
 
+import msgspec
 import orjson
 
 from coordinator.errors import NoServerAvailable
@@ -34,6 +35,13 @@ from .placement import CTX, GEN, Placement
 log = logging.getLogger("splitserve.fleet.pd_flow")
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+class _Usage(msgspec.Struct):
+    usage: dict | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_Usage)
 
 
 def server_protocol(flow, role: str, server: str) -> str:
@@ -53,10 +61,11 @@ def request_protocol(flow, ctx: Placement | None, gen: Placement) -> str:
 
 
 async def run(flow, request, creq, st, ctx: Placement | None, gen: Placement, key, proto: str):
+    mod = legs.module(proto)
     if ctx is not None and server_protocol(flow, CTX, ctx.server) != proto:
-        if proto == "sglang":
-            raise ApiError(502, f"context server {ctx.server} does not speak sglang like generation server "
-                                f"{gen.server}, and an SGLang decode server cannot serve a request alone; "
+        if not mod.LOCAL_PREFILL:
+            raise ApiError(502, f"context server {ctx.server} does not speak {proto} like generation server "
+                                f"{gen.server}, and a {proto} decode server cannot serve a request alone; "
                                 f"set context_servers.protocol", code="protocol_mismatch")
         # The KV cannot move between two engine families: serve it on the decode server alone.
         log.warning("request %d: context server %s does not speak %s like generation server %s; "
@@ -65,7 +74,17 @@ async def run(flow, request, creq, st, ctx: Placement | None, gen: Placement, ke
         ctx = None
         st.mode = "no_kv_transfer"
     st.route = {"id": st.rid, "mode": st.mode, "protocol": proto}
-    if proto == "vllm":
+    if ctx is None and not mod.LOCAL_PREFILL and not flow.aggregated_only:
+        # Its decode servers need a prefill leg: no local prefill, no aggregated fallback.
+        try:
+            ctx = await flow.placer.place(CTX, st.rid, key, set())
+        except NoServerAvailable as e:
+            raise ApiError(503, f"no prefill server available ({e}); {proto} decode servers cannot serve "
+                                "a request alone", code="no_context_server", retry_after=1) from None
+        st.placements.append(ctx)
+        flow.placer.track(ctx, +1)
+        st.mode = "disaggregated"
+    if mod.SEQUENTIAL:
         return await _vllm(flow, request, creq, st, ctx, gen, key)
     return await _sglang(flow, request, creq, st, ctx, gen, key)
 
@@ -85,6 +104,7 @@ def _fallback_ok(flow, e: ApiError) -> bool:
 # --------------------------------------------------------------------------- vLLM
 
 async def _vllm(flow, request, creq, st, ctx, gen, key):
+    """The sequential flow (vLLM's legs)."""
     path = PATHS[creq.kind]
     if ctx is None:
         flow._m_place[st.mode].inc()
@@ -125,20 +145,11 @@ async def _vllm(flow, request, creq, st, ctx, gen, key):
 # --------------------------------------------------------------------------- SGLang
 
 async def _sglang(flow, request, creq, st, ctx, gen, key):
+    """The concurrent flow (SGLang's legs)."""
     path = PATHS[creq.kind]
-    if ctx is None and flow.aggregated_only:
+    if ctx is None:     # aggregated deployment: SGLang servers without PD
         flow._m_place[st.mode].inc()
         return await flow._final_leg(request, creq, st, gen, orjson.dumps(flow._gen_base(creq)), key)
-    if ctx is None:
-        # A decode-mode SGLang server needs a prefill leg: no local prefill, no aggregated fallback.
-        try:
-            ctx = await flow.placer.place(CTX, st.rid, key, set())
-        except NoServerAvailable as e:
-            raise ApiError(503, f"no prefill server available for an SGLang decode server ({e}); "
-                                "SGLang decode servers cannot serve a request alone",
-                           code="no_context_server", retry_after=1) from None
-        st.placements.append(ctx)
-        flow.placer.track(ctx, +1)
     st.mode = st.route["mode"] = "disaggregated"
     base = flow._gen_base(creq)
     # The room is the request's snowflake (< 2**63); an id from elsewhere gets a fresh one.
@@ -230,8 +241,28 @@ async def _drain_prefill(flow, st, ctx, resp, gen, gen_resp, t0: float) -> None:
             await flow._post_abort(GEN, gen.server, st.rid)
         return
     flow._m_leglat[CTX].observe(time.perf_counter() - t0)
-    if raw[:1] == b"{":
+    if raw[:1] == b"{":     # a JSON answer (a streamed one's usage is not needed: the decode's counts)
         try:
-            flow._observe_usage(CTX, ctx, orjson.loads(raw).get("usage"))
-        except (orjson.JSONDecodeError, AttributeError):
+            flow._observe_usage(CTX, ctx, _usage_decoder.decode(raw).usage)
+        except msgspec.DecodeError:
             M.LEG_ERRORS.labels(CTX, "invalid_answer").inc()
+
+
+def strip_stream_kv(events: bytes) -> bytes:
+    """SSE events without `kv_transfer_params` (vLLM puts the decode side's KV handle on a stream's
+    final chunk; it is internal, like `disaggregated_params`)."""
+    out = []
+    for ev in events.split(b"\n\n"):
+        if not ev:
+            continue
+        if ev.startswith(b"data: {") and b'"kv_transfer_params"' in ev:
+            try:
+                obj = orjson.loads(ev[6:])
+            except orjson.JSONDecodeError:
+                out.append(ev)
+                continue
+            if isinstance(obj, dict):
+                obj.pop("kv_transfer_params", None)
+                ev = b"data: " + orjson.dumps(obj)
+        out.append(ev)
+    return b"".join(e + b"\n\n" for e in out)

@@ -16,7 +16,7 @@ coordinator meanwhile, so a dead worker stops receiving traffic before the coord
 probes notice it.
 
 The only routing state held here is the round-robin cursors, the last-known server list and the
-local ejection table (DESIGN.md §1: the fleet holds no other routing state).
+local ejection table (docs/design.md §1: the fleet holds no other routing state).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The public OpenAI front door of one fleet process (aiohttp on uvloop).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-`GET /cluster_info`, `GET /metrics`. Errors are OpenAI error bodies (DESIGN.md §4).
+`GET /cluster_info`, `GET /metrics`. Errors are OpenAI error bodies (docs/design.md §4).
 
 Start-up order matters for the shared port: a fleet process first reaches the coordinator (bounded
 retries up to `server_start_timeout`), leases its snowflake identity and loads the server list, and

@@ -1,7 +1,7 @@
 """Upstream TensorRT-LLM disaggregated configs load unchanged; typos still fail.
 
 Fixtures in tests/fixtures/trtllm_disagg/ are verbatim copies of NVIDIA/TensorRT-LLM files (path and
-commit per file in SOURCES.md); the allow-lists come from that repository's
+commit per file in tests/fixtures/trtllm_disagg/SOURCES.md); the allow-lists come from that repository's
 tensorrt_llm/llmapi/llm_args.py (commit in coordinator/upstream_args.py).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _check_config(path, env=None):
 def test_fixtures_present_and_cited():
     sources = (FIXTURES / "SOURCES.md").read_text()
     assert len(UPSTREAM_FILES) >= 8
-    for f in UPSTREAM_FILES:
+    for f in UPSTREAM_FILES + sorted((FIXTURES / "llm_api").glob("*.yaml")):
         assert f.name in sources, f"{f.name} has no upstream path/commit in SOURCES.md"
 
 
@@ -38,6 +38,14 @@ def test_fixtures_present_and_cited():
 def test_upstream_file_loads(path):
     cfg = load_config(path)
     assert cfg.served_model
+
+
+@pytest.mark.parametrize("path", sorted((FIXTURES / "llm_api").glob("*.yaml")), ids=lambda p: p.name)
+def test_upstream_llm_api_options_load_as_a_server_section(path):
+    import yaml
+    opts = yaml.safe_load(path.read_text())
+    cfg = load_config({"context_servers": {"urls": ["h:1"], **opts}})
+    assert set(opts) <= set(cfg.context_servers.engine_args)
 
 
 def test_keys_the_old_allow_list_rejected_are_kept():

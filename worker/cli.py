@@ -96,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "injection for the routing diagnostics)")
     add("--pin-timeout", 60.0, type=float,
         help="seconds a context request's KV stays pinned waiting for its transfer")
+    add("--transfer-claim-timeout", 10.0, type=float,
+        help="context side: seconds after the answer within which a generation worker must claim "
+             "the pinned KV (it does so on accepting the request), else it is freed; 0 = off")
     add("--drain-timeout", 25.0, type=float,
         help="on SIGTERM, seconds to let running requests and pending KV transfers finish "
              "(new requests get 503) before aborting them")
@@ -230,6 +233,9 @@ def build_server(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise ValueError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.transfer_claim_timeout < 0:
+        raise ValueError(f"--transfer-claim-timeout must be >= 0, got "
+                         f"{args.transfer_claim_timeout}")
     if args.disagg_protocol != "trtllm" and args.engine != "sim":
         raise ValueError(f"--disagg-protocol {args.disagg_protocol} is implemented for --engine sim "
                          f"only (its KV moves through the sim receiver), got --engine {args.engine}")
@@ -260,6 +266,7 @@ def transfer_config(args, advertise: str | None):
     return TransferConfig(agent=args.transfer_agent, host=args.host, advertise_host=advertise,
                           port=args.transfer_port, send_timeout_s=args.pin_timeout,
                           recv_timeout_s=args.transfer_timeout,
+                          claim_timeout_s=getattr(args, "transfer_claim_timeout", 10.0),
                           pipeline=getattr(args, "transfer_pipeline", "on") == "on",
                           prepped=getattr(args, "transfer_prepped", "auto"))
 

@@ -119,8 +119,9 @@ def _key(meta: dict[str, Any], arch: str, key: str, default: Any = ...) -> Any:
 
 
 def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str],
-                        rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
-    """The transformers ``config.json`` dict the GGUF metadata describes."""
+                        rope_freqs: np.ndarray | None = None, embed_rows: int | None = None) -> dict[str, Any]:
+    """The transformers ``config.json`` dict the GGUF metadata describes (``embed_rows``: the
+    embedding table's row count, which is the vocabulary size the weights have)."""
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise GGUFError(f"GGUF general.architecture is {arch!r}; supported: {sorted(_ARCHS)}")
@@ -141,7 +142,7 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str],
     model_type, cls = _ARCHS[arch]
     cfg: dict[str, Any] = {
         "architectures": [cls], "model_type": model_type, "hidden_act": "silu",
-        "vocab_size": int(_key(meta, arch, "vocab_size", len(tokens))),
+        "vocab_size": int(embed_rows or _key(meta, arch, "vocab_size", len(tokens))),
         "hidden_size": hidden, "intermediate_size": int(_key(meta, arch, "feed_forward_length")),
         "num_hidden_layers": int(_key(meta, arch, "block_count")),
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
@@ -261,7 +262,10 @@ def convert_gguf(path: Path, out: Path) -> dict[str, Any]:
     meta, reader = read_gguf(path)
     names = {t.name for t in reader.tensors}
     freqs = next((_dequantize(t) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    cfg = hf_config_from_gguf(meta, names, freqs)
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise GGUFError(f"{path} has no token_embd.weight tensor")
+    cfg = hf_config_from_gguf(meta, names, freqs, embed_rows=int(embed.shape[-1]))
     try:
         tok_json, tok_cfg, extra_eos = gguf_tokenizer_files(meta)
     except TokenizerError as e:

@@ -634,12 +634,20 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         if meta.backend == "triton":
-            ops = _triton_ops()
-            a = self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
-            h, x = ops.add_rms_norm(h, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-            return h + self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(x)))
+            h, m = self.triton_parts(h, self.input_layernorm(h), cos, sin, meta, kv_cache)
+            return h + m
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+    def triton_parts(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the triton backend from ``x = input_layernorm(h)``: the residual after
+        attention and the MLP output, not yet added (the caller folds that add into the next norm)."""
+        ops = _triton_ops()
+        a = self.self_attn(x, cos, sin, meta, kv_cache)
+        h, x = ops.add_rms_norm(h, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return h, self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -687,6 +695,16 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, seq_lens, max_position, max_seq_len)
         cos, sin = cos.to(self.dtype), _signed_sin(sin.to(self.dtype))
         h = self.embed_tokens(input_ids)
+        if meta.backend == "triton":
+            # Each layer's closing residual add is folded into the next layer's input RMSNorm.
+            ops, layers = _triton_ops(), self.layers
+            x = layers[0].input_layernorm(h)
+            for i, layer in enumerate(layers):
+                h, m = layer.triton_parts(h, x, cos, sin, meta, kv_cache)
+                if i + 1 == len(layers):
+                    return h + m
+                norm = layers[i + 1].input_layernorm
+                h, x = ops.add_rms_norm(h, m, norm.weight, norm.eps)
         for layer in self.layers:
             h = layer(h, cos, sin, meta, kv_cache)
         return h

@@ -16,7 +16,7 @@ head h, dim d)::
     layer_stride = 2·kv_stride          (= block_bytes: one layer's K+V of one block)
     block_stride = num_layers·layer_stride
 
-This is the affine ``PhysicalPool`` of DESIGN.md §9 with ``slot = block``: the (layer, block) region
+This is the affine ``PhysicalPool`` of docs/design.md §9 with ``slot = block``: the (layer, block) region
 ``base + l·layer_stride + b·block_stride`` is ``block_bytes`` long, and all layers of a block are
 adjacent, so moving a block between two workers with equal geometry is one copy of ``block_stride``
 bytes and runs of consecutive block ids merge into one copy.

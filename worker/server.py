@@ -244,7 +244,6 @@ class WorkerServer:
             "owned_by": "splitserve", "max_model_len": self.engine.max_model_len}]})
 
     def server_info_dict(self) -> dict:
-        pub = self.publisher
         return {
             "role": self.role,
             "model": self.model_name,
@@ -257,9 +256,7 @@ class WorkerServer:
             "worker_id": self.worker_id,
             "max_batch_size": self.engine.max_batch_size,
             "max_num_tokens": self.engine.max_num_tokens,
-            "kv_events": None if pub is None else {
-                "publisher": pub.publisher_endpoint, "replay": pub.replay_endpoint,
-                "topic": pub.topic, "snapshot": "/kv_snapshot", "format": "vllm"},
+            "kv_events": self._kv_events_info(),
             "transfer": self.transfer_info,
             "disaggregated_params": {"ctx_info_endpoint": self.ctx_info_endpoint},
             "disagg_protocol": self.disagg_protocol,
@@ -268,7 +265,24 @@ class WorkerServer:
                if self.disagg_protocol == "sglang" else {}),
         }
 
+    def _kv_events_info(self) -> dict | None:
+        pub = self.publisher
+        if pub is None:
+            return None
+        if self.disagg_protocol == "sglang":
+            # SGLang's own descriptor (sglang 0.5.23 srt/runtime_context.py
+            # `describe_kv_events_publisher`): no replay, no snapshot.
+            host, _, port = pub.publisher_endpoint.split("://", 1)[1].rpartition(":")
+            return {"publisher": "zmq", "endpoint_host": host.strip("[]"), "endpoint_port_base": int(port),
+                    "topic": pub.topic, "block_size": self.engine.block_size, "dp_size": 1}
+        return {"publisher": pub.publisher_endpoint, "replay": pub.replay_endpoint,
+                "topic": pub.topic, "snapshot": "/kv_snapshot", "format": "vllm"}
+
     async def server_info(self, request: web.Request) -> web.Response:
+        if self.disagg_protocol == "vllm":
+            # Like a stock vLLM (it serves /server_info only with VLLM_SERVER_DEV_MODE=1): the fleet
+            # must be told the protocol, and the coordinator its KV-event publisher (`kv_events`).
+            return error_response(404, "no route GET /server_info (a vLLM server without dev mode)")
         return _json(self.server_info_dict())
 
     async def kv_snapshot(self, request: web.Request) -> web.Response:

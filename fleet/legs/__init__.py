@@ -1,6 +1,7 @@
 """Leg adapters: what each engine family expects on the two legs of a disaggregated request.
 
-One module per protocol, each a set of pure functions (bodies in, bodies out) with the same names:
+One module per protocol, each a set of pure functions (bodies in, bodies out; fleet/pd_flow.py is the
+imperative shell that sends them):
 
 - `trtllm` — TensorRT-LLM's `disaggregated_params` (and our own worker's): context leg first, the
   generation leg carries the context answer's params (the flow itself lives in fleet/flow.py);
@@ -9,7 +10,7 @@ One module per protocol, each a set of pure functions (bodies in, bodies out) wi
 - `sglang` — SGLang's bootstrap rendezvous: both legs at once with `bootstrap_host`,
   `bootstrap_port`, `bootstrap_room`; the decode answer is relayed.
 
-Every module has `ABORT_PATH` and `abort_body(rid)` (None when the engine has no abort endpoint and
+The common interface: every module has `ABORT_PATH` and `abort_body(rid)` (None when the engine has no abort endpoint and
 closing the connection is the only cancellation), `SEQUENTIAL` (the decode leg waits for the prefill
 answer) and `LOCAL_PREFILL` (whether a decode server can serve a request with no prefill leg, which
 conditional disaggregation needs). `protocol_of` picks the protocol of one server.

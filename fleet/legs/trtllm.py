@@ -1,4 +1,4 @@
-"""TensorRT-LLM's `disaggregated_params` legs (trtllm_disagg.md in the shared reference; our worker
+"""TensorRT-LLM's `disaggregated_params` legs (docs/reference/trtllm_disagg.md; our worker
 speaks the same). The bodies are built in fleet/flow.py (`_ctx_body`, `_gen_body`,
 `_generation_first`), the flow's original protocol; this module holds what the other protocols'
 modules hold for it: the abort and the scheduling facts."""

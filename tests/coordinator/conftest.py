@@ -101,7 +101,7 @@ def cleared():
 
 
 def legacy_payload(ts: float, events: list, dp_rank=0) -> bytes:
-    """The same batch in vLLM <= 0.23's tagged-array event encoding (kv_events.md §2.2)."""
+    """The same batch in vLLM <= 0.23's tagged-array event encoding (docs/reference/kv_events.md §2.2)."""
     out = []
     for ev in events:
         if isinstance(ev, BlocksStored):

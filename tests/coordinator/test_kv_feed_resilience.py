@@ -10,7 +10,6 @@ import logging
 
 import aiohttp
 import msgpack
-import zmq
 
 from .conftest import FakePublisher, cfg, chain, free_ports, stored, wait_for
 from .test_kv_ingest import TOK_A, TOK_B, kv_cluster, matched, publish_until_seen
@@ -93,6 +92,10 @@ async def test_a_dead_reader_is_restarted_and_reported(workers, coordinator, zct
     await wait_for(lambda: feed.reader_restarts == 1, what="reader restarted")
     row = kv_row(await cluster_info(s), w.url)
     assert row["kv_events"]["reader_restarts"] == 1
+    async with aiohttp.ClientSession() as http:
+        async with http.get(s.tcp_url + "/metrics") as r:
+            assert f'splitserve_coordinator_kv_reader_restarts_total{{server="{w.url}"}} 1.0' \
+                in await r.text()
     # the restarted reader carries on (what the dead one may have missed is repaired by replay)
     more = list(range(40_000, 40_016))
     await pub.publish([stored(more, [4242])])
@@ -121,6 +124,11 @@ async def test_unreachable_publisher_is_not_ready_logged_once_and_recovers(
     assert ke["origin"] == "config"
     logged = [r for r in caplog.records if "cannot connect" in r.getMessage()]
     assert len(logged) == 1 and ep in logged[0].getMessage() and w.url in logged[0].getMessage()
+    async with aiohttp.ClientSession() as http:
+        async with http.get(s.tcp_url + "/metrics") as r:
+            text = await r.text()
+    assert f'splitserve_coordinator_kv_ready{{server="{w.url}"}} 0.0' in text
+    assert f'splitserve_coordinator_kv_connect_failures_total{{server="{w.url}"}}' in text
     # the publisher comes up on that port: libzmq's retry (with backoff) connects the feed
     pub = FakePublisher(zctx, port=port, replay=False)
     feed = c.kv.feeds[w.url]
@@ -136,8 +144,10 @@ async def test_unreachable_publisher_is_not_ready_logged_once_and_recovers(
     pub.close()
 
 
-async def test_invalid_endpoint_is_reported_not_raised(workers, coordinator):
-    # What the old SGLang misreading produced: the publisher kind ("zmq") used as an endpoint.
+async def test_invalid_endpoint_is_reported_not_raised(workers, coordinator, caplog):
+    # What the old SGLang misreading produced: an endpoint ZMQ refuses. attach() raised, and the
+    # health tick's gather(return_exceptions=True) dropped the error without a word.
+    caplog.set_level(logging.WARNING, logger="splitserve.coordinator.kv_ingest")
     w = await workers("both", kv_events={"publisher": "zmq://nowhere", "topic": "t",
                                          "format": "vllm"})
     c, s = await coordinator(cfg([w.url], [w.url]))
@@ -145,3 +155,9 @@ async def test_invalid_endpoint_is_reported_not_raised(workers, coordinator):
     feed = c.kv.feeds[w.url]
     assert "cannot connect a SUB socket" in feed.error and not c.kv.kv_ready(w.url)
     assert c.registry.get(w.url).state.value == "healthy", "the server itself stays in service"
+    await asyncio.sleep(0.3)     # several health ticks and /server_info re-reads later
+    logged = [r.getMessage() for r in caplog.records if "zmq://nowhere" in r.getMessage()]
+    assert len(logged) == 1 and w.url in logged[0]
+    row = kv_row(await cluster_info(s), w.url)
+    assert row["kv_ready"] is False and "zmq://nowhere" in row["kv_events"]["error"]
+    assert row["kv_events"]["connect_failures"] == 1

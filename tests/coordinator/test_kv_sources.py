@@ -133,3 +133,27 @@ def test_config_for_the_bound_endpoint_and_http_poll():
         load_config({"context_servers": {"urls": ["h:1"], "kv_events": [
             {"server": "h:1", "transport": "http_poll", "engine": "trtllm",
              "endpoint": "tcp://h:2"}]}})
+
+
+async def test_an_unrepairable_gap_on_one_rank_clears_only_that_rank(workers, coordinator, zctx):
+    base, rbase = free_ports(2), free_ports(2)
+    pubs = [FakePublisher(zctx, topic="", port=base + r, replay_port=rbase + r, dp_rank=r)
+            for r in range(2)]
+    w = await workers("both", kv_events=dict(SGLANG_DESCRIPTOR, endpoint_port_base=base,
+                                             replay_endpoint_port_base=rbase))
+    c, s = await coordinator(cfg([w.url], [w.url]))
+    await wait_for(lambda: w.url in c.kv.feeds and c.kv.kv_ready(w.url), what="both ranks ready")
+    await pubs[0].publish([stored(TOK_A, [-1, -2, -3, -4])])
+    await pubs[1].publish([stored(TOK_B, [-11, -12])])
+    await wait_for(lambda: matched(c, w.url, TOK_A) == 4 and matched(c, w.url, TOK_B) == 2)
+    # rank 1 loses a batch its publisher no longer holds: rank 1 is cleared, rank 0 is not
+    await pubs[1].publish([stored(list(range(7000, 7016)), [-13])], deliver=False)
+    pubs[1].evict(keep_from=pubs[1].seq)
+    await pubs[1].publish([stored(list(range(8000, 8016)), [-14])])
+    r1 = c.kv.feeds[w.url].ranks[0]
+    await wait_for(lambda: r1.clears.get("gap_unrepaired") == 1, what="rank 1 gap")
+    await wait_for(lambda: matched(c, w.url, list(range(8000, 8016))) == 1, what="rank 1 goes on")
+    assert matched(c, w.url, TOK_B) == 0 and matched(c, w.url, TOK_A) == 4
+    assert "gap_unrepaired" not in c.kv.feeds[w.url].clears
+    for p in pubs:
+        p.close()

@@ -1,10 +1,10 @@
 """Fuzzing the fleet's public API through a real socket: whatever a client sends, never a 5xx.
 
 Against `splitserve local`'s topology (two fleet processes, the implicit coordinator, KV-aware
-routing on both roles, sim workers), hypothesis generates
+routing on both roles, sim workers; API keys and the HMAC key set), hypothesis generates
 - request bodies over the OpenAI schema: every known field either valid or any JSON value (huge
-  and negative integers, nested arrays, nulls), plus session headers of arbitrary bytes and
-  arbitrary Content-Types;
+  and negative integers, nested arrays, nulls), plus session, API-key and HMAC headers of arbitrary
+  bytes and arbitrary Content-Types;
 - raw HTTP framing: valid requests cut, spliced, re-chunked, with duplicated or oversized headers and
   random bytes in the request line, headers and chunk sizes.
 Every answer must be a status below 500, and every 4xx an OpenAI error body (no plain-text parser
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import free_port_pair, group, healthy, wait_for
+from .conftest import NO_SHEDDING, free_port_pair, group, healthy, wait_for
 from .hostile import error_of, read_answer
 
 # SPLITSERVE_FUZZ_EXAMPLES=5000 for a long run
@@ -35,7 +35,8 @@ def fleet(module_cluster):
     _, ctx = c.worker("context", name="fz-ctx")
     _, gen = c.worker("generation", name="fz-gen")
     port = free_port_pair()
-    cfg = c.config("fuzz.yaml", port=port, num_workers=2,
+    cfg = c.config("fuzz.yaml", port=port, num_workers=2, api_keys=["sk-fuzz"], internal_request_auth_key="k",
+                   coordinator=NO_SHEDDING,
                    fleet={"header_timeout_s": 2.0, "body_timeout_s": 2.0},
                    context_servers=group([ctx], "kv_cache_aware"),
                    generation_servers=group([gen], "kv_cache_aware"))
@@ -99,8 +100,11 @@ chat_body = st.fixed_dictionaries(
     optional={**common, "messages": either(st.lists(message, max_size=3)),
               "logprobs": either(st.booleans()), "top_logprobs": either(st.integers(0, 21)),
               "add_generation_prompt": anything})
-header_value = st.binary(min_size=1, max_size=12).filter(lambda b: b"\r" not in b and b"\n" not in b
-                                                         and b.strip() == b and b[:1] not in b" \t")
+# mostly printable-or-high bytes (what gets past the HTTP parser into the routes), sometimes any byte
+header_value = st.one_of(
+    st.lists(st.integers(0x21, 0xff), min_size=1, max_size=12).map(bytes),
+    st.binary(min_size=1, max_size=12).filter(lambda b: b"\r" not in b and b"\n" not in b
+                                              and b.strip() == b and b[:1] not in b" \t"))
 content_types = st.sampled_from([b"application/json", b"application/json; charset=utf-8", b"text/plain",
                                  b"application/x-www-form-urlencoded", b"application/msgpack", None])
 
@@ -118,10 +122,14 @@ def check(status: int, headers: dict, body: bytes, what) -> None:
         error_of(status, body)
 
 
+header_names = st.sampled_from([b"x-session-affinity", b"x-session-id", b"x-correlation-id",
+                                b"x-multi-turn-session-id", b"x-splitserve-disagg-auth", b"Authorization"])
+
+
 @FUZZ
 @given(kind=st.sampled_from(["completion", "chat"]), data=st.data(), ctype=content_types,
-       session=st.one_of(st.none(), st.tuples(st.sampled_from([b"x-session-affinity", b"x-session-id",
-                                                               b"x-correlation-id"]), header_value)))
+       session=st.one_of(st.none(), st.tuples(header_names, st.one_of(
+           header_value, header_value.map(lambda b: b"Bearer " + b), header_value.map(lambda b: b"sha256=" + b)))))
 def test_request_schema_never_5xx(fleet, kind, data, ctype, session):
     schema_case(fleet["port"], kind, data, ctype, session)
 
@@ -138,6 +146,8 @@ def schema_case(port, kind, data, ctype, session):
     raw = json.dumps(body).encode()
     path = b"/v1/completions" if kind == "completion" else b"/v1/chat/completions"
     head = b"POST %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: %d\r\n" % (path, len(raw))
+    if session is None or session[0] != b"Authorization":
+        head += b"Authorization: Bearer sk-fuzz\r\n"
     if ctype is not None:
         head += b"Content-Type: %s\r\n" % ctype
     if session is not None:
@@ -170,7 +180,7 @@ def framed(draw):
     path = draw(st.sampled_from([b"/v1/completions", b"/v1/chat/completions", b"/health", b"/v1/models",
                                  b"*", b"http://x/v1/completions", b"/%zz", b"/v1/completions?" + b"q" * 9000]))
     version = draw(st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1x", b""]))
-    headers = [b"Host: t", b"Content-Type: application/json"]
+    headers = [b"Host: t", b"Content-Type: application/json", b"Authorization: Bearer sk-fuzz"]
     use_chunked = draw(st.booleans())
     payload = draw(st.one_of(st.just(VALID), st.binary(max_size=64)))
     if use_chunked:

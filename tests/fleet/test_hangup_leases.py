@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from .conftest import free_port_pair, group, healthy, http, wait_for
+from .conftest import NO_SHEDDING, free_port_pair, group, healthy, http, wait_for
 
 TTL_S = 300.0
 SETTLE_S = 5.0
@@ -36,20 +36,24 @@ def workers(module_cluster):
 # (fleet processes, context policy, generation policy): both delegated → one /select_pair; a local
 # context policy → one /select for the generation leg; one process → the coordinator in-process.
 # generation_first: the generation leg is sent (and may be retried) while the context leg runs.
-TOPOLOGIES = [(2, "kv_cache_aware", "kv_cache_aware", "context_first"),
-              (2, "round_robin", "kv_cache_aware", "context_first"),
-              (2, "kv_cache_aware", "kv_cache_aware", "generation_first"),
-              (1, "kv_cache_aware", "kv_cache_aware", "context_first")]
+# channel: the fleet's calls go over the coordinator's pipelined channel, or (False) plain HTTP
+# requests — the transport an external coordinator without the channel gets.
+TOPOLOGIES = [(2, "kv_cache_aware", "kv_cache_aware", "context_first", True),
+              (2, "kv_cache_aware", "kv_cache_aware", "context_first", False),
+              (2, "round_robin", "kv_cache_aware", "context_first", False),
+              (2, "kv_cache_aware", "kv_cache_aware", "generation_first", True),
+              (1, "kv_cache_aware", "kv_cache_aware", "context_first", True)]
 
 
-@pytest.fixture(params=TOPOLOGIES, ids=lambda t: f"{t[0]}proc-{t[1]}-{t[2]}-{t[3]}")
+@pytest.fixture(params=TOPOLOGIES, ids=lambda t: f"{t[0]}proc-{t[1]}-{t[2]}-{t[3]}" + ("" if t[4] else "-http"))
 def local(request, module_cluster, workers):
-    n, pc, pg, style = request.param
+    n, pc, pg, style, channel = request.param
     ctx, gen = workers
     c = module_cluster
     port = free_port_pair()
-    name = f"hl-fleet-{n}-{pc}-{style}"
+    name = f"hl-fleet-{n}-{pc}-{style}-{channel}"
     cfg = c.config(f"{name}.yaml", port=port, num_workers=n, leases={"ttl_s": TTL_S}, schedule_style=style,
+                   coordinator={**NO_SHEDDING, "channel": channel},
                    context_servers=group([ctx], pc), generation_servers=group([gen], pg))
     f = c.fleet(cfg, name=name)
     url = f"http://127.0.0.1:{port}"

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from .conftest import free_port, free_port_pair, group, healthy, http, metric, wait_for
+from .conftest import NO_SHEDDING, free_port, free_port_pair, group, healthy, http, metric, wait_for
 from .hostile import error_of, exchange, post, read_answer
 
 TIMEOUT_S = 1.5
@@ -47,11 +47,24 @@ def one(module_cluster, workers):
 
 
 @pytest.fixture(scope="module")
+def keyed(module_cluster, workers):
+    """One fleet process with API keys and an HMAC key for client disaggregated_params."""
+    ctx, gen = workers
+    port = free_port()
+    cfg = module_cluster.config("hc-keyed.yaml", port=port, api_keys=["sk-test"], internal_request_auth_key="k",
+                                context_servers=group([ctx]), generation_servers=group([gen]))
+    f = module_cluster.fleet(cfg, name="hc-keyed")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url), 60, "fleet", f)
+    return {"url": url, "port": port}
+
+
+@pytest.fixture(scope="module")
 def two(module_cluster, workers):
     """`splitserve local`'s topology: two fleet processes and the implicit coordinator."""
     ctx, gen = workers
     port = free_port_pair()
-    cfg = module_cluster.config("hc-two.yaml", port=port, num_workers=2,
+    cfg = module_cluster.config("hc-two.yaml", port=port, num_workers=2, coordinator=NO_SHEDDING,
                                 context_servers=group([ctx], "kv_cache_aware"),
                                 generation_servers=group([gen], "kv_cache_aware"))
     f = module_cluster.fleet(cfg, name="hc-two")
@@ -304,3 +317,15 @@ def test_worker_rejects_the_same_inputs_with_4xx(workers):
             st, _, raw = http("POST", url + path, {"model": "tiny", "max_tokens": 2, **body})
             assert 400 <= st < 500, (url, body, raw)
             assert error_of(st, raw)["param"] == param, (url, body, raw)
+
+
+@pytest.mark.parametrize("header", [b"Authorization: Bearer \xff\xfe", b"Authorization: Bearer sk-t\xc3\xa9st",
+                                    b"Authorization: Bearer sk-test\r\nx-splitserve-disagg-auth: sha256=\xff\xe9"])
+def test_non_ascii_secrets_are_rejected_not_500(keyed, header):
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1,
+                       "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 5}}).encode()
+    st, _, raw = exchange(keyed["port"], post("/v1/completions", body, extra=header + b"\r\n"))
+    if b"sk-test\r\n" in header:     # right API key, forged HMAC: served with the params stripped
+        assert st == 200, raw
+    else:
+        assert st == 401 and error_of(st, raw)["code"] == "invalid_api_key", raw

@@ -137,3 +137,14 @@ def test_worker_rejects_bad_leg_fields_naming_them(proto, role, body, param):
     with pytest.raises(InvalidRequest) as e:
         pd_protocols.incoming(proto, role, {"model": "m", "prompt": "x", **body}, 1)
     assert e.value.param == param
+
+
+def test_stream_kv_handle_is_stripped():
+    from fleet.pd_flow import strip_stream_kv
+    ev = (b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+          b'data: {"id":"a","choices":[],"kv_transfer_params":{"remote_block_ids":[[1]]}}\n\n'
+          b"data: [DONE]\n\n")
+    out = strip_stream_kv(ev)
+    assert b"kv_transfer_params" not in out and out.count(b"\n\n") == 3
+    assert out.startswith(b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+    assert out.endswith(b'data: {"id":"a","choices":[]}\n\ndata: [DONE]\n\n')

@@ -1,5 +1,8 @@
 """The vLLM and SGLang leg protocols end to end: a fleet in front of sim workers started with
-`--disagg-protocol vllm|sglang` (worker/pd_protocols.py), kv-aware placement on both roles.
+`--disagg-protocol vllm|sglang` (worker/pd_protocols.py), kv-aware placement on both roles. The
+vLLM sims answer no /server_info, like a stock vLLM: their groups name the protocol and the KV-event
+publishers (static `kv_events`); the SGLang sims are recognised from their /server_info (SGLang's
+`disaggregation_*` keys and its `kv_events` descriptor).
 
 For each protocol: a two-leg request returns exactly the tokens the decode server computes alone
 (the sim's tokens are a function of the prompt), the route receipt names both servers and the
@@ -21,20 +24,38 @@ from .conftest import free_port, group, healthy, http, metric, wait_for
 from .test_disconnect import ABORT_BUDGET_S, blocks, hang_up_and_time, in_flight, running, send, wm
 
 
+def pd_worker(c, role: str, proto: str, name: str, extra=()):
+    """(proc, url, kv_events entry) of a sim worker speaking `proto`. A vLLM one answers no
+    /server_info, like a stock vLLM: its group names the protocol and its KV-event publisher (the
+    static `kv_events` entry); an SGLang one is recognised from its /server_info."""
+    if proto != "vllm":
+        p, url = c.worker(role, name=name, extra=("--disagg-protocol", proto, *extra))
+        return p, url, None
+    pub, rep = free_port(), free_port()
+    p, url = c.worker(role, name=name, extra=("--disagg-protocol", proto, "--kv-events-port", pub,
+                                              "--kv-replay-port", rep, *extra))
+    return p, url, {"server": url.replace("http://", ""), "endpoint": f"tcp://127.0.0.1:{pub}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{rep}", "engine": "vllm"}
+
+
+def pd_group(workers, policy: str, proto: str) -> dict:
+    g = group([w[1] for w in workers], policy)
+    if proto == "vllm":
+        g["protocol"] = "vllm"
+        g["kv_events"] = [w[2] for w in workers]
+    return g
+
+
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
 def pd(request, module_cluster):
     proto = request.param
     c = module_cluster
-    _, ctx = c.worker("context", name=f"{proto}-ctx", extra=(
-        "--disagg-protocol", proto, "--sim-prefill-us-per-token", 8000, "--pin-timeout", 30))
-    _, gen = c.worker("generation", name=f"{proto}-gen", extra=(
-        "--disagg-protocol", proto, "--sim-decode-us-per-step", 60000))
+    cw = pd_worker(c, "context", proto, f"{proto}-ctx", ("--sim-prefill-us-per-token", 8000, "--pin-timeout", 30))
+    gw = pd_worker(c, "generation", proto, f"{proto}-gen", ("--sim-decode-us-per-step", 60000))
+    ctx, gen = cw[1], gw[1]
     port = free_port()
-    # No `protocol` key for sglang: inferred from the workers' /server_info; vllm is configured.
-    ctx_group, gen_group = group([ctx], "kv_cache_aware"), group([gen], "kv_cache_aware")
-    if proto == "vllm":
-        ctx_group["protocol"] = gen_group["protocol"] = "vllm"
-    cfg = c.config(f"{proto}.yaml", port=port, context_servers=ctx_group, generation_servers=gen_group,
+    cfg = c.config(f"{proto}.yaml", port=port, context_servers=pd_group([cw], "kv_cache_aware", proto),
+                   generation_servers=pd_group([gw], "kv_cache_aware", proto),
                    conditional_disagg_config={"max_local_prefill_length": 32})
     f = c.fleet(cfg, name=f"fleet-{proto}")
     url = f"http://127.0.0.1:{port}"
@@ -173,12 +194,13 @@ def test_conditional_disaggregation_where_the_protocol_allows_it(pd):
 
 @pytest.mark.parametrize("proto", ["vllm", "sglang"])
 def test_dead_prefill_server_is_retried_elsewhere(cluster, proto):
-    _, ctx = cluster.worker("context", name="live-ctx", extra=("--disagg-protocol", proto))
-    doomed, dead = cluster.worker("context", name="dead-ctx", extra=("--disagg-protocol", proto))
-    _, gen = cluster.worker("generation", name="live-gen", extra=("--disagg-protocol", proto))
+    live = pd_worker(cluster, "context", proto, "live-ctx")
+    doomed, dead, dead_ev = pd_worker(cluster, "context", proto, "dead-ctx")
+    gw = pd_worker(cluster, "generation", proto, "live-gen")
+    ctx, gen = live[1], gw[1]
     port = free_port()
-    cfg = cluster.config(port=port, context_servers={**group([dead, ctx]), "protocol": proto},
-                         generation_servers={**group([gen]), "protocol": proto}, fleet={"retry_backoff_s": 0.01})
+    cfg = cluster.config(port=port, context_servers=pd_group([(doomed, dead, dead_ev), live], "round_robin", proto),
+                         generation_servers=pd_group([gw], "round_robin", proto), fleet={"retry_backoff_s": 0.01})
     f = cluster.fleet(cfg)
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: healthy(url) and json.loads(http("GET", url + "/health")[2])["context_servers"] == 2, 60,
@@ -234,11 +256,13 @@ def test_sglang_prefill_dying_aborts_the_waiting_decode(cluster):
 def test_vllm_prefill_pins_end_at_the_lease_when_no_decode_comes(cluster):
     """vLLM has no abort for a finished prefill: its blocks wait for the decode's read and are freed
     at the lease (`kv_lease_duration`; the sim's --pin-timeout) when the decode never comes."""
-    _, ctx = cluster.worker("context", name="vl-ctx", extra=("--disagg-protocol", "vllm", "--pin-timeout", 1))
-    doomed, gen = cluster.worker("generation", name="vl-gen", extra=("--disagg-protocol", "vllm"))
+    cw = pd_worker(cluster, "context", "vllm", "vl-ctx", ("--pin-timeout", 1))
+    doomed, gen, gen_ev = pd_worker(cluster, "generation", "vllm", "vl-gen")
+    ctx = cw[1]
     port = free_port()
-    cfg = cluster.config(port=port, context_servers={**group([ctx]), "protocol": "vllm"},
-                         generation_servers={**group([gen]), "protocol": "vllm"}, max_retries=0)
+    cfg = cluster.config(port=port, context_servers=pd_group([cw], "round_robin", "vllm"),
+                         generation_servers=pd_group([(doomed, gen, gen_ev)], "round_robin", "vllm"),
+                         max_retries=0)
     f = cluster.fleet(cfg)
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: healthy(url), 60, "fleet", f)
@@ -260,12 +284,12 @@ def pd2(request, module_cluster):
     """Two prefill and two decode servers per protocol, kv-aware placement on both roles."""
     proto = request.param
     c = module_cluster
-    ctxs = [c.worker("context", name=f"{proto}-kv-ctx{i}", extra=("--disagg-protocol", proto))[1] for i in range(2)]
-    gens = [c.worker("generation", name=f"{proto}-kv-gen{i}", extra=("--disagg-protocol", proto))[1]
-            for i in range(2)]
+    cws = [pd_worker(c, "context", proto, f"{proto}-kv-ctx{i}") for i in range(2)]
+    gws = [pd_worker(c, "generation", proto, f"{proto}-kv-gen{i}") for i in range(2)]
+    ctxs, gens = [w[1] for w in cws], [w[1] for w in gws]
     port = free_port()
-    cfg = c.config(f"{proto}-kv.yaml", port=port, context_servers={**group(ctxs, "kv_cache_aware"), "protocol": proto},
-                   generation_servers={**group(gens, "kv_cache_aware"), "protocol": proto})
+    cfg = c.config(f"{proto}-kv.yaml", port=port, context_servers=pd_group(cws, "kv_cache_aware", proto),
+                   generation_servers=pd_group(gws, "kv_cache_aware", proto))
     f = c.fleet(cfg, name=f"fleet-{proto}-kv")
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: healthy(url) and json.loads(http("GET", url + "/health")[2])["context_servers"] == 2
@@ -284,6 +308,16 @@ def test_kv_aware_placement_on_both_roles(pd2):
         assert r["mode"] == "disaggregated" and r["protocol"] == pd2["proto"], r
         first[p] = (r["context"]["server"], r["generation"]["server"])
     time.sleep(1.0)   # the workers' KV events reach the coordinator's index
+    # The index is fed by each engine's KV events (SGLang: found through the kv_events descriptor
+    # in its /server_info), not only by the coordinator's own routed-block predictions.
+    st, _, raw = http("GET", url + "/cluster_info")
+    servers = {d["url"]: d for role in ("context", "generation") for d in json.loads(raw)["servers"][role]}
+    used = {s for s in first.values() for s in s}
+    for u in pd2["ctxs"] + pd2["gens"]:
+        d = servers[u]
+        assert d["kv_ready"] and d["kv_events"]["format"] == pd2["proto"], d["kv_events"]
+        if u in used:
+            assert d["kv_index_blocks"] > 0, d
     for p in prompts:
         ctx, gen = first[p]
         hits = metric(wm(ctx), "splitserve_worker_prefix_cache_hit_tokens_total")

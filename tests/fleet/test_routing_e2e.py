@@ -12,6 +12,8 @@ coordinator, a fleet. Each places real requests and reads where they landed (the
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from .conftest import free_port, http, metric, wait_for
@@ -60,7 +62,8 @@ def test_namespace_routes_with_matches(cluster):
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {"good": model_dir(root, "good"), "other": model_dir(root, "other", OTHER_TEMPLATE)}
+    return {"good": model_dir(root, "good"), "other": model_dir(root, "other", OTHER_TEMPLATE),
+            "none": model_dir(root, "none", None)}
 
 
 def test_chat_template_jinja_only(cluster, dirs):
@@ -74,6 +77,15 @@ def test_chat_template_jinja_only(cluster, dirs):
     g = r["generation"]
     assert g["server"] == first and g["matched_tokens"] > 0
     assert _cached(u) >= g["matched_tokens"]
+
+
+def test_chat_without_any_template_is_a_400_naming_messages(cluster, dirs):
+    _, w = cluster.worker("generation", name="notpl-w", extra=("--model", dirs["none"]))
+    url, _, _, _ = coordinator_and_fleet(cluster, gen_urls=[w], model=dirs["none"])
+    st, _, raw = http("POST", url + "/v1/chat/completions", {
+        "model": "none", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    err = json.loads(raw)["error"]
+    assert st == 400 and err["param"] == "messages" and "chat template" in err["message"], raw
 
 
 def test_parity_probe_marks_mismatch_and_rechecks_after_restart(cluster, dirs):
@@ -129,7 +141,7 @@ def test_predicted_vs_actual_alarm_on_a_worker_that_never_reuses(cluster):
     _, bad = cluster.worker("generation", name="pva-bad", extra=("--sim-prefix-reuse", "off"))
     url, curl, coord, _ = coordinator_and_fleet(cluster, gen_urls=[good, bad])
     landed = {good: 0, bad: 0}
-    for i in range(12):
+    for i in range(40):   # until both have had repeated prompts (placement decides which)
         body = {"model": "tiny", "prompt": f"conversation {i}: " + PROMPT, "max_tokens": 2}
         for _ in range(4):
             r, u = post(url, "/v1/completions", body)
@@ -137,7 +149,9 @@ def test_predicted_vs_actual_alarm_on_a_worker_that_never_reuses(cluster):
             landed[g["server"]] += 1
             if g["server"] == bad:
                 assert _cached(u) == 0      # the fault: events stored, nothing ever reused
-    assert min(landed.values()) >= 8, landed
+        if min(landed.values()) >= 12:
+            break
+    assert min(landed.values()) >= 12, landed
 
     def alarmed():
         return bad in cluster_info(curl)["routing_diagnostics"]["prediction_alarm"]

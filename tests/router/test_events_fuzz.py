@@ -7,6 +7,8 @@ arbitrary values), raw bytes, deep nesting, and arbitrary JSON for TensorRT-LLM'
 """
 from __future__ import annotations
 
+import os
+
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,9 @@ from router.events import (EventBatch, EventDecodeError, decode_payload, decode_
                            decode_zmq)
 
 ENGINES = ("vllm", "sglang", "trtllm")
-SETTINGS = settings(max_examples=150, deadline=None,
+# SPLITSERVE_FUZZ_EXAMPLES=5000 for a long run
+SETTINGS = settings(max_examples=int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "100")), deadline=None,
+                    database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 scalars = st.one_of(

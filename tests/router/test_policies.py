@@ -333,3 +333,27 @@ def test_make_policy_accepts_upstream_trtllm_args():
     assert make_policy("round_robin", None).describe() == {"type": "round_robin"}
     assert make_policy("kv_cache_aware", {}).needs_block_keys
     assert not make_policy("round_robin", {}).needs_block_keys
+
+
+def test_kv_unknown_server_is_placed_by_load_not_by_a_zero_match():
+    """A server whose keys are known not to match (key parity probe) neither wins nor loses on
+    its index matches: it is costed with the verified servers' mean match, reported as 0."""
+    from router.kv_index import KvIndex
+    from router.leases import LeaseTable
+    from router.policies import Candidate, IndexLoadView, KvCacheAwarePolicy, RoutingKey
+
+    idx, leases = KvIndex(block_size=16), LeaseTable()
+    view = IndexLoadView(idx, leases)
+    keys = np.asarray(block_keys_list(list(range(256)), 16), dtype=np.uint64)
+    pol = KvCacheAwarePolicy(16, track_routed_blocks=False)
+    key = RoutingKey(block_keys=keys, num_tokens=256)
+    cands = [Candidate("http://a"), Candidate("http://b"), Candidate("http://c", kv_unknown=True)]
+    # nobody caches: a and b match 0, c's mean-of-the-others estimate is 0 too; load decides
+    for i in range(2):
+        leases.acquire("generation", i, "http://a", 0.0, 60.0, 256)
+        leases.acquire("generation", 10 + i, "http://b", 0.0, 60.0, 256)
+    d = pol.select(cands, key, view)
+    assert d.server == "http://c"
+    row = next(r for r in d.explanation["candidates"] if r["server"] == "http://c")
+    assert "kv_mismatch" in row["why"] and row["matched_tokens"] == 0
+    assert d.explanation["matched_tokens"] == 0     # nothing predicted cached on c

@@ -187,21 +187,26 @@ def test_chat_template_matches_transformers(smol, hf_smol, agp):
 
 
 def test_fleet_routing_tokenizer_is_the_workers(smol):
-    """The fleet resolves `smollm2-135m` to the same tokenizer: token ids and block keys of a chat and a
-    text request equal what the worker's request parser computes."""
+    """The fleet (and the sim engine) resolve `smollm2-135m` to the same tokenizer: token ids and block
+    keys of a chat and a text request equal what the worker's request parser computes."""
     from fleet.keys import KeyBuilder, load_tokenizer
     from fleet.validate import CHAT, COMPLETION, parse_request
     from worker.protocol import parse_chat, parse_completion
 
+    from worker.cli import _sim_tokenizer
+
     _, tok, _, _, _ = smol
     keys = KeyBuilder(load_tokenizer("smollm2-135m"))
+    sim_tok, sim_max_len = _sim_tokenizer("smollm2-135m")  # the sim engine, which never imports torch
+    assert sim_max_len == 8192
     long_chat = CAPITAL + [{"role": "assistant", "content": "Paris."},
                            {"role": "user", "content": "And of Italy? Answer in one word, 2024 style."}]
     for kind, body, parse in ((CHAT, {"model": "smollm2-135m", "messages": long_chat}, parse_chat),
                               (COMPLETION, {"model": "smollm2-135m", "prompt": TEXTS[1] * 3}, parse_completion)):
         fleet_ids = keys.token_ids(parse_request(json.dumps(body).encode(), kind))
         worker_ids = parse(body, tok, max_model_len=8192).prompt_token_ids
-        assert fleet_ids == worker_ids and len(worker_ids) >= 2 * BS
+        assert fleet_ids == worker_ids == parse(body, sim_tok, max_model_len=8192).prompt_token_ids
+        assert len(worker_ids) >= 2 * BS
         assert list(block_keys(fleet_ids, BS, 0)) == list(block_keys(worker_ids, BS, 0))
 
 
@@ -351,6 +356,7 @@ def test_llama3_rope_from_rope_freqs_and_tied_output(tmp_path):
 # ----------------------------------------------------------------------------- served for real
 
 from tests.fleet.conftest import PY, Cluster, clean_env, free_port, free_port_pair, healthy, http, metric, wait_for  # noqa: E402,E501
+from tests.fleet.routing_fixtures import cluster_info, coordinator_and_fleet, post, servers  # noqa: E402
 
 
 @pytest.fixture
@@ -397,35 +403,42 @@ def _local(cluster: Cluster, cache, *extra) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def test_local_aggregated_answers_and_routes_on_cached_blocks(cluster, cache, smol, reference_answer):
-    """`splitserve local --aggregated` (the default model, kv_cache_aware routing): the same greedy
-    answer; a repeated chat and a repeated text prompt are predicted cached by the fleet (its block
-    keys, from its own tokenizer, found in the index the worker's KV events built) exactly as many
-    tokens as the worker reports cached."""
+def test_local_aggregated_answers_like_the_model(cluster, cache, smol, reference_answer):
+    """`splitserve local --aggregated`: one worker serving both legs behind the fleet."""
     url = _local(cluster, cache, "--aggregated")
     assert _text(_chat(url)) == reference_answer
-    long_chat = CAPITAL + [{"role": "assistant", "content": "Paris."},
-                           {"role": "user", "content": "And the capital of Italy? One word, please."}]
-    text = {"model": "smollm2-135m", "max_tokens": 4, "temperature": 0,
-            "prompt": "France is a country in Western Europe. Its largest cities are Paris, Marseille, Lyon, "
-                      "Toulouse and Nice. Which one is the capital city of France? It is"}
-    for path, body in (("/v1/chat/completions", {"model": "smollm2-135m", "messages": long_chat,
-                                                  "max_tokens": 4, "temperature": 0}),
-                       ("/v1/completions", text)):
-        for attempt in range(2):
-            before = http("GET", url + "/metrics")[2].decode()
-            st, _, raw = http("POST", url + path, body, timeout=120)
-            assert st == 200, raw
-            after = http("GET", url + "/metrics")[2].decode()
-            usage = json.loads(raw)["usage"]
-            cached = usage["prompt_tokens_details"]["cached_tokens"]
-            # Not block-aligned: on a full hit of an aligned prompt the router predicts num_tokens - 1
-            # (router/policies.py) while this worker recomputes the whole last block.
-            assert usage["prompt_tokens"] % BS, usage
-            for name in ("splitserve_fleet_routing_predicted_cached_tokens_total",
-                         "splitserve_fleet_routing_reported_cached_tokens_total"):
-                assert metric(after, name) - metric(before, name) == cached, (path, attempt, name)
-        assert cached >= 2 * BS, (path, raw)  # the repeat found its full blocks cached, and routing knew
+    m = http("GET", url + "/metrics")[2].decode()
+    assert metric(m, "splitserve_fleet_e2e_request_latency_seconds_count", mode="aggregated") >= 2
+
+
+def test_kv_aware_routing_matches_the_workers_blocks(cluster, cache, smol):
+    """kv_cache_aware fleet + a smollm2 worker, matching only blocks the worker announced in its KV
+    events (no speculative entries for routed blocks, which would match a repeat whatever the
+    tokenizer): a repeated chat and a repeated text prompt are predicted cached — the fleet's block
+    keys, from its own tokenizer, equal the worker's — and the worker really reused that many tokens.
+    The coordinator's key parity probe agrees."""
+    port = free_port()
+    w, wurl = cluster.worker("generation", engine="torch", port=port, wait=False,
+                             extra=("--model", "smollm2-135m", "--cache-dir", cache))
+    wait_for(lambda: healthy(wurl), 180, "the smollm2 worker", w)
+    url, curl, _, _ = coordinator_and_fleet(cluster, gen_urls=[wurl], model="smollm2-135m",
+                                            router_args={"track_routed_blocks": False})
+    system = "You answer questions about European geography in one short sentence. " * 3
+    chat = {"model": "smollm2-135m", "max_tokens": 2, "temperature": 0, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "Capital of Italy?"}]}
+    text = {"model": "smollm2-135m", "max_tokens": 2, "temperature": 0, "prompt": system + "Capital of Spain?"}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", text)):
+        post(url, path, body)
+        seen = {}
+
+        def hit():
+            seen["r"], seen["u"] = post(url, path, body)
+            return seen["r"]["generation"].get("matched_tokens", 0) > 0
+        wait_for(hit, 60, f"a predicted prefix match for a repeated {path} request", interval=0.2)
+        matched = seen["r"]["generation"]["matched_tokens"]
+        assert matched >= 2 * BS, seen["r"]
+        assert seen["u"]["prompt_tokens_details"]["cached_tokens"] >= matched, seen["u"]
+    assert all(s["kv_parity"]["status"] == "ok" for s in servers(cluster_info(curl)).values())
 
 
 def test_local_disaggregated_answers_like_the_model(cluster, cache, smol, reference_answer):

@@ -76,14 +76,15 @@ def reference(q, kv, layer, table, qpos: list[int], window, scale):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("bs", [16, 32, 64])
 def test_paged_decode_matches_reference(mode, group, window, bs):
     big = mode == "cuda"
-    lengths = [1, 2, 17, 100, 1000, 4097, 32768, 700] if big else [1, 2, 17, 70, 150]
+    lengths = [1, 2, 17, 100, 1000, 4097, 32768, 700] if big else [1, 2, 17, 70, 150, 600]  # 600: > 16 units at split 32
     win = (1500 if big else 40) if window else None
-    dtypes = [torch.bfloat16, torch.float16] if big else [torch.float32, torch.float16]
+    # fp16 at one block size only: every extra dtype is another set of kernel compiles on the GPU
+    dtypes = ([torch.bfloat16] + ([torch.float16] if bs == 16 else [])) if big else [torch.float32, torch.float16]
     kvh, dim = 2, 64 if big else 32
     heads = group * kvh
     rng = np.random.default_rng(bs * 10 + group)
@@ -109,7 +110,7 @@ def test_paged_decode_matches_reference(mode, group, window, bs):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("bs", [16, 64])
 def test_paged_prefill_matches_reference(mode, group, window, bs):
@@ -186,29 +187,43 @@ def test_runner_triton_backend_equals_torch(mode, window):
 @pytest.mark.gpu
 def test_1b_greedy_tokens_equal_torch_path():
     """``1b`` bf16, CUDA graphs on: a batch of short rows and one long row (prefilled in two chunks,
-    the second through the paged prefill kernel) decodes the same greedy tokens with the triton
-    backend as with the torch path."""
+    the second through the paged prefill kernel) decodes greedily on the torch path; the triton
+    backend, fed the same tokens, gives logits within bf16 noise of it and the same greedy token at
+    most steps.
+
+    Why not every step: the preset's logits have a spread of about 2 over 128k tokens, so the top-2
+    gap (≈ 0.4 on average, exponentially distributed) is below the two paths' bf16 rounding
+    difference (≈ 0.1 between two logits of a row; 0.35 at most over a 31-row step on the H200) at a
+    fair share of steps, where either token is an equally correct greedy choice. A free-running
+    comparison diverged that way on the H200 (one token at step 2). Wrong attention (a missed block,
+    a bad mask) moves logits by whole units and leaves the tokens agreeing at chance level."""
     model = build_preset("1b", device="cuda", dtype=torch.bfloat16)
     lengths = [5, 40, 300, 20000]
     steps, bs = 24, 16
     seqs = [[(i * 131 + j * 17 + 3) % 250 for j in range(n)] for i, n in enumerate(lengths)]
     tables, nblocks = _tables(lengths, steps + 4, bs)
 
-    def run(backend):
+    def run(backend, forced=None):
         r = ModelRunner(model, nblocks, bs, attention_backend=backend)
         half = lengths[-1] // 2
         short = r.step([Chunk(s, 0, t) for s, t in zip(seqs[:-1], tables[:-1])]
                        + [Chunk(seqs[-1][:half], 0, tables[-1])])
         long = r.step([Chunk(seqs[-1][half:], half, tables[-1])])
-        toks = [short[:-1].argmax(-1).tolist() + long.argmax(-1).tolist()]
+        logits = [torch.cat([short[:-1], long])]
         for k in range(steps):
-            out = r.step([Chunk([toks[-1][i]], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))])
-            toks.append(out.argmax(-1).tolist())
+            feed = (forced[k] if forced is not None else logits[-1].argmax(-1)).tolist()
+            logits.append(r.step([Chunk([feed[i]], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))]))
         assert r._graphs, "decode steps did not replay CUDA graphs"
-        return toks
+        return torch.stack(logits)  # [steps + 1, rows, vocab]
 
-    ref, got = run("torch"), run("triton")
-    assert got == ref
+    ref = run("torch")
+    got = run("triton", forced=ref.argmax(-1))
+    # 16 bf16 layers: 8% of the largest logit (the 4-layer tiny runner case uses 5%)
+    torch.testing.assert_close(got, ref, atol=8e-2 * ref.abs().max().item(), rtol=0)
+    same = got.argmax(-1) == ref.argmax(-1)
+    top2 = ref.topk(2, dim=-1).values
+    gaps = (top2[..., 0] - top2[..., 1])[~same].tolist()
+    assert same.float().mean() >= 0.5, f"{int(same.sum())} of {same.numel()} greedy tokens agree; gaps where not: {gaps}"
 
 
 def test_backend_resolution():
@@ -254,3 +269,75 @@ def test_work_units_cover_each_row_once():
     with pytest.raises(ValueError, match="work units"):
         fill_units(np.array([0]), np.array([5000]), 256, *(np.zeros(3, dtype=np.int64) for _ in range(3)),
                    np.zeros(2, dtype=np.int64))
+
+
+def _sig(names: str, types: dict[str, str], constexprs: dict) -> dict[str, str]:
+    sig = {n: types.get(n, "i32") for n in names.split()}
+    sig.update({k: "constexpr" for k in constexprs})
+    return sig
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs triton (not under its interpreter)")
+@pytest.mark.parametrize("dim", [64, 128])
+def test_kernels_compile_for_hopper_without_spills(dim):
+    """Every kernel compiles to sm_90 machine code with Triton's bundled ptxas (no GPU needed); the
+    bf16 decode/prefill kernels spill no registers at the launchers' block shapes and their K/V
+    loads are software-pipelined (cp.async)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    T = ops()
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bf, i64 = "*bf16", "*i64"
+
+    def build(fn, names, types, const, num_warps, pipelined=False):
+        # As the JIT specialises a launch: pointers and these strides are multiples of 16.
+        hinted = [i for i, n in enumerate(names.split()) if types.get(n, "").startswith("*")
+                  or n in ("stride_qt", "stride_qh", "stride_blk", "stride_tok", "stride_ot", "stride_oh",
+                           "stride_mu", "stride_mh", "stride_lu")]
+        attrs = {(i,): [["tt.divisibility", 16]] for i in hinted}
+        k = triton.compile(ASTSource(fn, _sig(names, types, const), const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": num_warps, "num_stages": 2})
+        if pipelined:
+            assert "async_copy_global_to_local" in k.asm["ttgir"], f"{fn.__name__}: K/V loads are not pipelined"
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        arch = re.search(r"\.target (\w+)", k.asm["ptx"]).group(1)
+        out = subprocess.run([ptxas, "--gpu-name", arch, "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True)
+        os.unlink(f.name)
+        spills = re.search(r"(\d+) bytes spill stores", out.stderr + out.stdout)
+        return int(spills.group(1)) if spills else 0
+
+    bd = dim
+    dec_types = {n: bf for n in ("Q", "K", "V", "Out")} | {n: i64 for n in ("Tables", "Pos", "Key0", "URow", "ULo", "UHi")}
+    dec_types |= {"MidO": "*fp32", "MidL": "*fp32", "stride_blk": "i64", "qk_scale": "fp32"}
+    for direct in (False, True):
+        const = {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_N": T.DECODE_BLOCK_N, "PAGE": 16,
+                 "DIRECT": direct, "PREC": None}
+        assert build(T._decode_kernel, "Q K V Tables Pos Key0 URow ULo UHi Out MidO MidL stride_qt stride_qh "
+                     "stride_blk stride_tok stride_tab stride_ot stride_oh stride_mu stride_mh stride_lu qk_scale",
+                     dec_types, const, 4 if bd <= 64 else 8, pipelined=True) == 0
+    pre_types = {n: bf for n in ("Q", "K", "V", "Out")} | {"Table": i64, "stride_blk": "i64", "qk_scale": "fp32"}
+    for window in (0, 100):
+        const = {"GROUP": 4, "GROUP_P": 4, "BLOCK_T": (128 if dim <= 64 else 64) // 4, "HEAD_DIM": dim, "BLOCK_D": bd,
+                 "BLOCK_N": T.PREFILL_BLOCK_N, "PAGE": 16, "WINDOW": window, "PREC": None}
+        assert build(T._prefill_kernel, "Q K V Table Out q_pos0 num_q key0 stride_qt stride_qh stride_blk stride_tok "
+                     "stride_ot stride_oh qk_scale", pre_types, const, 8, pipelined=True) == 0
+    build(T._merge_kernel, "MidO MidL RowStart Out stride_mu stride_mh stride_lu stride_ot stride_oh",
+          {"MidO": "*fp32", "MidL": "*fp32", "RowStart": i64, "Out": bf},
+          {"HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_U": 16}, 2)
+    build(T._rope_store_kernel, "QKV Cos Sin K V SlotBlock SlotOff QOut stride_qkv stride_cos stride_blk stride_tok "
+          "stride_qo", {n: bf for n in ("QKV", "Cos", "Sin", "K", "V", "QOut")} | {"SlotBlock": i64, "SlotOff": i64,
+                                                                                  "stride_blk": "i64"},
+          {"NQ": 32, "NKV": 8, "HEAD_DIM": dim, "HALF": dim // 2, "BLOCK_HALF": dim // 2}, 1)
+    build(T._add_rms_norm_kernel, "X R W H Y stride_x stride_r stride_h stride_y n eps",
+          {n: bf for n in "X R W H Y".split()} | {"eps": "fp32"}, {"BLOCK": 2048}, 8)
+    build(T._silu_mul_kernel, "GU Out stride_gu stride_o inter", {"GU": bf, "Out": bf}, {"BLOCK": 1024}, 4)

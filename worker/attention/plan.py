@@ -93,10 +93,17 @@ def row_ranges(pos: np.ndarray, key0: np.ndarray, window: int | None) -> tuple[n
 
 
 def fill_units(lo: np.ndarray, hi: np.ndarray, split: int, unit_row: np.ndarray, unit_lo: np.ndarray,
-               unit_hi: np.ndarray, row_start: np.ndarray) -> int:
+               unit_hi: np.ndarray, row_start: np.ndarray, align: int = 64) -> int:
     """Cut rows ``[lo, hi)`` into units of ≤ ``split`` slots, written into the given arrays (which may
-    be longer: entries past the last unit become empty units of row 0). Returns the unit count."""
-    n = -(-(hi - lo) // split)
+    be longer: entries past the last unit become empty units of row 0). Returns the unit count.
+
+    A row needing ``n`` units gets ``n`` about equal ones (a multiple of ``align`` slots, a kernel
+    tile, except the last), not ``n-1`` full ones and a sliver: the programs of one row finish together."""
+    length = hi - lo
+    n = -(-length // split)
+    step = min(align, split)
+    size = -(-(-(-length // n)) // step) * step
+    n = -(-length // size)
     row_start[0] = 0
     np.cumsum(n, out=row_start[1:lo.size + 1])
     row_start[lo.size + 1:] = row_start[lo.size]
@@ -106,8 +113,8 @@ def fill_units(lo: np.ndarray, hi: np.ndarray, split: int, unit_row: np.ndarray,
     rows = np.repeat(np.arange(lo.size), n)
     k = np.arange(total) - row_start[rows]
     unit_row[:total] = rows
-    unit_lo[:total] = lo[rows] + k * split
-    unit_hi[:total] = np.minimum(unit_lo[:total] + split, hi[rows])
+    unit_lo[:total] = lo[rows] + k * size[rows]
+    unit_hi[:total] = np.minimum(unit_lo[:total] + size[rows], hi[rows])
     unit_row[total:] = 0
     unit_lo[total:] = 0
     unit_hi[total:] = 0
@@ -125,7 +132,7 @@ def build_paged_decode(tables, pos, key0, window: int | None, kv_heads: int, dev
     lo, hi = row_ranges(pos_a, key0_a, window)
     read = int((hi - lo).sum())
     split = split or choose_split(read, kv_heads, num_sms(torch.device(device)))
-    units = int((-(-(hi - lo) // split)).sum())
+    units = int((-(-(hi - lo) // split)).sum())  # an upper bound: fill_units may need fewer
     sizes = (r * width, r, r, units, units, units, r + 1)
     buf = np.zeros(sum(sizes), dtype=np.int64)
     parts, o = [], 0
@@ -136,7 +143,10 @@ def build_paged_decode(tables, pos, key0, window: int | None, kv_heads: int, dev
     for j, t in enumerate(tables):
         tab[j, :len(t)] = t
     parts[1][:], parts[2][:] = pos_a, key0_a
-    fill_units(lo, hi, split, parts[3], parts[4], parts[5], parts[6])
+    units = fill_units(lo, hi, split, parts[3], parts[4], parts[5], parts[6])
+    sizes = sizes[:3] + (units, units, units) + sizes[6:]
+    buf = np.concatenate([parts[0], parts[1], parts[2], parts[3][:units], parts[4][:units], parts[5][:units],
+                          parts[6]])
     d = torch.from_numpy(buf).to(device)
     dev_parts, o = [], 0
     for n in sizes:

@@ -31,7 +31,13 @@ from worker.attention.plan import PagedDecode
 __all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_mul"]
 
 _LOG2E = 1.4426950408889634
-BLOCK_N = 64  # keys per tile (vLLM's grouped decode uses 32; 64 halves the loop trips for D ≤ 128)
+#: Keys per tile. Shapes picked from ``ptxas -v`` and the TTGIR for sm_90 with the launcher's
+#: specialisation (16-aligned pointers and strides): decode 64 keys × 16 query rows, 4 warps (8 at
+#: head_dim 128), 64 registers a thread, K/V/table loads software-pipelined with cp.async, no
+#: spills; prefill 128 query rows × 64 keys, 8 warps, wgmma, 121 registers (4 warps took 255).
+#: vLLM's/SGLang's grouped decode kernel uses 32 keys × 16 rows, 4 warps, 2 stages.
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_N = 64
 
 
 def _interpreter_compat() -> None:
@@ -179,29 +185,31 @@ def _decode_kernel(Q, K, V, Tables, Pos, Key0, URow, ULo, UHi, Out, MidO, MidL,
 
 @triton.jit
 def _merge_kernel(MidO, MidL, RowStart, Out, stride_mu, stride_mh, stride_lu, stride_ot, stride_oh,
-                  NQ: tl.constexpr, BLOCK_HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per row: merge the row's units (all query heads at once) by log-sum-exp."""
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr):
+    """One program per (row, query head): merge the row's units by log-sum-exp, ``BLOCK_U`` units per
+    load so a 32k-token row's few dozen partials cost one or two round trips, not one per unit."""
     row = tl.program_id(0)
-    offs_h = tl.arange(0, BLOCK_HQ)
+    h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < NQ
-    om = mask_h[:, None] & (offs_d[None, :] < HEAD_DIM)
+    mask_d = offs_d < HEAD_DIM
     us = tl.load(RowStart + row).to(tl.int32)
     ue = tl.load(RowStart + row + 1).to(tl.int32)
-    m = tl.full([BLOCK_HQ], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_HQ], tl.float32)
-    acc = tl.zeros([BLOCK_HQ, BLOCK_D], tl.float32)
-    for u in range(us, ue):
-        lse = tl.load(MidL + u * stride_lu + offs_h, mask=mask_h, other=0.0)
-        o = tl.load(MidO + u * stride_mu + offs_h[:, None] * stride_mh + offs_d[None, :], mask=om, other=0.0)
-        m_new = tl.maximum(m, lse)
+    m = -float("inf")
+    s = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for u0 in range(us, ue, BLOCK_U):
+        offs_u = u0 + tl.arange(0, BLOCK_U)
+        mu = offs_u < ue
+        lse = tl.load(MidL + offs_u * stride_lu + h, mask=mu, other=float("-inf"))
+        o = tl.load(MidO + offs_u[:, None] * stride_mu + h * stride_mh + offs_d[None, :],
+                    mask=mu[:, None] & mask_d[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every chunk holds at least one unit
         a = tl.exp2(m - m_new)
-        b = tl.exp2(lse - m_new)
-        acc = acc * a[:, None] + o * b[:, None]
-        s = s * a + b
+        w = tl.exp2(lse - m_new)
+        acc = acc * a + tl.sum(w[:, None] * o, 0)
+        s = s * a + tl.sum(w, 0)
         m = m_new
-    tl.store(Out + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             (acc / s[:, None]).to(Out.dtype.element_ty), mask=om)
+    tl.store(Out + row * stride_ot + h * stride_oh + offs_d, (acc / s).to(Out.dtype.element_ty), mask=mask_d)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: PagedDecode, scale: float,
@@ -224,12 +232,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: Page
         q, k, v, meta.tables, meta.pos, meta.key0, meta.unit_row, meta.unit_lo, meta.unit_hi, out, mid_o, mid_l,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3), meta.tables.stride(0),
         out.stride(0), out.stride(1), smu, smh, slu, scale * _LOG2E,
-        GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGE=kv_cache.shape[3],
-        DIRECT=meta.direct, PREC=_prec(q), num_warps=4, num_stages=2)
+        GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=DECODE_BLOCK_N, PAGE=kv_cache.shape[3],
+        DIRECT=meta.direct, PREC=_prec(q), num_warps=4 if bd <= 64 else 8, num_stages=2)
     if not meta.direct:
-        _merge_kernel[(rows,)](mid_o, mid_l, meta.row_start, out, smu, smh, slu, out.stride(0), out.stride(1),
-                               NQ=nq, BLOCK_HQ=triton.next_power_of_2(nq), HEAD_DIM=d, BLOCK_D=bd,
-                               num_warps=4)
+        _merge_kernel[(rows, nq)](mid_o, mid_l, meta.row_start, out, smu, smh, slu, out.stride(0), out.stride(1),
+                                  HEAD_DIM=d, BLOCK_D=bd, BLOCK_U=16, num_warps=2)
     return out
 
 
@@ -308,8 +315,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: to
         q, kv_cache[:, layer, 0], kv_cache[:, layer, 1], table, out, start_pos, lq, key0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3), out.stride(0), out.stride(1),
         scale * _LOG2E,
-        GROUP=group, GROUP_P=gp, BLOCK_T=block_t, HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_N=BLOCK_N,
-        PAGE=kv_cache.shape[3], WINDOW=window or 0, PREC=_prec(q), num_warps=4, num_stages=2)
+        GROUP=group, GROUP_P=gp, BLOCK_T=block_t, HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_N=PREFILL_BLOCK_N,
+        PAGE=kv_cache.shape[3], WINDOW=window or 0, PREC=_prec(q), num_warps=8, num_stages=2)
     return out
 
 

@@ -32,7 +32,7 @@ CASES = {
         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}),
     "completion": ("/v1/completions", {"model": "mock", "prompt": "hi there", "max_tokens": 5,
                                        "temperature": 0, "stream": False, "min_tokens": 2}),
-    # The client hangs up after the first streamed event (the decode mock streams 300 tokens, 3 s).
+    # The client hangs up after the first streamed event (the decode mock streams 150 tokens, 1.5 s).
     "hangup": ("/v1/chat/completions", {"model": "mock", "messages": [{"role": "user", "content": "bye"}],
                                         "max_tokens": 300, "temperature": 0, "stream": True}),
 }
@@ -140,7 +140,7 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
     try:
         for role, port in (("prefill", pp), ("decode", dp)):
             argv = [py, "-m", "tests.fleet.peers.recorder", "--port", str(port), "--record", str(rec[role]),
-                    "--engine", engine, "--role", role, "--tokens", "300"]
+                    "--engine", engine, "--role", role, "--tokens", "150"]
             if role == "prefill":
                 argv += ["--delay-s", str(PREFILL_DELAY_S)]
                 if engine == "sglang":
@@ -177,12 +177,14 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
             n = {r: len(_legs(_records(f))) for r, f in rec.items()}
             if name == "hangup":
                 status = _hang_up(f"http://127.0.0.1:{rp}", path, body)
-                time.sleep(1.0)
+                time.sleep(2.0)     # past the decode stream's natural end: closed early, or ran to completion
             else:
-                status, _ = _post(f"http://127.0.0.1:{rp}{path}", body)
+                status, answer = _post(f"http://127.0.0.1:{rp}{path}", body)
                 time.sleep(0.3)
             legs = {r: _legs(_records(f))[n[r]:] for r, f in rec.items()}
             out[name] = {"answer_status": status, "bootstrap_port": bp if engine == "sglang" else None, **legs}
+            if name != "hangup":
+                out[name]["answer"] = answer.decode("utf-8", "replace")
         return out
     finally:
         for p in reversed(procs):

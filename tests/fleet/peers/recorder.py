@@ -62,7 +62,7 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
             await asyncio.sleep(delay_s)
         dp = b.get("disaggregated_params") if isinstance(b.get("disaggregated_params"), dict) else None
         if engine == "trtllm" and dp and dp.get("request_type") == "context_only":
-            # TensorRT-LLM's context answer (trtllm_disagg.md in the shared reference).
+            # TensorRT-LLM's context answer (docs/reference/trtllm_disagg.md).
             ch = {"index": 0, "finish_reason": "length", "disaggregated_params": {
                 "request_type": "context_only", "ctx_request_id": 42, "first_gen_tokens": [7],
                 "encoded_opaque_state": "AAAA", "ctx_info_endpoint": None}}
@@ -80,6 +80,11 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
                 "pp_size": 1, "remote_num_tokens": 8, "remote_blocks_expiry_time": None,
                 "remote_registration_generation": 0, "transfer_mode": "pull"})
             return web.json_response(out)
+        # A vLLM decode returns its own params on the final chunk / answer (chat_completion/protocol.py
+        # `kv_transfer_params`; set when the connector keeps the decode's blocks for a readback).
+        decode_kv = ({"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[9]],
+                      "remote_engine_id": f"engine-{port}", "remote_host": "127.0.0.1", "remote_port": 5601}
+                     if engine == "vllm" and kv and kv.get("do_remote_prefill") else None)
         mt = b.get("max_tokens") or b.get("max_completion_tokens")
         n = min(tokens, mt) if type(mt) is int and mt > 0 else tokens
         if b.get("stream"):
@@ -89,12 +94,15 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
                 for i in range(n):
                     ch = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
                     ch.update({"delta": {"content": "b"}} if chat else {"text": "b"})
-                    await resp.write(b"data: " + json.dumps({**out, "object": "chat.completion.chunk" if chat
-                                                             else "text_completion", "choices": [ch]}).encode()
-                                     + b"\n\n")
+                    chunk = {**out, "object": "chat.completion.chunk" if chat else "text_completion",
+                             "choices": [ch]}
+                    if i == n - 1 and decode_kv is not None:
+                        chunk["kv_transfer_params"] = decode_kv
+                    await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                     await asyncio.sleep(0.01)
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
+                log(request, None, event="stream_completed")
             except (ConnectionError, asyncio.CancelledError):
                 # The router closed this leg's connection: that is how a hang-up reaches the engine.
                 log(request, None, event="connection_closed")
@@ -103,6 +111,8 @@ def make_app(record: str, engine: str, role: str, bootstrap_port: int | None,
         ch = {"index": 0, "finish_reason": "length", "logprobs": None}
         ch.update({"message": {"role": "assistant", "content": "b" * n}} if chat else {"text": "b" * n})
         out.update(choices=[ch], usage={**usage, "completion_tokens": n})
+        if decode_kv is not None:
+            out["kv_transfer_params"] = decode_kv
         return web.json_response(out)
 
     async def any_get(request: web.Request) -> web.Response:
