@@ -385,10 +385,17 @@ def part_scaling(work: Path, urls, args) -> list[dict]:
              if args.paths is None or p[0].split()[0] + "-" + p[2] in args.paths.split(",")]
     for nw in nws:
         for name, ctx, policy in paths:
-            port = free_pair()
             tag = f"{name.replace(' ', '-')}-n{nw}"
-            cfg = fleet_config(work, tag, port, urls["gen"], ctx, policy, nw)
-            r = measure(work, tag, cfg, script, "/v1/completions", BODY, **load)
+            for attempt in range(3):
+                # free_pair() only probes: on a shared host another process may take the port first
+                cfg = fleet_config(work, tag, free_pair(), urls["gen"], ctx, policy, nw)
+                try:
+                    r = measure(work, tag, cfg, script, "/v1/completions", BODY, **load)
+                    break
+                except RuntimeError as e:
+                    if "Address already in use" not in str(e) or attempt == 2:
+                        raise
+                    print(f"  {tag}: port taken meanwhile, retrying on another", flush=True)
             r["config"], r["num_workers"] = name, nw
             if nw == 1:
                 r["coord_us"] = None     # in-process coordinator: its CPU is the fleet process's
@@ -496,7 +503,7 @@ def header(args) -> str:
     from bench._common import cpu_model
     cpu = cpu_model()
     load = os.getloadavg()[0]
-    return (f"`python bench/fleet.py {' '.join(args.argv)}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+    return (f"`python bench/fleet.py {shlex.join(args.argv)}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{cores} cores ({cpu}), Python {platform.python_version()}, load average {load:.1f} at the end; "
             f"wrk {args.wrk_threads} thread(s) × {args.conns} connections, {args.duration} per point after "
             f"{args.warmup} warm-up and a 1 s pause; mock backends are nginx `return 200` ({args.backend_workers} worker "

@@ -32,11 +32,6 @@ log = logging.getLogger("splitserve.coordinator.channel")
 FallbackFinish = Callable[[str, int, bool, "dict | None"], Awaitable[None]]
 
 
-def _wire_key(rk: Any) -> Any:
-    from coordinator.client import _wire_key as wk   # one key normalisation for both transports
-    return wk(rk)
-
-
 class _Proto(asyncio.Protocol):
     """The socket: the HTTP upgrade handshake, then length-prefixed frames."""
 
@@ -46,8 +41,6 @@ class _Proto(asyncio.Protocol):
         self.buf = bytearray()
         self.framed = False
         self.handshake: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.paused = False
-        self.drained: asyncio.Future | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -94,17 +87,7 @@ class _Proto(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         if not self.handshake.done():
             self.handshake.set_exception(CoordinatorUnavailable(f"connection closed: {exc}"))
-        if self.drained is not None and not self.drained.done():
-            self.drained.set_result(None)
         self.owner._lost(self, f"connection closed: {exc or 'by the coordinator'}")
-
-    def pause_writing(self) -> None:
-        self.paused = True
-
-    def resume_writing(self) -> None:
-        self.paused = False
-        if self.drained is not None and not self.drained.done():
-            self.drained.set_result(None)
 
 
 class _NotOffered(Exception):
@@ -371,14 +354,14 @@ class ChannelClient:
     async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
         role = _role(role)
         _req_id(req_id)
-        rk = _wire_key(routing_key) if routing_key is not None else None
+        rk = cw.wire_key(routing_key) if routing_key is not None else None
         ex = list(exclude) if exclude else None
         return await self._call(lambda i: cw.Select(i, role, req_id, rk, ex))
 
     async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
                           exclude_gen: Any = None) -> dict:
         _req_id(req_id)
-        rk = _wire_key(routing_key) if routing_key is not None else None
+        rk = cw.wire_key(routing_key) if routing_key is not None else None
         ec = list(exclude_ctx) if exclude_ctx else None
         eg = list(exclude_gen) if exclude_gen else None
         return await self._call(lambda i: cw.SelectPair(i, req_id, rk, ec, eg))

@@ -25,6 +25,7 @@ import struct
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
+import numpy as np
 
 from coordinator import wire
 
@@ -173,3 +174,25 @@ def upgrade_request(host: str = "coordinator") -> bytes:
 
 UPGRADE_ANSWER = (f"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
                   f"Upgrade: {PROTOCOL}\r\n\r\n").encode()
+
+
+def wire_key(rk: Any) -> Any:
+    """A routing key in its wire form (block keys as little-endian u64 bytes), for both transports:
+    a dict, a `router.policies.RoutingKey` (or any object with its attributes), a string or None."""
+    if rk is None or isinstance(rk, str):
+        return rk
+    if isinstance(rk, dict):
+        out = dict(rk)
+    else:
+        out = {"block_keys": getattr(rk, "block_keys", None),
+               "num_tokens": getattr(rk, "num_tokens", None),
+               "conversation_id": getattr(rk, "conversation_id", None)}
+        out = {k: v for k, v in out.items() if v is not None}
+    keys = out.get("block_keys")
+    if isinstance(keys, np.ndarray):
+        out["block_keys"] = np.ascontiguousarray(keys, dtype="<u8").tobytes()
+    elif isinstance(keys, (bytearray, memoryview)):
+        out["block_keys"] = bytes(keys)
+    elif isinstance(keys, tuple):
+        out["block_keys"] = list(keys)
+    return out

@@ -19,12 +19,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 import msgpack
-import numpy as np
 import orjson
 
 from coordinator.errors import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
                                 CoordinatorUnavailable, NoServerAvailable)
 from coordinator.channel_client import ChannelClient, Fallback
+from coordinator.channel_wire import wire_key as _wire_key
 from coordinator.identity import IdentityExhausted
 
 __all__ = [
@@ -84,27 +84,6 @@ def answer_or_raise(url: str, path: str, status: int, obj: Any, raw: bytes) -> A
     if 400 <= status < 500:
         raise CoordinatorRequestError(status, msg, obj.get("field") if isinstance(obj, dict) else None)
     raise CoordinatorUnavailable(f"coordinator {url} answered {status} for {path}: {msg}")
-
-
-def _wire_key(rk: Any) -> Any:
-    """A routing key in its wire form (block keys as little-endian u64 bytes)."""
-    if rk is None or isinstance(rk, str):
-        return rk
-    if isinstance(rk, dict):
-        out = dict(rk)
-    else:  # router.policies.RoutingKey or any object with the same attributes
-        out = {"block_keys": getattr(rk, "block_keys", None),
-               "num_tokens": getattr(rk, "num_tokens", None),
-               "conversation_id": getattr(rk, "conversation_id", None)}
-        out = {k: v for k, v in out.items() if v is not None}
-    keys = out.get("block_keys")
-    if isinstance(keys, np.ndarray):
-        out["block_keys"] = np.ascontiguousarray(keys, dtype="<u8").tobytes()
-    elif isinstance(keys, (bytearray, memoryview)):
-        out["block_keys"] = bytes(keys)
-    elif isinstance(keys, tuple):
-        out["block_keys"] = list(keys)
-    return out
 
 
 def _excl(v: Any) -> Any:
