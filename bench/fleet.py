@@ -299,10 +299,10 @@ def measure_group(g: Group, url: str, name: str, script: Path, path: str, body: 
     try:
         wait_http(url + path, body, 90, g)
         wrk(url, script, conns, warm, threads)
-        # The warm-up's connections close with requests in flight (hang-ups: cancelled handlers,
-        # abort calls to the backends). A new wave of connections within ~0.5 s of that measured a
-        # ~1.2 s tail on a one-process fleet at 256 connections, none with a 0.5 s pause (issue 13):
-        # measure the steady state, not the warm-up's teardown.
+        # The warm-up's connections close with requests in flight; wrk's next run reuses their
+        # client ports at once (tcp_tw_reuse on loopback) while the fleet still holds them open,
+        # and the new SYNs wait ~1 s for retransmission (TcpExtPAWSOldAck): a ~1.2 s p99 at 256
+        # connections, none after a 0.5 s pause (issue 13). Measure the steady state.
         time.sleep(1.0)
         t0, c0 = time.monotonic(), g.ticks_split()
         r = wrk(url, script, conns, duration, threads)
