@@ -193,7 +193,15 @@ def _sse() -> str:
 def mock_backends(work: Path, workers: int = 1) -> tuple[Group, dict[str, list[str]]]:
     """nginx with context (JSON), generation (JSON) and SSE servers, two of each, on `workers`
     worker processes (on a many-core host one worker would be the ceiling being measured)."""
-    ports = {k: [free_port(), free_port()] for k in ("ctx", "gen", "sse")}
+    taken: set[int] = set()
+
+    def fresh() -> int:       # free_port() may hand back a port it just returned: keep them distinct
+        while (p := free_port()) in taken:
+            pass
+        taken.add(p)
+        return p
+
+    ports = {k: [fresh(), fresh()] for k in ("ctx", "gen", "sse")}
     d = work / "nginx"
     d.mkdir(parents=True, exist_ok=True)
     servers = []
