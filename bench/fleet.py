@@ -4,20 +4,23 @@
 Three parts, all against mock backends (nginx `return 200`), so the router in the middle is what
 is measured:
 
-1. **peers** — the shared peer harness (`../shared/bench/peers/bench_routers.sh`) in one run:
+1. **scaling** — one table, one run: nginx (reverse proxy, round robin) and vllm-router (round robin,
+   `--vllm-router CMD`) next to splitserve aggregated `round_robin`, two-leg `round_robin` and two-leg
+   `kv_cache_aware` (tokenize + block keys + one placement of both legs + two lease ends per
+   request, over the coordinator channel) at every `--num-workers` size; wrk `--wrk-threads` x
+   `--conns`; req/s, CPU µs per request split into fleet processes and coordinator, p50/p99, errors.
+2. **peers** (optional, `--peers`) — the shared peer harness (`../shared/bench/peers/bench_routers.sh`) in one run:
    nginx, sglang-router and vllm-router (round robin) and splitserve (`EXTRA_ROUTER_CMD`: aggregated
    `round_robin`, generation servers only) against the same JSON and SSE backends.
-2. **two-leg** — splitserve's disaggregated path on mock context backends (answers with
-   `disaggregated_params` and 250 `prompt_token_ids`) and mock generation backends: `round_robin`
-   and `kv_cache_aware` (tokenize + block keys + one `/select_pair` + two `/finish` per request),
-   CPU of every fleet process plus the coordinator, per request, compared with aggregated
-   round robin measured in the same run.
+   The two-leg paths use mock context backends (answers with `disaggregated_params` and 250
+   `prompt_token_ids`) and mock generation backends.
 3. **stream latency** — p50 added latency of a streaming request at one connection: wrk -c1 on an SSE
    backend directly and through the fleet.
 
-Usage: `python bench/fleet.py [--quick] [--no-write] [--num-workers 1,2] [--skip-peers]`.
-Needs wrk and nginx (see the peers' setup.sh; `--peers-venv` points at its venv). Results are printed
-and appended as a "## fleet" section to bench/RESULTS.md (unless --no-write).
+Usage: `python bench/fleet.py [--quick] [--no-write] [--num-workers 1,2,4,8] [--wrk-threads 4]
+[--conns 256] [--vllm-router CMD] [--peers]`. Needs wrk and nginx (see the peers' setup.sh;
+`--peers-venv` points at its venv). Results are printed and written as the "## fleet" section of
+bench/RESULTS.md (unless --no-write; `--json-out FILE` saves the raw rows).
 """
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Run as `python bench/fleet.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
+# package: the repository root goes first and bench/ itself is dropped.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 PEERS = (ROOT / ".." / "shared" / "bench" / "peers").resolve()
 RESULTS = ROOT / "bench" / "RESULTS.md"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -88,6 +94,25 @@ class Group:
             if int(fields[2]) == self.p.pid:       # pgrp
                 total += int(fields[11]) + int(fields[12])
         return total
+
+    def ticks_split(self) -> dict[str, int]:
+        """CPU ticks of the group by part: the coordinator process, everything else ("fleet")."""
+        out = {"fleet": 0, "coordinator": 0}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) != self.p.pid:
+                    continue
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            part = "coordinator" if b"splitserve_cli" in argv and b"coordinator" in argv else "fleet"
+            out[part] += int(fields[11]) + int(fields[12])
+        return out
 
     def stop(self):
         if self.p.poll() is None:
@@ -165,8 +190,9 @@ def _sse() -> str:
     return "".join(ev) + "data: [DONE]\\n\\n"
 
 
-def mock_backends(work: Path) -> tuple[Group, dict[str, list[str]]]:
-    """nginx with context (JSON), generation (JSON) and SSE servers, two of each."""
+def mock_backends(work: Path, workers: int = 1) -> tuple[Group, dict[str, list[str]]]:
+    """nginx with context (JSON), generation (JSON) and SSE servers, two of each, on `workers`
+    worker processes (on a many-core host one worker would be the ceiling being measured)."""
     ports = {k: [free_port(), free_port()] for k in ("ctx", "gen", "sse")}
     d = work / "nginx"
     d.mkdir(parents=True, exist_ok=True)
@@ -193,7 +219,7 @@ def mock_backends(work: Path) -> tuple[Group, dict[str, list[str]]]:
     location = /v1/chat/completions {{ default_type text/event-stream; add_header Cache-Control no-cache;
       return 200 '{_sse()}'; }}
     location / {{ return 200 '{{"mock":true}}'; }} }}""")
-    conf = f"""worker_processes 1; daemon off; pid {d}/nginx.pid; error_log {d}/error.log warn;
+    conf = f"""worker_processes {workers}; daemon off; pid {d}/nginx.pid; error_log {d}/error.log warn;
 events {{ worker_connections 16384; }}
 http {{ access_log off; client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fastcgi_temp_path {d}/fc;
   uwsgi_temp_path {d}/uw; scgi_temp_path {d}/sc;
@@ -261,42 +287,120 @@ def lua(work: Path, name: str, path: str, body: dict) -> Path:
 
 
 def measure(work: Path, name: str, cfg: Path, script: Path, path: str, body: dict, conns: int, duration: str,
-            warm: str) -> dict:
+            warm: str, threads: int = 1) -> dict:
     port = int(re.search(r"^port: (\d+)", cfg.read_text(), re.M).group(1))
-    g = start_fleet(work, name, cfg)
-    url = f"http://127.0.0.1:{port}"
+    return measure_group(start_fleet(work, name, cfg), f"http://127.0.0.1:{port}", name, script, path, body,
+                         conns, duration, warm, threads)
+
+
+def measure_group(g: Group, url: str, name: str, script: Path, path: str, body: dict, conns: int,
+                  duration: str, warm: str, threads: int = 1) -> dict:
+    """wrk against `url` served by the process group `g` (stopped afterwards); CPU of the group."""
     try:
         wait_http(url + path, body, 90, g)
-        wrk(url, script, conns, warm)
-        t0, c0 = time.monotonic(), g.ticks()
-        r = wrk(url, script, conns, duration)
-        el, c1 = time.monotonic() - t0, g.ticks()
+        wrk(url, script, conns, warm, threads)
+        # The warm-up's connections close with requests in flight (hang-ups: cancelled handlers,
+        # abort calls to the backends). A new wave of connections within ~0.5 s of that measured a
+        # ~1.2 s tail on a one-process fleet at 256 connections, none with a 0.5 s pause (issue 13):
+        # measure the steady state, not the warm-up's teardown.
+        time.sleep(1.0)
+        t0, c0 = time.monotonic(), g.ticks_split()
+        r = wrk(url, script, conns, duration, threads)
+        el, c1 = time.monotonic() - t0, g.ticks_split()
     finally:
         g.stop()
-    cpu_s = (c1 - c0) / CLK_TCK
+    n = max(1, r["n"])
+    cpu = {k: (c1[k] - c0[k]) / CLK_TCK for k in c0}
+    cpu_s = sum(cpu.values())
     r["cpu_pct"] = cpu_s / el * 100
-    r["us_per_req"] = cpu_s / max(1, r["n"]) * 1e6
+    r["us_per_req"] = cpu_s / n * 1e6
+    r["fleet_us"] = cpu["fleet"] / n * 1e6
+    r["coord_us"] = cpu["coordinator"] / n * 1e6
     r["name"] = name
     return r
 
 
 # --------------------------------------------------------------------------- parts
 
-def part_two_leg(work: Path, urls, nws: list[int], duration: str, warm: str) -> list[dict]:
+def _show(r: dict) -> None:
+    split = (f" (fleet {r['fleet_us']:.0f} + coordinator {r['coord_us']:.0f})" if r.get("coord_us") else "")
+    print(f"  {r['config']:24s} n={r['num_workers']}: {r['rps']:9.0f} req/s  {r['us_per_req']:6.0f} µs CPU/req"
+          f"{split}  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}", flush=True)
+
+
+def nginx_proxy(work: Path, backends: list[str], workers: int) -> tuple[Group, str]:
+    """nginx as a round-robin reverse proxy with upstream keep-alive (the peers' `nginx` config)."""
+    port = free_port()
+    d = work / "nginx-proxy"
+    d.mkdir(parents=True, exist_ok=True)
+    ups = "".join(f"    server {u.split('//')[1]};\n" for u in backends)
+    (d / "nginx.conf").write_text(f"""worker_processes {workers}; daemon off; pid {d}/nginx.pid; error_log {d}/error.log warn;
+events {{ worker_connections 16384; multi_accept on; }}
+http {{ access_log off; client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fastcgi_temp_path {d}/fc;
+  uwsgi_temp_path {d}/uw; scgi_temp_path {d}/sc;
+  keepalive_requests 1000000; keepalive_timeout 300s; client_body_buffer_size 64k;
+  upstream backends {{
+{ups}    keepalive 1024; keepalive_requests 1000000;
+  }}
+  server {{ listen 127.0.0.1:{port} reuseport backlog=4096;
+    location / {{ proxy_pass http://backends; proxy_http_version 1.1; proxy_set_header Connection ""; }} }}
+}}
+""")
+    g = Group(["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")], work / "nginx-proxy.log")
+    return g, f"http://127.0.0.1:{port}"
+
+
+def vllm_router(work: Path, cmd: str, backends: list[str]) -> tuple[Group, str]:
+    """vllm-router, round robin, over the same backends (`cmd` launches it: e.g. `vllm-router`
+    or `python3 .device-carry/vr/vr_launch.py`)."""
+    port = free_port()
+    argv = [*shlex.split(cmd), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *backends,
+            "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--log-level", "warning"]
+    return Group(argv, work / "vllm-router.log"), f"http://127.0.0.1:{port}"
+
+
+def part_scaling(work: Path, urls, args) -> list[dict]:
+    """Peers and splitserve at every fleet size, same backends, same wrk load, one run."""
     script = lua(work, "completions", "/v1/completions", BODY)
+    nws = [int(x) for x in args.num_workers.split(",")]
+    load = dict(conns=args.conns, duration=args.duration, warm=args.warmup, threads=args.wrk_threads)
     rows = []
+    peers = [("nginx proxy", lambda: nginx_proxy(work, urls["gen"], args.nginx_workers))] if args.nginx_workers else []
+    if args.vllm_router:
+        peers.append(("vllm-router round_robin", lambda: vllm_router(work, args.vllm_router, urls["gen"])))
+    for name, start in peers:
+        try:
+            g, url = start()
+            r = measure_group(g, url, name, script, "/v1/completions", BODY, **load)
+        except (RuntimeError, OSError) as e:
+            print(f"  {name}: skipped ({e})", flush=True)
+            continue
+        r["config"], r["num_workers"], r["coord_us"] = name, args.nginx_workers if name.startswith("nginx") else "-", None
+        rows.append(r)
+        _show(r)
+    paths = [p for p in (("aggregated round_robin", [], "round_robin"),
+                         ("two-leg round_robin", urls["ctx"], "round_robin"),
+                         ("two-leg kv_cache_aware", urls["ctx"], "kv_cache_aware"))
+             if args.paths is None or p[0].split()[0] + "-" + p[2] in args.paths.split(",")]
     for nw in nws:
-        for name, ctx, policy in (("aggregated round_robin", [], "round_robin"),
-                                  ("two-leg round_robin", urls["ctx"], "round_robin"),
-                                  ("two-leg kv_cache_aware", urls["ctx"], "kv_cache_aware")):
-            port = free_pair()
+        for name, ctx, policy in paths:
             tag = f"{name.replace(' ', '-')}-n{nw}"
-            cfg = fleet_config(work, tag, port, urls["gen"], ctx, policy, nw)
-            r = measure(work, tag, cfg, script, "/v1/completions", BODY, 64, duration, warm)
+            for attempt in range(3):
+                # free_pair() only probes: on a shared host another process may take the port first
+                cfg = fleet_config(work, tag, free_pair(), urls["gen"], ctx, policy, nw)
+                try:
+                    r = measure(work, tag, cfg, script, "/v1/completions", BODY, **load)
+                    break
+                except RuntimeError as e:
+                    if "Address already in use" not in str(e) or attempt == 2:
+                        raise
+                    print(f"  {tag}: port taken meanwhile, retrying on another", flush=True)
             r["config"], r["num_workers"] = name, nw
+            if nw == 1:
+                r["coord_us"] = None     # in-process coordinator: its CPU is the fleet process's
             rows.append(r)
-            print(f"  {name:24s} n={nw}: {r['rps']:8.0f} req/s  {r['us_per_req']:6.0f} µs CPU/req  "
-                  f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}", flush=True)
+            _show(r)
     return rows
 
 
@@ -378,48 +482,83 @@ def peer_rows(tsv: Path | None) -> list[dict]:
     return res
 
 
-def report(args, peers_md: str, prow: list[dict], two: list[dict], stream: dict | None) -> str:
-    box = f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), Python {platform.python_version()}"
-    lines = ["## fleet", "", f"`python bench/fleet.py{' --quick' if args.quick else ''}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"{box}; wrk 1 thread, 64 connections, {args.duration} per point; mock backends are nginx `return 200`. "
-             "CPU µs/req = CPU time of the router's whole process group (all fleet processes and, for "
-             "splitserve, its coordinator) divided by requests served. This box is shared and has 2 cores, so "
-             "req/s moves with whatever else runs; µs/req is the stable number.", ""]
+def scaling_md(args, rows: list[dict]) -> str:
+    """The scaling table: peers first, then every splitserve path at every fleet size."""
+    base = {r["num_workers"]: r["rps"] for r in rows if r["config"] == "two-leg kv_cache_aware"}
+    rr1 = {r["num_workers"]: r["rps"] for r in rows if r["config"] == "aggregated round_robin"}
+    out = ["| config | fleet processes | req/s | × 1 process | CPU µs/req | fleet µs/req | coordinator µs/req "
+           "| p50 ms | p99 ms | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ref = base if r["config"] == "two-leg kv_cache_aware" else rr1 if r["config"] == "aggregated round_robin" else {}
+        x = f"{r['rps'] / ref[1]:.2f}" if ref.get(1) and r["num_workers"] != 1 else "-"
+        coord = f"{r['coord_us']:.0f}" if r.get("coord_us") is not None else "-"
+        fleet = f"{r['fleet_us']:.0f}" if r.get("coord_us") is not None else "-"
+        out.append(f"| {r['config']} | {r['num_workers']} | {r['rps']:,.0f} | {x} | {r['us_per_req']:.0f} | {fleet} | "
+                   f"{coord} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |")
+    return "\n".join(out)
+
+
+def header(args) -> str:
+    cores = os.cpu_count()
+    from bench._common import cpu_model
+    cpu = cpu_model()
+    load = os.getloadavg()[0]
+    return (f"`python bench/fleet.py {shlex.join(args.argv)}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"{cores} cores ({cpu}), Python {platform.python_version()}, load average {load:.1f} at the end; "
+            f"wrk {args.wrk_threads} thread(s) × {args.conns} connections, {args.duration} per point after "
+            f"{args.warmup} warm-up and a 1 s pause; mock backends are nginx `return 200` ({args.backend_workers} worker "
+            "process(es)). CPU µs/req = CPU time of the router's whole process group divided by requests "
+            "served; for splitserve split into its fleet processes and its coordinator process (one "
+            "process: the coordinator runs inside it). `× 1 process` = req/s over the same path's "
+            "one-process req/s.")
+
+
+def report(args, peers_md: str, prow: list[dict], rows: list[dict], stream: dict | None) -> list[tuple[str, str]]:
+    """[(subsection title, body)] for the "## fleet" section of RESULTS.md."""
+    subs = []
+    cores = os.cpu_count()
+    if rows:
+        subs.append((f"### Scaling · {cores} cores · wrk {args.wrk_threads}×{args.conns}",
+                     header(args) + "\n\n" + scaling_md(args, rows) + "\n\nTargets (issue 13, 16 cores): two-leg "
+                     "kv_cache_aware at 8 processes ≥ 5× one process and ≥ 25,000 req/s, p99 ≤ 50 ms, zero errors, "
+                     "coordinator ≤ 40 µs per request; round_robin at 8 processes ≥ 7× one process."))
     if prow:
-        lines += ["### Peers, same run (aggregated round robin, peer harness `bench_routers.sh`)", "",
-                  "| router | workload | req/s | router CPU µs/req | p50 ms | p99 ms |", "|---|---|---:|---:|---:|---:|"]
+        lines = ["| router | workload | req/s | router CPU µs/req | p50 ms | p99 ms |", "|---|---|---:|---:|---:|---:|"]
         for r in sorted(prow, key=lambda r: (r["workload"], r["config"])):
             us = f"{r['us']:.0f}" if r["us"] is not None else "-"
             lines.append(f"| {r['config']} | {r['workload']} | {r['rps']:.0f} | {us} | {r['p50']:.2f} | {r['p99']:.2f} |")
-        lines.append("")
-    elif peers_md.startswith("("):
-        lines += [f"Peers: {peers_md}", ""]
-    if two:
-        base = {r["num_workers"]: r["us_per_req"] for r in two if r["config"] == "aggregated round_robin"}
-        lines += ["### splitserve paths (same mock backends, one run)", "",
-                  "| path | fleet processes | req/s | CPU µs/req | × aggregated rr | p50 ms | p99 ms | errors |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in two:
-            x = r["us_per_req"] / base[r["num_workers"]] if base.get(r["num_workers"]) else 0
-            lines.append(f"| {r['config']} | {r['num_workers']} | {r['rps']:.0f} | {r['us_per_req']:.0f} | {x:.2f} | "
-                         f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |")
-        lines.append("")
+        subs.append(("### Peers, same run (aggregated round robin, peer harness `bench_routers.sh`)",
+                     "\n".join(lines)))
     if stream:
-        lines += ["### Streaming added latency, one connection", "",
-                  f"SSE chat completion (4 token events + usage): direct to the backend p50 "
-                  f"{stream['direct_p50_ms']:.3f} ms, through the fleet p50 {stream['fleet_p50_ms']:.3f} ms → "
-                  f"**added p50 {stream['added_p50_ms']:.3f} ms** (target ≤ 2 ms).", ""]
-    lines += ["Targets (issue 5): round_robin ≤ 300 µs fleet CPU per request; two-leg kv_cache_aware ≤ 2.5× "
-              "round_robin including the coordinator; streaming p50 added latency ≤ 2 ms.", ""]
-    return "\n".join(lines)
+        subs.append(("### Streaming added latency, one connection",
+                     f"SSE chat completion (4 token events + usage): direct to the backend p50 "
+                     f"{stream['direct_p50_ms']:.3f} ms, through the fleet p50 {stream['fleet_p50_ms']:.3f} ms → "
+                     f"**added p50 {stream['added_p50_ms']:.3f} ms** (target ≤ 2 ms)."))
+    return subs
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short runs, one rep, fewer peer configs")
-    ap.add_argument("--no-write", action="store_true", help="print only; do not append to bench/RESULTS.md")
-    ap.add_argument("--skip-peers", action="store_true", help="skip the peer harness part")
-    ap.add_argument("--num-workers", default="1", help="fleet sizes for the splitserve paths, e.g. 1,2,4")
+    ap.add_argument("--no-write", action="store_true", help="print only; do not touch bench/RESULTS.md")
+    ap.add_argument("--peers", action="store_true", help="also run the shared peer harness (bench_routers.sh)")
+    ap.add_argument("--skip-peers", action="store_true", help=argparse.SUPPRESS)   # the default now
+    ap.add_argument("--skip-stream", action="store_true", help="skip the one-connection streaming latency part")
+    ap.add_argument("--num-workers", default="1", help="fleet sizes for the splitserve paths, e.g. 1,2,4,8")
+    ap.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (-t)")
+    ap.add_argument("--conns", type=int, default=64, help="wrk connections (-c)")
+    ap.add_argument("--nginx-workers", type=int, default=4,
+                    help="worker processes of the nginx proxy peer (0: no nginx peer)")
+    ap.add_argument("--paths", default=None,
+                    help="splitserve paths to run (default all): aggregated-round_robin, "
+                         "two-leg-round_robin, two-leg-kv_cache_aware, comma-separated")
+    ap.add_argument("--backend-workers", type=int, default=1, help="worker processes of the mock backends")
+    ap.add_argument("--vllm-router", default=None,
+                    help="command that starts vllm-router (e.g. 'vllm-router' or 'python3 DIR/vr/vr_launch.py'); "
+                         "default: vllm-router when it is on PATH")
+    ap.add_argument("--json-out", type=Path, default=None, help="also write the raw rows as JSON here")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="results file whose '## fleet' section gets the subsections (default bench/RESULTS.md)")
     ap.add_argument("--extra-workers", type=int, default=1, help="fleet size in the peer run")
     ap.add_argument("--peers-venv", default=str(ROOT / ".bench_out" / "venv"))
     ap.add_argument("--duration", default=None)
@@ -432,6 +571,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--workers", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.argv = sys.argv[1:]
     if args.serve_extra:
         args.num_workers = int(args.num_workers)
         return serve_extra(args)
@@ -441,6 +581,8 @@ def main() -> int:
     args.peer_configs = args.peer_configs or ("nginx sgl-rr vllm-rr extra" if args.quick
                                               else "direct nginx sgl-rr sgl-ca vllm-rr vllm-ca aio-1 extra")
     args.peer_workloads = args.peer_workloads or ("single sse" if args.quick else "single prefix sse")
+    if args.vllm_router is None and shutil.which("vllm-router"):
+        args.vllm_router = "vllm-router"
     for tool in ("wrk", "nginx"):
         if shutil.which(tool) is None:
             print(f"bench/fleet.py: {tool} is not installed (apt-get install wrk nginx; see {PEERS}/setup.sh)",
@@ -448,28 +590,37 @@ def main() -> int:
             return 1
     work = Path(tempfile.mkdtemp(prefix="splitserve-bench-fleet-"))
     print(f"bench/fleet.py: work dir {work}", flush=True)
-    peers_md, tsv = ("(skipped: --skip-peers)", None)
-    if not args.skip_peers:
+    peers_md, tsv = ("(not run: pass --peers)", None)
+    if args.peers and not args.skip_peers:
         print("peers (shared harness, same run) ...", flush=True)
         peers_md, tsv = part_peers(work, args)
     prow = peer_rows(tsv)
     for r in prow:
         print(f"  {r['config']:18s} {r['workload']:7s} {r['rps']:8.0f} req/s  "
               f"{(r['us'] or 0):6.0f} µs CPU/req  p50 {r['p50']:.2f} ms", flush=True)
-    nginx, urls = mock_backends(work)
+    nginx, urls = mock_backends(work, args.backend_workers)
+    stream = None
     try:
-        print("splitserve paths ...", flush=True)
-        two = part_two_leg(work, urls, [int(x) for x in args.num_workers.split(",")], args.duration, args.warmup)
-        print("streaming latency ...", flush=True)
-        stream = part_stream(work, urls, args.duration, args.warmup)
+        print(f"scaling: wrk -t{args.wrk_threads} -c{args.conns}, fleet sizes {args.num_workers} ...", flush=True)
+        rows = part_scaling(work, urls, args)
+        if not args.skip_stream:
+            print("streaming latency ...", flush=True)
+            stream = part_stream(work, urls, args.duration, args.warmup)
     finally:
         nginx.stop()
-    md = report(args, peers_md, prow, two, stream)
-    print("\n" + md)
+    subs = report(args, peers_md, prow, rows, stream)
+    print("\n## fleet\n")
+    for title, body in subs:
+        print(title + "\n\n" + body + "\n")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"argv": args.argv, "cores": os.cpu_count(),
+                                             "rows": [{k: v for k, v in r.items() if k != "raw"} for r in rows],
+                                             "stream": stream}, indent=1))
     if not args.no_write:
-        prev = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-        RESULTS.write_text(prev.rstrip("\n") + "\n\n" + md + "\n")
-        print(f"appended to {RESULTS}")
+        from bench._common import replace_subsection
+        for title, body in subs:
+            replace_subsection(args.results, "fleet", title, body)
+        print(f"wrote the fleet section of {args.results}")
     return 0
 
 

@@ -4,21 +4,29 @@
     python bench/worker.py                          # tiny on CPU (fp32)
     python bench/worker.py --device cuda --model 1b # Llama-3.2-1B shapes, bf16 on a GPU
     python bench/worker.py --quick --no-write       # smoke run
+    python bench/worker.py --model smollm2-135m     # SmolLM2-135M-Instruct (GGUF, real weights)
 
 Prefill: one ``ModelRunner.step`` over ``batch`` prompts of ``--prompt-len`` tokens. Its roofline is the
 time of the model's own GEMMs alone — ``F.linear`` with the model's weight matrices on an activation of
 ``batch·prompt_len`` rows, every layer, plus the LM head on the last rows — so 100% means "attention,
 norms, RoPE, cache writes and Python cost nothing".
 
-Decode: ``--decode-steps`` steps of ``batch`` single-token chunks at context ``--prompt-len``. Its roofline
-is bytes/bandwidth: the weights read once per step (the embedding table only where it doubles as the
-LM head) plus every sequence's K/V read once, over the copy bandwidth of a large ``Tensor.copy_``
-measured here (counting read + write bytes).
+Decode: ``--decode-steps`` steps of ``batch`` single-token chunks at each context of ``--context``
+(default 1k/8k/32k on CUDA, the prompt length on the CPU). Its roofline is bytes/bandwidth: the
+weights read once per step (the embedding table only where it doubles as the LM head) plus every
+sequence's K/V read once, over the copy bandwidth of a large ``Tensor.copy_`` measured here (counting
+read + write bytes). Decode contexts are not prefilled: the cache is filled with noise once (values do
+not change a step's work, and 32 prefills of 32k tokens would dominate the run).
+
+``--attention-backend`` (``auto``, ``triton``, ``torch`` or ``both``; default ``both`` on CUDA) picks
+the runner's attention (worker/attention); ``both`` runs every case on each backend in the same
+process, the torch path first, so the two are compared on one machine state.
 
 Mixed decode (``--mixed-decode``): one long context (``--long-len``) decoding in the same batch as
 ``--short-rows`` short ones (``--short-len``), timed per step twice in the same run: with decode rows
 grouped by table length (the runner's default) and forced into one batch padded to the longest table
-(``max_decode_groups = 1``, the old behaviour). The K/V cache is left zero instead of prefilled:
+(``max_decode_groups = 1``, the old behaviour) on the torch backend, and through the paged kernel
+(which reads each row's own range: no grouping) on the triton backend. The K/V cache is left zero instead of prefilled:
 values do not change the work a step does, and a 32k prefill would dominate the run.
 
 Needs only torch and this repository. Appends (or replaces) a ``## worker`` section in bench/RESULTS.md
@@ -33,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench._common import cpu_model, replace_subsection  # noqa: E402
 from worker.loader import load_model, resolve_device, resolve_dtype  # noqa: E402
+from worker.attention import resolve_backend  # noqa: E402
 from worker.runner import Chunk, ModelRunner  # noqa: E402
 
 BATCHES = (1, 8, 32)
@@ -124,57 +134,89 @@ def machine(dev: torch.device) -> str:
     return f"{cpu_model()}, {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads (torch {torch.__version__})"
 
 
+def backends(args: argparse.Namespace, dev: torch.device) -> list[str]:
+    if args.attention_backend == "both":
+        return ["torch", "triton"]
+    if args.attention_backend is None:
+        return ["torch", "triton"] if dev.type == "cuda" else ["torch"]
+    return [args.attention_backend]
+
+
 def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
-    model, _, cfg = load_model(args.model, dev, dtype)
+    t_load = time.perf_counter()
+    model, _, cfg = load_model(args.model, dev, dtype, cache_dir=args.cache_dir)
+    t_load = time.perf_counter() - t_load
     quick = args.quick
     prompt_len = args.prompt_len or (64 if quick else (1024 if dev.type == "cuda" else 256))
-    steps = args.decode_steps or (4 if quick else (64 if dev.type == "cuda" else 16))
+    contexts = tuple(args.context) if args.context else ((1024, 8192, 32768) if dev.type == "cuda" and not quick
+                                                          else (prompt_len,))
+    steps = args.decode_steps or (4 if quick else (32 if dev.type == "cuda" else 16))
     repeats = 2 if quick else 5
     batches = tuple(args.batch) if args.batch else BATCHES
     bs = args.block_size
-    blocks_per_seq = (prompt_len + steps + bs - 1) // bs + 1
-    runner = ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, block_size=bs,
-                         device=dev, dtype=dtype)
-    if args.cuda_graphs is not None and hasattr(runner, "use_cuda_graphs"):
-        runner.use_cuda_graphs = args.cuda_graphs
-
+    blocks_per_seq = (max(prompt_len, *contexts) + 2 * steps + 2 + bs - 1) // bs + 1
     bw = copy_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (256 << 20), repeats=5)
     wbytes = weight_bytes(model)
-    kv_token_bytes = runner.block_stride // bs
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
-    for b in batches:
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
-        prompts = [torch.randint(0, min(cfg.vocab_size, 256), (prompt_len,), generator=gen).tolist()
-                   for _ in range(b)]
-        prefill = [Chunk(prompts[i], 0, tables[i]) for i in range(b)]
-        t_prefill = timed(lambda: runner.step(prefill), dev, repeats)
-        t_gemm = gemm_time(model, b * prompt_len, b, dev, repeats)
-        flops = gemm_flops(model, b * prompt_len, b)
-        rows.append({"phase": "prefill", "batch": b, "tokens": b * prompt_len,
-                     "tok_s": b * prompt_len / t_prefill, "roof_tok_s": b * prompt_len / t_gemm,
-                     "basis": f"GEMMs {flops / t_gemm / 1e12:.2f} TFLOP/s"})
+    graphs = False
+    used, failures = [], []
+    for backend in backends(args, dev):
+        try:
+            runner = ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, block_size=bs,
+                                 device=dev, dtype=dtype, attention_backend=backend)
+            used.append(runner.attention_backend)
+            if args.cuda_graphs is not None:
+                runner.use_cuda_graphs = args.cuda_graphs
+            graphs = runner.use_cuda_graphs
+            kv_token_bytes = runner.block_stride // bs
+            for b in batches:
+                tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+                prompts = [torch.randint(0, min(cfg.vocab_size, 256), (prompt_len,), generator=gen).tolist()
+                           for _ in range(b)]
+                prefill = [Chunk(prompts[i], 0, tables[i]) for i in range(b)]
+                t_prefill = timed(lambda: runner.step(prefill), dev, repeats)
+                t_gemm = gemm_time(model, b * prompt_len, b, dev, repeats)
+                flops = gemm_flops(model, b * prompt_len, b)
+                rows.append({"phase": "prefill", "backend": runner.attention_backend, "batch": b, "context": prompt_len,
+                             "tokens": b * prompt_len, "tok_s": b * prompt_len / t_prefill,
+                             "roof_tok_s": b * prompt_len / t_gemm, "step_ms": 1e3 * t_prefill,
+                             "basis": f"GEMMs {flops / t_gemm / 1e12:.2f} TFLOP/s"})
+            runner.kv_cache.normal_()  # decode contexts hold noise, not prefilled K/V (see the docstring)
+            for ctx in contexts:
+                for b in batches:
+                    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+                    last = [(7 * i + 1) % 250 for i in range(b)]
 
-        last = [p[-1] for p in prompts]
+                    def decode(base: int):
+                        for s in range(steps):
+                            runner.step([Chunk([last[i]], base + s, tables[i]) for i in range(b)])
 
-        def decode():
-            for s in range(steps):
-                runner.step([Chunk([last[i]], prompt_len + s, tables[i]) for i in range(b)])
-
-        runner.step(prefill)
-        t_dec = timed(decode, dev, max(1, repeats // 2), warmup=1)
-        avg_ctx = prompt_len + (steps + 1) / 2
-        step_bytes = wbytes + b * avg_ctx * kv_token_bytes
-        rows.append({"phase": "decode", "batch": b, "tokens": b * steps,
-                     "tok_s": b * steps / t_dec, "roof_tok_s": b / (step_bytes / bw),
-                     "basis": f"{step_bytes / 1e6:.1f} MB/step @ {bw / 1e9:.0f} GB/s"})
+                    decode(ctx + steps + 1)  # warm-up and CUDA-graph capture at positions past the timed ones
+                    t_dec = timed(lambda: decode(ctx), dev, max(1, repeats // 2), warmup=0)
+                    avg_ctx = ctx + (steps + 1) / 2
+                    step_bytes = wbytes + b * avg_ctx * kv_token_bytes
+                    rows.append({"phase": "decode", "backend": runner.attention_backend, "batch": b, "context": ctx,
+                                 "tokens": b * steps, "tok_s": b * steps / t_dec, "roof_tok_s": b / (step_bytes / bw),
+                                 "step_ms": 1e3 * t_dec / steps,
+                                 "basis": f"{step_bytes / 1e6:.1f} MB/step @ {bw / 1e9:.0f} GB/s"})
+            del runner
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:  # report and go on: the other backend's rows still get written
+            traceback.print_exc()
+            failures.append(f"{backend}: {type(e).__name__}: {e}")
+            runner = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     info = {
         "model": args.model, "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
         "params": sum(p.numel() for p in model.parameters()), "weight_bytes": wbytes,
         "copy_bw": bw, "prompt_len": prompt_len, "decode_steps": steps, "block_size": bs,
-        "machine": machine(dev), "cuda_graphs": bool(getattr(runner, "use_cuda_graphs", False)),
+        "machine": machine(dev), "cuda_graphs": bool(graphs), "backends": used, "failures": failures,
+        "load_s": t_load,
     }
     return rows, info
 
@@ -182,7 +224,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
 def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
-    model, _, cfg = load_model(args.model, dev, dtype)
+    model, _, cfg = load_model(args.model, dev, dtype, cache_dir=args.cache_dir)
     gpu = dev.type == "cuda"
     long_len = args.long_len or (32768 if gpu else 4096)
     short_len = args.short_len or (512 if gpu else 64)
@@ -195,37 +237,106 @@ def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
         nb = (n + steps + 4 + bs - 1) // bs
         tables.append(list(range(first, first + nb)))
         first += nb
-    runner = ModelRunner(model, num_blocks=first, block_size=bs, device=dev, dtype=dtype)
-    if args.cuda_graphs is not None:
-        runner.use_cuda_graphs = args.cuda_graphs
-
     rows, logits = [], {}
-    for label, groups in (("one padded batch", 1), ("grouped by length", runner.max_decode_groups)):
-        runner.max_decode_groups = groups
-        runner.kv_cache.zero_()
+    modes = []
+    for backend in backends(args, dev):
+        if backend == "torch":
+            modes += [("one padded batch", "torch", 1), ("grouped by length", "torch", 3)]
+        else:
+            modes.append((f"paged kernel ({backend})", backend, 3))
+    runner, failures, graphs = None, [], False
+    for label, backend, groups in modes:
+        try:
+            if runner is None or runner.attention_backend != resolve_backend(backend, dev):
+                runner = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                runner = ModelRunner(model, num_blocks=first, block_size=bs, device=dev, dtype=dtype,
+                                     attention_backend=backend)
+                if args.cuda_graphs is not None:
+                    runner.use_cuda_graphs = args.cuda_graphs
+                graphs = runner.use_cuda_graphs
+            runner.max_decode_groups = groups
+            runner.kv_cache.zero_()
 
-        def step(k: int):
-            return runner.step([Chunk([(i + k) % 250], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))])
+            def step(k: int):
+                return runner.step([Chunk([(i + k) % 250], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))])
 
-        for k in range(2):  # warm-up (and CUDA-graph capture) at positions the timed steps do not reuse
-            step(steps + 2 + k)
-        sync(dev)
-        times = []
-        for k in range(steps):
-            t0 = time.perf_counter()
-            out = step(k)
+            for k in range(2):  # warm-up (and CUDA-graph capture) at positions the timed steps do not reuse
+                step(steps + 2 + k)
             sync(dev)
-            times.append(time.perf_counter() - t0)
-        logits[groups] = out.float().cpu()
-        st = runner.last_step_stats
-        rows.append({"mode": label, "ms": 1e3 * statistics.median(times), "groups": st["decode_groups"],
-                     "key_slots": st["decode_key_slots"], "context_slots": st["decode_context_slots"]})
-    a, b = logits.values()
+            times = []
+            for k in range(steps):
+                t0 = time.perf_counter()
+                out = step(k)
+                sync(dev)
+                times.append(time.perf_counter() - t0)
+            logits[label] = out.float().cpu()
+            st = runner.last_step_stats
+            rows.append({"mode": label, "ms": 1e3 * statistics.median(times), "groups": st["decode_groups"],
+                         "key_slots": st["decode_key_slots"], "context_slots": st["decode_context_slots"]})
+        except Exception as e:  # report and go on with the other modes
+            traceback.print_exc()
+            failures.append(f"{label}: {type(e).__name__}: {e}")
+            runner = None
+    vals = list(logits.values()) or [torch.zeros(1)]
+    a = vals[0]
+    diff = max((float((a - b).abs().max()) for b in vals[1:]), default=0.0)
     info = {"model": args.model, "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
             "machine": machine(dev), "block_size": bs, "long_len": long_len, "short_len": short_len,
-            "short_rows": shorts, "decode_steps": steps, "cuda_graphs": runner.use_cuda_graphs,
-            "max_abs_diff": float((a - b).abs().max()), "logit_scale": float(a.abs().max())}
+            "short_rows": shorts, "decode_steps": steps,
+            "cuda_graphs": graphs,
+            "max_abs_diff": diff, "logit_scale": float(a.abs().max()), "first_mode": next(iter(logits), "-"),
+            "failures": failures}
     return rows, info
+
+
+def profile_decode(args: argparse.Namespace) -> int:
+    """Where a decode step's time goes: ``--profile-decode BATCH:CONTEXT`` replays 8 steps per backend
+    under torch.profiler and prints the kernels by GPU time per step, and their sum against the wall
+    time per step (the difference is launch gaps and host work). Prints only; writes nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, dev)
+    model, _, cfg = load_model(args.model, dev, dtype)
+    b, ctx = (int(x) for x in args.profile_decode.split(":"))
+    bs, steps = args.block_size, 8
+    per_seq = (ctx + 4 * steps + bs - 1) // bs + 1
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for backend in backends(args, dev):
+        runner = ModelRunner(model, num_blocks=b * per_seq, block_size=bs, device=dev, dtype=dtype,
+                             attention_backend=backend)
+        if args.cuda_graphs is not None:
+            runner.use_cuda_graphs = args.cuda_graphs
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+
+        def run(base: int) -> None:
+            for k in range(steps):
+                runner.step([Chunk([(7 * i + k) % 250], base + k, tables[i]) for i in range(b)])
+
+        run(ctx + 2 * steps)  # compile, capture
+        sync(dev)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            run(ctx)
+            sync(dev)
+            wall = (time.perf_counter() - t0) / steps
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+        kernels = [e for e in events if dev.type != "cuda"
+                   or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA] or events
+        total = sum(getattr(e, key, 0) for e in kernels) / steps
+        print(f"\n### {backend}: batch {b}, context {ctx}: {1e3 * wall:.3f} ms/step wall, "
+              f"{total / 1e3:.3f} ms/step in {'kernels' if dev.type == 'cuda' else 'ops'}\n")
+        print("| kernel | calls/step | µs/step | µs/call |\n|---|---:|---:|---:|")
+        for e in kernels[:args.profile_top]:
+            t = getattr(e, key, 0)
+            print(f"| `{e.key[:90]}` | {e.count / steps:.1f} | {t / steps:.1f} | {t / max(1, e.count):.2f} |")
+        del runner
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
 
 
 def render_mixed(rows: list[dict], info: dict, command: str) -> str:
@@ -236,10 +347,11 @@ def render_mixed(rows: list[dict], info: dict, command: str) -> str:
         f"- model `{info['model']}` ({info['dtype']}), device `{info['device']}`, block size {info['block_size']}, "
         f"CUDA graphs {'on' if info['cuda_graphs'] else 'off'}: one row at {info['long_len']} tokens + "
         f"{info['short_rows']} rows at {info['short_len']} tokens, median of {info['decode_steps']} steps",
-        f"- last-step logits, grouped vs one batch: max |diff| {info['max_abs_diff']:.2e} "
+        f"- last-step logits, every mode vs {info['first_mode']}: max |diff| {info['max_abs_diff']:.2e} "
         f"(max |logit| {info['logit_scale']:.2f})",
+        *[f"- FAILED {f}" for f in info.get("failures", [])],
         "",
-        "| decode batch | step ms | groups | key slots gathered / layer | keys the rows need |",
+        "| decode batch | step ms | groups | key slots read / layer | keys the rows need |",
         "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -255,15 +367,18 @@ def render(rows: list[dict], info: dict, command: str) -> str:
         f"- model: `{info['model']}` ({info['params'] / 1e6:.1f} M params, {info['dtype']}, "
         f"{info['weight_bytes'] / 1e6:.1f} MB read per decode step), device `{info['device']}`, "
         f"block size {info['block_size']}, prompt {info['prompt_len']} tokens, "
-        f"{info['decode_steps']} decode steps, CUDA graphs {'on' if info['cuda_graphs'] else 'off'}",
-        f"- measured copy bandwidth: {info['copy_bw'] / 1e9:.1f} GB/s",
+        f"{info['decode_steps']} decode steps per context, CUDA graphs {'on' if info['cuda_graphs'] else 'off'}",
+        f"- measured copy bandwidth: {info['copy_bw'] / 1e9:.1f} GB/s; model load {info['load_s']:.2f}s; "
+        f"attention backends: {', '.join(info['backends'])}",
+        *[f"- FAILED {f}" for f in info.get("failures", [])],
         "",
-        "| phase | batch | tokens/s | roofline tokens/s | % of roofline | roofline basis |",
-        "|---|---:|---:|---:|---:|---|",
+        "| phase | batch | tokens/s | roofline tokens/s | % of roofline | backend | context | step ms | roofline basis |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in rows:
         lines.append(f"| {r['phase']} | {r['batch']} | {r['tok_s']:,.0f} | {r['roof_tok_s']:,.0f} | "
-                     f"{100 * r['tok_s'] / r['roof_tok_s']:.1f}% | {r['basis']} |")
+                     f"{100 * r['tok_s'] / r['roof_tok_s']:.1f}% | {r['backend']} | {r['context']} | "
+                     f"{r['step_ms']:.3f} | {r['basis']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -272,22 +387,32 @@ def write_results(path: Path, body: str, info: dict, kind: str = "") -> None:
     title = f"### {kind}{info['model']} · {info['device']} · {info['dtype']}"
     if info["device"].startswith("cuda"):
         title += " · CUDA graphs " + ("on" if info["cuda_graphs"] else "off")
+        title += " · attention " + "+".join(info.get("backends") or [])
     replace_subsection(path, "worker", title, body)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="preset (tiny, 1b, 8b) or HF directory")
+    p.add_argument("--model", default="tiny",
+                   help="preset (tiny, 1b, 8b), named GGUF model (smollm2-135m), .gguf file or HF directory")
+    p.add_argument("--cache-dir", default=None, help="converted-GGUF cache (default ~/.cache/splitserve)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--batch", type=int, action="append", help=f"batch sizes (default {BATCHES})")
-    p.add_argument("--prompt-len", type=int, default=0, help="prompt / decode context length")
+    p.add_argument("--prompt-len", type=int, default=0, help="prompt length (prefill)")
+    p.add_argument("--context", type=int, action="append",
+                   help="decode context length (repeatable; default 1024, 8192, 32768 on CUDA, the prompt length on CPU)")
+    p.add_argument("--attention-backend", choices=["auto", "triton", "torch", "both"], default=None,
+                   help="runner attention backend(s) (default: both on CUDA, torch on CPU)")
     p.add_argument("--decode-steps", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None,
                    help="force CUDA graphs for decode on (default: the runner's choice)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
+    p.add_argument("--profile-decode", default=None, metavar="BATCH:CONTEXT",
+                   help="profile decode steps at this batch and context per backend (prints only)")
+    p.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile-decode")
     p.add_argument("--mixed-decode", action="store_true",
                    help="time one long context decoding with short rows, grouped vs one padded batch")
     p.add_argument("--long-len", type=int, default=0, help="mixed decode: long context (32768 GPU, 4096 CPU)")
@@ -297,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     args = p.parse_args(argv)
     command = "python bench/worker.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.profile_decode:
+        return profile_decode(args)
     if args.mixed_decode:
         rows, info = mixed_decode(args)
         body = render_mixed(rows, info, command.strip())
@@ -305,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_write:
             write_results(Path(args.results), body, info, kind="mixed decode · ")
             print(f"written to {args.results}")
-        return 0
+        return 1 if info["failures"] else 0
     rows, info = run(args)
     body = render(rows, info, command.strip())
     print(f"## worker — {info['model']} on {info['device']} ({info['dtype']})\n")
@@ -313,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         write_results(Path(args.results), body, info)
         print(f"written to {args.results}")
-    return 0
+    return 1 if info["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -1,1 +1,1 @@
-"""splitserve coordinator package (see DESIGN.md §1)."""
+"""splitserve coordinator package (see docs/design.md §1)."""

@@ -5,10 +5,13 @@ computes the whole answer; both servers use this: the lean HTTP/1.1 protocol in
 `coordinator.http` (the default) and aiohttp (`make_app`, and `CoordinatorServer(http="aiohttp")`).
 
 Bodies are msgpack or JSON and answered in kind; GET answers are JSON unless `Accept` names
-msgpack. Errors: 400 `{error, field}`, 415, 404, 405 (with `Allow`), 503 `{error}`.
+msgpack. Errors: 400 `{error, field}`, 415, 404, 405 (with `Allow`), 503 `{error}`; a placement
+that found the event loop saturated (its timers late by more than `max_queue_delay_s`, twice in a
+row) is shed with 429 `{error, retry_after}` + `Retry-After`, no lease taken.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -55,10 +58,13 @@ def _wants_msgpack(accept: str | None) -> bool:
 
 
 class Api:
-    """Endpoints of DESIGN.md §6 (+ /select_pair, /identity, /version) over a Coordinator."""
+    """Endpoints of docs/design.md §6 (+ /select_pair, /identity, /version) over a Coordinator."""
 
-    def __init__(self, coord):
+    def __init__(self, coord, *, watch=None, max_queue_delay_s: float | None = None):
         self.coord = coord
+        self.watch = watch            # coordinator.channel.LoopWatch, or None: never shed
+        self.max_queue_delay_s = max_queue_delay_s
+        self.shed = 0
         c = coord
         self.post: dict[str, tuple[str, type, Callable[[Any], Any]]] = {
             "/select": ("select", wire.SelectBody, self._select),
@@ -112,6 +118,10 @@ class Api:
         if method == "POST":
             ep = self.post.get(path)
             if ep is not None:
+                if self.watch is not None and (path == "/select" or path == "/select_pair"):
+                    now = time.monotonic()
+                    if self.watch.saturated(now, self.max_queue_delay_s):
+                        return self._overloaded(self.watch.lag(now), content_type, body)
                 return self._call(ep, content_type, accept, body)
         elif method == "GET" or method == "HEAD":
             ep = self.get.get(path)
@@ -140,6 +150,16 @@ class Api:
         if type(ans) is _Status:
             return _encode(ans.body, mp, ans.status)
         return _encode(ans, mp)
+
+    def _overloaded(self, lag: float, content_type: str | None, body: bytes) -> Reply:
+        self.shed += 1
+        try:
+            mp = wire.is_msgpack(content_type, body)
+        except BadRequest:
+            mp = False
+        return _encode({"error": f"coordinator overloaded: its event loop is {lag * 1e3:.0f} ms behind "
+                                 f"(max_queue_delay_s {self.max_queue_delay_s:g})",
+                        "retry_after": 1}, mp, 429, (("Retry-After", "1"),))
 
     def _bad(self, endpoint: str, exc: BadRequest, mp: bool) -> Reply:
         st = self.coord.stats

@@ -72,6 +72,7 @@ def _configure(args):
 
 
 async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast") -> int:
+    from coordinator.gc_tuning import settle_heap
     from coordinator.service import Coordinator, CoordinatorServer
 
     stop = asyncio.Event()
@@ -86,6 +87,7 @@ async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast")
         await coord.stop()
         print(f"splitserve coordinator: {exc}", file=sys.stderr, flush=True)
         return 2
+    settle_heap()   # coordinator/gc_tuning.py: the collector's pauses were a select's p99 stall
     print("splitserve coordinator listening on " + " and ".join(urls), flush=True)
     logging.getLogger("splitserve.coordinator").info(
         "ready=%s (%s)", coord.is_ready(), coord.not_ready_reason() or "all minimums met")

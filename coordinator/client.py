@@ -6,6 +6,11 @@ Both implement `CoordinatorClient` with the same async methods, answers and erro
 - `CoordinatorUnavailable` — it could not be reached, timed out, or failed (other 5xx).
 Block keys may be passed as a numpy array, bytes (little-endian u64) or a list; the HTTP client
 sends arrays as one binary blob (8 bytes per key), which the coordinator reads without a copy.
+
+`HttpCoordinatorClient` sends the per-request calls (`select`, `select_pair`, `finish`, `renew`)
+over the coordinator's persistent channel (`coordinator.channel_client`) when the coordinator
+offers it — batched per event-loop turn, finishes queued without a round trip — and over HTTP
+otherwise (`channel=False`, an older coordinator, or while the channel cannot be reached).
 """
 from __future__ import annotations
 
@@ -14,11 +19,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 import msgpack
-import numpy as np
 import orjson
 
-from coordinator.errors import (BadRequest, CoordinatorRequestError, CoordinatorUnavailable,
-                                NoServerAvailable)
+from coordinator.errors import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
+                                CoordinatorUnavailable, NoServerAvailable)
+from coordinator.channel_client import ChannelClient, Fallback
+from coordinator.channel_wire import wire_key as _wire_key
 from coordinator.identity import IdentityExhausted
 
 __all__ = [
@@ -43,6 +49,9 @@ class CoordinatorClient(Protocol):
 
     async def finish(self, role: str, req_id: int, success: bool = True,
                      usage: dict | None = None) -> None: ...
+
+    # Optional: `finish_nowait(role, req_id, success, usage) -> bool` queues the finish without awaiting
+    # (True) or declines (False: call `finish`).
 
     async def renew(self, role: str, req_id: int) -> bool: ...
 
@@ -69,30 +78,12 @@ def answer_or_raise(url: str, path: str, status: int, obj: Any, raw: bytes) -> A
     msg = msg if isinstance(msg, str) else raw[:200].decode("utf-8", "replace")
     if status == 503 and path in ("/select", "/select_pair"):
         raise NoServerAvailable(msg)
+    if status == 429:
+        ra = obj.get("retry_after") if isinstance(obj, dict) else None
+        raise CoordinatorOverloaded(msg, float(ra) if isinstance(ra, (int, float)) else 1.0)
     if 400 <= status < 500:
         raise CoordinatorRequestError(status, msg, obj.get("field") if isinstance(obj, dict) else None)
     raise CoordinatorUnavailable(f"coordinator {url} answered {status} for {path}: {msg}")
-
-
-def _wire_key(rk: Any) -> Any:
-    """A routing key in its wire form (block keys as little-endian u64 bytes)."""
-    if rk is None or isinstance(rk, str):
-        return rk
-    if isinstance(rk, dict):
-        out = dict(rk)
-    else:  # router.policies.RoutingKey or any object with the same attributes
-        out = {"block_keys": getattr(rk, "block_keys", None),
-               "num_tokens": getattr(rk, "num_tokens", None),
-               "conversation_id": getattr(rk, "conversation_id", None)}
-        out = {k: v for k, v in out.items() if v is not None}
-    keys = out.get("block_keys")
-    if isinstance(keys, np.ndarray):
-        out["block_keys"] = np.ascontiguousarray(keys, dtype="<u8").tobytes()
-    elif isinstance(keys, (bytearray, memoryview)):
-        out["block_keys"] = bytes(keys)
-    elif isinstance(keys, tuple):
-        out["block_keys"] = list(keys)
-    return out
 
 
 def _excl(v: Any) -> Any:
@@ -107,7 +98,8 @@ class HttpCoordinatorClient:
 
     `url` is `http://host:port` or `unix:///path/to/socket`."""
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0, timeout: float | None = None):
+    def __init__(self, url: str, *, timeout_s: float = 5.0, timeout: float | None = None,
+                 channel: bool = True, max_pending: int = 4096):
         url = url.rstrip("/")
         if url.startswith("unix:"):
             # unix:///path (ours) and unix:/path (upstream's) name the same socket.
@@ -125,6 +117,13 @@ class HttpCoordinatorClient:
         self.url = url
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._chan = (ChannelClient(url, timeout_s=timeout_s, max_pending=max_pending,
+                                    fallback_finish=self._finish_retrying)
+                      if channel and not url.startswith("https://") else None)
+
+    @property
+    def channel(self) -> ChannelClient | None:
+        return self._chan
 
     def _sess(self) -> aiohttp.ClientSession:
         s = self._session
@@ -139,6 +138,8 @@ class HttpCoordinatorClient:
         return s
 
     async def close(self) -> None:
+        if self._chan is not None:
+            await self._chan.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -173,6 +174,12 @@ class HttpCoordinatorClient:
         return answer_or_raise(self.url, path, status, obj, raw)
 
     async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
+        ch = self._chan
+        if ch is not None and ch.usable():
+            try:
+                return await ch.select(role, req_id, routing_key, exclude)
+            except Fallback:
+                pass
         body = {"role": role, "req_id": req_id}
         if routing_key is not None:
             body["routing_key"] = _wire_key(routing_key)
@@ -182,6 +189,12 @@ class HttpCoordinatorClient:
 
     async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
                           exclude_gen: Any = None) -> dict:
+        ch = self._chan
+        if ch is not None and ch.usable():
+            try:
+                return await ch.select_pair(req_id, routing_key, exclude_ctx, exclude_gen)
+            except Fallback:
+                pass
         body: dict = {"req_id": req_id}
         if routing_key is not None:
             body["routing_key"] = _wire_key(routing_key)
@@ -191,13 +204,46 @@ class HttpCoordinatorClient:
             body["exclude_gen"] = _excl(exclude_gen)
         return await self._call("POST", "/select_pair", body)
 
+    def finish_nowait(self, role: str, req_id: int, success: bool = True,
+                      usage: dict | None = None) -> bool:
+        """Queue the finish on the channel (True), or decline (False: await `finish`)."""
+        ch = self._chan
+        return ch is not None and ch.finish(role, req_id, success, usage)
+
     async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
+        """Returns once the coordinator applied it (on the channel: its batch was acknowledged)."""
+        ch = self._chan
+        if ch is not None and await ch.finish_acked(role, req_id, success, usage):
+            return
         body = {"role": role, "req_id": req_id, "success": bool(success)}
         if usage is not None:
             body["usage"] = usage
         await self._call("POST", "/finish", body)
 
+    async def _finish_retrying(self, role: str, req_id: int, success: bool,
+                               usage: dict | None = None) -> None:
+        """A channel's unacknowledged finish, over HTTP (idempotent, so retried)."""
+        body = {"role": role, "req_id": req_id, "success": bool(success)}
+        if usage is not None:
+            body["usage"] = usage
+        delay = 0.05
+        for attempt in range(4):
+            try:
+                await self._call("POST", "/finish", body)
+                return
+            except CoordinatorUnavailable:
+                if attempt == 3:
+                    raise
+                await asyncio.sleep(delay)
+                delay *= 2
+
     async def renew(self, role: str, req_id: int) -> bool:
+        ch = self._chan
+        if ch is not None and ch.usable():
+            try:
+                return await ch.renew(role, req_id)
+            except Fallback:
+                pass
         ans = await self._call("POST", "/renew", {"role": role, "req_id": req_id})
         return bool(ans.get("renewed")) if isinstance(ans, dict) else False
 

@@ -2,8 +2,8 @@
 
 Keys and defaults follow `trtllm-serve disaggregated` (TensorRT-LLM's `extract_disagg_cfg`) wherever
 that command has them, so an upstream config file loads unchanged. Our additions (routing key scheme,
-leases, fallback, auth, coordinator and fleet tuning) are documented field by field below and in the
-README ("Configuration").
+leases, fallback, auth, coordinator and fleet tuning) are documented field by field below and in
+docs/configuration.md (generated from this schema by coordinator/config_doc.py).
 
 Invariants:
 - Every value in a `ClusterConfig` was validated; unknown keys and wrong types raise `ConfigError`
@@ -31,6 +31,8 @@ from typing import Any, Literal, Optional, Union
 from urllib.parse import urlsplit
 
 import yaml
+
+from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS
 
 __all__ = [
     "ConfigError",
@@ -61,42 +63,11 @@ ENV_PREFIX = "SPLITSERVE_"
 ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware", "conversation")
 REDACTED = "<redacted>"
 
-# TensorRT-LLM `LLM` arguments that upstream disaggregated config files carry for the workers
-# (`trtllm-serve` passes them through as `other_args`). We accept and keep them in
-# `ServerGroupConfig.engine_args` so an upstream file loads unchanged, but do not interpret them;
-# anything outside this list is a typo and an error.
-UPSTREAM_ENGINE_ARGS = frozenset({
-    "backend", "tokenizer", "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code", "revision",
-    "tokenizer_revision", "dtype", "load_format", "checkpoint_format", "checkpoint_loader",
-    "moe_expert_parallel_size", "moe_tensor_parallel_size", "moe_cluster_parallel_size",
-    "enable_attention_dp", "enable_lm_head_tp_in_adp", "cp_config", "gpus_per_node", "world_size",
-    "max_seq_len", "max_input_len", "max_beam_width", "max_draft_len",
-    "free_gpu_memory_fraction", "cache_transceiver_config", "cuda_graph_config", "use_cuda_graph",
-    "cuda_graph_max_batch_size", "cuda_graph_padding_enabled", "cuda_graph_batch_sizes",
-    "disable_overlap_scheduler", "enable_chunked_prefill", "enable_chunked_context",
-    "scheduler_config", "speculative_config", "moe_config", "moe_backend", "attn_backend",
-    "sampler_type", "guided_decoding_backend", "print_iter_log", "enable_iter_perf_stats",
-    "enable_iter_req_stats", "return_perf_metrics", "iter_stats_max_iterations",
-    "request_stats_max_iterations", "stream_interval", "torch_compile_config", "enable_autotuner",
-    "enable_layerwise_nvtx_marker", "enable_min_latency", "batch_wait_timeout_ms",
-    "batch_wait_timeout_iters", "batch_wait_max_tokens_ratio", "lora_config", "peft_cache_config",
-    "decoding_config", "build_config", "extended_runtime_perf_knob_config", "batching_type",
-    "num_postprocess_workers", "postprocess_tokenizer_dir", "reasoning_parser", "tool_parser",
-    "garbage_collection_gen0_threshold", "allreduce_strategy", "kv_connector_config",
-    "sparse_attention_config", "mm_encoder_only", "orchestrator_type", "env_overrides",
-    "pytorch_backend_config", "enable_mixed_sampler", "use_torch_sampler", "max_prompt_adapter_token",
-    "fail_fast_on_attention_window_too_large", "ray_worker_extension_cls", "otlp_traces_endpoint",
-    "perf_metrics_max_requests_per_worker", "num_gpus", "host_cache_size", "enable_sleep",
-})
-
-# Keys of TensorRT-LLM's `KvCacheConfig` that we keep without interpreting.
-UPSTREAM_KV_CACHE_ARGS = frozenset({
-    "free_gpu_memory_fraction", "max_tokens", "max_attention_window", "sink_token_length",
-    "enable_partial_reuse", "copy_on_partial_reuse", "host_cache_size", "onboard_blocks",
-    "secondary_offload_min_priority", "cross_kv_cache_fraction", "dtype", "use_uvm",
-    "attention_dp_events_gather_period_ms", "max_gpu_total_bytes", "mamba_ssm_cache_dtype",
-    "max_util_for_resume", "enable_swa_reuse", "event_buffer_max_size_per_rank",
-})
+# TensorRT-LLM's own argument names (`UPSTREAM_ENGINE_ARGS`, `UPSTREAM_KV_CACHE_ARGS`: LLM args,
+# `trtllm-serve` flags, KvCacheConfig fields) come from upstream's definitions, source commit in
+# `coordinator/upstream_args.py`. We keep them in `ServerGroupConfig.engine_args` /
+# `KvCacheConfig.extra` so an upstream file loads unchanged, but do not interpret them; anything
+# outside those sets is a typo and an error.
 
 
 class ConfigError(ValueError):
@@ -212,24 +183,56 @@ class KvCacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class KvEventSource:
-    """A static KV-event publisher for a server that has no `/server_info` (e.g. a stock vLLM,
-    SGLang or TensorRT-LLM worker). Our own workers advertise theirs and need no entry."""
+    """A static KV-event source for a server, e.g. a stock vLLM, SGLang or TensorRT-LLM worker.
+    It takes precedence over what the server's `/server_info` advertises. Our own workers
+    advertise theirs and need no entry."""
     server: str = _fld(doc="the server URL this publisher belongs to (one of `urls`)")
-    endpoint: str = _fld(doc="ZMQ PUB endpoint to subscribe to, e.g. tcp://10.0.0.5:5557")
-    replay_endpoint: Optional[str] = _fld(None, "ZMQ ROUTER replay endpoint (null = no gap repair;"
-                                          " a gap clears the server's index entries)")
-    topic: str = _fld("", "ZMQ topic prefix to subscribe to ('' = all)")
-    engine: Literal["vllm", "sglang", "trtllm"] = _fld("vllm", "payload encoding of the events")
+    transport: Literal["zmq", "http_poll"] = _fld(
+        "zmq", "zmq: subscribe to a PUB socket; http_poll: poll TensorRT-LLM's "
+        "`POST /kv_cache_events` (trtllm-serve without a streaming publisher)")
+    endpoint: Optional[str] = _fld(
+        None, "zmq: the PUB endpoint of DP rank 0, e.g. tcp://10.0.0.5:5557 (null = the publisher "
+        "connects to coordinator.event_ingest.bind_endpoint, recognised by `topic`: vLLM's "
+        "connect mode); http_poll: the URL to poll (null = <server>/kv_cache_events)")
+    replay_endpoint: Optional[str] = _fld(None, "ZMQ ROUTER replay endpoint of DP rank 0 (null = "
+                                          "no gap repair; a gap clears the server's index entries)")
+    topic: str = _fld("", "ZMQ topic prefix to subscribe to ('' = all); required without "
+                      "`endpoint`")
+    engine: Literal["vllm", "sglang", "trtllm"] = _fld(
+        "vllm", "payload encoding of the events (http_poll: trtllm)")
+    dp_size: int = _fld(1, "data-parallel ranks publishing; rank r uses port + r of `endpoint` "
+                        "and `replay_endpoint` (as vLLM and SGLang bind them)", ge=1, le=1024)
+    poll_interval_s: float = _fld(0.5, "http_poll: seconds between polls (backs off to 30 s while "
+                                  "polls fail)", gt=0)
     block_size: Optional[int] = _fld(None, "engine block size of the events (null = "
                                      "kv_cache_config.tokens_per_block or routing.block_size)",
                                      gt=0)
 
     def _check(self, path: str) -> None:
-        for name in ("endpoint", "replay_endpoint"):
-            v = getattr(self, name)
-            if v is not None and not re.match(r"^(tcp|ipc|inproc)://.+", v):
-                raise ConfigError(_join(path, name), f"expected a ZMQ endpoint like "
-                                  f"'tcp://host:port' or 'ipc:///path', found {v!r}")
+        if self.transport == "zmq":
+            for name in ("endpoint", "replay_endpoint"):
+                v = getattr(self, name)
+                if v is not None and not re.match(r"^(tcp|ipc|inproc)://.+", v):
+                    raise ConfigError(_join(path, name), f"expected a ZMQ endpoint like "
+                                      f"'tcp://host:port' or 'ipc:///path', found {v!r}")
+            if self.endpoint is None and not self.topic:
+                raise ConfigError(_join(path, "topic"), "expected a non-empty topic when "
+                                  "`endpoint` is null (the coordinator's bound endpoint tells "
+                                  "publishers apart by topic)")
+            return
+        if self.endpoint is not None and not re.match(r"^https?://[^/]+", self.endpoint):
+            raise ConfigError(_join(path, "endpoint"), "expected an http(s) URL like "
+                              f"'http://host:port/kv_cache_events', found {self.endpoint!r}")
+        if self.engine != "trtllm":
+            raise ConfigError(_join(path, "engine"), "http_poll reads TensorRT-LLM's "
+                              f"/kv_cache_events JSON: expected 'trtllm', found {self.engine!r}")
+        for name in ("replay_endpoint", "topic"):
+            if getattr(self, name):
+                raise ConfigError(_join(path, name), f"not used with transport http_poll, found "
+                                  f"{getattr(self, name)!r}")
+        if self.dp_size != 1:
+            raise ConfigError(_join(path, "dp_size"), "http_poll splits ranks by the events' "
+                              f"attention_dp_rank: expected 1, found {self.dp_size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +258,15 @@ class ServerGroupConfig:
     pipeline_parallel_size: int = _fld(1, "PP ranks per server", upstream=True, ge=1, engine=True)
     context_parallel_size: int = _fld(1, "CP ranks per server", upstream=True, ge=1, engine=True)
     kv_events: tuple[KvEventSource, ...] = _fld(
-        doc="static KV-event publishers for servers without /server_info", factory=tuple)
+        doc="static KV-event sources (they take precedence over what a server's /server_info "
+        "advertises)", factory=tuple)
+    protocol: Optional[Literal["trtllm", "vllm", "sglang"]] = _fld(
+        None, "leg protocol of these servers (fleet/legs/, docs/protocols.md): trtllm disaggregated_params, vllm "
+        "kv_transfer_params, sglang bootstrap rendezvous (null = what each server's /server_info "
+        "says, else trtllm)")
+    bootstrap_port: Optional[int] = _fld(
+        None, "SGLang prefill servers' bootstrap port (null = each server's /server_info "
+        "disaggregation_bootstrap_port, else 8998)", gt=0, le=65535)
     engine_args: Mapping[str, Any] = _fld(
         doc="every engine-level key of this section as given (upstream `other_args`), including "
         "the ones inherited from the top level", factory=lambda: types.MappingProxyType({}),
@@ -406,6 +417,11 @@ class CoordinatorConfig:
                                            factory=EventIngestConfig)
     identity_ttl_s: float = _fld(60.0, "lease of a fleet process's (node_id, process_id) pair; "
                                  "renewed by the holder", gt=0)
+    channel: bool = _fld(True, "offer the fleet processes' persistent pipelined channel "
+                         "(`GET /channel` upgrade on the API listeners; docs/coordinator-api.md)")
+    max_queue_delay_s: float = _fld(0.1, "placements that waited longer than this behind a "
+                                    "saturated event loop are shed: 429 + Retry-After, no lease",
+                                    gt=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,8 +435,18 @@ class FleetConfig:
     retry_backoff_s: float = _fld(0.05, "pause before retrying a connect failure on another "
                                   "server", ge=0)
     coordinator_timeout_s: float = _fld(5.0, "timeout of one coordinator call", gt=0)
+    coordinator_channel: bool = _fld(True, "use the coordinator's persistent channel when it "
+                                     "offers one (else one HTTP exchange per call)")
+    coordinator_max_pending: int = _fld(4096, "coordinator calls one fleet process may have "
+                                        "unanswered; beyond it requests are shed with 503 + "
+                                        "Retry-After", ge=1)
     max_inflight_requests: Optional[int] = _fld(None, "per fleet process; beyond it requests get "
-                                                "503 + Retry-After (null = unlimited)", ge=1)
+                                                "429 + Retry-After (null = unlimited)", ge=1)
+    header_timeout_s: float = _fld(10.0, "a request head (request line and headers) must arrive "
+                                   "within this long once it has started (408 beyond)", gt=0)
+    body_timeout_s: float = _fld(30.0, "a request body must arrive within this long once its "
+                                 "head is read (408 beyond); a request counts toward "
+                                 "max_inflight_requests only once its body is read", gt=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,7 +538,7 @@ class ClusterConfig:
 
     @property
     def topology(self) -> Literal["single", "implicit_coordinator", "external_coordinator"]:
-        """DESIGN.md §2: which of the three process topologies this config selects."""
+        """docs/design.md §2: which of the three process topologies this config selects."""
         if self.disagg_coordinator_url:
             return "external_coordinator"
         return "single" if self.num_workers == 1 else "implicit_coordinator"
@@ -560,11 +586,23 @@ class ClusterConfig:
                                   f"expected a divisor or multiple of routing.block_size ({rb}), "
                                   f"found {tpb}")
             for i, ev in enumerate(grp.kv_events):
+                if ev.transport == "zmq" and ev.endpoint is None \
+                        and not self.coordinator.event_ingest.bind_endpoint:
+                    raise ConfigError(f"{name}.kv_events[{i}].endpoint",
+                                      "null (the publisher connects to the coordinator) needs "
+                                      "coordinator.event_ingest.bind_endpoint; set one or give "
+                                      "the publisher's endpoint")
                 bs = ev.block_size
                 if bs is not None and bs % rb and rb % bs:
                     raise ConfigError(f"{name}.kv_events[{i}].block_size",
                                       f"expected a divisor or multiple of routing.block_size "
                                       f"({rb}), found {bs}")
+        cp, gp = self.context_servers.protocol, self.generation_servers.protocol
+        if cp is not None and gp is not None and cp != gp:
+            # The KV moves between the two engines: both sides must be the same engine family.
+            raise ConfigError("generation_servers.protocol", f"expected the context servers' "
+                              f"protocol ({cp!r}): a KV transfer needs one engine family on both "
+                              f"legs, found {gp!r}")
         if self.api_keys_env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$",
                                                           self.api_keys_env):
             raise ConfigError("api_keys_env", "expected an environment variable name, found "
@@ -868,7 +906,10 @@ def _inherit(doc: dict) -> tuple[dict, dict[str, set]]:
     doc = dict(doc)
     engine = _engine_keys()
     inherited: dict[str, set] = {g: set() for g in _GROUPS}
-    top = {k: v for k, v in doc.items() if k in engine}
+    # Keys the disaggregated server declares itself (`extract_disagg_cfg` parameters, e.g.
+    # `perf_metrics_max_requests`) stay at the top level even when they are also LLM args.
+    own = {f.name for f in _schema_fields(ClusterConfig)} - {"model"}
+    top = {k: v for k, v in doc.items() if k in engine and k not in own}
     for g in _GROUPS:
         sec = doc.get(g)
         if sec is None:
@@ -1099,8 +1140,9 @@ def _public(obj: Any) -> Any:
 
 
 def schema_rows(cls: type = ClusterConfig, prefix: str = "") -> list[dict[str, Any]]:
-    """Every documented key: `{path, type, default, doc, upstream}`; nested mappings flattened.
-    Used to keep the README's table honest (a test checks every path appears there)."""
+    """Every documented key: `{path, type, default, doc, upstream, parse}`; nested mappings flattened.
+    docs/configuration.md is generated from these (coordinator/config_doc.py; tests/test_config.py
+    checks it is current)."""
     rows = []
     hints = _hints(cls)
     for f in _schema_fields(cls):
@@ -1119,7 +1161,8 @@ def schema_rows(cls: type = ClusterConfig, prefix: str = "") -> list[dict[str, A
         nested = dataclasses.is_dataclass(inner)
         rows.append({"path": path, "type": _type_name(tp),
                      "default": _public(default) if not nested else None,
-                     "doc": f.metadata.get("doc", ""), "upstream": bool(f.metadata.get("upstream"))})
+                     "doc": f.metadata.get("doc", ""), "upstream": bool(f.metadata.get("upstream")),
+                     "parse": f.metadata.get("parse")})
         if nested:
             rows.extend(schema_rows(inner, path))
         elif typing.get_origin(inner) is tuple and dataclasses.is_dataclass(

@@ -2,7 +2,10 @@
 
 `NoServerAvailable` is the router's own class (the policies raise it), re-exported so callers of the
 coordinator never need to import `router` to catch it. HTTP mapping: `BadRequest` → 400,
-`UnsupportedMediaType` → 415, `NoServerAvailable` → 503, `NotReady` → 503.
+`UnsupportedMediaType` → 415, `NoServerAvailable` → 503, `NotReady` → 503, `CoordinatorOverloaded`
+→ 429 (a placement shed by a saturated coordinator, or by a fleet process whose calls to it are
+already at their bound; a subclass of `NoServerAvailable`, so every caller that answers "no server"
+with 503 + Retry-After sheds it the same way, and none falls back to local placement).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from router.policies import NoServerAvailable
 __all__ = [
     "BadRequest",
     "CoordinatorError",
+    "CoordinatorOverloaded",
     "CoordinatorRequestError",
     "CoordinatorUnavailable",
     "NoServerAvailable",
@@ -51,3 +55,12 @@ class CoordinatorRequestError(CoordinatorError, ValueError):
 
 class CoordinatorUnavailable(CoordinatorError, ConnectionError):
     """Client side: the coordinator could not be reached (connect failure, reset, timeout, 5xx)."""
+
+
+class CoordinatorOverloaded(NoServerAvailable):
+    """A placement shed because the coordinator (or the path to it) is saturated; no lease was
+    taken. `retry_after` is the seconds the caller should wait (the `Retry-After` it passes on)."""
+
+    def __init__(self, reason: str, retry_after: float = 1.0):
+        super().__init__(reason)
+        self.retry_after = retry_after

@@ -45,6 +45,8 @@ class HealthMonitor:
         self.ticks = 0
         self.probes = 0
         self.probe_failures = 0
+        self.check_errors = 0
+        self._reported: dict[str, float] = {}
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -85,7 +87,22 @@ class HealthMonitor:
             return
         t = asyncio.get_running_loop().create_task(self._check(url))
         self._inflight[url] = t
-        t.add_done_callback(lambda _t, u=url: self._inflight.pop(u, None))
+        t.add_done_callback(lambda _t, u=url: self._check_done(u, _t))
+
+    def _check_done(self, url: str, t: asyncio.Task) -> None:
+        self._inflight.pop(url, None)
+        if not t.cancelled() and t.exception() is not None:
+            self._report(url, t.exception())
+
+    def _report(self, url: str, exc: BaseException) -> None:
+        """A check that raised (a bug, e.g. in the on_prepared hook): never swallowed. Logged
+        with the server, counted, and retried by the next tick."""
+        self.check_errors += 1
+        now = self.clock()
+        if now - self._reported.get(url, -1e18) >= 30.0:
+            self._reported[url] = now
+            log.error("checking %s failed: %s: %s", url, type(exc).__name__, exc,
+                      exc_info=(type(exc), exc, exc.__traceback__))
 
     async def _loop(self) -> None:
         while True:
@@ -106,9 +123,10 @@ class HealthMonitor:
         for u in urls:
             t = asyncio.get_running_loop().create_task(self._check(u))
             self._inflight[u] = t
-            t.add_done_callback(lambda _t, uu=u: self._inflight.pop(uu, None))
+            t.add_done_callback(lambda _t, uu=u: self._check_done(uu, _t))
             tasks.append(t)
         if tasks:
+            # Exceptions are reported by _check_done (per server); gather only waits.
             await asyncio.gather(*tasks, return_exceptions=True)
         if self.on_tick is not None:
             r = self.on_tick(self.clock())

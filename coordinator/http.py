@@ -12,7 +12,8 @@ Semantics (invariants):
   keep-alive close after the answer. Chunked request bodies are decoded by the parser.
 - A body over `max_body` is answered 413 and the connection closed; a malformed request 400 and
   closed; `Expect: 100-continue` gets its interim answer; an `Upgrade` request is answered as
-  plain HTTP and the connection closed.
+  plain HTTP and the connection closed — except `GET /channel` with the fleet channel's token
+  (`coordinator.channel_wire`), which gets `101` and continues as that channel's protocol.
 - Back-pressure: when the transport's write buffer is full, reading pauses until it drains.
 - Idle keep-alive connections are closed after `keepalive_s`; `close()` stops accepting, closes
   idle connections at once and the rest when their current request is answered (bounded).
@@ -30,6 +31,10 @@ import httptools
 import orjson
 
 from coordinator.api import Api, Reply
+from coordinator.channel_wire import PATH as CHANNEL_PATH
+from coordinator.channel_wire import PROTOCOL, UPGRADE_ANSWER
+
+CHANNEL_TOKEN = PROTOCOL.encode()
 
 log = logging.getLogger("splitserve.coordinator.http")
 
@@ -59,7 +64,7 @@ class _Clock:
 
 class _Conn(asyncio.Protocol):
     __slots__ = ("srv", "api", "transport", "parser", "url", "ctype", "accept", "expect", "body",
-                 "size", "busy", "last", "closing")
+                 "size", "busy", "last", "closing", "upgrade", "handoff")
 
     def __init__(self, srv: "HttpServer"):
         self.srv = srv
@@ -75,6 +80,8 @@ class _Conn(asyncio.Protocol):
         self.busy = False        # a request is partially received
         self.last = time.monotonic()
         self.closing = False
+        self.upgrade = None
+        self.handoff = None      # the channel protocol this connection was upgraded to
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -95,8 +102,14 @@ class _Conn(asyncio.Protocol):
         self.last = time.monotonic()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            pass  # the request was answered with the upgrade ignored, and the connection closed
+        except httptools.HttpParserUpgrade as exc:
+            # Either answered with the upgrade ignored (and closed), or switched to the channel:
+            # the bytes after the upgrade request are already the channel's.
+            h = self.handoff
+            if h is not None:
+                rest = data[exc.args[0]:] if exc.args and isinstance(exc.args[0], int) else b""
+                if rest:
+                    h.data_received(rest)
         except httptools.HttpParserError as exc:
             # a callback's exception arrives wrapped, with the original as its context
             if isinstance(exc.__context__, _TooLarge):
@@ -121,6 +134,7 @@ class _Conn(asyncio.Protocol):
         self.expect = False
         self.body = []
         self.size = 0
+        self.upgrade = None
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -131,6 +145,8 @@ class _Conn(asyncio.Protocol):
             self.ctype = value.decode("latin-1")
         elif n == b"accept":
             self.accept = value.decode("latin-1")
+        elif n == b"upgrade":
+            self.upgrade = value
         elif n == b"expect" and value.lower() == b"100-continue":
             self.expect = True
         elif n == b"content-length":
@@ -160,6 +176,11 @@ class _Conn(asyncio.Protocol):
         q = raw.find(b"?")
         path = (raw if q < 0 else raw[:q]).decode("latin-1")
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        if self.upgrade is not None and path == CHANNEL_PATH and self.srv.channel is not None \
+                and method == "GET" and self.upgrade.strip().lower() == CHANNEL_TOKEN \
+                and not self.srv.stopping:
+            self._switch(t)
+            return
         try:
             reply = self.api.handle(method, path, self.ctype, self.accept, body)
         except Exception:  # a bug must cost one request, not the connection or the loop
@@ -173,6 +194,16 @@ class _Conn(asyncio.Protocol):
         if not keep:
             self.closing = True
             t.close()
+
+    def _switch(self, t) -> None:
+        """Answer 101 and hand the transport to a channel protocol (coordinator.channel)."""
+        t.write(UPGRADE_ANSWER)
+        proto = self.srv.channel.protocol()
+        self.handoff = proto
+        self.srv.conns.discard(self)
+        t.set_protocol(proto)
+        proto.connection_made(t)
+        self.transport = None
 
     # ---- answers --------------------------------------------------------------------------------
     def _write(self, r: Reply, keep: bool, head: bool = False) -> None:
@@ -204,8 +235,10 @@ class _TooLarge(Exception):
 class HttpServer:
     """Serves an `Api` on listening sockets (TCP and/or Unix) with `_Conn` protocols."""
 
-    def __init__(self, api: Api, *, max_body: int = 32 * 1024 * 1024, keepalive_s: float = 75.0):
+    def __init__(self, api: Api, *, max_body: int = 32 * 1024 * 1024, keepalive_s: float = 75.0,
+                 channel=None):
         self.api = api
+        self.channel = channel      # a coordinator.channel.ChannelServer, or None (not offered)
         self.max_body = max_body
         self.keepalive_s = keepalive_s
         self.clock = _Clock()
@@ -246,6 +279,10 @@ class HttpServer:
             if not c.busy and c.transport is not None:
                 c.closing = True
                 c.transport.close()
+        if self.channel is not None:
+            # Every channel batch is answered within the data_received that read it, so nothing is
+            # half-done: the fleet fails its pending calls over and re-sends unacknowledged finishes.
+            self.channel.close()
         deadline = time.monotonic() + timeout
         while any(c.busy for c in self.conns) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

@@ -1,4 +1,4 @@
-"""Fleet identities: unique `(node_id, process_id)` pairs leased to fleet processes (DESIGN.md §3).
+"""Fleet identities: unique `(node_id, process_id)` pairs leased to fleet processes (docs/design.md §3).
 
 A snowflake id is unique only if no two live processes share a pair, so pairs are leased rather
 than derived from a MAC address. Invariants:

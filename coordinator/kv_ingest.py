@@ -12,102 +12,41 @@ One `WorkerFeed` per server with an event source. Invariants:
 - A feed counts as ready for kv-aware placement once its initial rebuild finished or gave up
   (bounded by the replay / rebuild timeouts).
 - Nothing here blocks: sockets are zmq.asyncio, HTTP is aiohttp, and every wait has a timeout.
+- One bad message never stops a feed: any failure to decode or apply it is counted, logged
+  (rate-limited) and handled as a lost batch (entries cleared, rebuilt from a snapshot when there
+  is one); a reader that dies anyway is restarted with backoff and counted (`reader_restarts`).
+- A feed that cannot connect is not ready (`kv_ready` false, `error` says why, shown in
+  /cluster_info); the failure is logged once per endpoint, counted, and retried with backoff
+  (ZMQ's reconnect interval, doubling to `RECONNECT_MAX_MS`; HTTP polls back off the same way).
+- Transports: `zmq` (SUB per data-parallel rank: port base + rank, as vLLM and SGLang bind), or
+  `http_poll` (TensorRT-LLM's destructive `POST /kv_cache_events`, `seq` = `event_id` per
+  attention-DP rank). Both go through the same ordering, gap and clear rules.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import aiohttp
-import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
-from coordinator.errors import BadRequest
-from coordinator.wire import block_keys_array
-from router.events import AllCleared, BlocksRemoved, BlocksStored, EventDecodeError, decode_zmq
+from coordinator.kv_feed import FeedSource, WorkerFeed, rank_endpoint
+from coordinator.kv_poll import HttpPollMixin
+from coordinator.kv_repair import RepairMixin
+from router.events import (MAX_PAYLOAD_BYTES, AllCleared, BlocksRemoved, BlocksStored,
+                           EventDecodeError, decode_zmq)
 
 log = logging.getLogger("splitserve.coordinator.kv_ingest")
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_PENDING = 100_000
-MAX_REPAIRS_IN_A_ROW = 3
-# Keys per slice of a snapshot load: ~5 ms of CPU each, so /select keeps being served while a
-# 50k-block snapshot loads (in one piece it stalled the event loop for ~50 ms).
-SNAPSHOT_SLICE = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class FeedSource:
-    """Where one server's events come from. `endpoint` None = the publisher connects to our bind
-    endpoint and is recognised by its (non-empty) `topic`."""
-    endpoint: str | None
-    replay_endpoint: str | None = None
-    topic: str = ""
-    engine: str = "vllm"
-    snapshot_url: str | None = None   # full http URL of the worker's /kv_snapshot
-
-
-@dataclass(slots=True, eq=False)
-class WorkerFeed:
-    server: str
-    source: FeedSource
-    sock: zmq.asyncio.Socket | None = None
-    last_seq: int | None = None
-    ready: bool = False
-    repairing: bool = False
-    pending: deque = field(default_factory=deque)
-    tasks: set = field(default_factory=set)
-    repairs_in_a_row: int = 0
-    # counters
-    batches_applied: int = 0
-    events_applied: int = 0
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replays_ok: int = 0
-    replays_failed: int = 0
-    snapshots: int = 0
-    resets: int = 0
-    clears: dict = field(default_factory=dict)   # cause -> count
-    decode_errors: int = 0
-    apply_errors: int = 0
-    stale_dropped: int = 0
-    last_ts: float | None = None                 # publisher wall time of the last applied batch
-    lag_s: float | None = None                   # apply time - publish time of that batch
-    last_applied_mono: float | None = None
-    sync_started_mono: float | None = None
-    sync_outcome: str = "pending"
-
-    def describe(self, now_mono: float) -> dict:
-        return {
-            "endpoint": self.source.endpoint,
-            "replay_endpoint": self.source.replay_endpoint,
-            "topic": self.source.topic,
-            "format": self.source.engine,
-            "snapshot": self.source.snapshot_url,
-            "ready": self.ready,
-            "sync": self.sync_outcome,
-            "repairing": self.repairing,
-            "last_seq": self.last_seq,
-            "lag_s": None if self.lag_s is None else round(self.lag_s, 6),
-            "age_s": None if self.last_applied_mono is None else round(now_mono - self.last_applied_mono, 3),
-            "batches_applied": self.batches_applied,
-            "events_applied": self.events_applied,
-            "blocks_stored": self.blocks_stored,
-            "blocks_removed": self.blocks_removed,
-            "gaps": self.gaps,
-            "replays": {"ok": self.replays_ok, "failed": self.replays_failed},
-            "snapshots": self.snapshots,
-            "resets": self.resets,
-            "clears": dict(self.clears),
-            "decode_errors": self.decode_errors,
-        }
+RECONNECT_MS = 100          # first ZMQ reconnect interval; libzmq doubles it up to the max
+RECONNECT_MAX_MS = 5000
+READER_BACKOFF_MAX_S = 5.0
+TRANSPORTS = ("zmq", "http_poll")
 
 
 class _RateLimitedLog:
@@ -115,14 +54,14 @@ class _RateLimitedLog:
         self.period_s = period_s
         self._last: dict = {}
 
-    def __call__(self, level: int, key, msg: str, *args) -> None:
+    def __call__(self, level: int, key, msg: str, *args, **kw) -> None:
         now = time.monotonic()
         if now - self._last.get(key, -1e9) >= self.period_s:
             self._last[key] = now
-            log.log(level, msg, *args)
+            log.log(level, msg, *args, **kw)
 
 
-class KvIngest:
+class KvIngest(HttpPollMixin, RepairMixin):
     """Owns the ZMQ context and one feed per server. `index` is the router's `KvIndex`."""
 
     def __init__(self, index, *, block_size: int, key_scheme: str, replay_timeout_s: float,
@@ -144,24 +83,27 @@ class KvIngest:
         self._bound_task: asyncio.Task | None = None
         self.bound_endpoint: str | None = None  # resolved (port 0 → real port)
         self.unknown_topic = 0
+        self.bound_reader_restarts = 0
         self._rl = _RateLimitedLog()
+        self._warned: set = set()   # (server, endpoint, reason) already logged once
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
         if self.bind_endpoint:
-            s = self.ctx.socket(zmq.SUB)
-            s.setsockopt(zmq.RCVHWM, 100_000)
-            s.setsockopt(zmq.LINGER, 0)
+            s = self._sub_socket()
             s.setsockopt(zmq.SUBSCRIBE, b"")
             s.bind(self.bind_endpoint)
             self.bound_endpoint = s.getsockopt_string(zmq.LAST_ENDPOINT)
             self._bound = s
-            self._bound_task = asyncio.create_task(self._read_bound(), name="kv-ingest-bound")
+            self._bound_task = asyncio.create_task(
+                self._supervised(None, "the bound endpoint",
+                                 lambda: self._recv_loop(s, self._on_bound_frames, "the bound endpoint")),
+                name="kv-ingest-bound")
             log.info("KV-event ingest bound at %s", self.bound_endpoint)
 
     async def stop(self) -> None:
-        tasks = [t for f in self.feeds.values() for t in f.tasks]
+        tasks = [t for f in self._all_feeds() for t in f.tasks]
         for server in list(self.feeds):
             self.detach(server, remove=False)
         if self._bound_task is not None:
@@ -178,9 +120,25 @@ class KvIngest:
             self.ctx.destroy(linger=0)
             self.ctx = None
 
+    def _all_feeds(self):
+        for f in self.feeds.values():
+            yield f
+            yield from f.ranks
+
+    def _sub_socket(self) -> zmq.asyncio.Socket:
+        s = self.ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.RCVHWM, 100_000)
+        s.setsockopt(zmq.LINGER, 0)
+        # A peer sending a frame larger than any event batch is dropped by libzmq, not buffered.
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 64)
+        s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+        return s
+
     # ---- membership -------------------------------------------------------------------------
     def attach(self, server: str, source: FeedSource) -> WorkerFeed:
-        """Subscribe to a server's events and rebuild its index entries (idempotent per source)."""
+        """Subscribe to a server's events and rebuild its index entries (idempotent per source).
+        Never raises for a bad source: the feed then reports why it is not ready."""
         if self.ctx is None:
             raise RuntimeError("KvIngest.start() has not been called")
         cur = self.feeds.get(server)
@@ -190,26 +148,74 @@ class KvIngest:
             log.info("KV-event source of %s changed; resubscribing", server)
             self.detach(server, remove=False)
             self.index.clear_worker(server)
-        feed = WorkerFeed(server=server, source=source)
+        feed = self._new_feed(server, source, 0)
+        if source.transport == "zmq":
+            feed.ranks = [self._new_feed(server, source, r) for r in range(1, max(1, source.dp_size))]
         self.feeds[server] = feed
-        if source.endpoint:
-            s = self.ctx.socket(zmq.SUB)
-            s.setsockopt(zmq.RCVHWM, 100_000)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-            s.connect(source.endpoint)
-            feed.sock = s
-            self._spawn(feed, self._read(feed))
-        elif source.topic:
-            if self._bound is None:
-                log.warning("server %s publishes to topic %r without an endpoint, but no "
-                            "coordinator.event_ingest.bind_endpoint is configured; no events will "
-                            "arrive", server, source.topic)
-            self._by_topic[source.topic.encode()] = feed
-        else:
-            log.warning("server %s has a KV-event source with neither endpoint nor topic", server)
-        self._start_rebuild(feed, "initial")
+        for f in (feed, *feed.ranks):
+            self._open(f)
         return feed
+
+    def _new_feed(self, server: str, source: FeedSource, rank: int) -> WorkerFeed:
+        ep = source.endpoint if source.transport != "zmq" else rank_endpoint(source.endpoint, rank)
+        return WorkerFeed(server=server, source=source, dp_rank=rank, endpoint=ep,
+                          replay_endpoint=rank_endpoint(source.replay_endpoint, rank))
+
+    def _open(self, feed: WorkerFeed) -> None:
+        src = feed.source
+        if src.problem:
+            self._connect_failed(feed, src.problem)
+            return
+        if src.transport == "http_poll":
+            if self._http is None:
+                feed.error = "no HTTP session to poll with"
+                return
+            self._spawn(feed, self._supervised(feed, feed.server, lambda: self._poll_loop(feed)))
+            self._start_rebuild(feed, "initial")
+            return
+        if feed.endpoint:
+            s = self._sub_socket()
+            s.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+            # The monitor must exist before connect(), or the CONNECTED event can be missed.
+            mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                       | zmq.EVENT_DISCONNECTED)
+            try:
+                s.connect(feed.endpoint)
+            except zmq.ZMQError as exc:
+                s.disable_monitor()
+                mon.close(linger=0)
+                s.close(linger=0)
+                self._connect_failed(feed, f"cannot connect a SUB socket to {feed.endpoint!r}: {exc}")
+                return
+            feed.sock = s
+            feed.connected = False
+            self._spawn(feed, self._monitor(feed, s, mon))
+            self._spawn(feed, self._supervised(
+                feed, feed.server, lambda: self._recv_loop(s, lambda fr: self._on_frames(feed, fr),
+                                                           feed.server)))
+        elif src.topic:
+            if self._bound is None:
+                self._connect_failed(feed, f"publishes to topic {src.topic!r} on the coordinator's "
+                                     "bound endpoint, but coordinator.event_ingest.bind_endpoint is "
+                                     "not configured")
+                return
+            self._by_topic[src.topic.encode()] = feed
+        else:
+            self._connect_failed(feed, "KV-event source has neither an endpoint nor a topic")
+            return
+        self._start_rebuild(feed, "initial")
+
+    def _connect_failed(self, feed: WorkerFeed, reason: str) -> None:
+        """A source that cannot work as given: not ready, logged once, visible. Re-read from
+        /server_info (or a config reload) replaces it."""
+        feed.connect_failures += 1
+        feed.error = reason
+        feed.connected = False
+        key = (feed.server, feed.endpoint, reason)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("KV events of %s (rank %d, endpoint %s): %s", feed.server, feed.dp_rank,
+                        feed.endpoint, reason)
 
     def detach(self, server: str, remove: bool = True) -> None:
         feed = self.feeds.pop(server, None)
@@ -217,11 +223,12 @@ class KvIngest:
             if remove:
                 self.index.remove_worker(server)
             return
-        for t in list(feed.tasks):
-            t.cancel()
-        if feed.sock is not None:
-            feed.sock.close(linger=0)
-            feed.sock = None
+        for f in (feed, *feed.ranks):
+            for t in list(f.tasks):
+                t.cancel()
+            if f.sock is not None:
+                f.sock.close(linger=0)
+                f.sock = None
         if feed.source.topic and self._by_topic.get(feed.source.topic.encode()) is feed:
             del self._by_topic[feed.source.topic.encode()]
         if remove:
@@ -230,18 +237,20 @@ class KvIngest:
     def resync(self, server: str, cause: str) -> None:
         """Forget a server's entries and rebuild them (e.g. the worker process was replaced)."""
         feed = self.feeds.get(server)
-        self._clear(feed, server, cause)
+        self._clear(feed, server, cause, all_ranks=True)
         if feed is not None:
-            feed.last_seq = None
-            feed.ready = False
-            feed.pending.clear()
+            for f in (feed, *feed.ranks):
+                f.last_seq = None
+                f.ready = False
+                f.pending.clear()
             if self._on_ready is not None:
                 self._on_ready(server)
-            self._start_rebuild(feed, cause)
+            for f in (feed, *feed.ranks):
+                self._start_rebuild(f, cause)
 
     def kv_ready(self, server: str) -> bool:
         feed = self.feeds.get(server)
-        return True if feed is None else feed.ready
+        return True if feed is None else feed.usable and all(r.usable for r in feed.ranks)
 
     # ---- live path --------------------------------------------------------------------------
     def _spawn(self, feed: WorkerFeed, coro) -> asyncio.Task:
@@ -249,6 +258,76 @@ class KvIngest:
         feed.tasks.add(t)
         t.add_done_callback(feed.tasks.discard)
         return t
+
+    async def _supervised(self, feed: WorkerFeed | None, where: str, run) -> None:
+        """Run a reader (`run()` → coroutine) until it returns; if it dies, count it, report it,
+        forget what the lost messages may have changed, and start it again with backoff."""
+        backoff = 0.05
+        while True:
+            try:
+                await run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a reader must outlive its bugs
+                if feed is None:
+                    self.bound_reader_restarts += 1
+                else:
+                    feed.reader_restarts += 1
+                    msg = f"reader restarted after {type(exc).__name__}: {exc}"
+                    feed.error = msg
+                    self._clear(feed, feed.server, "reader_restart")
+                    feed.last_seq = None
+                    self._changed(feed)
+                self._rl(logging.ERROR, ("reader", where),
+                         "KV-event reader of %s died (%s: %s); restarting in %.2fs", where,
+                         type(exc).__name__, exc, backoff, exc_info=True)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, READER_BACKOFF_MAX_S)
+                if feed is not None and feed.error == msg:
+                    feed.error = None
+                    self._changed(feed)
+
+    async def _monitor(self, feed: WorkerFeed, sock: zmq.asyncio.Socket, mon) -> None:
+        """Track the SUB connection: a publisher that cannot be reached is reported (once per
+        endpoint), counted, and retried by libzmq with backoff."""
+        try:
+            while True:
+                ev = await recv_monitor_message(mon)
+                kind = ev["event"]
+                if kind == zmq.EVENT_CONNECTED:
+                    if feed.connect_failures:
+                        log.info("KV events of %s: connected to %s after %d failed attempts",
+                                 feed.server, feed.endpoint, feed.connect_failures)
+                    feed.connected, feed.error = True, None
+                    self._changed(feed)
+                elif kind == zmq.EVENT_CONNECT_RETRIED:
+                    feed.connect_failures += 1
+                    feed.connected = False
+                    feed.error = (f"cannot connect to {feed.endpoint} (attempt "
+                                  f"{feed.connect_failures}; retrying every <= "
+                                  f"{RECONNECT_MAX_MS / 1000:g}s)")
+                    if feed.connect_failures == 1:
+                        self._changed(feed)
+                    key = (feed.server, feed.endpoint, "connect")
+                    if key not in self._warned:
+                        self._warned.add(key)
+                        log.warning("KV events of %s: cannot connect to %s; retrying with backoff",
+                                    feed.server, feed.endpoint)
+                elif kind == zmq.EVENT_DISCONNECTED:
+                    feed.connected = False
+                    feed.error = f"disconnected from {feed.endpoint}; reconnecting"
+                    self._changed(feed)
+                    self._rl(logging.WARNING, ("disconnect", feed.server),
+                             "KV events of %s: disconnected from %s", feed.server, feed.endpoint)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close(linger=0)
 
     async def _recv_loop(self, sock, handle, where: str) -> None:
         """Hand every multipart message of ``sock`` to ``handle`` until the socket is closed;
@@ -266,39 +345,48 @@ class KvIngest:
                 continue
             handle(frames)
 
-    async def _read(self, feed: WorkerFeed) -> None:
-        await self._recv_loop(feed.sock, lambda frames: self._on_frames(feed, frames), feed.server)
-
-    async def _read_bound(self) -> None:
-        await self._recv_loop(self._bound, self._on_bound_frames, "the bound endpoint")
-
     def _on_bound_frames(self, frames: list[bytes]) -> None:
         feed = self._by_topic.get(frames[0]) if len(frames) == 3 else None
         if feed is None:
             self.unknown_topic += 1
             self._rl(logging.WARNING, ("topic", frames[0] if frames else b""),
                      "KV events on the bound endpoint with unknown topic %r dropped",
-                     frames[0] if frames else b"")
+                     frames[0][:64] if frames else b"")
             return
         self._on_frames(feed, frames)
 
     def _on_frames(self, feed: WorkerFeed, frames: list[bytes]) -> None:
         try:
             batch = decode_zmq(frames, engine=feed.source.engine)
-        except (EventDecodeError, ValueError) as exc:
-            feed.decode_errors += 1
-            self._rl(logging.WARNING, ("decode", feed.server),
-                     "undecodable KV-event batch from %s: %s; clearing its entries", feed.server, exc)
-            if feed.repairing:
-                return  # the repair's replay or snapshot supersedes this batch or fails loudly
-            seq = int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == 8 else None
-            # The lost batch may have stored or removed anything: the entries cannot be trusted.
-            self._clear(feed, feed.server, "decode_error")
-            feed.last_seq = seq
-            if feed.source.snapshot_url:
-                self._start_rebuild(feed, "decode_error")
+        except Exception as exc:  # noqa: BLE001 - decode_zmq raises EventDecodeError; anything else is a bug, contained too
+            seq = int.from_bytes(frames[-2], "big") \
+                if len(frames) >= 2 and len(frames[-2]) == 8 else None
+            self._lost(feed, seq, "decode_error", exc)
             return
-        self._ingest(feed, batch, front=False)
+        try:
+            self._ingest(feed, batch, front=False)
+        except Exception as exc:  # noqa: BLE001 - the ordering logic must not kill the reader
+            self._lost(feed, batch.seq, "ingest_error", exc)
+
+    def _lost(self, feed: WorkerFeed, seq: int | None, cause: str, exc: BaseException) -> None:
+        """A batch that could not be used: handled as an unrepairable gap at `seq` (replaying the
+        same bytes would fail the same way). The entries may miss its stores or hold its
+        removals, so they are cleared and rebuilt from a snapshot when there is one; the stream
+        continues with the next batch."""
+        if cause == "decode_error":
+            feed.decode_errors += 1
+        else:
+            feed.apply_errors += 1
+        reason = exc.reason if isinstance(exc, EventDecodeError) else f"{type(exc).__name__}: {exc}"
+        self._rl(logging.WARNING, (cause, feed.server),
+                 "KV-event batch %s from %s dropped (%s); clearing its entries", seq, feed.server,
+                 reason[:300])
+        if feed.repairing:
+            return  # the repair's replay or snapshot supersedes this batch or fails loudly
+        self._clear(feed, feed.server, cause)
+        feed.last_seq = seq
+        if feed.source.snapshot_url:
+            self._start_rebuild(feed, cause)
 
     def _ingest(self, feed: WorkerFeed, batch, front: bool) -> None:
         """Apply, buffer, or repair around one batch. `front` marks a batch drained from the
@@ -347,7 +435,7 @@ class KvIngest:
     def _apply(self, feed: WorkerFeed, batch) -> None:
         index = self.index
         server = feed.server
-        dp = batch.dp_rank or 0
+        dp = batch.dp_rank if batch.dp_rank is not None else feed.dp_rank
         for ev in batch.events:
             try:
                 index.apply(server, ev, dp)
@@ -371,183 +459,21 @@ class KvIngest:
             feed.lag_s = max(0.0, time.time() - batch.ts)
         feed.last_applied_mono = time.monotonic()
 
-    def _clear(self, feed: WorkerFeed | None, server: str, cause: str) -> None:
-        self.index.clear_worker(server)
+    def _clear(self, feed: WorkerFeed | None, server: str, cause: str,
+               all_ranks: bool = False) -> None:
+        """Forget what one stream told us: its DP rank's entries when the server publishes per
+        rank (the other ranks' streams are intact), else all of the server's."""
+        primary = self.feeds.get(server)
+        if feed is not None and not all_ranks and primary is not None and primary.ranks:
+            self.index.apply(server, AllCleared(None), feed.dp_rank)
+        else:
+            self.index.clear_worker(server)
         if feed is not None:
             feed.clears[cause] = feed.clears.get(cause, 0) + 1
 
     def _drain(self, feed: WorkerFeed) -> None:
         while feed.pending and not feed.repairing:
             self._ingest(feed, feed.pending.popleft(), front=True)
-
-    # ---- repair and rebuild -----------------------------------------------------------------
-    def _start_rebuild(self, feed: WorkerFeed, cause: str) -> None:
-        if feed.repairing:
-            return
-        feed.repairing = True
-        feed.sync_started_mono = time.monotonic()
-        self._spawn(feed, self._rebuild(feed, cause))
-
-    async def _rebuild(self, feed: WorkerFeed, cause: str) -> None:
-        """Make the feed's entries complete as of some seq, then resume the live stream."""
-        try:
-            outcome = "live only"
-            if feed.source.snapshot_url and await self._load_snapshot(feed):
-                outcome = "snapshot"
-            elif feed.source.replay_endpoint:
-                batches = await self._replay(feed, 0)
-                if batches is None:
-                    outcome = "replay unavailable"
-                else:
-                    self._clear(feed, feed.server, f"rebuild_{cause}")
-                    # An empty answer from seq 0 means nothing was published yet: the next live
-                    # batch must be seq 0, and anything later is a gap to repair.
-                    feed.last_seq = -1
-                    for b in batches:
-                        if feed.last_seq == -1 or b.seq == feed.last_seq + 1:
-                            self._apply(feed, b)
-                    if batches and batches[0].seq > 0:
-                        outcome = f"replay from seq {batches[0].seq} (older history evicted)"
-                    else:
-                        outcome = "replay"
-            feed.sync_outcome = outcome
-            if outcome not in ("snapshot", "replay", "live only"):
-                log.warning("KV index of %s rebuilt partially (%s); it fills from live events",
-                            feed.server, outcome)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("rebuilding the KV index of %s failed", feed.server)
-            feed.sync_outcome = "failed"
-        finally:
-            was_ready, feed.ready = feed.ready, True
-            feed.repairing = False
-        if not was_ready and self._on_ready is not None and self.feeds.get(feed.server) is feed:
-            self._on_ready(feed.server)
-        self._drain(feed)
-
-    async def _repair_gap(self, feed: WorkerFeed, start: int) -> None:
-        feed.repairs_in_a_row += 1
-        try:
-            batches = None
-            if feed.source.replay_endpoint and feed.repairs_in_a_row <= MAX_REPAIRS_IN_A_ROW:
-                batches = await self._replay(feed, start)
-            if batches is not None:
-                wanted = [b for b in batches if b.seq >= start]
-                if wanted and wanted[0].seq == start:
-                    feed.replays_ok += 1
-                    for b in wanted:
-                        if b.seq == feed.last_seq + 1:
-                            self._apply(feed, b)
-                    return
-                feed.replays_failed += 1
-                log.warning("replay from %s started at seq %s, not %d: history evicted; clearing",
-                            feed.server, wanted[0].seq if wanted else None, start)
-            # Unrepairable: the entries may hold removed blocks or miss stored ones.
-            self._clear(feed, feed.server, "gap_unrepaired")
-            feed.last_seq = None
-            # A snapshot makes them complete again, unless repairs keep failing in a row (then
-            # the stream restarts from the next batch rather than loop on a lagging snapshot).
-            if feed.source.snapshot_url and feed.repairs_in_a_row <= MAX_REPAIRS_IN_A_ROW:
-                await self._load_snapshot(feed)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("repairing the KV-event gap of %s failed", feed.server)
-            self._clear(feed, feed.server, "gap_unrepaired")
-            feed.last_seq = None
-        finally:
-            feed.repairing = False
-        self._drain(feed)
-
-    async def _replay(self, feed: WorkerFeed, start: int) -> list | None:
-        """Batches with seq >= start from the publisher's replay buffer, or None if it did not
-        answer completely within `replay_timeout_s`."""
-        feed.replays += 1
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        out = []
-        try:
-            sock.connect(feed.source.replay_endpoint)
-            # vLLM's ROUTER expects [identity, b"", start]; a DEALER must add the empty delimiter.
-            await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.replay_timeout_s
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0 or not await sock.poll(remaining * 1000, zmq.POLLIN):
-                    feed.replays_failed += 1
-                    log.warning("replay from %s (%s) timed out after %.1fs", feed.server,
-                                feed.source.replay_endpoint, self.replay_timeout_s)
-                    return None
-                frames = await sock.recv_multipart()
-                # Every reply form ends in [seq_be8, payload]: [b"", (topic,) seq, payload].
-                if len(frames) < 2:
-                    feed.decode_errors += 1
-                    return None
-                seq_b, payload = frames[-2], frames[-1]
-                if seq_b == END_SEQ and not payload:
-                    return out
-                try:
-                    out.append(decode_zmq([seq_b, payload], engine=feed.source.engine))
-                except (EventDecodeError, ValueError) as exc:
-                    feed.decode_errors += 1
-                    log.warning("undecodable replay batch from %s: %s", feed.server, exc)
-                    return None
-        finally:
-            sock.close(linger=0)
-
-    async def _load_snapshot(self, feed: WorkerFeed) -> bool:
-        """Replace the feed's entries with the worker's `/kv_snapshot`; False if unusable."""
-        if self._http is None:
-            return False
-        url = feed.source.snapshot_url
-        try:
-            async with self._http().get(url, timeout=aiohttp.ClientTimeout(total=self.rebuild_timeout_s),
-                                        headers={"Accept": "application/msgpack"}) as r:
-                body = await r.read()
-                if r.status != 200:
-                    log.warning("GET %s answered %d; cannot rebuild from a snapshot", url, r.status)
-                    return False
-            snap = msgpack.unpackb(body, raw=False)
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-            log.warning("GET %s failed: %s: %s", url, type(exc).__name__, exc)
-            return False
-        if not isinstance(snap, dict):
-            log.warning("%s is not a msgpack map; ignoring it", url)
-            return False
-        bs, ks = snap.get("block_size"), snap.get("key_scheme")
-        if bs != self.block_size or ks != self.key_scheme:
-            log.warning("snapshot of %s is keyed at block size %r / scheme %r, routing uses %d / %s; "
-                        "not usable", feed.server, bs, ks, self.block_size, self.key_scheme)
-            return False
-        seq = snap.get("seq")
-        if seq is not None and (type(seq) is not int or seq < -1):
-            log.warning("snapshot of %s has invalid seq %r", feed.server, seq)
-            return False
-        try:
-            keys = block_keys_array(snap.get("block_keys") or [], "block_keys")
-        except BadRequest as exc:
-            log.warning("snapshot of %s has invalid block keys: %s", feed.server, exc.message)
-            return False
-        self._clear(feed, feed.server, "snapshot_reload")
-        clears = sum(feed.clears.values())
-        step = SNAPSHOT_SLICE
-        self.index.load_snapshot(feed.server, keys[:step])
-        for start in range(step, keys.size, step):
-            # Live batches stay buffered meanwhile (the feed is repairing); selects may add
-            # speculative entries, which the appended keys confirm like events would.
-            await asyncio.sleep(0)
-            if self.feeds.get(feed.server) is not feed or sum(feed.clears.values()) != clears:
-                log.warning("KV index of %s was cleared or detached while its snapshot loaded; "
-                            "snapshot abandoned", feed.server)
-                return False
-            self.index.load_snapshot(feed.server, keys[start:start + step], append=True)
-        feed.snapshots += 1
-        feed.blocks_stored += int(keys.size)
-        # seq -1: nothing published yet, so the next live batch must be seq 0.
-        feed.last_seq = None if seq is None else seq
-        return True
 
 
 def _n_blocks(ev) -> int:

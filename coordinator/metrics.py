@@ -149,6 +149,10 @@ class CoordinatorCollector:
         rp = counter("kv_replays", "replay requests", ["server", "outcome"])
         cl = counter("kv_clears", "times a server's entries were cleared", ["server", "cause"])
         de = counter("kv_decode_errors", "undecodable event batches", ["server"])
+        cf = counter("kv_connect_failures", "failed connects to (or polls of) a server's event "
+                     "source", ["server"])
+        rr = counter("kv_reader_restarts", "KV-event readers that died and were restarted",
+                     ["server"])
         rdy = gauge("kv_ready", "1 once the server's index was rebuilt and it counts for kv-aware "
                     "placement", ["server"])
         empty = gauge("kv_index_empty_under_traffic",
@@ -179,8 +183,12 @@ class CoordinatorCollector:
             rp.add_metric([s, "failed"], feed.replays_failed)
             for cause, n in feed.clears.items():
                 cl.add_metric([s, cause], n)
-            de.add_metric([s], feed.decode_errors)
-        yield from (up, load_r, load_t, ej, idx, lag, age, ev, bl, gaps, rp, cl, de, rdy, empty)
+            fs = (feed, *feed.ranks)
+            de.add_metric([s], sum(f.decode_errors for f in fs))
+            cf.add_metric([s], sum(f.connect_failures for f in fs))
+            rr.add_metric([s], sum(f.reader_restarts for f in fs))
+        yield from (up, load_r, load_t, ej, idx, lag, age, ev, bl, gaps, rp, cl, de, cf, rr, rdy,
+                    empty)
 
         total = gauge("kv_index_size", "KV-index entries over all servers")
         total.add_metric([], c.index_size())
@@ -204,6 +212,28 @@ class CoordinatorCollector:
         ide = counter("identities_expired", "fleet identity leases that expired")
         ide.add_metric([], c.identities.expired_total)
         yield ide
+        srv = getattr(c, "transport", None)   # the CoordinatorServer serving it, if any
+        if srv is not None:
+            shed = counter("shed", "placements shed by a saturated coordinator (429, no lease)",
+                           ["transport"])
+            shed.add_metric(["http"], srv.api.shed)
+            ch = srv.channel
+            if ch is not None:
+                cs = ch.stats
+                shed.add_metric(["channel"], cs.shed)
+                conns = gauge("channel_connections", "open fleet channel connections")
+                conns.add_metric([], cs.connections)
+                yield conns
+                frames = counter("channel_batches", "batches received on fleet channels")
+                frames.add_metric([], cs.batches)
+                yield frames
+                calls = counter("channel_calls", "calls and finishes received on fleet channels",
+                                ["kind"])
+                calls.add_metric(["call"], cs.calls)
+                calls.add_metric(["finish"], cs.finishes)
+                calls.add_metric(["malformed"], cs.bad_calls)
+                yield calls
+            yield shed
         upt = gauge("uptime_seconds", "seconds since the coordinator started")
         upt.add_metric([], max(0.0, now - c.started_at))
         yield upt

@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from router.gguf_tokenizer import gguf_tokenizer
+from router.named_models import gguf_source_path, is_gguf_source
 from router.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = ["TokenizerUnavailable", "PRESETS", "load_tokenizer", "chat_template_of",
@@ -46,9 +48,12 @@ def chat_template_of(d: Path) -> str | None:
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:
-    """The tokenizer the workers use for `model`: a preset name or a Hugging Face model directory."""
+    """The tokenizer the workers use for `model`: a preset name, a Hugging Face model directory, or
+    a GGUF source (a named model such as `smollm2-135m`, or a `.gguf` file)."""
     if model is None or model in PRESETS:
         return ByteTokenizer()
+    if is_gguf_source(model) and not Path(model).is_dir():
+        return _gguf_tokenizer(model)
     d = Path(model)
     tj = d / "tokenizer.json"
     if not tj.is_file():
@@ -60,6 +65,17 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     if tc.is_file():
         cfg = json.loads(tc.read_text(encoding="utf-8"))
     return HFTokenizer.from_json(tj.read_text(encoding="utf-8"), cfg, chat_template=chat_template_of(d))
+
+
+def _gguf_tokenizer(model: str) -> Tokenizer:
+    """The GGUF file's own tokenizer, built by the recipe the workers use (router/gguf_tokenizer.py)."""
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(gguf_source_path(model)).fields
+    except (OSError, ValueError, KeyError) as e:
+        raise TokenizerUnavailable(f"cannot build the routing tokenizer for model {model!r}: {e}") from None
+    return gguf_tokenizer({k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")})
 
 
 def routing_tokenizer_name(config, reported_models=()) -> str | None:

@@ -33,6 +33,7 @@ from aiohttp.web_server import Server
 from coordinator import metrics as metrics_mod
 from coordinator import wire
 from coordinator.api import Api, aiohttp_handler, make_app
+from coordinator.channel import ChannelServer, LoopWatch
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
 from coordinator.errors import BadRequest, NoServerAvailable
@@ -40,6 +41,7 @@ from coordinator.health import HealthMonitor
 from coordinator.http import HttpServer
 from coordinator.identity import IdentityTable
 from coordinator.kv_ingest import FeedSource, KvIngest
+from coordinator.kv_sources import advertised_source, static_source
 from coordinator.metrics import LatencyHistogram
 from coordinator.registry import CONTEXT, GENERATION, Registry, ServerEntry, ServerState, normalize_url
 from router.block_keys import salt_seed
@@ -56,6 +58,7 @@ ROLES = (CONTEXT, GENERATION)
 EMPTY_INDEX_GRACE_S = 10.0      # kv-aware traffic this long with an empty index raises the warning
 EMPTY_INDEX_WARN_EVERY_S = 60.0
 MAX_BODY_BYTES = 32 * 1024 * 1024
+SPEC_EXPIRE_PER_TICK = 256      # speculative index entries (routed prompts) expired per maintenance tick
 
 
 @dataclass(slots=True)
@@ -131,9 +134,7 @@ class Coordinator:
             for url in g.urls:
                 self.registry.add_static(url, role, now)
             for src in g.kv_events:
-                self._static_kv[normalize_url(src.server)] = FeedSource(
-                    endpoint=src.endpoint, replay_endpoint=src.replay_endpoint, topic=src.topic,
-                    engine=src.engine, snapshot_url=None)
+                self._static_kv[normalize_url(src.server)] = static_source(src)
         self.kv = KvIngest(self.index, block_size=self.block_size, key_scheme=self.key_scheme,
                            replay_timeout_s=co.event_ingest.replay_timeout_s,
                            rebuild_timeout_s=co.event_ingest.rebuild_timeout_s,
@@ -232,7 +233,8 @@ class Coordinator:
             log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
                         gone[0].role, gone[0].req_id, gone[0].server)
         self.identities.expire(now)
-        self.index.expire_speculative(now)
+        # Bounded (a few ms): under traffic each placement already expires two due entries.
+        self.index.expire_speculative(now, SPEC_EXPIRE_PER_TICK)
         return len(gone)
 
     # ---- registry hooks ---------------------------------------------------------------------
@@ -257,24 +259,17 @@ class Coordinator:
         self._bump()
 
     def _feed_source(self, entry: ServerEntry) -> FeedSource | None:
+        """An explicit static `kv_events` entry wins; else what `/server_info` advertises, read
+        as the engine writes it (`coordinator/kv_sources.py`)."""
+        static = self._static_kv.get(entry.url)
+        if static is not None:
+            return static
         info = entry.server_info or {}
-        kv = info.get("kv_events")
-        if isinstance(kv, dict) and (kv.get("publisher") or kv.get("topic")):
-            host = entry.url.split("://", 1)[1].rsplit(":", 1)[0]
-            snap = kv.get("snapshot")
-            if isinstance(snap, str) and snap.startswith("/"):
-                snap = entry.url + snap
-            elif not (isinstance(snap, str) and snap.startswith(("http://", "https://"))):
-                snap = None
-            if info.get("block_size") != self.block_size or info.get("key_scheme") != self.key_scheme \
-                    or (info.get("ns_seed") or 0) != self.ns_seed:
-                snap = None  # its snapshot keys would not be our canonical keys
-            return FeedSource(endpoint=_advertised(kv.get("publisher"), host),
-                              replay_endpoint=_advertised(kv.get("replay"), host),
-                              topic=str(kv.get("topic") or ""),
-                              engine=str(kv.get("format") or "vllm"),
-                              snapshot_url=snap)
-        return self._static_kv.get(entry.url)
+        # Its snapshot keys are our canonical keys only at the same block size, scheme and namespace.
+        snapshot_ok = (info.get("block_size") == self.block_size
+                       and info.get("key_scheme") == self.key_scheme
+                       and int(info.get("ns_seed") or 0) == self.ns_seed)
+        return advertised_source(info, entry.url, snapshot_ok=snapshot_ok)
 
     def _on_state_change(self, entry: ServerEntry, old: ServerState, new: ServerState) -> None:
         if new is ServerState.REFUSED:
@@ -416,6 +411,9 @@ class Coordinator:
                 have = int(decision.explanation.get("matched_tokens") or 0) // self.block_size
                 if have < key.block_keys.size:
                     self.index.add_speculative(server, key.block_keys[have:], now, ttl)
+                    # Two due entries out per entry in: expiry keeps pace with placements in
+                    # small steps instead of one burst per maintenance tick (a select stall).
+                    self.index.expire_speculative(now, 2)
         info = decision.explanation
         entry = self._entries.get(server)
         info["server_info"] = entry.server_info if entry is not None else None
@@ -596,7 +594,8 @@ class Coordinator:
             "leases": {"in_flight": self.in_flight(), "ttl_s": self.lease_ttl_s,
                        "expired_total": dict(self.stats.leases_expired),
                        "replaced_total": self.stats.leases_replaced},
-            "kv_index": {"size": self.index_size(), "bind_endpoint": self.kv.bound_endpoint},
+            "kv_index": {"size": self.index_size(), "bind_endpoint": self.kv.bound_endpoint,
+                         "bound_reader_restarts": self.kv.bound_reader_restarts},
             "routing_diagnostics": {
                 "kv_mismatch": sorted(u for u in self.diag.parity if self.diag.kv_unknown(u)),
                 "prediction_alarm": sorted(u for u, p in self.diag.pred.items() if p.alarm),
@@ -644,17 +643,6 @@ class Coordinator:
 
 
 
-def _advertised(endpoint: Any, host: str) -> str | None:
-    """A publisher endpoint as advertised, with a wildcard host replaced by the server's host."""
-    if not isinstance(endpoint, str) or not endpoint:
-        return None
-    for wild in ("*", "0.0.0.0", "[::]", "::"):
-        prefix = f"tcp://{wild}:"
-        if endpoint.startswith(prefix):
-            return f"tcp://{host}:{endpoint[len(prefix):]}"
-    return endpoint
-
-
 # ===================================================================================== HTTP
 
 class CoordinatorServer:
@@ -673,7 +661,13 @@ class CoordinatorServer:
         self.uds_path = uds_path
         self.shutdown_timeout_s = shutdown_timeout_s
         self.http = http
-        self.api = Api(coord)
+        co = coord.config.coordinator
+        self.watch = LoopWatch()
+        self.api = Api(coord, watch=self.watch, max_queue_delay_s=co.max_queue_delay_s)
+        # The fleet channel rides on the fast server's listeners (an HTTP upgrade).
+        self.channel = (ChannelServer(coord, max_queue_delay_s=co.max_queue_delay_s)
+                        if co.channel and http == "fast" else None)
+        coord.transport = self      # its shedding and channel counters, for coordinator.metrics
         self._fast: HttpServer | None = None
         self._runner: ServerRunner | None = None
         self.urls: list[str] = []
@@ -691,7 +685,7 @@ class CoordinatorServer:
                 socks[0].close()
                 raise
         if self.http == "fast":
-            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES)
+            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES, channel=self.channel)
             for sock in socks:
                 await self._fast.serve(sock)
         else:
@@ -701,6 +695,7 @@ class CoordinatorServer:
             await self._runner.setup()
             for sock in socks:
                 await web.SockSite(self._runner, sock, backlog=4096).start()
+        self.watch.start()
         h, p = socks[0].getsockname()[:2]
         self.port = p
         shown = f"[{h}]" if ":" in h else h
@@ -719,6 +714,7 @@ class CoordinatorServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self.watch.stop()
         if self.uds_path:
             try:
                 os.unlink(self.uds_path)

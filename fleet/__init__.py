@@ -1,1 +1,1 @@
-"""splitserve fleet package (see DESIGN.md §1)."""
+"""splitserve fleet package (see docs/design.md §1)."""

@@ -4,7 +4,7 @@
 forge them. A client-supplied object is forwarded only with header `x-splitserve-disagg-auth:
 sha256=<hex>` = HMAC-SHA256(`internal_request_auth_key`, canonical JSON of the object) — canonical
 meaning sorted keys, no whitespace (orjson `OPT_SORT_KEYS`). Otherwise only a positive
-`disagg_request_id` survives (DESIGN.md §3) and the rest is dropped. The fleet signs the
+`disagg_request_id` survives (docs/design.md §3) and the rest is dropped. The fleet signs the
 `disaggregated_params` it sends to workers the same way when the key is configured.
 """
 from __future__ import annotations
@@ -18,6 +18,11 @@ AUTH_HEADER = "x-splitserve-disagg-auth"
 _MAX_ID = (1 << 63) - 1
 
 
+def _raw(header: str) -> bytes:
+    """A header value's bytes: aiohttp keeps bytes that are not UTF-8 as surrogates."""
+    return header.encode("utf-8", "surrogateescape")
+
+
 def sign(key: str, params: dict) -> str:
     mac = hmac.new(key.encode(), orjson.dumps(params, option=orjson.OPT_SORT_KEYS), hashlib.sha256)
     return "sha256=" + mac.hexdigest()
@@ -26,7 +31,8 @@ def sign(key: str, params: dict) -> str:
 def verify(key: str | None, params: dict, header: str | None) -> bool:
     if not key or not header:
         return False
-    return hmac.compare_digest(sign(key, params), header.strip())
+    # bytes: compare_digest refuses non-ASCII str (a client's header may hold any byte)
+    return hmac.compare_digest(sign(key, params).encode(), _raw(header.strip()))
 
 
 def vet_client_params(params: dict | None, key: str | None, header: str | None) -> tuple[dict | None, int | None, bool]:
@@ -56,7 +62,7 @@ class ApiKeys:
             return True
         if not authorization or not authorization.startswith("Bearer "):
             return False
-        got = authorization[7:].strip().encode()
+        got = _raw(authorization[7:].strip())
         ok = False
         for k in self._keys:   # compare against every key: timing does not reveal which one matched
             ok |= hmac.compare_digest(k, got)

@@ -1,10 +1,14 @@
-"""The fleet's client of a coordinator in another process: the hot calls on the fleet's own HTTP pool.
+"""The fleet's client of a coordinator in another process.
 
-`/select`, `/select_pair`, `/finish` and `/renew` run on every request, so they go over
-`fleet.upstream.UpstreamPool` (asyncio protocols + httptools, TCP or Unix socket, msgpack bodies):
-several times cheaper in CPU than an aiohttp ClientSession call. Everything else (`/cluster_info`,
-identity leases) is delegated to `coordinator.client.HttpCoordinatorClient`. Answers and errors are
-the same as that client's (`NoServerAvailable`, `CoordinatorRequestError`, `CoordinatorUnavailable`).
+`/select`, `/select_pair`, `/finish` and `/renew` run on every request. By default they go over
+the coordinator's persistent channel (`coordinator.channel_client`: one connection per fleet
+process, calls of one event-loop turn batched into one frame, finishes coalesced and
+acknowledged per batch). When the coordinator does not offer it, or it cannot be reached, they go
+over `fleet.upstream.UpstreamPool` (asyncio protocols + httptools, TCP or Unix socket, msgpack
+bodies), several times cheaper in CPU than an aiohttp ClientSession call. Everything else
+(`/cluster_info`, identity leases) uses `coordinator.client.HttpCoordinatorClient`'s aiohttp
+session. Answers and errors are that client's (`NoServerAvailable`, `CoordinatorOverloaded`,
+`CoordinatorRequestError`, `CoordinatorUnavailable`).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 
 _MSGPACK = b"application/msgpack"
 _ACCEPT = b"Accept: application/msgpack\r\n"
+_HOT = frozenset({"/select", "/select_pair", "/finish", "/renew"})
 
 
 def _origin(url: str) -> str:
@@ -28,18 +33,20 @@ def _origin(url: str) -> str:
     return url
 
 
-class FleetCoordinatorClient:
-    def __init__(self, url: str, *, timeout: float = 5.0):
-        self.url = url
-        self.timeout = timeout
+class FleetCoordinatorClient(HttpCoordinatorClient):
+    def __init__(self, url: str, *, timeout: float = 5.0, channel: bool = True,
+                 max_pending: int = 4096):
+        super().__init__(url, timeout=timeout, channel=channel, max_pending=max_pending)
+        self.timeout_s = timeout
         self._origin = _origin(url)
-        self._slow = HttpCoordinatorClient(url, timeout=timeout)
         self._pool = UpstreamPool(connect_timeout=timeout, idle_timeout=30.0)
 
-    async def _call(self, path: str, body: dict) -> Any:
+    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        if method != "POST" or path not in _HOT:
+            return await super()._call(method, path, body)
         data = msgpack.packb(body, use_bin_type=True)
         try:
-            r = await self._pool.request(self._origin, path, data, _ACCEPT, timeout=self.timeout,
+            r = await self._pool.request(self._origin, path, data, _ACCEPT, timeout=self.timeout_s,
                                          content_type=_MSGPACK)
             try:
                 raw = await r.read()
@@ -47,7 +54,7 @@ class FleetCoordinatorClient:
                 r.release()
         except UpstreamTimeout:
             raise CoordinatorUnavailable(f"coordinator {self.url} did not answer {path} within "
-                                         f"{self.timeout:g}s") from None
+                                         f"{self.timeout_s:g}s") from None
         except UpstreamError as e:
             raise CoordinatorUnavailable(f"coordinator {self.url} unreachable for {path}: {e.detail}") from None
         status = r.status
@@ -57,48 +64,6 @@ class FleetCoordinatorClient:
             obj = None
         return answer_or_raise(self.url, path, status, obj, raw)
 
-    async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
-        body: dict = {"role": role, "req_id": req_id}
-        if routing_key is not None:
-            body["routing_key"] = routing_key
-        if exclude:
-            body["exclude"] = list(exclude)
-        return await self._call("/select", body)
-
-    async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
-                          exclude_gen: Any = None) -> dict:
-        body: dict = {"req_id": req_id}
-        if routing_key is not None:
-            body["routing_key"] = routing_key
-        if exclude_ctx:
-            body["exclude_ctx"] = list(exclude_ctx)
-        if exclude_gen:
-            body["exclude_gen"] = list(exclude_gen)
-        return await self._call("/select_pair", body)
-
-    async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
-        body = {"role": role, "req_id": req_id, "success": bool(success)}
-        if usage is not None:
-            body["usage"] = usage
-        await self._call("/finish", body)
-
-    async def renew(self, role: str, req_id: int) -> bool:
-        ans = await self._call("/renew", {"role": role, "req_id": req_id})
-        return bool(ans.get("renewed")) if isinstance(ans, dict) else False
-
-    async def cluster_info(self) -> dict:
-        return await self._slow.cluster_info()
-
-    async def health(self) -> bool:
-        return await self._slow.health()
-
-    async def lease_identity(self, holder: str, node_id: int | None = None,
-                             process_id: int | None = None) -> tuple[int, int]:
-        return await self._slow.lease_identity(holder, node_id, process_id)
-
-    async def release_identity(self, holder: str) -> bool:
-        return await self._slow.release_identity(holder)
-
     async def close(self) -> None:
+        await super().close()      # the channel first: it flushes queued finishes
         await self._pool.close()
-        await self._slow.close()

@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors of the public API (DESIGN.md §4).
+"""OpenAI-shaped errors of the public API (docs/design.md §4).
 
 Every error the fleet returns to a client is an `ApiError`, rendered as
 `{"error": {"message", "type", "param", "code"}}` with the matching status. Messages say what was
@@ -16,8 +16,12 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
     415: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",
     500: "internal_server_error",
@@ -31,7 +35,7 @@ class ApiError(Exception):
     """An error answer of the public API. `param` names the offending body field when there is one."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, retry_after: float | None = None):
+                 type_: str | None = None, retry_after: float | None = None, close: bool = False):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -39,6 +43,7 @@ class ApiError(Exception):
         self.code = code
         self.type = type_ or _TYPES.get(status, "api_error")
         self.retry_after = retry_after
+        self.close = close      # the connection cannot be reused (e.g. part of the body is unread)
 
     def body(self) -> bytes:
         return orjson.dumps({"error": {"message": self.message, "type": self.type,
@@ -50,7 +55,10 @@ class ApiError(Exception):
             headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
         if extra_headers:
             headers.update(extra_headers)
-        return web.Response(status=self.status, body=self.body(), headers=headers)
+        resp = web.Response(status=self.status, body=self.body(), headers=headers)
+        if self.close:
+            resp.force_close()
+        return resp
 
     def sse_event(self) -> bytes:
         """The error as one SSE event, for failures after a stream's headers were sent."""

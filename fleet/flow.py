@@ -1,6 +1,7 @@
-"""The two-leg disaggregated flow (DESIGN.md §5), with the failure semantics of the fleet.
+"""The two-leg disaggregated flow (docs/design.md §5), with the failure semantics of the fleet.
 
-One request = one snowflake id used on both legs, in the coordinator and in the logs. Steps:
+One request = one snowflake id, minted here, used on both legs, in the coordinator and in the logs (a
+client's own `disagg_request_id` is only an alias: see `Flow.handle`). Steps:
 
 1. routing key (token ids → block keys) only when a delegated policy needs it;
 2. placement (`Placer`); conditional disaggregation comes back from the coordinator as "no context
@@ -13,6 +14,9 @@ One request = one snowflake id used on both legs, in the coordinator and in the 
    `Raw`); the generation worker emits the first token itself — nothing is prepended here;
 5. the generation answer is relayed (SSE events as they arrive).
 
+That is TensorRT-LLM's protocol; servers speaking vLLM's or SGLang's are handed to fleet/pd_flow.py
+once placed (docs/protocols.md).
+
 Failure rules (beating upstream, reference §7):
 - a connect-level failure (`UpstreamConnectError`) or a worker 503 is retried on a *different*
   server (`exclude`), after a jittered backoff, at most `max_retries` times; the id stays the same
@@ -21,8 +25,8 @@ Failure rules (beating upstream, reference §7):
   (disconnect, timeout, 5xx) is not retried; nothing is retried after bytes went to the client;
 - every lease gets exactly one `/finish` (`Placer.finish` is idempotent and sits in `finally`);
 - client disconnect (the handler task is cancelled by aiohttp) → every leg still open is aborted at
-  once: the upstream connection is closed and `POST /v1/abort` is sent to each worker that saw the
-  request (including a finished context leg, whose KV blocks stay pinned for the transfer); no
+  once: the upstream connection is closed and the engine's abort (`POST /v1/abort`; per protocol,
+  fleet/legs/) is sent to each worker that saw the request (including a finished context leg, whose KV blocks stay pinned for the transfer); no
   further leg is started.
 """
 from __future__ import annotations
@@ -40,6 +44,7 @@ from aiohttp import web
 from coordinator.errors import NoServerAvailable
 
 from . import metrics as M
+from . import pd_flow
 from .auth import AUTH_HEADER, sign
 from .errors import ApiError
 from .placement import CTX, GEN, Placement, Placer
@@ -90,8 +95,9 @@ def _cached_tokens(usage: dict | None) -> tuple[int, int] | None:
 
 @dataclass(slots=True)
 class _State:
-    rid: int
+    rid: int                        # minted by this fleet process: the id every worker and lease sees
     t0: float
+    alias: int | None = None        # the client's disagg_request_id (logs and route header only)
     mode: str = "disaggregated"
     placements: list = field(default_factory=list)          # every Placement taken (for /finish)
     open_resp: list = field(default_factory=list)           # upstream Responses not yet done
@@ -119,6 +125,7 @@ class Flow:
         self.renew_every = config.leases.effective_renew_interval_s
         self._bg: set[asyncio.Task] = set()
         self.inflight = 0
+        self.aliases: set[int] = set()      # client disagg_request_ids of requests in flight
         self._m_place = {m: M.PLACEMENT.labels(m) for m in
                          ("disaggregated", "local_prefill", "aggregated_fallback", "context_only", "aggregated",
                           "no_kv_transfer")}
@@ -131,9 +138,21 @@ class Flow:
         self.aggregated_only = not config.context_servers.urls and config.disagg_cluster is None
 
     # ------------------------------------------------------------------ entry point
-    async def handle(self, request: web.Request, creq: ClientRequest, rid: int | None,
+    async def handle(self, request: web.Request, creq: ClientRequest, alias: int | None,
                      client_params: dict | None, t0: float) -> web.StreamResponse:
-        st = _State(rid if rid is not None else self.ids.next_id(), t0)
+        """Serve one request. Its id is always minted here; `alias` is the client's own
+        `disagg_request_id`, kept for logs and the route header only (never sent to a worker, never
+        an abort or transfer key), and unique among this process's requests in flight."""
+        if alias is not None:
+            if alias in self.aliases:
+                M.DUPLICATE_IDS.inc()
+                raise ApiError(409, f"disaggregated_params.disagg_request_id {alias} is already used by a "
+                                    f"request in flight; use a unique id per concurrent request",
+                               param="disaggregated_params.disagg_request_id", code="duplicate_request_id")
+            self.aliases.add(alias)
+        st = _State(self.ids.next_id(), t0, alias=alias)
+        if alias is not None:
+            log.debug("request %d: client request id %d", st.rid, alias)
         ok = False
         try:
             resp = await self._run(request, creq, st, client_params)
@@ -143,7 +162,8 @@ class Flow:
             return resp
         except asyncio.CancelledError:
             M.DISCONNECTS.labels("generation" if st.bytes_sent or st.attempts[GEN] else "context").inc()
-            log.info("request %d: client went away; aborting %d open leg(s)", st.rid, len(st.touched))
+            log.info("request %d%s: client went away; aborting %d open leg(s)", st.rid,
+                     f" (client id {st.alias})" if st.alias is not None else "", len(st.touched))
             raise
         finally:
             for p in st.placements:
@@ -153,6 +173,8 @@ class Flow:
                 self.placer.finish(p, not p.failed)
             if not ok:
                 self._abort_all(st)
+            if alias is not None:
+                self.aliases.discard(alias)
 
     # ------------------------------------------------------------------ aborts
     def _abort_all(self, st: _State) -> None:
@@ -175,9 +197,12 @@ class Flow:
     async def _post_abort(self, role: str, server: str, rid: int, count: bool = True) -> None:
         if count:
             M.ABORTS.labels(role).inc()
+        path, body = pd_flow.abort_request(self, role, server, rid)
+        if path is None:
+            return      # this engine's only cancellation is the closed connection
         try:
             async with asyncio.timeout(2.0):
-                r = await self.pool.request(server, "/v1/abort", orjson.dumps({"request_id": rid}),
+                r = await self.pool.request(server, path, orjson.dumps(body),
                                             b"X-Request-Id: %d\r\n" % rid)
                 try:
                     await r.read()
@@ -198,6 +223,12 @@ class Flow:
         for name in SESSION_HEADERS:
             v = h.get(name)
             if v:
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    # aiohttp keeps undecodable header bytes as surrogates: no valid id to route by
+                    raise ApiError(400, f"header {name} must be UTF-8 text, got undecodable bytes",
+                                   param=name, code="invalid_value") from None
                 return v
         return None
 
@@ -272,11 +303,14 @@ class Flow:
             st.rid, st.attempts[role], role.encode())
 
     async def _send(self, st: _State, role: str, p: Placement, path: str, body: bytes, key: dict | None,
-                    extra: bytes = b"", gen_only: bool = False) -> tuple[Response, Placement]:
-        """Send a leg; retry connect-level failures and worker 503s on another server.
+                    extra: bytes = b"", gen_only: bool = False,
+                    retries: int | None = None) -> tuple[Response, Placement]:
+        """Send a leg; retry connect-level failures and worker 503s on another server (at most
+        `retries` times, default `max_retries`; 0 when the caller retries a pair of legs itself).
 
         Returns the response (status < 400) with its headers read, and the placement finally used.
         """
+        max_retries = self.max_retries if retries is None else retries
         tried: set[str] = set()
         while True:
             tried.add(p.server)
@@ -318,7 +352,7 @@ class Flow:
                 err = f"{role} server {p.server} is shedding load (503)"
             # retryable failure: finish this lease (a shedding server is not a failed one), pick another
             self.placer.finish(p, not p.failed)
-            if st.attempts[role] >= self.max_retries:
+            if st.attempts[role] >= max_retries:
                 raise ApiError(502 if "unreachable" in err else 503,
                                f"{err}; gave up after {st.attempts[role] + 1} attempt(s)",
                                code="upstream_unavailable", retry_after=1 if "503" in err else None)
@@ -385,6 +419,9 @@ class Flow:
             body["disaggregated_params"] = client_params
             return await self._final_leg(request, creq, st, p, orjson.dumps(body), key, self._sig(client_params))
         ctx, gen = await self._place(st, key)
+        proto = pd_flow.request_protocol(self, ctx, gen)
+        if proto != "trtllm":
+            return await pd_flow.run(self, request, creq, st, ctx, gen, key, proto)
         if ctx is not None and gen.server in self.no_transfer:
             # Known not to receive KV: the context leg would be wasted work.
             self.placer.finish(ctx, True)
@@ -393,6 +430,8 @@ class Flow:
             ctx = None
             st.mode = "no_kv_transfer"
         st.route = {"id": st.rid, "mode": st.mode}
+        if st.alias is not None:
+            st.route["client_request_id"] = st.alias
         if ctx is None:
             self._m_place[st.mode].inc()
             return await self._final_leg(request, creq, st, gen, orjson.dumps(self._gen_base(creq)), key)
@@ -583,6 +622,8 @@ class Flow:
 
     def _route_header(self, st: _State, gen: Placement) -> str:
         r = st.route or {"id": st.rid, "mode": st.mode}
+        if st.alias is not None:
+            r["client_request_id"] = st.alias
         r["mode"] = st.mode
         r["generation"] = self._route_of(gen)
         if st.attempts[CTX] or st.attempts[GEN]:
@@ -633,6 +674,8 @@ class Flow:
                 if cut < 0:
                     continue
                 events, buf = buf[:cut + 2], buf[cut + 2:]
+                if b'"kv_transfer_params":{' in events or b'"kv_transfer_params": {' in events:
+                    events = pd_flow.strip_stream_kv(events)
                 if b'"usage":{' in events or b'"usage": {' in events:
                     events = self._stream_usage(events, gen, drop)
                     if not events:
@@ -704,7 +747,8 @@ class Flow:
         return b"".join(e + b"\n\n" for e in keep)
 
     def _clean_json(self, data: bytes, role: str, p: Placement) -> bytes:
-        if b"disaggregated_params" not in data and b"prompt_token_ids" not in data:
+        if b"disaggregated_params" not in data and b"prompt_token_ids" not in data \
+                and b"kv_transfer_params" not in data:
             try:
                 self._observe_usage(role, p, _usage_decoder.decode(data).usage)
             except msgspec.DecodeError:
@@ -718,6 +762,7 @@ class Flow:
             self._observe_usage(role, p, obj.get("usage"))
             obj.pop("prompt_token_ids", None)
             obj.pop("prompt_token_ids_b64", None)
+            obj.pop("kv_transfer_params", None)     # a vLLM decode's KV handle: internal
             for c in obj.get("choices") or ():
                 if isinstance(c, dict):
                     c.pop("disaggregated_params", None)

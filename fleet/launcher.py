@@ -1,6 +1,6 @@
 """The multi-process launcher: an implicit coordinator plus N fleet processes on one port.
 
-Topologies (DESIGN.md §2): `num_workers > 1` without a coordinator URL starts the coordinator here
+Topologies (docs/design.md §2): `num_workers > 1` without a coordinator URL starts the coordinator here
 (TCP `port - 1` and a Unix socket) and N fleet processes sharing the public port through
 SO_REUSEPORT; with a coordinator URL only the N fleet processes run. (One process without a URL is
 not launched from here: `fleet.cli` runs it directly, coordinator in-process.)

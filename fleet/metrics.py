@@ -60,6 +60,13 @@ COORD_UP = Gauge(f"{NS}_coordinator_reachable",
                  multiprocess_mode="min")
 FINISH_DROPPED = Counter(f"{NS}_finish_dropped_total",
                          "Lease /finish calls that could not be delivered (the lease expires on its TTL).")
+DUPLICATE_IDS = Counter(f"{NS}_duplicate_request_ids_total",
+                        "Requests answered 409: their client disagg_request_id was already in flight.")
+BODY_TIMEOUTS = Counter(f"{NS}_body_timeouts_total",
+                        "Requests answered 408 because their body did not arrive within fleet.body_timeout_s.")
+ORPHANED_LEASES = Counter(f"{NS}_orphaned_placements_total",
+                          "Placements whose client hung up while the coordinator was answering; their "
+                          "leases are finished as soon as the answer arrives.")
 PLACEMENT = Counter(f"{NS}_placements_total",
                     "How requests were served: disaggregated (context+generation legs), local_prefill "
                     "(conditional disaggregation skipped the context leg), aggregated_fallback (no context "

@@ -16,7 +16,7 @@ coordinator meanwhile, so a dead worker stops receiving traffic before the coord
 probes notice it.
 
 The only routing state held here is the round-robin cursors, the last-known server list and the
-local ejection table (DESIGN.md §1: the fleet holds no other routing state).
+local ejection table (docs/design.md §1: the fleet holds no other routing state).
 """
 from __future__ import annotations
 
@@ -142,6 +142,7 @@ class Placer:
         # In the one-process topology the coordinator object is right here: /finish is a plain call.
         from coordinator.client import InProcessCoordinatorClient
         self._inproc = coordinator.coord if isinstance(coordinator, InProcessCoordinatorClient) else None
+        self._nowait = getattr(coordinator, "finish_nowait", None)
         self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
         M.COORD_UP.set(1)
@@ -331,7 +332,8 @@ class Placer:
             excl = sorted(exclude | set(self.ejected()))
             t0 = time.perf_counter()
             try:
-                ans = await self.coord.select(role, req_id, routing_key=routing_key, exclude=excl or None)
+                ans = await self._leased(self.coord.select(role, req_id, routing_key=routing_key,
+                                                           exclude=excl or None), (role,), req_id)
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
@@ -350,9 +352,10 @@ class Placer:
             ej = set(self.ejected())
             t0 = time.perf_counter()
             try:
-                ans = await self.coord.select_pair(req_id, routing_key=routing_key,
-                                                   exclude_ctx=sorted(exclude_ctx | ej) or None,
-                                                   exclude_gen=sorted(exclude_gen | ej) or None)
+                ans = await self._leased(self.coord.select_pair(req_id, routing_key=routing_key,
+                                                                exclude_ctx=sorted(exclude_ctx | ej) or None,
+                                                                exclude_gen=sorted(exclude_gen | ej) or None),
+                                         (CTX, GEN), req_id)
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
@@ -372,6 +375,31 @@ class Placer:
             return None, gen, "aggregated_fallback"
         return ctx, gen, "disaggregated"
 
+    async def _leased(self, call, roles: tuple[str, ...], req_id: int) -> dict:
+        """Await a coordinator placement so that a cancelled caller never leaks the lease it creates.
+
+        The coordinator leases `(role, req_id)` while it answers, so a caller cancelled mid-call (the
+        client hung up) would never learn of the lease and never `/finish` it. The call itself is
+        shielded and runs to its end; if the caller is gone by then, every role it may have leased is
+        finished here (`/finish` is idempotent: a lease that was never created is a no-op).
+        """
+        if self._inproc is not None:
+            # in-process: the call never suspends, so there is no point at which it can be cancelled
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._orphaned(t, roles, req_id))
+            raise
+
+    def _orphaned(self, task: asyncio.Task, roles: tuple[str, ...], req_id: int) -> None:
+        if not task.cancelled():
+            task.exception()   # retrieved: a failed placement nobody waits for is not an error
+        M.ORPHANED_LEASES.inc()
+        for role in roles:
+            self.finish(Placement(role, "", req_id, True, self.policy[role], {}), True)
+
     # ------------------------------------------------------------------ lease end
     def finish(self, p: Placement | None, success: bool) -> None:
         """Exactly one /finish per lease: idempotent, never blocks the request path."""
@@ -387,6 +415,8 @@ class Placer:
                 log.warning("in-process /finish of %s %d failed: %s", p.role, p.req_id, e)
                 M.FINISH_DROPPED.inc()
             return
+        if self._nowait is not None and self._nowait(p.role, p.req_id, success, self._usage(p)):
+            return   # queued on the coordinator channel: sent with the next batch, acknowledged there
         t = asyncio.get_running_loop().create_task(self._finish(p, success))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)

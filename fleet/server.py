@@ -1,7 +1,7 @@
 """The public OpenAI front door of one fleet process (aiohttp on uvloop).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-`GET /cluster_info`, `GET /metrics`. Errors are OpenAI error bodies (DESIGN.md §4).
+`GET /cluster_info`, `GET /metrics`. Errors are OpenAI error bodies (docs/design.md §4).
 
 Start-up order matters for the shared port: a fleet process first reaches the coordinator (bounded
 retries up to `server_start_timeout`), leases its snowflake identity and loads the server list, and
@@ -12,7 +12,6 @@ in-flight requests drain (bounded by `fleet.drain_timeout_s`), then leases and a
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -20,14 +19,17 @@ import socket
 import time
 import weakref
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from coordinator.errors import CoordinatorError
+from coordinator.gc_tuning import settle_heap
 
 from . import metrics as M
 from .auth import AUTH_HEADER, ApiKeys, vet_client_params
 from .errors import ApiError
 from .flow import Flow
+from .http_protocol import FleetRunner
 from .keys import TokenizerUnavailable, make_key_builder
 from .placement import CTX, GEN, Placer
 from .snowflake import SnowflakeGenerator
@@ -40,6 +42,10 @@ EXIT_COORDINATOR_UNREACHABLE = 3
 EXIT_CONFIG = 2
 
 
+def _is_json(mimetype: str) -> bool:
+    return mimetype == "application/json" or (mimetype.startswith("application/") and mimetype.endswith("+json"))
+
+
 class StartupError(RuntimeError):
     """The fleet process cannot start (coordinator unreachable, port busy, ...); exit non-zero."""
 
@@ -48,7 +54,9 @@ class StartupError(RuntimeError):
         self.exit_code = exit_code
 
 
-def bind_socket(host: str, port: int, reuse_port: bool, backlog: int = 4096) -> socket.socket:
+LISTEN_BACKLOG = 4096
+
+def bind_socket(host: str, port: int, reuse_port: bool, backlog: int = LISTEN_BACKLOG) -> socket.socket:
     """A listening TCP socket; with `reuse_port` it joins the SO_REUSEPORT group of `port`."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, addr = infos[0]
@@ -86,6 +94,7 @@ class FleetServer:
         self.api_keys = ApiKeys(config.api_keys)
         self.max_body = config.fleet.max_body_bytes
         self.max_inflight = config.fleet.max_inflight_requests
+        self.body_timeout = config.fleet.body_timeout_s
         self.keepalive_requests = config.fleet.keepalive_requests
         self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         mi = config.disagg_cluster.minimal_instances if config.disagg_cluster else None
@@ -132,7 +141,8 @@ class FleetServer:
             self.keys = make_key_builder(self.config, self.placer.models())
         except (TokenizerUnavailable, ValueError) as e:
             raise StartupError(f"cannot compute routing keys: {e}; set `model:` in the config to a preset "
-                               f"(tiny, 1b, 8b) or a local Hugging Face directory with tokenizer.json",
+                               f"(tiny, 1b, 8b), a named GGUF model (smollm2-135m), a .gguf file or a local "
+                               f"Hugging Face directory with tokenizer.json",
                                EXIT_CONFIG) from None
         try:
             self.identity = await self._lease_identity()
@@ -214,37 +224,58 @@ class FleetServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, CHAT)
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body, within `fleet.body_timeout_s`; typed 4xx for what the client got wrong."""
+        ct = request.headers.get(hdrs.CONTENT_TYPE)
+        if ct is not None and not _is_json(request.content_type):
+            raise ApiError(415, f"Content-Type must be application/json, got {ct[:80]!r}",
+                           code="unsupported_media_type")
+        cl = request.content_length
+        if cl is not None and cl > self.max_body:
+            raise too_large(self.max_body, cl)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large(self.max_body, None) from None
+        except TimeoutError:
+            M.BODY_TIMEOUTS.inc()
+            raise ApiError(408, f"the request body was not received within {self.body_timeout:g}s "
+                                f"(fleet.body_timeout_s)", code="request_timeout", close=True) from None
+        except HttpProcessingError as e:
+            # e.g. bad chunked encoding that arrived after the head
+            raise ApiError(400, f"malformed request body: {' '.join(str(e.message).split())[:200]}",
+                           code="bad_http_request", close=True) from None
+
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         flow = self.flow
         status = 500
-        M.INFLIGHT.inc()
-        flow.inflight += 1
+        counted = False
         try:
             self._auth(request)
+            raw = await self._read_body(request)
+            # Only now does the request take a slot: a client that stalls its body holds no capacity.
+            M.INFLIGHT.inc()
+            flow.inflight += 1
+            counted = True
             if self.max_inflight is not None and flow.inflight > self.max_inflight:
                 raise ApiError(429, f"this fleet process already serves {self.max_inflight} requests "
                                     f"(fleet.max_inflight_requests); retry shortly", code="overloaded",
                                retry_after=1)
-            cl = request.content_length
-            if cl is not None and cl > self.max_body:
-                raise too_large(self.max_body, cl)
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise too_large(self.max_body, None) from None
             creq = parse_request(raw, kind)
             models = self.placer.models()
             if models and creq.model not in models:
                 raise ApiError(404, f"model {creq.model!r} does not exist; this server serves "
                                     f"{', '.join(repr(m) for m in models)}", param="model",
                                code="model_not_found")
-            params, rid, stripped = vet_client_params(creq.client_disagg_params, self.config.internal_request_auth_key,
-                                                      request.headers.get(AUTH_HEADER))
+            params, alias, stripped = vet_client_params(creq.client_disagg_params,
+                                                        self.config.internal_request_auth_key,
+                                                        request.headers.get(AUTH_HEADER))
             if stripped:
                 M.STRIPPED.inc()
                 log.info("stripped client-supplied disaggregated_params without a valid HMAC")
-            resp = await flow.handle(request, creq, rid, params, t0)
+            resp = await flow.handle(request, creq, alias, params, t0)
             status = resp.status
             self._keepalive_cap(request, resp)
             return resp
@@ -260,8 +291,9 @@ class FleetServer:
             status = 500
             return err.response()
         finally:
-            M.INFLIGHT.dec()
-            flow.inflight -= 1
+            if counted:
+                M.INFLIGHT.dec()
+                flow.inflight -= 1
             self._count(kind, status)
 
     def _keepalive_cap(self, request: web.Request, resp: web.StreamResponse) -> None:
@@ -335,11 +367,17 @@ class FleetServer:
     # ------------------------------------------------------------------ serving
     async def serve(self, sock: socket.socket, stop: asyncio.Event) -> None:
         """Serve on `sock` (already listening) until `stop` is set, then drain and close."""
-        self.runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True,
-                                    keepalive_timeout=self.config.server_keep_alive_timeout,
-                                    shutdown_timeout=self.config.fleet.drain_timeout_s)
+        self.runner = FleetRunner(self.make_app(), access_log=None, handler_cancellation=True,
+                                  keepalive_timeout=self.config.server_keep_alive_timeout,
+                                  shutdown_timeout=self.config.fleet.drain_timeout_s,
+                                  header_timeout_s=self.config.fleet.header_timeout_s)
         await self.runner.setup()
-        site = web.SockSite(self.runner, sock, shutdown_timeout=self.config.fleet.drain_timeout_s)
+        # backlog: SockSite listens again on the socket, by default with 128 — under the 4096 the
+        # socket was bound with. 256 connections opened at once then overflowed the accept queue
+        # and the dropped handshakes cost their first requests ~1 s of TCP retransmission (the
+        # one-process fleet's 842 ms p99 at 256 connections, issue 13; two processes: 2 x 128).
+        site = web.SockSite(self.runner, sock, shutdown_timeout=self.config.fleet.drain_timeout_s,
+                            backlog=LISTEN_BACKLOG)
         await site.start()
         try:
             await stop.wait()
@@ -401,7 +439,9 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
         client = InProcessCoordinatorClient(coord_obj)
         label = "in-process"
     else:
-        client = FleetCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s)
+        client = FleetCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s,
+                                        channel=config.fleet.coordinator_channel,
+                                        max_pending=config.fleet.coordinator_max_pending)
         label = coordinator_url
     holder = f"{socket.gethostname()}:{config.port}:{os.getpid()}"
     server = FleetServer(config, client, holder=holder, process_index=process_index, coordinator_label=label)
@@ -420,8 +460,7 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
                  sock.getsockname()[1])
         # Everything allocated so far (modules, config, tokenizer) lives as long as the process: keep it
         # out of the collector's scans so per-request garbage collection stays cheap.
-        gc.collect()
-        gc.freeze()
+        settle_heap()
         if ready_fd is not None:
             os.write(ready_fd, b"%d\n" % sock.getsockname()[1])
             os.close(ready_fd)

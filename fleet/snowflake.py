@@ -1,4 +1,4 @@
-"""Snowflake request ids (DESIGN.md §3).
+"""Snowflake request ids (docs/design.md §3).
 
 Layout of the 63-bit raw id, most significant first::
 

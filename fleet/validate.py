@@ -18,7 +18,10 @@ from typing import Any
 
 import orjson
 
+from router.block_keys import TOKEN_ID_LIMIT
+
 from .errors import ApiError, bad_request
+from .legs import INTERNAL_FIELDS
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -87,7 +90,14 @@ def _str(body: dict, name: str) -> None:
 
 
 def _token_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)
+    """An array of integers (range checked by `_check_ids`)."""
+    return isinstance(v, list) and all(_is_int(t) for t in v)
+
+
+def _check_ids(v: list, name: str) -> None:
+    bad = [t for t in v if not 0 <= t < TOKEN_ID_LIMIT]
+    if bad:
+        raise bad_request(f"'{name}' must hold token ids in [0, 2**32), found {bad[:3]}", name)
 
 
 @dataclass(slots=True)
@@ -143,9 +153,11 @@ def _validate_common(body: dict) -> None:
     if lb is not None and not isinstance(lb, dict):
         raise bad_request(f"'logit_bias' must be an object, got {_tname(lb)}", "logit_bias", "invalid_type")
     pti = body.get("prompt_token_ids")
-    if pti is not None and not _token_list(pti):
-        raise bad_request("'prompt_token_ids' must be an array of non-negative integers", "prompt_token_ids",
-                          "invalid_type")
+    if pti is not None:
+        if not _token_list(pti):
+            raise bad_request(f"'prompt_token_ids' must be an array of integer token ids, got {_tname(pti)}",
+                              "prompt_token_ids", "invalid_type")
+        _check_ids(pti, "prompt_token_ids")
 
 
 def _conversation_id(body: dict) -> str | None:
@@ -191,6 +203,10 @@ def _validate_messages(msgs: Any) -> None:
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise bad_request(f"'{p}.content[{j}]' must be an object with a string 'type'",
                                       f"{p}.content[{j}]", "invalid_type")
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    t = part.get("text")
+                    raise bad_request(f"'{p}.content[{j}].text' must be a string, got {_tname(t)}",
+                                      f"{p}.content[{j}].text", "invalid_type")
         elif not isinstance(c, str):
             raise bad_request(f"'{p}.content' must be a string or an array of content parts, got {_tname(c)}",
                               f"{p}.content", "invalid_type")
@@ -208,8 +224,11 @@ def _validate_prompt(body: dict) -> None:
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
         if _token_list(prompt):
+            _check_ids(prompt, "prompt")
             return
         if len(prompt) == 1 and (isinstance(prompt[0], str) or _token_list(prompt[0])):
+            if isinstance(prompt[0], list):
+                _check_ids(prompt[0], "prompt")
             body["prompt"] = prompt[0]   # one-element batch: the single prompt it holds
             return
         if all(isinstance(p, str) for p in prompt) or all(_token_list(p) for p in prompt):
@@ -256,6 +275,10 @@ def parse_request(raw: bytes, kind: str) -> ClientRequest:
         _int(body, "logprobs", 0, 20)
         _int(body, "best_of", 1, 1)
         _str(body, "suffix")
+    for name in INTERNAL_FIELDS:
+        if name in body:
+            raise bad_request(f"'{name}' is a leg field set by the router, not by clients; remove it",
+                              name, "internal_field")
     dp = body.pop("disaggregated_params", None)
     if dp is not None and not isinstance(dp, dict):
         raise bad_request(f"'disaggregated_params' must be an object, got {_tname(dp)}", "disaggregated_params",

@@ -1,1 +1,1 @@
-"""splitserve router package (see DESIGN.md §1)."""
+"""splitserve router package (see docs/design.md §1)."""

@@ -1,6 +1,6 @@
 """Canonical block keys: the one key scheme the fleet, the coordinator and our workers share.
 
-Scheme ``xxh3_chain_v1`` (kv_events.md §9.1; identical to NVIDIA Dynamo's local hash plus its
+Scheme ``xxh3_chain_v1`` (docs/reference/kv_events.md §9.1; identical to NVIDIA Dynamo's local hash plus its
 sequence hash, so Dynamo publishers are wire-compatible):
 
     local_i = xxh3_64(u32le(tokens[i*B:(i+1)*B]), seed=(1337 + ns_seed) mod 2**64)
@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 KEY_SCHEME = "xxh3_chain_v1"
+TOKEN_ID_LIMIT = 1 << 32     # token ids are hashed as uint32: every id must be in [0, TOKEN_ID_LIMIT)
 CHAIN_SEED = 1337
 _M64 = (1 << 64) - 1
 

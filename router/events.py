@@ -1,4 +1,4 @@
-"""KV-cache events: one canonical model (kv_events.md §9.2) and the codecs around it.
+"""KV-cache events: one canonical model (docs/reference/kv_events.md §9.2) and the codecs around it.
 
 Decoders accept every producer we route for:
 - vLLM: ZMQ frames ``[topic, seq_be8, msgpack([ts, events, dp_rank])]``, events as maps tagged
@@ -15,16 +15,21 @@ Invariants of the canonical events:
   ``engine_block_size`` tokens, the last chunk possibly shorter (SGLang partial page) and never
   empty; every token id is in ``[0, 2**32)``;
 - anything else is a :class:`EventDecodeError` with a ``reason``: a malformed payload never
-  reaches the index half-decoded (a batch decodes completely or raises).
+  reaches the index half-decoded (a batch decodes completely or raises), and no other exception
+  type leaves a decoder, whatever the bytes (a property test feeds arbitrary msgpack);
+- decoding is bounded: payloads above ``MAX_PAYLOAD_BYTES`` are refused before parsing, nesting
+  deeper than the interpreter's recursion limit fails inside msgspec, and the only free-form field
+  kept (``extra_keys``) may nest at most ``MAX_EXTRA_KEYS_DEPTH`` levels.
 
 ``encode_vllm_batch`` is the one encoder: our workers publish exactly vLLM 0.33's bytes (checked
-against kv_events.md §2.3 in the tests), so any vLLM-compatible consumer can read them.
+against docs/reference/kv_events.md §2.3 in the tests), so any vLLM-compatible consumer can read them.
 """
 
 from __future__ import annotations
 
 import array
 import enum
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -39,6 +44,11 @@ __all__ = [
 _M64 = (1 << 64) - 1
 EngineHash = Union[int, bytes]
 END_SEQ_BYTES = (-1).to_bytes(8, "big", signed=True)
+# A vLLM batch of a 128k-token prefill is ~1 MB; anything near this bound is not an event batch.
+MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
+MAX_EXTRA_KEYS_DEPTH = 4   # list per block -> tuple of keys -> (mm id, offset) -> scalar
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxstring, _short.maxother = 2, 40, 40
 
 
 class EventDecodeError(ValueError):
@@ -180,7 +190,7 @@ def _tokens(v: Any, what: str) -> list[int]:
             firsts = [p[0] for p in v]
             if any(len(p) != 2 for p in v):
                 raise TypeError
-        except (TypeError, IndexError):
+        except (TypeError, IndexError, KeyError):
             raise EventDecodeError(f"{what}: bigram entries must be [a, b] pairs") from None
         v = firsts
     try:
@@ -189,8 +199,19 @@ def _tokens(v: Any, what: str) -> list[int]:
     except (OverflowError, TypeError):
         bad = next((t for t in v if type(t) is not int or not 0 <= t <= 0xFFFFFFFF), None)
         raise EventDecodeError(
-            f"{what}: expected token ids in [0, 2**32), found {bad!r}") from None
+            f"{what}: expected token ids in [0, 2**32), found {_short.repr(bad)}") from None
     return v
+
+
+def _check_depth(v: Any, limit: int, what: str) -> None:
+    """Reject containers nested deeper than ``limit`` (iterative: no recursion on hostile data)."""
+    stack = [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (list, tuple, dict)):
+            if d > limit:
+                raise EventDecodeError(f"{what}: nested deeper than {limit} levels")
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
 
 
 def _check_token_split(hashes: list, tokens: list, block_size: Any) -> None:
@@ -264,7 +285,7 @@ def _as_map(ev: Any, engine: str) -> dict:
 
 
 def _salt_from_extra_keys(extra_keys: Any, lora_name: str | None) -> str | None:
-    """vLLM puts the cache salt, untagged, among block 0's extra keys (kv_events.md §3.3)."""
+    """vLLM puts the cache salt, untagged, among block 0's extra keys (docs/reference/kv_events.md §3.3)."""
     if not isinstance(extra_keys, list) or not extra_keys:
         return None
     first = extra_keys[0]
@@ -294,6 +315,8 @@ def _stored_from_map(d: dict, engine: str) -> BlocksStored | None:
         block_size = 1
     lora_name = _opt_str(d.get("lora_name"), "BlockStored.lora_name")
     extra_keys = d.get("extra_keys")
+    if extra_keys is not None:
+        _check_depth(extra_keys, MAX_EXTRA_KEYS_DEPTH, "BlockStored.extra_keys")
     salt = _opt_str(d.get("cache_salt"), "BlockStored.cache_salt")
     if salt is None and engine == "vllm" and parent is None:
         salt = _salt_from_extra_keys(extra_keys, lora_name)
@@ -326,10 +349,23 @@ def decode_payload(payload: bytes, seq: int = 0, engine: str = "vllm") -> EventB
     """Decode one msgpack batch ``[ts, events, dp_rank?]``."""
     if engine not in _ENGINES:
         raise ValueError(f"engine must be one of {_ENGINES}, found {engine!r}")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise EventDecodeError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
     try:
         obj = _decoder.decode(payload)
+    except RecursionError:
+        raise EventDecodeError("payload nests deeper than the decoder's recursion limit") from None
     except (msgspec.DecodeError, ValueError, TypeError) as e:
         raise EventDecodeError(f"payload is not valid msgpack: {e}") from None
+    try:
+        return _batch_from_obj(obj, seq, engine)
+    except EventDecodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - contain every decoder bug to this one payload
+        raise EventDecodeError(f"malformed batch ({type(e).__name__}: {_short.repr(e)})") from None
+
+
+def _batch_from_obj(obj: Any, seq: int, engine: str) -> EventBatch:
     if not isinstance(obj, list) or len(obj) < 2:
         raise EventDecodeError(
             f"batch: expected an array [ts, events, dp_rank], found {type(obj).__name__}"
@@ -391,50 +427,78 @@ def _trt_level(v: Any) -> Tier:
     return Tier.HOST if v == 1 else Tier.DISK
 
 
-def _trt_stored(data: dict, group: int | None) -> BlocksStored | None:
+def _trt_stored(data: dict, group: int | None) -> list[BlocksStored]:
+    """A ``stored`` event as one BlocksStored per run of blocks sharing a cache salt.
+
+    Per block, beside ``block_hash``/``tokens``/``cache_level`` (``KVCacheEventSerializer``):
+    ``cache_salt`` (a block-level salt overrides the event-level one), ``mm_keys`` and ``lora_id``
+    (``KVCacheStoredBlockData`` of KV cache manager V2, ``kv_cache_manager_v2/_events.py``). A
+    block whose content the tokens alone do not name (``token_extra_id``, multimodal keys, a LoRA
+    task) ends the indexed run: it and its descendants in the event are not indexed, so they can
+    only miss, never match a plain prompt."""
     blocks = data.get("blocks")
     if not isinstance(blocks, list):
         raise EventDecodeError(f"stored.blocks: expected a list, found {type(blocks).__name__}")
-    hashes: list = []
-    tokens: list[int] = []
-    block_size = None
-    level = None
+    event_salt = _opt_str(data.get("cache_salt"), "stored.cache_salt")
+    parent = data.get("parent_hash")
+    parent = None if parent is None else norm_hash(parent, "stored.parent_hash")
+    out: list[BlocksStored] = []
+    run_hashes: list = []
+    run_tokens: list[int] = []
+    run_salt = run_size = run_level = None
+
+    def flush():
+        nonlocal run_hashes, run_tokens, parent
+        if run_hashes:
+            out.append(BlocksStored(
+                engine_hashes=run_hashes, parent_engine_hash=parent,
+                token_ids=_tokens(run_tokens, "stored.blocks[].tokens"),
+                engine_block_size=run_size, tier=run_level or Tier.GPU, cache_salt=run_salt,
+                group=group))
+            parent = run_hashes[-1]
+        run_hashes, run_tokens = [], []
+
     for b in blocks:
         if not isinstance(b, dict) or not isinstance(b.get("tokens"), list):
             raise EventDecodeError("stored.blocks[]: expected {block_hash, tokens: [...]}")
-        toks = b["tokens"]
         ids = []
-        extra = False
-        for t in toks:
+        extra = bool(b.get("mm_keys")) or b.get("lora_id") is not None
+        for t in b["tokens"]:
             if not isinstance(t, dict) or type(t.get("token_id")) is not int:
                 raise EventDecodeError("stored.blocks[].tokens[]: expected {token_id: int}")
             if t.get("token_extra_id", 0):
                 extra = True
             ids.append(t["token_id"])
         if extra:
-            # prompt-tuning / multimodal ids: the tokens alone do not name the cache content,
-            # so this block and its descendants in the event are not indexed
             break
-        if block_size is None:
-            block_size = len(ids)
-        hashes.append(norm_hash(b.get("block_hash"), "stored.blocks[].block_hash"))
-        tokens.extend(ids)
-        if level is None:
-            level = _trt_level(b.get("cache_level"))
-    if not hashes:
-        return None
-    parent = data.get("parent_hash")
-    return BlocksStored(
-        engine_hashes=hashes,
-        parent_engine_hash=None if parent is None else norm_hash(parent, "stored.parent_hash"),
-        token_ids=_tokens(tokens, "stored.blocks[].tokens"), engine_block_size=block_size,
-        tier=level or Tier.GPU, cache_salt=_opt_str(data.get("cache_salt"), "stored.cache_salt"),
-        group=group)
+        h = norm_hash(b.get("block_hash"), "stored.blocks[].block_hash")
+        salt = _opt_str(b.get("cache_salt"), "stored.blocks[].cache_salt") or event_salt
+        level = _trt_level(b.get("cache_level"))
+        if run_hashes and (salt != run_salt or level != run_level or len(ids) != run_size):
+            flush()
+        if not run_hashes:
+            run_salt, run_level, run_size = salt, level, len(ids)
+        if not ids:
+            raise EventDecodeError("stored.blocks[].tokens: a stored block has no tokens")
+        run_hashes.append(h)
+        run_tokens.extend(ids)
+    flush()
+    return out
 
 
 def decode_trtllm_http(obj: Any) -> list[EventBatch]:
     """Decode the JSON list ``POST /kv_cache_events`` returns: one batch per TRT event, with
     ``seq = event_id`` (gaps mean lost events) and ``dp_rank = attention_dp_rank``."""
+    try:
+        return _trtllm_batches(obj)
+    except EventDecodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - contain every decoder bug to this one response
+        raise EventDecodeError(
+            f"malformed kv_cache_events ({type(e).__name__}: {_short.repr(e)})") from None
+
+
+def _trtllm_batches(obj: Any) -> list[EventBatch]:
     if not isinstance(obj, list):
         raise EventDecodeError(f"kv_cache_events: expected a JSON list, found {type(obj).__name__}")
     out = []
@@ -452,9 +516,7 @@ def decode_trtllm_http(obj: Any) -> list[EventBatch]:
         if t == "created":
             batch.events.append(AllCleared(None))  # engine (re)start
         elif t == "stored":
-            stored = _trt_stored(data, group)
-            if stored is not None:
-                batch.events.append(stored)
+            batch.events.extend(_trt_stored(data, group))
         elif t == "removed":
             batch.events.append(BlocksRemoved(
                 _hash_list(data.get("block_hashes"), "removed.block_hashes"), Tier.GPU, group))

@@ -1,6 +1,6 @@
 """The KV index: which worker (and data-parallel rank) holds which canonical block key.
 
-Layout (kv_events.md §9.4, built for one-walk prefix matching):
+Layout (docs/reference/kv_events.md §9.4, built for one-walk prefix matching):
 
 - ``_owners: dict[key, int]`` maps a canonical key to a bitmask of *slots*; a slot is one
   ``(worker, dp_rank)`` pair and owns one bit. A slot's bit is set when it holds the key or
@@ -577,18 +577,28 @@ class KvIndex:
             spec[ck] = deadline
             added.append(ck)
         if added:
-            heapq.heappush(self._spec_heap, (deadline, next(self._spec_seq), s, tuple(added)))
+            # Only atomic values in the entry (no slot object): the collector untracks such tuples,
+            # so a heap of 30 s of routed prompts adds nothing to its full scans (issue 13).
+            heapq.heappush(self._spec_heap, (deadline, next(self._spec_seq), s.worker, s.dp_rank,
+                                             tuple(added)))
             self.stats.speculative_added += len(added)
         return len(added)
 
-    def expire_speculative(self, now: float) -> int:
-        """Drop speculative entries whose deadline is ``<= now``; returns how many expired."""
+    def expire_speculative(self, now: float, max_entries: int | None = None) -> int:
+        """Drop speculative entries whose deadline is ``<= now``; returns how many expired.
+
+        ``max_entries`` bounds the work of one call (heap entries, one per routed prompt): a
+        second's worth of routed prompts expiring at once cost tens of ms, so the coordinator
+        expires a few per placement instead of all of them on a timer (issue 13)."""
         heap = self._spec_heap
         n = 0
-        while heap and heap[0][0] <= now:
-            _, _, s, keys = heapq.heappop(heap)
-            if self._slots.get((s.worker, s.dp_rank)) is not s:
-                continue  # slot removed since
+        budget = -1 if max_entries is None else max_entries
+        while heap and heap[0][0] <= now and budget:
+            budget -= 1
+            _, _, worker, rank, keys = heapq.heappop(heap)
+            s = self._slots.get((worker, rank))
+            if s is None:
+                continue  # slot removed since (a new slot's entries carry their own deadlines)
             for ck in keys:
                 d = s.spec.get(ck)
                 if d is not None and d <= now:

@@ -9,7 +9,7 @@ load metric (``load_balancing``), or None where no score applies.
 Policies are synchronous and deterministic given their inputs: the only state is what they
 must remember (round-robin cursors, conversation pins, a seeded rng for power-of-two choices).
 ``make_policy`` validates arguments strictly; upstream ``trtllm-serve`` router arguments are
-accepted with the meaning documented in the README ("Routing core").
+accepted with the meaning documented in docs/routing.md ("Policies").
 """
 
 from __future__ import annotations

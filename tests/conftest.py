@@ -3,6 +3,7 @@
 - `slow`: long cases, run only with SPLITSERVE_SLOW=1 (CI has 2 cores and a 20-minute budget).
 - `gpu`: needs CUDA; skipped when torch sees no device.
 - `nixl`: needs the nixl package; skipped when it cannot be imported.
+- SPLITSERVE_TRITON_INTERPRET=1 runs Triton kernels under Triton's CPU interpreter.
 """
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import importlib.util
 import os
 
 import pytest
+
+if os.environ.get("SPLITSERVE_TRITON_INTERPRET") == "1":
+    # Triton's interpreter must be on before anything imports triton (torch does, early): the
+    # paged-attention kernels then run on the CPU (tests/worker_model/test_paged_attention.py).
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _has_cuda() -> bool:

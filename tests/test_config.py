@@ -22,7 +22,7 @@ from coordinator.config import (
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
-# Modelled on reference/trtllm_disagg.md §4.1: what a TensorRT-LLM user already has on disk.
+# Modelled on docs/reference/trtllm_disagg.md §4.1: what a TensorRT-LLM user already has on disk.
 UPSTREAM_YAML = """
 hostname: localhost
 port: 8000
@@ -108,6 +108,11 @@ def test_example_files_load():
     assert cfg.generation_servers.router.type == "kv_cache_aware"
     up = load_config(EXAMPLES / "upstream_trtllm.yaml", env={})
     assert up.context_servers.num_instances == 2 and len(up.context_servers.urls) == 2
+    v = load_config(EXAMPLES / "vllm_pd.yaml", env={})
+    assert v.context_servers.protocol == v.generation_servers.protocol == "vllm"
+    assert v.context_servers.kv_events[0].server == v.context_servers.urls[0]
+    s = load_config(EXAMPLES / "sglang_pd.yaml", env={})
+    assert s.context_servers.protocol is None and s.context_servers.bootstrap_port is None  # inferred
 
 
 def test_yaml_text_dict_and_path_are_equivalent(tmp_path):
@@ -408,17 +413,45 @@ def test_api_keys_env_must_be_set():
 
 # ------------------------------------------------------------------------ docs stay honest
 
-def test_every_key_is_documented_in_the_schema_and_readme():
+def test_every_key_is_documented_in_the_schema_and_docs():
+    from coordinator import config_doc
+
     rows = schema_rows()
     assert {r["path"] for r in rows} >= {"port", "context_servers.router.type",
                                          "coordinator.event_ingest.bind_endpoint", "fleet.max_body_bytes"}
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"^## Configuration\n(.*?)(?=^## |\Z)", readme, re.S | re.M)
-    assert m, "README has no '## Configuration' section"
-    section = m.group(1)
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    assert doc == config_doc.render(doc), (
+        "docs/configuration.md's key table is stale: run `make docs` (python -m coordinator.config_doc)")
+    table = doc[doc.index(config_doc.BEGIN):doc.index(config_doc.END)]
     for r in rows:
         assert r["doc"], f"{r['path']} has no doc"
-        # generation_servers shares the context_servers schema; the README documents it once.
+        # generation_servers shares the context_servers schema; the table documents it once.
         path = r["path"].replace("generation_servers", "context_servers", 1)
-        assert f"`{path}`" in section, f"README Configuration does not document {r['path']}"
+        assert f"| `{path}` |" in table, f"docs/configuration.md does not document {r['path']}"
+    # The rows are the schema's: a default changed in code changes the table.
+    port = next(line for line in table.splitlines() if line.startswith("| `port` |"))
+    assert port.split(" | ")[2] == str(ClusterConfig().port) == "8000"
+    assert "| `fleet.max_body_bytes` | int or size ('4MiB') | 4MiB |" in table
+
+
+def test_readme_minimal_config_loads_as_described():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", readme, re.S | re.M)
+    assert len(blocks) == 1, "README should show exactly one YAML config"
+    cfg = load_config(blocks[0])
+    assert cfg.topology == "implicit_coordinator" and cfg.coordinator_port == cfg.port - 1 == 7999
+    assert cfg.context_servers.urls == ("http://127.0.0.1:8101",)
+    assert {cfg.context_servers.router.type, cfg.generation_servers.router.type} == {"kv_cache_aware"}
+    assert len(readme.splitlines()) <= 250
+
+
+def test_config_doc_check_detects_a_stale_table(tmp_path):
+    from coordinator import config_doc
+
+    stale = tmp_path / "configuration.md"
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    stale.write_text(text.replace("| `port` | int | 8000 |", "| `port` | int | 9000 |"))
+    assert config_doc.main(["--check", str(stale)]) == 1
+    assert config_doc.main([str(stale)]) == 0 and stale.read_text() == text
+    assert config_doc.main(["--check", str(stale)]) == 0
 

@@ -1,4 +1,4 @@
-"""Dependency direction between our packages (DESIGN.md §1, docs/INTERFACES.md).
+"""Dependency direction between our packages (docs/design.md §1, docs/INTERFACES.md).
 
 `fleet → coordinator → router`, `worker → router`, `worker → transfer`; `router` and `transfer`
 import no other package of ours; nothing imports `fleet`. Checked by parsing every module's imports

@@ -1,1 +1,1 @@
-"""splitserve transfer package (see DESIGN.md §1)."""
+"""splitserve transfer package (see docs/design.md §1)."""

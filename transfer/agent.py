@@ -1,6 +1,6 @@
 """The transfer-agent interface: everything a one-sided writer needs, and nothing more.
 
-The nine operations of the reference design (kv_transfer.md, "Transfer agent interface"):
+The nine operations of the reference design (docs/reference/kv_transfer.md, "Transfer agent interface"):
 
 | operation                  | here                                                        |
 |----------------------------|-------------------------------------------------------------|
@@ -253,8 +253,8 @@ def make_agent(kind: str = "auto", name: str | None = None, *, host: str = "127.
         try:
             from .nixl_agent import NixlAgent
 
-            agent = NixlAgent(name, **{k: v for k, v in options.items()
-                                       if k in NixlAgent.OPTIONS})
+            agent = NixlAgent(name, host=host, **{k: v for k, v in options.items()
+                                                  if k in NixlAgent.OPTIONS and k != "host"})
             agent.selection = {"requested": requested, "fallback": None}
             log.info("transfer agent: nixl (UCX) name=%s requested=%s", name, kind)
             return agent

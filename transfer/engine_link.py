@@ -7,6 +7,11 @@ Duck-typed (this package imports nothing of the worker). The engine provides (wo
 - `prefill_hook(req, tokens_done, block_ids)`: a `context_only` request computed another prefill
   chunk (pipelined transfer: the finished blocks can leave now).
 - `context_end_hook(req)`: a `context_only` request left the scheduler (finished, aborted, failed).
+- `receive_expected_hook(req)`: a `generation_only` request was accepted (it may wait for blocks
+  before its receive begins): the context instance is told it is claimed.
+- `receive_abandoned_hook(req)`: a `generation_only` request ended before its receive began
+  (aborted while queued, client gone): the context instance is told, so it frees the KV it
+  pinned for it now rather than at its pin timeout.
 - `receiver`: an object with `async receive(spec)` filling a `generation_only` request's blocks.
 - `pinned_transfer(cid)`, `release(cid, reason)`, and `pool.pin/unpin(block_ids)` (refcounts).
 
@@ -14,7 +19,9 @@ Context side: a send session per context request. The link holds its *own* pin o
 session may read, so whoever else frees the request (abort, pin-timeout sweep, preemption) cannot
 hand a block to someone else while a write reads it; the link drops its pin only once
 `cancel_send` said True or the session is over. When the session ends, the engine's pin is
-released too (`transferred`, or `transfer_failed`).
+released too, with the session's typed cause (`transfer.session.SendEnd`: `transferred`,
+`receiver_cancelled`, `write_failed`, `send_timeout`, `context_cancelled`). A send that could not
+even start releases the engine's pin at once (`transfer_failed`): no receiver could ever fetch it.
 
 Generation side: `receive(spec)` posts one whole-prompt receive and waits. If it is cancelled it
 keeps waiting — shielded — until `cancel_receive` says no context rank can write any more, because
@@ -31,7 +38,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from .errors import SessionError, TransferError
-from .session import KvTransceiver
+from .session import KvTransceiver, SendEnd
 
 log = logging.getLogger("splitserve.transfer.link")
 
@@ -67,6 +74,10 @@ class EngineTransferLink:
             engine.prefill_hook = self._prefill_progress
         if hasattr(engine, "context_end_hook"):
             engine.context_end_hook = self._context_ended
+        if hasattr(engine, "receive_abandoned_hook"):
+            engine.receive_abandoned_hook = self._receive_abandoned
+        if hasattr(engine, "receive_expected_hook"):
+            engine.receive_expected_hook = self._receive_expected
 
     # ------------------------------------------------------------------ info
     def server_info(self) -> dict:
@@ -121,6 +132,16 @@ class EngineTransferLink:
             return self._context_finished_inner(pinned)
         except Exception:  # never let a transfer problem stop the engine loop
             log.exception("send of context request %s not started", pinned.ctx_request_id)
+            # The answer carries no transfer fields, so nobody will fetch these blocks: end the
+            # send (if one began) and drop the engine's new pin right after this hook returns.
+            cid = int(pinned.ctx_request_id)
+            if cid in self._sends:
+                self._sends[cid].ended = True
+                try:
+                    self.tx.cancel_send(cid)   # the watch finishes it once no write is in flight
+                except Exception:
+                    log.exception("cancel of send %s", cid)
+            asyncio.get_running_loop().call_soon(self.engine.release, cid, "transfer_failed")
             return {}
 
     def _context_finished_inner(self, pinned) -> dict:
@@ -162,16 +183,19 @@ class EngineTransferLink:
                 engine_pin = self.engine.pinned_transfer(cid) is not None
                 if not status.quiescent:
                     dropped = (st.ended and not engine_pin) or self._closed
-                    if dropped and not self.tx.cancel_send(cid):
-                        continue  # a write is in flight: keep every page, ask again next round
-                    if not dropped:
+                    # not dropped: still wanted; cancel refused: a write is in flight — keep
+                    # every page and ask again next round
+                    if not dropped or not self.tx.cancel_send(cid):
                         continue
-                self._finish_send(cid, st, status.state)
+                    status = self.tx.send_status(cid)
+                self._finish_send(cid, st, status.state, status.cause)
             await asyncio.sleep(self.poll_s)
 
-    def _finish_send(self, cid: int, st: _Send, state: str) -> None:
+    def _finish_send(self, cid: int, st: _Send, state: str, cause: str | None = None) -> None:
         if self.engine.pinned_transfer(cid) is not None:
-            self.engine.release(cid, "transferred" if state == "done" else "transfer_failed")
+            if cause is None:
+                cause = SendEnd.TRANSFERRED if state == "done" else SendEnd.CANCELLED
+            self.engine.release(cid, cause)
         elif not st.finished and not st.ended:
             self._ended_early[cid] = state
             while len(self._ended_early) > 4096:
@@ -186,6 +210,34 @@ class EngineTransferLink:
         self._sends.pop(cid, None)
 
     # ------------------------------------------------------------------ generation side
+    def _receive_expected(self, req) -> None:
+        """A generation_only request was accepted: claim its KV at the context instance."""
+        if self._closed:
+            return
+        try:
+            ep, key = self._source(req)
+        except KvTransferFailed:
+            return  # its receive will fail with this error; nothing to claim
+        try:
+            self.tx.claim_receive(key, ep)
+        except Exception:  # never let a transfer problem stop the engine loop
+            log.exception("claim of receive %s", key)
+
+    def _receive_abandoned(self, req) -> None:
+        """A generation_only request ended before `receive` was called for it."""
+        if self._closed:
+            return
+        try:
+            ep, key = self._source(req)
+        except KvTransferFailed:
+            return  # it names no context instance: nothing was pinned for it that we could free
+        log.debug("generation_only request for %s ended before its receive began; telling %s",
+                  key, ep)
+        try:
+            self.tx.abandon_receive(key, ep)
+        except Exception:  # never let a transfer problem stop the engine loop
+            log.exception("abandon of receive %s", key)
+
     @staticmethod
     def _source(spec) -> tuple[str, int]:
         dp = spec.disaggregated_params or {}
@@ -209,6 +261,7 @@ class EngineTransferLink:
         if self._closed:
             raise KvTransferFailed("the worker is shutting down")
         ep, key = self._source(spec)
+        log.debug("receive of %s from %s", key, ep)
         loop = asyncio.get_running_loop()
         done = asyncio.Event()
         try:
@@ -252,7 +305,8 @@ class EngineTransferLink:
         while self._sends:
             for cid, st in list(self._sends.items()):
                 if self.tx.cancel_send(cid):
-                    self._finish_send(cid, st, self.tx.send_status(cid).state)
+                    status = self.tx.send_status(cid)
+                    self._finish_send(cid, st, status.state, status.cause)
             if self._sends:
                 await asyncio.sleep(self.poll_s)
         if self._watch_task is not None:

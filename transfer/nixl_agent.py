@@ -1,6 +1,6 @@
 """`NixlAgent`: the transfer agent on NIXL's UCX backend (DRAM on CPU, VRAM on GPU).
 
-Facts this wrapper is built around (reference/nixl.md):
+Facts this wrapper is built around (nixl 1.5.1 with its bundled UCX 1.23.0, read from the wheel and measured):
 - The progress thread is OFF by default (`progress_thread=False`): on few cores NIXL's thread spins
   a core per agent. Then whoever waits drives progress — the initiator through `poll`, the target
   through `progress()`/`get_notifications()` *even when idle*, or UCX wire-up never completes.
@@ -17,6 +17,8 @@ Facts this wrapper is built around (reference/nixl.md):
   (`NameConflict`) until invalidated.
 - On GPU, torch must be imported (CUDA initialised) before the agent is created so UCX's CUDA
   modules find libcudart.
+- UCX's TCP transport listens on every interface unless told otherwise; the UCX backend is created
+  with `engine_config` settings that pin it to the configured host (transfer/ucx_bind.py).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import numpy as np
 from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, PrepHandle, RegHandle, TransferAgent,
                     XferHandle, regions_array)
 from .descs import Coverage, Descs, check_pair, merge_runs
+from . import ucx_bind
 from .errors import (AgentMismatch, AgentUnavailable, InvalidDescriptors, NameConflict,
                      OutOfRange, PeerLost, RemoteNotLoaded, TransferError)
 
@@ -85,10 +88,10 @@ def _map_error(e: Exception, what: str) -> TransferError:
 class NixlAgent(TransferAgent):
     kind = "nixl"
     mem_types = ("DRAM", "VRAM")
-    OPTIONS = ("progress_thread", "telemetry", "backends")
+    OPTIONS = ("progress_thread", "telemetry", "backends", "host")
 
-    def __init__(self, name: str, *, progress_thread: bool = False, telemetry: bool = False,
-                 backends: tuple[str, ...] = ("UCX",)):
+    def __init__(self, name: str, *, host: str = "127.0.0.1", progress_thread: bool = False,
+                 telemetry: bool = False, backends: tuple[str, ...] = ("UCX",)):
         api = import_nixl()
         self._api = api
         self._errors = _nixl_errors(api)
@@ -96,15 +99,25 @@ class NixlAgent(TransferAgent):
         self._lock = threading.RLock()
         self._telemetry = telemetry
         self.progress_thread = progress_thread
+        # An operator's UCX_NET_DEVICES decides the interfaces alone (NIXL skips our key then).
+        overrides = ucx_bind.operator_overrides()
+        self.ucx = {} if "NET_DEVICES" in overrides else ucx_bind.ucx_settings(host)
+        self.ucx_overrides = overrides
         try:
-            cfg = api.nixl_agent_config(enable_prog_thread=progress_thread,
-                                        backends=list(backends), capture_telemetry=telemetry)
+            cfg = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
+                                        capture_telemetry=telemetry)
             self._agent = api.nixl_agent(name, cfg)
+            for b in backends:
+                params = {"engine_config": ucx_bind.engine_config(self.ucx)} if (
+                    b == "UCX" and self.ucx) else {}
+                self._agent.create_backend(b, params)
         except Exception as e:
             raise AgentUnavailable(f"NIXL agent with backends {list(backends)} failed: "
                                    f"{type(e).__name__}: {e}") from None
         if not getattr(self._agent, "backends", {"UCX": 1}):
             raise AgentUnavailable(f"NIXL created no backend of {list(backends)}")
+        if overrides:
+            log.info("nixl: UCX settings from the environment take precedence: %s", overrides)
         self._regs: dict[int, RegHandle] = {}
         self._local = Coverage()
         self._remotes: set[str] = set()
@@ -384,5 +397,7 @@ class NixlAgent(TransferAgent):
 
     def describe(self) -> dict:
         d = super().describe()
-        d.update(backend="UCX", progress_thread=self.progress_thread)
+        d.update(backend="UCX", progress_thread=self.progress_thread, ucx=dict(self.ucx))
+        if self.ucx_overrides:
+            d["ucx_env"] = dict(self.ucx_overrides)
         return d

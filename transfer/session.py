@@ -13,6 +13,7 @@ Protocol (ZMQ ROUTER/DEALER, msgpack maps, `t` = type):
     gen → ctx rank i   recv {req, n, ids: [int64 bytes per group]}   (one whole-prompt receive)
     ctx → gen          result {req, from, status: ok|error|cancelled, slices, span, last, meta}
     gen → ctx          cancel {req}                       → result {status: cancelled, last}
+    gen → ctx rank 0   claim {req}            (no reply: "a generation rank holds this request")
 
 Context side (sender): `begin_send` creates a send session; `progress_send` appends block-aligned
 slices as prefill chunks finish (pipelining), `finish_send` appends the final slice (always, even
@@ -37,6 +38,19 @@ Lifecycle rules:
   heartbeat timeout: a dead process cannot write).
 - `release_*` retires a request; a retired request cannot be re-created, and a late `recv` for it
   gets an error result.
+- A generation rank that gives up on a request before its `recv` was posted (cancelled while it
+  was still fetching the context instance, or — `abandon_receive` — a request that ended before
+  its receive began) still sends `cancel` to the context instance: only then does the context rank
+  learn that nobody will fetch the pinned KV, instead of holding it until its send timeout.
+- A context rank learns that a generation rank holds a request when its `recv` arrives, or — so
+  that a request queued on the generation side for long is not mistaken for a lost one — from a
+  `claim` sent as soon as the generation worker accepted it (`claim_receive`). A finished send
+  session that nobody claimed within `claim_timeout_s` is ended (`SendEnd.UNCLAIMED`): whoever
+  carried the context answer to a generation worker is gone (a fleet process killed between the
+  two legs), and only the pin timeout would free the KV otherwise. Flat rank 0 decides (the
+  endpoint peers are given); a multi-rank worker then cancels its other ranks.
+- A send session ends with a typed `Status.cause` (`SendEnd`): what the engine's pin is released
+  with.
 - Multi-rank workers must agree before acting: each rank reports `Status.code` (0 in flight,
   1 failed, 2 done); `combine_codes` (min over ranks = global AND) gives the instance's outcome.
 """
@@ -80,6 +94,17 @@ PREPPED_MIN_RUNS = 0
 
 # ============================================================================ public data
 
+class SendEnd:
+    """Why a send session ended (`Status.cause`; the engine releases its pin with this reason)."""
+
+    TRANSFERRED = "transferred"                 # every receiving rank has the KV
+    RECEIVER_CANCELLED = "receiver_cancelled"   # a generation rank gave up (abort, client gone)
+    WRITE_FAILED = "write_failed"               # a write failed (receiver lost mid-transfer)
+    TIMED_OUT = "send_timeout"                  # no (complete) receiver within send_timeout_s
+    UNCLAIMED = "unclaimed"                     # no generation rank claimed it in claim_timeout_s
+    CANCELLED = "context_cancelled"             # this side dropped the request
+
+
 @dataclass(frozen=True)
 class Status:
     """Where one request's transfer stands on this rank."""
@@ -92,6 +117,7 @@ class Status:
     bytes: int = 0
     descriptors: int = 0
     write_s: float = 0.0
+    cause: str | None = None   # a send session's SendEnd once it ended
 
     @property
     def code(self) -> int:
@@ -112,6 +138,7 @@ class TransferConfig:
     advertise_host: str | None = None
     port: int = 0                     # control port; 0 = pick free
     send_timeout_s: float = 60.0      # ctx: from the final slice until every receiver is served
+    claim_timeout_s: float = 10.0     # ctx: from the final slice until a receiver claims (0 = off)
     recv_timeout_s: float = 120.0     # gen: from begin_receive until the KV landed
     connect_timeout_s: float = 5.0
     heartbeat_ivl_s: float = 1.0
@@ -122,6 +149,7 @@ class TransferConfig:
 
     def describe(self) -> dict:
         return {"send_timeout_s": self.send_timeout_s, "recv_timeout_s": self.recv_timeout_s,
+                "claim_timeout_s": self.claim_timeout_s,
                 "pipeline": self.pipeline, "prepped": self.prepped}
 
 
@@ -224,6 +252,9 @@ class _SendSession:
     deadline: float | None = None
     state: str = "active"                   # active | done | failed | cancelled
     error: str | None = None
+    cause: str | None = None                # SendEnd, once not active
+    claimed: bool = False                   # a generation rank said it holds the request
+    finished_at: float | None = None        # when the final slice was appended
     targets: dict[str, _Target] = field(default_factory=dict)
     expected: int | None = None
     cancel_requested: bool = False
@@ -325,6 +356,7 @@ class KvTransceiver:
         self._cv = threading.Condition(self._lock)
         self._send: dict[int, _SendSession] = {}
         self._parked: dict[int, list[tuple[float, str, dict]]] = {}
+        self._claims: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._recv: dict[int, _RecvSession] = {}
         self._receivers: dict[str, _Receiver] = {}
         self._peers: dict[str, _PeerInstance] = {}
@@ -400,7 +432,8 @@ class KvTransceiver:
                 raise SessionError(f"request {req_id}: its send session was retired and cannot be "
                                    f"re-created")
             s = _SendSession(req_id=req_id, num_tokens=num_tokens, src_ids=ids,
-                             created=time.monotonic())
+                             created=time.monotonic(),
+                             claimed=self._claims.pop(req_id, None) is not None)
             self._send[req_id] = s
             for _t, key, msg in self._parked.pop(req_id, []):
                 self._attach_locked(s, key, msg)
@@ -430,7 +463,8 @@ class KvTransceiver:
                 s.src_ids = self._group_ids(block_ids)
             s.meta = meta
             self._add_slice_locked(s, s.num_tokens, last=True)
-            s.deadline = time.monotonic() + self.cfg.send_timeout_s
+            s.finished_at = time.monotonic()
+            s.deadline = s.finished_at + self.cfg.send_timeout_s
             self._check_send_locked(s)
             self._cv.notify()
 
@@ -442,7 +476,7 @@ class KvTransceiver:
                 state = "transferring" if s.inflight() or s.targets else "waiting"
             return Status(state=state, quiescent=not s.inflight() and s.state != "active",
                           error=s.error, meta=s.meta, timed_out=s.timed_out, bytes=s.nbytes,
-                          descriptors=s.ndescs, write_s=s.write_s)
+                          descriptors=s.ndescs, write_s=s.write_s, cause=s.cause)
 
     def cancel_send(self, req_id: int) -> bool:
         """True: no write from these pages can happen any more (free them). False: a write is in
@@ -457,7 +491,7 @@ class KvTransceiver:
             if s.inflight():
                 return False
             if s.state == "active":
-                self._end_send_locked(s, "cancelled", "cancelled by context")
+                self._end_send_locked(s, "cancelled", "cancelled by context", SendEnd.CANCELLED)
             return True
 
     def release_send(self, req_id: int) -> None:
@@ -517,13 +551,43 @@ class KvTransceiver:
                 return True
             r.cancel_requested = True
             if r.state == "waiting":
+                # No recv was posted, so no write can come; but the context rank holds the KV
+                # for us until told (its send session may already exist).
                 self._recv_final_locked(r, "cancelled", "cancelled")
+                self.messenger.call_soon(
+                    lambda: self._send_to_instance(r.endpoint, "cancel", req_id))
                 return True
             if r.state != "posted":
                 return True
             self._send_cancels_locked(r)
             self._check_recv_locked(r)
             return r.state != "posted"
+
+    def claim_receive(self, req_id: int, ctx_endpoint: str) -> None:
+        """This worker accepted a request whose KV the context instance at `ctx_endpoint` holds
+        (its receive may begin much later, once blocks are free): claim it, so the context rank
+        does not end the send as unclaimed."""
+        self.messenger.call_soon(lambda: self._send_to_instance(ctx_endpoint, "claim", req_id))
+
+    def abandon_receive(self, req_id: int, ctx_endpoint: str) -> None:
+        """A request that will never call `begin_receive` here (it ended first: aborted, client
+        gone, shutdown) but whose context leg may have pinned KV for it: tell the context
+        instance, which ends its send session (`SendEnd.RECEIVER_CANCELLED`). No-op for a request
+        that has a receive session (`cancel_receive` covers it)."""
+        with self._lock:
+            if req_id in self._recv or req_id in self._retired_recv:
+                return
+        self.messenger.call_soon(lambda: self._send_to_instance(ctx_endpoint, "cancel", req_id))
+
+    def _send_to_instance(self, endpoint: str, t: str, req_id: int) -> None:
+        """(listener thread) `cancel`/`claim` to the context instance at `endpoint`: every rank of
+        it we know, else the rank the endpoint names."""
+        with self._lock:
+            pi = self._peer_for_endpoint(endpoint)
+            eps = {endpoint} | ({x.endpoint for x in pi.peers} if pi is not None else set())
+        self.stats["abandons_sent" if t == "cancel" else "claims_sent"] += 1
+        for ep in eps:
+            self.messenger.send(ep, {"t": t, "req": req_id})
 
     def release_receive(self, req_id: int) -> None:
         with self._lock:
@@ -625,7 +689,7 @@ class KvTransceiver:
             s.last_added = True
 
     # ------------------------------------------------------------------ listener: messages
-    _REQUESTS = frozenset({"get_instance", "register", "recv", "cancel"})
+    _REQUESTS = frozenset({"get_instance", "register", "recv", "cancel", "claim"})
     _REPLIES = frozenset({"instance", "registered", "register_failed", "result", "error"})
 
     def _on_message(self, source: tuple, msg: dict) -> None:
@@ -681,6 +745,17 @@ class KvTransceiver:
             self._attach_locked(s, key, msg)
             self._cv.notify()
 
+    def _h_claim(self, ident: bytes, msg: dict) -> None:
+        req = int(msg["req"])
+        with self._lock:
+            s = self._send.get(req)
+            if s is not None:
+                s.claimed = True
+            elif req not in self._retired_send:  # generation_first: the claim comes first
+                self._claims[req] = time.monotonic()
+                while len(self._claims) > RETIRED_MAX:
+                    self._claims.popitem(last=False)
+
     def _h_cancel(self, ident: bytes, msg: dict) -> None:
         """A generation rank gave up on a request: the KV will not be used by anyone (a request is
         all-or-nothing), so the whole send session ends as soon as no write is in flight."""
@@ -703,8 +778,9 @@ class KvTransceiver:
             if s.state == "active":
                 s.cancel_requested = True
                 s.error = s.error or f"cancelled by generation rank {key}"
+                s.cause = s.cause or SendEnd.RECEIVER_CANCELLED
                 if not s.inflight():
-                    self._end_send_locked(s, "cancelled", s.error)
+                    self._end_send_locked(s, "cancelled", s.error, SendEnd.RECEIVER_CANCELLED)
             elif tgt is not None and tgt.inflight is None and not tgt.final_sent:
                 tgt.final_sent = True
                 self._reply_result(key, req, "cancelled", error="cancelled by generation rank")
@@ -737,6 +813,7 @@ class KvTransceiver:
             self._reply_result(key, req, "error", error=f"receive refused: {e}")
             return
         s.targets[key] = _Target(rx=rx, dst_ids=ids)
+        s.claimed = True
 
     # -- generation side
     def _ensure_peer(self, endpoint: str, req_id: int) -> None:
@@ -1136,7 +1213,8 @@ class KvTransceiver:
                 t.final_sent = True
                 self._reply_result(key, s.req_id, "error", error=task.error)
             if s.state == "active":
-                self._end_send_locked(s, "failed", f"write to {key} failed: {task.error}")
+                self._end_send_locked(s, "failed", f"write to {key} failed: {task.error}",
+                                      SendEnd.WRITE_FAILED)
             return
         t.next_slice = task.s1
         covered = s.slices[task.s0:task.s1]
@@ -1157,14 +1235,17 @@ class KvTransceiver:
         if s.state != "active" or s.cancel_requested:
             if not s.inflight():
                 if s.state == "active":
-                    self._end_send_locked(s, "cancelled", "cancelled by context")
+                    self._end_send_locked(s, "cancelled", s.error or "cancelled by context",
+                                          s.cause or SendEnd.CANCELLED)
                 else:
                     self._notify_end_locked(s)
             return
         self._check_send_locked(s)
 
-    def _end_send_locked(self, s: _SendSession, state: str, error: str | None) -> None:
+    def _end_send_locked(self, s: _SendSession, state: str, error: str | None,
+                         cause: str) -> None:
         s.state, s.error = state, error
+        s.cause = s.cause or cause
         self.stats[f"send_{state}"] += 1
         self._notify_end_locked(s)
         for _t, key, _m in self._parked.pop(s.req_id, []):
@@ -1186,15 +1267,26 @@ class KvTransceiver:
             return
         if all(t.final_sent and t.inflight is None for t in s.targets.values()):
             if any(t.cancelled for t in s.targets.values()):
-                self._end_send_locked(s, "cancelled", "cancelled by generation rank")
+                self._end_send_locked(s, "cancelled", "cancelled by generation rank",
+                                      SendEnd.RECEIVER_CANCELLED)
             else:
-                s.state = "done"
+                s.state, s.cause = "done", SendEnd.TRANSFERRED
                 self.stats["send_done"] += 1
 
     def _timeouts(self) -> None:
         now = time.monotonic()
+        ct = self.cfg.claim_timeout_s
+        decides = self.topology.pp_rank == 0 and self.topology.tp_rank == 0
         with self._lock:
             for s in self._send.values():
+                if ct > 0 and decides and s.state == "active" and not s.claimed \
+                        and s.finished_at is not None and now > s.finished_at + ct \
+                        and not s.inflight():
+                    s.error = f"no generation worker claimed the KV within {ct:.1f}s of the " \
+                              f"context answer (its requester is gone)"
+                    log.warning("request %s: %s", s.req_id, s.error)
+                    self._end_send_locked(s, "failed", s.error, SendEnd.UNCLAIMED)
+                    continue
                 if s.state == "active" and s.deadline is not None and now > s.deadline \
                         and not s.timed_out:
                     s.timed_out = True
@@ -1202,7 +1294,9 @@ class KvTransceiver:
                               f"receivers ({len(s.targets)}/{s.expected or '?'} posted)"
                     log.warning("request %s: %s", s.req_id, s.error)
                 if s.timed_out and s.state == "active" and not s.inflight():
-                    self._end_send_locked(s, "failed", s.error)
+                    self._end_send_locked(s, "failed", s.error, SendEnd.TIMED_OUT)
+            while self._claims and now - next(iter(self._claims.values())) > self.cfg.recv_timeout_s:
+                self._claims.popitem(last=False)   # its context leg never started here
             for req in list(self._parked):
                 keep = []
                 for item in self._parked[req]:

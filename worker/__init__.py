@@ -1,1 +1,1 @@
-"""splitserve worker package (see DESIGN.md §1)."""
+"""splitserve worker package (see docs/design.md §1)."""

@@ -17,6 +17,8 @@ import signal
 import sys
 from pathlib import Path
 
+from router.named_models import gguf_source_path, is_gguf_source, is_named_model
+
 log = logging.getLogger("splitserve.worker")
 
 __all__ = ["add_arguments", "run", "build_server"]
@@ -42,11 +44,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="which leg(s) of a disaggregated request this worker serves")
     add("--host", "127.0.0.1", help="bind address for HTTP and KV-event sockets")
     add("--port", 8001, type=int, help="HTTP port (0 = pick a free one)")
-    add("--model", "tiny", help="preset name (tiny, 1b, 8b) or a Hugging Face-format directory")
+    add("--model", "tiny", help="preset name (tiny, 1b, 8b), named GGUF model (smollm2-135m), "
+                                "path/to/file.gguf, or a Hugging Face-format directory")
+    add("--cache-dir", None, help="where GGUF models are kept converted (default "
+                                  "$XDG_CACHE_HOME/splitserve or ~/.cache/splitserve)")
     add("--engine", "torch", choices=["torch", "sim"], help="torch model or simulated engine")
     add("--device", None, choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     add("--dtype", None, choices=["float32", "bfloat16"],
         help="default: float32 on cpu, bfloat16 on cuda")
+    add("--attention-backend", "auto", choices=["auto", "triton", "torch"],
+        help="attention over the paged KV cache: triton kernels reading blocks in place, or torch "
+             "(gather + SDPA); auto = triton on CUDA, torch on the CPU")
     add("--block-size", 16, type=int, help="tokens per KV block (= the routing block size)")
     add("--kv-namespace", None, help="cache namespace salted into this worker's block keys "
         "(= the cluster's routing.namespace; its /kv_snapshot keys are trusted only when equal)")
@@ -88,9 +96,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "injection for the routing diagnostics)")
     add("--pin-timeout", 60.0, type=float,
         help="seconds a context request's KV stays pinned waiting for its transfer")
+    add("--transfer-claim-timeout", 10.0, type=float,
+        help="context side: seconds after the answer within which a generation worker must claim "
+             "the pinned KV (it does so on accepting the request), else it is freed; 0 = off")
     add("--drain-timeout", 25.0, type=float,
         help="on SIGTERM, seconds to let running requests and pending KV transfers finish "
              "(new requests get 503) before aborting them")
+    add("--disagg-protocol", "trtllm", choices=["trtllm", "vllm", "sglang"],
+        help="leg protocol this worker speaks (worker/pd_protocols.py): trtllm "
+             "disaggregated_params, vllm kv_transfer_params, sglang bootstrap rendezvous "
+             "(vllm and sglang: sim engine only)")
+    add("--bootstrap-port", 0, type=int,
+        help="sglang protocol, context role: the bootstrap server's port (0 = pick a free one)")
     add("--log-level", "INFO", help="logging level")
 
 
@@ -102,6 +119,15 @@ def _sim_tokenizer(model: str):
     path = Path(model)
     if model in SIM_PRESET_VOCAB and not path.is_dir():
         return ByteTokenizer(vocab_size=SIM_PRESET_VOCAB[model]), SIM_PRESET_MAX_LEN[model]
+    if is_gguf_source(model) and not path.is_dir():
+        import gguf
+
+        from router.gguf_tokenizer import gguf_tokenizer
+
+        fields = gguf.GGUFReader(gguf_source_path(model)).fields
+        meta = {k: f.contents() for k, f in fields.items()}
+        arch = meta.get("general.architecture")
+        return gguf_tokenizer(meta), int(meta.get(f"{arch}.context_length") or 1 << 20)
     if not path.is_dir():
         raise ValueError(f"model {model!r} is neither a preset ({', '.join(SIM_PRESET_VOCAB)}) "
                          f"nor a directory")
@@ -158,7 +184,7 @@ def _build_engine(args):
             args.model, tp_size=args.tp_size, pp_size=args.pp_size, device=args.device,
             dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
             max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-            pin_timeout_s=args.pin_timeout, log_level=args.log_level)
+            pin_timeout_s=args.pin_timeout, log_level=args.log_level, cache_dir=args.cache_dir)
     import torch
 
     from worker.engine import TorchEngine
@@ -166,7 +192,7 @@ def _build_engine(args):
     from worker.runner import ModelRunner, kv_bytes_per_block
 
     device = resolve_device(args.device)
-    model, tok, cfg = load_model(args.model, device=device, dtype=args.dtype)
+    model, tok, cfg = load_model(args.model, device=device, dtype=args.dtype, cache_dir=args.cache_dir)
     num_blocks = args.num_blocks
     per_block = kv_bytes_per_block(cfg, args.block_size, model.dtype)
     if not num_blocks:
@@ -177,10 +203,11 @@ def _build_engine(args):
             budget = 1 << 30
         max_blocks = -(-cfg.max_position_embeddings // args.block_size) * args.max_batch_size
         num_blocks = max(16, min(budget // per_block, max_blocks))
-    runner = ModelRunner(model, num_blocks, args.block_size, device=device, dtype=model.dtype)
-    log.info("torch engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB)", args.model,
+    runner = ModelRunner(model, num_blocks, args.block_size, device=device, dtype=model.dtype,
+                         attention_backend=args.attention_backend)
+    log.info("torch engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB), %s attention", args.model,
              device, str(model.dtype).removeprefix("torch."), num_blocks, args.block_size,
-             num_blocks * per_block / 2**20)
+             num_blocks * per_block / 2**20, runner.attention_backend)
     return TorchEngine(runner, tok, max_batch_size=args.max_batch_size,
                        max_num_tokens=args.max_num_tokens, pin_timeout_s=args.pin_timeout,
                        ns_seed=_ns_seed(args))
@@ -195,7 +222,9 @@ def build_server(args):
     for name, choices in (("role", ("context", "generation", "both")), ("engine", ("torch", "sim")),
                           ("device", ("cpu", "cuda", None)), ("dtype", ("float32", "bfloat16", None)),
                           ("transfer_agent", ("auto", "nixl", "shm", "tcp")),
-                          ("sim_prefix_reuse", ("on", "off"))):
+                          ("attention_backend", ("auto", "triton", "torch")),
+                          ("sim_prefix_reuse", ("on", "off")),
+                          ("disagg_protocol", ("trtllm", "vllm", "sglang"))):
         if getattr(args, name) not in choices:
             raise ValueError(f"--{name.replace('_', '-')} must be one of "
                              f"{[c for c in choices if c]}, got {getattr(args, name)!r}")
@@ -204,6 +233,12 @@ def build_server(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise ValueError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.transfer_claim_timeout < 0:
+        raise ValueError(f"--transfer-claim-timeout must be >= 0, got "
+                         f"{args.transfer_claim_timeout}")
+    if args.disagg_protocol != "trtllm" and args.engine != "sim":
+        raise ValueError(f"--disagg-protocol {args.disagg_protocol} is implemented for --engine sim "
+                         f"only (its KV moves through the sim receiver), got --engine {args.engine}")
     engine = _build_engine(args)
     advertise = args.advertise_host
     if advertise is None and args.host in ("0.0.0.0", "::", ""):
@@ -211,13 +246,15 @@ def build_server(args):
         advertise = socket.gethostname()
     publisher = KvEventPublisher(host=args.host, pub_port=args.kv_events_port,
                                  replay_port=args.kv_replay_port, advertise_host=advertise)
-    name = args.model if args.model in SIM_PRESET_VOCAB else Path(args.model).name or args.model
+    name = args.model if args.model in SIM_PRESET_VOCAB or is_named_model(args.model) \
+        else Path(args.model).name or args.model
     link = _build_transfer(args, engine, name, advertise) if args.engine == "torch" else None
     server = WorkerServer(engine, model_name=name, role=args.role, host=args.host, port=args.port,
                           advertise_host=advertise, publisher=publisher,
                           coordinator_url=args.coordinator_url, register_ttl_s=args.register_ttl,
                           transfer_info=link.server_info() if link else None,
-                          ctx_info_endpoint=link.endpoint if link else None)
+                          ctx_info_endpoint=link.endpoint if link else None,
+                          disagg_protocol=args.disagg_protocol, bootstrap_port=args.bootstrap_port)
     server.transfer_link = link  # closed by _serve after the engine stopped
     return server
 
@@ -229,6 +266,7 @@ def transfer_config(args, advertise: str | None):
     return TransferConfig(agent=args.transfer_agent, host=args.host, advertise_host=advertise,
                           port=args.transfer_port, send_timeout_s=args.pin_timeout,
                           recv_timeout_s=args.transfer_timeout,
+                          claim_timeout_s=getattr(args, "transfer_claim_timeout", 10.0),
                           pipeline=getattr(args, "transfer_pipeline", "on") == "on",
                           prepped=getattr(args, "transfer_prepped", "auto"))
 

@@ -1,14 +1,19 @@
 """KV-cache event publisher: ZMQ PUB in vLLM's framing plus a ROUTER replay socket.
 
-Wire format (kv_events.md §1, docs/INTERFACES.md §3):
+Wire format (docs/reference/kv_events.md §1, docs/INTERFACES.md §3):
 
 * live: PUB frames ``[topic, seq_be8, payload]``; ``payload`` is ``router.events.encode_vllm_batch``
   (vLLM 0.33 map-format events); ``seq`` counts batches from 0, one per ``publish`` call;
-* replay: a DEALER sends ``[seq_be8]`` (optionally after an empty delimiter frame); the ROUTER
-  answers one ``[seq_be8, payload]`` message per buffered batch with ``seq >= start`` (oldest
-  first), then the end marker ``[(-1).to_bytes(8, "big", signed=True), b""]``. Replies repeat the
-  delimiter when the request had one. A first replayed seq above the requested one means the ring
-  buffer already dropped the gap: the subscriber must resync from ``/kv_snapshot``.
+* replay: exactly vLLM 0.33's ``ZmqEventPublisher._service_replay``
+  (``vllm/distributed/kv_events.py`` of the vllm-0.33.0 wheel): a DEALER sends ``[b"", seq_be8]``;
+  the ROUTER answers one ``[b"", topic, seq_be8, payload]`` message per buffered batch with
+  ``seq >= start`` (oldest first), then the end marker ``[b"", b"", (-1).to_bytes(8, "big",
+  signed=True), b""]``. vLLM ignores a request without the delimiter; we also answer the bare
+  ``[seq_be8]`` form (docs/INTERFACES.md §3), with the same frames minus the delimiter. A first
+  replayed seq above the requested one means the ring buffer already dropped the gap: the
+  subscriber must resync from ``/kv_snapshot``.
+* ``data_parallel_rank`` is 0 unless given, as vLLM's publisher stamps every batch (a worker is
+  one DP rank).
 
 Threads: ``publish`` is called from the engine's event-loop thread, which alone owns the PUB socket
 (a PUB send never blocks; past the high-water mark ZMQ drops, which subscribers see as a seq gap).
@@ -49,7 +54,7 @@ class KvEventPublisher:
 
     def __init__(self, *, host: str = "127.0.0.1", pub_port: int = 0, replay_port: int = 0,
                  advertise_host: str | None = None, topic: str = DEFAULT_TOPIC,
-                 buffer_steps: int = 10_000, hwm: int = 100_000, dp_rank: int | None = None):
+                 buffer_steps: int = 10_000, hwm: int = 100_000, dp_rank: int = 0):
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
         self.topic = topic
@@ -149,14 +154,14 @@ class KvEventPublisher:
         if len(rest) != 1 or len(rest[0]) != 8:
             log.warning("malformed replay request (%d frames after identity; expected one 8-byte "
                         "start seq); answering with the end marker only", len(rest))
-            self._router.send_multipart(head + [END_MARKER_SEQ, b""])
+            self._router.send_multipart(head + [b"", END_MARKER_SEQ, b""])
             return
         start = int.from_bytes(rest[0], "big")
         with self._lock:
             batch = [(s, p) for s, p in self._ring if s >= start]
         for s, p in batch:
-            self._router.send_multipart(head + [s.to_bytes(8, "big"), p], copy=False)
-        self._router.send_multipart(head + [END_MARKER_SEQ, b""])
+            self._router.send_multipart(head + [self._topic_b, s.to_bytes(8, "big"), p], copy=False)
+        self._router.send_multipart(head + [b"", END_MARKER_SEQ, b""])
         self.replays_served += 1
 
     # ------------------------------------------------------------------ shutdown

@@ -1,4 +1,5 @@
-"""Build a model and its tokenizer from a preset name or a Hugging Face-format directory.
+"""Build a model and its tokenizer from a preset name or a Hugging Face-format directory (GGUF files
+and named GGUF models are converted to such a directory first: worker/gguf_loader.py).
 
 A directory holds ``config.json``, weights as ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``, and normally ``tokenizer.json`` + ``tokenizer_config.json`` (chat
@@ -21,11 +22,12 @@ from typing import Any
 
 import torch
 
+from router.named_models import NAMED_MODELS, is_gguf_source
 from router.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from worker.model import LlamaForCausalLM, ModelConfig
 from worker.presets import build_preset, is_preset, preset_config
 
-__all__ = ["LoaderError", "load_model", "load_tokenizer", "save_hf_checkpoint", "resolve_dtype",
+__all__ = ["LoaderError", "load_model", "load_directory", "load_tokenizer", "save_hf_checkpoint", "resolve_dtype",
            "resolve_device"]
 
 log = logging.getLogger(__name__)
@@ -64,19 +66,39 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load_model(name_or_dir: str | os.PathLike, device: str | torch.device | None = "cpu",
-               dtype: str | torch.dtype | None = None) -> tuple[LlamaForCausalLM, Tokenizer, ModelConfig]:
-    """``(model, tokenizer, config)`` for a preset name (``tiny``, ``1b``, ``8b``) or a directory."""
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+               dtype: str | torch.dtype | None = None, cache_dir: str | os.PathLike | None = None,
+               ) -> tuple[LlamaForCausalLM, Tokenizer, ModelConfig]:
+    """``(model, tokenizer, config)`` for a preset name (``tiny``, ``1b``, ``8b``), a directory, a
+    named GGUF model (``smollm2-135m``) or a ``.gguf`` file (worker/gguf_loader.py; ``cache_dir``
+    holds the converted weights)."""
     name = os.fspath(name_or_dir)
     if is_preset(name) and not Path(name).is_dir():
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
         cfg = preset_config(name)
         model = build_preset(name, device=dev, dtype=dt)
         return model, ByteTokenizer(vocab_size=cfg.vocab_size), cfg
+    if is_gguf_source(name) and not Path(name).is_dir():
+        from worker.gguf_loader import load_gguf
+
+        model, tok, cfg, _info = load_gguf(name, device=device, dtype=dtype, cache_dir=cache_dir)
+        return model, tok, cfg
     path = Path(name)
     if not path.is_dir():
-        raise LoaderError(f"model {name!r} is neither a preset (tiny, 1b, 8b) nor a directory")
-    cfg = ModelConfig.from_hf(_read_json(path / "config.json"), name=path.name)
+        raise LoaderError(f"model {name!r} is neither a preset (tiny, 1b, 8b), a named model "
+                          f"({', '.join(sorted(NAMED_MODELS))}), a .gguf file nor a directory")
+    return load_directory(path, device, dtype)
+
+
+def load_directory(path: str | os.PathLike, device: str | torch.device | None = "cpu",
+                   dtype: str | torch.dtype | None = None, name: str | None = None,
+                   ) -> tuple[LlamaForCausalLM, Tokenizer, ModelConfig]:
+    """``(model, tokenizer, config)`` of a Hugging Face-format directory; ``name`` (default: the
+    directory's name) is the config's model name."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = Path(path)
+    cfg = ModelConfig.from_hf(_read_json(path / "config.json"), name=name or path.name)
     model = LlamaForCausalLM(cfg, device=dev, dtype=dt)
     _load_weights(model, path)
     return model.eval(), load_tokenizer(path, cfg), cfg

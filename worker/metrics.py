@@ -67,6 +67,12 @@ class WorkerCollector:
         for reason, n in sorted(s["requests_finished"].items()):
             fin.add_metric([*self.labels.values(), reason], n)
         yield fin
+        rel = CounterMetricFamily(_P + "pins_released", "Pinned transfers released, by cause "
+                                  "(transferred, receiver_cancelled, write_failed, abort, "
+                                  "timeout, ...).", labels=list(self.labels) + ["reason"])
+        for reason, n in sorted(s.get("pins_released", {}).items()):
+            rel.add_metric([*self.labels.values(), reason], n)
+        yield rel
         if self.publisher is not None:
             p = self.publisher
             yield self._c("kv_event_batches", "KV event batches published.", p.batches_published)

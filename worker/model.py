@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.attention.plan import PagedDecode
+
 __all__ = [
     "ModelConfig",
     "ModelConfigError",
@@ -443,13 +445,20 @@ class AttentionMetadata:
     """Everything attention needs for one step; built by the runner, shared by all layers.
 
     ``slot_block``/``slot_offset`` give, per new token, the cache block and the offset inside it where
-    that token's K/V are written before any attention reads the cache."""
+    that token's K/V are written before any attention reads the cache.
+
+    ``backend`` ``"triton"`` (worker/attention): decode rows are described by ``paged`` (the kernel
+    reads their blocks in place; ``decode`` is then ``None``), and a prefill chunk with
+    ``gather_blocks`` is attended by the paged prefill kernel through that table from position
+    ``key_start`` (``attn_mask`` unused)."""
 
     slot_block: torch.Tensor
     slot_offset: torch.Tensor
     prefills: list[PrefillSeq]
     decode: DecodeBatch | None
     block_size: int
+    backend: str = "torch"
+    paged: PagedDecode | None = None
 
 
 # ----------------------------------------------------------------------------- layers
@@ -488,6 +497,8 @@ class Attention(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if meta.backend == "triton":
+            return self._forward_triton(qkv, cos, sin, meta, kv_cache)
         qk = _apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
                                                                    self.head_dim), cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
@@ -510,6 +521,37 @@ class Attention(nn.Module):
             out[p.token_start:p.token_end] = self._prefill(q, k, v, layer, p, meta.block_size)
         if d is not None:
             out[d.token_idx] = self._decode(q[d.token_idx], layer, d, meta.block_size)
+        return self.o_proj(out.view(n, self.q_size))
+
+    def _forward_triton(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The triton backend: K/V stay in the pool and are read there through block tables."""
+        ops = _triton_ops()
+        n = qkv.shape[0]
+        if not meta.prefills:
+            # Decode-only step: RoPE and both cache stores in one launch, then the paged kernel.
+            q = ops.rope_store(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_block, meta.slot_offset,
+                               self.num_heads, self.num_kv_heads, self.head_dim)
+            out = torch.empty_like(q)
+            ops.paged_decode(q, kv_cache, self.layer_idx, meta.paged, self.scale, out)
+            return self.o_proj(out.view(n, self.q_size))
+        qk = _apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
+                                                                   self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        layer = kv_cache[:, self.layer_idx]
+        layer[meta.slot_block, 0, meta.slot_offset] = k
+        layer[meta.slot_block, 1, meta.slot_offset] = v
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        for p in meta.prefills:
+            if p.gather_blocks is None:  # fresh prompt: its own K/V are at hand, SDPA as the torch path
+                out[p.token_start:p.token_end] = self._prefill(q, k, v, layer, p, meta.block_size)
+            else:
+                ops.paged_prefill(q[p.token_start:p.token_end], kv_cache, self.layer_idx, p.gather_blocks,
+                                  p.start_pos, p.key_start, self.scale, self.window, out[p.token_start:p.token_end])
+        if meta.paged is not None:
+            s = meta.paged.token_start
+            ops.paged_decode(q[s:], kv_cache, self.layer_idx, meta.paged, self.scale, out[s:])
         return self.o_proj(out.view(n, self.q_size))
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor,
@@ -551,6 +593,20 @@ class Attention(nn.Module):
         return o.reshape(b, self.num_heads, self.head_dim)
 
 
+_TRITON_OPS = None
+
+
+def _triton_ops():
+    """worker.attention.triton_ops, imported on first use (CPU installs need no Triton)."""
+    global _TRITON_OPS
+    if _TRITON_OPS is None:
+        from worker.attention import interpreting
+        interpreting()  # SPLITSERVE_TRITON_INTERPRET=1 must reach triton before the kernels are defined
+        from worker.attention import triton_ops
+        _TRITON_OPS = triton_ops
+    return _TRITON_OPS
+
+
 class MLP(nn.Module):
     """SwiGLU; gate and up projections fused into one matrix (rows: gate, then up)."""
 
@@ -577,8 +633,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
+        if meta.backend == "triton":
+            h, m = self.triton_parts(h, self.input_layernorm(h), cos, sin, meta, kv_cache)
+            return h + m
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+    def triton_parts(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the triton backend from ``x = input_layernorm(h)``: the residual after
+        attention and the MLP output, not yet added (the caller folds that add into the next norm)."""
+        ops = _triton_ops()
+        a = self.self_attn(x, cos, sin, meta, kv_cache)
+        h, x = ops.add_rms_norm(h, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return h, self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -626,6 +695,16 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, seq_lens, max_position, max_seq_len)
         cos, sin = cos.to(self.dtype), _signed_sin(sin.to(self.dtype))
         h = self.embed_tokens(input_ids)
+        if meta.backend == "triton":
+            # Each layer's closing residual add is folded into the next layer's input RMSNorm.
+            ops, layers = _triton_ops(), self.layers
+            x = layers[0].input_layernorm(h)
+            for i, layer in enumerate(layers):
+                h, m = layer.triton_parts(h, x, cos, sin, meta, kv_cache)
+                if i + 1 == len(layers):
+                    return h + m
+                norm = layers[i + 1].input_layernorm
+                h, x = ops.add_rms_norm(h, m, norm.weight, norm.eps)
         for layer in self.layers:
             h = layer(h, cos, sin, meta, kv_cache)
         return h

@@ -185,6 +185,9 @@ class RankComm:
         def group(prefix: str, rank: int, size: int):
             s = dist.PrefixStore(prefix, store)
             if device.type == "cuda":
+                # NCCL's bootstrap listens on the first non-loopback interface by default; every
+                # rank is on this host, so keep it on loopback (an operator's setting wins).
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 torch.cuda.set_device(device)

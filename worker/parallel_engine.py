@@ -106,8 +106,10 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
                           max_batch_size: int = 64, max_num_tokens: int = 2048,
                           pin_timeout_s: float = 60.0, memory_fraction: float = 0.85,
                           cpu_kv_budget_bytes: int = 1 << 30, log_level: str = "WARNING",
-                          startup_timeout_s: float = 600.0, **engine_kw) -> ParallelTorchEngine:
-    """Launch the ranks of ``model`` (preset or HF directory) and wrap them in an engine.
+                          startup_timeout_s: float = 600.0, cache_dir: str | None = None,
+                          **engine_kw) -> ParallelTorchEngine:
+    """Launch the ranks of ``model`` (preset, HF directory, or a GGUF source converted into
+    ``cache_dir`` first) and wrap them in an engine.
 
     Without ``num_blocks`` the pool is sized from rank 0's free memory (CUDA) or a 1 GiB budget
     (CPU) over *rank 0's* bytes per block — every rank holds the same number of blocks, and rank 0
@@ -117,6 +119,7 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
 
     import torch
 
+    from router.named_models import is_gguf_source
     from router.tokenizer import ByteTokenizer
     from worker.loader import load_tokenizer, resolve_device, resolve_dtype
     from worker.model import ModelConfig
@@ -128,6 +131,10 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if is_gguf_source(model) and not Path(model).is_dir():
+        from worker.gguf_loader import gguf_directory
+
+        model = str(gguf_directory(model, cache_dir))  # the ranks load the converted directory
     if is_preset(model) and not Path(model).is_dir():
         cfg = preset_config(model)
         tok = ByteTokenizer(vocab_size=cfg.vocab_size)

@@ -60,6 +60,10 @@ class ParsedRequest:
     first_gen_tokens: list[int] | None = None
     disagg_request_id: int | None = None
     echo: bool = False
+    # The body fields the prompt and the token budget came from, so that an engine's error about
+    # "the prompt" or "max_tokens" names the field this client actually sent.
+    prompt_field: str = "prompt"
+    max_tokens_field: str = "max_tokens"
     # vLLM's extension: every chunk carries `token_ids`, and a stream sends one chunk per engine
     # step even when the step's text is empty (a partial UTF-8 character, a special token), so a
     # client can time each token.
@@ -112,13 +116,17 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def _token_ids(v: Any, name: str) -> list[int]:
+def _token_ids(v: Any, name: str, vocab_size: int | None = None) -> list[int]:
     if not isinstance(v, list) or not all(_is_int(t) for t in v):
         raise InvalidRequest(f"'{name}' must be a list of integer token ids, got {_tname(v)}",
                              param=name)
     if any(t < 0 for t in v):
         raise InvalidRequest(f"'{name}' must hold non-negative token ids, found "
                              f"{[t for t in v if t < 0][:5]}", param=name)
+    if vocab_size is not None and any(t >= vocab_size for t in v):
+        # checked here, where the field's name is known (the scheduler only knows "the prompt")
+        raise InvalidRequest(f"'{name}' must hold token ids in [0, {vocab_size}), found "
+                             f"{[t for t in v if t >= vocab_size][:5]}", param=name)
     return list(v)
 
 
@@ -248,21 +256,23 @@ def _disagg(body: dict, out: ParsedRequest) -> None:
     out.disagg_request_id = did
 
 
-def _top_prompt_ids(body: dict) -> list[int] | None:
+def _top_prompt_ids(body: dict, vocab_size: int | None) -> list[int] | None:
     v = body.get("prompt_token_ids")
     if v is None:
         return None
-    ids = _token_ids(v, "prompt_token_ids")
+    ids = _token_ids(v, "prompt_token_ids", vocab_size)
     if not ids:
         raise InvalidRequest("'prompt_token_ids' must not be empty", param="prompt_token_ids")
     return ids
 
 
-def parse_completion(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
+def parse_completion(body: Any, tokenizer, *, max_model_len: int,
+                     vocab_size: int | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {_tname(body)}")
     model = _model(body)
-    ids = _top_prompt_ids(body)
+    ids = _top_prompt_ids(body, vocab_size)
+    from_ids = ids is not None
     if ids is None:
         if "prompt" not in body or body["prompt"] is None:
             raise InvalidRequest("'prompt' is required (a string or a list of token ids)",
@@ -275,7 +285,7 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int) -> ParsedReque
                 raise InvalidRequest("'prompt' must not be empty", param="prompt")
             ids = list(tokenizer.encode(p))
         elif isinstance(p, list) and p and all(_is_int(t) for t in p):
-            ids = _token_ids(p, "prompt")
+            ids = _token_ids(p, "prompt", vocab_size)
         elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
             raise InvalidRequest(
                 f"'prompt' holds {len(p)} prompts; this worker serves one prompt per request",
@@ -290,7 +300,8 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int) -> ParsedReque
                         sampling=_sampling(body, 16, max_model_len, len(ids)),
                         stream=stream, include_usage=include_usage,
                         echo=_bool(body, "echo", False),
-                        return_token_ids=_bool(body, "return_token_ids", False))
+                        return_token_ids=_bool(body, "return_token_ids", False),
+                        prompt_field="prompt_token_ids" if from_ids else "prompt")
     _disagg(body, out)
     return out
 
@@ -304,8 +315,11 @@ def _message_text(m: dict, i: int) -> str:
     if isinstance(c, list):
         parts = []
         for j, part in enumerate(c):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+            if isinstance(part, dict) and part.get("type") == "text" and not isinstance(
                     part.get("text"), str):
+                raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string, got "
+                                     f"{_tname(part.get('text'))}", param=f"messages[{i}].content[{j}].text")
+            if not isinstance(part, dict) or part.get("type") != "text":
                 raise InvalidRequest(
                     f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}; this "
                     f"worker serves text only", param=f"messages[{i}].content[{j}]")
@@ -315,7 +329,8 @@ def _message_text(m: dict, i: int) -> str:
                          f"{_tname(c)}", param=f"messages[{i}].content")
 
 
-def parse_chat(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
+def parse_chat(body: Any, tokenizer, *, max_model_len: int,
+               vocab_size: int | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {_tname(body)}")
     model = _model(body)
@@ -335,7 +350,8 @@ def parse_chat(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
                 f"messages[{i}].role must be one of system, developer, user, assistant, tool; got "
                 f"{role!r}", param=f"messages[{i}].role")
         clean.append({"role": role, "content": _message_text(m, i)})
-    ids = _top_prompt_ids(body)
+    ids = _top_prompt_ids(body, vocab_size)
+    from_ids = ids is not None
     if ids is None:
         agp = _bool(body, "add_generation_prompt", True)
         try:
@@ -352,7 +368,10 @@ def parse_chat(body: Any, tokenizer, *, max_model_len: int) -> ParsedRequest:
                         sampling=_sampling(body, None, max_model_len, len(ids),
                                            ("max_completion_tokens", "max_tokens")),
                         stream=stream, include_usage=include_usage,
-                        return_token_ids=_bool(body, "return_token_ids", False))
+                        return_token_ids=_bool(body, "return_token_ids", False),
+                        prompt_field="prompt_token_ids" if from_ids else "messages",
+                        max_tokens_field="max_completion_tokens"
+                        if body.get("max_completion_tokens") is not None else "max_tokens")
     _disagg(body, out)
     return out
 
@@ -366,7 +385,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 def disagg_response_params(req: ParsedRequest, ctx: ContextResult,
                            ctx_info_endpoint: str | None) -> dict:
-    """``choices[0].disaggregated_params`` of a context_only response (trtllm_disagg.md §2.4)."""
+    """``choices[0].disaggregated_params`` of a context_only response
+    (docs/reference/trtllm_disagg.md §2.4)."""
     out = {k: v for k, v in req.disaggregated_params.items()
            if k in ("schedule_style", "conversation_id", "disagg_request_id")}
     out.update({

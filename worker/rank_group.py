@@ -449,6 +449,8 @@ class ParallelRunner:
         self.device = inner.device
         self.dtype = inner.dtype
         self.vocab_size = inner.vocab_size
+        #: Every rank resolves ``auto`` alike (worker/attention): rank 0's answer is the worker's.
+        self.attention_backend = inner.attention_backend
 
     @property
     def kv_cache(self):

@@ -46,7 +46,7 @@ WATCH_POLL_S = 0.002
 #: Transceiver methods a rank may be asked to run (the EngineTransferLink surface).
 _OPS = frozenset({"begin_send", "progress_send", "finish_send", "send_status", "cancel_send",
                   "release_send", "begin_receive", "recv_status", "cancel_receive",
-                  "release_receive", "pending", "shutdown"})
+                  "release_receive", "abandon_receive", "pending", "shutdown"})
 
 
 # ---------------------------------------------------------------------------------- in each rank
@@ -113,6 +113,7 @@ def combine_statuses(statuses: list[Status]) -> Status:
                error=next((s.error for s in statuses if s.error), None),
                meta=next((s.meta for s in statuses if s.meta is not None), None),
                timed_out=any(s.timed_out for s in statuses),
+               cause=(bad.cause if bad is not None and code == FAILED else statuses[0].cause),
                bytes=sum(s.bytes for s in statuses),
                descriptors=sum(s.descriptors for s in statuses))
     if "write_s" in out:
@@ -285,6 +286,16 @@ class MultiRankTransceiver:
 
     def cancel_receive(self, req_id: int) -> bool:
         return all(r is None or r for r in self._all("cancel_receive", req_id))
+
+    def claim_receive(self, req_id: int, ctx_endpoint: str) -> None:
+        # Once per accepted request: the context instance's rank 0 decides whether a send was
+        # claimed, so rank 0's claim is enough (no round trip to the followers).
+        tx0 = self.group.context.state.get("kv_transceiver")
+        if tx0 is not None:
+            tx0.claim_receive(req_id, ctx_endpoint)
+
+    def abandon_receive(self, req_id: int, ctx_endpoint: str) -> None:
+        self._all("abandon_receive", req_id, ctx_endpoint)
 
     def release_receive(self, req_id: int) -> None:
         with self._watch_lock:

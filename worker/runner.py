@@ -16,7 +16,7 @@ head h, dim d)::
     layer_stride = 2·kv_stride          (= block_bytes: one layer's K+V of one block)
     block_stride = num_layers·layer_stride
 
-This is the affine ``PhysicalPool`` of DESIGN.md §9 with ``slot = block``: the (layer, block) region
+This is the affine ``PhysicalPool`` of docs/design.md §9 with ``slot = block``: the (layer, block) region
 ``base + l·layer_stride + b·block_stride`` is ``block_bytes`` long, and all layers of a block are
 adjacent, so moving a block between two workers with equal geometry is one copy of ``block_stride``
 bytes and runs of consecutive block ids merge into one copy.
@@ -31,6 +31,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from worker.attention import resolve_backend
+from worker.attention.plan import PagedDecode, build_paged_decode, choose_split, fill_units, max_units, num_sms, row_ranges
 from worker.model import AttentionMetadata, DecodeBatch, DecodeGroup, LlamaForCausalLM, ModelConfig, PrefillSeq
 
 __all__ = ["Chunk", "ModelRunner", "RunnerInputError", "kv_bytes_per_block", "plan_decode_groups"]
@@ -134,7 +136,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int = 16,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 cpu_threads: int | None = None, cuda_graphs: bool | None = None) -> None:
+                 cpu_threads: int | None = None, cuda_graphs: bool | None = None,
+                 attention_backend: str | None = "auto") -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, found {num_blocks!r}")
         if not isinstance(block_size, int) or block_size <= 0:
@@ -161,6 +164,9 @@ class ModelRunner:
         self.scratch_block = num_blocks
         self.vocab_size = cfg.vocab_size
         self._window = cfg.sliding_window
+        #: ``triton`` (paged kernels, worker/attention) or ``torch`` (gather + SDPA); see
+        #: :func:`worker.attention.resolve_backend` for what ``auto`` picks.
+        self.attention_backend = resolve_backend(attention_backend, self.device)
         if self.device.type == "cpu":
             _limit_cpu_threads(model, cpu_threads)
         if cuda_graphs is None:
@@ -342,7 +348,9 @@ class ModelRunner:
         # Decode rows go last, in group order, so each group is one contiguous run of the flat batch
         # (and a decode-only step needs no scatter); ``last_idx`` maps results back to chunk order.
         dec_chunks = [i for i, (_, s, e, _) in enumerate(checked) if e - s == 1]
-        plan = self._plan(checked, dec_chunks)
+        paged = self.attention_backend == "triton"
+        # The paged kernel reads each row's own range whatever its neighbours: no grouping needed.
+        plan = ([np.arange(len(dec_chunks))] if dec_chunks else []) if paged else self._plan(checked, dec_chunks)
         run_order = [i for i, (_, s, e, _) in enumerate(checked) if e - s != 1]
         run_order += [dec_chunks[j] for grp in plan for j in grp]
         last_idx = [0] * len(checked)
@@ -361,12 +369,18 @@ class ModelRunner:
                 dec_rows.append(used[first_blk:])
                 dec_first.append(first_blk * bs)
                 dec_pos.append(start)
+            elif start == 0 and paged and window and n > window:
+                # A windowed prompt longer than its window: the kernel masks by position, no [n, n] mask.
+                prefills.append(PrefillSeq(offset, offset + n, 0, torch.from_numpy(used).to(dev), 0, None))
             elif start == 0:
                 mask = None
                 if window and n > window:
                     q = np.arange(n)
                     mask = torch.from_numpy((q[None, :] <= q[:, None]) & (q[None, :] > q[:, None] - window)).to(dev)
                 prefills.append(PrefillSeq(offset, offset + n, 0, None, 0, mask))
+            elif paged:
+                prefills.append(PrefillSeq(offset, offset + n, start, torch.from_numpy(used[first_blk:]).to(dev),
+                                           first_blk * bs, None))
             else:
                 key_start = first_blk * bs
                 kp = np.arange(key_start, end)
@@ -381,9 +395,11 @@ class ModelRunner:
 
         positions = np.concatenate(pos_parts)
         slot_block = np.concatenate(blk_parts)
-        decode = None
+        decode = paged_meta = None
         self.last_step_stats = _decode_stats(0, 0, 0, 0)
-        if dec_idx:
+        if dec_idx and paged:
+            paged_meta = self._paged_decode_meta(dec_rows, dec_first, dec_pos, dec_idx[0])
+        elif dec_idx:
             groups, start, gathered = [], 0, 0
             for grp in plan:
                 end_row = start + len(grp)
@@ -423,9 +439,17 @@ class ModelRunner:
             "seq_lens": seq_lens,
             "max_position": int(positions.max()),
             "max_seq_len": max(end for _, _, end, _ in checked),
-            "meta": AttentionMetadata(blk_t, off_t, prefills, decode, bs),
+            "meta": AttentionMetadata(blk_t, off_t, prefills, decode, bs, self.attention_backend, paged_meta),
             "last_idx": last_t,
         }
+
+    def _paged_decode_meta(self, rows: list[np.ndarray], first: list[int], pos: list[int],
+                           token_start: int) -> PagedDecode:
+        """Eager-step metadata of the paged decode kernel (worker/attention/plan.py)."""
+        meta, read = build_paged_decode(rows, pos, first, self._window, self.kv_cache.shape[4], self.device,
+                                        token_start=token_start)
+        self.last_step_stats = _decode_stats(len(rows), 1, read, sum(t.size for t in rows) * self.block_size)
+        return meta
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -444,9 +468,10 @@ class ModelRunner:
         g.ready.synchronize()  # the previous upload from this pinned buffer has finished
         host = g.host
         self._decode_padding(host, len(shape))
+        paged = self.attention_backend == "triton"
         row0 = 0
         for gi, grp in enumerate(plan):
-            tables = host[f"tables{gi}"]
+            tables = host["tables"][row0:] if paged else host[f"tables{gi}"]
             for j, ci in enumerate(grp.tolist()):
                 tokens, start, _, used = checked[ci]
                 f, row = firsts[ci], row0 + j
@@ -459,7 +484,12 @@ class ModelRunner:
                 blocks = used[f:]
                 tables[j, : blocks.size] = blocks
             row0 += shape[gi][0]
-        self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, sum(need) * bs)
+        if paged:
+            lo, hi = row_ranges(host["pos"], host["first_key"], self._window)
+            fill_units(lo, hi, g.split, host["u_row"], host["u_lo"], host["u_hi"], host["row_start"])
+            self.last_step_stats = _decode_stats(n, 1, int((hi - lo)[host["order"][:n]].sum()), sum(need) * bs)
+        else:
+            self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, sum(need) * bs)
         return g.run()[:n].clone()
 
     def _prefill_graph_step(self, chunk) -> torch.Tensor:
@@ -486,6 +516,9 @@ class ModelRunner:
         host["slot_off"][:] = 0
         host["first_key"][:] = 0
         host["order"][:] = np.arange(host["order"].size)
+        if "tables" in host:
+            host["tables"][:] = self.scratch_block
+            return
         for gi in range(num_groups):
             host[f"tables{gi}"][:] = self.scratch_block
 
@@ -497,12 +530,36 @@ class ModelRunner:
         rows = sum(b for b, _ in shape)
         fields = {"ids": (rows,), "pos": (rows,), "slot_block": (rows,), "slot_off": (rows,),
                   "first_key": (rows,), "order": (rows,)}
-        fields.update({f"tables{gi}": grp for gi, grp in enumerate(shape)})
+        paged = self.attention_backend == "triton"
+        if paged:
+            # One table for all rows (the kernel reads each row's own range); work units sized from the
+            # key's buckets so every step of this shape fits (worker/attention/plan.py).
+            split = choose_split(sum(b * nb for b, nb in shape) * bs, self.kv_cache.shape[4], num_sms(dev))
+            units = max_units([(b, nb * bs) for b, nb in shape], split)
+            fields.update({"tables": (rows, max(nb for _, nb in shape)), "u_row": (units,), "u_lo": (units,),
+                           "u_hi": (units,), "row_start": (rows + 1,)})
+        else:
+            fields.update({f"tables{gi}": grp for gi, grp in enumerate(shape)})
         g = _StepGraph(fields, dev)
+        if paged:
+            g.split = split
+            direct = all(nb * bs <= split for _, nb in shape)
         self._decode_padding(g.host, len(shape))
         token_idx = torch.arange(rows, device=dev)
         key_offs = [torch.arange(nb * bs, device=dev) for _, nb in shape]
         v = g.dev
+        if paged:
+            lo, hi = row_ranges(g.host["pos"], g.host["first_key"], window)
+            fill_units(lo, hi, split, g.host["u_row"], g.host["u_lo"], g.host["u_hi"], g.host["row_start"])
+
+            def body() -> torch.Tensor:
+                pd = PagedDecode(v["tables"], v["pos"], v["first_key"], v["u_row"], v["u_lo"], v["u_hi"],
+                                 v["row_start"], direct)
+                meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], None, bs, "triton", pd)
+                h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
+                return model.compute_logits(h.index_select(0, v["order"])).float()
+
+            return self._capture(("decode", shape), g, body, keep=())
 
         def body() -> torch.Tensor:
             groups, row0 = [], 0
@@ -597,6 +654,7 @@ class _StepGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
         self.keep: tuple = ()
+        self.split = 0  # paged decode graphs: the work-unit size their buffers were sized for
 
     def upload(self, blocking: bool = False) -> None:
         self._dev.copy_(self._host, non_blocking=not blocking)

@@ -175,6 +175,13 @@ class Scheduler(abc.ABC):
         # be sent while the rest is computed; and a context_only request left the scheduler.
         self.prefill_hook: Callable[[EngineRequest, int, list[int]], None] | None = None
         self.context_end_hook: Callable[[EngineRequest], None] | None = None
+        # A generation_only request ended before its KV receive began (aborted while queued, or
+        # its receive task cancelled before it ran; client gone, shutdown): the context worker
+        # may hold its KV pinned; the hook tells it.
+        self.receive_abandoned_hook: Callable[[EngineRequest], None] | None = None
+        # A generation_only request was accepted (queued): the context worker holding its KV is
+        # told at once, before the receive (which waits for free blocks) begins.
+        self.receive_expected_hook: Callable[[EngineRequest], None] | None = None
         self.event_sink: Callable[[list], None] | None = None
         self._clock = clock
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -238,7 +245,7 @@ class Scheduler(abc.ABC):
 
     # ------------------------------------------------------------------ requests
     def next_local_id(self) -> int:
-        """Worker-local ids stay below 2**40 (DESIGN.md §3), never colliding with snowflakes."""
+        """Worker-local ids stay below 2**40 (docs/design.md §3), never colliding with snowflakes."""
         self._local_ids = (self._local_ids + 1) % (1 << 40)
         return self._local_ids
 
@@ -303,6 +310,8 @@ class Scheduler(abc.ABC):
             self._aliases.setdefault(str(req.ctx_request_id), set()).add(seq.id)
         self._waiting.append(seq)
         self.counters["requests_submitted"] += 1
+        if self.receive_expected_hook is not None and req.request_type == GENERATION_ONLY:
+            self.receive_expected_hook(req)
         self._wake.set()
         return RequestStream(self, seq)
 
@@ -412,6 +421,8 @@ class Scheduler(abc.ABC):
             "decode_tokens_per_s": dec / span if self._history else 0.0,
             "requests_finished": {k.removeprefix("finished_"): v for k, v in self.counters.items()
                                   if k.startswith("finished_")},
+            "pins_released": {k.removeprefix("pins_released_"): v
+                              for k, v in self.counters.items() if k.startswith("pins_released_")},
         }
 
     def _trim_history(self, now: float) -> None:
@@ -598,6 +609,10 @@ class Scheduler(abc.ABC):
             if s.state != FINISHED:
                 self._finish(s, "abort", keep_blocks=True)
             self._drop_blocks(s)
+            # A task cancelled before its first step never began the receive: the context
+            # worker must hear it from us (the receiver ignores this when its receive began).
+            if self.receive_abandoned_hook is not None:
+                self.receive_abandoned_hook(s.req)
             return
         exc = task.exception()
         if exc is not None:
@@ -713,6 +728,7 @@ class Scheduler(abc.ABC):
             self.pool.pin(prompt_blocks)
             self._pinned[cid] = p
             self.counters["pins_created"] += 1
+            log.debug("pinned transfer %s (%d blocks)", cid, len(prompt_blocks))
             if self.opaque_state_hook is not None:
                 opaque.update(self.opaque_state_hook(p))
         return ContextResult(ctx_request_id=cid, first_gen_tokens=list(s.tokens[s.num_prompt:]),
@@ -770,6 +786,9 @@ class Scheduler(abc.ABC):
         s.queue.put_nowait(last)
         if self.context_end_hook is not None and s.req.request_type == CONTEXT_ONLY:
             self.context_end_hook(s.req)
+        if self.receive_abandoned_hook is not None and not s.admitted \
+                and s.req.request_type == GENERATION_ONLY:
+            self.receive_abandoned_hook(s.req)
         self._wake.set()
 
     def _drop_blocks(self, s: _Seq) -> None:

@@ -13,7 +13,9 @@ engine stream and so aborts the request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import random
 import os
 import socket
 import time
@@ -24,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from router.block_keys import KEY_SCHEME, block_keys_list
-from worker import protocol
+from worker import pd_protocols, protocol
 from worker.metrics import make_registry, render
 from worker.requests import (
     CONTEXT_ONLY, GENERATION_ONLY, EngineError, EngineRequest, EngineStopped, InvalidRequest,
@@ -66,9 +68,17 @@ class WorkerServer:
                  port: int = 0, advertise_host: str | None = None, publisher=None,
                  coordinator_url: str | None = None, register_ttl_s: float = 30.0,
                  max_body_bytes: int = 32 << 20, worker_id: str | None = None,
-                 transfer_info: dict | None = None, ctx_info_endpoint: str | None = None):
+                 transfer_info: dict | None = None, ctx_info_endpoint: str | None = None,
+                 disagg_protocol: str = "trtllm", bootstrap_port: int | None = None):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if disagg_protocol not in pd_protocols.PROTOCOLS:
+            raise ValueError(f"disagg_protocol must be one of {pd_protocols.PROTOCOLS}, got {disagg_protocol!r}")
+        self.disagg_protocol = disagg_protocol
+        # SGLang prefill side: the port its bootstrap server listens on (0 = pick a free one).
+        self.bootstrap_port = bootstrap_port if disagg_protocol == "sglang" and role != "generation" else None
+        self._bootstrap_runner: web.AppRunner | None = None
+        self._local_ids = itertools.count(random.randrange(1 << 20, 1 << 39))
         self.engine = engine
         self.model_name = model_name
         self.role = role
@@ -107,6 +117,9 @@ class WorkerServer:
         r.add_post("/kv_keys", self.kv_keys)
         r.add_post("/v1/abort", self.abort)
         r.add_post("/kv_release", self.kv_release)
+        r.add_post("/kv_wait", self.kv_wait)
+        if self.disagg_protocol == "sglang":
+            r.add_post("/abort_request", self.abort_request)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_get("/metrics", self.metrics)
         return app
@@ -129,6 +142,8 @@ class WorkerServer:
             self.worker_id = f"{self.role}-{h}:{self.port}-{os.getpid()}"
         self.engine.worker_id = self.worker_id
         self.engine.worker_url = self.url
+        if self.bootstrap_port is not None:
+            await self._start_bootstrap()
         if self.coordinator_url:
             from worker.registration import CoordinatorRegistration
             self._registration = CoordinatorRegistration(
@@ -164,8 +179,24 @@ class WorkerServer:
         await self.engine.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._bootstrap_runner is not None:
+            await self._bootstrap_runner.cleanup()
         if self.publisher is not None:
             self.publisher.close()
+
+    async def _start_bootstrap(self) -> None:
+        """The SGLang prefill side's bootstrap server: where a decode leg waits for its room's
+        prefill and reports the transfer done (worker/pd_protocols.py)."""
+        app = web.Application(middlewares=[self._errors_middleware])
+        app.router.add_post("/kv_wait", self.kv_wait)
+        app.router.add_post("/kv_release", self.kv_release)
+        self._bootstrap_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._bootstrap_runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.bootstrap_port))
+        self.bootstrap_port = sock.getsockname()[1]
+        await web.SockSite(self._bootstrap_runner, sock).start()
 
     # ------------------------------------------------------------------ errors
     @web.middleware
@@ -213,25 +244,45 @@ class WorkerServer:
             "owned_by": "splitserve", "max_model_len": self.engine.max_model_len}]})
 
     def server_info_dict(self) -> dict:
-        pub = self.publisher
         return {
             "role": self.role,
             "model": self.model_name,
             "engine": self.engine.engine_name,
+            # "triton" / "torch" for the torch engine (worker/attention), null for engines without one.
+            "attention_backend": getattr(getattr(self.engine, "runner", None), "attention_backend", None),
             "block_size": self.engine.block_size,
             "key_scheme": KEY_SCHEME,
             "ns_seed": self.engine.pool.ns_seed,
             "worker_id": self.worker_id,
             "max_batch_size": self.engine.max_batch_size,
             "max_num_tokens": self.engine.max_num_tokens,
-            "kv_events": None if pub is None else {
-                "publisher": pub.publisher_endpoint, "replay": pub.replay_endpoint,
-                "topic": pub.topic, "snapshot": "/kv_snapshot", "format": "vllm"},
+            "kv_events": self._kv_events_info(),
             "transfer": self.transfer_info,
             "disaggregated_params": {"ctx_info_endpoint": self.ctx_info_endpoint},
+            "disagg_protocol": self.disagg_protocol,
+            **({"disaggregation_mode": pd_protocols.SGLANG_MODES[self.role],
+                "disaggregation_bootstrap_port": self.bootstrap_port}
+               if self.disagg_protocol == "sglang" else {}),
         }
 
+    def _kv_events_info(self) -> dict | None:
+        pub = self.publisher
+        if pub is None:
+            return None
+        if self.disagg_protocol == "sglang":
+            # SGLang's own descriptor (sglang 0.5.23 srt/runtime_context.py
+            # `describe_kv_events_publisher`): no replay, no snapshot.
+            host, _, port = pub.publisher_endpoint.split("://", 1)[1].rpartition(":")
+            return {"publisher": "zmq", "endpoint_host": host.strip("[]"), "endpoint_port_base": int(port),
+                    "topic": pub.topic, "block_size": self.engine.block_size, "dp_size": 1}
+        return {"publisher": pub.publisher_endpoint, "replay": pub.replay_endpoint,
+                "topic": pub.topic, "snapshot": "/kv_snapshot", "format": "vllm"}
+
     async def server_info(self, request: web.Request) -> web.Response:
+        if self.disagg_protocol == "vllm":
+            # Like a stock vLLM (it serves /server_info only with VLLM_SERVER_DEV_MODE=1): the fleet
+            # must be told the protocol, and the coordinator its KV-event publisher (`kv_events`).
+            return error_response(404, "no route GET /server_info (a vLLM server without dev mode)")
         return _json(self.server_info_dict())
 
     async def kv_snapshot(self, request: web.Request) -> web.Response:
@@ -289,6 +340,36 @@ class WorkerServer:
                                  param="reason")
         return _json({"released": self.engine.release(cid, reason[:64])})
 
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's abort: ``{"rid": ...}`` (or ``abort_all``), by the request's ``rid``."""
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise InvalidRequest("expected a JSON object with 'rid'", param="rid")
+        if body.get("abort_all") is True:
+            raise InvalidRequest("'abort_all' is not supported by this worker; name one 'rid'",
+                                 param="abort_all", code="unsupported_parameter")
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequest(f"'rid' must be a non-empty string, got {rid!r}", param="rid")
+        return _json({"aborted": self.engine.abort(rid)})
+
+    async def kv_wait(self, request: web.Request) -> web.Response:
+        """Wait until the prefill of ``ctx_request_id`` holds its KV (pinned for the transfer), at
+        most ``timeout_s``; answers ``{"ready": bool}``."""
+        body = await self._body(request)
+        cid = body.get("ctx_request_id") if isinstance(body, dict) else None
+        if isinstance(cid, bool) or not isinstance(cid, int):
+            raise InvalidRequest(f"'ctx_request_id' must be an integer, got {cid!r}", param="ctx_request_id")
+        t = body.get("timeout_s", 30.0)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 600:
+            raise InvalidRequest(f"'timeout_s' must be a number in [0, 600], got {t!r}", param="timeout_s")
+        deadline = time.monotonic() + t
+        while self.engine.pinned_transfer(cid) is None:
+            if time.monotonic() >= deadline:
+                return _json({"ready": False})
+            await asyncio.sleep(0.005)
+        return _json({"ready": True})
+
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.engine.clear_cache()
         return _json({"cleared": True})
@@ -305,9 +386,13 @@ class WorkerServer:
             raise EngineStopped("the worker is draining for shutdown; retry on another worker")
         body = await self._body(request)
         eng = self.engine
+        pd = None
+        if self.disagg_protocol != "trtllm" and isinstance(body, dict):
+            body, pd = pd_protocols.incoming(self.disagg_protocol, self.role, body, next(self._local_ids))
         parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
         try:
-            parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len)
+            parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len,
+                           vocab_size=getattr(eng, "vocab_size", None))
         except ValueError as e:
             if isinstance(e, EngineError):
                 raise
@@ -324,7 +409,10 @@ class WorkerServer:
             raise InvalidRequest("this is a generation worker; it does not accept context_only "
                                  "requests", param="disaggregated_params.request_type")
         xrid = request.headers.get("X-Request-Id")
-        aliases = tuple(str(a) for a in (xrid, parsed.disagg_request_id) if a not in (None, ""))
+        aliases = tuple(str(a) for a in (xrid, parsed.disagg_request_id, (pd or {}).get("rid"))
+                        if a not in (None, ""))
+        if pd is not None and pd["kind"].endswith("_prefill"):
+            parsed.stream = False   # the router reads a prefill answer to its end; JSON is enough
         ctx_id = None
         if rt == CONTEXT_ONLY:
             if parsed.disagg_request_id is not None:
@@ -337,14 +425,19 @@ class WorkerServer:
             sampling=parsed.sampling, request_type=rt, aliases=aliases, ctx_request_id=ctx_id,
             disaggregated_params=dp if rt == GENERATION_ONLY else None,
             first_gen_tokens=parsed.first_gen_tokens)
-        stream = await eng.submit(ereq)
+        try:
+            stream = await eng.submit(ereq)
+        except InvalidRequest as e:
+            # the engine knows "the prompt" and "max_tokens"; the client sent these fields
+            e.param = {"prompt": parsed.prompt_field, "max_tokens": parsed.max_tokens_field}.get(e.param, e.param)
+            raise
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         oid = prefix + (xrid if xrid else ereq.request_id)
         headers = {"X-Request-Id": xrid} if xrid else None
         async with stream:
             if parsed.stream:
                 return await self._stream(request, stream, parsed, kind, oid, headers)
-            return await self._collect(stream, parsed, kind, oid, headers)
+            return await self._collect(stream, parsed, kind, oid, headers, pd)
 
     def _echo(self, parsed) -> str:
         """The prompt's text for completions with ``echo: true`` (special tokens dropped)."""
@@ -358,7 +451,7 @@ class WorkerServer:
         return (protocol.disagg_response_params(parsed, ev.context, self.ctx_info_endpoint),
                 ev.context.prompt_token_ids)
 
-    async def _collect(self, stream, parsed, kind, oid, headers) -> web.Response:
+    async def _collect(self, stream, parsed, kind, oid, headers, pd=None) -> web.Response:
         parts: list[str] = [self._echo(parsed)]
         token_ids: list[int] = []
         last = None
@@ -376,6 +469,9 @@ class WorkerServer:
                      disagg, prompt_ids)
         if parsed.return_token_ids:
             body["choices"][0]["token_ids"] = token_ids
+        if pd is not None:
+            body = pd_protocols.outgoing(body, pd, last.context, engine_id=self.worker_id,
+                                         host=self.advertise_host, port=self.port)
         return _json(body, headers=headers)
 
     async def _stream(self, request, stream, parsed, kind, oid, headers) -> web.StreamResponse:

@@ -61,39 +61,62 @@ class SimReceiver:
     token, then asks the context worker to release the pinned blocks (best effort; the context
     side's pin timeout covers a lost notification)."""
 
-    def __init__(self, us_per_token: float = 0.0, notify_timeout_s: float = 2.0):
+    def __init__(self, us_per_token: float = 0.0, notify_timeout_s: float = 2.0,
+                 wait_timeout_s: float = 30.0):
         self.us_per_token = float(us_per_token)
         self.notify_timeout_s = notify_timeout_s
+        self.wait_timeout_s = wait_timeout_s
         self._session = None
         self._tasks: set[asyncio.Task] = set()
         self.notified = 0
 
     async def receive(self, spec: ReceiveSpec) -> None:
-        if self.us_per_token > 0:
-            await asyncio.sleep(self.us_per_token * len(spec.prompt_token_ids) / 1e6)
         url = None
+        state: dict = {}
         blob = spec.disaggregated_params.get("encoded_opaque_state")
         if isinstance(blob, str):
             from worker.protocol import decode_opaque_state
             try:
-                url = decode_opaque_state(blob).get("worker_url")
+                state = decode_opaque_state(blob)
+                url = state.get("worker_url")
             except ValueError as e:
                 log.warning("opaque state of %s unreadable (%s); the context side will time out "
                             "its pins", spec.request_id, e)
         cid = spec.ctx_request_id
         if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
             url = None  # only a worker URL, never another scheme, is ever called back
+        if state.get("wait") and url and cid is not None:
+            # Both legs started together (SGLang): the prefill may still be running.
+            await self._wait_ready(url, cid)
+        if self.us_per_token > 0:
+            await asyncio.sleep(self.us_per_token * len(spec.prompt_token_ids) / 1e6)
         if url and cid is not None:
             t = asyncio.create_task(self._notify(url, cid))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _notify(self, url: str, ctx_request_id: int) -> None:
+    def _http(self):
         import aiohttp
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.notify_timeout_s))
+        return self._session
+
+    async def _wait_ready(self, url: str, ctx_request_id: int) -> None:
+        """Wait at the prefill's bootstrap server until its KV for ``ctx_request_id`` is ready
+        (raises, failing the request, when it never is)."""
+        import aiohttp
+
+        t = self.wait_timeout_s
+        async with self._http().post(f"{url}/kv_wait", json={"ctx_request_id": ctx_request_id, "timeout_s": t},
+                                     timeout=aiohttp.ClientTimeout(total=t + 5)) as r:
+            ok = r.status == 200 and (await r.json()).get("ready") is True
+        if not ok:
+            raise TimeoutError(f"the prefill of room {ctx_request_id} at {url} was not ready within {t:g}s")
+
+    async def _notify(self, url: str, ctx_request_id: int) -> None:
+        self._http()
         try:
             async with self._session.post(f"{url}/kv_release", json={
                     "ctx_request_id": ctx_request_id, "reason": "transferred"}) as r:

@@ -1,4 +1,4 @@
-"""NVIDIA Dynamo block hashes (ai-dynamo-runtime 1.6.1, kv_events.md §5.1).
+"""NVIDIA Dynamo block hashes (ai-dynamo-runtime 1.6.1, docs/reference/kv_events.md §5.1).
 
 Dynamo's local hash is ``xxh3_64(u32le(block), seed=compute_salt_hash(ns, lora))`` and its
 sequence hash chains them with seed 1337. Our canonical scheme *is* this pair, so these are thin

@@ -1,5 +1,5 @@
 """TensorRT-LLM block keys (``tensorrt_llm/runtime/kv_cache_hash.py``, ``blockKey.cpp``;
-kv_events.md §7.2, trtllm_disagg.md §3.5).
+docs/reference/kv_events.md §7.2, docs/reference/trtllm_disagg.md §3.5).
 
 - ``v1_block_key``: the V1 KV-cache manager's 64-bit boost-style mix, chained (parent 0 = root).
 - ``v2_sha256``: the V2 radix key, a SHA-256 chain over u32le tokens from ``sha256(scope)``;

@@ -101,7 +101,7 @@ def cleared():
 
 
 def legacy_payload(ts: float, events: list, dp_rank=0) -> bytes:
-    """The same batch in vLLM <= 0.23's tagged-array event encoding (kv_events.md §2.2)."""
+    """The same batch in vLLM <= 0.23's tagged-array event encoding (docs/reference/kv_events.md §2.2)."""
     out = []
     for ev in events:
         if isinstance(ev, BlocksStored):
@@ -119,17 +119,22 @@ class FakePublisher:
     buffer the test controls (drop live sends, evict history, restart from seq 0)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, *, topic: str = "kv-events", legacy: bool = False,
-                 replay: bool = True, connect_to: str | None = None):
+                 replay: bool = True, connect_to: str | None = None, port: int | None = None,
+                 replay_port: int | None = None, dp_rank: int = 0):
         self.ctx = ctx
         self.topic = topic.encode()
         self.legacy = legacy
+        self.dp_rank = dp_rank
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         if connect_to:
             self.pub.connect(connect_to)
             self.endpoint = None
         else:
-            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            if port is None:
+                port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            else:
+                self.pub.bind(f"tcp://127.0.0.1:{port}")
             self.endpoint = f"tcp://127.0.0.1:{port}"
         self.router = None
         self.replay_endpoint = None
@@ -138,8 +143,11 @@ class FakePublisher:
         if replay:
             self.router = ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
-            rport = self.router.bind_to_random_port("tcp://127.0.0.1")
-            self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+            if replay_port is None:
+                replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+            else:
+                self.router.bind(f"tcp://127.0.0.1:{replay_port}")
+            self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
             self._task = asyncio.get_running_loop().create_task(self._serve())
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
@@ -152,7 +160,16 @@ class FakePublisher:
         return d
 
     def encode(self, events: list) -> bytes:
-        return legacy_payload(time.time(), events) if self.legacy else encode_vllm_batch(time.time(), events, 0)
+        if self.legacy:
+            return legacy_payload(time.time(), events, self.dp_rank)
+        return encode_vllm_batch(time.time(), events, self.dp_rank)
+
+    async def send_raw(self, payload: bytes) -> int:
+        """Send arbitrary payload bytes as the next live batch (not kept for replay)."""
+        seq = self.seq
+        self.seq += 1
+        await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
 
     async def publish(self, events: list, *, deliver: bool = True) -> int:
         """Buffer one batch for replay and (unless `deliver` is False: a drop) send it live."""
@@ -222,6 +239,28 @@ async def workers():
     yield make
     for w in made:
         await w.stop()
+
+
+def free_ports(n: int = 1) -> int:
+    """The first of `n` consecutive free TCP ports on 127.0.0.1 (bound and released)."""
+    import socket
+    for _ in range(200):
+        s0 = socket.socket()
+        s0.bind(("127.0.0.1", 0))
+        base = s0.getsockname()[1]
+        socks = [s0]
+        try:
+            for i in range(1, n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def cfg(ctx_urls=(), gen_urls=(), *, ctx_router="kv_cache_aware", gen_router="kv_cache_aware",

@@ -226,3 +226,30 @@ async def test_readiness_minimums_without_disagg_cluster(workers, coordinator):
     # nothing listed: every server registers, one of each is needed
     assert Coordinator(cfg([], [])).minimal == {"context": 1, "generation": 1}
     assert Coordinator(cfg([gen.url], [gen.url])).minimal == {"context": 1, "generation": 1}
+
+
+async def test_a_check_that_raises_is_logged_with_the_server_not_swallowed(workers, caplog):
+    """The gather(..., return_exceptions=True) of a tick used to drop such errors silently."""
+    from coordinator.health import HealthMonitor
+    from coordinator.registry import Registry
+
+    w = await workers("both")
+    reg = Registry(block_size=16, key_scheme="xxh3_chain_v1", failure_threshold=2,
+                   min_ejection_s=0.05, default_ttl_s=30.0)
+    reg.add_static(w.url, "context", 0.0)
+    calls = []
+
+    def broken_hook(entry, info):
+        calls.append(entry.url)
+        raise RuntimeError("subscribing failed")
+
+    mon = HealthMonitor(reg, interval_s=0.05, timeout_s=1.0, on_prepared=broken_hook)
+    with caplog.at_level(logging.ERROR, logger="splitserve.coordinator.health"):
+        await mon.start()
+        try:
+            await wait_for(lambda: mon.check_errors >= 3, what="repeated failing checks")
+        finally:
+            await mon.stop()
+    msgs = [r.getMessage() for r in caplog.records if "subscribing failed" in r.getMessage()]
+    assert calls and msgs and w.url in msgs[0]
+    assert len(msgs) == 1, "logged once per server per 30 s, counted every time"

@@ -207,7 +207,8 @@ def test_client_disaggregated_params_are_stripped(api):
     assert st == 200, raw
     route = json.loads(h["x-splitserve-route"])
     assert route["mode"] == "disaggregated"          # forged params did not skip the context leg
-    assert route["id"] == 987654321                  # the client's positive request id is kept
+    # the client's positive request id is kept as an alias; the id workers and leases see is minted
+    assert route["client_request_id"] == 987654321 and route["id"] != 987654321
     st, _, m = http("GET", api["url"] + "/metrics")
     assert metric(m.decode(), "splitserve_fleet_stripped_disaggregated_params_total") >= 1
 

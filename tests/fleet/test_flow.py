@@ -118,7 +118,8 @@ def test_signed_client_params_are_forwarded(module_cluster, pair):
     st, h, raw = call("POST", url + "/v1/completions", body, {AUTH_HEADER: sign(key, params)})
     assert st == 200, raw
     r = json.loads(h["x-splitserve-route"])
-    assert r["mode"] == "aggregated" and r["id"] == 4242424242 and "context" not in r
+    assert r["mode"] == "aggregated" and "context" not in r
+    assert r["client_request_id"] == 4242424242 and r["id"] != 4242424242     # the fleet mints the id
     st, h, raw = call("POST", url + "/v1/completions", body, {AUTH_HEADER: sign("wrong-key", params)})
     assert st == 200, raw
     assert json.loads(h["x-splitserve-route"])["mode"] == "disaggregated"    # forged: stripped

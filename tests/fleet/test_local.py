@@ -17,7 +17,7 @@ from .conftest import PY, clean_env, free_port_pair, http, wait_for
 def test_local_cluster(cluster, engine):
     port = free_port_pair()
     p = cluster.spawn(f"local-{engine}", [PY, "-m", "splitserve_cli", "local", "--engine", engine,
-                                          "--port", str(port)], env=clean_env())
+                                          "--model", "tiny", "--port", str(port)], env=clean_env())
     wait_for(lambda: "splitserve is up" in p.log(), 120, "the local cluster", p)
     out = p.log()
     url = f"http://127.0.0.1:{port}"

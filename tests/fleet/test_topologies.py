@@ -1,4 +1,4 @@
-"""The three topologies (DESIGN.md §2) with real processes, plus the launcher's guarantees.
+"""The three topologies (docs/design.md §2) with real processes, plus the launcher's guarantees.
 
 - implicit coordinator + 2 fleet processes on one SO_REUSEPORT port: distinct snowflake identities,
   one aggregated /metrics view, a fleet process killed under load is restarted, SIGTERM drains;

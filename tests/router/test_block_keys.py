@@ -33,7 +33,7 @@ def test_scheme_name_is_pinned():
 
 
 def test_dynamo_vector():
-    # kv_events.md §10.4: [1,2,3,4]*8 at block size 32
+    # docs/reference/kv_events.md §10.4: [1,2,3,4]*8 at block size 32
     assert local_hashes([1, 2, 3, 4] * 8, 32).tolist() == [15883719750896736839]
     assert block_keys([1, 2, 3, 4] * 8, 32).tolist() == [15883719750896736839]
 

@@ -1,4 +1,4 @@
-"""Event codecs on the byte-exact payloads of kv_events.md §2.3 and every producer variant."""
+"""Event codecs on the byte-exact payloads of docs/reference/kv_events.md §2.3 and every producer variant."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Engine recipes against every vector of kv_events.md §10."""
+"""Engine recipes against every vector of docs/reference/kv_events.md §10."""
 
 from __future__ import annotations
 

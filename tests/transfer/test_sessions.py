@@ -302,6 +302,85 @@ def test_generation_killed_mid_transfer_is_bounded(kind, procs):
     assert_idle(ctx)
 
 
+def _wait_stat(p, name, want, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = p("attr", "stats").get(name, 0)
+        if v >= want or time.monotonic() > deadline:
+            return v
+        time.sleep(0.01)
+
+
+def test_a_receiver_that_gives_up_before_posting_frees_the_context_at_once(procs):
+    """Issue 15 item 7: a generation rank that drops a request before its `recv` reached the
+    context rank still tells it, so the pinned KV is not held until the send timeout."""
+    ctx = procs("context", "tcp", "ctx", cfg={"send_timeout_s": 30.0})
+    gen = procs("generation", "tcp", "gen")
+    # 1. cancelled while the receive is still fetching the context instance (first contact:
+    #    get_instance → register → recv takes several round trips; the cancel lands before)
+    ctx("begin_send", 31, 30, SRC)
+    ctx("finish_send", 31, None)
+    gen("begin_receive", 31, ctx.endpoint, 30, DST)
+    assert gen("cancel_receive", 31) is True
+    assert gen("recv_status", 31)["state"] == "cancelled"
+    # the recv was not posted yet: the cancel goes out from the listener thread
+    assert _wait_stat(gen, "abandons_sent", 1) == 1
+    t0 = time.monotonic()
+    st = wait_status(ctx, "send_status", 31, timeout=5)
+    assert st["state"] == "cancelled" and st["cause"] == "receiver_cancelled", st
+    assert time.monotonic() - t0 < 3.0
+    # 2. abandoned: the request ended on the generation side before any receive began
+    ctx("begin_send", 32, 30, SRC)
+    ctx("finish_send", 32, None)
+    gen("abandon_receive", 32, ctx.endpoint)
+    st = wait_status(ctx, "send_status", 32, timeout=5)
+    assert st["state"] == "cancelled" and st["cause"] == "receiver_cancelled", st
+    # 3. a completed transfer reports its cause too; abandoning it afterwards changes nothing
+    ctx("begin_send", 33, 30, SRC)
+    ctx("finish_send", 33, None)
+    gen("begin_receive", 33, ctx.endpoint, 30, DST)
+    assert wait_status(gen, "recv_status", 33)["state"] == "done"
+    assert wait_status(ctx, "send_status", 33)["cause"] == "transferred"
+    gen("release_receive", 33)
+    gen("abandon_receive", 33, ctx.endpoint)   # retired here: no-op
+    assert _wait_stat(gen, "abandons_sent", 2) == 2
+    for r in (31, 32, 33):
+        ctx("release_send", r)
+    gen("release_receive", 31)
+    assert_idle(ctx, gen)
+
+
+def test_an_unclaimed_send_ends_at_the_claim_timeout_and_a_claimed_one_waits(procs):
+    """Issue 15 item 7: the KV of a context answer that never reached a generation worker (its
+    requester died between the legs) is freed at the claim timeout, not the send timeout; a
+    request the generation worker accepted (claimed) waits for its receive as long as needed."""
+    ctx = procs("context", "tcp", "ctx", cfg={"send_timeout_s": 30.0, "claim_timeout_s": 0.5})
+    gen = procs("generation", "tcp", "gen")
+    ctx("begin_send", 41, 30, SRC)
+    ctx("finish_send", 41, None)
+    gen("claim_receive", 42, ctx.endpoint)       # claimed before the context leg began
+    ctx("begin_send", 42, 30, SRC)
+    ctx("finish_send", 42, None)
+    ctx("begin_send", 43, 30, SRC)
+    ctx("finish_send", 43, None)
+    gen("claim_receive", 43, ctx.endpoint)       # claimed after the answer
+    t0 = time.monotonic()
+    st = wait_status(ctx, "send_status", 41, timeout=5)
+    assert st["state"] == "failed" and st["cause"] == "unclaimed", st
+    assert time.monotonic() - t0 < 3.0
+    time.sleep(1.0)                              # twice the claim timeout
+    for r in (42, 43):
+        st = ctx("send_status", r)
+        assert not st["quiescent"] and st["state"] == "waiting", st
+        gen("begin_receive", r, ctx.endpoint, 30, DST)
+        assert wait_status(gen, "recv_status", r)["state"] == "done"
+        assert wait_status(ctx, "send_status", r)["cause"] == "transferred"
+        gen("release_receive", r)
+    for r in (41, 42, 43):
+        ctx("release_send", r)
+    assert_idle(ctx, gen)
+
+
 def test_receive_times_out_when_the_context_never_starts(procs):
     ctx = procs("context", "tcp", "ctx")
     gen = procs("generation", "tcp", "gen", cfg={"recv_timeout_s": 1.0})

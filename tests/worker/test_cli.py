@@ -76,6 +76,7 @@ async def test_torch_worker_prefix_hits_and_events_match_snapshot(http):
         async with http.get(url + "/server_info") as r:
             info = await r.json()
         assert info["engine"] == "torch" and info["model"] == "tiny"
+        assert info["attention_backend"] == "torch", "auto picks the torch path on the CPU"
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(info["kv_events"]["publisher"])

@@ -71,18 +71,25 @@ async def test_publisher_framing_seq_and_replay(actx):
         assert raw[1][0]["type"] == "BlockStored" and raw[1][0]["block_hashes"] == [1]
         # the ring keeps the last 3 batches: a replay from 1 starts at 2 (the gap is visible)
         msgs = await replay(actx, pub.replay_endpoint, 1)
+        # vLLM 0.33 ZmqEventPublisher._service_replay (vllm/distributed/kv_events.py, vllm-0.33.0
+        # wheel): (client_id, b"", topic, seq, payload) per batch, (client_id, b"", b"", END, b"")
+        assert [len(m) for m in msgs] == [4] * 4
         assert [m[0] for m in msgs] == [b""] * 4, "a DEALER's delimiter is echoed"
-        assert [int.from_bytes(m[1], "big", signed=True) for m in msgs] == [2, 3, 4, -1]
-        assert msgs[-1][2] == b"" and decode_zmq(msgs[-1]).is_replay_end
+        assert [m[1] for m in msgs] == [b"kv-events"] * 3 + [b""]
+        assert [int.from_bytes(m[2], "big", signed=True) for m in msgs] == [2, 3, 4, -1]
+        assert msgs[-1] == [b"", b"", END_MARKER_SEQ, b""] and decode_zmq(msgs[-1]).is_replay_end
+        assert [m[3] for m in msgs[:-1]] == [f[2] for f in live[2:]], "replayed bytes are the live bytes"
         assert [decode_zmq(m).events for m in msgs[:-1]] == [b.events for b in dec[2:]]
-        # the bare [seq_be8] request of INTERFACES.md §3 gets [seq_be8, payload] frames
+        # every batch carries data_parallel_rank 0, as vLLM's publisher stamps it
+        assert [msgpack.unpackb(f[2])[2] for f in live] == [0] * 5
+        # the bare [seq_be8] request of docs/INTERFACES.md §3 gets the same frames minus the delimiter
         msgs = await replay(actx, pub.replay_endpoint, 4, delimiter=False)
-        assert [len(m) for m in msgs] == [2, 2] and int.from_bytes(msgs[0][0], "big") == 4
+        assert msgs == [[b"kv-events", (4).to_bytes(8, "big"), live[4][2]], [b"", END_MARKER_SEQ, b""]]
         # a malformed request gets just the end marker
         d = actx.socket(zmq.DEALER)
         d.connect(pub.replay_endpoint)
         await d.send_multipart([b"", b"abc"])
-        assert await asyncio.wait_for(d.recv_multipart(), 5) == [b"", END_MARKER_SEQ, b""]
+        assert await asyncio.wait_for(d.recv_multipart(), 5) == [b"", b"", END_MARKER_SEQ, b""]
         d.close(linger=0)
         assert pub.replays_served == 2
     finally:

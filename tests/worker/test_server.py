@@ -102,12 +102,13 @@ async def test_info_endpoints(servers, http):
         info = await r.json()
     assert set(info) == {"role", "model", "engine", "block_size", "key_scheme", "ns_seed",
                          "worker_id", "max_batch_size", "max_num_tokens", "kv_events",
-                         "transfer", "disaggregated_params"}
+                         "transfer", "disaggregated_params", "disagg_protocol", "attention_backend"}
     assert info["role"] == "context" and info["engine"] == "sim" and info["block_size"] == 4
     assert info["key_scheme"] == "xxh3_chain_v1" and info["ns_seed"] == 0
     assert set(info["kv_events"]) == {"publisher", "replay", "topic", "snapshot", "format"}
     assert info["kv_events"]["publisher"].startswith("tcp://127.0.0.1:")
     assert info["transfer"] is None and info["disaggregated_params"] == {"ctx_info_endpoint": None}
+    assert info["disagg_protocol"] == "trtllm"   # fleet/legs/__init__.py `infer` reads it
     async with http.get(url + "/metrics") as r:
         text = await r.text()
     for name in ("num_requests_running", "num_requests_waiting", 'kv_blocks{state="used"}',

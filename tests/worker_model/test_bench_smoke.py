@@ -16,8 +16,10 @@ def test_bench_worker_quick(tmp_path):
                           "--results", str(results)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    rows = re.findall(r"^\| (prefill|decode) \| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)% \|", out.stdout, re.M)
-    assert [(r[0], r[1]) for r in rows] == [("prefill", "1"), ("decode", "1"), ("prefill", "4"), ("decode", "4")]
+    rows = re.findall(r"^\| (prefill|decode) \| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)% \| (\w+) \| (\d+) \|",
+                      out.stdout, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("prefill", "1"), ("prefill", "4"), ("decode", "1"), ("decode", "4")]
+    assert {(r[5], r[6]) for r in rows} == {("torch", "64")}, "CPU: the torch backend, context = prompt length"
     assert all(int(r[2].replace(",", "")) > 0 and float(r[4]) > 0 for r in rows)
     text = results.read_text()
     assert "keep me" in text and "## worker" in text and "### tiny · cpu · float32" in text

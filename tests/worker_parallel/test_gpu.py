@@ -91,3 +91,30 @@ def test_nccl_tp2_1b_bf16_decode_timing():
           f"TP2 {t_tp2 * 1e3:.1f} ms; {same}/64 greedy tokens identical")
     assert len(tg) == len(prompt) + 65
     assert tg[len(prompt)] == tr[len(prompt)]  # the first token's margin dwarfs bf16 noise
+
+
+def test_nccl_ranks_listen_on_loopback_only():
+    """Issue 15 item 6: NCCL's bootstrap listens on the first non-loopback interface unless told
+    otherwise; a multi-rank worker keeps every rank's sockets on loopback (worker/parallel.py)."""
+    import ipaddress
+    import os
+
+    from tests.procs import listening_sockets, tree
+    from worker.presets import preset_config
+    from worker.rank_group import RankGroup
+    from worker.runner import Chunk
+
+    me = os.getpid()
+    before = set(listening_sockets(me))
+    g = RankGroup.launch("tiny", preset_config("tiny"), tp_size=2, pp_size=1, device="cuda",
+                         dtype=torch.float32, num_blocks=64, block_size=16)
+    try:
+        g.runner.step([Chunk([5, 6, 7], 0, [3])])   # communicators exist after a collective
+        torch.cuda.synchronize()
+        socks = [(p, s) for p in tree(me) for s in listening_sockets(p)
+                 if p != me or s not in before]
+        assert socks, "no rank socket found (the scan would prove nothing)"
+        bad = [(p, s) for p, s in socks if not ipaddress.ip_address(s[1]).is_loopback]
+        assert not bad, bad
+    finally:
+        g.shutdown()

@@ -1,0 +1,198 @@
+"""The fleet↔coordinator channel: its frame types and framing, the one module both sides import.
+
+A fleet process opens one persistent connection per coordinator (`GET /channel` with
+`Upgrade: splitserve-channel/1` on the coordinator's own HTTP listener, TCP or Unix socket; the
+answer `101 Switching Protocols` turns the connection into a stream of frames). A coordinator
+that does not offer the channel answers anything else (404 from an older one, or the aiohttp
+server) and the client keeps using the HTTP API.
+
+Frame: a 4-byte big-endian payload length, then one msgpack payload (msgspec, array-like tagged
+structs: the first element names the type). Client → coordinator: `Batch` only; coordinator →
+client: one `Replies` per `Batch`, in order, carrying the batch's `seq`. A `Batch` holds every
+call a fleet process made since its last flush (one event-loop turn) and every lease end it
+queued: finishes carry no call id and get no result of their own; the `Replies` with the same
+`seq` acknowledges all of them at once (applied exactly once: a finish of a lease already ended
+is counted and ignored, so re-sending an unacknowledged batch's finishes after a reconnect is
+safe). Results carry the HTTP API's answer bodies unchanged (same shapes as `/select`,
+`/select_pair`, `/renew`) with the HTTP status they would have had.
+
+Validation happens here, at decode: roles are canonical names, ids are u64, block keys are one
+`bin` of little-endian u64; the coordinator does not re-check per call what the schema enforces.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+import numpy as np
+
+from coordinator import wire
+
+PATH = "/channel"
+PROTOCOL = "splitserve-channel/1"
+HEADER = struct.Struct(">I")
+MAX_FRAME = 32 * 1024 * 1024       # same bound as an HTTP body (coordinator.service.MAX_BODY_BYTES)
+
+# Result statuses: the HTTP API's, so one error mapping serves both transports.
+OK = 200
+BAD_REQUEST = 400
+UNAVAILABLE = 503            # no server fits the placement
+OVERLOADED = 429             # the coordinator shed the call: it waited too long in its queue
+
+Role = Literal["context", "generation"]
+U64 = Annotated[int, msgspec.Meta(ge=0)]    # msgpack ints stop at u64 by themselves
+
+
+class Select(msgspec.Struct, tag=0, array_like=True, omit_defaults=True):
+    id: U64
+    role: Role
+    req_id: U64
+    routing_key: wire.RoutingKeyField = None
+    exclude: list[str] | None = None
+
+
+class SelectPair(msgspec.Struct, tag=1, array_like=True, omit_defaults=True):
+    id: U64
+    req_id: U64
+    routing_key: wire.RoutingKeyField = None
+    exclude_ctx: list[str] | None = None
+    exclude_gen: list[str] | None = None
+
+
+class Renew(msgspec.Struct, tag=2, array_like=True):
+    id: U64
+    role: Role
+    req_id: U64
+
+
+class Finish(msgspec.Struct, array_like=True, omit_defaults=True):
+    role: Role
+    req_id: U64
+    success: bool = True
+    usage: wire.FinishUsage | None = None   # the worker's report against the prediction (/finish's)
+
+
+Call = Union[Select, SelectPair, Renew]
+
+
+class Batch(msgspec.Struct, tag="b", array_like=True):
+    seq: U64
+    sent: float | None = None      # the client's monotonic clock at send (queueing estimate)
+    # Each call and finish is decoded on its own (`decode_call`, `decode_finish`), so one that
+    # does not fit the schema costs its own 400, not the whole batch or the connection.
+    calls: list[msgspec.Raw] = []
+    finishes: list[msgspec.Raw] = []
+
+
+class Result(msgspec.Struct, array_like=True):
+    id: int
+    status: int
+    body: Any                      # the HTTP API's answer, or {"error", "field"?, "retry_after"?}
+
+
+class Replies(msgspec.Struct, tag="r", array_like=True):
+    seq: int                       # the Batch answered; its finishes are applied
+    results: list[Result] = []
+
+
+_enc = msgspec.msgpack.Encoder(enc_hook=wire._enc_hook)
+_batch_dec = msgspec.msgpack.Decoder(Batch)
+_replies_dec = msgspec.msgpack.Decoder(Replies)
+_call_dec = msgspec.msgpack.Decoder(Call)
+_finish_dec = msgspec.msgpack.Decoder(Finish)
+_any_dec = msgspec.msgpack.Decoder()
+
+
+def frame(obj: Batch | Replies) -> bytes:
+    """One frame: length prefix and msgpack payload."""
+    payload = _enc.encode(obj)
+    return HEADER.pack(len(payload)) + payload
+
+
+def batch_frame(seq: int, sent: float, calls: list, finishes: list) -> bytes:
+    """A client's `Batch` frame from call and finish structs (encoded in place of the Raw items)."""
+    payload = _enc.encode(("b", seq, sent, calls, finishes))
+    return HEADER.pack(len(payload)) + payload
+
+
+def decode_batch(payload: bytes | memoryview) -> Batch:
+    return _batch_dec.decode(payload)
+
+
+def decode_call(raw: msgspec.Raw) -> Call:
+    return _call_dec.decode(raw)
+
+
+def decode_finish(raw: msgspec.Raw) -> Finish:
+    return _finish_dec.decode(raw)
+
+
+def call_id(raw: msgspec.Raw) -> int | None:
+    """The id of a call that did not decode, when it has a readable one (to answer it)."""
+    try:
+        v = _any_dec.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(v, list) and len(v) > 1 and type(v[1]) is int:
+        return v[1]
+    return None
+
+
+def decode_replies(payload: bytes | memoryview) -> Replies:
+    return _replies_dec.decode(payload)
+
+
+class FrameTooLarge(ValueError):
+    def __init__(self, size: int):
+        super().__init__(f"channel frame of {size} bytes: at most {MAX_FRAME} allowed")
+        self.size = size
+
+
+def split_frames(buf: bytearray) -> list[bytes]:
+    """Remove and return the complete payloads at the front of `buf` (the rest stays)."""
+    out = []
+    pos, n = 0, len(buf)
+    while n - pos >= 4:
+        (size,) = HEADER.unpack_from(buf, pos)
+        if size > MAX_FRAME:
+            raise FrameTooLarge(size)
+        end = pos + 4 + size
+        if end > n:
+            break
+        out.append(bytes(buf[pos + 4:end]))
+        pos = end
+    if pos:
+        del buf[:pos]
+    return out
+
+
+def upgrade_request(host: str = "coordinator") -> bytes:
+    return (f"GET {PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\n"
+            f"Upgrade: {PROTOCOL}\r\n\r\n").encode()
+
+
+UPGRADE_ANSWER = (f"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                  f"Upgrade: {PROTOCOL}\r\n\r\n").encode()
+
+
+def wire_key(rk: Any) -> Any:
+    """A routing key in its wire form (block keys as little-endian u64 bytes), for both transports:
+    a dict, a `router.policies.RoutingKey` (or any object with its attributes), a string or None."""
+    if rk is None or isinstance(rk, str):
+        return rk
+    if isinstance(rk, dict):
+        out = dict(rk)
+    else:
+        out = {"block_keys": getattr(rk, "block_keys", None),
+               "num_tokens": getattr(rk, "num_tokens", None),
+               "conversation_id": getattr(rk, "conversation_id", None)}
+        out = {k: v for k, v in out.items() if v is not None}
+    keys = out.get("block_keys")
+    if isinstance(keys, np.ndarray):
+        out["block_keys"] = np.ascontiguousarray(keys, dtype="<u8").tobytes()
+    elif isinstance(keys, (bytearray, memoryview)):
+        out["block_keys"] = bytes(keys)
+    elif isinstance(keys, tuple):
+        out["block_keys"] = list(keys)
+    return out
