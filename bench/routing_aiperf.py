@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -71,8 +72,13 @@ def derived_trace(reqs: list[T.Req], args, path: Path) -> None:
     k = args.tokens_per_block / T.TRACE_BLOCK
     with open(path, "w") as f:
         for r in reqs:
+            n = len(r.hash_ids)
+            # as bench/_trace.Tokens cuts it, kept within aiperf's rule for the last block
+            # (0 < final block <= block size)
+            isl = min(max(math.ceil(r.input_length * k), (n - 1) * args.tokens_per_block + 1),
+                      n * args.tokens_per_block)
             f.write(json.dumps({"timestamp": int(round(r.t_s * scale * 1000)),
-                                "input_length": max(1, round(r.input_length * k)),
+                                "input_length": isl,
                                 "output_length": r.output_length, "hash_ids": r.hash_ids}) + "\n")
 
 
@@ -114,7 +120,19 @@ def run_aiperf(url: str, model: Path, trace: Path, n: int, args, out: Path) -> d
         raise RuntimeError(f"aiperf failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
     exp = next(out.rglob("profile_export_aiperf.json"))
     data = json.loads(exp.read_text())
-    return {"wall_s": round(time.time() - t, 1), "export": data, "cmd": " ".join(cmd)}
+    return {"wall_s": round(time.time() - t, 1), "export": data, "cmd": " ".join(cmd),
+            "hit_ratio": cache_hit_ratio(next(out.rglob("profile_export.jsonl")))}
+
+
+def cache_hit_ratio(records: Path) -> float | None:
+    """Σ usage_prompt_cache_read_tokens / Σ input tokens over aiperf's per-request records (the
+    workers' `cached_tokens`, as aiperf read them)."""
+    cached = prompt = 0
+    for line in records.read_text().splitlines():
+        m = json.loads(line).get("metrics") or {}
+        cached += (m.get("usage_prompt_cache_read_tokens") or {}).get("value", 0)
+        prompt += (m.get("input_sequence_length") or {}).get("value", 0)
+    return cached / prompt if prompt else None
 
 
 def _stat(data: dict, tag: str) -> dict:
@@ -154,8 +172,8 @@ def main(argv=None) -> int:
         procs = R.Procs(work)
         try:
             ws = T.working_set_blocks(reqs, args.tokens_per_block, R.BLOCK)
-            urls = R.start_workers(procs, args.workers, max(64, int(ws * args.kv_ratio / args.workers)),
-                                   args, model=str(model))
+            per_worker = max(64, int(ws * args.kv_ratio / args.workers))
+            urls = R.start_workers(procs, args.workers, per_worker, args, model=str(model))
             furl, _, front = R.start_front(procs, work, urls, args.policy, {}, model=str(model))
             ours = T.summarize(asyncio.run(R.replay(furl, reqs, tokens, args, model=model.name)),
                                urls, args.dilation)
@@ -180,7 +198,9 @@ def main(argv=None) -> int:
     print(json.dumps(theirs, indent=1))
     result = {"ours": {k: v for k, v in ours.items() if k != "ttft_ms_sorted"}, "aiperf": theirs,
               "dilation": d, "args": vars(args) | {"trace": str(args.trace)},
-              "aiperf_cmd": ap_out["cmd"], "workers_after": hit_after}
+              "aiperf_cmd": ap_out["cmd"], "workers_after": hit_after,
+              "aiperf_hit_ratio": ap_out["hit_ratio"],
+              "blocks_per_worker": per_worker, "working_set_blocks": ws}
     out = R.OUTDIR / "routing_aiperf.json"
     if not args.no_write:
         R.OUTDIR.mkdir(exist_ok=True)
@@ -198,19 +218,26 @@ def report(res: dict) -> str:
         return "–" if v is None else f"{v / d:,.1f}"
     t, itl = a["time_to_first_token"], a["inter_token_latency"]
     rows = [
-        "| client | requests ok | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TPOT/ITL p50 ms | "
-        "TPOT/ITL p99 ms |", "|---|---:|---:|---:|---:|---:|---:|",
-        f"| bench/routing.py | {o['ok']} | {o['ttft_p50_ms']:,.1f} | – | {o['ttft_p99_ms']:,.1f} | "
-        f"{o['tpot_p50_ms']:.2f} | {o['tpot_p99_ms']:.2f} |",
-        f"| aiperf 0.13.0 | {(a['request_count'] or {}).get('avg', '–')} | {ms(t, 'p50')} | "
+        "| client | requests ok | prompt tokens | hit ratio | TTFT p50 ms | TTFT p90 ms | "
+        "TTFT p99 ms | TPOT/ITL p50 ms | TPOT/ITL p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| bench/routing.py | {o['ok']} | {o['prompt_tokens']:,} | {o['hit_ratio']:.3f} | "
+        f"{o['ttft_p50_ms']:,.1f} | – | {o['ttft_p99_ms']:,.1f} | {o['tpot_p50_ms']:.2f} | "
+        f"{o['tpot_p99_ms']:.2f} |",
+        f"| aiperf 0.13.0 | {(a['request_count'] or {}).get('avg', '–')} | "
+        f"{(a['input_sequence_length'] or {}).get('avg', 0) * (a['request_count'] or {}).get('avg', 0):,.0f} | "
+        f"{res.get('aiperf_hit_ratio') or float('nan'):.3f} | {ms(t, 'p50')} | "
         f"{ms(t, 'p90')} | {ms(t, 'p99')} | {ms(itl, 'p50')} | {ms(itl, 'p99')} |"]
     args = res["args"]
     return "\n".join([
         f"{args['workers']} sim workers, policy `{args['policy']}`, the same "
-        f"{o['requests']} sampled requests, arrivals compressed {args['compress']:g}×, "
+        f"{o['requests']} sampled requests, {res.get('blocks_per_worker', '?')} KV blocks per worker "
+        f"({args['kv_ratio']:.0%} of the working set over the cluster), arrivals compressed "
+        f"{args['compress']:g}×, "
         f"dilation {d:g} (both clients' times divided by it). Command: "
         f"`python bench/routing_aiperf.py --workers {args['workers']} --policy {args['policy']}`; "
-        f"aiperf: `{res['aiperf_cmd'].split(' --artifact-dir')[0]}`.", "", *rows, ""])
+        f"aiperf: `{res['aiperf_cmd'].split(' --artifact-dir')[0].replace(str(ROOT) + '/', '')}`.",
+        "", *rows, ""])
 
 
 if __name__ == "__main__":
