@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import subprocess
 import tokenize
 from pathlib import Path
 
@@ -22,8 +23,15 @@ MD_LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
 
 
 def _files(ext: str) -> list[Path]:
-    return [p for p in ROOT.rglob(f"*{ext}")
-            if not SKIP & set(p.relative_to(ROOT).parts)]
+    """The repository's files (git's view: tracked or new, never ignored ones such as virtualenvs);
+    without git, a walk that skips the usual build and environment folders."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             cwd=ROOT, capture_output=True, check=True, timeout=30).stdout
+        return [ROOT / n for n in out.decode().split("\0") if n.endswith(ext) and (ROOT / n).is_file()]
+    except (OSError, subprocess.SubprocessError):
+        return [p for p in ROOT.rglob(f"*{ext}")
+                if not SKIP & set(p.relative_to(ROOT).parts)]
 
 
 def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
