@@ -574,7 +574,8 @@ def run(args) -> dict:
     coord_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-coord-"))
     port_file = tmp / "workers.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # ROOT first, and whatever PYTHONPATH the caller set (staged wheels on the GPU host) after it.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     helper = subprocess.Popen([sys.executable, __file__, "--_workers", str(args.servers), "--_docs",
                                str(args.docs), "--_port-file", str(port_file)], env=env, cwd=ROOT,
                               preexec_fn=_pin(client_cpu))
