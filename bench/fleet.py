@@ -81,8 +81,8 @@ class Group:
         self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                   start_new_session=True)
 
-    def ticks(self) -> int:
-        total = 0
+    def members(self):
+        """(pid, /proc/<pid>/stat fields after the command name) of every live process of the group."""
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue
@@ -92,21 +92,17 @@ class Group:
             except OSError:
                 continue
             if int(fields[2]) == self.p.pid:       # pgrp
-                total += int(fields[11]) + int(fields[12])
-        return total
+                yield int(d), fields
+
+    def ticks(self) -> int:
+        return sum(int(f[11]) + int(f[12]) for _, f in self.members())
 
     def ticks_split(self) -> dict[str, int]:
         """CPU ticks of the group by part: the coordinator process, everything else ("fleet")."""
         out = {"fleet": 0, "coordinator": 0}
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
+        for pid, fields in self.members():
             try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[2]) != self.p.pid:
-                    continue
-                with open(f"/proc/{d}/cmdline", "rb") as f:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv = f.read().split(b"\0")
             except OSError:
                 continue

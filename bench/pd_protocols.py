@@ -40,15 +40,10 @@ class Group(_Group):
         """CPU time of every thread of the group in ns (/proc/<pid>/task/*/schedstat: tick-based
         utime/stime is 10 ms coarse, too coarse for a few hundred µs per request)."""
         total = 0
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
+        for pid, _ in self.members():
             try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) != self.p.pid:
-                        continue
-                for t in os.listdir(f"/proc/{d}/task"):
-                    with open(f"/proc/{d}/task/{t}/schedstat") as f:
+                for t in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{t}/schedstat") as f:
                         total += int(f.read().split()[0])
             except (OSError, ValueError):
                 continue
