@@ -317,6 +317,7 @@ class Flow:
             self._m_leg[role].inc()
             st.touched.append((role, p.server))
             err: str
+            shedding: bool           # the typed cause of a retryable failure: worker 503, else unreachable
             try:
                 resp = await self.pool.request(p.server, path, body, self._headers(st, role) + extra,
                                                timeout=self.timeout)
@@ -326,6 +327,7 @@ class Flow:
                 self.placer.report_failure(role, p.server)
                 M.LEG_ERRORS.labels(role, "connect").inc()
                 err = f"{role} server {p.server} unreachable: {e.detail}"
+                shedding = False
             except UpstreamTimeout:
                 p.failed = True
                 M.LEG_ERRORS.labels(role, "timeout").inc()
@@ -350,12 +352,13 @@ class Flow:
                     raise self._relay_error(role, p.server, resp.status, data)
                 M.LEG_ERRORS.labels(role, "http_503").inc()
                 err = f"{role} server {p.server} is shedding load (503)"
+                shedding = True
             # retryable failure: finish this lease (a shedding server is not a failed one), pick another
             self.placer.finish(p, not p.failed)
             if st.attempts[role] >= max_retries:
-                raise ApiError(502 if "unreachable" in err else 503,
+                raise ApiError(503 if shedding else 502,
                                f"{err}; gave up after {st.attempts[role] + 1} attempt(s)",
-                               code="upstream_unavailable", retry_after=1 if "503" in err else None)
+                               code="upstream_unavailable", retry_after=1 if shedding else None)
             st.attempts[role] += 1
             self._m_retry[role].inc()
             if self.backoff:

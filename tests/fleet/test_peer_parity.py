@@ -165,7 +165,7 @@ def test_decode_kv_handle_stays_internal(engine, ours):
     """A vLLM decode answers with its own `kv_transfer_params` (the final chunk, or the top level):
     vllm-router hands it to the client (the fixture); splitserve drops it, like `disaggregated_params`."""
     if engine != "vllm":
-        pytest.skip("a vLLM decode's params only")
+        pytest.skip("applies to vLLM only: an SGLang decode answers with no kv_transfer_params to hide")
     fx = _fixture("vllm")["cases"]
     for case in ("chat_stream", "completion"):
         assert '"kv_transfer_params"' in fx[case]["answer"], case
