@@ -370,6 +370,29 @@ def _total(windows: list[dict]) -> dict:
             "coord_cpu": sum(w["cpu_s"] for w in windows) / secs}
 
 
+async def _open_loop(one, rate: float, seconds: float, rid0: int) -> int:
+    """Start `one(request_id, scheduled_time)` at exact intervals for `seconds` and wait for all;
+    returns how many starts were more than 1 ms late."""
+    n = int(rate * seconds)
+    interval = 1.0 / rate
+    t0 = time.perf_counter() + 0.05
+    late = 0
+    tasks: set = set()
+    for i in range(n):
+        t_sched = t0 + i * interval
+        now = time.perf_counter()
+        if t_sched > now:
+            await asyncio.sleep(t_sched - now)
+        elif now - t_sched > 0.001:
+            late += 1
+        t = asyncio.get_running_loop().create_task(one(rid0 + i + 1, t_sched))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+    return late
+
+
 async def open_loop(target: dict, bodies: _Bodies, rate: float, seconds: float, rid0: int) -> dict:
     """Selects at exact intervals (each followed by its finish on the same connection); RTT of
     the select measured from its scheduled send time, so queueing in the client counts too."""
@@ -380,8 +403,6 @@ async def open_loop(target: dict, bodies: _Bodies, rate: float, seconds: float, 
     rtts: list[float] = []
     wire_rtts: list[float] = []
     errors = 0
-    late = 0
-    tasks = set()
 
     async def one(r: int, t_sched: float):
         nonlocal errors
@@ -397,21 +418,7 @@ async def open_loop(target: dict, bodies: _Bodies, rate: float, seconds: float, 
             errors += 1
         idle.put_nowait(c)
 
-    n = int(rate * seconds)
-    interval = 1.0 / rate
-    t0 = time.perf_counter() + 0.05
-    for i in range(n):
-        t_sched = t0 + i * interval
-        now = time.perf_counter()
-        if t_sched > now:
-            await asyncio.sleep(t_sched - now)
-        elif now - t_sched > 0.001:
-            late += 1
-        t = asyncio.get_running_loop().create_task(one(rid0 + i + 1, t_sched))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.gather(*tasks)
+    late = await _open_loop(one, rate, seconds, rid0)
     for c in pool:
         c.transport.close()
     a = np.asarray(rtts) * 1e3
@@ -430,7 +437,6 @@ async def open_loop_channel(url: str, keys: list[bytes], rate: float, seconds: f
     assert await ch.connect(), "the coordinator did not offer its channel"
     rtts: list[float] = []
     errors = 0
-    tasks = set()
 
     async def one(r: int, t_sched: float):
         nonlocal errors
@@ -443,22 +449,7 @@ async def open_loop_channel(url: str, keys: list[bytes], rate: float, seconds: f
         rtts.append(time.perf_counter() - t_sched)
         ch.finish(role, r)
 
-    n = int(rate * seconds)
-    interval = 1.0 / rate
-    t0 = time.perf_counter() + 0.05
-    late = 0
-    for i in range(n):
-        t_sched = t0 + i * interval
-        now = time.perf_counter()
-        if t_sched > now:
-            await asyncio.sleep(t_sched - now)
-        elif now - t_sched > 0.001:
-            late += 1
-        t = asyncio.get_running_loop().create_task(one(rid0 + i + 1, t_sched))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.gather(*tasks)
+    late = await _open_loop(one, rate, seconds, rid0)
     await ch.close()
     a = np.asarray(rtts) * 1e3
     return {"rate": rate, "n": len(rtts), "p50_ms": float(np.percentile(a, 50)),
