@@ -74,8 +74,7 @@ class Flow:
         self.no_transfer: set[str] = set()   # generation servers that answered 501 to generation_only
         self._m_leg = {r: M.LEG_REQUESTS.labels(r) for r in (CTX, GEN)}
         self.m_retry = {r: M.LEG_RETRIES.labels(r) for r in (CTX, GEN)}
-        # No context servers configured (and no dynamic membership): a plain aggregated deployment.
-        self.aggregated_only = not config.context_servers.urls and config.disagg_cluster is None
+        self.aggregated_only = config.aggregated_only   # a plain aggregated deployment
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: web.Request, creq: ClientRequest, alias: int | None,
