@@ -149,7 +149,6 @@ class Coordinator:
         self.empty_index_servers: set[str] = set()
         self.empty_index_grace_s = EMPTY_INDEX_GRACE_S
         self.empty_index_check_s = 1.0
-        self._inflight = {CONTEXT: 0, GENERATION: 0}   # mirrors the lease table per role
         self.started_at = now
         self.version = VERSION
         self._maint: asyncio.Task | None = None
@@ -201,7 +200,6 @@ class Coordinator:
         gone = self.leases.expire(now)
         for lease in gone:
             self.stats.leases_expired[lease.role] += 1
-            self._inflight[lease.role] -= 1
         if gone:
             log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
                         gone[0].role, gone[0].req_id, gone[0].server)
@@ -369,8 +367,6 @@ class Coordinator:
         old = self.leases.finish(role, req_id)
         if old is not None:
             self.stats.leases_replaced += 1
-        else:
-            self._inflight[role] += 1
         self.leases.acquire(role, req_id, server, now, self.lease_ttl_s, tokens)
         self.stats.selects[role] += 1
         if self._kv_aware[role] and key is not None and key.block_keys is not None \
@@ -423,8 +419,7 @@ class Coordinator:
                 ctx = self._select(CONTEXT, req_id, key, ex_ctx)
             except NoServerAvailable as exc:
                 if self.config.no_context_fallback != "aggregate":
-                    if self.leases.finish(GENERATION, req_id) is not None:
-                        self._inflight[GENERATION] -= 1
+                    self.leases.finish(GENERATION, req_id)
                     raise
                 mode, reason = "aggregate_fallback", f"{exc}; serving on the generation server alone"
         self.stats.pair_modes[mode] = self.stats.pair_modes.get(mode, 0) + 1
@@ -447,7 +442,6 @@ class Coordinator:
             return False
         if u is not None and self._kv_aware[role]:
             self.diag.report(lease.server, *u)
-        self._inflight[role] -= 1
         k = (role, success)
         self.stats.finishes[k] = self.stats.finishes.get(k, 0) + 1
         self.registry.report(lease.server, success, self.clock())
@@ -515,7 +509,8 @@ class Coordinator:
         return ("need " + ", ".join(missing)) if missing else None
 
     def in_flight(self) -> dict[str, int]:
-        return dict(self._inflight)
+        """Live leases per role, counted by the lease table itself."""
+        return {role: self.leases.count(role) for role in ROLES}
 
     def load(self, server: str) -> tuple[int, int]:
         r, t = self.leases.load(server)
