@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 
 from coordinator import metrics as metrics_mod
+from coordinator import snapshot
 from coordinator import wire
 from coordinator.api import make_app
 from coordinator.config import ClusterConfig, load_config
@@ -526,55 +527,8 @@ class Coordinator:
                 "namespace": self.config.routing.namespace, "ns_seed": self.ns_seed}
 
     def cluster_info(self) -> dict:
-        now = self.clock()
-        mono = time.monotonic()
-        servers: dict[str, list] = {CONTEXT: [], GENERATION: []}
-        for e in self.registry.servers.values():
-            d = e.describe(now)
-            r, t = self.load(e.url)
-            d["load"] = {"requests": r, "tokens": t}
-            d["kv_index_blocks"] = self.index_size(e.url)
-            d["kv_ready"] = self.kv.kv_ready(e.url)
-            d["kv_index_empty_under_traffic"] = e.url in self.empty_index_servers
-            par = self.diag.parity.get(e.url)
-            d["kv_parity"] = par.describe() if par is not None else None
-            d["kv_mismatch"] = par.field if par is not None and par.status == "kv_mismatch" else None
-            d["routing_prediction"] = self.diag.describe_prediction(e.url)
-            feed = self.kv.feeds.get(e.url)
-            d["kv_events"] = feed.describe(mono) if feed is not None else None
-            d["server_info"] = e.server_info
-            for role in e.roles:
-                servers[role].append(d)
-        routing = self.routing_info()
-        reason = self.not_ready_reason()
-        return {
-            "is_ready": reason is None,
-            "not_ready_reason": reason,
-            "server_lists": {role: [e.url for e in self.registry.healthy(role)] for role in ROLES},
-            "servers": servers,
-            "minimal_instances": {"context_servers": self.minimal[CONTEXT],
-                                  "generation_servers": self.minimal[GENERATION]},
-            "routing": routing,
-            "routing_key_configs": {role: {"tokens_per_block": self.block_size,
-                                           "key_scheme": self.key_scheme} for role in ROLES},
-            "routers": {role: {"type": self.router_types[role], "args": self.router_args[role]}
-                        for role in ROLES},
-            "leases": {"in_flight": self.in_flight(), "ttl_s": self.lease_ttl_s,
-                       "expired_total": dict(self.stats.leases_expired),
-                       "replaced_total": self.stats.leases_replaced},
-            "kv_index": {"size": self.index_size(), "bind_endpoint": self.kv.bound_endpoint,
-                         "bound_reader_restarts": self.kv.bound_reader_restarts},
-            "routing_diagnostics": {
-                "kv_mismatch": sorted(u for u in self.diag.parity if self.diag.kv_unknown(u)),
-                "prediction_alarm": sorted(u for u, p in self.diag.pred.items() if p.alarm),
-                "alarm_ratio": self.diag.alarm_ratio, "window_s": self.diag.window_s},
-            "select_latency_s": {"count": self.stats.select_latency.n,
-                                 "p50_le": self.stats.select_latency.quantile(0.5),
-                                 "p99_le": self.stats.select_latency.quantile(0.99)},
-            "identities": {"held": len(self.identities), "ttl_s": self.identities.ttl_s},
-            "version": VERSION,
-            "uptime_s": round(now - self.started_at, 3),
-        }
+        """`/cluster_info`: built from the same snapshot as the metrics (coordinator/snapshot.py)."""
+        return snapshot.take(self).cluster_info()
 
     def metrics_text(self) -> bytes:
         return metrics_mod.render(self)
