@@ -287,29 +287,19 @@ class Coordinator:
         self._cand_version = version
 
     def routing_key(self, rk: Any) -> RoutingKey | None:
-        """Validate a routing key given as a wire struct, a dict, a RoutingKey, a string or None."""
+        """Check a routing key against the cluster (block keys as u64, no more full blocks than
+        `num_tokens` holds at this block size). A decoded wire struct (`wire.RoutingKeyBody`) or a
+        conversation-id string has its types guaranteed by the decoder; a dict or `RoutingKey`
+        from a Python caller is type-checked here."""
         if rk is None:
             return None
         if isinstance(rk, str):
             return RoutingKey(block_keys=None, num_tokens=0, conversation_id=rk)
-        if isinstance(rk, RoutingKey):
+        if isinstance(rk, wire.RoutingKeyBody):
             keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
-        elif isinstance(rk, wire.RoutingKeyBody):
-            keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
-        elif isinstance(rk, dict):
-            unknown = set(rk) - {"block_keys", "num_tokens", "conversation_id"}
-            if unknown:
-                raise BadRequest(f"unknown routing_key field(s) {sorted(unknown)}: expected "
-                                 "block_keys, num_tokens, conversation_id",
-                                 f"routing_key.{sorted(unknown)[0]}")
-            keys, n, conv = rk.get("block_keys"), rk.get("num_tokens"), rk.get("conversation_id")
         else:
-            raise BadRequest(f"routing_key must be an object or a conversation id string, got "
-                             f"{type(rk).__name__}", "routing_key")
+            keys, n, conv = _python_routing_key(rk)
         arr = None if keys is None else wire.block_keys_array(keys)
-        if n is not None and (type(n) is not int or n < 0):
-            raise BadRequest(f"num_tokens must be a non-negative integer, got {n!r}",
-                             "routing_key.num_tokens")
         if arr is not None:
             if n is None:
                 n = int(arr.size) * self.block_size
@@ -317,11 +307,10 @@ class Coordinator:
                 raise BadRequest(f"{arr.size} block keys for {n} tokens: at block size "
                                  f"{self.block_size} at most {n // self.block_size} full blocks exist",
                                  "routing_key.block_keys")
-        if conv is not None and not isinstance(conv, str):
-            raise BadRequest("conversation_id must be a string", "routing_key.conversation_id")
         return RoutingKey(block_keys=arr, num_tokens=n or 0, conversation_id=conv)
 
-    def _exclusions(self, exclude: Any, field_name: str) -> set[str]:
+    def exclusions(self, exclude: Any, field_name: str) -> set[str]:
+        """Server urls to leave out, normalised (BadRequest naming `field_name` otherwise)."""
         if exclude is None:
             return set()
         if isinstance(exclude, str):
@@ -350,13 +339,14 @@ class Coordinator:
         k = (role, reason)
         self.stats.select_rejected[k] = self.stats.select_rejected.get(k, 0) + 1
 
-    def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
-        """Place one leg and lease it. Raises `BadRequest` or `NoServerAvailable`."""
+    # Placement and lease calls take validated arguments: every transport checks a request once,
+    # where it decodes it (HTTP bodies in coordinator/api.py, channel frames in
+    # coordinator/channel.py, Python values in `select`/`select_pair`/`finish`/`renew` below).
+    def place(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str]) -> dict:
+        """Place one leg and lease it (`role` canonical, `req_id` a u64, `key` checked by
+        `routing_key`). Raises `NoServerAvailable`."""
         t0 = time.perf_counter()
-        role = wire.parse_role(role)
-        wire.check_req_id(req_id)
-        key = self.routing_key(routing_key)
-        ans = self._select(role, req_id, key, self._exclusions(exclude, "exclude"))
+        ans = self._select(role, req_id, key, excluded)
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return ans
 
@@ -390,8 +380,8 @@ class Coordinator:
         info["lease_ttl_s"] = self.lease_ttl_s
         return {"server": server, "req_id": req_id, "info": info}
 
-    def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
-                    exclude_gen: Any = None) -> dict:
+    def place_pair(self, req_id: int, key: RoutingKey | None, ex_ctx: set[str],
+                   ex_gen: set[str]) -> dict:
         """Both legs in one call: `{"context": answer|None, "generation": answer, "mode", "reason"}`.
 
         The generation leg is placed first so conditional disaggregation can use its cache match:
@@ -400,10 +390,6 @@ class Coordinator:
         context server, `no_context_fallback: aggregate` serves on the generation server alone.
         """
         t0 = time.perf_counter()
-        wire.check_req_id(req_id)
-        key = self.routing_key(routing_key)
-        ex_ctx = self._exclusions(exclude_ctx, "exclude_ctx")
-        ex_gen = self._exclusions(exclude_gen, "exclude_gen")
         gen = self._select(GENERATION, req_id, key, ex_gen)
         ctx = None
         mode, reason = "disaggregated", None
@@ -427,36 +413,54 @@ class Coordinator:
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}
 
-    def finish(self, role: str, req_id: int, success: bool = True, usage: Any = None) -> bool:
+    def end_lease(self, role: str, req_id: int, success: bool,
+                  usage: tuple[int, int, int] | None = None) -> bool:
         """Release a lease (idempotent; False when none was live). `success=False` means the
-        server failed the request and counts toward its ejection. `usage` (`{prompt_tokens,
-        cached_tokens, predicted_tokens}`) is what the worker reported against what the route
-        receipt predicted, for the predicted-vs-actual diagnosis."""
-        role = wire.parse_role(role)
-        wire.check_req_id(req_id)
-        if type(success) is not bool:
-            raise BadRequest(f"success must be a boolean, got {success!r}", "success")
-        u = wire.finish_usage(usage)
+        server failed the request and counts toward its ejection. `usage` is `(prompt,
+        predicted, cached)` tokens (`wire.finish_usage`): what the worker reported against what
+        the route receipt predicted, for the predicted-vs-actual diagnosis."""
         lease = self.leases.finish(role, req_id)
         if lease is None:
             self.stats.finish_unknown += 1
             return False
-        if u is not None and self._kv_aware[role]:
-            self.diag.report(lease.server, *u)
+        if usage is not None and self._kv_aware[role]:
+            self.diag.report(lease.server, *usage)
         k = (role, success)
         self.stats.finishes[k] = self.stats.finishes.get(k, 0) + 1
         self.registry.report(lease.server, success, self.clock())
         return True
 
-    def renew(self, role: str, req_id: int) -> bool:
-        role = wire.parse_role(role)
-        wire.check_req_id(req_id)
+    def renew_lease(self, role: str, req_id: int) -> bool:
         ok = self.leases.renew(role, req_id, self.clock(), self.lease_ttl_s)
         if ok:
             self.stats.renewed += 1
         else:
             self.stats.renew_unknown += 1
         return ok
+
+    # The same calls with plain Python values (the in-process client, tools): checked here.
+    def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
+        """Place one leg and lease it. Raises `BadRequest` or `NoServerAvailable`."""
+        return self.place(wire.parse_role(role), wire.check_req_id(req_id),
+                          self.routing_key(routing_key), self.exclusions(exclude, "exclude"))
+
+    def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
+                    exclude_gen: Any = None) -> dict:
+        """`place_pair` with its arguments checked. Raises `BadRequest` or `NoServerAvailable`."""
+        return self.place_pair(wire.check_req_id(req_id), self.routing_key(routing_key),
+                               self.exclusions(exclude_ctx, "exclude_ctx"),
+                               self.exclusions(exclude_gen, "exclude_gen"))
+
+    def finish(self, role: str, req_id: int, success: bool = True, usage: Any = None) -> bool:
+        """`end_lease` with its arguments checked (`usage`: a dict or `wire.FinishUsage`)."""
+        role = wire.parse_role(role)
+        wire.check_req_id(req_id)
+        if type(success) is not bool:
+            raise BadRequest(f"success must be a boolean, got {success!r}", "success")
+        return self.end_lease(role, req_id, success, wire.finish_usage(usage))
+
+    def renew(self, role: str, req_id: int) -> bool:
+        return self.renew_lease(wire.parse_role(role), wire.check_req_id(req_id))
 
     # ---- membership -------------------------------------------------------------------------
     def register(self, url: str, role: str | None = None, ttl_s: float | None = None,
@@ -562,3 +566,26 @@ class Coordinator:
                             "%.1fs) but its KV index is empty (%s): kv_cache_aware routing is "
                             "degrading to load-only for it", server, now - since, n,
                             self.empty_index_check_s, where)
+
+
+def _python_routing_key(rk: Any) -> tuple[Any, Any, Any]:
+    """(block_keys, num_tokens, conversation_id) of a routing key a Python caller passed (a dict
+    or a `RoutingKey`), type-checked: the part of the wire schema's job no decoder did."""
+    if isinstance(rk, RoutingKey):
+        keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
+    elif isinstance(rk, dict):
+        unknown = set(rk) - {"block_keys", "num_tokens", "conversation_id"}
+        if unknown:
+            raise BadRequest(f"unknown routing_key field(s) {sorted(unknown)}: expected "
+                             "block_keys, num_tokens, conversation_id",
+                             f"routing_key.{sorted(unknown)[0]}")
+        keys, n, conv = rk.get("block_keys"), rk.get("num_tokens"), rk.get("conversation_id")
+    else:
+        raise BadRequest(f"routing_key must be an object or a conversation id string, got "
+                         f"{type(rk).__name__}", "routing_key")
+    if n is not None and (type(n) is not int or n < 0):
+        raise BadRequest(f"num_tokens must be a non-negative integer, got {n!r}",
+                         "routing_key.num_tokens")
+    if conv is not None and not isinstance(conv, str):
+        raise BadRequest("conversation_id must be a string", "routing_key.conversation_id")
+    return keys, n, conv
