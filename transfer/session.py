@@ -72,8 +72,8 @@ from msgspec.structs import replace as msgspec_replace
 from .agent import ERR as XERR, PROC as XPROC, TransferAgent
 from .agents import make_agent
 from .descs import build_pair, merge_runs
-from .errors import (ConfigMismatch, PeerLost, ProtocolError, SessionError, TransferError,
-                     UnsupportedTopology)
+from .errors import (ConfigMismatch, FailureCause, PeerLost, ProtocolError, SessionError,
+                     TransferError, UnsupportedTopology)
 from .messenger import Messenger
 from .page_table import PageTable
 from .peers import (PairPlan, are_peers, head_range, layer_range, peer_flat_ranks, plan_pair,
@@ -236,6 +236,7 @@ class _Task:
     s1: int
     handles: list = field(default_factory=list)
     error: str | None = None
+    peer_lost: bool = False     # the receiver's agent is gone (FailureCause.PEER_LOST / PeerLost)
     nbytes: int = 0
     ndescs: int = 0
     started: float = 0.0
@@ -1117,8 +1118,7 @@ class KvTransceiver:
                 self._submit(task)
             except Exception as e:  # validation / peer lost: nothing was posted
                 task.error = f"{type(e).__name__}: {e}"
-                if isinstance(e, PeerLost):
-                    self._drop_receiver(task.target.rx)
+                task.peer_lost = isinstance(e, PeerLost)
         return bool(todo)
 
     def _submit(self, task: _Task) -> None:
@@ -1172,8 +1172,9 @@ class KvTransceiver:
             if any(st == XPROC for st in states):
                 continue
             for h, st in zip(task.handles, states):
-                if st == XERR and task.error is None:
-                    task.error = self.agent.error(h) or "transfer failed"
+                if st == XERR:
+                    task.error = task.error or self.agent.error(h) or "transfer failed"
+                    task.peer_lost |= h.cause == FailureCause.PEER_LOST
                 self.agent.release(h)
             finished.append(task)
         if not finished:
@@ -1183,8 +1184,7 @@ class KvTransceiver:
             for task in finished:
                 self._tasks.remove(task)
                 self._complete_locked(task)
-                if task.error and ("lost" in task.error or "PeerLost" in task.error
-                                   or "Disconnect" in task.error):
+                if task.peer_lost:
                     lost.append(task.target.rx)
         for rx in lost:
             self._drop_receiver(rx)
