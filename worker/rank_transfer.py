@@ -198,9 +198,6 @@ class MultiRankTransceiver:
                       for i in self.rank_infos()]
         return d
 
-    def opaque_state(self, req_id: int, num_tokens: int) -> str:
-        return self.tx0.opaque_state(req_id, num_tokens)
-
     # ------------------------------------------------------------------ fan-out
     def _all(self, name: str, *args) -> list[Any]:
         """Run a transceiver operation on every rank; None stands for a follower that is gone."""
