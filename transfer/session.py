@@ -11,7 +11,8 @@ Split by object: `sender.py` (context side: send sessions, registered generation
 thread), `control.py` (the typed control messages and who sends which), `states.py` (state enums,
 `Status`, `SendEnd`, `TransferConfig`, `RankTopology`); this module is the facade that builds them
 over one `RankCore` (`session_core.py`: configuration, agent, messenger, the lock) and routes
-control messages. `transfer.transceiver.Transceiver` is the surface it offers.
+control messages. `transfer.transceiver.Transceiver` is the surface it offers (the worker's multi-rank
+facade offers it too).
 
 Context side (sender): `begin_send` creates a send session; `progress_send` appends block-aligned
 slices as prefill chunks finish (pipelining), `finish_send` appends the final slice (always, even
@@ -66,6 +67,7 @@ from .rank_info import RankInfo
 from .receiver import Receiver
 from .sender import Sender
 from .session_core import RankCore
+from .transceiver import Transceiver
 from .states import (DONE, FAILED, IN_FLIGHT, RankTopology, SendEnd, Status,  # noqa: F401
                      TransferConfig, combine_codes)
 
@@ -76,7 +78,7 @@ __all__ = ["KvTransceiver", "TransferConfig", "RankTopology", "Status", "SendEnd
            "IN_FLIGHT", "FAILED", "DONE"]
 
 
-class KvTransceiver:
+class KvTransceiver(Transceiver):
     """One rank's end of KV transfer (see the module docstring)."""
 
     def __init__(self, page_table: PageTable, topology: RankTopology,
