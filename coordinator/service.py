@@ -104,7 +104,8 @@ class Coordinator:
         self.lease_ttl_s = cfg.leases.ttl_s
         co = cfg.coordinator
         dc = cfg.disagg_cluster
-        self.minimal = self._minimal_instances(cfg)
+        mins = cfg.health_minimums
+        self.minimal = {CONTEXT: mins.context_servers, GENERATION: mins.generation_servers}
         # The index keys event tokens under the same namespace salt the fleet keys prompts with.
         self.index = KvIndex(block_size=self.block_size, namespace=cfg.routing.namespace)
         self.leases = LeaseTable()
@@ -163,24 +164,6 @@ class Coordinator:
         self.version = VERSION
         self._maint: asyncio.Task | None = None
         self._started = False
-
-    @staticmethod
-    def _minimal_instances(cfg: ClusterConfig) -> dict[str, int]:
-        """Healthy servers each role needs for readiness: `disagg_cluster.minimal_instances` when
-        given; else one per role that lists servers (an aggregated cluster lists generation
-        servers only), one each when neither lists any (all will register), and at least one
-        context server when `no_context_fallback` is `reject`."""
-        dc = cfg.disagg_cluster
-        if dc is not None:
-            m = {CONTEXT: dc.minimal_instances.context_servers,
-                 GENERATION: dc.minimal_instances.generation_servers}
-        else:
-            groups = cfg.server_groups()
-            listed = {role: bool(groups[role].urls) for role in ROLES}
-            m = {role: 1 if listed[role] or not any(listed.values()) else 0 for role in ROLES}
-        if cfg.no_context_fallback == "reject":
-            m[CONTEXT] = max(1, m[CONTEXT])
-        return m
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:

@@ -134,8 +134,7 @@ class Flow:
         self._m_retry = {r: M.LEG_RETRIES.labels(r) for r in (CTX, GEN)}
         self._m_leglat = {r: M.LEG_LATENCY.labels(r) for r in (CTX, GEN)}
         self._m_tokens: dict = {}
-        # No context servers configured (and no dynamic membership): a plain aggregated deployment.
-        self.aggregated_only = not config.context_servers.urls and config.disagg_cluster is None
+        self.aggregated_only = config.aggregated_only   # a plain aggregated deployment
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: web.Request, creq: ClientRequest, alias: int | None,

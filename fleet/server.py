@@ -97,10 +97,8 @@ class FleetServer:
         self.body_timeout = config.fleet.body_timeout_s
         self.keepalive_requests = config.fleet.keepalive_requests
         self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        mi = config.disagg_cluster.minimal_instances if config.disagg_cluster else None
-        # No context servers configured and no dynamic membership: an aggregated deployment needs none.
-        self.min_ctx = mi.context_servers if mi else (1 if config.context_servers.urls else 0)
-        self.min_gen = mi.generation_servers if mi else 1
+        mins = config.health_minimums   # the coordinator's readiness rule (coordinator/config.py)
+        self.min_ctx, self.min_gen = mins.context_servers, mins.generation_servers
         self._identity_task: asyncio.Task | None = None
         self._m_req: dict = {}
         self.runner: web.AppRunner | None = None

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import abc
 import itertools
-import logging
 import os
 import socket
 import uuid
@@ -46,12 +45,9 @@ from typing import Any
 import numpy as np
 
 from .descs import Descs, as_desc_array
-from .errors import AgentUnavailable, InvalidDescriptors
-
-log = logging.getLogger("splitserve.transfer.agent")
+from .errors import InvalidDescriptors
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
-AGENT_KINDS = ("auto", "nixl", "shm", "tcp")
 # Version of our own agent-descriptor envelope (not of any backend's metadata).
 AGENT_DESC_VERSION = 1
 
@@ -220,7 +216,7 @@ class TransferAgent(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None: ...
 
-    selection: dict | None = None  # how make_agent chose this agent (requested kind, fallback)
+    selection: dict | None = None  # how transfer.agents.make_agent chose it (requested, fallback)
 
     def describe(self) -> dict:
         """What /server_info shows about this agent."""
@@ -234,45 +230,3 @@ class TransferAgent(abc.ABC):
 
     def __exit__(self, *exc):
         self.shutdown()
-
-
-def make_agent(kind: str = "auto", name: str | None = None, *, host: str = "127.0.0.1",
-               advertise_host: str | None = None, port: int = 0, **options) -> TransferAgent:
-    """Create a transfer agent of `kind` and log the choice.
-
-    `auto` prefers NIXL (UCX backend) and falls back to the TCP agent — which works between any two
-    hosts and for any memory — logging why. An explicit kind that cannot be created raises
-    `AgentUnavailable` (an operator who asked for NIXL must not silently get something slower).
-    `options` go to the implementation (e.g. `progress_thread`, `telemetry` for NIXL).
-    """
-    if kind not in AGENT_KINDS:
-        raise ValueError(f"transfer agent kind must be one of {AGENT_KINDS}; found {kind!r}")
-    name = name or unique_agent_name()
-    requested, fallback = kind, None
-    if kind in ("auto", "nixl"):
-        try:
-            from .nixl_agent import NixlAgent
-
-            agent = NixlAgent(name, host=host, **{k: v for k, v in options.items()
-                                                  if k in NixlAgent.OPTIONS and k != "host"})
-            agent.selection = {"requested": requested, "fallback": None}
-            log.info("transfer agent: nixl (UCX) name=%s requested=%s", name, kind)
-            return agent
-        except AgentUnavailable as e:
-            if kind == "nixl":
-                raise
-            fallback = f"nixl unavailable: {e}"
-            log.warning("transfer agent: nixl unavailable (%s); falling back to tcp", e)
-            kind = "tcp"
-    if kind == "shm":
-        from .shm_agent import ShmAgent
-
-        agent = ShmAgent(name, host=host, advertise_host=advertise_host, port=port)
-    else:
-        from .tcp_agent import TcpAgent
-
-        agent = TcpAgent(name, host=host, advertise_host=advertise_host, port=port)
-    agent.selection = {"requested": requested, "fallback": fallback}
-    log.info("transfer agent: %s name=%s endpoint=%s", agent.kind, name,
-             getattr(agent, "endpoint", None))
-    return agent

@@ -69,7 +69,8 @@ import msgpack
 import numpy as np
 from msgspec.structs import replace as msgspec_replace
 
-from .agent import ERR as XERR, PROC as XPROC, TransferAgent, make_agent
+from .agent import ERR as XERR, PROC as XPROC, TransferAgent
+from .agents import make_agent
 from .descs import build_pair, merge_runs
 from .errors import (ConfigMismatch, PeerLost, ProtocolError, SessionError, TransferError,
                      UnsupportedTopology)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tests.transfer.agent_peer import target_main
-from transfer.agent import DONE, ERR, PROC, make_agent
+from transfer.agent import DONE, ERR, PROC
+from transfer.agents import make_agent
 from transfer.descs import Descs, merge_runs
 from transfer.errors import (AgentMismatch, InvalidDescriptors, NameConflict, OutOfRange,
                              PeerLost, RemoteNotLoaded)

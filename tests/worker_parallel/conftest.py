@@ -70,7 +70,7 @@ async def start_worker(model="tiny", *, tp=1, pp=1, role="both", transfer=None, 
 
     name = hf_dir or model
     if tp * pp > 1:
-        from worker.parallel_engine import build_parallel_engine
+        from worker.parallel.engine import build_parallel_engine
 
         engine = await _in_transient_thread(lambda: build_parallel_engine(
             name, tp_size=tp, pp_size=pp, device="cpu", dtype="float32", num_blocks=num_blocks,

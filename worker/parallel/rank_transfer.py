@@ -38,9 +38,9 @@ log = logging.getLogger("splitserve.worker.rank_transfer")
 
 __all__ = ["MultiRankTransceiver", "build_rank_transfer", "combine_statuses"]
 
-_SETUP = "worker.rank_transfer:_setup"
-_SET_INSTANCE = "worker.rank_transfer:_set_instance"
-_OP = "worker.rank_transfer:_op"
+_SETUP = "worker.parallel.rank_transfer:_setup"
+_SET_INSTANCE = "worker.parallel.rank_transfer:_set_instance"
+_OP = "worker.parallel.rank_transfer:_op"
 WATCH_POLL_S = 0.002
 
 #: Transceiver methods a rank may be asked to run (the EngineTransferLink surface).
@@ -206,7 +206,7 @@ class MultiRankTransceiver:
         """Run a transceiver operation on every rank; None stands for a follower that is gone."""
         g = self.group
         if g.healthy:
-            from worker.rank_group import RankGroupFailed
+            from worker.parallel.rank_group import RankGroupFailed
 
             try:
                 return g.call_all(_OP, name, *args)

@@ -1,9 +1,9 @@
 """The torch engine over a multi-rank (TP × PP) worker.
 
 ``ParallelTorchEngine`` is :class:`worker.engine.TorchEngine` — same scheduler, same sampling on
-rank 0 — whose runner is a :class:`worker.rank_group.ParallelRunner`. Additions:
+rank 0 — whose runner is a :class:`worker.parallel.rank_group.ParallelRunner`. Additions:
 
-* ``rank_group``: the :class:`~worker.rank_group.RankGroup` (``call_all`` for the transfer layer,
+* ``rank_group``: the :class:`~worker.parallel.rank_group.RankGroup` (``call_all`` for the transfer layer,
   ``pids()``, ``rank_page_tables()``);
 * ``rank_page_tables()``: every rank's page table, rank order (docs/INTERFACES.md §7);
 * health: ``alive`` is False once any rank died; the engine then fails every request still
@@ -123,11 +123,11 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
     from router.tokenizer import ByteTokenizer
     from worker.loader import load_tokenizer, resolve_device, resolve_dtype
     from worker.model import ModelConfig
-    from worker.parallel import RankLayout
+    from worker.parallel.comm import RankLayout
     from worker.presets import is_preset, preset_config
-    from worker.rank_group import RankGroup
+    from worker.parallel.rank_group import RankGroup
     from worker.runner import kv_bytes_per_block
-    from worker.tp_model import shard_config
+    from worker.parallel.tp_model import shard_config
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
