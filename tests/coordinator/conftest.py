@@ -267,7 +267,8 @@ def cfg(ctx_urls=(), gen_urls=(), *, ctx_router="kv_cache_aware", gen_router="kv
 async def coordinator():
     """`await coordinator(config_dict, serve=True, http="fast"|"aiohttp")` → (Coordinator,
     CoordinatorServer|None)."""
-    from coordinator.service import Coordinator, CoordinatorServer
+    from coordinator.listeners import CoordinatorServer
+    from coordinator.service import Coordinator
 
     made = []
 
