@@ -32,8 +32,8 @@ class ParallelTorchEngine(TorchEngine):
     engine_name = "torch"
 
     def __init__(self, group, tokenizer, **kw) -> None:
+        self.rank_group = group   # before the KV connector binds: it builds a transceiver per rank
         super().__init__(group.runner, tokenizer, **kw)
-        self.rank_group = group
         self.failure: str | None = None
         self.exit_code = 0
         #: Called once, on the event loop, when a rank died (after requests were failed).
