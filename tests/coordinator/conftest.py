@@ -15,6 +15,8 @@ from aiohttp import web
 
 from router.block_keys import KEY_SCHEME, block_keys_list
 from router.events import AllCleared, BlocksRemoved, BlocksStored, encode_vllm_batch
+# Re-exported: the tests of this directory import it through here.
+from splitserve_testing import free_ports  # noqa: F401
 
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -239,28 +241,6 @@ async def workers():
     yield make
     for w in made:
         await w.stop()
-
-
-def free_ports(n: int = 1) -> int:
-    """The first of `n` consecutive free TCP ports on 127.0.0.1 (bound and released)."""
-    import socket
-    for _ in range(200):
-        s0 = socket.socket()
-        s0.bind(("127.0.0.1", 0))
-        base = s0.getsockname()[1]
-        socks = [s0]
-        try:
-            for i in range(1, n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def cfg(ctx_urls=(), gen_urls=(), *, ctx_router="kv_cache_aware", gen_router="kv_cache_aware",
