@@ -97,7 +97,7 @@ class FleetServer:
         self.body_timeout = config.fleet.body_timeout_s
         self.keepalive_requests = config.fleet.keepalive_requests
         self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        mins = config.health_minimums   # the coordinator's readiness rule (coordinator/config.py)
+        mins = config.health_minimums   # the coordinator's readiness rule (coordinator/config_schema.py)
         self.min_ctx, self.min_gen = mins.context_servers, mins.generation_servers
         self._identity_task: asyncio.Task | None = None
         self._m_req: dict = {}
