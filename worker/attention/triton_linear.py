@@ -33,6 +33,8 @@ __all__ = ["MAX_M", "use_small_m", "linear_partials", "gate_up_silu", "choose_sp
 MAX_M = 32
 #: K elements per tile; every split's K range is a multiple of it.
 BLOCK_K = 128
+#: Programs per multiprocessor :func:`choose_splits` aims at.
+SPLITK_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -104,11 +106,11 @@ def _tiles(m: int, n: int) -> tuple[int, int]:
 
 
 def choose_splits(m: int, n: int, k: int, block_n: int, sms: int) -> int:
-    """K splits (a power of two) so the launch has about 4 programs per multiprocessor, each split
+    """K splits (a power of two) so the launch has about :data:`SPLITK_PROGRAMS_PER_SM` programs per multiprocessor, each split
     at least 2 tiles of :data:`BLOCK_K`, and the fp32 partials at most 1/8 of the weight's bytes."""
     tiles = triton.cdiv(n, block_n)
     s = 1
-    while tiles * s < 4 * sms and k // (2 * s) >= 2 * BLOCK_K and 2 * s * m * 16 <= k:
+    while tiles * s < SPLITK_PROGRAMS_PER_SM * sms and k // (2 * s) >= 2 * BLOCK_K and 2 * s * m * 16 <= k:
         s *= 2
     return s
 
