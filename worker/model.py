@@ -496,9 +496,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
         if meta.backend == "triton":
-            return self._forward_triton(qkv, cos, sin, meta, kv_cache)
+            return self._forward_triton(x, cos, sin, meta, kv_cache)
+        qkv = self.qkv_proj(x)
         qk = _apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
                                                                    self.head_dim), cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
@@ -523,18 +523,28 @@ class Attention(nn.Module):
             out[d.token_idx] = self._decode(q[d.token_idx], layer, d, meta.block_size)
         return self.o_proj(out.view(n, self.q_size))
 
-    def _forward_triton(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _forward_triton(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The triton backend: K/V stay in the pool and are read there through block tables."""
+        """The triton backend: K/V stay in the pool and are read there through block tables.
+
+        A decode-only step of at most ``MAX_M`` rows runs qkv and o_proj as split-K partial products
+        (worker/attention/triton_linear.py): the fp32 ``[S, n, ·]`` result is summed by its consumer
+        (RoPE + store here, the residual-add + RMSNorm after o_proj), so the return value is then
+        those partials, not the product."""
         ops = _triton_ops()
-        n = qkv.shape[0]
+        n = x.shape[0]
         if not meta.prefills:
             # Decode-only step: RoPE and both cache stores in one launch, then the paged kernel.
+            small = ops.use_small_m(x)
+            a, o = self.qkv_proj, self.o_proj
+            qkv = ops.linear_partials(x, a.weight, a.bias) if small else a(x)
             q = ops.rope_store(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_block, meta.slot_offset,
                                self.num_heads, self.num_kv_heads, self.head_dim)
             out = torch.empty_like(q)
             ops.paged_decode(q, kv_cache, self.layer_idx, meta.paged, self.scale, out)
-            return self.o_proj(out.view(n, self.q_size))
+            out = out.view(n, self.q_size)
+            return ops.linear_partials(out, o.weight, o.bias) if small else o(out)
+        qkv = self.qkv_proj(x)
         qk = _apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
                                                                    self.head_dim), cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
@@ -643,11 +653,18 @@ class DecoderLayer(nn.Module):
     def triton_parts(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on the triton backend from ``x = input_layernorm(h)``: the residual after
-        attention and the MLP output, not yet added (the caller folds that add into the next norm)."""
+        attention and the MLP output, not yet added (the caller folds that add into the next norm).
+        At most ``MAX_M`` rows: gate·up with SiLU in one kernel, and the MLP output is down_proj's
+        split-K partials (worker/attention/triton_linear.py), summed by that next norm."""
         ops = _triton_ops()
         a = self.self_attn(x, cos, sin, meta, kv_cache)
-        h, x = ops.add_rms_norm(h, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return h, self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(x)))
+        # a + h, not h + a: the kernel's first input may be split-K partials (fp32 addition commutes).
+        h, x = ops.add_rms_norm(a, h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        mlp = self.mlp
+        if ops.use_small_m(x):
+            gu, down = mlp.gate_up_proj, mlp.down_proj
+            return h, ops.linear_partials(ops.gate_up_silu(x, gu.weight, gu.bias), down.weight, down.bias)
+        return h, mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -702,9 +719,10 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(layers):
                 h, m = layer.triton_parts(h, x, cos, sin, meta, kv_cache)
                 if i + 1 == len(layers):
-                    return h + m
+                    # m may be split-K partials: the add kernel sums them (its normalised output unused)
+                    return ops.add_rms_norm(m, h, self.norm.weight, self.norm.eps)[0] if m.dim() == 3 else h + m
                 norm = layers[i + 1].input_layernorm
-                h, x = ops.add_rms_norm(h, m, norm.weight, norm.eps)
+                h, x = ops.add_rms_norm(m, h, norm.weight, norm.eps)
         for layer in self.layers:
             h = layer(h, cos, sin, meta, kv_cache)
         return h
