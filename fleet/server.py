@@ -423,7 +423,8 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
     coord_obj = None
     coord_server = None
     if coordinator_url is None:
-        from coordinator.service import Coordinator, CoordinatorServer
+        from coordinator.listeners import CoordinatorServer
+        from coordinator.service import Coordinator
         coord_obj = Coordinator(config)
         if config.disagg_cluster is not None:
             # Dynamic membership: workers must reach the coordinator to register, so the in-process

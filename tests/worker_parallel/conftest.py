@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from tests.procs import alive, children  # noqa: F401 - re-exported to the tests here
+from splitserve_testing.proctable import alive, children  # noqa: F401 - re-exported to the tests here
 
 
 @pytest.fixture(scope="session", autouse=True)
