@@ -107,6 +107,14 @@ def test_placed_mode():
     assert plan.placed(plan.LOCAL_PREFILL, False, False) == (plan.LOCAL_PREFILL, False)
 
 
+def test_vllm_mode_after_the_prefill_answer():
+    from fleet.legs import vllm
+    assert vllm.mode_of({"do_remote_prefill": True, "remote_engine_id": "e"}) == plan.DISAGGREGATED
+    # no KV connector on the prefill server (no params, or params without a remote prefill)
+    assert vllm.mode_of(None) == plan.NO_KV_TRANSFER
+    assert vllm.mode_of({"do_remote_prefill": False}) == plan.NO_KV_TRANSFER
+
+
 def test_local_prefill_and_fallback_rules():
     # conditional disaggregation: 100 prompt tokens, 90 cached on the generation server
     assert plan.local_prefill(100, 90, 16) and not plan.local_prefill(100, 80, 16)
