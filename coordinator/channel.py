@@ -24,7 +24,7 @@ import time
 import msgspec
 
 from coordinator import channel_wire as cw
-from coordinator import wire
+from coordinator import checks, wire
 from coordinator.errors import BadRequest, NoServerAvailable
 
 log = logging.getLogger("splitserve.coordinator.channel")
@@ -153,14 +153,14 @@ class ChannelServer:
                     "retry_after": _RETRY_AFTER_S}))
                 continue
             try:
-                key = coord.routing_key(call.routing_key)
+                key = checks.routing_key(call.routing_key, coord.block_size)
                 if t is cw.Select:
                     ans = coord.place(call.role, call.req_id, key,
-                                      coord.exclusions(call.exclude, "exclude"))
+                                      checks.exclusions(call.exclude, "exclude"))
                 else:
                     ans = coord.place_pair(call.req_id, key,
-                                           coord.exclusions(call.exclude_ctx, "exclude_ctx"),
-                                           coord.exclusions(call.exclude_gen, "exclude_gen"))
+                                           checks.exclusions(call.exclude_ctx, "exclude_ctx"),
+                                           checks.exclusions(call.exclude_gen, "exclude_gen"))
                 results.append(cw.Result(call.id, cw.OK, ans))
             except NoServerAvailable as exc:
                 r = getattr(exc, "reason", None)

@@ -120,7 +120,7 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
     from router.named_models import is_gguf_source
     from router.tokenizer import ByteTokenizer
     from worker.loader import load_tokenizer, resolve_device, resolve_dtype
-    from worker.model import ModelConfig
+    from worker.model_config import ModelConfig
     from worker.parallel.comm import RankLayout
     from worker.presets import is_preset, preset_config
     from worker.parallel.rank_group import RankGroup
