@@ -187,6 +187,8 @@ def test_router_args_are_read_only():
     ({"context_servers": {"kv_events": [{"server": "h:1", "endpoint": "tcp://h:2", "topc": ""}],
                           "urls": ["h:1"]}}, "context_servers.kv_events[0].topc"),
     ({"context_servers": {"engine_args": {"backend": "x"}}}, "context_servers.engine_args"),
+    # the internal source-document field is renamed to this key: still not a key of the file
+    ({"<source document>": {"port": 1}}, "<source document>"),
 ])
 def test_unknown_keys_name_their_full_path(src, path):
     e = err(src)
