@@ -455,8 +455,9 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
         except StartupError as e:
             log.error("%s", e)
             return 1
-        log.info("fleet process %d listening on %s:%d", os.getpid(), config.effective_bind_host,
-                 sock.getsockname()[1])
+        log.info("fleet process %d listening on %s:%d (event loop %s)", os.getpid(),
+                 config.effective_bind_host, sock.getsockname()[1],
+                 type(asyncio.get_running_loop()).__module__.partition(".")[0])
         # Everything allocated so far (modules, config, tokenizer) lives as long as the process: keep it
         # out of the collector's scans so per-request garbage collection stays cheap.
         settle_heap()
