@@ -33,7 +33,8 @@ import torch
 
 from worker.attention import resolve_backend
 from worker.attention.plan import PagedDecode, build_paged_decode, choose_split, fill_units, max_units, num_sms, row_ranges
-from worker.model import AttentionMetadata, DecodeBatch, DecodeGroup, LlamaForCausalLM, ModelConfig, PrefillSeq
+from worker.model import AttentionMetadata, DecodeBatch, DecodeGroup, LlamaForCausalLM, PrefillSeq
+from worker.model_config import ModelConfig
 
 __all__ = ["Chunk", "ModelRunner", "RunnerInputError", "kv_bytes_per_block", "plan_decode_groups"]
 

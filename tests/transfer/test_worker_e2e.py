@@ -46,12 +46,12 @@ def tiny_sliding():
 
 
 class W:
-    """One in-process worker (engine + transfer link + HTTP server)."""
+    """One in-process worker (engine + its KV connector + HTTP server)."""
 
     def __init__(self, server, url):
         self.server, self.url = server, url
         self.engine = server.engine
-        self.link = server.transfer_link
+        self.link = server.engine.kv_connector
 
     async def close(self):
         await self.server.stop()
@@ -62,24 +62,24 @@ class W:
 async def start(model, role, *, agent="tcp", block_size=4, num_blocks=192, max_num_tokens=64,
                 transfer=True, pipeline=True, pin_timeout=30.0, transfer_timeout=30.0):
     from router.tokenizer import ByteTokenizer
-    from worker.cli import _build_transfer
+    from worker.cli import build_kv_connector
     from worker.engine import TorchEngine
     from worker.runner import ModelRunner
     from worker.server import WorkerServer
 
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
-    engine = TorchEngine(runner, ByteTokenizer(vocab_size=model.config.vocab_size),
-                         max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout)
     link = None
     if transfer:
         ns = SimpleNamespace(transfer_agent=agent, host="127.0.0.1", transfer_port=0, role=role,
-                             pin_timeout=pin_timeout, transfer_timeout=transfer_timeout)
-        link = _build_transfer(ns, engine, "tiny", None)
-        link.tx.cfg.pipeline = pipeline
+                             pin_timeout=pin_timeout, transfer_timeout=transfer_timeout,
+                             transfer_pipeline="on" if pipeline else "off")
+        link = build_kv_connector(ns, "tiny", None)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
+    engine = TorchEngine(runner, ByteTokenizer(vocab_size=model.config.vocab_size),
+                         max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout,
+                         kv_connector=link)
     srv = WorkerServer(engine, model_name="tiny", role=role, host="127.0.0.1", port=0,
                        transfer_info=link.server_info() if link else None,
                        ctx_info_endpoint=link.endpoint if link else None)
-    srv.transfer_link = link
     url = await srv.start()
     return W(srv, url)
 

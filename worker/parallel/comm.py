@@ -3,7 +3,7 @@
 A multi-rank worker is ``tp_size × pp_size`` processes on one host. Flat rank
 ``r = pp_rank·tp_size + tp_rank`` (the transfer layer's CP-minor flattening with CP = 1). Rank 0 is
 the *leader* (HTTP server, scheduler, sampling); ranks 1..N-1 are *followers* it spawns
-(``worker/rank_worker.py``).
+(``worker/parallel/rank_worker.py``).
 
 * PP stage ``p`` holds the global layers ``transfer.peers.layer_range(p, pp, L)`` (even split,
   earlier stages one extra when uneven); TP rank ``t`` holds the KV heads
@@ -140,7 +140,7 @@ class RankLayout:
             raise ParallelConfigError(f"tp_size {self.tp_size} with {num_kv_heads} KV heads: {e}") from None
 
     def check_model(self, cfg) -> None:
-        """Raise :class:`ParallelConfigError` unless a ``worker.model.ModelConfig`` shards this way."""
+        """Raise :class:`ParallelConfigError` unless a ``worker.model_config.ModelConfig`` shards this way."""
         tp, pp = self.tp_size, self.pp_size
         if cfg.num_attention_heads % tp:
             raise ParallelConfigError(f"--tp-size {tp} must divide the model's "
