@@ -32,7 +32,7 @@ from coordinator import wire
 PATH = "/channel"
 PROTOCOL = "splitserve-channel/1"
 HEADER = struct.Struct(">I")
-MAX_FRAME = 32 * 1024 * 1024       # same bound as an HTTP body (coordinator.service.MAX_BODY_BYTES)
+MAX_FRAME = 32 * 1024 * 1024       # same bound as an HTTP body (coordinator.listeners.MAX_BODY_BYTES)
 
 # Result statuses: the HTTP API's, so one error mapping serves both transports.
 OK = 200

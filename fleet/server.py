@@ -97,7 +97,7 @@ class FleetServer:
         self.body_timeout = config.fleet.body_timeout_s
         self.keepalive_requests = config.fleet.keepalive_requests
         self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        mins = config.health_minimums   # the coordinator's readiness rule (coordinator/config.py)
+        mins = config.health_minimums   # the coordinator's readiness rule (coordinator/config_schema.py)
         self.min_ctx, self.min_gen = mins.context_servers, mins.generation_servers
         self._identity_task: asyncio.Task | None = None
         self._m_req: dict = {}
@@ -423,7 +423,8 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
     coord_obj = None
     coord_server = None
     if coordinator_url is None:
-        from coordinator.service import Coordinator, CoordinatorServer
+        from coordinator.listeners import CoordinatorServer
+        from coordinator.service import Coordinator
         coord_obj = Coordinator(config)
         if config.disagg_cluster is not None:
             # Dynamic membership: workers must reach the coordinator to register, so the in-process
@@ -454,8 +455,9 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
         except StartupError as e:
             log.error("%s", e)
             return 1
-        log.info("fleet process %d listening on %s:%d", os.getpid(), config.effective_bind_host,
-                 sock.getsockname()[1])
+        log.info("fleet process %d listening on %s:%d (event loop %s)", os.getpid(),
+                 config.effective_bind_host, sock.getsockname()[1],
+                 type(asyncio.get_running_loop()).__module__.partition(".")[0])
         # Everything allocated so far (modules, config, tokenizer) lives as long as the process: keep it
         # out of the collector's scans so per-request garbage collection stays cheap.
         settle_heap()

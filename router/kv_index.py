@@ -223,21 +223,25 @@ class KvIndex(SpeculationMixin, QueryMixin):
         else:
             raise TypeError(f"KvIndex.apply: expected a canonical event, found {t.__name__}")
 
-    def apply_batch(self, worker: str, batch: EventBatch) -> str:
+    def apply_batch(self, worker: str, batch: EventBatch, dp_rank: int = 0, *,
+                    restart_at_zero: bool = True) -> str:
         """Apply a batch if it is the next one of its ``(worker, dp_rank)`` stream.
 
         Returns a :class:`StreamVerdict`. On ``GAP`` nothing is applied: replay from
         ``expected_seq`` (and feed the replayed batches here), or ``clear_worker`` and
-        ``reset_stream`` when the replay cannot cover the gap.
+        ``reset_stream`` when the replay cannot cover the gap. ``dp_rank`` is the stream's rank
+        when the batch names none (a per-rank publisher that leaves it out). With
+        ``restart_at_zero=False`` a seq-0 batch behind the expected seq is a ``DUPLICATE``, not a
+        ``RESTART``: for batches that may predate a resync (buffered while a snapshot loaded).
         """
         if batch.is_replay_end:
             raise ValueError("the replay end marker is not a batch: stop reading replies there")
-        rank = batch.dp_rank or 0
+        rank = batch.dp_rank if batch.dp_rank is not None else dp_rank
         key = (worker, rank)
         expected = self._streams.get(key)
         verdict = StreamVerdict.APPLIED
         if expected is not None and batch.seq != expected:
-            if batch.seq == 0 and expected > 1:
+            if batch.seq == 0 and expected > 1 and restart_at_zero:
                 verdict = StreamVerdict.RESTART
                 self._clear_slot(self._slot(worker, rank), None)
                 self.stats.clears += 1

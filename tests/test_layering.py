@@ -20,6 +20,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "coordinator": frozenset({"router"}),
     "worker": frozenset({"router", "transfer"}),
     "fleet": frozenset({"coordinator", "router"}),
+    # The process/port harness of tests/ and bench/: usable by either, imports nothing of ours.
+    "splitserve_testing": frozenset(),
 }
 
 

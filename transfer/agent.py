@@ -28,7 +28,8 @@ Semantics every implementation keeps (the contract tests in tests/transfer run a
   DONE means every byte is in the target's memory.
 - A notification attached to a transfer is delivered to the target only after all its bytes landed,
   keyed by the initiator's name (str); `get_notifications()` consumes.
-- A dead peer surfaces as ERR (or `PeerLost` at submit), never as a hang.
+- A dead peer surfaces as ERR with `cause` `FailureCause.PEER_LOST` (or `PeerLost` at submit),
+  never as a hang.
 - `progress()` must be called regularly by whoever waits (the target too, even when idle: NIXL with
   its progress thread off completes connection wire-up only while both sides progress).
 """
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from .descs import Descs, as_desc_array
-from .errors import InvalidDescriptors
+from .errors import FailureCause, InvalidDescriptors
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
 # Version of our own agent-descriptor envelope (not of any backend's metadata).
@@ -76,7 +77,7 @@ class PrepHandle:
 
 @dataclass(eq=False)
 class XferHandle:
-    """One submitted transfer. `state` is PROC, DONE or ERR; `error` explains ERR."""
+    """One submitted transfer. `state` is PROC, DONE or ERR; `error` explains ERR, `cause` types it."""
 
     remote: str
     op: str
@@ -84,6 +85,7 @@ class XferHandle:
     ndescs: int
     state: str = PROC
     error: str | None = None
+    cause: FailureCause | None = None   # set with ERR: what callers decide on (never `error`)
     backend: Any = None
     id: int = field(default_factory=lambda: next(_handle_ids))
 

@@ -6,6 +6,16 @@ so callers never import a backend to catch a failure.
 """
 from __future__ import annotations
 
+import enum
+
+
+class FailureCause(enum.StrEnum):
+    """Why a submitted transfer ended in ERR (`XferHandle.cause`): what callers decide on. The
+    handle's `error` text is for people and logs only."""
+
+    PEER_LOST = "peer_lost"   # the remote agent or its process is gone: invalidate it
+    FAILED = "failed"         # anything else: backend error, invalidated remote, shutdown
+
 
 class TransferError(Exception):
     """Base class of every error raised by `transfer/`."""

@@ -29,7 +29,7 @@ import msgpack
 
 from .agent import XferHandle
 from .descs import Descs
-from .errors import InvalidDescriptors, OutOfRange, PeerLost
+from .errors import FailureCause, InvalidDescriptors, OutOfRange, PeerLost
 from .memory import find_file_mapping, memmove
 from .py_agent import PyAgentBase, RemoteAgent, process_start_time
 
@@ -142,7 +142,8 @@ class ShmAgent(PyAgentBase):
                 else:
                     memmove(la, ta, n)
             if not self._peer_alive(ra):
-                self._finish(x, False, f"remote agent {ra.name!r} died during the transfer")
+                self._finish(x, False, f"remote agent {ra.name!r} died during the transfer",
+                             FailureCause.PEER_LOST)
                 return
             if notif:
                 self._command(("send", ra.name, [b"N", msgpack.packb(

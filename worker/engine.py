@@ -1,21 +1,20 @@
 """The engine seam (``Engine`` protocol) and the PyTorch engine.
 
-``TorchEngine`` is the shared continuous-batching ``Scheduler`` (worker/scheduler.py) driving a
-``ModelRunner`` (worker/runner.py): each step's chunks run through the model on one worker thread,
-so the asyncio loop keeps serving HTTP, ZMQ snapshots and aborts while the model computes.
+``TorchEngine`` owns the shared continuous-batching ``Scheduler`` (worker/scheduler.py) and a
+``ModelRunner`` (worker/runner.py) that executes the scheduler's steps: each step's chunks run
+through the model on one worker thread, so the asyncio loop keeps serving HTTP, ZMQ snapshots and
+aborts while the model computes. ``SchedulingEngine`` is what the torch and sim engines share: the
+engine surface, delegated explicitly to the scheduler it owns.
 torch is imported only when a ``TorchEngine`` is built, so the sim engine stays torch-free.
 
-Hooks for KV transfer (the transfer package plugs in here; see docs/INTERFACES.md §5/§6):
-
-* context side — a finished ``context_only`` request's prompt blocks stay pinned in
-  ``engine.pinned_transfers()``; ``pinned_transfer(ctx_request_id)`` gives their block ids;
-  ``release(ctx_request_id, reason)`` frees them when the transfer is done or cancelled (a sweep
-  frees them after ``pin_timeout_s`` otherwise). ``opaque_state_hook(pinned) -> dict`` adds fields
-  to the ``encoded_opaque_state`` the context response carries. ``page_table()`` describes the
-  K/V memory to register.
-* generation side — set ``engine.receiver`` to a ``KvReceiver``. A ``generation_only`` request then
-  gets its prompt's blocks allocated and ``await receiver.receive(spec)`` fills them; without a
-  receiver such requests are refused with ``TransferUnavailable`` (HTTP 501).
+KV that crosses workers goes through one ``KvConnector`` (worker/kv_connector.py), passed to the
+engine's constructor as ``kv_connector=`` and bound to it there (``bind(engine)``); the scheduler
+calls its hooks. What the connector may use of the engine: a finished ``context_only`` request's
+prompt blocks stay pinned (``pinned_transfer(ctx_request_id)``) until ``release(ctx_request_id,
+reason)`` (or an abort, or the ``pin_timeout_s`` sweep — each reported to ``pin_released``);
+``pool.pin/unpin``; ``page_table()`` (torch) describes the K/V memory to register. Without a
+connector ``generation_only`` requests are refused with ``TransferUnavailable`` (HTTP 501).
+See docs/INTERFACES.md §5/§6.
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ import concurrent.futures
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 from worker.kv_cache import BlockPool
+from worker.kv_connector import KvConnector
 from worker.requests import (  # noqa: F401  (re-exported: the engine seam's types)
     CONTEXT_AND_GENERATION, CONTEXT_ONLY, GENERATION_ONLY, ContextResult, EngineError,
     EngineRequest, EngineStopped, InvalidRequest, PinnedTransfer, ReceiveSpec, SamplingParams,
@@ -32,22 +32,11 @@ from worker.requests import (  # noqa: F401  (re-exported: the engine seam's typ
 from worker.scheduler import Plan, RequestStream, Scheduler
 
 __all__ = [
-    "Engine", "KvReceiver", "TorchEngine", "EngineRequest", "SamplingParams", "TokenEvent",
+    "Engine", "KvConnector", "SchedulingEngine", "TorchEngine", "EngineRequest", "SamplingParams",
+    "TokenEvent",
     "ContextResult", "ReceiveSpec", "PinnedTransfer", "EngineError", "InvalidRequest",
     "TransferUnavailable", "RequestStream",
 ]
-
-
-@runtime_checkable
-class KvReceiver(Protocol):
-    """Fills a generation_only request's freshly allocated blocks with the prompt's K/V.
-
-    ``receive`` returns when every block is written, raises on failure (the request then fails
-    with a 500 and its blocks are freed). When cancelled (client abort, shutdown) it must not
-    return until no remote write into ``spec.block_ids`` can still land: the blocks are reused
-    right after."""
-
-    async def receive(self, spec: ReceiveSpec) -> None: ...
 
 
 @runtime_checkable
@@ -59,7 +48,7 @@ class Engine(Protocol):
     max_model_len: int
     max_batch_size: int
     max_num_tokens: int
-    receiver: KvReceiver | None
+    kv_connector: KvConnector | None
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -71,15 +60,94 @@ class Engine(Protocol):
     def flush_events(self) -> None: ...
 
 
-class TorchEngine(Scheduler):
-    """Scheduler + ``ModelRunner``. ``runner`` owns the model and the K/V tensors; the pool's
-    block ids index the runner's cache."""
+class _Delegated:
+    """An engine attribute that is its scheduler's: read (and, when ``writable``, set) through."""
+
+    def __init__(self, writable: bool = False):
+        self.writable = writable
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine, owner=None):
+        return self if engine is None else getattr(engine.scheduler, self.name)
+
+    def __set__(self, engine, value) -> None:
+        if not self.writable:
+            raise AttributeError(f"{type(engine).__name__}.{self.name} is read-only")
+        setattr(engine.scheduler, self.name, value)
+
+
+class SchedulingEngine:
+    """The ``Engine`` surface over the ``Scheduler`` an engine owns (``self.scheduler``, built by
+    the subclass with its own step function). Every method and attribute below forwards to it."""
+
+    engine_name = "base"
+    scheduler: Scheduler
+
+    pool: BlockPool = _Delegated()
+    tokenizer = _Delegated()
+    block_size: int = _Delegated()
+    max_model_len: int = _Delegated()
+    max_batch_size: int = _Delegated()
+    max_num_tokens: int = _Delegated()
+    pin_timeout_s: float = _Delegated()
+    vocab_size: int = _Delegated()
+    eos_token_ids: frozenset = _Delegated()
+    counters = _Delegated()
+    kv_connector: KvConnector | None = _Delegated()   # given at construction
+    # Set by the server.
+    worker_url: str | None = _Delegated(writable=True)
+    worker_id: str = _Delegated(writable=True)
+    event_sink = _Delegated(writable=True)
+
+    async def start(self) -> None:
+        await self.scheduler.start()
+
+    async def stop(self) -> None:
+        await self.scheduler.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self.scheduler.alive
+
+    async def submit(self, req: EngineRequest) -> RequestStream:
+        return await self.scheduler.submit(req)
+
+    def abort(self, request_id) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def release(self, ctx_request_id, reason: str = "transferred") -> bool:
+        return self.scheduler.release(ctx_request_id, reason)
+
+    def pinned_transfer(self, ctx_request_id) -> PinnedTransfer | None:
+        return self.scheduler.pinned_transfer(ctx_request_id)
+
+    def pinned_transfers(self) -> list[PinnedTransfer]:
+        return self.scheduler.pinned_transfers()
+
+    def sweep_pins(self) -> int:
+        return self.scheduler.sweep_pins()
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    def flush_events(self) -> None:
+        self.scheduler.flush_events()
+
+    def clear_cache(self) -> None:
+        self.scheduler.clear_cache()
+
+
+class TorchEngine(SchedulingEngine):
+    """A ``Scheduler`` whose steps a ``ModelRunner`` executes. ``runner`` owns the model and the
+    K/V tensors; the pool's block ids index the runner's cache."""
 
     engine_name = "torch"
 
     def __init__(self, runner, tokenizer, *, max_batch_size: int = 64,
                  max_num_tokens: int = 2048, pin_timeout_s: float = 60.0,
-                 worker_id: str = "worker", receiver: KvReceiver | None = None,
+                 worker_id: str = "worker", kv_connector: KvConnector | None = None,
                  ns_seed: int = 0, eos_token_ids=None):
         import torch  # noqa: F401  (only this engine needs it)
 
@@ -96,12 +164,15 @@ class TorchEngine(Scheduler):
             if cfg_eos is not None:
                 eos = tuple(dict.fromkeys([*eos, *([cfg_eos] if isinstance(cfg_eos, int)
                                                    else cfg_eos)]))
-        super().__init__(
+        self.scheduler = Scheduler(
+            execute=self._execute, engine_name=self.engine_name,
             pool=BlockPool(runner.num_blocks, runner.block_size, ns_seed=ns_seed),
             tokenizer=tokenizer, eos_token_ids=eos, vocab_size=cfg.vocab_size,
             max_model_len=cfg.max_position_embeddings, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout_s, worker_id=worker_id,
-            receiver=receiver)
+            kv_connector=kv_connector)
+        if kv_connector is not None:   # may build its transceiver over our K/V memory now
+            kv_connector.bind(self)
         # One thread: steps are sequential by construction, and torch releases the GIL inside ops.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch-step")
 

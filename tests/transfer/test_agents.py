@@ -15,8 +15,8 @@ from tests.transfer.agent_peer import target_main
 from transfer.agent import DONE, ERR, PROC
 from transfer.agents import make_agent
 from transfer.descs import Descs, merge_runs
-from transfer.errors import (AgentMismatch, InvalidDescriptors, NameConflict, OutOfRange,
-                             PeerLost, RemoteNotLoaded)
+from transfer.errors import (AgentMismatch, FailureCause, InvalidDescriptors, NameConflict,
+                             OutOfRange, PeerLost, RemoteNotLoaded)
 from transfer.memory import alloc_shared_array
 
 KINDS = ["tcp", "shm", pytest.param("nixl", marks=pytest.mark.nixl)]
@@ -200,6 +200,8 @@ def test_peer_killed_mid_session_is_bounded(kind, peer_factory):
             state = wait(agent, x, timeout=20)
             assert state == ERR
             assert x.error
+            # what the session decides on (invalidate the peer), never the error text
+            assert x.cause == FailureCause.PEER_LOST, (x.cause, x.error)
         except PeerLost:
             pass
         assert time.monotonic() - t0 < 20

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.procs import listening_sockets
+from splitserve_testing.proctable import listening_sockets
 from transfer import ucx_bind
 from transfer.errors import AgentUnavailable
 

@@ -99,7 +99,7 @@ def test_nccl_ranks_listen_on_loopback_only():
     import ipaddress
     import os
 
-    from tests.procs import listening_sockets, tree
+    from splitserve_testing.proctable import listening_sockets, tree
     from worker.presets import preset_config
     from worker.parallel.rank_group import RankGroup
     from worker.runner import Chunk

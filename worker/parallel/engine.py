@@ -1,7 +1,7 @@
 """The torch engine over a multi-rank (TP × PP) worker.
 
-``ParallelTorchEngine`` is :class:`worker.engine.TorchEngine` — same scheduler, same sampling on
-rank 0 — whose runner is a :class:`worker.parallel.rank_group.ParallelRunner`. Additions:
+``ParallelTorchEngine`` is a :class:`worker.engine.TorchEngine` — same scheduler, same sampling
+on rank 0 — whose runner is a :class:`worker.parallel.rank_group.ParallelRunner`. Additions:
 
 * ``rank_group``: the :class:`~worker.parallel.rank_group.RankGroup` (``call_all`` for the transfer layer,
   ``pids()``, ``rank_page_tables()``);
@@ -32,8 +32,8 @@ class ParallelTorchEngine(TorchEngine):
     engine_name = "torch"
 
     def __init__(self, group, tokenizer, **kw) -> None:
+        self.rank_group = group   # before the KV connector binds: it builds a transceiver per rank
         super().__init__(group.runner, tokenizer, **kw)
-        self.rank_group = group
         self.failure: str | None = None
         self.exit_code = 0
         #: Called once, on the event loop, when a rank died (after requests were failed).
@@ -64,10 +64,10 @@ class ParallelTorchEngine(TorchEngine):
         self._loop = asyncio.get_running_loop()
         await super().start()
 
-    def validate(self, req) -> None:
+    async def submit(self, req):
         if self.failure is not None:
             raise EngineStopped(f"this worker lost a rank and is shutting down: {self.failure}")
-        super().validate(req)
+        return await super().submit(req)
 
     def _rank_failed(self, reason: str) -> None:
         """Watchdog thread → event loop."""
@@ -87,9 +87,7 @@ class ParallelTorchEngine(TorchEngine):
         self.failure = reason
         self.exit_code = RANK_FAILURE_EXIT_CODE
         log.error("failing every request: %s", reason)
-        for sid in list(self._seqs):
-            if sid not in self._in_step:  # those fail when their (aborted) step returns
-                self._finish_by_id(sid, "error", error=f"a rank of this worker died: {reason}")
+        self.scheduler.fail_requests(f"a rank of this worker died: {reason}")
         cb = self.on_fatal
         if cb is not None:
             cb()
@@ -122,7 +120,7 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
     from router.named_models import is_gguf_source
     from router.tokenizer import ByteTokenizer
     from worker.loader import load_tokenizer, resolve_device, resolve_dtype
-    from worker.model import ModelConfig
+    from worker.model_config import ModelConfig
     from worker.parallel.comm import RankLayout
     from worker.presets import is_preset, preset_config
     from worker.parallel.rank_group import RankGroup
