@@ -135,16 +135,15 @@ _BOUND = re.compile(r"^Expected `[^`]+` (?:>=|>|<=|<) ")
 _MISSING_VALUE = object()
 
 
-def _locate(doc: Any, where: str) -> tuple[str, Any, Any, bool, type | None]:
+def _locate(doc: Any, where: str) -> tuple[str, Any, Any, bool]:
     """For msgspec's path `where`: (our key path, the schema type there, the document's value
-    there, whether a secret is on the way, the Struct holding the last key)."""
+    there, whether a secret is on the way)."""
     t: Any = mi.type_info(ClusterConfig)
-    value, path, secret, holder = doc, "", False, ClusterConfig
+    value, path, secret = doc, "", False
     for key, index in _SEGMENT.findall(where):
         if key:
             cls = struct_of(t)
             spec = next((f for f in field_specs(cls) if f.name == key), None) if cls else None
-            holder = cls
             t = spec.type if spec is not None else mi.AnyType()
             secret = secret or bool(spec and spec.secret)
             value = value.get(key, _MISSING_VALUE) if isinstance(value, Mapping) else _MISSING_VALUE
@@ -155,7 +154,7 @@ def _locate(doc: Any, where: str) -> tuple[str, Any, Any, bool, type | None]:
             i = int(index)
             value = value[i] if isinstance(value, list) and i < len(value) else _MISSING_VALUE
             path = f"{path}[{i}]"
-    return path, t, value, secret, holder
+    return path, t, value, secret
 
 
 def _bound_message(t: Any, v: Any) -> str:
@@ -171,7 +170,7 @@ def _bound_message(t: Any, v: Any) -> str:
 def _restate(exc: msgspec.ValidationError, doc: dict) -> ConfigError:
     m = _AT.match(str(exc))
     what, where = m.group("what"), m.group("path") or ""
-    path, t, value, secret, _holder = _locate(doc, where)
+    path, t, value, secret = _locate(doc, where)
     u = _UNKNOWN.match(what)
     if u:
         cls = struct_of(t) or ClusterConfig

@@ -16,6 +16,7 @@ unchanged, applied to the document before the schema (coordinator/config_schema.
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -45,7 +46,6 @@ def allowed_keys(cls: type) -> list[str]:
 
 
 def unknown_key(path: str, key: Any, allowed: list[str]) -> ConfigError:
-    import difflib
     if not isinstance(key, str):
         return ConfigError(path, f"keys must be strings, found {show(key)}")
     hint = difflib.get_close_matches(key, allowed, n=1)

@@ -2,13 +2,16 @@
 
 `Coordinator` holds the registry and health loop, the KV index fed by ZMQ events, the load leases,
 the routing policies (and with them the conversation table) and the fleet identities. Its methods
-are synchronous state operations (one event loop, no locks): the HTTP handlers and the in-process
-client call the same ones, so the one-process topology and the networked one behave alike.
+are synchronous state operations (one event loop, no locks): the HTTP handlers, the channel and the
+in-process client call the same ones (`place`, `place_pair`, `end_lease`, `renew_lease` once their
+transport has checked the request), so the one-process topology and the networked one behave
+alike. `/cluster_info` and `/metrics` read one snapshot of it (coordinator/snapshot.py).
 
 Invariants:
 - Every placement creates a lease keyed by `(role, req_id)`; a repeated placement of the same key
   replaces the lease (its load is released first), `finish` is idempotent, and expiry releases
-  leases nobody finished or renewed. In-flight counts therefore return to zero after any mix.
+  leases nobody finished or renewed. In-flight counts (the lease table's own, per role) therefore
+  return to zero after any mix.
 - Only `healthy` servers are candidates; for `kv_cache_aware`, servers whose index is still being
   rebuilt are skipped while any rebuilt one is available.
 - `is_ready()` is true only while each role has at least its configured minimum of healthy servers.

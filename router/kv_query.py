@@ -27,9 +27,9 @@ import numpy as np
 
 from .kv_types import _COUNT
 
-# A memo with more keys logged since it was taken than this many times its walk length is
+# A memo with more keys logged since it was taken than this many times the keys its walk read is
 # dropped: checking them would cost about as much as walking again.
-_MEMO_CHECK_RATIO = 1
+_MEMO_CHECK_RATIO = 2
 LOG_TRIM = 1 << 16      # mutation-log length that trims it (and bumps the epoch)
 
 

@@ -316,9 +316,8 @@ class KvCacheAwarePolicy(Policy):
         # depends on it alone (healthy subset, server names, unknown-match servers) is kept.
         memo = self._cands
         if memo is not None and memo[0] == candidates:
-            _, ok, rows, servers, unknown = memo
-            if rows:
-                rows = [dict(r) for r in rows]
+            _, ok, unhealthy, servers, unknown = memo
+            rows = [dict(r) for r in unhealthy]     # the explanation's own rows, appended below
         else:
             ok, rows = _healthy(self.name, candidates)
             servers = [c.server for c in ok]

@@ -275,6 +275,44 @@ async def test_cancellation_paths_return_pools_to_baseline(tiny, http):
             await w.close()
 
 
+async def test_waiting_sends_are_not_polled_and_an_abort_ends_them_at_once(tiny, http):
+    """Context legs whose KV nobody fetched yet cost nothing while they wait: the connector looks
+    at a send only when something decided its fate (here: /v1/abort releases the pin), not every
+    few milliseconds (the link it replaced called send_status for every send every 2 ms)."""
+    ctx = await start(tiny, "context")
+    calls = []
+    status = ctx.link.tx.send_status
+    ctx.link.tx.send_status = lambda cid: (calls.append(cid), status(cid))[1]
+    try:
+        cids = []
+        for p in PROMPTS:
+            st, c = await complete(http, ctx.url, {
+                "prompt": p, "max_tokens": 2, "temperature": 0,
+                "disaggregated_params": {"request_type": "context_only",
+                                         "disagg_request_id": next(_ids)}})
+            assert st == 200, c
+            cids.append(c["choices"][0]["disaggregated_params"]["ctx_request_id"])
+        assert ctx.engine.stats()["pinned_transfers"] == len(PROMPTS)
+        await asyncio.sleep(0.1)
+        calls.clear()
+        await asyncio.sleep(0.5)   # below the connector's 1 s safety sweep
+        assert calls == [], f"{len(calls)} send_status calls while nothing happened"
+        async with http.post(ctx.url + "/v1/abort", json={"request_id": cids[0]}) as r:
+            assert (await r.json())["aborted"] is True
+        for _ in range(100):   # the abort released the pin; pin_released cancels the send now
+            if ctx.link.tx.pending()["send"] == len(PROMPTS) - 1:
+                break
+            await asyncio.sleep(0.01)
+        assert ctx.link.tx.pending()["send"] == len(PROMPTS) - 1
+        assert cids[0] in calls and set(calls) == {cids[0]}
+    finally:
+        for c in cids[1:]:
+            async with http.post(ctx.url + "/v1/abort", json={"request_id": c}) as r:
+                assert r.status == 200
+        await settled(ctx)
+        await ctx.close()
+
+
 async def test_generation_worker_killed_mid_transfer(tiny, http):
     ctx = await start(tiny, "context", max_num_tokens=8, pin_timeout=5.0)
     proc, gen_url = spawn_worker("--engine", "torch", "--model", "tiny", "--role", "generation",

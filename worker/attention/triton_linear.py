@@ -33,8 +33,10 @@ __all__ = ["MAX_M", "use_small_m", "linear_partials", "gate_up_silu", "choose_sp
 MAX_M = 32
 #: K elements per tile; every split's K range is a multiple of it.
 BLOCK_K = 128
-#: Programs per multiprocessor :func:`choose_splits` aims at.
-SPLITK_PROGRAMS_PER_SM = 4
+#: Programs per multiprocessor :func:`choose_splits` aims at. Swept on the H200 with ``1b`` at 1k context
+#: (bench/RESULTS.md, issue 17 "small-M GEMMs"): 2 gave 1.110 / 1.556 ms per step at batch 1 / 32,
+#: 4 gave 1.141 / 1.625, 1 gave 1.127 / 1.561.
+SPLITK_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -106,8 +108,9 @@ def _tiles(m: int, n: int) -> tuple[int, int]:
 
 
 def choose_splits(m: int, n: int, k: int, block_n: int, sms: int) -> int:
-    """K splits (a power of two) so the launch has about :data:`SPLITK_PROGRAMS_PER_SM` programs per multiprocessor, each split
-    at least 2 tiles of :data:`BLOCK_K`, and the fp32 partials at most 1/8 of the weight's bytes."""
+    """K splits (a power of two) so the launch has about :data:`SPLITK_PROGRAMS_PER_SM` programs per
+    multiprocessor, each split at least 2 tiles of :data:`BLOCK_K`, and the fp32 partials at most 1/8
+    of the weight's bytes."""
     tiles = triton.cdiv(n, block_n)
     s = 1
     while tiles * s < SPLITK_PROGRAMS_PER_SM * sms and k // (2 * s) >= 2 * BLOCK_K and 2 * s * m * 16 <= k:
