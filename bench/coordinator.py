@@ -214,7 +214,7 @@ async def _client_main(base: dict, pipe) -> None:
     """A persistent client process: build the prompts once, then run one closed-loop window per
     command from the parent (set up, report armed, wait for the shared start time, warm up until
     it, count the pairs completed in [start, start + seconds], report)."""
-    from coordinator.errors import NoServerAvailable
+    from protocol.coord import NoServerAvailable
     prompts = _prompts(base["seed"], base["docs"], base["prompts"])
     bodies = {False: _Bodies(prompts, False), True: _Bodies(prompts, True)}
     loop = asyncio.get_running_loop()
@@ -462,7 +462,7 @@ def inproc_cost(args, n: int = 8192, batch: int = 64) -> dict:
     32 servers and KV indexes (loaded from the same resident prefixes), channel frames decoded,
     answered and encoded by `ChannelServer.run_batch` in this process (CPU time of this thread)."""
     import gc
-    from coordinator import channel_wire as cw
+    from protocol import channel as cw
     from coordinator.channel import ChannelServer
     from coordinator.service import Coordinator
     urls = [f"http://127.0.0.1:{20000 + i}" for i in range(args.servers)]

@@ -2,7 +2,7 @@
 
 Calls made during one event-loop turn (by any number of requests) leave as one `Batch`, together
 with every lease end queued since the last flush; the coordinator answers each batch with one
-`Replies` (frames in `coordinator.channel_wire`). Invariants:
+`Replies` (frames in `protocol.channel`). Invariants:
 - Bounded: at most `max_pending` calls unanswered; beyond, a placement fails at once with
   `CoordinatorOverloaded` (the fleet answers 503 + Retry-After) instead of queueing without limit.
 - Every call answers within `timeout_s`, else `CoordinatorUnavailable` (the fleet falls back to
@@ -22,9 +22,9 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from coordinator import channel_wire as cw
-from coordinator import wire
-from coordinator.errors import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
+from protocol import channel as cw
+from protocol import coord as wire
+from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
                                 CoordinatorUnavailable, NoServerAvailable)
 
 log = logging.getLogger("splitserve.coordinator.channel")

@@ -21,10 +21,10 @@ import aiohttp
 import msgpack
 import orjson
 
-from coordinator.errors import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
+from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
                                 CoordinatorUnavailable, NoServerAvailable)
 from coordinator.channel_client import ChannelClient, Fallback
-from coordinator.channel_wire import wire_key as _wire_key
+from protocol.channel import wire_key as _wire_key
 from coordinator.identity import IdentityExhausted
 
 __all__ = [

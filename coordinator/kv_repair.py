@@ -12,9 +12,9 @@ import aiohttp
 import msgpack
 import zmq
 
-from coordinator.errors import BadRequest
+from protocol.coord import BadRequest
 from coordinator.kv_feed import WorkerFeed
-from coordinator.wire import block_keys_array
+from protocol.coord import block_keys_array
 from router.events import EventDecodeError, decode_zmq
 
 log = logging.getLogger("splitserve.coordinator.kv_ingest")

@@ -31,12 +31,13 @@ from aiohttp.web_runner import ServerRunner
 from aiohttp.web_server import Server
 
 from coordinator import metrics as metrics_mod
-from coordinator import wire
+from protocol import coord as wire
+from protocol.roles import Mode
 from coordinator.api import Api, aiohttp_handler, make_app
 from coordinator.channel import ChannelServer, LoopWatch
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
-from coordinator.errors import BadRequest, NoServerAvailable
+from protocol.coord import BadRequest, NoServerAvailable
 from coordinator.health import HealthMonitor
 from coordinator.http import HttpServer
 from coordinator.identity import IdentityTable
@@ -436,16 +437,16 @@ class Coordinator:
         ex_gen = self._exclusions(exclude_gen, "exclude_gen")
         gen = self._select(GENERATION, req_id, key, ex_gen)
         ctx = None
-        mode, reason = "disaggregated", None
+        mode, reason = Mode.DISAGGREGATED, None
         cond = self.config.conditional_disagg_config
         if cond is not None and key is not None and key.num_tokens:
             matched = int(gen["info"].get("matched_tokens") or 0)
             uncached = key.num_tokens - matched
             if matched > 0 and uncached <= cond.max_local_prefill_length:
-                mode = "generation_only"
+                mode = Mode.GENERATION_ONLY
                 reason = (f"generation server caches {matched} of {key.num_tokens} tokens; "
                           f"{uncached} <= max_local_prefill_length {cond.max_local_prefill_length}")
-        if mode == "disaggregated":
+        if mode is Mode.DISAGGREGATED:
             try:
                 ctx = self._select(CONTEXT, req_id, key, ex_ctx)
             except NoServerAvailable as exc:
@@ -453,7 +454,7 @@ class Coordinator:
                     if self.leases.finish(GENERATION, req_id) is not None:
                         self._inflight[GENERATION] -= 1
                     raise
-                mode, reason = "aggregate_fallback", f"{exc}; serving on the generation server alone"
+                mode, reason = Mode.AGGREGATE_FALLBACK, f"{exc}; serving on the generation server alone"
         self.stats.pair_modes[mode] = self.stats.pair_modes.get(mode, 0) + 1
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}

@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 
 from coordinator.client import HttpCoordinatorClient, answer_or_raise
-from coordinator.errors import CoordinatorUnavailable
+from protocol.coord import CoordinatorUnavailable
 
 from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 

@@ -41,7 +41,8 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from coordinator.errors import NoServerAvailable
+from protocol.coord import NoServerAvailable
+from protocol.roles import Mode
 
 from . import metrics as M
 from . import pd_flow
@@ -98,7 +99,7 @@ class _State:
     rid: int                        # minted by this fleet process: the id every worker and lease sees
     t0: float
     alias: int | None = None        # the client's disagg_request_id (logs and route header only)
-    mode: str = "disaggregated"
+    mode: Mode = Mode.DISAGGREGATED
     placements: list = field(default_factory=list)          # every Placement taken (for /finish)
     open_resp: list = field(default_factory=list)           # upstream Responses not yet done
     touched: list = field(default_factory=list)             # (role, server) that received this request
@@ -126,9 +127,7 @@ class Flow:
         self._bg: set[asyncio.Task] = set()
         self.inflight = 0
         self.aliases: set[int] = set()      # client disagg_request_ids of requests in flight
-        self._m_place = {m: M.PLACEMENT.labels(m) for m in
-                         ("disaggregated", "local_prefill", "aggregated_fallback", "context_only", "aggregated",
-                          "no_kv_transfer")}
+        self._m_place = {m: M.PLACEMENT.labels(m) for m in Mode}
         self.no_transfer: set[str] = set()   # generation servers that answered 501 to generation_only
         self._m_leg = {r: M.LEG_REQUESTS.labels(r) for r in (CTX, GEN)}
         self._m_retry = {r: M.LEG_RETRIES.labels(r) for r in (CTX, GEN)}
@@ -260,7 +259,7 @@ class Flow:
         if self.aggregated_only:
             gen = await self._place_gen(st, key)
             ctx = None
-            st.mode = "aggregated"
+            st.mode = Mode.AGGREGATED
         elif p.delegated(CTX) and p.delegated(GEN):
             try:
                 ctx, gen, st.mode = await p.place_pair(st.rid, key, set(), set())
@@ -286,7 +285,7 @@ class Flow:
         if cd is not None and key and key.get("num_tokens"):
             matched = gen.predicted_tokens
             if matched > 0 and key["num_tokens"] - matched <= cd.max_local_prefill_length:
-                st.mode = "local_prefill"
+                st.mode = Mode.GENERATION_ONLY
                 return None
         try:
             return await self.placer.place(CTX, st.rid, key, set())
@@ -294,7 +293,7 @@ class Flow:
             if self.fallback == "reject":
                 raise ApiError(503, f"no healthy context server ({e}) and no_context_fallback is 'reject'",
                                code="no_context_server", retry_after=1) from None
-            st.mode = "aggregated_fallback"
+            st.mode = Mode.AGGREGATE_FALLBACK
             return None
 
     # ------------------------------------------------------------------ one leg, with retries
@@ -417,7 +416,7 @@ class Flow:
         if client_params is not None:
             # A vetted (HMAC-signed) client request carries its own leg instruction: forward as is.
             p = await self._place_single(st, key)
-            st.mode = "aggregated"
+            st.mode = Mode.AGGREGATED
             body = self._gen_base(creq)
             body["disaggregated_params"] = client_params
             return await self._final_leg(request, creq, st, p, orjson.dumps(body), key, self._sig(client_params))
@@ -431,7 +430,7 @@ class Flow:
             self.placer.track(ctx, -1)
             st.placements.remove(ctx)
             ctx = None
-            st.mode = "no_kv_transfer"
+            st.mode = Mode.NO_KV_TRANSFER
         st.route = {"id": st.rid, "mode": st.mode}
         if st.alias is not None:
             st.route["client_request_id"] = st.alias
@@ -445,7 +444,7 @@ class Flow:
             self._m_place[st.mode].inc()
             return await self._final_leg(request, creq, st, gen, orjson.dumps(self._gen_base(creq)), key)
         if not self._needs_gen(ctx_ans):
-            st.mode = "context_only"
+            st.mode = Mode.CONTEXT_ONLY
             self._m_place["context_only"].inc()
             # The request ended on the context server; the generation lease is unused.
             self.placer.finish(gen, True)
@@ -461,7 +460,7 @@ class Flow:
                         "requests aggregated", e.placement.server)
             self.no_transfer.add(e.placement.server)
             self._spawn(self._post_abort(CTX, ctx.server, st.rid))
-            st.mode = "no_kv_transfer"
+            st.mode = Mode.NO_KV_TRANSFER
             st.route["mode"] = st.mode
             st.route.pop("context", None)
             return await self._final_leg(request, creq, st, e.placement,
@@ -503,7 +502,7 @@ class Flow:
             if e.status in (502, 503) and e.code == "upstream_unavailable" and self.fallback == "aggregate" \
                     and not self.placer.healthy_count(CTX):
                 log.warning("request %d: no context server reachable (%s); serving aggregated", st.rid, e.message)
-                st.mode = "aggregated_fallback"
+                st.mode = Mode.AGGREGATE_FALLBACK
                 return None, b"", ctx
             raise
         raw = await self._read(resp, st, CTX, ctx)
@@ -592,7 +591,7 @@ class Flow:
             if ctx_ans is None:
                 raise ApiError(502, "no context server reachable for the generation_first request",
                                code="upstream_unavailable", retry_after=1)
-            st.mode = "context_only"
+            st.mode = Mode.CONTEXT_ONLY
             self._m_place["context_only"].inc()
             return self._context_answer(request, creq, st, ctx_raw)
         self._m_place["disaggregated"].inc()
@@ -780,7 +779,7 @@ class Flow:
             if isinstance(c, dict):
                 c.pop("disaggregated_params", None)
         st.touched.clear()
-        route = orjson.dumps({**st.route, "mode": "context_only"}).decode()
+        route = orjson.dumps({**st.route, "mode": Mode.CONTEXT_ONLY}).decode()
         now = time.perf_counter()
         M.TTFT.labels(st.mode).observe(now - st.t0)
         M.E2E.labels(st.mode).observe(now - st.t0)

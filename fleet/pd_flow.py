@@ -23,7 +23,8 @@ import time
 import msgspec
 import orjson
 
-from coordinator.errors import NoServerAvailable
+from protocol.coord import NoServerAvailable
+from protocol.roles import Mode
 
 from . import legs
 from . import metrics as M
@@ -72,7 +73,7 @@ async def run(flow, request, creq, st, ctx: Placement | None, gen: Placement, ke
                     "serving it without a context leg", st.rid, ctx.server, proto, gen.server)
         _drop(flow, st, ctx)
         ctx = None
-        st.mode = "no_kv_transfer"
+        st.mode = Mode.NO_KV_TRANSFER
     st.route = {"id": st.rid, "mode": st.mode, "protocol": proto}
     if ctx is None and not mod.LOCAL_PREFILL and not flow.aggregated_only:
         # Its decode servers need a prefill leg: no local prefill, no aggregated fallback.
@@ -83,7 +84,7 @@ async def run(flow, request, creq, st, ctx: Placement | None, gen: Placement, ke
                                 "a request alone", code="no_context_server", retry_after=1) from None
         st.placements.append(ctx)
         flow.placer.track(ctx, +1)
-        st.mode = "disaggregated"
+        st.mode = Mode.DISAGGREGATED
     if mod.SEQUENTIAL:
         return await _vllm(flow, request, creq, st, ctx, gen, key)
     return await _sglang(flow, request, creq, st, ctx, gen, key)
@@ -117,7 +118,7 @@ async def _vllm(flow, request, creq, st, ctx, gen, key):
             raise
         log.warning("request %d: no prefill server reachable (%s); serving on the decode server",
                     st.rid, e.message)
-        st.mode = st.route["mode"] = "aggregated_fallback"
+        st.mode = st.route["mode"] = Mode.AGGREGATE_FALLBACK
         flow._m_place[st.mode].inc()
         return await flow._final_leg(request, creq, st, gen, orjson.dumps(flow._gen_base(creq)), key)
     raw = await flow._read(resp, st, CTX, ctx)
@@ -133,9 +134,9 @@ async def _vllm(flow, request, creq, st, ctx, gen, key):
     st.route["context"] = flow._route_of(ctx)
     if kv is None or not kv.get("do_remote_prefill"):
         # No KV connector on that prefill server: the decode server computes the prompt itself.
-        st.mode = "no_kv_transfer"
+        st.mode = Mode.NO_KV_TRANSFER
     else:
-        st.mode = "disaggregated"
+        st.mode = Mode.DISAGGREGATED
     st.route["mode"] = st.mode
     flow._m_place[st.mode].inc()
     body = vl.decode_body(flow._gen_base(creq), kv)
@@ -150,7 +151,7 @@ async def _sglang(flow, request, creq, st, ctx, gen, key):
     if ctx is None:     # aggregated deployment: SGLang servers without PD
         flow._m_place[st.mode].inc()
         return await flow._final_leg(request, creq, st, gen, orjson.dumps(flow._gen_base(creq)), key)
-    st.mode = st.route["mode"] = "disaggregated"
+    st.mode = st.route["mode"] = Mode.DISAGGREGATED
     base = flow._gen_base(creq)
     # The room is the request's snowflake (< 2**63); an id from elsewhere gets a fresh one.
     room = sgl.room_of(st.rid if 0 <= st.rid < 1 << sgl.ROOM_BITS else flow.ids.next_id())

@@ -22,7 +22,7 @@ import weakref
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from coordinator.errors import CoordinatorError
+from protocol.coord import CoordinatorError
 from coordinator.gc_tuning import settle_heap
 
 from . import metrics as M
