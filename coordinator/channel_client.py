@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable
 
 from protocol import channel as cw
 from protocol import coord as wire
+from protocol.failures import Cause
 from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
                                 CoordinatorUnavailable, NoServerAvailable)
 
@@ -199,7 +200,7 @@ class ChannelClient:
             log.warning("coordinator channel to %s lost: %s", self.url, why)
         # Calls in flight: their callers fail over (an answer may never come). Their finishes:
         # owned until acknowledged, so re-sent.
-        err = CoordinatorUnavailable(f"coordinator channel to {self.url} lost: {why}")
+        err = CoordinatorUnavailable(f"coordinator channel to {self.url} lost: {why}", Cause.PEER_LOST)
         resend: list[cw.Finish] = []
         waiters: list[asyncio.Future] = []
         for seq, (ids, fins, timer, fw) in self._unacked.items():
@@ -285,7 +286,7 @@ class ChannelClient:
             fut, call = w
             if err is None:
                 err = CoordinatorUnavailable(f"coordinator {self.url} did not answer within "
-                                             f"{self.timeout_s:g}s (channel)")
+                                             f"{self.timeout_s:g}s (channel)", Cause.TIMEOUT)
             self._abandoned[i] = call
             if not fut.done():
                 fut.set_exception(err)
@@ -454,7 +455,8 @@ def _error(url: str, call: Any, status: int, body: Any) -> Exception:
         return NoServerAvailable(msg)
     if 400 <= status < 500:
         return CoordinatorRequestError(status, msg, body.get("field") if isinstance(body, dict) else None)
-    return CoordinatorUnavailable(f"coordinator {url} answered {status} on the channel: {msg}")
+    return CoordinatorUnavailable(f"coordinator {url} answered {status} on the channel: {msg}",
+                                  Cause.UPSTREAM_5XX)
 
 
 Fallback = _Fallback

@@ -21,6 +21,7 @@ import aiohttp
 import msgpack
 import orjson
 
+from protocol.failures import Cause
 from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
                                 CoordinatorUnavailable, NoServerAvailable)
 from coordinator.channel_client import ChannelClient, Fallback
@@ -83,7 +84,7 @@ def answer_or_raise(url: str, path: str, status: int, obj: Any, raw: bytes) -> A
         raise CoordinatorOverloaded(msg, float(ra) if isinstance(ra, (int, float)) else 1.0)
     if 400 <= status < 500:
         raise CoordinatorRequestError(status, msg, obj.get("field") if isinstance(obj, dict) else None)
-    raise CoordinatorUnavailable(f"coordinator {url} answered {status} for {path}: {msg}")
+    raise CoordinatorUnavailable(f"coordinator {url} answered {status} for {path}: {msg}", Cause.UPSTREAM_5XX)
 
 
 def _excl(v: Any) -> Any:
@@ -160,7 +161,7 @@ class HttpCoordinatorClient:
                 ctype = r.headers.get("Content-Type", "")
         except asyncio.TimeoutError:
             raise CoordinatorUnavailable(f"coordinator {self.url} did not answer {path} within "
-                                         f"{self.timeout.total:g}s") from None
+                                         f"{self.timeout.total:g}s", Cause.TIMEOUT) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise CoordinatorUnavailable(f"coordinator {self.url} unreachable for {path}: "
                                          f"{type(exc).__name__}: {exc}") from None

@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 
 from coordinator.client import HttpCoordinatorClient, answer_or_raise
+from protocol.failures import Cause
 from protocol.coord import CoordinatorUnavailable
 
 from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
@@ -54,9 +55,10 @@ class FleetCoordinatorClient(HttpCoordinatorClient):
                 r.release()
         except UpstreamTimeout:
             raise CoordinatorUnavailable(f"coordinator {self.url} did not answer {path} within "
-                                         f"{self.timeout_s:g}s") from None
+                                         f"{self.timeout_s:g}s", Cause.TIMEOUT) from None
         except UpstreamError as e:
-            raise CoordinatorUnavailable(f"coordinator {self.url} unreachable for {path}: {e.detail}") from None
+            raise CoordinatorUnavailable(f"coordinator {self.url} unreachable for {path}: {e.detail}",
+                                         e.cause) from None
         status = r.status
         try:
             obj = msgpack.unpackb(raw, raw=False) if "msgpack" in r.content_type else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["Cause", "Failure", "ConnectRefused", "Timeout", "Upstream5xx", "PeerLost",
+__all__ = ["Cause", "cause_of", "Failure", "ConnectRefused", "Timeout", "Upstream5xx", "PeerLost",
            "Overloaded", "BadAnswer", "NoServerAvailable"]
 
 

@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from protocol.failures import Cause
+
 from .descs import Descs, as_desc_array
 from .errors import AgentUnavailable, InvalidDescriptors
 
@@ -80,7 +82,8 @@ class PrepHandle:
 
 @dataclass(eq=False)
 class XferHandle:
-    """One submitted transfer. `state` is PROC, DONE or ERR; `error` explains ERR."""
+    """One submitted transfer. `state` is PROC, DONE or ERR; `error` explains ERR to a person,
+    `cause` types it (`Cause.PEER_LOST`: the remote agent is gone; None: any other failure)."""
 
     remote: str
     op: str
@@ -88,6 +91,7 @@ class XferHandle:
     ndescs: int
     state: str = PROC
     error: str | None = None
+    cause: Cause | None = None
     backend: Any = None
     id: int = field(default_factory=lambda: next(_handle_ids))
 
@@ -202,6 +206,10 @@ class TransferAgent(abc.ABC):
 
     def error(self, handle: XferHandle) -> str | None:
         return handle.error
+
+    def cause(self, handle: XferHandle) -> Cause | None:
+        """The typed cause of an ERR handle (decisions read this, never `error`'s text)."""
+        return handle.cause
 
     @abc.abstractmethod
     def release(self, handle: XferHandle) -> None: ...

@@ -6,6 +6,8 @@ so callers never import a backend to catch a failure.
 """
 from __future__ import annotations
 
+from protocol.failures import Cause
+
 
 class TransferError(Exception):
     """Base class of every error raised by `transfer/`."""
@@ -32,6 +34,7 @@ class OutOfRange(TransferError):
 
 
 class PeerLost(TransferError):
+    cause = Cause.PEER_LOST
     """The remote agent (or its process) went away while a transfer or control exchange needed it."""
 
 

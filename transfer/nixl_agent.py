@@ -30,6 +30,8 @@ import threading
 import msgpack
 import numpy as np
 
+from protocol.failures import Cause
+
 from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, PrepHandle, RegHandle, TransferAgent,
                     XferHandle, regions_array)
 from .descs import Coverage, Descs, check_pair, merge_runs
@@ -314,7 +316,9 @@ class NixlAgent(TransferAgent):
             try:
                 st = self._agent.check_xfer_state(handle.backend)
             except self._errors as e:
-                handle.state, handle.error = ERR, str(_map_error(e, f"{handle.op} to {handle.remote!r}"))
+                err = _map_error(e, f"{handle.op} to {handle.remote!r}")
+                handle.state, handle.error = ERR, str(err)
+                handle.cause = Cause.PEER_LOST if isinstance(err, PeerLost) else None
                 return ERR
         if st == "DONE":
             handle.state = DONE

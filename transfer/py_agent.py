@@ -25,6 +25,8 @@ import msgpack
 import numpy as np
 import zmq
 
+from protocol.failures import Cause
+
 from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, RegHandle, TransferAgent, XferHandle,
                     regions_array)
 from .descs import Coverage, Descs, check_pair
@@ -225,10 +227,12 @@ class PyAgentBase(TransferAgent):
         with self._lock:
             self._xfers.pop(handle.id, None)
 
-    def _finish(self, xfer: XferHandle, ok: bool, err: str | None = None) -> None:
+    def _finish(self, xfer: XferHandle, ok: bool, err: str | None = None,
+                cause: Cause | None = None) -> None:
         if xfer.state != PROC:
             return
         xfer.error = None if ok else (err or "transfer failed")
+        xfer.cause = None if ok else cause
         xfer.state = DONE if ok else ERR
 
     # ------------------------------------------------------------------ notifications
@@ -261,7 +265,7 @@ class PyAgentBase(TransferAgent):
             if ra is not None and drop:
                 ra.lost = reason
         for x in pending:
-            self._finish(x, False, reason)
+            self._finish(x, False, reason, Cause.PEER_LOST)
 
     def _io_main(self) -> None:
         poller = zmq.Poller()
@@ -332,7 +336,7 @@ class PyAgentBase(TransferAgent):
                             self._fail_remote(name, reason)
                             for _f, xfer in outq[name]:
                                 if xfer is not None:
-                                    self._finish(xfer, False, reason)
+                                    self._finish(xfer, False, reason, Cause.PEER_LOST)
                             outq[name].clear()
             now = time.monotonic()
             for name, q in outq.items():

@@ -69,6 +69,8 @@ import msgpack
 import numpy as np
 from msgspec.structs import replace as msgspec_replace
 
+from protocol.failures import Cause, cause_of
+
 from .agent import ERR as XERR, PROC as XPROC, TransferAgent, make_agent
 from .descs import build_pair, merge_runs
 from .errors import (ConfigMismatch, PeerLost, ProtocolError, SessionError, TransferError,
@@ -235,6 +237,7 @@ class _Task:
     s1: int
     handles: list = field(default_factory=list)
     error: str | None = None
+    cause: Cause | None = None      # typed cause of `error` (PEER_LOST: drop the receiver)
     nbytes: int = 0
     ndescs: int = 0
     started: float = 0.0
@@ -1116,6 +1119,7 @@ class KvTransceiver:
                 self._submit(task)
             except Exception as e:  # validation / peer lost: nothing was posted
                 task.error = f"{type(e).__name__}: {e}"
+                task.cause = cause_of(e)
                 if isinstance(e, PeerLost):
                     self._drop_receiver(task.target.rx)
         return bool(todo)
@@ -1173,6 +1177,7 @@ class KvTransceiver:
             for h, st in zip(task.handles, states):
                 if st == XERR and task.error is None:
                     task.error = self.agent.error(h) or "transfer failed"
+                    task.cause = self.agent.cause(h)
                 self.agent.release(h)
             finished.append(task)
         if not finished:
@@ -1182,8 +1187,7 @@ class KvTransceiver:
             for task in finished:
                 self._tasks.remove(task)
                 self._complete_locked(task)
-                if task.error and ("lost" in task.error or "PeerLost" in task.error
-                                   or "Disconnect" in task.error):
+                if task.cause is Cause.PEER_LOST:
                     lost.append(task.target.rx)
         for rx in lost:
             self._drop_receiver(rx)

@@ -27,6 +27,8 @@ import threading
 
 import msgpack
 
+from protocol.failures import Cause
+
 from .agent import XferHandle
 from .descs import Descs
 from .errors import InvalidDescriptors, OutOfRange, PeerLost
@@ -142,7 +144,8 @@ class ShmAgent(PyAgentBase):
                 else:
                     memmove(la, ta, n)
             if not self._peer_alive(ra):
-                self._finish(x, False, f"remote agent {ra.name!r} died during the transfer")
+                self._finish(x, False, f"remote agent {ra.name!r} died during the transfer",
+                             Cause.PEER_LOST)
                 return
             if notif:
                 self._command(("send", ra.name, [b"N", msgpack.packb(

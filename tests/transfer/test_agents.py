@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from protocol.failures import Cause
 from tests.transfer.agent_peer import target_main
 from transfer.agent import DONE, ERR, PROC, make_agent
 from transfer.descs import Descs, merge_runs
@@ -199,8 +200,10 @@ def test_peer_killed_mid_session_is_bounded(kind, peer_factory):
             state = wait(agent, x, timeout=20)
             assert state == ERR
             assert x.error
-        except PeerLost:
-            pass
+            # typed: the session drops the receiver on this cause, never on the message's words
+            assert agent.cause(x) is Cause.PEER_LOST, (x.error, agent.cause(x))
+        except PeerLost as e:
+            assert e.cause is Cause.PEER_LOST
         assert time.monotonic() - t0 < 20
     finally:
         agent.shutdown()
