@@ -63,7 +63,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -79,6 +78,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 from bench._common import replace_subsection  # noqa: E402
+from splitserve_testing import Proc, clean_env, free_port, stop_all  # noqa: E402
 
 import aiohttp  # noqa: E402
 import yaml  # noqa: E402
@@ -402,57 +402,6 @@ def run_stats(results: list[Result]) -> dict:
 
 # ============================================================================ processes
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """One child process in its own session (so a terminal's Ctrl-C reaches only us, and we stop it in
-    order); stdout+stderr go to its log file."""
-
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict):
-        self.name, self.argv, self.log = name, argv, log
-        self._f = open(log, "ab")
-        self._f.write(("$ " + shlex.join(argv) + "\n").encode())
-        self._f.flush()
-        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, env=env,
-                                  stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
-
-    @property
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def terminate(self) -> None:
-        """SIGTERM its process group (a fleet launcher's children share it)."""
-        if self.p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.p.pid, signal.SIGTERM)
-
-    def stop(self, grace: float) -> None:
-        """``terminate``, then SIGKILL whatever of its group is left after ``grace`` seconds."""
-        if self.p.poll() is None:
-            self.terminate()
-            try:
-                self.p.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        # Children of a launcher may outlive it; the group is ours alone (start_new_session).
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.p.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.p.wait(5)
-        if not self._f.closed:
-            self._f.close()
-
-
 class Registry:
     """Every process this benchmark started; ``stop_all`` ends them. Each pid is also appended to
     ``<logdir>/pids`` (``pid name`` per line) so an operator or a test can check nothing outlived us."""
@@ -468,17 +417,16 @@ class Registry:
             f.write(f"{pid} {name}\n")
 
     def start(self, name: str, argv: list[str], log: Path, env: dict) -> Proc:
-        p = Proc(name, argv, log, env)
+        # group: SIGTERM reaches a fleet launcher's children too, and none outlives the stop
+        p = Proc(name, argv, log, env, group=True, header=True)
         self.procs.append(p)
         self.note(p.p.pid, name)
         return p
 
     def stop(self, procs: list[Proc], grace: float = 10.0) -> None:
         """SIGTERM all of ``procs`` at once (workers drain in parallel), then reap each."""
+        stop_all(procs, grace)
         for p in procs:
-            p.terminate()
-        for p in reversed(procs):
-            p.stop(grace)
             with contextlib.suppress(ValueError):
                 self.procs.remove(p)
 
@@ -499,8 +447,7 @@ def _http(url: str, timeout: float = 3.0, body: dict | None = None) -> tuple[int
 
 
 def _child_env(gpu: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = clean_env(PYTHONUNBUFFERED=1)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -616,8 +563,8 @@ class Cluster:
 
     def _check_alive(self) -> None:
         for p in self.procs:
-            if not p.alive:
-                raise BenchError(f"{p.name} exited with code {p.p.returncode}; {p.log} ends with:\n{p.tail()}")
+            if not p.alive():
+                raise BenchError(f"{p.name} exited with code {p.p.returncode}; {p.log_path} ends with:\n{p.tail()}")
 
     def _wait(self, urls: list[str], deadline: float) -> None:
         pending = list(urls)

@@ -31,19 +31,19 @@ import platform
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Run as `python bench/fleet.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
 # package: the repository root goes first and bench/ itself is dropped.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
+
+from splitserve_testing import Proc, free_port, free_port_pair, wait_http  # noqa: E402
+from splitserve_testing.proctable import cpu_ticks, group_members  # noqa: E402
 PEERS = (ROOT / ".." / "shared" / "bench" / "peers").resolve()
 RESULTS = ROOT / "bench" / "RESULTS.md"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -54,48 +54,19 @@ BODY = {"model": "m", "prompt": "hello world " * 80, "max_tokens": 16}
 
 # --------------------------------------------------------------------------- processes
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_pair() -> int:
-    for _ in range(100):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p - 1))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
-
-
-class Group:
+class Group(Proc):
     """A process started in its own session; stopped (and CPU-accounted) as a process group."""
 
     def __init__(self, argv, log: Path, env=None, cwd=None):
-        self.log = log
-        self._f = open(log, "wb")
-        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                  start_new_session=True)
+        # env None: splitserve_testing.clean_env() (no SPLITSERVE_* overrides reach a child)
+        super().__init__(log.stem, argv, log, env, cwd=cwd, group=True, append=False)
 
     def members(self):
-        """(pid, /proc/<pid>/stat fields after the command name) of every live process of the group."""
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == self.p.pid:       # pgrp
-                yield int(d), fields
+        """(pid, /proc/<pid>/stat fields after the command name) of every process of the group."""
+        return group_members(self.p.pid)
 
     def ticks(self) -> int:
-        return sum(int(f[11]) + int(f[12]) for _, f in self.members())
+        return sum(cpu_ticks(f) for _, f in self.members())
 
     def ticks_split(self) -> dict[str, int]:
         """CPU ticks of the group by part: the coordinator process, everything else ("fleet")."""
@@ -107,37 +78,11 @@ class Group:
             except OSError:
                 continue
             part = "coordinator" if b"splitserve_cli" in argv and b"coordinator" in argv else "fleet"
-            out[part] += int(fields[11]) + int(fields[12])
+            out[part] += cpu_ticks(fields)
         return out
 
-    def stop(self):
-        if self.p.poll() is None:
-            try:
-                os.killpg(self.p.pid, signal.SIGTERM)
-                self.p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait()
-            except ProcessLookupError:
-                pass
-        self._f.close()
-
-
-def wait_http(url: str, body: dict | None, timeout: float = 60, proc: Group | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc is not None and proc.p.poll() is not None:
-            raise RuntimeError(f"{proc.log.name} exited: {proc.log.read_text()[-2000:]}")
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
+    def stop(self, grace: float = 20.0):
+        return super().stop(grace)
 
 
 # --------------------------------------------------------------------------- mock backends
@@ -235,7 +180,7 @@ http {{ access_log off; client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fa
     g = Group(["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")], work / "nginx.log")
     urls = {k: [f"http://127.0.0.1:{p}" for p in v] for k, v in ports.items()}
     for u in urls["ctx"] + urls["gen"]:
-        wait_http(u + "/v1/completions", BODY, 20, g)
+        wait_http(u + "/v1/completions", 20, g, body=BODY)
     return g, urls
 
 
@@ -258,9 +203,8 @@ def fleet_config(work: Path, name: str, port: int, gen: list[str], ctx: list[str
 
 
 def start_fleet(work: Path, name: str, cfg: Path) -> Group:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
     return Group([sys.executable, "-m", "splitserve_cli", "serve", "-c", str(cfg)], work / f"{name}.log",
-                 env=env, cwd=str(ROOT))
+                 cwd=str(ROOT))
 
 
 def wrk(url: str, script: Path, conns: int, duration: str, threads: int = 1) -> dict:
@@ -301,7 +245,7 @@ def measure_group(g: Group, url: str, name: str, script: Path, path: str, body: 
                   duration: str, warm: str, threads: int = 1) -> dict:
     """wrk against `url` served by the process group `g` (stopped afterwards); CPU of the group."""
     try:
-        wait_http(url + path, body, 90, g)
+        wait_http(url + path, 90, g, body=body)
         wrk(url, script, conns, warm, threads)
         # The warm-up's connections close with requests in flight; wrk's next run reuses their
         # client ports at once (tcp_tw_reuse on loopback) while the fleet still holds them open,
@@ -391,8 +335,8 @@ def part_scaling(work: Path, urls, args) -> list[dict]:
         for name, ctx, policy in paths:
             tag = f"{name.replace(' ', '-')}-n{nw}"
             for attempt in range(3):
-                # free_pair() only probes: on a shared host another process may take the port first
-                cfg = fleet_config(work, tag, free_pair(), urls["gen"], ctx, policy, nw)
+                # free_port_pair() only probes: on a shared host another process may take the port first
+                cfg = fleet_config(work, tag, free_port_pair(), urls["gen"], ctx, policy, nw)
                 try:
                     r = measure(work, tag, cfg, script, "/v1/completions", BODY, **load)
                     break
@@ -415,7 +359,7 @@ def part_stream(work: Path, urls, duration: str, warm: str) -> dict:
     direct = []
     for _ in range(2):
         direct.append(wrk(urls["sse"][0], script, 1, duration)["p50_ms"])
-    port = free_pair()
+    port = free_port_pair()
     cfg = fleet_config(work, "sse-rr", port, urls["sse"], [], "round_robin", 1)
     r = measure(work, "sse-rr", cfg, script, "/v1/chat/completions", body, 1, duration, warm)
     d = min(direct)

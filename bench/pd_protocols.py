@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import cpu_model, replace_subsection  # noqa: E402
 from bench.fleet import Group as _Group  # noqa: E402
-from bench.fleet import free_pair, free_port, wait_http  # noqa: E402
+from splitserve_testing import free_port, free_port_pair, wait_http  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 BODY = {"model": "mock", "prompt": "hello world " * 80, "max_tokens": 16}
@@ -61,23 +61,22 @@ def mocks(work: Path, engine: str) -> tuple[list[Group], str, str]:
         groups.append(Group(argv, work / f"mock-{engine}-{role}.log", cwd=str(ROOT)))
         urls.append(f"http://127.0.0.1:{port}")
     for u, g in zip(urls, groups):
-        wait_http(u + "/health", None, 20, g)
+        wait_http(u + "/health", 20, g)
     return groups, urls[0], urls[1]
 
 
 def fleet(work: Path, engine: str, policy: str, ctx: str, gen: str) -> tuple[Group, str]:
     import yaml
-    port = free_pair()
+    port = free_port_pair()
     doc = {"hostname": "127.0.0.1", "port": port, "model": "mock", "tokenizer": "tiny", "log_level": "warning",
            "context_servers": {"urls": [ctx.split("//")[1]], "router": {"type": policy}, "protocol": engine},
            "generation_servers": {"urls": [gen.split("//")[1]], "router": {"type": policy}, "protocol": engine}}
     cfg = work / f"fleet-{engine}-{policy}.yaml"
     cfg.write_text(yaml.safe_dump(doc))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
     g = Group([sys.executable, "-m", "splitserve_cli", "serve", "-c", str(cfg)], work / f"fleet-{engine}-{policy}.log",
-              env=env, cwd=str(ROOT))
+              cwd=str(ROOT))
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/v1/completions", BODY, 90, g)
+    wait_http(url + "/v1/completions", 90, g, body=BODY)
     return g, url
 
 

@@ -27,9 +27,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +43,7 @@ import yaml  # noqa: E402
 from bench import _trace as T  # noqa: E402
 from bench._common import cpu_model, replace_section  # noqa: E402
 from bench._routing_oracle import Oracle  # noqa: E402
+from splitserve_testing import Proc, free_port, wait_http  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 OUTDIR = ROOT / "bench" / "results"
@@ -62,12 +60,6 @@ KV_GRID = [  # the search: load weight against cache weight, and the hot-spot ca
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read()
@@ -81,42 +73,22 @@ def post(url: str, body: dict, timeout: float = 10.0) -> bytes:
 
 
 class Procs:
-    """Child processes, each in its own session, stopped by pid."""
+    """Child processes (splitserve_testing.Proc), each in its own session, stopped by pid."""
 
     def __init__(self, work: Path):
         self.work = work
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[Proc] = []
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
-        log = open(self.work / f"{name}.log", "ab")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env,
-                             start_new_session=True)
-        p.name = name  # type: ignore[attr-defined]
+    def spawn(self, name: str, argv: list[str]) -> Proc:
+        p = Proc(name, argv, self.work / f"{name}.log")
         self.procs.append(p)
         return p
 
-    def wait_http(self, url: str, p: subprocess.Popen, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if p.poll() is not None:
-                tail = (self.work / f"{p.name}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{p.name} exited ({p.returncode}):\n{tail}")
-            try:
-                get(url, 2)
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"{p.name}: {url} not up after {timeout}s")
+    def wait_http(self, url: str, p: Proc, timeout: float = 90) -> None:
+        wait_http(url, timeout, p)
 
-    def stop(self, p: subprocess.Popen) -> None:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+    def stop(self, p: Proc) -> None:
+        p.stop(15)
         if p in self.procs:
             self.procs.remove(p)
 
@@ -128,7 +100,7 @@ class Procs:
 def start_workers(procs: Procs, n: int, num_blocks: int, args, model: str = "1b") -> list[str]:
     flags = T.sim_flags(args.tokens_per_block, args.dilation)
 
-    def spawn(k: int, attempt: int) -> tuple[str, subprocess.Popen]:
+    def spawn(k: int, attempt: int) -> tuple[str, Proc]:
         port = free_port()
         argv = [PY, "-m", "splitserve_cli", "worker", "--engine", "sim", "--role", "both",
                 "--model", model, "--host", "127.0.0.1", "--port", str(port),

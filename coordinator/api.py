@@ -68,10 +68,10 @@ class Api:
         c = coord
         self.post: dict[str, tuple[str, type, Callable[[Any], Any]]] = {
             "/select": ("select", wire.SelectBody, self._select),
-            "/select_pair": ("select_pair", wire.SelectPairBody,
-                             lambda b: c.select_pair(b.req_id, b.routing_key, b.exclude_ctx, b.exclude_gen)),
+            "/select_pair": ("select_pair", wire.SelectPairBody, self._select_pair),
             "/finish": ("finish", wire.FinishBody, self._finish),
-            "/renew": ("renew", wire.RenewBody, lambda b: {"renewed": c.renew(b.role, b.req_id)}),
+            "/renew": ("renew", wire.RenewBody, lambda b: {"renewed": c.renew_lease(
+                wire.parse_role(b.role), wire.check_req_id(b.req_id))}),
             "/register": ("register", wire.RegisterBody,
                           lambda b: c.register(b.url, b.role, b.ttl_s, b.worker_id)),
             "/heartbeat": ("heartbeat", wire.RegisterBody, self._heartbeat),
@@ -90,12 +90,24 @@ class Api:
         self.routes = [("POST", p) for p in self.post] + [("GET", p) for p in self.get]
 
     # ---- endpoint bodies ---------------------------------------------------------------------
+    # The body's types were checked by its decoder (`wire.decode`); what the schema leaves open
+    # (role aliases, the u64 range of ids, usage bounds, routing keys and urls against the
+    # cluster) is checked here, once, before the coordinator's validated calls.
     def _select(self, b: wire.SelectBody) -> dict:
-        return self.coord.select(b.role, b.req_id, b.routing_key,
-                                 b.exclude if b.exclude is not None else b.exclude_server)
+        c = self.coord
+        ex = b.exclude if b.exclude is not None else b.exclude_server
+        return c.place(wire.parse_role(b.role), wire.check_req_id(b.req_id), c.routing_key(b.routing_key),
+                       c.exclusions(ex, "exclude"))
+
+    def _select_pair(self, b: wire.SelectPairBody) -> dict:
+        c = self.coord
+        return c.place_pair(wire.check_req_id(b.req_id), c.routing_key(b.routing_key),
+                            c.exclusions(b.exclude_ctx, "exclude_ctx"),
+                            c.exclusions(b.exclude_gen, "exclude_gen"))
 
     def _finish(self, b: wire.FinishBody) -> dict:
-        self.coord.finish(b.role, b.req_id, b.success, b.usage)
+        self.coord.end_lease(wire.parse_role(b.role), wire.check_req_id(b.req_id), b.success,
+                             wire.finish_usage(b.usage))
         return _EMPTY
 
     def _heartbeat(self, b: wire.RegisterBody):

@@ -24,6 +24,7 @@ import time
 import msgspec
 
 from protocol import channel as cw
+from protocol import coord as wire
 from protocol.coord import BadRequest, NoServerAvailable
 
 log = logging.getLogger("splitserve.coordinator.channel")
@@ -119,12 +120,14 @@ class ChannelServer:
                 st.bad_calls += 1
                 log.warning("ignored a malformed finish on the channel: %s", exc)
                 continue
+            # Role, id and flag were checked by the frame schema; the usage numbers' bounds are not.
             try:
-                coord.finish(f.role, f.req_id, f.success, f.usage)
+                usage = wire.finish_usage(f.usage)
             except BadRequest as exc:    # e.g. usage numbers out of range: the lease still ends
                 st.bad_calls += 1
                 log.warning("finish on the channel: %s; ending the lease without its usage", exc)
-                coord.finish(f.role, f.req_id, f.success)
+                usage = None
+            coord.end_lease(f.role, f.req_id, f.success, usage)
         for raw in b.calls:
             st.calls += 1
             try:
@@ -139,7 +142,7 @@ class ChannelServer:
             t = type(call)
             if t is cw.Renew:
                 results.append(cw.Result(call.id, cw.OK,
-                                         {"renewed": coord.renew(call.role, call.req_id)}))
+                                         {"renewed": coord.renew_lease(call.role, call.req_id)}))
                 continue
             now = mono()
             if now > limit:
@@ -150,11 +153,14 @@ class ChannelServer:
                     "retry_after": _RETRY_AFTER_S}))
                 continue
             try:
+                key = coord.routing_key(call.routing_key)
                 if t is cw.Select:
-                    ans = _select(coord, call)
+                    ans = coord.place(call.role, call.req_id, key,
+                                      coord.exclusions(call.exclude, "exclude"))
                 else:
-                    ans = coord.select_pair(call.req_id, call.routing_key, call.exclude_ctx,
-                                            call.exclude_gen)
+                    ans = coord.place_pair(call.req_id, key,
+                                           coord.exclusions(call.exclude_ctx, "exclude_ctx"),
+                                           coord.exclusions(call.exclude_gen, "exclude_gen"))
                 results.append(cw.Result(call.id, cw.OK, ans))
             except NoServerAvailable as exc:
                 r = getattr(exc, "reason", None)
@@ -165,15 +171,6 @@ class ChannelServer:
                 coord.stats.bad_requests[name] = coord.stats.bad_requests.get(name, 0) + 1
                 results.append(cw.Result(call.id, cw.BAD_REQUEST, exc.to_body()))
         return cw.Replies(b.seq, results)
-
-
-def _select(coord, call: cw.Select) -> dict:
-    """`Coordinator.select` minus the role and id checks the frame schema already made."""
-    t0 = time.perf_counter()
-    key = coord.routing_key(call.routing_key)
-    ans = coord._select(call.role, call.req_id, key, coord._exclusions(call.exclude, "exclude"))
-    coord.stats.select_latency.observe(time.perf_counter() - t0)
-    return ans
 
 
 class ChannelConn(asyncio.Protocol):

@@ -73,7 +73,8 @@ def _configure(args):
 
 async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast") -> int:
     from coordinator.gc_tuning import settle_heap
-    from coordinator.service import Coordinator, CoordinatorServer
+    from coordinator.listeners import CoordinatorServer
+    from coordinator.service import Coordinator
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -564,6 +564,30 @@ class ClusterConfig:
     def server_groups(self) -> dict[str, ServerGroupConfig]:
         return {"context": self.context_servers, "generation": self.generation_servers}
 
+    @property
+    def health_minimums(self) -> MinimalInstances:
+        """Healthy servers each role needs for readiness: the one rule behind the coordinator's
+        `/health` and `is_ready` and every fleet process's `/health`. `disagg_cluster.
+        minimal_instances` when given; else one for each role that lists `urls` (an aggregated
+        cluster lists generation servers only), one each when neither lists any (all will
+        register), and at least one context server under `no_context_fallback: reject`."""
+        dc = self.disagg_cluster
+        if dc is not None:
+            ctx, gen = dc.minimal_instances.context_servers, dc.minimal_instances.generation_servers
+        else:
+            listed_ctx, listed_gen = bool(self.context_servers.urls), bool(self.generation_servers.urls)
+            neither = not (listed_ctx or listed_gen)
+            ctx, gen = int(listed_ctx or neither), int(listed_gen or neither)
+        if self.no_context_fallback == "reject":
+            ctx = max(1, ctx)
+        return MinimalInstances(context_servers=ctx, generation_servers=gen)
+
+    @property
+    def aggregated_only(self) -> bool:
+        """No context server can ever take part (none needed, none listed, no dynamic
+        membership): every request is served on a generation server alone."""
+        return self.disagg_cluster is None and self.health_minimums.context_servers == 0
+
     def to_public_dict(self) -> dict:
         """Plain JSON-able dict of every setting, secrets replaced by '<redacted>' (or null)."""
         return _public(self)

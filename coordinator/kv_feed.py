@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq.asyncio
 
@@ -57,7 +58,7 @@ class WorkerFeed:
     connect_failures: int = 0
     reader_restarts: int = 0
     polls: int = 0
-    last_seq: int | None = None
+    index: Any = None                            # the KvIndex that holds this stream's position
     ready: bool = False
     repairing: bool = False
     pending: deque = field(default_factory=deque)
@@ -83,6 +84,18 @@ class WorkerFeed:
     last_applied_mono: float | None = None
     sync_started_mono: float | None = None
     sync_outcome: str = "pending"
+
+    @property
+    def last_seq(self) -> int | None:
+        """The last applied seq of this rank's stream (-1: nothing published yet, the next batch
+        must be seq 0; None: not known, the next batch starts the stream). A view of the index's
+        `expected_seq`, the one copy of the ordering state; setting it is `reset_stream`."""
+        nxt = self.index.expected_seq(self.server, self.dp_rank)
+        return None if nxt is None else nxt - 1
+
+    @last_seq.setter
+    def last_seq(self, seq: int | None) -> None:
+        self.index.reset_stream(self.server, self.dp_rank, None if seq is None else seq + 1)
 
     @property
     def usable(self) -> bool:

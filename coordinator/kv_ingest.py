@@ -2,7 +2,10 @@
 
 One `WorkerFeed` per server with an event source. Invariants:
 - Batches of a feed are applied strictly in `seq` order, each at most once, on the event loop
-  (the index has a single writer; `/select` reads it between batches, never mid-batch).
+  (the index has a single writer; `/select` reads it between batches, never mid-batch). The
+  ordering state and verdicts are the router's (`KvIndex.apply_batch` / `expected_seq` /
+  `reset_stream`, one stream per server and DP rank); this module keeps the sockets, the repair
+  buffer, replay and snapshots.
 - While a feed repairs (replay or snapshot in flight) its live batches are buffered, then drained
   through the same ordering rules.
 - A gap is repaired by replay over a DEALER socket from `last + 1`; if replay is unavailable, times
@@ -39,6 +42,7 @@ from coordinator.kv_poll import HttpPollMixin
 from coordinator.kv_repair import RepairMixin
 from router.events import (MAX_PAYLOAD_BYTES, AllCleared, BlocksRemoved, BlocksStored,
                            EventDecodeError, decode_zmq)
+from router.kv_index import StreamVerdict
 
 log = logging.getLogger("splitserve.coordinator.kv_ingest")
 
@@ -158,8 +162,10 @@ class KvIngest(HttpPollMixin, RepairMixin):
 
     def _new_feed(self, server: str, source: FeedSource, rank: int) -> WorkerFeed:
         ep = source.endpoint if source.transport != "zmq" else rank_endpoint(source.endpoint, rank)
-        return WorkerFeed(server=server, source=source, dp_rank=rank, endpoint=ep,
-                          replay_endpoint=rank_endpoint(source.replay_endpoint, rank))
+        feed = WorkerFeed(server=server, source=source, dp_rank=rank, endpoint=ep,
+                          replay_endpoint=rank_endpoint(source.replay_endpoint, rank), index=self.index)
+        feed.last_seq = None   # a new subscription starts its stream afresh
+        return feed
 
     def _open(self, feed: WorkerFeed) -> None:
         src = feed.source
@@ -389,17 +395,17 @@ class KvIngest(HttpPollMixin, RepairMixin):
             self._start_rebuild(feed, cause)
 
     def _ingest(self, feed: WorkerFeed, batch, front: bool) -> None:
-        """Apply, buffer, or repair around one batch. `front` marks a batch drained from the
-        repair buffer (it goes back to the front if another repair starts)."""
+        """Apply, buffer, or repair around one batch; the ordering is the index's
+        (`KvIndex.apply_batch`). `front` marks a batch drained from the repair buffer (it goes
+        back to the front if another repair starts)."""
         if feed.repairing:
             self._buffer(feed, batch, front)
             return
-        seq = batch.seq
         last = feed.last_seq
-        if last is None or seq == last + 1:
-            self._apply(feed, batch)
+        verdict = self._apply(feed, batch)
+        if verdict == StreamVerdict.APPLIED:
             return
-        if seq <= last:
+        if verdict == StreamVerdict.DUPLICATE:
             if front:
                 # Received while repairing and already covered by the replay or snapshot.
                 feed.stale_dropped += 1
@@ -407,7 +413,7 @@ class KvIngest(HttpPollMixin, RepairMixin):
             # PUB/SUB delivers in order, so a smaller live seq is a new publisher incarnation.
             feed.resets += 1
             log.warning("KV-event seq of %s went from %d to %d: publisher restarted; rebuilding",
-                        feed.server, last, seq)
+                        feed.server, last, batch.seq)
             self._clear(feed, feed.server, "seq_reset")
             feed.last_seq = None
             self._buffer(feed, batch, front)
@@ -415,7 +421,7 @@ class KvIngest(HttpPollMixin, RepairMixin):
             return
         feed.gaps += 1
         self._rl(logging.WARNING, ("gap", feed.server), "KV-event gap from %s: expected seq %d, got %d",
-                 feed.server, last + 1, seq)
+                 feed.server, last + 1, batch.seq)
         self._buffer(feed, batch, front)
         feed.repairing = True
         self._spawn(feed, self._repair_gap(feed, last + 1))
@@ -432,32 +438,28 @@ class KvIngest(HttpPollMixin, RepairMixin):
         else:
             feed.pending.append(batch)
 
-    def _apply(self, feed: WorkerFeed, batch) -> None:
-        index = self.index
-        server = feed.server
-        dp = batch.dp_rank if batch.dp_rank is not None else feed.dp_rank
+    def _apply(self, feed: WorkerFeed, batch) -> str:
+        """`KvIndex.apply_batch` on this feed's stream, and the feed's counters when it applied.
+        A seq at or below the last applied one is never a restart to the index (it is a
+        duplicate): the caller decides, since only it knows whether the batch is live."""
+        verdict = self.index.apply_batch(feed.server, batch, feed.dp_rank, restart_at_zero=False)
+        if verdict != StreamVerdict.APPLIED:
+            return verdict
         for ev in batch.events:
-            try:
-                index.apply(server, ev, dp)
-            except Exception as exc:  # a malformed event must not stop the stream
-                feed.apply_errors += 1
-                self._rl(logging.WARNING, ("apply", server), "KV event from %s not applied: %s: %s",
-                         server, type(exc).__name__, exc)
-                continue
-            feed.events_applied += 1
             if isinstance(ev, BlocksStored):
                 feed.blocks_stored += _n_blocks(ev)
             elif isinstance(ev, BlocksRemoved):
                 feed.blocks_removed += _n_blocks(ev)
             elif isinstance(ev, AllCleared):
                 feed.clears["all_cleared_event"] = feed.clears.get("all_cleared_event", 0) + 1
-        feed.last_seq = batch.seq
+        feed.events_applied += len(batch.events)
         feed.batches_applied += 1
         feed.repairs_in_a_row = 0
         if batch.ts is not None:
             feed.last_ts = batch.ts
             feed.lag_s = max(0.0, time.time() - batch.ts)
         feed.last_applied_mono = time.monotonic()
+        return verdict
 
     def _clear(self, feed: WorkerFeed | None, server: str, cause: str,
                all_ranks: bool = False) -> None:

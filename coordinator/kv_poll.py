@@ -92,7 +92,8 @@ class HttpPollMixin:
         # An attention-DP rank seen for the first time in a polled response: live only (the
         # drain has no replay), ordered by its own event ids.
         r = WorkerFeed(server=feed.server, source=feed.source, dp_rank=rank, endpoint=feed.endpoint,
-                       ready=True, sync_outcome="live only")
+                       ready=True, sync_outcome="live only", index=feed.index)
+        r.last_seq = None
         feed.ranks.append(r)
         return r
 

@@ -46,12 +46,15 @@ class RepairMixin:
                     outcome = "replay unavailable"
                 else:
                     self._clear(feed, feed.server, f"rebuild_{cause}")
-                    # An empty answer from seq 0 means nothing was published yet: the next live
-                    # batch must be seq 0, and anything later is a gap to repair.
-                    feed.last_seq = -1
+                    # The first replayed batch starts the stream (older history may be evicted);
+                    # the index skips any that does not follow. An empty answer from seq 0 means
+                    # nothing was published yet: the next live batch must be seq 0, and anything
+                    # later is a gap to repair.
+                    feed.last_seq = None
                     for b in batches:
-                        if feed.last_seq == -1 or b.seq == feed.last_seq + 1:
-                            self._apply(feed, b)
+                        self._apply(feed, b)
+                    if feed.last_seq is None:
+                        feed.last_seq = -1
                     if batches and batches[0].seq > 0:
                         outcome = f"replay from seq {batches[0].seq} (older history evicted)"
                     else:
@@ -83,8 +86,7 @@ class RepairMixin:
                 if wanted and wanted[0].seq == start:
                     feed.replays_ok += 1
                     for b in wanted:
-                        if b.seq == feed.last_seq + 1:
-                            self._apply(feed, b)
+                        self._apply(feed, b)   # the index skips any that does not follow
                     return
                 feed.replays_failed += 1
                 log.warning("replay from %s started at seq %s, not %d: history evicted; clearing",

@@ -6,12 +6,13 @@ The hot path only bumps plain integers; metric families are built from the live 
 from __future__ import annotations
 
 import bisect
-import time
 from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     Metric)
+
+from coordinator.snapshot import take
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
@@ -60,13 +61,16 @@ class LatencyHistogram:
 
 
 class CoordinatorCollector:
+    """The families of one scrape, from one `coordinator.snapshot.ClusterSnapshot` (the object
+    `/cluster_info` is built from too)."""
+
     def __init__(self, coord: "Coordinator"):
         self.coord = coord
 
     def collect(self) -> Iterable[Metric]:  # noqa: C901 - one flat list of families
-        c = self.coord
+        snap = take(self.coord)
+        c = snap.coord
         st = c.stats
-        now = c.clock()
 
         def counter(name, doc, labels=()):
             return CounterMetricFamily(PREFIX + name, doc, labels=list(labels))
@@ -75,7 +79,7 @@ class CoordinatorCollector:
             return GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
 
         ready = gauge("ready", "1 while the configured minimum of healthy servers per role exists")
-        ready.add_metric([], 1.0 if c.is_ready() else 0.0)
+        ready.add_metric([], 1.0 if snap.is_ready else 0.0)
         yield ready
 
         sel = counter("select", "placements answered by /select and /select_pair", ["role"])
@@ -121,13 +125,14 @@ class CoordinatorCollector:
             exp.add_metric([role], n)
         yield exp
         inflight = gauge("leases_in_flight", "live leases", ["role"])
-        for role, n in c.in_flight().items():
+        for role, n in snap.in_flight.items():
             inflight.add_metric([role], n)
         yield inflight
 
         healthy = gauge("servers", "servers by role and state", ["role", "state"])
         counts: dict = {}
-        for e in c.registry.servers.values():
+        for row in snap.rows:
+            e = row.entry
             for role in e.roles:
                 counts[(role, e.state.value)] = counts.get((role, e.state.value), 0) + 1
         for role in ("context", "generation"):
@@ -158,23 +163,22 @@ class CoordinatorCollector:
         empty = gauge("kv_index_empty_under_traffic",
                       "1 while a server gets kv-aware traffic but its index stays empty "
                       "(events not arriving)", ["server"])
-        for e in c.registry.servers.values():
-            s = e.url
+        for row in snap.rows:
+            e, s = row.entry, row.url
             up.add_metric([s], 1.0 if e.healthy else 0.0)
-            r, t = c.load(s)
-            load_r.add_metric([s], r)
-            load_t.add_metric([s], t)
+            load_r.add_metric([s], row.requests)
+            load_t.add_metric([s], row.tokens)
             ej.add_metric([s], e.ejections)
-            idx.add_metric([s], c.index_size(s))
-            empty.add_metric([s], 1.0 if s in c.empty_index_servers else 0.0)
-            feed = c.kv.feeds.get(s)
-            rdy.add_metric([s], 1.0 if c.kv.kv_ready(s) else 0.0)
+            idx.add_metric([s], row.index_blocks)
+            empty.add_metric([s], 1.0 if row.empty_under_traffic else 0.0)
+            feed = row.feed
+            rdy.add_metric([s], 1.0 if row.kv_ready else 0.0)
             if feed is None:
                 continue
             if feed.lag_s is not None:
                 lag.add_metric([s], feed.lag_s)
             if feed.last_applied_mono is not None:
-                age.add_metric([s], max(0.0, time.monotonic() - feed.last_applied_mono))
+                age.add_metric([s], max(0.0, snap.mono - feed.last_applied_mono))
             ev.add_metric([s], feed.events_applied)
             bl.add_metric([s, "stored"], feed.blocks_stored)
             bl.add_metric([s, "removed"], feed.blocks_removed)
@@ -191,7 +195,7 @@ class CoordinatorCollector:
                     empty)
 
         total = gauge("kv_index_size", "KV-index entries over all servers")
-        total.add_metric([], c.index_size())
+        total.add_metric([], snap.index_size)
         yield total
         warn = counter("kv_empty_index_warnings", "warnings raised for kv-aware traffic to a server "
                        "whose index stayed empty")
@@ -235,7 +239,7 @@ class CoordinatorCollector:
                 yield calls
             yield shed
         upt = gauge("uptime_seconds", "seconds since the coordinator started")
-        upt.add_metric([], max(0.0, now - c.started_at))
+        upt.add_metric([], snap.uptime_s)
         yield upt
 
 

@@ -1,4 +1,4 @@
-"""The coordinator: the one owner of cluster state, and its HTTP API (TCP and Unix socket).
+"""The coordinator: the one owner of cluster state (its listeners: `coordinator.listeners`).
 
 `Coordinator` holds the registry and health loop, the KV index fed by ZMQ events, the load leases,
 the routing policies (and with them the conversation table) and the fleet identities. Its methods
@@ -16,30 +16,22 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
-import socket
-import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from aiohttp import web
-from aiohttp.web_request import BaseRequest
-from aiohttp.web_runner import ServerRunner
-from aiohttp.web_server import Server
 
 from coordinator import metrics as metrics_mod
+from coordinator import snapshot
 from protocol import coord as wire
 from protocol.roles import Mode
-from coordinator.api import Api, aiohttp_handler, make_app
-from coordinator.channel import ChannelServer, LoopWatch
+from coordinator.api import make_app
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
 from protocol.coord import BadRequest, NoServerAvailable
 from coordinator.health import HealthMonitor
-from coordinator.http import HttpServer
 from coordinator.identity import IdentityTable
 from coordinator.kv_ingest import FeedSource, KvIngest
 from coordinator.kv_sources import advertised_source, static_source
@@ -52,13 +44,12 @@ from router.policies import Candidate, RoutingKey, make_policy
 
 log = logging.getLogger("splitserve.coordinator")
 
-__all__ = ["Coordinator", "CoordinatorServer", "make_app"]
+__all__ = ["Coordinator", "make_app"]
 
 VERSION = "0.1.0"
 ROLES = (CONTEXT, GENERATION)
 EMPTY_INDEX_GRACE_S = 10.0      # kv-aware traffic this long with an empty index raises the warning
 EMPTY_INDEX_WARN_EVERY_S = 60.0
-MAX_BODY_BYTES = 32 * 1024 * 1024
 SPEC_EXPIRE_PER_TICK = 256      # speculative index entries (routed prompts) expired per maintenance tick
 
 
@@ -105,7 +96,8 @@ class Coordinator:
         self.lease_ttl_s = cfg.leases.ttl_s
         co = cfg.coordinator
         dc = cfg.disagg_cluster
-        self.minimal = self._minimal_instances(cfg)
+        mins = cfg.health_minimums
+        self.minimal = {CONTEXT: mins.context_servers, GENERATION: mins.generation_servers}
         # The index keys event tokens under the same namespace salt the fleet keys prompts with.
         self.index = KvIndex(block_size=self.block_size, namespace=cfg.routing.namespace)
         self.leases = LeaseTable()
@@ -159,29 +151,10 @@ class Coordinator:
         self.empty_index_servers: set[str] = set()
         self.empty_index_grace_s = EMPTY_INDEX_GRACE_S
         self.empty_index_check_s = 1.0
-        self._inflight = {CONTEXT: 0, GENERATION: 0}   # mirrors the lease table per role
         self.started_at = now
         self.version = VERSION
         self._maint: asyncio.Task | None = None
         self._started = False
-
-    @staticmethod
-    def _minimal_instances(cfg: ClusterConfig) -> dict[str, int]:
-        """Healthy servers each role needs for readiness: `disagg_cluster.minimal_instances` when
-        given; else one per role that lists servers (an aggregated cluster lists generation
-        servers only), one each when neither lists any (all will register), and at least one
-        context server when `no_context_fallback` is `reject`."""
-        dc = cfg.disagg_cluster
-        if dc is not None:
-            m = {CONTEXT: dc.minimal_instances.context_servers,
-                 GENERATION: dc.minimal_instances.generation_servers}
-        else:
-            groups = cfg.server_groups()
-            listed = {role: bool(groups[role].urls) for role in ROLES}
-            m = {role: 1 if listed[role] or not any(listed.values()) else 0 for role in ROLES}
-        if cfg.no_context_fallback == "reject":
-            m[CONTEXT] = max(1, m[CONTEXT])
-        return m
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -229,7 +202,6 @@ class Coordinator:
         gone = self.leases.expire(now)
         for lease in gone:
             self.stats.leases_expired[lease.role] += 1
-            self._inflight[lease.role] -= 1
         if gone:
             log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
                         gone[0].role, gone[0].req_id, gone[0].server)
@@ -316,29 +288,19 @@ class Coordinator:
         self._cand_version = version
 
     def routing_key(self, rk: Any) -> RoutingKey | None:
-        """Validate a routing key given as a wire struct, a dict, a RoutingKey, a string or None."""
+        """Check a routing key against the cluster (block keys as u64, no more full blocks than
+        `num_tokens` holds at this block size). A decoded wire struct (`wire.RoutingKeyBody`) or a
+        conversation-id string has its types guaranteed by the decoder; a dict or `RoutingKey`
+        from a Python caller is type-checked here."""
         if rk is None:
             return None
         if isinstance(rk, str):
             return RoutingKey(block_keys=None, num_tokens=0, conversation_id=rk)
-        if isinstance(rk, RoutingKey):
+        if isinstance(rk, wire.RoutingKeyBody):
             keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
-        elif isinstance(rk, wire.RoutingKeyBody):
-            keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
-        elif isinstance(rk, dict):
-            unknown = set(rk) - {"block_keys", "num_tokens", "conversation_id"}
-            if unknown:
-                raise BadRequest(f"unknown routing_key field(s) {sorted(unknown)}: expected "
-                                 "block_keys, num_tokens, conversation_id",
-                                 f"routing_key.{sorted(unknown)[0]}")
-            keys, n, conv = rk.get("block_keys"), rk.get("num_tokens"), rk.get("conversation_id")
         else:
-            raise BadRequest(f"routing_key must be an object or a conversation id string, got "
-                             f"{type(rk).__name__}", "routing_key")
+            keys, n, conv = _python_routing_key(rk)
         arr = None if keys is None else wire.block_keys_array(keys)
-        if n is not None and (type(n) is not int or n < 0):
-            raise BadRequest(f"num_tokens must be a non-negative integer, got {n!r}",
-                             "routing_key.num_tokens")
         if arr is not None:
             if n is None:
                 n = int(arr.size) * self.block_size
@@ -346,11 +308,10 @@ class Coordinator:
                 raise BadRequest(f"{arr.size} block keys for {n} tokens: at block size "
                                  f"{self.block_size} at most {n // self.block_size} full blocks exist",
                                  "routing_key.block_keys")
-        if conv is not None and not isinstance(conv, str):
-            raise BadRequest("conversation_id must be a string", "routing_key.conversation_id")
         return RoutingKey(block_keys=arr, num_tokens=n or 0, conversation_id=conv)
 
-    def _exclusions(self, exclude: Any, field_name: str) -> set[str]:
+    def exclusions(self, exclude: Any, field_name: str) -> set[str]:
+        """Server urls to leave out, normalised (BadRequest naming `field_name` otherwise)."""
         if exclude is None:
             return set()
         if isinstance(exclude, str):
@@ -379,13 +340,14 @@ class Coordinator:
         k = (role, reason)
         self.stats.select_rejected[k] = self.stats.select_rejected.get(k, 0) + 1
 
-    def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
-        """Place one leg and lease it. Raises `BadRequest` or `NoServerAvailable`."""
+    # Placement and lease calls take validated arguments: every transport checks a request once,
+    # where it decodes it (HTTP bodies in coordinator/api.py, channel frames in
+    # coordinator/channel.py, Python values in `select`/`select_pair`/`finish`/`renew` below).
+    def place(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str]) -> dict:
+        """Place one leg and lease it (`role` canonical, `req_id` a u64, `key` checked by
+        `routing_key`). Raises `NoServerAvailable`."""
         t0 = time.perf_counter()
-        role = wire.parse_role(role)
-        wire.check_req_id(req_id)
-        key = self.routing_key(routing_key)
-        ans = self._select(role, req_id, key, self._exclusions(exclude, "exclude"))
+        ans = self._select(role, req_id, key, excluded)
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return ans
 
@@ -397,8 +359,6 @@ class Coordinator:
         old = self.leases.finish(role, req_id)
         if old is not None:
             self.stats.leases_replaced += 1
-        else:
-            self._inflight[role] += 1
         self.leases.acquire(role, req_id, server, now, self.lease_ttl_s, tokens)
         self.stats.selects[role] += 1
         if self._kv_aware[role] and key is not None and key.block_keys is not None \
@@ -421,8 +381,8 @@ class Coordinator:
         info["lease_ttl_s"] = self.lease_ttl_s
         return {"server": server, "req_id": req_id, "info": info}
 
-    def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
-                    exclude_gen: Any = None) -> dict:
+    def place_pair(self, req_id: int, key: RoutingKey | None, ex_ctx: set[str],
+                   ex_gen: set[str]) -> dict:
         """Both legs in one call: `{"context": answer|None, "generation": answer, "mode", "reason"}`.
 
         The generation leg is placed first so conditional disaggregation can use its cache match:
@@ -431,10 +391,6 @@ class Coordinator:
         context server, `no_context_fallback: aggregate` serves on the generation server alone.
         """
         t0 = time.perf_counter()
-        wire.check_req_id(req_id)
-        key = self.routing_key(routing_key)
-        ex_ctx = self._exclusions(exclude_ctx, "exclude_ctx")
-        ex_gen = self._exclusions(exclude_gen, "exclude_gen")
         gen = self._select(GENERATION, req_id, key, ex_gen)
         ctx = None
         mode, reason = Mode.DISAGGREGATED, None
@@ -451,45 +407,61 @@ class Coordinator:
                 ctx = self._select(CONTEXT, req_id, key, ex_ctx)
             except NoServerAvailable as exc:
                 if self.config.no_context_fallback != "aggregate":
-                    if self.leases.finish(GENERATION, req_id) is not None:
-                        self._inflight[GENERATION] -= 1
+                    self.leases.finish(GENERATION, req_id)
                     raise
                 mode, reason = Mode.AGGREGATE_FALLBACK, f"{exc}; serving on the generation server alone"
         self.stats.pair_modes[mode] = self.stats.pair_modes.get(mode, 0) + 1
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}
 
-    def finish(self, role: str, req_id: int, success: bool = True, usage: Any = None) -> bool:
+    def end_lease(self, role: str, req_id: int, success: bool,
+                  usage: tuple[int, int, int] | None = None) -> bool:
         """Release a lease (idempotent; False when none was live). `success=False` means the
-        server failed the request and counts toward its ejection. `usage` (`{prompt_tokens,
-        cached_tokens, predicted_tokens}`) is what the worker reported against what the route
-        receipt predicted, for the predicted-vs-actual diagnosis."""
-        role = wire.parse_role(role)
-        wire.check_req_id(req_id)
-        if type(success) is not bool:
-            raise BadRequest(f"success must be a boolean, got {success!r}", "success")
-        u = wire.finish_usage(usage)
+        server failed the request and counts toward its ejection. `usage` is `(prompt,
+        predicted, cached)` tokens (`wire.finish_usage`): what the worker reported against what
+        the route receipt predicted, for the predicted-vs-actual diagnosis."""
         lease = self.leases.finish(role, req_id)
         if lease is None:
             self.stats.finish_unknown += 1
             return False
-        if u is not None and self._kv_aware[role]:
-            self.diag.report(lease.server, *u)
-        self._inflight[role] -= 1
+        if usage is not None and self._kv_aware[role]:
+            self.diag.report(lease.server, *usage)
         k = (role, success)
         self.stats.finishes[k] = self.stats.finishes.get(k, 0) + 1
         self.registry.report(lease.server, success, self.clock())
         return True
 
-    def renew(self, role: str, req_id: int) -> bool:
-        role = wire.parse_role(role)
-        wire.check_req_id(req_id)
+    def renew_lease(self, role: str, req_id: int) -> bool:
         ok = self.leases.renew(role, req_id, self.clock(), self.lease_ttl_s)
         if ok:
             self.stats.renewed += 1
         else:
             self.stats.renew_unknown += 1
         return ok
+
+    # The same calls with plain Python values (the in-process client, tools): checked here.
+    def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
+        """Place one leg and lease it. Raises `BadRequest` or `NoServerAvailable`."""
+        return self.place(wire.parse_role(role), wire.check_req_id(req_id),
+                          self.routing_key(routing_key), self.exclusions(exclude, "exclude"))
+
+    def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
+                    exclude_gen: Any = None) -> dict:
+        """`place_pair` with its arguments checked. Raises `BadRequest` or `NoServerAvailable`."""
+        return self.place_pair(wire.check_req_id(req_id), self.routing_key(routing_key),
+                               self.exclusions(exclude_ctx, "exclude_ctx"),
+                               self.exclusions(exclude_gen, "exclude_gen"))
+
+    def finish(self, role: str, req_id: int, success: bool = True, usage: Any = None) -> bool:
+        """`end_lease` with its arguments checked (`usage`: a dict or `wire.FinishUsage`)."""
+        role = wire.parse_role(role)
+        wire.check_req_id(req_id)
+        if type(success) is not bool:
+            raise BadRequest(f"success must be a boolean, got {success!r}", "success")
+        return self.end_lease(role, req_id, success, wire.finish_usage(usage))
+
+    def renew(self, role: str, req_id: int) -> bool:
+        return self.renew_lease(wire.parse_role(role), wire.check_req_id(req_id))
 
     # ---- membership -------------------------------------------------------------------------
     def register(self, url: str, role: str | None = None, ttl_s: float | None = None,
@@ -543,7 +515,8 @@ class Coordinator:
         return ("need " + ", ".join(missing)) if missing else None
 
     def in_flight(self) -> dict[str, int]:
-        return dict(self._inflight)
+        """Live leases per role, counted by the lease table itself."""
+        return {role: self.leases.count(role) for role in ROLES}
 
     def load(self, server: str) -> tuple[int, int]:
         r, t = self.leases.load(server)
@@ -559,55 +532,8 @@ class Coordinator:
                 "namespace": self.config.routing.namespace, "ns_seed": self.ns_seed}
 
     def cluster_info(self) -> dict:
-        now = self.clock()
-        mono = time.monotonic()
-        servers: dict[str, list] = {CONTEXT: [], GENERATION: []}
-        for e in self.registry.servers.values():
-            d = e.describe(now)
-            r, t = self.load(e.url)
-            d["load"] = {"requests": r, "tokens": t}
-            d["kv_index_blocks"] = self.index_size(e.url)
-            d["kv_ready"] = self.kv.kv_ready(e.url)
-            d["kv_index_empty_under_traffic"] = e.url in self.empty_index_servers
-            par = self.diag.parity.get(e.url)
-            d["kv_parity"] = par.describe() if par is not None else None
-            d["kv_mismatch"] = par.field if par is not None and par.status == "kv_mismatch" else None
-            d["routing_prediction"] = self.diag.describe_prediction(e.url)
-            feed = self.kv.feeds.get(e.url)
-            d["kv_events"] = feed.describe(mono) if feed is not None else None
-            d["server_info"] = e.server_info
-            for role in e.roles:
-                servers[role].append(d)
-        routing = self.routing_info()
-        reason = self.not_ready_reason()
-        return {
-            "is_ready": reason is None,
-            "not_ready_reason": reason,
-            "server_lists": {role: [e.url for e in self.registry.healthy(role)] for role in ROLES},
-            "servers": servers,
-            "minimal_instances": {"context_servers": self.minimal[CONTEXT],
-                                  "generation_servers": self.minimal[GENERATION]},
-            "routing": routing,
-            "routing_key_configs": {role: {"tokens_per_block": self.block_size,
-                                           "key_scheme": self.key_scheme} for role in ROLES},
-            "routers": {role: {"type": self.router_types[role], "args": self.router_args[role]}
-                        for role in ROLES},
-            "leases": {"in_flight": self.in_flight(), "ttl_s": self.lease_ttl_s,
-                       "expired_total": dict(self.stats.leases_expired),
-                       "replaced_total": self.stats.leases_replaced},
-            "kv_index": {"size": self.index_size(), "bind_endpoint": self.kv.bound_endpoint,
-                         "bound_reader_restarts": self.kv.bound_reader_restarts},
-            "routing_diagnostics": {
-                "kv_mismatch": sorted(u for u in self.diag.parity if self.diag.kv_unknown(u)),
-                "prediction_alarm": sorted(u for u, p in self.diag.pred.items() if p.alarm),
-                "alarm_ratio": self.diag.alarm_ratio, "window_s": self.diag.window_s},
-            "select_latency_s": {"count": self.stats.select_latency.n,
-                                 "p50_le": self.stats.select_latency.quantile(0.5),
-                                 "p99_le": self.stats.select_latency.quantile(0.99)},
-            "identities": {"held": len(self.identities), "ttl_s": self.identities.ttl_s},
-            "version": VERSION,
-            "uptime_s": round(now - self.started_at, 3),
-        }
+        """`/cluster_info`: built from the same snapshot as the metrics (coordinator/snapshot.py)."""
+        return snapshot.take(self).cluster_info()
 
     def metrics_text(self) -> bytes:
         return metrics_mod.render(self)
@@ -643,127 +569,24 @@ class Coordinator:
                             self.empty_index_check_s, where)
 
 
-
-# ===================================================================================== HTTP
-
-class CoordinatorServer:
-    """Serves a Coordinator over TCP and (optionally) a Unix socket; owns its start and stop.
-
-    `http="fast"` (default) uses the API's own HTTP/1.1 protocol (`coordinator.http`);
-    `http="aiohttp"` uses aiohttp's low-level server with the same handlers."""
-
-    def __init__(self, coord: Coordinator, host: str = "127.0.0.1", port: int = 0,
-                 uds_path: str | None = None, shutdown_timeout_s: float = 5.0, http: str = "fast"):
-        if http not in ("fast", "aiohttp"):
-            raise ValueError(f"http must be 'fast' or 'aiohttp', got {http!r}")
-        self.coord = coord
-        self.host = host
-        self.port = port
-        self.uds_path = uds_path
-        self.shutdown_timeout_s = shutdown_timeout_s
-        self.http = http
-        co = coord.config.coordinator
-        self.watch = LoopWatch()
-        self.api = Api(coord, watch=self.watch, max_queue_delay_s=co.max_queue_delay_s)
-        # The fleet channel rides on the fast server's listeners (an HTTP upgrade).
-        self.channel = (ChannelServer(coord, max_queue_delay_s=co.max_queue_delay_s)
-                        if co.channel and http == "fast" else None)
-        coord.transport = self      # its shedding and channel counters, for coordinator.metrics
-        self._fast: HttpServer | None = None
-        self._runner: ServerRunner | None = None
-        self.urls: list[str] = []
-        self.tcp_url: str | None = None
-        self.uds_url: str | None = None
-
-    async def start(self, start_coordinator: bool = True) -> list[str]:
-        if start_coordinator:
-            await self.coord.start()
-        socks = [_tcp_socket(self.host, self.port)]
-        if self.uds_path:
-            try:
-                socks.append(_unix_socket(self.uds_path))
-            except OSError:
-                socks[0].close()
-                raise
-        if self.http == "fast":
-            self._fast = HttpServer(self.api, max_body=MAX_BODY_BYTES, channel=self.channel)
-            for sock in socks:
-                await self._fast.serve(sock)
-        else:
-            srv = Server(aiohttp_handler(self.api), access_log=None, keepalive_timeout=75.0)
-            srv.request_factory = _request_factory(srv)
-            self._runner = ServerRunner(srv, shutdown_timeout=self.shutdown_timeout_s)
-            await self._runner.setup()
-            for sock in socks:
-                await web.SockSite(self._runner, sock, backlog=4096).start()
-        self.watch.start()
-        h, p = socks[0].getsockname()[:2]
-        self.port = p
-        shown = f"[{h}]" if ":" in h else h
-        self.tcp_url = f"http://{shown}:{p}"
-        self.urls = [self.tcp_url]
-        if self.uds_path:
-            self.uds_url = f"unix://{self.uds_path}"
-            self.urls.append(self.uds_url)
-        return self.urls
-
-    async def stop(self) -> None:
-        """Stop listening, let in-flight requests finish (bounded), then stop the coordinator."""
-        if self._fast is not None:
-            await self._fast.close(self.shutdown_timeout_s)
-            self._fast = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        self.watch.stop()
-        if self.uds_path:
-            try:
-                os.unlink(self.uds_path)
-            except FileNotFoundError:
-                pass
-        await self.coord.stop()
-
-
-def _request_factory(server: Server):
-    loop = asyncio.get_running_loop()
-
-    def make(message, payload, protocol, writer, task) -> BaseRequest:
-        return BaseRequest(message, payload, protocol, writer, task, loop,
-                           client_max_size=MAX_BODY_BYTES)
-    return make
-
-
-def _tcp_socket(host: str, port: int) -> socket.socket:
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _t, _p, _c, addr = infos[0]
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind(addr)
-    except OSError as exc:
-        s.close()
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    s.setblocking(False)
-    return s
-
-
-def _unix_socket(path: str) -> socket.socket:
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise OSError(errno.EEXIST, f"{path} exists and is not a socket; refusing to replace it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale socket of a process that is gone
-        else:
-            raise OSError(errno.EADDRINUSE, f"{path} is in use by a running process")
-        finally:
-            probe.close()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(path)
-    os.chmod(path, 0o660)  # same user/group only: the socket grants full control of placement
-    s.setblocking(False)
-    return s
+def _python_routing_key(rk: Any) -> tuple[Any, Any, Any]:
+    """(block_keys, num_tokens, conversation_id) of a routing key a Python caller passed (a dict
+    or a `RoutingKey`), type-checked: the part of the wire schema's job no decoder did."""
+    if isinstance(rk, RoutingKey):
+        keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
+    elif isinstance(rk, dict):
+        unknown = set(rk) - {"block_keys", "num_tokens", "conversation_id"}
+        if unknown:
+            raise BadRequest(f"unknown routing_key field(s) {sorted(unknown)}: expected "
+                             "block_keys, num_tokens, conversation_id",
+                             f"routing_key.{sorted(unknown)[0]}")
+        keys, n, conv = rk.get("block_keys"), rk.get("num_tokens"), rk.get("conversation_id")
+    else:
+        raise BadRequest(f"routing_key must be an object or a conversation id string, got "
+                         f"{type(rk).__name__}", "routing_key")
+    if n is not None and (type(n) is not int or n < 0):
+        raise BadRequest(f"num_tokens must be a non-negative integer, got {n!r}",
+                         "routing_key.num_tokens")
+    if conv is not None and not isinstance(conv, str):
+        raise BadRequest("conversation_id must be a string", "routing_key.conversation_id")
+    return keys, n, conv

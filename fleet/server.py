@@ -97,10 +97,8 @@ class FleetServer:
         self.body_timeout = config.fleet.body_timeout_s
         self.keepalive_requests = config.fleet.keepalive_requests
         self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        mi = config.disagg_cluster.minimal_instances if config.disagg_cluster else None
-        # No context servers configured and no dynamic membership: an aggregated deployment needs none.
-        self.min_ctx = mi.context_servers if mi else (1 if config.context_servers.urls else 0)
-        self.min_gen = mi.generation_servers if mi else 1
+        mins = config.health_minimums   # the coordinator's readiness rule (coordinator/config.py)
+        self.min_ctx, self.min_gen = mins.context_servers, mins.generation_servers
         self._identity_task: asyncio.Task | None = None
         self._m_req: dict = {}
         self.runner: web.AppRunner | None = None
@@ -425,7 +423,8 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
     coord_obj = None
     coord_server = None
     if coordinator_url is None:
-        from coordinator.service import Coordinator, CoordinatorServer
+        from coordinator.listeners import CoordinatorServer
+        from coordinator.service import Coordinator
         coord_obj = Coordinator(config)
         if config.disagg_cluster is not None:
             # Dynamic membership: workers must reach the coordinator to register, so the in-process

@@ -33,7 +33,7 @@ from protocol.roles import Role   # canonical names only on the channel (no alia
 PATH = "/channel"
 PROTOCOL = "splitserve-channel/1"
 HEADER = struct.Struct(">I")
-MAX_FRAME = 32 * 1024 * 1024       # same bound as an HTTP body (the coordinator's MAX_BODY_BYTES)
+MAX_FRAME = 32 * 1024 * 1024       # same bound as an HTTP body (coordinator.listeners.MAX_BODY_BYTES)
 
 # Result statuses: the HTTP API's, so one error mapping serves both transports.
 OK = 200

@@ -13,6 +13,7 @@ the KV transfer agents).
 | `PEER_LOST`       | an established connection broke (peer died mid-call)     | no |
 | `OVERLOADED`      | the callee shed the call on purpose; `retry_after` says when | after `retry_after` |
 | `BAD_ANSWER`      | the answer did not parse as the protocol says             | no |
+| `FAILED`          | anything else (a backend error, a shutdown)               | no |
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class Cause(StrEnum):
     PEER_LOST = "peer_lost"
     OVERLOADED = "overloaded"
     BAD_ANSWER = "bad_answer"
+    FAILED = "failed"
 
 
 class Failure(Exception):

@@ -39,74 +39,19 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 
 from .block_keys import block_keys_list, salt_seed
 from .events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, EventBatch, Tier
+from .kv_query import QueryMixin
+from .kv_speculation import SpeculationMixin
+from .kv_types import _COUNT, _GPU, _IDENT, IndexStats, StreamVerdict, _Entry, _Slot
 
 __all__ = ["KvIndex", "IndexStats", "StreamVerdict"]
 
-_GPU = Tier.GPU
-_IDENT = 1 << 32  # refcount flag: an identity entry (engine hash == key) in (GPU, group 0)
-_COUNT = _IDENT - 1
 
-
-class _Entry:
-    """What one engine hash stands for, when it is more than one canonical key."""
-
-    __slots__ = ("keys", "last", "pending", "ns")
-
-    def __init__(self, keys: tuple, last: int | None, pending: tuple, ns: int):
-        self.keys = keys        # canonical keys this engine block completed (owned)
-        self.last = last        # last full canonical key of the chain up to this block
-        self.pending = pending  # tokens after ``last`` not yet forming a full canonical block
-        self.ns = ns            # namespace seed the chain was computed with
-
-
-class _Slot:
-    __slots__ = ("worker", "dp_rank", "bit", "owned", "emaps", "spec")
-
-    def __init__(self, worker: str, dp_rank: int, bit: int):
-        self.worker = worker
-        self.dp_rank = dp_rank
-        self.bit = bit
-        self.owned: dict[int, int] = {}
-        self.emaps: dict[tuple, dict] = {}
-        self.spec: dict[int, float] = {}
-
-
-@dataclass
-class IndexStats:
-    stored_blocks: int = 0          # engine blocks added
-    duplicate_stores: int = 0       # engine blocks re-stored (ignored)
-    removed_blocks: int = 0         # engine blocks removed
-    unknown_removals: int = 0       # removals of hashes never stored (or already gone)
-    dangling_parents: int = 0       # stores skipped: parent hash unknown
-    tier_only_updates: int = 0      # stores without tokens (tier copies of known blocks)
-    moved_blocks: int = 0
-    clears: int = 0                 # AllCleared events and clear_worker calls
-    snapshots: int = 0
-    speculative_added: int = 0
-    speculative_confirmed: int = 0
-    speculative_expired: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-class StreamVerdict:
-    """What ``KvIndex.apply_batch`` did with a batch."""
-
-    APPLIED = "applied"
-    DUPLICATE = "duplicate"  # seq already applied: ignored
-    GAP = "gap"              # seq ahead of the next expected one: NOT applied; replay or resync
-    RESTART = "restart"      # seq went back to 0: the engine restarted; slot cleared, then applied
-
-
-class KvIndex:
+class KvIndex(SpeculationMixin, QueryMixin):
     """Per-worker, per-dp-rank ownership of canonical block keys. Single writer, no I/O."""
 
     def __init__(self, block_size: int = 16, namespace: str | None = None):
@@ -226,21 +171,6 @@ class KvIndex:
         del owned[ck]
         self._disown(s, ck)
 
-    def _drop_spec(self, s: _Slot, ck: int) -> None:
-        """Forget the slot's speculative entry for ``ck`` (the key keeps its confirmed owners)."""
-        del s.spec[ck]
-        nb = ~s.bit
-        m = self._spec_owners[ck] & nb
-        if m:
-            self._spec_owners[ck] = m
-        else:
-            del self._spec_owners[ck]
-        m = self._owners[ck] & nb
-        if m:
-            self._owners[ck] = m
-        else:
-            del self._owners[ck]
-
     @staticmethod
     def _entry_keys(e) -> tuple:
         return (e,) if type(e) is int else e.keys
@@ -282,21 +212,25 @@ class KvIndex:
         else:
             raise TypeError(f"KvIndex.apply: expected a canonical event, found {t.__name__}")
 
-    def apply_batch(self, worker: str, batch: EventBatch) -> str:
+    def apply_batch(self, worker: str, batch: EventBatch, dp_rank: int = 0, *,
+                    restart_at_zero: bool = True) -> str:
         """Apply a batch if it is the next one of its ``(worker, dp_rank)`` stream.
 
         Returns a :class:`StreamVerdict`. On ``GAP`` nothing is applied: replay from
         ``expected_seq`` (and feed the replayed batches here), or ``clear_worker`` and
-        ``reset_stream`` when the replay cannot cover the gap.
+        ``reset_stream`` when the replay cannot cover the gap. ``dp_rank`` is the stream's rank
+        when the batch names none (a per-rank publisher that leaves it out). With
+        ``restart_at_zero=False`` a seq-0 batch behind the expected seq is a ``DUPLICATE``, not a
+        ``RESTART``: for batches that may predate a resync (buffered while a snapshot loaded).
         """
         if batch.is_replay_end:
             raise ValueError("the replay end marker is not a batch: stop reading replies there")
-        rank = batch.dp_rank or 0
+        rank = batch.dp_rank if batch.dp_rank is not None else dp_rank
         key = (worker, rank)
         expected = self._streams.get(key)
         verdict = StreamVerdict.APPLIED
         if expected is not None and batch.seq != expected:
-            if batch.seq == 0 and expected > 1:
+            if batch.seq == 0 and expected > 1 and restart_at_zero:
                 verdict = StreamVerdict.RESTART
                 self._clear_slot(self._slot(worker, rank), None)
                 self.stats.clears += 1
@@ -550,160 +484,3 @@ class KvIndex:
     def keys_of(self, worker: str, dp_rank: int = 0) -> set[int]:
         s = self._slots.get((worker, dp_rank))
         return set(s.owned) if s else set()
-
-    # -- speculation -------------------------------------------------------------------------------
-
-    def add_speculative(self, worker: str, keys, now: float, ttl: float,
-                        dp_rank: int = 0) -> int:
-        """Predict that ``worker`` will hold ``keys`` until ``now + ttl`` (routing-time insert).
-
-        Keys it already holds are skipped; re-adding refreshes the deadline. Returns how many
-        keys are speculative for the slot after the call among ``keys``.
-        """
-        if ttl <= 0:
-            raise ValueError(f"ttl must be positive, found {ttl}")
-        s = self._slot(worker, dp_rank)
-        if isinstance(keys, np.ndarray):
-            keys = keys.tolist()
-        deadline = now + ttl
-        spec, owned, so, owners, bit = s.spec, s.owned, self._spec_owners, self._owners, s.bit
-        added = []
-        for ck in keys:
-            if ck in owned:
-                continue
-            if ck not in spec:
-                so[ck] = so.get(ck, 0) | bit
-                owners[ck] = owners.get(ck, 0) | bit
-            spec[ck] = deadline
-            added.append(ck)
-        if added:
-            # Only atomic values in the entry (no slot object): the collector untracks such tuples,
-            # so a heap of 30 s of routed prompts adds nothing to its full scans (issue 13).
-            heapq.heappush(self._spec_heap, (deadline, next(self._spec_seq), s.worker, s.dp_rank,
-                                             tuple(added)))
-            self.stats.speculative_added += len(added)
-        return len(added)
-
-    def expire_speculative(self, now: float, max_entries: int | None = None) -> int:
-        """Drop speculative entries whose deadline is ``<= now``; returns how many expired.
-
-        ``max_entries`` bounds the work of one call (heap entries, one per routed prompt): a
-        second's worth of routed prompts expiring at once cost tens of ms, so the coordinator
-        expires a few per placement instead of all of them on a timer (issue 13)."""
-        heap = self._spec_heap
-        n = 0
-        budget = -1 if max_entries is None else max_entries
-        while heap and heap[0][0] <= now and budget:
-            budget -= 1
-            _, _, worker, rank, keys = heapq.heappop(heap)
-            s = self._slots.get((worker, rank))
-            if s is None:
-                continue  # slot removed since (a new slot's entries carry their own deadlines)
-            for ck in keys:
-                d = s.spec.get(ck)
-                if d is not None and d <= now:
-                    self._drop_spec(s, ck)
-                    n += 1
-        self.stats.speculative_expired += n
-        return n
-
-    # -- queries ---------------------------------------------------------------------------------
-
-    def _mask(self, workers: Iterable[str] | None) -> int:
-        if workers is None:
-            return self._all_bits
-        m = 0
-        for w in workers:
-            for s in self._worker_slots.get(w, ()):
-                m |= s.bit
-        return m
-
-    def _walk(self, keys, active: int) -> list[tuple[int, int]]:
-        """[(bits, depth)]: the slots in ``bits`` matched exactly ``depth`` leading keys.
-
-        One dict lookup and one AND per key; the list grows only when the active set shrinks
-        (at most once per slot). A plain loop measured ~17% faster here than the equivalent
-        ``takewhile(accumulate(map(...)))`` chain, whose per-key cost is three C-level calls.
-        """
-        if isinstance(keys, np.ndarray):
-            keys = keys.tolist()
-        get = self._owners.get
-        out = []
-        m = active
-        i = 0
-        for k in keys:
-            x = m & get(k, 0)
-            if x != m:
-                out.append((m ^ x, i))
-                if not x:
-                    return out
-                m = x
-            i += 1
-        out.append((m, i))
-        return out
-
-    def _workers_of(self, bits: int) -> tuple[str, ...]:
-        """Worker names of the slots in ``bits`` (memoised: the same groups of workers keep
-        dropping out together, e.g. every worker holding only a shared system prompt)."""
-        ws = self._mask_cache.get(bits)
-        if ws is None:
-            by_bit = self._by_bit
-            out = []
-            b = bits
-            while b:
-                low = b & -b
-                out.append(by_bit[low.bit_length() - 1].worker)
-                b ^= low
-            ws = tuple(out)
-            if len(self._mask_cache) >= 4096:
-                self._mask_cache.clear()
-            self._mask_cache[bits] = ws
-        return ws
-
-    def longest_prefix(self, keys, workers: Iterable[str] | None = None) -> dict[str, int]:
-        """Matched leading blocks per worker (best dp rank), in one walk over ``keys``.
-
-        With ``workers`` given, every named worker is in the answer (0 when nothing matched);
-        otherwise only workers that matched at least one block are.
-        """
-        active = self._mask(workers)
-        res: dict[str, int] = dict.fromkeys(workers, 0) if workers is not None else {}
-        if not active:
-            return res
-        # groups come in increasing depth, so a later update is a deeper match (best dp rank)
-        for bits, depth in self._walk(keys, active):
-            if depth:
-                res.update(zip(self._workers_of(bits), repeat(depth)))
-        return res
-
-    def longest_prefix_ranks(self, keys, workers: Iterable[str] | None = None
-                             ) -> dict[tuple[str, int], int]:
-        """Like :meth:`longest_prefix` but per ``(worker, dp_rank)``, nonzero matches only."""
-        active = self._mask(workers)
-        res: dict[tuple[str, int], int] = {}
-        by_bit = self._by_bit
-        for bits, depth in self._walk(keys, active) if active else ():
-            while depth and bits:
-                low = bits & -bits
-                s = by_bit[low.bit_length() - 1]
-                res[(s.worker, s.dp_rank)] = depth
-                bits ^= low
-        return res
-
-    def check_invariants(self) -> None:
-        """Assert the ownership invariants (tests and debugging; O(index size))."""
-        seen: dict[int, int] = {}
-        spec: dict[int, int] = {}
-        for s in self._slots.values():
-            for ck, c in s.owned.items():
-                assert c & _COUNT > 0, (s.worker, ck, c)
-                seen[ck] = seen.get(ck, 0) | s.bit
-            for ck in s.spec:
-                assert ck not in s.owned, (s.worker, ck)
-                spec[ck] = spec.get(ck, 0) | s.bit
-        assert spec == self._spec_owners, "speculative bitmasks disagree with slot speculation"
-        combined = dict(seen)
-        for ck, m in spec.items():
-            combined[ck] = combined.get(ck, 0) | m
-        assert combined == self._owners, "owners bitmasks disagree with slot ownership"
-        assert self._n_keys == len(seen), ("confirmed key count", self._n_keys, len(seen))

@@ -8,7 +8,8 @@ Invariants:
 - per-server ``requests``/``tokens`` equal the sums over live leases: never negative, and zero
   (with the server gone from ``loads()``) once every lease finished or expired;
 - ``finish`` is idempotent; ``acquire`` on a live key replaces that lease (load moves with it);
-- a lease is reported by ``expire`` at most once, and never after ``finish``.
+- a lease is reported by ``expire`` at most once, and never after ``finish``;
+- ``count(role)`` equals the number of live leases of that role.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class LeaseTable:
         self._heap: list[tuple[float, int, Lease]] = []
         self._seq = itertools.count()
         self._load: dict[str, list[int]] = {}
+        self._per_role: dict[str, int] = {}     # live leases per role
 
     @staticmethod
     def _check(ttl: float, tokens: int = 0) -> None:
@@ -51,6 +53,11 @@ class LeaseTable:
             self._heap = [(l.deadline, next(self._seq), l) for l in self._leases.values()]
             heapq.heapify(self._heap)
 
+    def _drop(self, lease: Lease) -> None:
+        """A lease left the table (finished, expired, its server dropped)."""
+        self._per_role[lease.role] -= 1
+        self._unload(lease)
+
     def _unload(self, lease: Lease) -> None:
         load = self._load[lease.server]
         load[0] -= 1
@@ -65,6 +72,8 @@ class LeaseTable:
         old = self._leases.pop(key, None)
         if old is not None:
             self._unload(old)
+        else:
+            self._per_role[role] = self._per_role.get(role, 0) + 1
         lease = Lease(role, req_id, server, tokens, now, now + ttl)
         self._leases[key] = lease
         load = self._load.get(server)
@@ -80,7 +89,7 @@ class LeaseTable:
         """End the lease; returns it, or None when it was already finished or expired."""
         lease = self._leases.pop((role, req_id), None)
         if lease is not None:
-            self._unload(lease)
+            self._drop(lease)
         return lease
 
     def renew(self, role: str, req_id: int, now: float, ttl: float) -> bool:
@@ -103,7 +112,7 @@ class LeaseTable:
             key = (lease.role, lease.req_id)
             if leases.get(key) is lease and lease.deadline == deadline:
                 del leases[key]
-                self._unload(lease)
+                self._drop(lease)
                 out.append(lease)
         return out
 
@@ -139,6 +148,10 @@ class LeaseTable:
     def total(self) -> int:
         return len(self._leases)
 
+    def count(self, role: str) -> int:
+        """Live leases of ``role``."""
+        return self._per_role.get(role, 0)
+
     def __len__(self) -> int:
         return len(self._leases)
 
@@ -147,5 +160,5 @@ class LeaseTable:
         gone = [l for l in self._leases.values() if l.server == server]
         for lease in gone:
             del self._leases[(lease.role, lease.req_id)]
-            self._unload(lease)
+            self._drop(lease)
         return gone

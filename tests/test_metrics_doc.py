@@ -37,7 +37,8 @@ def _fleet() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 async def _coordinator() -> dict[str, tuple[str, tuple[str, ...]]]:
     from coordinator.metrics import CoordinatorCollector
-    from coordinator.service import Coordinator, CoordinatorServer
+    from coordinator.listeners import CoordinatorServer
+    from coordinator.service import Coordinator
 
     c = Coordinator({"generation_servers": {"urls": ["http://127.0.0.1:9"]}})
     s = CoordinatorServer(c, host="127.0.0.1", port=0, uds_path=None, http="fast")

@@ -28,7 +28,8 @@ Semantics every implementation keeps (the contract tests in tests/transfer run a
   DONE means every byte is in the target's memory.
 - A notification attached to a transfer is delivered to the target only after all its bytes landed,
   keyed by the initiator's name (str); `get_notifications()` consumes.
-- A dead peer surfaces as ERR (or `PeerLost` at submit), never as a hang.
+- A dead peer surfaces as ERR with `cause` `FailureCause.PEER_LOST` (or `PeerLost` at submit),
+  never as a hang.
 - `progress()` must be called regularly by whoever waits (the target too, even when idle: NIXL with
   its progress thread off completes connection wire-up only while both sides progress).
 """
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import abc
 import itertools
-import logging
 import os
 import socket
 import uuid
@@ -45,15 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from protocol.failures import Cause
-
 from .descs import Descs, as_desc_array
-from .errors import AgentUnavailable, InvalidDescriptors
-
-log = logging.getLogger("splitserve.transfer.agent")
+from .errors import FailureCause, InvalidDescriptors
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
-AGENT_KINDS = ("auto", "nixl", "shm", "tcp")
 # Version of our own agent-descriptor envelope (not of any backend's metadata).
 AGENT_DESC_VERSION = 1
 
@@ -82,8 +77,7 @@ class PrepHandle:
 
 @dataclass(eq=False)
 class XferHandle:
-    """One submitted transfer. `state` is PROC, DONE or ERR; `error` explains ERR to a person,
-    `cause` types it (`Cause.PEER_LOST`: the remote agent is gone; None: any other failure)."""
+    """One submitted transfer. `state` is PROC, DONE or ERR; `error` explains ERR, `cause` types it."""
 
     remote: str
     op: str
@@ -91,7 +85,7 @@ class XferHandle:
     ndescs: int
     state: str = PROC
     error: str | None = None
-    cause: Cause | None = None
+    cause: FailureCause | None = None   # set with ERR: what callers decide on (never `error`)
     backend: Any = None
     id: int = field(default_factory=lambda: next(_handle_ids))
 
@@ -207,10 +201,6 @@ class TransferAgent(abc.ABC):
     def error(self, handle: XferHandle) -> str | None:
         return handle.error
 
-    def cause(self, handle: XferHandle) -> Cause | None:
-        """The typed cause of an ERR handle (decisions read this, never `error`'s text)."""
-        return handle.cause
-
     @abc.abstractmethod
     def release(self, handle: XferHandle) -> None: ...
 
@@ -228,7 +218,7 @@ class TransferAgent(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None: ...
 
-    selection: dict | None = None  # how make_agent chose this agent (requested kind, fallback)
+    selection: dict | None = None  # how transfer.agents.make_agent chose it (requested, fallback)
 
     def describe(self) -> dict:
         """What /server_info shows about this agent."""
@@ -242,45 +232,3 @@ class TransferAgent(abc.ABC):
 
     def __exit__(self, *exc):
         self.shutdown()
-
-
-def make_agent(kind: str = "auto", name: str | None = None, *, host: str = "127.0.0.1",
-               advertise_host: str | None = None, port: int = 0, **options) -> TransferAgent:
-    """Create a transfer agent of `kind` and log the choice.
-
-    `auto` prefers NIXL (UCX backend) and falls back to the TCP agent — which works between any two
-    hosts and for any memory — logging why. An explicit kind that cannot be created raises
-    `AgentUnavailable` (an operator who asked for NIXL must not silently get something slower).
-    `options` go to the implementation (e.g. `progress_thread`, `telemetry` for NIXL).
-    """
-    if kind not in AGENT_KINDS:
-        raise ValueError(f"transfer agent kind must be one of {AGENT_KINDS}; found {kind!r}")
-    name = name or unique_agent_name()
-    requested, fallback = kind, None
-    if kind in ("auto", "nixl"):
-        try:
-            from .nixl_agent import NixlAgent
-
-            agent = NixlAgent(name, host=host, **{k: v for k, v in options.items()
-                                                  if k in NixlAgent.OPTIONS and k != "host"})
-            agent.selection = {"requested": requested, "fallback": None}
-            log.info("transfer agent: nixl (UCX) name=%s requested=%s", name, kind)
-            return agent
-        except AgentUnavailable as e:
-            if kind == "nixl":
-                raise
-            fallback = f"nixl unavailable: {e}"
-            log.warning("transfer agent: nixl unavailable (%s); falling back to tcp", e)
-            kind = "tcp"
-    if kind == "shm":
-        from .shm_agent import ShmAgent
-
-        agent = ShmAgent(name, host=host, advertise_host=advertise_host, port=port)
-    else:
-        from .tcp_agent import TcpAgent
-
-        agent = TcpAgent(name, host=host, advertise_host=advertise_host, port=port)
-    agent.selection = {"requested": requested, "fallback": fallback}
-    log.info("transfer agent: %s name=%s endpoint=%s", agent.kind, name,
-             getattr(agent, "endpoint", None))
-    return agent

@@ -6,7 +6,11 @@ so callers never import a backend to catch a failure.
 """
 from __future__ import annotations
 
-from protocol.failures import Cause
+# Why a submitted transfer ended in ERR (`XferHandle.cause`): what callers decide on (the handle's
+# `error` text is for people and logs only). One enum for every layer: PEER_LOST (the remote agent
+# or its process is gone: invalidate it), FAILED (anything else: backend error, invalidated remote,
+# shutdown).
+from protocol.failures import Cause as FailureCause
 
 
 class TransferError(Exception):
@@ -34,8 +38,9 @@ class OutOfRange(TransferError):
 
 
 class PeerLost(TransferError):
-    cause = Cause.PEER_LOST
     """The remote agent (or its process) went away while a transfer or control exchange needed it."""
+
+    cause = FailureCause.PEER_LOST
 
 
 class InvalidDescriptors(TransferError, ValueError):

@@ -30,14 +30,12 @@ import threading
 import msgpack
 import numpy as np
 
-from protocol.failures import Cause
-
 from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, PrepHandle, RegHandle, TransferAgent,
                     XferHandle, regions_array)
 from .descs import Coverage, Descs, check_pair, merge_runs
 from . import ucx_bind
-from .errors import (AgentMismatch, AgentUnavailable, InvalidDescriptors, NameConflict,
-                     OutOfRange, PeerLost, RemoteNotLoaded, TransferError)
+from .errors import (AgentMismatch, AgentUnavailable, FailureCause, InvalidDescriptors,
+                     NameConflict, OutOfRange, PeerLost, RemoteNotLoaded, TransferError)
 
 log = logging.getLogger("splitserve.transfer.nixl")
 
@@ -222,7 +220,7 @@ class NixlAgent(TransferAgent):
             raise _map_error(e, what) from None
         x.state = {"DONE": DONE, "ERR": ERR}.get(st, PROC)
         if x.state == ERR:
-            x.error = f"{what}: NIXL returned ERR at post"
+            x.error, x.cause = f"{what}: NIXL returned ERR at post", FailureCause.FAILED
         return x
 
     def submit_transfer(self, remote: str, local: Descs, remote_descs: Descs, notif: bytes = b"",
@@ -318,12 +316,13 @@ class NixlAgent(TransferAgent):
             except self._errors as e:
                 err = _map_error(e, f"{handle.op} to {handle.remote!r}")
                 handle.state, handle.error = ERR, str(err)
-                handle.cause = Cause.PEER_LOST if isinstance(err, PeerLost) else None
+                handle.cause = FailureCause.PEER_LOST if isinstance(err, PeerLost) \
+                    else FailureCause.FAILED
                 return ERR
         if st == "DONE":
             handle.state = DONE
         elif st == "ERR":
-            handle.state = ERR
+            handle.state, handle.cause = ERR, FailureCause.FAILED
             handle.error = f"{handle.op} to {handle.remote!r}: NIXL reported ERR"
         return handle.state
 

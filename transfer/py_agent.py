@@ -25,13 +25,11 @@ import msgpack
 import numpy as np
 import zmq
 
-from protocol.failures import Cause
-
 from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, RegHandle, TransferAgent, XferHandle,
                     regions_array)
 from .descs import Coverage, Descs, check_pair
-from .errors import (AgentMismatch, InvalidDescriptors, NameConflict, OutOfRange, PeerLost,
-                     ProtocolError, RemoteNotLoaded, TransferError)
+from .errors import (AgentMismatch, FailureCause, InvalidDescriptors, NameConflict, OutOfRange,
+                     PeerLost, ProtocolError, RemoteNotLoaded, TransferError)
 from .zmq_io import (Wake, bind_router, close_dealer, monitor_events, open_dealer,
                      pending_commands)
 
@@ -228,7 +226,7 @@ class PyAgentBase(TransferAgent):
             self._xfers.pop(handle.id, None)
 
     def _finish(self, xfer: XferHandle, ok: bool, err: str | None = None,
-                cause: Cause | None = None) -> None:
+                cause: FailureCause = FailureCause.FAILED) -> None:
         if xfer.state != PROC:
             return
         xfer.error = None if ok else (err or "transfer failed")
@@ -265,7 +263,7 @@ class PyAgentBase(TransferAgent):
             if ra is not None and drop:
                 ra.lost = reason
         for x in pending:
-            self._finish(x, False, reason, Cause.PEER_LOST)
+            self._finish(x, False, reason, FailureCause.PEER_LOST if drop else FailureCause.FAILED)
 
     def _io_main(self) -> None:
         poller = zmq.Poller()
@@ -336,7 +334,7 @@ class PyAgentBase(TransferAgent):
                             self._fail_remote(name, reason)
                             for _f, xfer in outq[name]:
                                 if xfer is not None:
-                                    self._finish(xfer, False, reason, Cause.PEER_LOST)
+                                    self._finish(xfer, False, reason, FailureCause.PEER_LOST)
                             outq[name].clear()
             now = time.monotonic()
             for name, q in outq.items():
@@ -357,7 +355,7 @@ class PyAgentBase(TransferAgent):
                             self._fail_remote(name, reason)
                             for _f, x in q:
                                 if x is not None:
-                                    self._finish(x, False, reason)
+                                    self._finish(x, False, reason, FailureCause.PEER_LOST)
                             q.clear()
                         break
             self._io_tick()

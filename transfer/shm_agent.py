@@ -27,11 +27,9 @@ import threading
 
 import msgpack
 
-from protocol.failures import Cause
-
 from .agent import XferHandle
 from .descs import Descs
-from .errors import InvalidDescriptors, OutOfRange, PeerLost
+from .errors import FailureCause, InvalidDescriptors, OutOfRange, PeerLost
 from .memory import find_file_mapping, memmove
 from .py_agent import PyAgentBase, RemoteAgent, process_start_time
 
@@ -145,7 +143,7 @@ class ShmAgent(PyAgentBase):
                     memmove(la, ta, n)
             if not self._peer_alive(ra):
                 self._finish(x, False, f"remote agent {ra.name!r} died during the transfer",
-                             Cause.PEER_LOST)
+                             FailureCause.PEER_LOST)
                 return
             if notif:
                 self._command(("send", ra.name, [b"N", msgpack.packb(

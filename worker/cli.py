@@ -177,8 +177,8 @@ def _build_engine(args):
                          prefix_reuse=args.sim_prefix_reuse != "off",
                          pin_timeout_s=args.pin_timeout)
     if args.tp_size != 1 or args.pp_size != 1:
-        # One process per rank; this one is rank 0 (worker/parallel_engine.py, INTERFACES §7).
-        from worker.parallel_engine import build_parallel_engine
+        # One process per rank; this one is rank 0 (worker/parallel/engine.py, INTERFACES §7).
+        from worker.parallel.engine import build_parallel_engine
 
         return build_parallel_engine(
             args.model, tp_size=args.tp_size, pp_size=args.pp_size, device=args.device,
@@ -282,7 +282,7 @@ def _build_transfer(args, engine, model_name: str, advertise: str | None):
 
     cfg = transfer_config(args, advertise)
     if getattr(engine, "rank_group", None) is not None:  # multi-rank: one transceiver per rank
-        from worker.rank_transfer import build_rank_transfer
+        from worker.parallel.rank_transfer import build_rank_transfer
 
         return build_rank_transfer(args, engine, model_name, cfg)
     runner = engine.runner

@@ -1,8 +1,10 @@
 """The engine seam (``Engine`` protocol) and the PyTorch engine.
 
-``TorchEngine`` is the shared continuous-batching ``Scheduler`` (worker/scheduler.py) driving a
-``ModelRunner`` (worker/runner.py): each step's chunks run through the model on one worker thread,
-so the asyncio loop keeps serving HTTP, ZMQ snapshots and aborts while the model computes.
+``TorchEngine`` owns the shared continuous-batching ``Scheduler`` (worker/scheduler.py) and a
+``ModelRunner`` (worker/runner.py) that executes the scheduler's steps: each step's chunks run
+through the model on one worker thread, so the asyncio loop keeps serving HTTP, ZMQ snapshots and
+aborts while the model computes. ``SchedulingEngine`` is what the torch and sim engines share: the
+engine surface, delegated explicitly to the scheduler it owns.
 torch is imported only when a ``TorchEngine`` is built, so the sim engine stays torch-free.
 
 Hooks for KV transfer (the transfer package plugs in here; see docs/INTERFACES.md §5/§6):
@@ -32,7 +34,7 @@ from worker.requests import (  # noqa: F401  (re-exported: the engine seam's typ
 from worker.scheduler import Plan, RequestStream, Scheduler
 
 __all__ = [
-    "Engine", "KvReceiver", "TorchEngine", "EngineRequest", "SamplingParams", "TokenEvent",
+    "Engine", "KvReceiver", "SchedulingEngine", "TorchEngine", "EngineRequest", "SamplingParams", "TokenEvent",
     "ContextResult", "ReceiveSpec", "PinnedTransfer", "EngineError", "InvalidRequest",
     "TransferUnavailable", "RequestStream",
 ]
@@ -71,9 +73,93 @@ class Engine(Protocol):
     def flush_events(self) -> None: ...
 
 
-class TorchEngine(Scheduler):
-    """Scheduler + ``ModelRunner``. ``runner`` owns the model and the K/V tensors; the pool's
-    block ids index the runner's cache."""
+class _Delegated:
+    """An engine attribute that is its scheduler's: read (and, when ``writable``, set) through."""
+
+    def __init__(self, writable: bool = False):
+        self.writable = writable
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine, owner=None):
+        return self if engine is None else getattr(engine.scheduler, self.name)
+
+    def __set__(self, engine, value) -> None:
+        if not self.writable:
+            raise AttributeError(f"{type(engine).__name__}.{self.name} is read-only")
+        setattr(engine.scheduler, self.name, value)
+
+
+class SchedulingEngine:
+    """The ``Engine`` surface over the ``Scheduler`` an engine owns (``self.scheduler``, built by
+    the subclass with its own step function). Every method and attribute below forwards to it."""
+
+    engine_name = "base"
+    scheduler: Scheduler
+
+    pool: BlockPool = _Delegated()
+    tokenizer = _Delegated()
+    block_size: int = _Delegated()
+    max_model_len: int = _Delegated()
+    max_batch_size: int = _Delegated()
+    max_num_tokens: int = _Delegated()
+    pin_timeout_s: float = _Delegated()
+    vocab_size: int = _Delegated()
+    eos_token_ids: frozenset = _Delegated()
+    counters = _Delegated()
+    # Set by the server (worker_url, worker_id, event_sink) and the transfer layer (the rest).
+    worker_url: str | None = _Delegated(writable=True)
+    worker_id: str = _Delegated(writable=True)
+    event_sink = _Delegated(writable=True)
+    receiver = _Delegated(writable=True)
+    opaque_state_hook = _Delegated(writable=True)
+    prefill_hook = _Delegated(writable=True)
+    context_end_hook = _Delegated(writable=True)
+    receive_abandoned_hook = _Delegated(writable=True)
+    receive_expected_hook = _Delegated(writable=True)
+
+    async def start(self) -> None:
+        await self.scheduler.start()
+
+    async def stop(self) -> None:
+        await self.scheduler.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self.scheduler.alive
+
+    async def submit(self, req: EngineRequest) -> RequestStream:
+        return await self.scheduler.submit(req)
+
+    def abort(self, request_id) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def release(self, ctx_request_id, reason: str = "transferred") -> bool:
+        return self.scheduler.release(ctx_request_id, reason)
+
+    def pinned_transfer(self, ctx_request_id) -> PinnedTransfer | None:
+        return self.scheduler.pinned_transfer(ctx_request_id)
+
+    def pinned_transfers(self) -> list[PinnedTransfer]:
+        return self.scheduler.pinned_transfers()
+
+    def sweep_pins(self) -> int:
+        return self.scheduler.sweep_pins()
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    def flush_events(self) -> None:
+        self.scheduler.flush_events()
+
+    def clear_cache(self) -> None:
+        self.scheduler.clear_cache()
+
+
+class TorchEngine(SchedulingEngine):
+    """A ``Scheduler`` whose steps a ``ModelRunner`` executes. ``runner`` owns the model and the
+    K/V tensors; the pool's block ids index the runner's cache."""
 
     engine_name = "torch"
 
@@ -96,7 +182,8 @@ class TorchEngine(Scheduler):
             if cfg_eos is not None:
                 eos = tuple(dict.fromkeys([*eos, *([cfg_eos] if isinstance(cfg_eos, int)
                                                    else cfg_eos)]))
-        super().__init__(
+        self.scheduler = Scheduler(
+            execute=self._execute, engine_name=self.engine_name,
             pool=BlockPool(runner.num_blocks, runner.block_size, ns_seed=ns_seed),
             tokenizer=tokenizer, eos_token_ids=eos, vocab_size=cfg.vocab_size,
             max_model_len=cfg.max_position_embeddings, max_batch_size=max_batch_size,

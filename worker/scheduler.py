@@ -1,7 +1,10 @@
 """Continuous-batching scheduler shared by the torch and sim engines (no torch imported here).
 
-One asyncio task runs the loop: plan a step, execute it (the engine's ``_execute``: a model step
-in a worker thread, or a simulated sleep), apply the sampled tokens, publish KV events, repeat.
+One asyncio task runs the loop: plan a step, execute it (the ``execute`` callable its engine passes
+in: a model step in a worker thread, or a simulated sleep), apply the sampled tokens, publish KV
+events, repeat. The engines own a ``Scheduler`` (worker/engine.py, worker/sim.py); pinned
+transfers live in worker/pins.py, counters and ``stats()`` in worker/sched_stats.py, the
+per-request state in worker/sequence.py.
 Everything that touches scheduler state runs on the event loop thread, so there are no locks.
 
 Step planning (``_schedule``), under ``max_num_tokens`` tokens and ``max_batch_size`` sequences:
@@ -26,133 +29,52 @@ Request lifecycle invariants:
 """
 from __future__ import annotations
 
-import abc
 import asyncio
 import collections
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from router.block_keys import KEY_SCHEME, block_keys_list
 from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import BlockPool
+from worker.pins import PinTable
 from worker.requests import (
     CONTEXT_ONLY, GENERATION_ONLY, ContextResult, EngineRequest, EngineStopped, InvalidRequest,
     PinnedTransfer, ReceiveSpec, TokenEvent, TransferUnavailable,
 )
+from worker.sched_stats import SchedulerStats
+from worker.sequence import FINISHED, RECEIVING, RUNNING, WAITING, Plan, RequestStream, Seq
 
 log = logging.getLogger("splitserve.worker.scheduler")
 
-__all__ = ["Scheduler", "RequestStream", "Plan"]
+__all__ = ["Scheduler", "RequestStream", "Plan", "Seq", "StepFn"]
 
-WAITING, RECEIVING, RUNNING, FINISHED = "waiting", "receiving", "running", "finished"
-_RATE_WINDOW_S = 10.0
-
-
-class _Seq:
-    """Scheduler-side state of one request."""
-
-    __slots__ = (
-        "req", "id", "tokens", "num_prompt", "num_output", "num_computed", "blocks", "keys",
-        "num_committed", "cached_tokens", "admitted", "state", "queue", "detok", "rng",
-        "free_after_step", "receive_task", "arrival", "finish_reason",
-    )
-
-    def __init__(self, req: EngineRequest, detok: IncrementalDetokenizer):
-        self.req = req
-        self.id = req.request_id
-        self.tokens: list[int] = list(req.prompt_token_ids)
-        self.num_prompt = len(self.tokens)
-        self.num_output = 0
-        self.num_computed = 0
-        self.blocks: list[int] = []
-        self.keys: list[int] = []  # canonical keys of full blocks of `tokens`, chain order
-        self.num_committed = 0  # leading blocks already offered to the prefix cache
-        self.cached_tokens = 0
-        self.admitted = False
-        self.state = WAITING
-        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self.detok = detok
-        self.rng: Any = None  # engine-specific sampling state (a torch.Generator)
-        self.free_after_step = False
-        self.receive_task: asyncio.Task | None = None
-        self.arrival = time.monotonic()
-        self.finish_reason: str | None = None
-
-    @property
-    def pending(self) -> int:
-        """Tokens known but not yet fed through the model."""
-        return len(self.tokens) - self.num_computed
+#: Runs one step: one sampled token per plan entry (None where ``sample`` is False).
+StepFn = Callable[[Plan], Awaitable[list[int | None]]]
 
 
-class Plan:
-    """One step: ``entries[i] = (seq, start, n, sample)`` feeds ``seq.tokens[start:start+n]``;
-    ``sample`` says whether the chunk's last logits produce a new token."""
+class Scheduler:
+    """The engine core, owned by an engine. ``execute(plan)`` runs one step (the engine's model
+    or simulation; the scheduler looks it up on every step). ``prefix_reuse=False`` never reuses
+    a cached block (the sim engine's engine-that-lies mode); blocks are still committed."""
 
-    __slots__ = ("entries", "num_prefill_tokens", "num_decode_tokens")
-
-    def __init__(self):
-        self.entries: list[tuple[_Seq, int, int, bool]] = []
-        self.num_prefill_tokens = 0
-        self.num_decode_tokens = 0
-
-
-class RequestStream:
-    """Async iterator over one request's ``TokenEvent``s. Closing it early (``aclose``, or the
-    consumer being cancelled) aborts the request and frees its blocks."""
-
-    def __init__(self, sched: "Scheduler", seq: _Seq):
-        self._sched = sched
-        self._seq = seq
-        self._done = False
-
-    @property
-    def request_id(self) -> str:
-        return self._seq.id
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            ev = await self._seq.queue.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if ev.finish_reason is not None:
-            self._done = True
-        return ev
-
-    async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
-            self._sched.abort(self._seq.id)
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.aclose()
-
-
-class Scheduler(abc.ABC):
-    """The engine core. Subclasses implement ``_execute(plan) -> list[int | None]`` (one sampled
-    token per plan entry, None where ``sample`` is False) and may override ``_release_rng``."""
-
-    engine_name = "base"
-
-    def __init__(self, *, pool: BlockPool, tokenizer, eos_token_ids, vocab_size: int,
-                 max_model_len: int, max_batch_size: int = 64, max_num_tokens: int = 2048,
-                 pin_timeout_s: float = 60.0, worker_id: str = "worker",
-                 receiver=None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, *, execute: StepFn, pool: BlockPool, tokenizer, eos_token_ids,
+                 vocab_size: int, max_model_len: int, max_batch_size: int = 64,
+                 max_num_tokens: int = 2048, pin_timeout_s: float = 60.0,
+                 worker_id: str = "worker", receiver=None, engine_name: str = "base",
+                 prefix_reuse: bool = True, clock: Callable[[], float] = time.monotonic):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
-        if pin_timeout_s <= 0:
-            raise ValueError(f"pin_timeout_s must be > 0, got {pin_timeout_s}")
+        self._stats = SchedulerStats(clock)
+        self.counters = self._stats.counters
+        self.pins = PinTable(pool, timeout_s=pin_timeout_s, counters=self.counters, clock=clock,
+                             on_release=self._wake_loop)
+        self.execute = execute
+        self.engine_name = engine_name
+        self.prefix_reuse = bool(prefix_reuse)
         self.pool = pool
         self.tokenizer = tokenizer
         self.block_size = pool.block_size
@@ -183,13 +105,11 @@ class Scheduler(abc.ABC):
         # told at once, before the receive (which waits for free blocks) begins.
         self.receive_expected_hook: Callable[[EngineRequest], None] | None = None
         self.event_sink: Callable[[list], None] | None = None
-        self._clock = clock
-        self._waiting: collections.deque[_Seq] = collections.deque()
-        self._running: list[_Seq] = []
-        self._receiving: dict[str, _Seq] = {}
-        self._seqs: dict[str, _Seq] = {}
+        self._waiting: collections.deque[Seq] = collections.deque()
+        self._running: list[Seq] = []
+        self._receiving: dict[str, Seq] = {}
+        self._seqs: dict[str, Seq] = {}
         self._aliases: dict[str, set[str]] = {}
-        self._pinned: dict[int, PinnedTransfer] = {}
         self._in_step: set[str] = set()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -197,9 +117,6 @@ class Scheduler(abc.ABC):
         self._stopping = False
         self._local_ids = 0
         self._alive = False
-        # counters (monotonic) and recent step history for rates
-        self.counters = collections.Counter()
-        self._history: collections.deque[tuple[float, int, int]] = collections.deque()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -207,7 +124,8 @@ class Scheduler(abc.ABC):
             return
         self._alive = True
         self._loop_task = asyncio.create_task(self._run(), name=f"{self.engine_name}-engine-loop")
-        self._sweep_task = asyncio.create_task(self._sweep(), name="pinned-transfer-sweep")
+        self._sweep_task = asyncio.create_task(self.pins.run_sweeper(),
+                                               name="pinned-transfer-sweep")
 
     async def stop(self) -> None:
         """Abort every request, release every pin, stop the loop. Blocks return to the pool."""
@@ -233,8 +151,7 @@ class Scheduler(abc.ABC):
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
-        for cid in list(self._pinned):
-            self.release(cid, "shutdown")
+        self.pins.release_all("shutdown")
         self._flush_events()
         self._alive = False
 
@@ -301,7 +218,7 @@ class Scheduler(abc.ABC):
         self.validate(req)
         if req.request_type == CONTEXT_ONLY and req.ctx_request_id is None:
             req.ctx_request_id = self.next_local_id()
-        seq = _Seq(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+        seq = Seq(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                               req.sampling.stop))
         self._seqs[seq.id] = seq
         for a in {seq.id, *req.aliases}:
@@ -313,7 +230,7 @@ class Scheduler(abc.ABC):
         if self.receive_expected_hook is not None and req.request_type == GENERATION_ONLY:
             self.receive_expected_hook(req)
         self._wake.set()
-        return RequestStream(self, seq)
+        return RequestStream(self.abort, seq)
 
     def abort(self, request_id) -> bool:
         """Abort whatever ``request_id`` names (request id, alias, or ``ctx_request_id`` of a
@@ -322,56 +239,37 @@ class Scheduler(abc.ABC):
         hit = False
         for sid in list(self._aliases.get(key, ())):
             hit |= self._finish_by_id(sid, "abort")
-        for cid, p in list(self._pinned.items()):
-            if str(cid) == key or key in p.aliases or key == p.request_id:
-                hit |= self.release(cid, "abort")
+        for cid in self.pins.named(key):
+            hit |= self.pins.release(cid, "abort")
         if hit:
             self._wake.set()
         return hit
 
+    def fail_requests(self, error: str) -> None:
+        """Fail every request outside the executing step (those fail when their step returns,
+        e.g. a step a dead rank aborted)."""
+        for sid in list(self._seqs):
+            if sid not in self._in_step:
+                self._finish_by_id(sid, "error", error=error)
+
     # ------------------------------------------------------------------ pinned transfers
     def pinned_transfer(self, ctx_request_id) -> PinnedTransfer | None:
-        return self._pinned.get(self._cid(ctx_request_id))
+        return self.pins.get(ctx_request_id)
 
     def pinned_transfers(self) -> list[PinnedTransfer]:
-        return list(self._pinned.values())
+        return self.pins.values()
 
     def release(self, ctx_request_id, reason: str = "transferred") -> bool:
         """Unpin a finished context request's blocks (transfer done, cancelled, aborted, timed
         out). Idempotent: False when nothing is pinned under that id."""
-        p = self._pinned.pop(self._cid(ctx_request_id), None)
-        if p is None:
-            return False
-        self.pool.unpin(p.block_ids)
-        self.counters[f"pins_released_{reason}"] += 1
-        log.debug("released pinned transfer %s (%d blocks): %s", p.ctx_request_id,
-                  len(p.block_ids), reason)
-        self._wake.set()
-        return True
-
-    @staticmethod
-    def _cid(ctx_request_id) -> int | None:
-        try:
-            return int(ctx_request_id)
-        except (TypeError, ValueError):
-            return None
+        return self.pins.release(ctx_request_id, reason)
 
     def sweep_pins(self) -> int:
         """Release pins whose deadline passed; returns how many."""
-        now = self._clock()
-        expired = [cid for cid, p in self._pinned.items() if p.deadline <= now]
-        for cid in expired:
-            log.warning("pinned KV of context request %s was never fetched within %.1fs; freeing",
-                        cid, self.pin_timeout_s)
-            self.release(cid, "timeout")
-        return len(expired)
+        return self.pins.sweep()
 
-    async def _sweep(self) -> None:
-        period = max(0.05, min(1.0, self.pin_timeout_s / 4))
-        while True:
-            await asyncio.sleep(period)
-            if self._pinned:
-                self.sweep_pins()
+    def _wake_loop(self) -> None:
+        self._wake.set()
 
     # ------------------------------------------------------------------ cache control
     def clear_cache(self) -> None:
@@ -393,42 +291,10 @@ class Scheduler(abc.ABC):
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
-        now = self._clock()
-        self._trim_history(now)
-        span = max(1e-9, min(_RATE_WINDOW_S, now - self._history[0][0])) if self._history else 1.0
-        pre = sum(h[1] for h in self._history)
-        dec = sum(h[2] for h in self._history)
-        pool = self.pool
-        return {
-            "engine": self.engine_name,
-            "running": len(self._running) + len(self._receiving),
-            "waiting": len(self._waiting),
-            "receiving": len(self._receiving),
-            "pinned_transfers": len(self._pinned),
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.num_used,
-            "kv_blocks_free": pool.num_free,
-            "kv_blocks_cached": pool.num_cached,
-            "kv_blocks_pinned": pool.num_pinned,
-            "prefix_hit_tokens_total": self.counters["prefix_hit_tokens"],
-            "prompt_tokens_total": self.counters["prompt_tokens"],
-            "prefill_tokens_total": self.counters["prefill_tokens"],
-            "decode_tokens_total": self.counters["decode_tokens"],
-            "generation_tokens_total": self.counters["generation_tokens"],
-            "preemptions_total": self.counters["preemptions"],
-            "steps_total": self.counters["steps"],
-            "prefill_tokens_per_s": pre / span if self._history else 0.0,
-            "decode_tokens_per_s": dec / span if self._history else 0.0,
-            "requests_finished": {k.removeprefix("finished_"): v for k, v in self.counters.items()
-                                  if k.startswith("finished_")},
-            "pins_released": {k.removeprefix("pins_released_"): v
-                              for k, v in self.counters.items() if k.startswith("pins_released_")},
-        }
-
-    def _trim_history(self, now: float) -> None:
-        h = self._history
-        while h and h[0][0] < now - _RATE_WINDOW_S:
-            h.popleft()
+        return self._stats.snapshot(
+            engine=self.engine_name, running=len(self._running) + len(self._receiving),
+            waiting=len(self._waiting), receiving=len(self._receiving),
+            pinned_transfers=len(self.pins), pool=self.pool)
 
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
@@ -442,7 +308,7 @@ class Scheduler(abc.ABC):
                     continue
                 self._in_step = {e[0].id for e in plan.entries}
                 try:
-                    sampled = await self._execute(plan)
+                    sampled = await self.execute(plan)
                     error = None
                 except asyncio.CancelledError:
                     raise
@@ -457,10 +323,6 @@ class Scheduler(abc.ABC):
                 await asyncio.sleep(0)
         finally:
             self._alive = False
-
-    @abc.abstractmethod
-    async def _execute(self, plan: Plan) -> list[int | None]:
-        """Run one step; one sampled token per plan entry (None where ``sample`` is False)."""
 
     # ------------------------------------------------------------------ planning
     def _blocks_for(self, ntokens: int) -> int:
@@ -518,7 +380,7 @@ class Scheduler(abc.ABC):
     def _num_active(self) -> int:
         return len(self._running) + len(self._receiving)
 
-    def _plan(self, plan: Plan, s: _Seq, n: int) -> None:
+    def _plan(self, plan: Plan, s: Seq, n: int) -> None:
         sample = s.num_computed + n == len(s.tokens)
         plan.entries.append((s, s.num_computed, n, sample))
         if s.num_computed >= s.num_prompt and n == 1:
@@ -526,7 +388,7 @@ class Scheduler(abc.ABC):
         else:
             plan.num_prefill_tokens += n
 
-    def _grow(self, s: _Seq, n: int, planned: set[str], preempt: bool) -> int:
+    def _grow(self, s: Seq, n: int, planned: set[str], preempt: bool) -> int:
         """Make ``s.blocks`` cover ``s.num_computed + n`` tokens; returns the chunk length that
         fits (maybe less than ``n``; 0 when nothing fits and ``s`` was not admitted, or when ``s``
         itself was preempted)."""
@@ -549,7 +411,7 @@ class Scheduler(abc.ABC):
             if victim is None:
                 return 0
 
-    def _preempt(self, s: _Seq) -> None:
+    def _preempt(self, s: Seq) -> None:
         """Recompute preemption: drop the KV, keep the tokens, queue at the front."""
         self.pool.free(s.blocks)
         s.blocks, s.num_computed, s.num_committed = [], 0, 0
@@ -559,7 +421,7 @@ class Scheduler(abc.ABC):
         self.counters["preemptions"] += 1
         log.info("preempted %s (%d tokens) for lack of KV blocks", s.id, len(s.tokens))
 
-    def _keys_upto(self, s: _Seq, nblocks: int) -> list[int]:
+    def _keys_upto(self, s: Seq, nblocks: int) -> list[int]:
         """Canonical keys of the first ``nblocks`` full blocks of ``s.tokens`` (memoised)."""
         have = len(s.keys)
         if nblocks > have:
@@ -569,7 +431,9 @@ class Scheduler(abc.ABC):
                                           parent))
         return s.keys[:nblocks]
 
-    def _match_prefix(self, s: _Seq) -> None:
+    def _match_prefix(self, s: Seq) -> None:
+        if not self.prefix_reuse:
+            return
         # At least one token must be computed to get logits: cap the hit at len(tokens) - 1.
         max_blocks = (len(s.tokens) - 1) // self.block_size
         if max_blocks <= 0:
@@ -580,7 +444,7 @@ class Scheduler(abc.ABC):
         s.num_committed = len(blocks)
 
     # ------------------------------------------------------------------ generation_only
-    def _start_receive(self, s: _Seq) -> bool:
+    def _start_receive(self, s: Seq) -> bool:
         need = self._blocks_for(s.num_prompt)
         if need > self.pool.num_available:
             return False
@@ -600,7 +464,7 @@ class Scheduler(abc.ABC):
         s.receive_task.add_done_callback(lambda t, s=s: self._receive_done(s, t))
         return True
 
-    def _receive_done(self, s: _Seq, task: asyncio.Task) -> None:
+    def _receive_done(self, s: Seq, task: asyncio.Task) -> None:
         self._receiving.pop(s.id, None)
         s.receive_task = None
         self._wake.set()
@@ -639,12 +503,7 @@ class Scheduler(abc.ABC):
 
     # ------------------------------------------------------------------ applying a step
     def _apply(self, plan: Plan, sampled: list[int | None] | None, error: str | None) -> None:
-        now = self._clock()
-        self.counters["steps"] += 1
-        self.counters["prefill_tokens"] += plan.num_prefill_tokens
-        self.counters["decode_tokens"] += plan.num_decode_tokens
-        self._history.append((now, plan.num_prefill_tokens, plan.num_decode_tokens))
-        self._trim_history(now)
+        self._stats.record_step(plan.num_prefill_tokens, plan.num_decode_tokens)
         for i, (s, start, n, sample) in enumerate(plan.entries):
             if s.state == FINISHED:  # aborted during the step: free what it held now
                 if s.free_after_step:
@@ -664,7 +523,7 @@ class Scheduler(abc.ABC):
             if sample:
                 self._on_token(s, int(sampled[i]))
 
-    def _commit_full_blocks(self, s: _Seq) -> None:
+    def _commit_full_blocks(self, s: Seq) -> None:
         full = min(s.num_computed // self.block_size, len(s.blocks))
         if full <= s.num_committed:
             return
@@ -675,7 +534,7 @@ class Scheduler(abc.ABC):
                              s.tokens[i * B:(i + 1) * B])
         s.num_committed = full
 
-    def _on_token(self, s: _Seq, tok: int) -> bool:
+    def _on_token(self, s: Seq, tok: int) -> bool:
         """Append a sampled token, emit it, finish on a stop condition. True if finished."""
         s.tokens.append(tok)
         s.num_output += 1
@@ -708,7 +567,7 @@ class Scheduler(abc.ABC):
         self._finish(s, finish, last=ev)
         return True
 
-    def _finish_context(self, s: _Seq, keep: bool) -> ContextResult:
+    def _finish_context(self, s: Seq, keep: bool) -> ContextResult:
         """Turn a finished prefill's references into pins (when a generation leg will follow)."""
         cid = int(s.req.ctx_request_id)
         prompt_blocks = list(s.blocks[:self._blocks_for(s.num_prompt)])
@@ -717,18 +576,10 @@ class Scheduler(abc.ABC):
             "num_tokens": s.num_prompt, "block_size": self.block_size, "key_scheme": KEY_SCHEME,
             "block_ids": prompt_blocks, "worker_url": self.worker_url,
         }
-        if keep and cid in self._pinned:  # a stale entry under the same id: the new one wins
-            self.release(cid, "replaced")
         if keep:
-            now = self._clock()
-            p = PinnedTransfer(ctx_request_id=cid, request_id=s.id, aliases=tuple(s.req.aliases),
-                               prompt_token_ids=list(s.tokens[:s.num_prompt]),
-                               block_ids=prompt_blocks, created=now,
-                               deadline=now + self.pin_timeout_s)
-            self.pool.pin(prompt_blocks)
-            self._pinned[cid] = p
-            self.counters["pins_created"] += 1
-            log.debug("pinned transfer %s (%d blocks)", cid, len(prompt_blocks))
+            p = self.pins.pin(cid, request_id=s.id, aliases=s.req.aliases,
+                              prompt_token_ids=list(s.tokens[:s.num_prompt]),
+                              block_ids=prompt_blocks)
             if self.opaque_state_hook is not None:
                 opaque.update(self.opaque_state_hook(p))
         return ContextResult(ctx_request_id=cid, first_gen_tokens=list(s.tokens[s.num_prompt:]),
@@ -748,7 +599,7 @@ class Scheduler(abc.ABC):
         self._finish(s, reason, error=error)
         return True
 
-    def _finish(self, s: _Seq, reason: str, *, error: str | None = None,
+    def _finish(self, s: Seq, reason: str, *, error: str | None = None,
                 last: TokenEvent | None = None, keep_blocks: bool = False) -> None:
         prev = s.state
         s.state = FINISHED
@@ -775,7 +626,7 @@ class Scheduler(abc.ABC):
                 ids.discard(s.id)
                 if not ids:
                     del self._aliases[str(a)]
-        self._release_rng(s)
+        s.rng = None
         self.counters[f"finished_{reason}"] += 1
         if last is None:
             last = TokenEvent(token_ids=[], text=s.detok.flush() if reason != "error" else "",
@@ -791,10 +642,7 @@ class Scheduler(abc.ABC):
             self.receive_abandoned_hook(s.req)
         self._wake.set()
 
-    def _drop_blocks(self, s: _Seq) -> None:
+    def _drop_blocks(self, s: Seq) -> None:
         if s.blocks:
             self.pool.free(s.blocks)
             s.blocks = []
-
-    def _release_rng(self, s: _Seq) -> None:
-        s.rng = None

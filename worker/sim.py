@@ -29,6 +29,7 @@ import logging
 import xxhash
 
 from worker.kv_cache import BlockPool
+from worker.engine import SchedulingEngine
 from worker.requests import ReceiveSpec
 from worker.scheduler import Plan, Scheduler
 
@@ -138,7 +139,9 @@ class SimReceiver:
             self._session = None
 
 
-class SimEngine(Scheduler):
+class SimEngine(SchedulingEngine):
+    """A ``Scheduler`` whose steps sleep the latency model and emit ``fake_token``s."""
+
     engine_name = "sim"
 
     def __init__(self, tokenizer, *, num_blocks: int = 4096, block_size: int = 16,
@@ -158,19 +161,18 @@ class SimEngine(Scheduler):
         vocab = int(vocab_size or tokenizer.vocab_size)
         eos = tuple(eos_token_ids if eos_token_ids is not None
                     else getattr(tokenizer, "eos_token_ids", ()) or ())
-        super().__init__(
+        self._sim_receiver = SimReceiver(transfer_us_per_token)
+        self.scheduler = Scheduler(
+            execute=self._execute, engine_name=self.engine_name, prefix_reuse=prefix_reuse,
             pool=BlockPool(num_blocks, block_size, ns_seed=ns_seed), tokenizer=tokenizer,
             eos_token_ids=eos, vocab_size=vocab, max_model_len=max_model_len,
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-            pin_timeout_s=pin_timeout_s, worker_id=worker_id,
-            receiver=SimReceiver(transfer_us_per_token))
-        self._sim_receiver = self.receiver
+            pin_timeout_s=pin_timeout_s, worker_id=worker_id, receiver=self._sim_receiver)
         self.prefill_us_per_token = float(prefill_us_per_token)
         self.decode_us_per_step = float(decode_us_per_step)
         self.prefill_us_per_token_per_kctx = float(prefill_us_per_token_per_kctx)
         self.decode_us_per_seq = float(decode_us_per_seq)
         self.decode_us_per_ctx_token = float(decode_us_per_ctx_token)
-        self.prefix_reuse = bool(prefix_reuse)
         self._alphabet = _alphabet(tokenizer, vocab, set(eos))
 
     def step_time_s(self, plan: Plan) -> float:
@@ -187,10 +189,6 @@ class SimEngine(Scheduler):
         if plan.num_decode_tokens:
             us += self.decode_us_per_step + plan.num_decode_tokens * self.decode_us_per_seq
         return us / 1e6
-
-    def _match_prefix(self, s) -> None:
-        if self.prefix_reuse:
-            super()._match_prefix(s)
 
     def fake_token(self, prompt_token_ids, seed: int | None, position: int) -> int:
         """The token the sim emits at ``position`` (index into prompt + output) for this prompt."""

@@ -1,10 +1,11 @@
 """Leg adapters: what each engine family expects on the two legs of a disaggregated request.
 
-One module per protocol, each a set of pure functions (bodies in, bodies out; fleet/pd_flow.py is the
-imperative shell that sends them):
+One module per protocol, each a set of pure functions (bodies in, bodies out; fleet/flow.py and
+fleet/pd_flow.py are the imperative shells that send them), and `plan` for what every protocol shares
+(the answering leg's body, the modes, the fallback rule, the route header):
 
 - `trtllm` — TensorRT-LLM's `disaggregated_params` (and our own worker's): context leg first, the
-  generation leg carries the context answer's params (the flow itself lives in fleet/flow.py);
+  generation leg carries the context answer's params (sent by fleet/flow.py);
 - `vllm` — vLLM's `kv_transfer_params` (NIXL connector): prefill first with `max_tokens: 1`, the
   decode leg carries the `kv_transfer_params` the prefill answer returned;
 - `sglang` — SGLang's bootstrap rendezvous: both legs at once with `bootstrap_host`,

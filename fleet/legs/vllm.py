@@ -81,3 +81,10 @@ def decode_body(body: dict, kv: dict | None) -> dict:
     if kv is not None:
         out["kv_transfer_params"] = kv
     return out
+
+
+def mode_of(kv: dict | None) -> str:
+    """The request's mode once the prefill answered: disaggregated when its params announce a remote
+    prefill (the decode reads the KV), else no_kv_transfer (no KV connector on that prefill server:
+    the decode server computes the prompt itself)."""
+    return "disaggregated" if kv is not None and kv.get("do_remote_prefill") else "no_kv_transfer"

@@ -7,7 +7,6 @@ stops it with SIGINT part-way, then checks that no process it started is left.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from bench import disagg_e2e as bench
+from splitserve_testing import clean_env
+from splitserve_testing.proctable import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "disagg_e2e.py"
@@ -28,7 +29,7 @@ N_LONG = SCALE.long_count
 
 
 def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")} | {"PYTHONUNBUFFERED": "1"}
+    return clean_env(PYTHONUNBUFFERED=1)
 
 
 @pytest.fixture(scope="module")
@@ -233,14 +234,7 @@ def test_bad_scale_is_a_usage_error(capsys):
 def _alive(pids: list[int], wait_s: float) -> list[int]:
     deadline = time.monotonic() + wait_s
     while True:
-        left = []
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                        left.append(pid)
-            except FileNotFoundError:
-                pass
+        left = [pid for pid in pids if alive(pid)]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)

@@ -15,6 +15,8 @@ from aiohttp import web
 
 from router.block_keys import KEY_SCHEME, block_keys_list
 from router.events import AllCleared, BlocksRemoved, BlocksStored, encode_vllm_batch
+# Re-exported: the tests of this directory import it through here.
+from splitserve_testing import free_ports  # noqa: F401
 
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -241,28 +243,6 @@ async def workers():
         await w.stop()
 
 
-def free_ports(n: int = 1) -> int:
-    """The first of `n` consecutive free TCP ports on 127.0.0.1 (bound and released)."""
-    import socket
-    for _ in range(200):
-        s0 = socket.socket()
-        s0.bind(("127.0.0.1", 0))
-        base = s0.getsockname()[1]
-        socks = [s0]
-        try:
-            for i in range(1, n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def cfg(ctx_urls=(), gen_urls=(), *, ctx_router="kv_cache_aware", gen_router="kv_cache_aware",
         interval=0.05, threshold=2, ttl=300.0, minimal=None, extra=None, **coord) -> dict:
     """A cluster config dict with fast health checks."""
@@ -287,7 +267,8 @@ def cfg(ctx_urls=(), gen_urls=(), *, ctx_router="kv_cache_aware", gen_router="kv
 async def coordinator():
     """`await coordinator(config_dict, serve=True, http="fast"|"aiohttp")` → (Coordinator,
     CoordinatorServer|None)."""
-    from coordinator.service import Coordinator, CoordinatorServer
+    from coordinator.listeners import CoordinatorServer
+    from coordinator.service import Coordinator
 
     made = []
 

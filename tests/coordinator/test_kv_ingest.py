@@ -297,7 +297,8 @@ async def test_empty_index_under_kv_traffic_warns(workers, coordinator, zctx, ca
     w = await workers("context", kv_events=silent.kv_events())
     plain = await workers("context")  # advertises no publisher at all
     gen = await workers("generation")
-    from coordinator.service import Coordinator, CoordinatorServer
+    from coordinator.listeners import CoordinatorServer
+    from coordinator.service import Coordinator
     c = Coordinator(cfg([w.url, plain.url], [gen.url]))
     c.empty_index_grace_s = 0.2
     c.empty_index_check_s = 0.05

@@ -6,12 +6,7 @@ OS. `SPLITSERVE_*` variables of the test environment are not passed on (they wou
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,40 +14,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+# Re-exported: the tests of this directory import the harness through here.
+from splitserve_testing import ROOT, Proc, clean_env, free_port, free_port_pair, wait_for  # noqa: F401
+
 PY = sys.executable
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # A coordinator sheds placements (503 to the client) once its event loop runs late by
 # `max_queue_delay_s`; on a loaded CI box that can happen to any test. Tests that are not about
 # overload but need every request served raise the bound.
 NO_SHEDDING = {"max_queue_delay_s": 30.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """A port p with p-1 free too (the implicit coordinator listens on port - 1)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p - 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
-def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")
-           and k != "PROMETHEUS_MULTIPROC_DIR"}
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
 
 
 def http(method: str, url: str, body=None, headers=None, timeout: float = 10.0):
@@ -81,71 +52,6 @@ def metric(text: str, name: str, **labels) -> float:
                 total += s.value
                 found = True
     return total if found else 0.0
-
-
-class Proc:
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict | None = None):
-        self.name, self.argv, self.log_path = name, argv, log
-        self.env = env or clean_env()
-        self.p: subprocess.Popen | None = None
-        self.start()
-
-    def start(self):
-        self._log = open(self.log_path, "ab")
-        self.p = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                  cwd=str(ROOT), start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.p.pid
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        if self.p.poll() is None:
-            try:
-                os.kill(self.p.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        if self.p.poll() is None:
-            self.kill(signal.SIGTERM)
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                # Our child may have children of its own (the launcher's fleet): end the whole session.
-                try:
-                    os.killpg(self.p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.p.wait(5)
-        self._log.close()
-        return self.p.returncode
-
-
-def wait_for(pred, timeout: float, what: str, proc: Proc | None = None, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            v = pred()
-            if v:
-                return v
-        except Exception as e:  # noqa: BLE001 - polling: keep the last error for the message
-            last = e
-        if proc is not None and not proc.alive():
-            raise AssertionError(f"{proc.name} exited ({proc.p.returncode}) while waiting for {what}:\n{proc.log()[-3000:]}")
-        time.sleep(interval)
-    tail = proc.log()[-3000:] if proc is not None else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last})\n{tail}")
 
 
 def healthy(url: str) -> bool:

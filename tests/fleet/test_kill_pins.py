@@ -22,7 +22,7 @@ import threading
 import time
 from http.client import HTTPException
 
-from tests.procs import children
+from splitserve_testing.proctable import children
 
 from .conftest import free_port_pair, group, healthy, http, metric, wait_for
 

@@ -140,7 +140,7 @@ def test_worker_rejects_bad_leg_fields_naming_them(proto, role, body, param):
 
 
 def test_stream_kv_handle_is_stripped():
-    from fleet.pd_flow import strip_stream_kv
+    from fleet.relay import strip_stream_kv
     ev = (b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
           b'data: {"id":"a","choices":[],"kv_transfer_params":{"remote_block_ids":[[1]]}}\n\n'
           b"data: [DONE]\n\n")

@@ -3,8 +3,8 @@
 The cluster runs as `make serve` runs it (disaggregated, `--transfer-agent auto`: NIXL/UCX when the
 wheel is installed). After a request has gone through both workers (so every lazily opened socket
 exists), every TCP socket in LISTEN state and every bound UDP socket of every process in the tree is
-read from /proc (tests/procs.py) and must be bound to the configured address — UCX's TCP transport
-included, which by default listens on every interface of the machine.
+read from /proc (splitserve_testing/proctable.py) and must be bound to the configured address —
+UCX's TCP transport included, which by default listens on every interface of the machine.
 """
 from __future__ import annotations
 
@@ -15,26 +15,12 @@ import signal
 
 import pytest
 
-from tests.procs import listening_sockets, tree
+from splitserve_testing import free_port_pair
+from splitserve_testing.proctable import listening_sockets, tree
 
 from .conftest import PY, clean_env, http, wait_for
 
 HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu13", "nixl_cu12"))
-
-
-def _free_pair(host: str) -> int:
-    import socket
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind((host, p - 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def _loopback_alias_usable(host: str) -> bool:
@@ -69,7 +55,7 @@ def _worker_ports(pids) -> dict[str, int]:
 def test_every_listener_is_on_the_configured_host(cluster, engine, host):
     if not _loopback_alias_usable(host):
         pytest.skip(f"{host} cannot be bound on this machine")
-    port = _free_pair(host)
+    port = free_port_pair(host)
     argv = [PY, "-m", "splitserve_cli", "local", "--engine", engine, "--model", "tiny", "--host", host,
             "--port", str(port)]
     p = cluster.spawn(f"local-{engine}-{host}", argv, env=clean_env())

@@ -8,7 +8,7 @@ import signal
 import openai
 import pytest
 
-from tests.procs import alive, children
+from splitserve_testing.proctable import alive, children
 
 from .conftest import PY, clean_env, free_port_pair, http, wait_for
 

@@ -15,11 +15,9 @@ stop every process cleanly (a PID-1 process that ignores SIGTERM would hang unti
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from splitserve_testing import Proc, clean_env, free_port_below_ephemeral, stop_all
 from tests.helm import chart as C
 from tests.helm.conftest import CHART
 
@@ -39,29 +38,6 @@ SECRET_SETS = ["auth.apiKeys.existingSecret=demo-api-keys", "auth.internalAuth.e
 API_KEY = "sk-demo-1"
 SECRETS = {("demo-api-keys", "api-keys"): f"{API_KEY},sk-demo-2", ("demo-hmac", "hmac-key"): "ab" * 32}
 START_DEADLINE_S = 45.0
-
-
-_taken: set[int] = set()
-
-
-def _free_port() -> int:
-    """A currently free loopback port below the kernel's ephemeral range: ports the OS hands out
-    for bind(0) and outgoing connections (other tests, our own processes' clients) come from that
-    range, so a port picked here is not grabbed between this check and the process binding it."""
-    lo, _hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    rng = __import__("random").Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, lo - 12000), lo)
-        if port in _taken:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _taken.add(port)
-        return port
-    raise RuntimeError("no free loopback port found below the ephemeral range")
 
 
 def _http(method: str, url: str, body: dict | None = None, headers: dict | None = None,
@@ -84,7 +60,7 @@ class Pod:
     ports: dict[int, int] = field(default_factory=dict)      # containerPort -> loopback port
     named: dict[str, int] = field(default_factory=dict)      # port name -> containerPort
     mounts: dict[str, Path] = field(default_factory=dict)    # mountPath -> local dir
-    procs: list[tuple[dict, subprocess.Popen, Path]] = field(default_factory=list)
+    procs: list[tuple[dict, Proc]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -99,8 +75,8 @@ class Pod:
         return self.ports[self.named[ref] if isinstance(ref, str) else ref]
 
     def logs(self) -> str:
-        return "\n".join(f"--- {c['name']} of {self.name} (rc={p.poll()}):\n" + log.read_text()[-3000:]
-                         for c, p, log in self.procs)
+        return "\n".join(f"--- {c['name']} of {self.name} (rc={p.returncode}):\n" + p.log()[-3000:]
+                         for c, p in self.procs)
 
 
 class Cluster:
@@ -117,7 +93,7 @@ class Cluster:
                 pod = Pod(w, i, workdir / f"{w['metadata']['name']}-{i}")
                 for c in C.pod_spec(w)["containers"]:
                     for p in c.get("ports") or []:
-                        pod.ports[p["containerPort"]] = _free_port()
+                        pod.ports[p["containerPort"]] = free_port_below_ephemeral()
                         if "name" in p:
                             pod.named[p["name"]] = p["containerPort"]
                 self.pods.append(pod)
@@ -208,14 +184,12 @@ class Cluster:
                 self._volumes(pod, c)
                 env = self._env(pod, c)
                 argv = self._argv(pod, c, env)
-                base = {k: v for k, v in os.environ.items()
-                        if not k.startswith("SPLITSERVE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+                base = clean_env()
                 if "/tmp" in pod.mounts:
                     base["TMPDIR"] = str(pod.mounts["/tmp"])
-                log = pod.root / f"{c['name']}.log"
-                proc = subprocess.Popen(argv, env={**base, **env}, cwd=pod.root, stdin=subprocess.DEVNULL,
-                                        stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-                pod.procs.append((c, proc, log))
+                proc = Proc(f"{pod.name}/{c['name']}", argv, pod.root / f"{c['name']}.log", {**base, **env},
+                            cwd=pod.root, append=False)
+                pod.procs.append((c, proc))
 
     # ---- the kubelet's probes ---------------------------------------------------------------
     def probe(self, pod: Pod, probe: dict) -> bool:
@@ -239,12 +213,12 @@ class Cluster:
         """Until every container's `kind` probe passed `stable` times in a row. Several fleet
         processes share one port and each refreshes its own view of the cluster, so a probe may
         reach any of them: readiness is settled once consecutive probes agree."""
-        pending = {(id(pod), c["name"]): (pod, c) for pod in self.pods for c, _, _ in pod.procs}
+        pending = {(id(pod), c["name"]): (pod, c) for pod in self.pods for c, _ in pod.procs}
         streak = dict.fromkeys(pending, 0)
         while pending:
             for key, (pod, c) in list(pending.items()):
-                for cc, proc, _ in pod.procs:
-                    if cc is c and proc.poll() is not None:
+                for cc, proc in pod.procs:
+                    if cc is c and not proc.alive():
                         pytest.fail(f"{pod.name}/{c['name']} exited with {proc.returncode} before its "
                                     f"{kind} passed:\n{self.all_logs()}")
                 streak[key] = streak[key] + 1 if self.probe(pod, c[kind]) else 0
@@ -260,21 +234,10 @@ class Cluster:
         return "\n".join(p.logs() for p in self.pods)
 
     def stop(self, pods: list[Pod] | None = None, grace: float = 20.0) -> dict[str, int | None]:
+        """SIGTERM every container of ``pods`` at once → {pod/container: exit code, None if it
+        needed SIGKILL after ``grace`` seconds}."""
         pods = self.pods if pods is None else pods
-        for pod in pods:
-            for _, proc, _ in pod.procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-        codes = {}
-        for pod in pods:
-            for c, proc, _ in pod.procs:
-                try:
-                    codes[f"{pod.name}/{c['name']}"] = proc.wait(timeout=grace)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    codes[f"{pod.name}/{c['name']}"] = None
-        return codes
+        return stop_all([proc for pod in pods for _, proc in pod.procs], grace)
 
 
 @pytest.fixture(scope="module")
@@ -293,10 +256,10 @@ def cluster(helm):
             yield cl
         finally:
             for pod in cl.pods:
-                for _, proc, _ in pod.procs:
-                    if proc.poll() is None:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
+                for _, proc in pod.procs:
+                    if proc.alive():
+                        proc.killpg(signal.SIGKILL)
+                    proc.stop(grace=5)
 
 
 def test_demo_runs_every_component_once(cluster):
@@ -306,8 +269,8 @@ def test_demo_runs_every_component_once(cluster):
 
 def test_probes_pass_after_startup(cluster):
     for pod in cluster.pods:
-        for c, proc, _ in pod.procs:
-            assert proc.poll() is None, f"{pod.name} exited:\n{pod.logs()}"
+        for c, proc in pod.procs:
+            assert proc.alive(), f"{pod.name} exited:\n{pod.logs()}"
             for kind in ("livenessProbe", "readinessProbe"):
                 assert cluster.probe(pod, c[kind]), f"{pod.name}/{c['name']} {kind} fails:\n{pod.logs()}"
 

@@ -88,6 +88,6 @@ async def test_coordinator_client_failures_carry_their_cause(channel):
 
 def test_peer_lost_is_one_class_for_every_layer():
     from fleet.upstream import UpstreamDisconnected
-    from transfer.errors import PeerLost as TransferPeerLost
+    from transfer.errors import FailureCause, PeerLost as TransferPeerLost
     assert issubclass(UpstreamDisconnected, PeerLost)
-    assert TransferPeerLost("x").cause is Cause.PEER_LOST
+    assert TransferPeerLost("x").cause is Cause.PEER_LOST and FailureCause is Cause

@@ -13,7 +13,7 @@ def target_main(kind: str, conn, nbytes: int, name: str | None = None) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
     import numpy as np
 
-    from transfer.agent import make_agent
+    from transfer.agents import make_agent
     from transfer.memory import alloc_shared_array
 
     agent = make_agent(kind, name)

@@ -410,7 +410,7 @@ def test_agent_kind_mismatch_fails_at_exchange(procs):
 
 
 def test_status_codes_combine_to_the_instance_outcome():
-    from transfer.session import DONE, FAILED, IN_FLIGHT, Status, combine_codes
+    from transfer.states import DONE, FAILED, IN_FLIGHT, Status, combine_codes
 
     assert Status("transferring", False).code == IN_FLIGHT
     assert Status("failed", False, timed_out=True).code == IN_FLIGHT  # a peer may still write
@@ -424,12 +424,29 @@ def test_status_codes_combine_to_the_instance_outcome():
     assert combine_codes([]) == IN_FLIGHT
 
 
-def test_opaque_state_round_trip_and_garbage():
-    from transfer.errors import ProtocolError
-    from transfer.session import decode_opaque_state, encode_opaque_state
+def test_control_messages_keep_their_wire_maps_and_refuse_malformed_ones():
+    import msgpack
+    import numpy as np
 
-    s = encode_opaque_state("tcp://h:1", "inst", 5, 100, "tcp")
-    assert decode_opaque_state(s)["req"] == 5
-    for bad in ("not base64!", "gqFhAQ==", encode_opaque_state("tcp://h:1", "i", 1, 1, "x")[:-4]):
+    from transfer import control as C
+    from transfer.errors import ProtocolError
+
+    res = C.Result(req=7, sender="inst/0", status=C.ResultStatus.OK, slices=(0, 2), span=(0, 48),
+                   last=True, meta={"first_gen_tokens": [3]})
+    wire = msgpack.unpackb(msgpack.packb(C.to_wire(res), use_bin_type=True), raw=False)
+    # the map a peer of the previous (dict-based) session code sent and read
+    assert wire == {"t": "result", "req": 7, "from": "inst/0", "status": "ok", "error": None,
+                    "slices": [0, 2], "span": [0, 48], "last": True,
+                    "meta": {"first_gen_tokens": [3]}}
+    back = C.parse(wire)
+    assert back == res and back.status is C.ResultStatus.OK
+    ids = [np.arange(3, dtype=np.int64).tobytes()]
+    assert C.parse({"t": "recv", "req": 1, "n": 40, "ids": ids}) == C.Recv(req=1, n=40, ids=ids)
+    assert C.parse({"t": "instance", "ranks": [b"x"], "self": "k"}).answering == "k"
+    for bad in ({"t": "recv", "req": "1", "n": 40, "ids": []},     # req must be an int
+                {"t": "result", "req": 1},                          # no sender
+                {"t": "claim"},                                     # no req
+                {"t": "nonsense"}):
         with pytest.raises(ProtocolError):
-            decode_opaque_state(bad)
+            C.parse(bad)
+    assert "nonsense" not in C.TAGS and {"recv", "result", "claim"} <= C.TAGS

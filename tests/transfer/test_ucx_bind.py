@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.procs import listening_sockets
+from splitserve_testing.proctable import listening_sockets
 from transfer import ucx_bind
 from transfer.errors import AgentUnavailable
 
@@ -71,7 +71,7 @@ def test_a_real_nixl_agent_listens_only_on_its_host(host):
 
 def test_auto_falls_back_to_a_host_bound_agent_when_ucx_cannot_bind():
     pytest.importorskip("nixl")
-    from transfer.agent import make_agent
+    from transfer.agents import make_agent
 
     before = set(listening_sockets(os.getpid()))
     a = make_agent("auto", host="127.0.0.2")

@@ -238,7 +238,7 @@ async def test_generation_only_receive_abort_failure_and_missing_receiver(sim):
 
 async def test_a_failing_step_fails_its_requests_not_the_engine(sim):
     e = await sim()
-    real = e._execute
+    real = e.scheduler.execute
     calls = {"n": 0}
 
     async def flaky(plan):
@@ -247,7 +247,7 @@ async def test_a_failing_step_fails_its_requests_not_the_engine(sim):
             raise RuntimeError("device fell over")
         return await real(plan)
 
-    e._execute = flaky
+    e.scheduler.execute = flaky
     _, _, l = await run(e, req("a", prompt(10), max_tokens=5))
     assert l.finish_reason == "error" and "device fell over" in l.error
     assert e.pool.num_used == 0 and e.alive

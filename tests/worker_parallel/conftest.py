@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from tests.procs import alive, children  # noqa: F401 - re-exported to the tests here
+from splitserve_testing.proctable import alive, children  # noqa: F401 - re-exported to the tests here
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -70,7 +70,7 @@ async def start_worker(model="tiny", *, tp=1, pp=1, role="both", transfer=None, 
 
     name = hf_dir or model
     if tp * pp > 1:
-        from worker.parallel_engine import build_parallel_engine
+        from worker.parallel.engine import build_parallel_engine
 
         engine = await _in_transient_thread(lambda: build_parallel_engine(
             name, tp_size=tp, pp_size=pp, device="cpu", dtype="float32", num_blocks=num_blocks,

@@ -1,7 +1,7 @@
 """Multi-rank workers compute what the single-rank worker computes, and their per-rank KV pools
 hold exactly the expected shard of its KV cache.
 
-Real processes throughout: each multi-rank worker's followers are `python -m worker.rank_worker`
+Real processes throughout: each multi-rank worker's followers are `python -m worker.parallel.rank_worker`
 processes joined over gloo; steps go through the real scheduler, HTTP through real sockets, KV
 transfer through real tcp agents. One module-wide set of workers (startup dominates the cost):
 TP1 (reference), TP2, PP2 on the `tiny` preset, and TP2 over a Hugging Face checkpoint with a
@@ -233,7 +233,7 @@ async def test_call_all_runs_on_every_rank_and_reraises_typed_errors(ws):
     assert g.call_all("tests.worker_parallel.rank_fns:echo", per_rank=[[1], [2]]) == [1, 2]
     assert g.call(1, "tests.worker_parallel.rank_fns:echo", {"a": b"\x00"}) == {"a": b"\x00"}
     from transfer.errors import SessionError
-    from worker.rank_group import RankCallError
+    from worker.parallel.rank_group import RankCallError
 
     with pytest.raises(SessionError, match="rank 1: only on rank 1"):
         g.call_all("tests.worker_parallel.rank_fns:fail_on", 1)

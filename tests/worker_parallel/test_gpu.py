@@ -28,7 +28,7 @@ def _steps(runner, prompt, ids, n_decode):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_nccl_ranks_equal_single_gpu_fp32(tp, pp):
     from worker.presets import build_preset, preset_config
-    from worker.rank_group import RankGroup
+    from worker.parallel.rank_group import RankGroup
     from worker.runner import ModelRunner
 
     ref = ModelRunner(build_preset("tiny", device="cuda:0"), 64, 16, device="cuda:0", cuda_graphs=False)
@@ -64,7 +64,7 @@ def test_nccl_tp2_1b_bf16_decode_timing():
     """Not a pass/fail benchmark: prints TP1 vs TP2 step times for the 1b shape in bf16 and checks
     the TP2 worker generates (bf16 sums in another order may flip near-tied tokens)."""
     from worker.presets import build_preset, preset_config
-    from worker.rank_group import RankGroup
+    from worker.parallel.rank_group import RankGroup
     from worker.runner import ModelRunner
 
     prompt = [(11 * j + 5) % 30000 for j in range(1024)]
@@ -95,13 +95,13 @@ def test_nccl_tp2_1b_bf16_decode_timing():
 
 def test_nccl_ranks_listen_on_loopback_only():
     """Issue 15 item 6: NCCL's bootstrap listens on the first non-loopback interface unless told
-    otherwise; a multi-rank worker keeps every rank's sockets on loopback (worker/parallel.py)."""
+    otherwise; a multi-rank worker keeps every rank's sockets on loopback (worker/parallel/comm.py)."""
     import ipaddress
     import os
 
-    from tests.procs import listening_sockets, tree
+    from splitserve_testing.proctable import listening_sockets, tree
     from worker.presets import preset_config
-    from worker.rank_group import RankGroup
+    from worker.parallel.rank_group import RankGroup
     from worker.runner import Chunk
 
     me = os.getpid()

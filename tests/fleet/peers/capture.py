@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from splitserve_testing import Proc, free_port, stop_all, wait_http
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -39,13 +39,6 @@ CASES = {
 ABORT_PATHS = ("/abort_request", "/v1/abort", "/abort_requests", "/inference/v1/abort_requests")
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def router_bin(router: str) -> Path | None:
     p = PEERS_VENV / "bin" / ("vllm-router" if router == "vllm-router" else "python")
     if not p.exists():
@@ -53,14 +46,6 @@ def router_bin(router: str) -> Path | None:
     if router == "sglang-router" and not (PEERS_VENV / "bin" / "smg").exists():
         return None
     return p
-
-
-def _get(url: str, timeout: float = 2.0) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status
-    except Exception:  # noqa: BLE001 - polling
-        return 0
 
 
 def _post(url: str, body: dict, timeout: float = 20.0) -> tuple[int, bytes]:
@@ -71,18 +56,6 @@ def _post(url: str, body: dict, timeout: float = 20.0) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
-
-
-def _wait(pred, timeout: float, what: str, procs=()) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{what}: process {p.args[:3]} exited with {p.returncode}")
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _records(path: Path) -> list[dict]:
@@ -123,13 +96,11 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
     engine = engine or ENGINE[router]
     tmp.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
-    procs: list[subprocess.Popen] = []
-    logf = open(tmp / f"{router}-{engine}.log", "ab")
+    procs: list[Proc] = []
 
     def spawn(argv):
-        p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env,
-                             start_new_session=True)
+        # one log for all of them (each appends)
+        p = Proc(f"{router}-{len(procs)}", argv, tmp / f"{router}-{engine}.log", group=True)
         procs.append(p)
         return p
 
@@ -147,7 +118,7 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
                     argv += ["--bootstrap-port", str(bp)]
             spawn(argv)
         for port in (pp, dp):
-            _wait(lambda port=port: _get(f"http://127.0.0.1:{port}/health") == 200, 20, "recorder", procs)
+            wait_http(f"http://127.0.0.1:{port}/health", 20, procs)
         P, D = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
         if router == "vllm-router":
             spawn([str(router_bin(router)), "--host", "127.0.0.1", "--port", str(rp), "--vllm-pd-disaggregation",
@@ -170,7 +141,7 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
             cfg.write_text(yaml.safe_dump(doc))
             spawn([py, "-m", "splitserve_cli", "serve", "-c", str(cfg)])
             ready = f"http://127.0.0.1:{rp}/health"
-        _wait(lambda: _get(ready) == 200, 60, f"{router} ready", procs)
+        wait_http(ready, 60, procs)
         time.sleep(1.0)   # routers finish their worker health checks after /health turns 200
         out = {}
         for name, (path, body) in CASES.items():
@@ -187,19 +158,7 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
                 out[name]["answer"] = answer.decode("utf-8", "replace")
         return out
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
-        logf.close()
+        stop_all(procs, grace=10)
 
 
 def fixture_path(router: str) -> Path:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model import DecoderLayer, ModelConfig, RMSNorm, RotaryEmbedding, _signed_sin
-from worker.parallel import RankComm, RankLayout
+from worker.parallel.comm import RankComm, RankLayout
 
 __all__ = ["RankModel", "shard_config", "build_rank_model", "full_parameters"]
 

@@ -1,4 +1,4 @@
-"""Process-table helpers for tests that check what a process tree leaves behind (Linux /proc)."""
+"""Process-table helpers (Linux /proc): what a process tree holds, leaves behind and costs."""
 from __future__ import annotations
 
 import os
@@ -103,3 +103,22 @@ def listening_sockets(pid: int) -> list[tuple[str, str, int]]:
                 continue
             out.append((proto, ip, port))
     return out
+
+
+def group_members(pgid: int) -> list[tuple[int, list[str]]]:
+    """``(pid, stat fields)`` of every process whose process group is ``pgid`` (a process started
+    with ``start_new_session`` leads a group of its own pid, and its children stay in it). Zombies
+    are included: their CPU ticks count until their parent reaps them."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        fields = _stat_fields(d)
+        if fields and int(fields[2]) == pgid:
+            out.append((int(d), fields))
+    return out
+
+
+def cpu_ticks(fields: list[str]) -> int:
+    """utime + stime (clock ticks) of one process from its stat fields."""
+    return int(fields[11]) + int(fields[12])

@@ -1,7 +1,7 @@
 """The leader's side of a multi-rank worker: spawn the followers, run rank 0, broadcast steps,
 call functions on every rank, watch the followers.
 
-``RankGroup.launch(...)`` spawns ranks 1..N-1 (``python -m worker.rank_worker``), builds rank 0's
+``RankGroup.launch(...)`` spawns ranks 1..N-1 (``python -m worker.parallel.rank_worker``), builds rank 0's
 shard in this process, and returns once every rank is ready. ``group.runner`` is a
 :class:`ParallelRunner`, a drop-in for :class:`worker.runner.ModelRunner` that sends each step's
 chunks to the followers before running rank 0's part of it; block ids are global (one scheduler),
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from worker.parallel import (ParallelConfigError, RankComm, RankLayout, WireClosed, encode_chunks,
+from worker.parallel.comm import (ParallelConfigError, RankComm, RankLayout, WireClosed, encode_chunks,
                              rank_timeout_s, recv_msg, send_msg)
 
 log = logging.getLogger("splitserve.worker.ranks")
@@ -37,7 +37,7 @@ log = logging.getLogger("splitserve.worker.ranks")
 __all__ = ["RankGroup", "ParallelRunner", "RankGroupFailed", "RankStartupError", "RankCallError"]
 
 WATCH_INTERVAL_S = 0.1
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
 # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process: spawn
 # from one thread that lives as long as the process, whichever (maybe short-lived) thread launches.
 _SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rank-spawner")
@@ -89,7 +89,7 @@ class RankGroup:
 
     def __init__(self, layout: RankLayout, model_name: str, model_config, runner, comm: RankComm,
                  followers: list[_Follower], tmpdir: str) -> None:
-        from worker.rank_worker import RankContext
+        from worker.parallel.rank_worker import RankContext
 
         self.layout = layout
         self.model_name = model_name
@@ -117,7 +117,7 @@ class RankGroup:
         import torch
 
         from worker.runner import ModelRunner
-        from worker.tp_model import build_rank_model
+        from worker.parallel.tp_model import build_rank_model
 
         layout = RankLayout(tp_size=tp_size, pp_size=pp_size, rank=0)
         layout.check_model(model_config)
@@ -146,7 +146,7 @@ class RankGroup:
                 try:
                     proc = _SPAWNER.submit(
                         subprocess.Popen,
-                        [sys.executable, "-m", "worker.rank_worker", "--step-fd", str(step_b.fileno()),
+                        [sys.executable, "-m", "worker.parallel.rank_worker", "--step-fd", str(step_b.fileno()),
                          "--rpc-fd", str(rpc_b.fileno()), "--leader-pid", str(os.getpid())],
                         pass_fds=(step_b.fileno(), rpc_b.fileno()), env=env, cwd=_REPO_ROOT,
                         stdin=subprocess.DEVNULL).result()
@@ -252,7 +252,7 @@ class RankGroup:
         """Run ``fn(ctx, *args)`` on one rank (``fn`` is ``"module:function"``; arguments and
         result travel as msgpack)."""
         if rank == 0:
-            from worker.rank_worker import resolve_callable
+            from worker.parallel.rank_worker import resolve_callable
 
             return resolve_callable(fn)(self.context, *args)
         f = self._follower(rank)
@@ -264,7 +264,7 @@ class RankGroup:
         """Run ``fn(ctx, *args)`` on every rank concurrently; results in rank order. With
         ``per_rank``, rank ``r`` gets ``*per_rank[r]`` instead of ``*args``. If any rank raised,
         every rank still finished its call and the first error (lowest rank) is raised."""
-        from worker.rank_worker import resolve_callable
+        from worker.parallel.rank_worker import resolve_callable
 
         target = resolve_callable(fn)
         arg_of = (lambda r: list(per_rank[r])) if per_rank is not None else (lambda r: list(args))

@@ -1,9 +1,9 @@
 """The torch engine over a multi-rank (TP × PP) worker.
 
-``ParallelTorchEngine`` is :class:`worker.engine.TorchEngine` — same scheduler, same sampling on
-rank 0 — whose runner is a :class:`worker.rank_group.ParallelRunner`. Additions:
+``ParallelTorchEngine`` is a :class:`worker.engine.TorchEngine` — same scheduler, same sampling
+on rank 0 — whose runner is a :class:`worker.parallel.rank_group.ParallelRunner`. Additions:
 
-* ``rank_group``: the :class:`~worker.rank_group.RankGroup` (``call_all`` for the transfer layer,
+* ``rank_group``: the :class:`~worker.parallel.rank_group.RankGroup` (``call_all`` for the transfer layer,
   ``pids()``, ``rank_page_tables()``);
 * ``rank_page_tables()``: every rank's page table, rank order (docs/INTERFACES.md §7);
 * health: ``alive`` is False once any rank died; the engine then fails every request still
@@ -64,10 +64,10 @@ class ParallelTorchEngine(TorchEngine):
         self._loop = asyncio.get_running_loop()
         await super().start()
 
-    def validate(self, req) -> None:
+    async def submit(self, req):
         if self.failure is not None:
             raise EngineStopped(f"this worker lost a rank and is shutting down: {self.failure}")
-        super().validate(req)
+        return await super().submit(req)
 
     def _rank_failed(self, reason: str) -> None:
         """Watchdog thread → event loop."""
@@ -87,9 +87,7 @@ class ParallelTorchEngine(TorchEngine):
         self.failure = reason
         self.exit_code = RANK_FAILURE_EXIT_CODE
         log.error("failing every request: %s", reason)
-        for sid in list(self._seqs):
-            if sid not in self._in_step:  # those fail when their (aborted) step returns
-                self._finish_by_id(sid, "error", error=f"a rank of this worker died: {reason}")
+        self.scheduler.fail_requests(f"a rank of this worker died: {reason}")
         cb = self.on_fatal
         if cb is not None:
             cb()
@@ -123,11 +121,11 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
     from router.tokenizer import ByteTokenizer
     from worker.loader import load_tokenizer, resolve_device, resolve_dtype
     from worker.model import ModelConfig
-    from worker.parallel import RankLayout
+    from worker.parallel.comm import RankLayout
     from worker.presets import is_preset, preset_config
-    from worker.rank_group import RankGroup
+    from worker.parallel.rank_group import RankGroup
     from worker.runner import kv_bytes_per_block
-    from worker.tp_model import shard_config
+    from worker.parallel.tp_model import shard_config
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)

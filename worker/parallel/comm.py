@@ -3,7 +3,7 @@
 A multi-rank worker is ``tp_size × pp_size`` processes on one host. Flat rank
 ``r = pp_rank·tp_size + tp_rank`` (the transfer layer's CP-minor flattening with CP = 1). Rank 0 is
 the *leader* (HTTP server, scheduler, sampling); ranks 1..N-1 are *followers* it spawns
-(``worker/rank_worker.py``).
+(``worker/parallel/rank_worker.py``).
 
 * PP stage ``p`` holds the global layers ``transfer.peers.layer_range(p, pp, L)`` (even split,
   earlier stages one extra when uneven); TP rank ``t`` holds the KV heads

@@ -32,15 +32,16 @@ import time
 import uuid
 from typing import Any, Callable
 
-from transfer.session import DONE, FAILED, IN_FLIGHT, Status, combine_codes
+from transfer.states import DONE, FAILED, IN_FLIGHT, Status, combine_codes
+from transfer.transceiver import Transceiver
 
 log = logging.getLogger("splitserve.worker.rank_transfer")
 
 __all__ = ["MultiRankTransceiver", "build_rank_transfer", "combine_statuses"]
 
-_SETUP = "worker.rank_transfer:_setup"
-_SET_INSTANCE = "worker.rank_transfer:_set_instance"
-_OP = "worker.rank_transfer:_op"
+_SETUP = "worker.parallel.rank_transfer:_setup"
+_SET_INSTANCE = "worker.parallel.rank_transfer:_set_instance"
+_OP = "worker.parallel.rank_transfer:_op"
 WATCH_POLL_S = 0.002
 
 #: Transceiver methods a rank may be asked to run (the EngineTransferLink surface).
@@ -130,8 +131,9 @@ _GONE = Status(state="cancelled", quiescent=True, error="the rank's process has 
 
 
 # ---------------------------------------------------------------------------------- the facade
-class MultiRankTransceiver:
-    """Every rank's ``KvTransceiver`` behind the single-transceiver surface (see module doc)."""
+class MultiRankTransceiver(Transceiver):
+    """Every rank's ``KvTransceiver`` behind the ``transfer.transceiver.Transceiver`` surface (see
+    the module doc)."""
 
     def __init__(self, engine, config, *, role: str, model_name: str,
                  instance_id: str | None = None) -> None:
@@ -152,7 +154,7 @@ class MultiRankTransceiver:
         self._rank_infos = infos
         self.tx0 = self.group.context.state["kv_transceiver"]
         self._watch_lock = threading.Lock()
-        self._watched: dict[int, Callable[[], None]] = {}
+        self._watched: dict[tuple[str, int], Callable[[], None]] = {}
         self._watcher: threading.Thread | None = None
         self._closed = False
 
@@ -198,15 +200,12 @@ class MultiRankTransceiver:
                       for i in self.rank_infos()]
         return d
 
-    def opaque_state(self, req_id: int, num_tokens: int) -> str:
-        return self.tx0.opaque_state(req_id, num_tokens)
-
     # ------------------------------------------------------------------ fan-out
     def _all(self, name: str, *args) -> list[Any]:
         """Run a transceiver operation on every rank; None stands for a follower that is gone."""
         g = self.group
         if g.healthy:
-            from worker.rank_group import RankGroupFailed
+            from worker.parallel.rank_group import RankGroupFailed
 
             try:
                 return g.call_all(_OP, name, *args)
@@ -226,8 +225,13 @@ class MultiRankTransceiver:
         return combine_statuses(sts)
 
     # ------------------------------------------------------------------ context side
-    def begin_send(self, req_id: int, num_tokens: int, block_ids) -> None:
+    def begin_send(self, req_id: int, num_tokens: int, block_ids,
+                   on_end: Callable[[], None] | None = None) -> None:
+        """As ``KvTransceiver.begin_send``; ``on_end()`` is called once, from a watcher thread,
+        when the send is quiescent on every rank."""
         self._all("begin_send", req_id, num_tokens, _ids(block_ids))
+        if on_end is not None:
+            self._watch("send", req_id, on_end)
 
     def progress_send(self, req_id: int, tokens_done: int, block_ids=None) -> None:
         self._all("progress_send", req_id, tokens_done, _ids(block_ids))
@@ -242,6 +246,8 @@ class MultiRankTransceiver:
         return all(r is None or r for r in self._all("cancel_send", req_id))
 
     def release_send(self, req_id: int) -> None:
+        with self._watch_lock:
+            self._watched.pop(("send", req_id), None)
         self._all("release_send", req_id)
 
     # ------------------------------------------------------------------ generation side
@@ -251,34 +257,39 @@ class MultiRankTransceiver:
         thread, when the receive is quiescent on every rank."""
         self._all("begin_receive", req_id, ctx_endpoint, num_tokens, _ids(block_ids))
         if on_done is not None:
-            with self._watch_lock:
-                self._watched[req_id] = on_done
-                if self._watcher is None or not self._watcher.is_alive():
-                    self._watcher = threading.Thread(target=self._watch_receives,
-                                                     name="rank-recv-watch", daemon=True)
-                    self._watcher.start()
+            self._watch("recv", req_id, on_done)
 
-    def _watch_receives(self) -> None:
-        """Fire ``on_done`` callbacks: the ranks' own callbacks fire in their processes, so the
-        leader polls the combined status while any watched receive is open."""
+    def _watch(self, kind: str, req_id: int, cb: Callable[[], None]) -> None:
+        with self._watch_lock:
+            self._watched[(kind, req_id)] = cb
+            if self._watcher is None or not self._watcher.is_alive():
+                self._watcher = threading.Thread(target=self._watch_sessions,
+                                                 name="rank-transfer-watch", daemon=True)
+                self._watcher.start()
+
+    def _watch_sessions(self) -> None:
+        """Fire ``on_end``/``on_done`` callbacks: the ranks' own callbacks fire in their processes
+        (no callable crosses the rank channel), so the leader polls the combined status while
+        any watched session is open."""
         while not self._closed:
             with self._watch_lock:
                 if not self._watched:
                     self._watcher = None
                     return
                 items = list(self._watched.items())
-            for req_id, cb in items:
+            for (kind, req_id), cb in items:
                 try:
-                    done = self.recv_status(req_id).quiescent
+                    done = self._status(kind, req_id).quiescent
                 except Exception:  # released or unknown by now: nothing left to wait for
                     done = True
                 if done:
                     with self._watch_lock:
-                        self._watched.pop(req_id, None)
+                        if self._watched.pop((kind, req_id), None) is None:
+                            continue  # released meanwhile
                     try:
                         cb()
                     except Exception:
-                        log.exception("receive completion callback failed")
+                        log.exception("%s completion callback failed", kind)
             time.sleep(WATCH_POLL_S)
 
     def recv_status(self, req_id: int) -> Status:
@@ -299,7 +310,7 @@ class MultiRankTransceiver:
 
     def release_receive(self, req_id: int) -> None:
         with self._watch_lock:
-            self._watched.pop(req_id, None)
+            self._watched.pop(("recv", req_id), None)
         self._all("release_receive", req_id)
 
     # ------------------------------------------------------------------ shared

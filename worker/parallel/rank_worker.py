@@ -1,6 +1,6 @@
-"""A follower rank of a multi-rank worker: ``python -m worker.rank_worker --step-fd N --rpc-fd M``.
+"""A follower rank of a multi-rank worker: ``python -m worker.parallel.rank_worker --step-fd N --rpc-fd M``.
 
-Spawned by the leader (:mod:`worker.rank_group`), never by hand. Lifecycle:
+Spawned by the leader (:mod:`worker.parallel.rank_group`), never by hand. Lifecycle:
 
 1. arrange to die with the leader (``PR_SET_PDEATHSIG`` = SIGKILL, then check the parent is still
    the leader: it may have died before the call);
@@ -26,7 +26,7 @@ import threading
 import traceback
 from typing import Any, Callable
 
-from worker.parallel import WireClosed, decode_chunks, recv_msg, send_msg
+from worker.parallel.comm import WireClosed, decode_chunks, recv_msg, send_msg
 
 log = logging.getLogger("splitserve.worker.rank")
 
@@ -180,9 +180,9 @@ def _build(init: dict):
 
     from worker.loader import resolve_dtype
     from worker.model import ModelConfig
-    from worker.parallel import RankComm, RankLayout
+    from worker.parallel.comm import RankComm, RankLayout
     from worker.runner import ModelRunner
-    from worker.tp_model import build_rank_model
+    from worker.parallel.tp_model import build_rank_model
 
     layout = RankLayout(tp_size=init["tp_size"], pp_size=init["pp_size"], rank=init["rank"])
     device = torch.device(init["device"])

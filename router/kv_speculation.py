@@ -1,0 +1,90 @@
+"""Speculative (routing-time) entries of the KV index: predicted, unconfirmed ownership.
+
+A mixin of `router.kv_index.KvIndex` (same single-writer state): a routed prompt's keys count
+for the chosen slot until a store confirms them, they expire, or the slot is cleared. Expiry is a
+heap of one entry per routed prompt, drained in bounded slices (issue 13).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .kv_types import _Slot
+
+
+class SpeculationMixin:
+    """`KvIndex` methods for speculative entries (see `router/kv_index.py` for the layout)."""
+
+    __slots__ = ()
+
+    def _drop_spec(self, s: _Slot, ck: int) -> None:
+        """Forget the slot's speculative entry for ``ck`` (the key keeps its confirmed owners)."""
+        del s.spec[ck]
+        nb = ~s.bit
+        m = self._spec_owners[ck] & nb
+        if m:
+            self._spec_owners[ck] = m
+        else:
+            del self._spec_owners[ck]
+        m = self._owners[ck] & nb
+        if m:
+            self._owners[ck] = m
+        else:
+            del self._owners[ck]
+
+
+    def add_speculative(self, worker: str, keys, now: float, ttl: float,
+                        dp_rank: int = 0) -> int:
+        """Predict that ``worker`` will hold ``keys`` until ``now + ttl`` (routing-time insert).
+
+        Keys it already holds are skipped; re-adding refreshes the deadline. Returns how many
+        keys are speculative for the slot after the call among ``keys``.
+        """
+        if ttl <= 0:
+            raise ValueError(f"ttl must be positive, found {ttl}")
+        s = self._slot(worker, dp_rank)
+        if isinstance(keys, np.ndarray):
+            keys = keys.tolist()
+        deadline = now + ttl
+        spec, owned, so, owners, bit = s.spec, s.owned, self._spec_owners, self._owners, s.bit
+        added = []
+        for ck in keys:
+            if ck in owned:
+                continue
+            if ck not in spec:
+                so[ck] = so.get(ck, 0) | bit
+                owners[ck] = owners.get(ck, 0) | bit
+            spec[ck] = deadline
+            added.append(ck)
+        if added:
+            # Only atomic values in the entry (no slot object): the collector untracks such tuples,
+            # so a heap of 30 s of routed prompts adds nothing to its full scans (issue 13).
+            heapq.heappush(self._spec_heap, (deadline, next(self._spec_seq), s.worker, s.dp_rank,
+                                             tuple(added)))
+            self.stats.speculative_added += len(added)
+        return len(added)
+
+    def expire_speculative(self, now: float, max_entries: int | None = None) -> int:
+        """Drop speculative entries whose deadline is ``<= now``; returns how many expired.
+
+        ``max_entries`` bounds the work of one call (heap entries, one per routed prompt): a
+        second's worth of routed prompts expiring at once cost tens of ms, so the coordinator
+        expires a few per placement instead of all of them on a timer (issue 13)."""
+        heap = self._spec_heap
+        n = 0
+        budget = -1 if max_entries is None else max_entries
+        while heap and heap[0][0] <= now and budget:
+            budget -= 1
+            _, _, worker, rank, keys = heapq.heappop(heap)
+            s = self._slots.get((worker, rank))
+            if s is None:
+                continue  # slot removed since (a new slot's entries carry their own deadlines)
+            for ck in keys:
+                d = s.spec.get(ck)
+                if d is not None and d <= now:
+                    self._drop_spec(s, ck)
+                    n += 1
+        self.stats.speculative_expired += n
+        return n

@@ -1,0 +1,85 @@
+"""What the sender, the receiver and the transfer pump of one rank share: configuration, the agent,
+the control-plane messenger, this rank's RankInfo, and the one lock every session table is under.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from .control import ControlMessage, Result, ResultStatus, to_wire
+from .errors import ProtocolError, SessionError
+from .page_table import PageTable
+from .states import RankTopology, TransferConfig
+
+RETIRED_MAX = 65536
+
+
+class RankCore:
+    def __init__(self, cfg: TransferConfig, topology: RankTopology, page_table: PageTable,
+                 agent) -> None:
+        self.cfg = cfg
+        self.topology = topology
+        self.page_table = page_table
+        self.agent = agent
+        self.lock = threading.RLock()
+        self.cv = threading.Condition(self.lock)   # wakes the pump
+        self.stats: collections.Counter = collections.Counter()
+        self.messenger = None   # set by the facade once it is bound (it defines our endpoint)
+        self.info = None        # this rank's RankInfo, likewise
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.page_table.tokens_per_block
+
+    # ------------------------------------------------------------------ control plane
+    def send(self, endpoint: str, msg: ControlMessage) -> None:
+        self.messenger.send(endpoint, to_wire(msg))
+
+    def reply(self, identity: bytes, msg: ControlMessage) -> None:
+        self.messenger.reply(identity, to_wire(msg))
+
+    def reply_result(self, key: str, req: int, status: ResultStatus, *,
+                     ident: bytes | None = None, error: str | None = None, slices=(0, 0),
+                     span=(0, 0), last: bool = True, meta: dict | None = None) -> None:
+        self.reply(ident or key.encode(), Result(
+            req=req, sender=self.info.key, status=status, error=error, slices=tuple(slices),
+            span=tuple(span), last=last, meta=meta))
+
+    # ------------------------------------------------------------------ helpers
+    def group_ids(self, block_ids) -> list[np.ndarray]:
+        """Block ids per layer group; a flat list is accepted for a single-group table."""
+        groups = self.page_table.groups
+        if isinstance(block_ids, np.ndarray) and block_ids.ndim == 1:
+            block_ids = [block_ids]
+        elif len(groups) == 1 and (len(block_ids) == 0 or np.isscalar(block_ids[0])):
+            block_ids = [block_ids]
+        if len(block_ids) != len(groups):
+            raise SessionError(f"block ids for {len(block_ids)} groups; the page table has "
+                               f"{len(groups)}")
+        out = []
+        for g, ids in enumerate(block_ids):
+            a = np.asarray(ids, dtype=np.int64).reshape(-1)
+            lim = min(self.page_table.pools[v.pool].num_slots for v in groups[g].views)
+            if a.size and a.max() >= lim:
+                raise SessionError(f"group {g}: block id {int(a.max())} ≥ pool size {lim}")
+            out.append(a)
+        return out
+
+    @staticmethod
+    def retire(table: collections.OrderedDict, req_id: int) -> None:
+        table[req_id] = time.monotonic()
+        while len(table) > RETIRED_MAX:
+            table.popitem(last=False)
+
+
+def ids_bytes(ids) -> bytes:
+    return np.asarray(ids, dtype=np.int64).reshape(-1).tobytes()
+
+
+def ids_from(b) -> np.ndarray:
+    if not isinstance(b, (bytes, bytearray)) or len(b) % 8:
+        raise ProtocolError("block ids must be int64 bytes")
+    return np.frombuffer(b, dtype=np.int64).copy()
