@@ -30,19 +30,18 @@ the engine reuses the blocks the moment `receive` returns.
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import logging
 from dataclasses import dataclass, field
 
-import msgpack
+from protocol.disagg import OpaqueStateError, RequestType, decode_opaque_state
 
 from .errors import SessionError, TransferError
 from .session import KvTransceiver, SendEnd
 
 log = logging.getLogger("splitserve.transfer.link")
 
-CONTEXT_ONLY = "context_only"
+CONTEXT_ONLY = RequestType.CONTEXT_ONLY
 
 
 class KvTransferFailed(TransferError):
@@ -244,12 +243,11 @@ class EngineTransferLink:
         blob = dp.get("encoded_opaque_state")
         if isinstance(blob, str) and blob:
             try:
-                st = msgpack.unpackb(base64.b64decode(blob, validate=True), raw=False)
-            except Exception as e:
+                st = decode_opaque_state(blob)
+            except OpaqueStateError as e:
                 raise KvTransferFailed(f"encoded_opaque_state unreadable: {e}") from None
-            if isinstance(st, dict) and isinstance(st.get("tx_ep"), str) \
-                    and isinstance(st.get("tx_req"), int):
-                return st["tx_ep"], st["tx_req"]
+            if st.tx_ep is not None and st.tx_req is not None:
+                return st.tx_ep, st.tx_req
         ep, cid = dp.get("ctx_info_endpoint"), dp.get("ctx_request_id")
         if isinstance(ep, str) and ep.startswith("tcp://") and isinstance(cid, int):
             return ep, cid  # generation_first: the context leg may not have started yet

@@ -7,44 +7,23 @@ SSE chunks), including ``disaggregated_params`` and ``usage.prompt_tokens_detail
 """
 from __future__ import annotations
 
-import base64
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
+from protocol.disagg import encode_opaque_state
 from worker.requests import (
     CONTEXT_AND_GENERATION, CONTEXT_ONLY, GENERATION_ONLY, REQUEST_TYPES, ContextResult,
     InvalidRequest, SamplingParams,
 )
 
 __all__ = [
-    "ParsedRequest", "parse_completion", "parse_chat", "encode_opaque_state",
-    "decode_opaque_state", "usage", "completion_response", "chat_response", "completion_chunk",
-    "chat_chunk", "usage_chunk", "disagg_response_params",
+    "ParsedRequest", "parse_completion", "parse_chat", "usage", "completion_response",
+    "chat_response", "completion_chunk", "chat_chunk", "usage_chunk", "disagg_response_params",
 ]
 
 _MAX_STOP = 16
-
-
-def encode_opaque_state(state: dict) -> str:
-    """The context leg's handoff blob: base64 (standard alphabet) of msgpack. No pickle."""
-    return base64.b64encode(msgpack.packb(state, use_bin_type=True)).decode("ascii")
-
-
-def decode_opaque_state(blob: str) -> dict:
-    try:
-        out = msgpack.unpackb(base64.b64decode(blob, validate=True), raw=False)
-    except Exception as e:
-        raise InvalidRequest(f"encoded_opaque_state is not base64 msgpack: {e}",
-                             param="disaggregated_params.encoded_opaque_state") from None
-    if not isinstance(out, dict):
-        raise InvalidRequest(
-            f"encoded_opaque_state must decode to a map, found {type(out).__name__}",
-            param="disaggregated_params.encoded_opaque_state")
-    return out
 
 
 @dataclass

@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.disagg import REQUEST_TYPES, RequestType
+
 __all__ = [
     "CONTEXT_ONLY", "GENERATION_ONLY", "CONTEXT_AND_GENERATION", "REQUEST_TYPES",
     "SamplingParams", "EngineRequest", "TokenEvent", "ContextResult", "ReceiveSpec",
@@ -12,10 +14,10 @@ __all__ = [
     "EngineStopped",
 ]
 
-CONTEXT_ONLY = "context_only"
-GENERATION_ONLY = "generation_only"
-CONTEXT_AND_GENERATION = "context_and_generation"
-REQUEST_TYPES = (CONTEXT_ONLY, GENERATION_ONLY, CONTEXT_AND_GENERATION)
+# The request types of `disaggregated_params` (protocol.disagg.RequestType), by their old names.
+CONTEXT_ONLY = RequestType.CONTEXT_ONLY
+GENERATION_ONLY = RequestType.GENERATION_ONLY
+CONTEXT_AND_GENERATION = RequestType.CONTEXT_AND_GENERATION
 
 
 class EngineError(Exception):
