@@ -26,7 +26,7 @@ from protocol.coord import NoServerAvailable
 
 from . import legs
 from . import metrics as M
-from .errors import ApiError
+from protocol.openai import ApiError
 from .legs import plan
 from .legs import sglang as sgl
 from .legs import vllm as vl
