@@ -22,10 +22,10 @@ import time
 import uuid
 
 import msgpack
-import msgpack
 import orjson
 from aiohttp import web
 
+from protocol import kv_replay
 from protocol.openai import ApiError, error_body
 from router.block_keys import KEY_SCHEME, block_keys_list
 from worker import pd_protocols, protocol
@@ -284,10 +284,10 @@ class WorkerServer:
         # Publish whatever is pending first: then the resident set is exactly the state after
         # batch `seq` (both read on the loop thread, nothing in between).
         self.engine.flush_events()
-        body = {"seq": self.publisher.last_seq if self.publisher is not None else -1,
-                "block_size": self.engine.block_size, "key_scheme": KEY_SCHEME,
-                "block_keys": self.engine.pool.resident_keys()}
-        return web.Response(body=msgpack.packb(body), content_type="application/msgpack")
+        body = kv_replay.encode_snapshot(self.publisher.last_seq if self.publisher is not None else -1,
+                                         self.engine.block_size, KEY_SCHEME,
+                                         self.engine.pool.resident_keys())
+        return web.Response(body=body, content_type="application/msgpack")
 
     async def kv_keys(self, request: web.Request) -> web.Response:
         """The prompt token ids and block keys this worker computes for a request body, by the
