@@ -458,46 +458,12 @@ async def open_loop_channel(url: str, keys: list[bytes], rate: float, seconds: f
 
 
 def inproc_cost(args, n: int = 8192, batch: int = 64) -> dict:
-    """The coordinator's own CPU per select+finish, without sockets or other processes: the same
-    32 servers and KV indexes (loaded from the same resident prefixes), channel frames decoded,
-    answered and encoded by `ChannelServer.run_batch` in this process (CPU time of this thread)."""
-    import gc
-    from protocol import channel as cw
-    from coordinator.channel import ChannelServer
-    from coordinator.service import Coordinator
-    urls = [f"http://127.0.0.1:{20000 + i}" for i in range(args.servers)]
-    router = {"type": "kv_cache_aware"}
-    c = Coordinator({"context_servers": {"urls": urls, "router": router},
-                     "generation_servers": {"urls": urls, "router": router}, "leases": {"ttl_s": 60.0}})
-    rng = np.random.default_rng(args.seed)
-    doc_keys = [block_keys(rng.integers(0, 50_000, PROMPT_TOKENS).tolist(), BLOCK).tolist()
-                for _ in range(args.docs)]
-    now = c.clock()
-    for i, u in enumerate(urls):   # as _workers_main: each doc's 3k-token prefix on ~2 servers
-        c.registry.prepared(u, {"role": "both", "block_size": BLOCK, "key_scheme": "xxh3_chain_v1",
-                                "worker_id": f"bench-{i}", "max_batch_size": 256}, now)
-        resident = []
-        for d in range(i % args.docs, args.docs, max(1, args.servers // 2)):
-            resident += doc_keys[d][:192]
-        c.index.load_snapshot(u, resident)
-    c.kv.kv_ready = lambda server: True
-    c._bump()
-    keys = [p.astype("<u8").tobytes() for p in _prompts(args.seed, args.docs, args.prompts)]
-    srv = ChannelServer(c, max_queue_delay_s=1e9)
-    frames, rid = [], 1
-    for b in range(n // batch):
-        calls = [cw.Select(rid + j, "context" if (rid + j) & 1 else "generation", rid + j,
-                           {"block_keys": keys[(rid + j) % len(keys)], "num_tokens": PROMPT_TOKENS})
-                 for j in range(batch)]
-        fins = [cw.Finish("context" if r & 1 else "generation", r) for r in range(rid - batch, rid)] if b else []
-        frames.append(cw.batch_frame(b + 1, None, calls, fins)[4:])
-        rid += batch
-    gc.collect()
-    t0 = time.thread_time()
-    for f in frames:
-        cw.frame(srv.run_batch(cw.decode_batch(f), time.monotonic()))
-    us = (time.thread_time() - t0) / (len(frames) * batch) * 1e6
-    return {"us_per_pair": us, "pairs": len(frames) * batch, "batch": batch}
+    """The coordinator's own CPU per select+finish (and per select_pair + both finishes), without
+    sockets or other processes: the same 32 servers, indexes and prompts, channel frames decoded,
+    answered and encoded by `ChannelServer.run_batch` in this process (bench/placement.py)."""
+    from bench import placement
+    return {"us_per_pair": placement.measure("select", n, batch), "pairs": n // batch * batch,
+            "batch": batch, "us_per_select_pair": placement.measure("select_pair", n, batch)}
 
 
 def _proc_cpu(pid: int) -> float:
@@ -690,7 +656,9 @@ def render(res: dict, quick: bool) -> list[str]:
         f"batches of {res['inproc']['batch']}, {res['inproc']['pairs']:,} pairs, CPU time of one thread): "
         f"**{res['inproc']['us_per_pair']:.1f} CPU µs per select+finish** = "
         f"{1e6 / res['inproc']['us_per_pair']:,.0f} pairs/s per core — the placement itself, what "
-        "the channel leaves of the per-call cost.",
+        "the channel leaves of the per-call cost; one `select_pair` with both finishes (a two-leg "
+        f"request): **{res['inproc']['us_per_select_pair']:.1f} CPU µs**. Against another tree: "
+        "`python bench/placement.py --baseline DIR`.",
         "",
         f"Open loop over the fleet channel (UDS) at {oc['rate']:,.0f} selects/s, {oc['n']:,} selects, "
         f"finish queued on each answer: select round trip p50 **{oc['p50_ms']:.3f} ms**, p90 "

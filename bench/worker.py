@@ -153,6 +153,12 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
     contexts = tuple(args.context) if args.context else ((1024, 8192, 32768) if dev.type == "cuda" and not quick
                                                           else (prompt_len,))
     steps = args.decode_steps or (4 if quick else (32 if dev.type == "cuda" else 16))
+    # A served request never passes the model's trained context (worker/engine.py sets max_model_len to
+    # max_position_embeddings, and the runner's CUDA-graph tables stop there): decode contexts past it
+    # are clipped to the longest one a worker would run, warm-up steps included.
+    limit = cfg.max_position_embeddings - 2 * steps - 2
+    clipped = [c for c in contexts if c > limit]
+    contexts = tuple(dict.fromkeys(min(c, limit) for c in contexts))
     repeats = 2 if quick else 5
     batches = tuple(args.batch) if args.batch else BATCHES
     bs = args.block_size
@@ -186,8 +192,11 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
                              "basis": f"GEMMs {flops / t_gemm / 1e12:.2f} TFLOP/s"})
             runner.kv_cache.normal_()  # decode contexts hold noise, not prefilled K/V (see the docstring)
             for ctx in contexts:
+                # Each table as long as a scheduler's would be (the blocks its positions fill, warm-up
+                # included), not the longest context's: the runner's host side walks what it is given.
+                need = (ctx + 2 * steps + 1) // bs + 1
                 for b in batches:
-                    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+                    tables = [list(range(i * blocks_per_seq, i * blocks_per_seq + need)) for i in range(b)]
                     last = [(7 * i + 1) % 250 for i in range(b)]
 
                     def decode(base: int):
@@ -216,7 +225,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
         "params": sum(p.numel() for p in model.parameters()), "weight_bytes": wbytes,
         "copy_bw": bw, "prompt_len": prompt_len, "decode_steps": steps, "block_size": bs,
         "machine": machine(dev), "cuda_graphs": bool(graphs), "backends": used, "failures": failures,
-        "load_s": t_load,
+        "load_s": t_load, "clipped": clipped, "limit": limit,
     }
     return rows, info
 
@@ -371,6 +380,9 @@ def render(rows: list[dict], info: dict, command: str) -> str:
         f"- measured copy bandwidth: {info['copy_bw'] / 1e9:.1f} GB/s; model load {info['load_s']:.2f}s; "
         f"attention backends: {', '.join(info['backends'])}",
         *[f"- FAILED {f}" for f in info.get("failures", [])],
+        *([f"- contexts {', '.join(map(str, info['clipped']))} clipped to {info['limit']}: the model's "
+           f"max_position_embeddings less the decode steps (a worker serves no longer context)"]
+          if info.get("clipped") else []),
         "",
         "| phase | batch | tokens/s | roofline tokens/s | % of roofline | backend | context | step ms | roofline basis |",
         "|---|---:|---:|---:|---:|---|---:|---:|---|",

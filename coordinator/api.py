@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from coordinator import metrics as metrics_mod
+from coordinator import checks
 from protocol import coord as wire
 from protocol.coord import BadRequest, NoServerAvailable
 from coordinator.identity import IdentityExhausted
@@ -96,14 +97,14 @@ class Api:
     def _select(self, b: wire.SelectBody) -> dict:
         c = self.coord
         ex = b.exclude if b.exclude is not None else b.exclude_server
-        return c.place(wire.parse_role(b.role), wire.check_req_id(b.req_id), c.routing_key(b.routing_key),
-                       c.exclusions(ex, "exclude"))
+        return c.place(wire.parse_role(b.role), wire.check_req_id(b.req_id), checks.routing_key(b.routing_key, c.block_size),
+                       checks.exclusions(ex, "exclude"))
 
     def _select_pair(self, b: wire.SelectPairBody) -> dict:
         c = self.coord
-        return c.place_pair(wire.check_req_id(b.req_id), c.routing_key(b.routing_key),
-                            c.exclusions(b.exclude_ctx, "exclude_ctx"),
-                            c.exclusions(b.exclude_gen, "exclude_gen"))
+        return c.place_pair(wire.check_req_id(b.req_id), checks.routing_key(b.routing_key, c.block_size),
+                            checks.exclusions(b.exclude_ctx, "exclude_ctx"),
+                            checks.exclusions(b.exclude_gen, "exclude_gen"))
 
     def _finish(self, b: wire.FinishBody) -> dict:
         self.coord.end_lease(wire.parse_role(b.role), wire.check_req_id(b.req_id), b.success,

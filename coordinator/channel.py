@@ -24,6 +24,7 @@ import time
 import msgspec
 
 from protocol import channel as cw
+from coordinator import checks
 from protocol import coord as wire
 from protocol.coord import BadRequest, NoServerAvailable
 
@@ -153,14 +154,14 @@ class ChannelServer:
                     "retry_after": _RETRY_AFTER_S}))
                 continue
             try:
-                key = coord.routing_key(call.routing_key)
+                key = checks.routing_key(call.routing_key, coord.block_size)
                 if t is cw.Select:
                     ans = coord.place(call.role, call.req_id, key,
-                                      coord.exclusions(call.exclude, "exclude"))
+                                      checks.exclusions(call.exclude, "exclude"))
                 else:
                     ans = coord.place_pair(call.req_id, key,
-                                           coord.exclusions(call.exclude_ctx, "exclude_ctx"),
-                                           coord.exclusions(call.exclude_gen, "exclude_gen"))
+                                           checks.exclusions(call.exclude_ctx, "exclude_ctx"),
+                                           checks.exclusions(call.exclude_gen, "exclude_gen"))
                 results.append(cw.Result(call.id, cw.OK, ans))
             except NoServerAvailable as exc:
                 r = getattr(exc, "reason", None)

@@ -23,10 +23,10 @@ import time
 from typing import Any, Awaitable, Callable
 
 from protocol import channel as cw
+from coordinator import client_codec as codec
 from protocol import coord as wire
 from protocol.failures import Cause
-from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
-                                CoordinatorUnavailable, NoServerAvailable)
+from protocol.coord import BadRequest, CoordinatorOverloaded, CoordinatorUnavailable
 
 log = logging.getLogger("splitserve.coordinator.channel")
 
@@ -431,32 +431,26 @@ def _role(role: Any) -> str:
     try:
         return wire.parse_role(role) if isinstance(role, str) else wire.parse_role(str(role))
     except BadRequest as exc:
-        raise CoordinatorRequestError(400, exc.message, exc.field) from None
+        raise codec.rejected(exc) from None
 
 
 def _req_id(req_id: Any) -> None:
     try:
         wire.check_req_id(req_id)
     except BadRequest as exc:
-        raise CoordinatorRequestError(400, exc.message, exc.field) from None
+        raise codec.rejected(exc) from None
 
 
 class _Fallback(Exception):
     """The channel is not available for this call: send it over HTTP."""
 
 
+_PATHS = {cw.Select: codec.SELECT, cw.SelectPair: codec.SELECT_PAIR, cw.Renew: codec.RENEW}
+
+
 def _error(url: str, call: Any, status: int, body: Any) -> Exception:
-    msg = body.get("error") if isinstance(body, dict) else None
-    msg = msg if isinstance(msg, str) else repr(body)[:200]
-    if status == cw.OVERLOADED:
-        ra = body.get("retry_after") if isinstance(body, dict) else None
-        return CoordinatorOverloaded(msg, float(ra) if isinstance(ra, (int, float)) else 1.0)
-    if status == cw.UNAVAILABLE and type(call) is not cw.Renew:
-        return NoServerAvailable(msg)
-    if 400 <= status < 500:
-        return CoordinatorRequestError(status, msg, body.get("field") if isinstance(body, dict) else None)
-    return CoordinatorUnavailable(f"coordinator {url} answered {status} on the channel: {msg}",
-                                  Cause.UPSTREAM_5XX)
+    """A reply's typed error: the same codec as an HTTP answer to the same call."""
+    return codec.error_of(url, _PATHS[type(call)], status, body, repr(body).encode())
 
 
 Fallback = _Fallback

@@ -1,16 +1,25 @@
-"""Clients of the coordinator API: over HTTP (TCP or Unix socket) or in the same process.
+"""Clients of the coordinator API: one codec (coordinator/client_codec.py) over pluggable transports.
 
-Both implement `CoordinatorClient` with the same async methods, answers and errors:
-- `NoServerAvailable` — the coordinator answered 503 for a placement (no server fits);
-- `CoordinatorRequestError` — it rejected the call (400/404/415), with `.field` when known;
-- `CoordinatorUnavailable` — it could not be reached, timed out, or failed (other 5xx).
-Block keys may be passed as a numpy array, bytes (little-endian u64) or a list; the HTTP client
-sends arrays as one binary blob (8 bytes per key), which the coordinator reads without a copy.
+`CoordinatorClient(transport, channel=None)` has the same async methods, answers and errors
+whatever carries the calls:
+- `InProcessTransport(coordinator)` — a `Coordinator` in this process: no serialization, no hop,
+  no await point (`inline`: a caller cannot be cancelled while a lease is being created), and
+  `finish_nowait` is a plain call;
+- `HttpTransport(url)` — msgpack over HTTP/1.1 keep-alive (aiohttp), TCP (`http://host:port`) or a
+  Unix socket (`unix:///path`); fleet/coord_client.py adds the fleet's pooled variant;
+- the persistent channel (`coordinator.channel_client.ChannelClient`) in front of an HTTP
+  transport: the per-request calls (`select`, `select_pair`, `finish`, `renew`) go over it when the
+  coordinator offers it — batched per event-loop turn, finishes queued without a round trip — and
+  over the transport otherwise (`channel=False`, an older coordinator, or while it is unreachable).
 
-`HttpCoordinatorClient` sends the per-request calls (`select`, `select_pair`, `finish`, `renew`)
-over the coordinator's persistent channel (`coordinator.channel_client`) when the coordinator
-offers it — batched per event-loop turn, finishes queued without a round trip — and over HTTP
-otherwise (`channel=False`, an older coordinator, or while the channel cannot be reached).
+Errors: `NoServerAvailable` (a placement found no server), `CoordinatorOverloaded` (shed, with
+`retry_after`), `CoordinatorRequestError` (400/404/415, `.field` when known), `CoordinatorUnavailable`
+(unreachable, timed out, or failed). Block keys may be passed as a numpy array, bytes (little-endian
+u64) or a list; over a wire they travel as one binary blob (8 bytes per key), which the coordinator
+reads without a copy.
+
+`HttpCoordinatorClient(url)` and `InProcessCoordinatorClient(coordinator)` build the two usual
+stacks; `make_client(target)` picks one.
 """
 from __future__ import annotations
 
@@ -21,18 +30,20 @@ import aiohttp
 import msgpack
 import orjson
 
-from protocol.failures import Cause
-from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
-                                CoordinatorUnavailable, NoServerAvailable)
+from coordinator import client_codec as codec
 from coordinator.channel_client import ChannelClient, Fallback
-from protocol.channel import wire_key as _wire_key
+from coordinator.client_codec import answer_or_raise
+from protocol.failures import Cause
+from protocol.coord import BadRequest, CoordinatorUnavailable
 from coordinator.identity import IdentityExhausted
 
 __all__ = [
     "CoordinatorClient",
     "HttpCoordinatorClient",
+    "HttpTransport",
     "InProcessCoordinatorClient",
-    "answer_or_raise",
+    "InProcessTransport",
+    "Transport",
     "make_client",
 ]
 
@@ -41,90 +52,41 @@ _HEADERS = {"Content-Type": MSGPACK, "Accept": MSGPACK}
 
 
 @runtime_checkable
-class CoordinatorClient(Protocol):
-    async def select(self, role: str, req_id: int, routing_key: Any = None,
-                     exclude: Any = None) -> dict: ...
+class Transport(Protocol):
+    """How a call reaches the coordinator. `call` returns the decoded answer of `path` or raises
+    the codec's typed errors (`client_codec.answer_or_raise` for a wire transport)."""
+    url: str
+    inline: bool        # answers without suspending (an in-process coordinator)
 
-    async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
-                          exclude_gen: Any = None) -> dict: ...
-
-    async def finish(self, role: str, req_id: int, success: bool = True,
-                     usage: dict | None = None) -> None: ...
-
-    # Optional: `finish_nowait(role, req_id, success, usage) -> bool` queues the finish without awaiting
-    # (True) or declines (False: call `finish`).
-
-    async def renew(self, role: str, req_id: int) -> bool: ...
-
-    async def cluster_info(self) -> dict: ...
-
-    async def lease_identity(self, holder: str, node_id: int | None = None,
-                             process_id: int | None = None) -> tuple[int, int]: ...
-
-    async def release_identity(self, holder: str) -> bool: ...
+    async def call(self, method: str, path: str, body: dict | None = None) -> Any: ...
 
     async def close(self) -> None: ...
 
 
-def answer_or_raise(url: str, path: str, status: int, obj: Any, raw: bytes) -> Any:
-    """The decoded body `obj` of a 200 answer to `path`; for any other status, its typed error.
-
-    `obj` is None when the body was not one the coordinator writes (an error page from a proxy);
-    the error message then quotes the start of `raw`. 503 means "no server fits" only for the
-    placement calls; elsewhere it is the coordinator failing.
-    """
-    if status == 200:
-        return obj
-    msg = obj.get("error") if isinstance(obj, dict) else None
-    msg = msg if isinstance(msg, str) else raw[:200].decode("utf-8", "replace")
-    if status == 503 and path in ("/select", "/select_pair"):
-        raise NoServerAvailable(msg)
-    if status == 429:
-        ra = obj.get("retry_after") if isinstance(obj, dict) else None
-        raise CoordinatorOverloaded(msg, float(ra) if isinstance(ra, (int, float)) else 1.0)
-    if 400 <= status < 500:
-        raise CoordinatorRequestError(status, msg, obj.get("field") if isinstance(obj, dict) else None)
-    raise CoordinatorUnavailable(f"coordinator {url} answered {status} for {path}: {msg}", Cause.UPSTREAM_5XX)
+def parse_url(url: str) -> tuple[str | None, str]:
+    """(Unix socket path or None, HTTP base URL) of `http(s)://host:port` or `unix:///path`."""
+    url = url.rstrip("/")
+    if url.startswith("unix:"):
+        # unix:///path (ours) and unix:/path (upstream's) name the same socket.
+        path = "/" + url[len("unix:"):].lstrip("/")
+        if path == "/":
+            raise ValueError(f"unix socket URL has no path: {url!r}")
+        return path, "http://localhost"
+    if url.startswith(("http://", "https://")):
+        return None, url
+    raise ValueError(f"coordinator URL must be http(s)://host:port or unix:///path, got {url!r}")
 
 
-def _excl(v: Any) -> Any:
-    if v is None or isinstance(v, (str, list)):
-        return v
-    return list(v)
-
-
-class HttpCoordinatorClient:
+class HttpTransport:
     """msgpack over HTTP/1.1 keep-alive, unlimited connection pool (a capped pool queues calls
-    behind each other: upstream measured hundreds of ms of /select latency from a pool of 100).
+    behind each other: upstream measured hundreds of ms of /select latency from a pool of 100)."""
+    inline = False
 
-    `url` is `http://host:port` or `unix:///path/to/socket`."""
-
-    def __init__(self, url: str, *, timeout_s: float = 5.0, timeout: float | None = None,
-                 channel: bool = True, max_pending: int = 4096):
-        url = url.rstrip("/")
-        if url.startswith("unix:"):
-            # unix:///path (ours) and unix:/path (upstream's) name the same socket.
-            path = "/" + url[len("unix:"):].lstrip("/")
-            if path == "/":
-                raise ValueError(f"unix socket URL has no path: {url!r}")
-            self._uds: str | None = path
-            self.base = "http://localhost"
-        elif url.startswith(("http://", "https://")):
-            self._uds = None
-            self.base = url
-        else:
-            raise ValueError(f"coordinator URL must be http(s)://host:port or unix:///path, got {url!r}")
-        timeout_s = timeout if timeout is not None else timeout_s
-        self.url = url
+    def __init__(self, url: str, timeout_s: float = 5.0):
+        self._uds, self.base = parse_url(url)
+        self.url = url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
-        self._chan = (ChannelClient(url, timeout_s=timeout_s, max_pending=max_pending,
-                                    fallback_finish=self._finish_retrying)
-                      if channel and not url.startswith("https://") else None)
-
-    @property
-    def channel(self) -> ChannelClient | None:
-        return self._chan
 
     def _sess(self) -> aiohttp.ClientSession:
         s = self._session
@@ -138,20 +100,7 @@ class HttpCoordinatorClient:
                 skip_auto_headers=("User-Agent", "Accept-Encoding"))
         return s
 
-    async def close(self) -> None:
-        if self._chan is not None:
-            await self._chan.close()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def __aenter__(self) -> "HttpCoordinatorClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+    async def call(self, method: str, path: str, body: dict | None = None) -> Any:
         data = msgpack.packb(body, use_bin_type=True) if body is not None else None
         try:
             async with self._sess().request(method, self.base + path, data=data,
@@ -174,6 +123,76 @@ class HttpCoordinatorClient:
             obj = None  # an error page from something that is not the coordinator
         return answer_or_raise(self.url, path, status, obj, raw)
 
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class InProcessTransport:
+    """The coordinator object's synchronous state calls, behind the transport interface. Answers
+    share structure with the coordinator's state (e.g. `info.server_info`): treat them as
+    read-only. The only holder of the coordinator object on the fleet's side."""
+    inline = True
+    url = "in-process"
+
+    def __init__(self, coordinator):
+        c = self._coord = coordinator
+        self._routes = {
+            codec.SELECT: lambda b: c.select(b["role"], b["req_id"], b.get("routing_key"), b.get("exclude")),
+            codec.SELECT_PAIR: lambda b: c.select_pair(b["req_id"], b.get("routing_key"), b.get("exclude_ctx"),
+                                                       b.get("exclude_gen")),
+            codec.FINISH: lambda b: c.finish(b["role"], b["req_id"], b["success"], b.get("usage")),
+            codec.RENEW: lambda b: {"renewed": c.renew(b["role"], b["req_id"])},
+            codec.CLUSTER_INFO: lambda b: c.cluster_info(),
+            codec.HEALTH: lambda b: c.is_ready(),
+            codec.IDENTITY: lambda b: c.lease_identity(b["holder"], b.get("node_id"), b.get("process_id")),
+            codec.IDENTITY_RELEASE: lambda b: {"released": c.release_identity(b["holder"])},
+        }
+
+    def call_now(self, path: str, body: dict | None = None) -> Any:
+        try:
+            return self._routes[path](body)
+        except BadRequest as exc:
+            raise codec.rejected(exc) from None
+        except IdentityExhausted as exc:
+            raise CoordinatorUnavailable(str(exc)) from None
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> Any:
+        return self.call_now(path, body)
+
+    async def close(self) -> None:
+        return None
+
+
+class CoordinatorClient:
+    """The coordinator API over `transport`, with `channel` (optional) in front for the
+    per-request calls."""
+
+    def __init__(self, transport: Transport, channel: ChannelClient | None = None):
+        self.transport = transport
+        self.url = transport.url
+        self.inline = transport.inline
+        self._chan = channel
+
+    @property
+    def channel(self) -> ChannelClient | None:
+        return self._chan
+
+    async def __aenter__(self) -> "CoordinatorClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._chan is not None:
+            await self._chan.close()     # first: it flushes queued finishes
+        await self.transport.close()
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        return await self.transport.call(method, path, body)
+
     async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
         ch = self._chan
         if ch is not None and ch.usable():
@@ -181,12 +200,8 @@ class HttpCoordinatorClient:
                 return await ch.select(role, req_id, routing_key, exclude)
             except Fallback:
                 pass
-        body = {"role": role, "req_id": req_id}
-        if routing_key is not None:
-            body["routing_key"] = _wire_key(routing_key)
-        if exclude:
-            body["exclude"] = _excl(exclude)
-        return await self._call("POST", "/select", body)
+        return await self._call("POST", codec.SELECT, codec.select_body(role, req_id, routing_key, exclude,
+                                                                        wire=not self.inline))
 
     async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
                           exclude_gen: Any = None) -> dict:
@@ -196,18 +211,18 @@ class HttpCoordinatorClient:
                 return await ch.select_pair(req_id, routing_key, exclude_ctx, exclude_gen)
             except Fallback:
                 pass
-        body: dict = {"req_id": req_id}
-        if routing_key is not None:
-            body["routing_key"] = _wire_key(routing_key)
-        if exclude_ctx:
-            body["exclude_ctx"] = _excl(exclude_ctx)
-        if exclude_gen:
-            body["exclude_gen"] = _excl(exclude_gen)
-        return await self._call("POST", "/select_pair", body)
+        return await self._call("POST", codec.SELECT_PAIR,
+                                codec.select_pair_body(req_id, routing_key, exclude_ctx, exclude_gen,
+                                                       wire=not self.inline))
 
     def finish_nowait(self, role: str, req_id: int, success: bool = True,
                       usage: dict | None = None) -> bool:
-        """Queue the finish on the channel (True), or decline (False: await `finish`)."""
+        """End a lease without awaiting: applied at once (in-process: its errors are raised here) or
+        queued on the channel (True); False: the caller awaits `finish` instead (no channel, or the
+        channel declined a field the coordinator would reject, so that its 400 is reported)."""
+        if self.inline:
+            self.transport.call_now(codec.FINISH, codec.finish_body(role, req_id, success, usage))
+            return True
         ch = self._chan
         return ch is not None and ch.finish(role, req_id, success, usage)
 
@@ -216,21 +231,16 @@ class HttpCoordinatorClient:
         ch = self._chan
         if ch is not None and await ch.finish_acked(role, req_id, success, usage):
             return
-        body = {"role": role, "req_id": req_id, "success": bool(success)}
-        if usage is not None:
-            body["usage"] = usage
-        await self._call("POST", "/finish", body)
+        await self._call("POST", codec.FINISH, codec.finish_body(role, req_id, success, usage))
 
     async def _finish_retrying(self, role: str, req_id: int, success: bool,
                                usage: dict | None = None) -> None:
-        """A channel's unacknowledged finish, over HTTP (idempotent, so retried)."""
-        body = {"role": role, "req_id": req_id, "success": bool(success)}
-        if usage is not None:
-            body["usage"] = usage
+        """A channel's unacknowledged finish, over the transport (idempotent, so retried)."""
+        body = codec.finish_body(role, req_id, success, usage)
         delay = 0.05
         for attempt in range(4):
             try:
-                await self._call("POST", "/finish", body)
+                await self._call("POST", codec.FINISH, body)
                 return
             except CoordinatorUnavailable:
                 if attempt == 3:
@@ -245,85 +255,48 @@ class HttpCoordinatorClient:
                 return await ch.renew(role, req_id)
             except Fallback:
                 pass
-        ans = await self._call("POST", "/renew", {"role": role, "req_id": req_id})
-        return bool(ans.get("renewed")) if isinstance(ans, dict) else False
+        return codec.renewed(await self._call("POST", codec.RENEW, codec.renew_body(role, req_id)))
 
     async def cluster_info(self) -> dict:
-        return await self._call("GET", "/cluster_info")
+        return await self._call("GET", codec.CLUSTER_INFO)
 
     async def health(self) -> bool:
         try:
-            await self._call("GET", "/health")
+            ans = await self._call("GET", codec.HEALTH)
         except CoordinatorUnavailable:
             return False
-        return True
+        return ans if isinstance(ans, bool) else True
 
     async def lease_identity(self, holder: str, node_id: int | None = None,
                              process_id: int | None = None) -> tuple[int, int]:
-        body: dict = {"holder": holder}
-        if node_id is not None and process_id is not None:
-            body["node_id"], body["process_id"] = node_id, process_id
-        ans = await self._call("POST", "/identity", body)
-        return int(ans["node_id"]), int(ans["process_id"])
+        return codec.identity(await self._call("POST", codec.IDENTITY,
+                                               codec.identity_body(holder, node_id, process_id)))
 
     async def release_identity(self, holder: str) -> bool:
-        ans = await self._call("POST", "/identity/release", {"holder": holder})
-        return bool(ans.get("released")) if isinstance(ans, dict) else False
+        return codec.released(await self._call("POST", codec.IDENTITY_RELEASE, {"holder": holder}))
 
 
-class InProcessCoordinatorClient:
-    """The same API on a `Coordinator` in this process: no serialization, no hop. Answers share
-    structure with the coordinator's state (e.g. `info.server_info`): treat them as read-only."""
+class HttpCoordinatorClient(CoordinatorClient):
+    """The coordinator at `url` (`http://host:port` or `unix:///path`): the channel when offered,
+    HTTP otherwise. `transport` replaces the HTTP transport (fleet/coord_client.py)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0, timeout: float | None = None,
+                 channel: bool = True, max_pending: int = 4096, transport: Transport | None = None):
+        timeout_s = timeout if timeout is not None else timeout_s
+        transport = transport or HttpTransport(url, timeout_s)
+        url = url.rstrip("/")
+        chan = (ChannelClient(url, timeout_s=timeout_s, max_pending=max_pending,
+                              fallback_finish=self._finish_retrying)
+                if channel and not url.startswith("https://") else None)
+        super().__init__(transport, chan)
+        self.url = url
+
+
+class InProcessCoordinatorClient(CoordinatorClient):
+    """The coordinator object in this process (one-process topology)."""
 
     def __init__(self, coordinator):
-        self.coord = coordinator
-
-    async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
-        try:
-            return self.coord.select(role, req_id, routing_key, exclude)
-        except BadRequest as exc:
-            raise CoordinatorRequestError(400, exc.message, exc.field) from None
-
-    async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
-                          exclude_gen: Any = None) -> dict:
-        try:
-            return self.coord.select_pair(req_id, routing_key, exclude_ctx, exclude_gen)
-        except BadRequest as exc:
-            raise CoordinatorRequestError(400, exc.message, exc.field) from None
-
-    async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
-        try:
-            self.coord.finish(role, req_id, success, usage)
-        except BadRequest as exc:
-            raise CoordinatorRequestError(400, exc.message, exc.field) from None
-
-    async def renew(self, role: str, req_id: int) -> bool:
-        try:
-            return self.coord.renew(role, req_id)
-        except BadRequest as exc:
-            raise CoordinatorRequestError(400, exc.message, exc.field) from None
-
-    async def cluster_info(self) -> dict:
-        return self.coord.cluster_info()
-
-    async def health(self) -> bool:
-        return self.coord.is_ready()
-
-    async def lease_identity(self, holder: str, node_id: int | None = None,
-                             process_id: int | None = None) -> tuple[int, int]:
-        try:
-            ans = self.coord.lease_identity(holder, node_id, process_id)
-        except BadRequest as exc:
-            raise CoordinatorRequestError(400, exc.message, exc.field) from None
-        except IdentityExhausted as exc:
-            raise CoordinatorUnavailable(str(exc)) from None
-        return ans["node_id"], ans["process_id"]
-
-    async def release_identity(self, holder: str) -> bool:
-        return self.coord.release_identity(holder)
-
-    async def close(self) -> None:
-        return None
+        super().__init__(InProcessTransport(coordinator))
 
 
 def make_client(target: Any, *, timeout_s: float = 5.0) -> CoordinatorClient:

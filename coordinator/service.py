@@ -2,13 +2,16 @@
 
 `Coordinator` holds the registry and health loop, the KV index fed by ZMQ events, the load leases,
 the routing policies (and with them the conversation table) and the fleet identities. Its methods
-are synchronous state operations (one event loop, no locks): the HTTP handlers and the in-process
-client call the same ones, so the one-process topology and the networked one behave alike.
+are synchronous state operations (one event loop, no locks): the HTTP handlers, the channel and the
+in-process client call the same ones (`place`, `place_pair`, `end_lease`, `renew_lease` once their
+transport has checked the request), so the one-process topology and the networked one behave
+alike. `/cluster_info` and `/metrics` read one snapshot of it (coordinator/snapshot.py).
 
 Invariants:
 - Every placement creates a lease keyed by `(role, req_id)`; a repeated placement of the same key
   replaces the lease (its load is released first), `finish` is idempotent, and expiry releases
-  leases nobody finished or renewed. In-flight counts therefore return to zero after any mix.
+  leases nobody finished or renewed. In-flight counts (the lease table's own, per role) therefore
+  return to zero after any mix.
 - Only `healthy` servers are candidates; for `kv_cache_aware`, servers whose index is still being
   rebuilt are skipped while any rebuilt one is available.
 - `is_ready()` is true only while each role has at least its configured minimum of healthy servers.
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
+from coordinator import checks
 from coordinator import metrics as metrics_mod
 from coordinator import snapshot
 from protocol import coord as wire
@@ -287,39 +291,6 @@ class Coordinator:
         self._entries = entries
         self._cand_version = version
 
-    def routing_key(self, rk: Any) -> RoutingKey | None:
-        """Check a routing key against the cluster (block keys as u64, no more full blocks than
-        `num_tokens` holds at this block size). A decoded wire struct (`wire.RoutingKeyBody`) or a
-        conversation-id string has its types guaranteed by the decoder; a dict or `RoutingKey`
-        from a Python caller is type-checked here."""
-        if rk is None:
-            return None
-        if isinstance(rk, str):
-            return RoutingKey(block_keys=None, num_tokens=0, conversation_id=rk)
-        if isinstance(rk, wire.RoutingKeyBody):
-            keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
-        else:
-            keys, n, conv = _python_routing_key(rk)
-        arr = None if keys is None else wire.block_keys_array(keys)
-        if arr is not None:
-            if n is None:
-                n = int(arr.size) * self.block_size
-            elif arr.size > n // self.block_size:
-                raise BadRequest(f"{arr.size} block keys for {n} tokens: at block size "
-                                 f"{self.block_size} at most {n // self.block_size} full blocks exist",
-                                 "routing_key.block_keys")
-        return RoutingKey(block_keys=arr, num_tokens=n or 0, conversation_id=conv)
-
-    def exclusions(self, exclude: Any, field_name: str) -> set[str]:
-        """Server urls to leave out, normalised (BadRequest naming `field_name` otherwise)."""
-        if exclude is None:
-            return set()
-        if isinstance(exclude, str):
-            exclude = [exclude]
-        if not isinstance(exclude, (list, tuple, set, frozenset)):
-            raise BadRequest("exclude must be a server url or a list of them", field_name)
-        return {normalize_url(u, field_name) for u in exclude}
-
     def _place(self, role: str, key: RoutingKey | None, excluded: set[str]):
         cands = self._candidates(role)
         if excluded:
@@ -345,7 +316,7 @@ class Coordinator:
     # coordinator/channel.py, Python values in `select`/`select_pair`/`finish`/`renew` below).
     def place(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str]) -> dict:
         """Place one leg and lease it (`role` canonical, `req_id` a u64, `key` checked by
-        `routing_key`). Raises `NoServerAvailable`."""
+        `checks.routing_key`). Raises `NoServerAvailable`."""
         t0 = time.perf_counter()
         ans = self._select(role, req_id, key, excluded)
         self.stats.select_latency.observe(time.perf_counter() - t0)
@@ -443,14 +414,15 @@ class Coordinator:
     def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
         """Place one leg and lease it. Raises `BadRequest` or `NoServerAvailable`."""
         return self.place(wire.parse_role(role), wire.check_req_id(req_id),
-                          self.routing_key(routing_key), self.exclusions(exclude, "exclude"))
+                          checks.routing_key(routing_key, self.block_size),
+                          checks.exclusions(exclude, "exclude"))
 
     def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
                     exclude_gen: Any = None) -> dict:
         """`place_pair` with its arguments checked. Raises `BadRequest` or `NoServerAvailable`."""
-        return self.place_pair(wire.check_req_id(req_id), self.routing_key(routing_key),
-                               self.exclusions(exclude_ctx, "exclude_ctx"),
-                               self.exclusions(exclude_gen, "exclude_gen"))
+        return self.place_pair(wire.check_req_id(req_id), checks.routing_key(routing_key, self.block_size),
+                               checks.exclusions(exclude_ctx, "exclude_ctx"),
+                               checks.exclusions(exclude_gen, "exclude_gen"))
 
     def finish(self, role: str, req_id: int, success: bool = True, usage: Any = None) -> bool:
         """`end_lease` with its arguments checked (`usage`: a dict or `wire.FinishUsage`)."""
@@ -568,25 +540,3 @@ class Coordinator:
                             "degrading to load-only for it", server, now - since, n,
                             self.empty_index_check_s, where)
 
-
-def _python_routing_key(rk: Any) -> tuple[Any, Any, Any]:
-    """(block_keys, num_tokens, conversation_id) of a routing key a Python caller passed (a dict
-    or a `RoutingKey`), type-checked: the part of the wire schema's job no decoder did."""
-    if isinstance(rk, RoutingKey):
-        keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
-    elif isinstance(rk, dict):
-        unknown = set(rk) - {"block_keys", "num_tokens", "conversation_id"}
-        if unknown:
-            raise BadRequest(f"unknown routing_key field(s) {sorted(unknown)}: expected "
-                             "block_keys, num_tokens, conversation_id",
-                             f"routing_key.{sorted(unknown)[0]}")
-        keys, n, conv = rk.get("block_keys"), rk.get("num_tokens"), rk.get("conversation_id")
-    else:
-        raise BadRequest(f"routing_key must be an object or a conversation id string, got "
-                         f"{type(rk).__name__}", "routing_key")
-    if n is not None and (type(n) is not int or n < 0):
-        raise BadRequest(f"num_tokens must be a non-negative integer, got {n!r}",
-                         "routing_key.num_tokens")
-    if conv is not None and not isinstance(conv, str):
-        raise BadRequest("conversation_id must be a string", "routing_key.conversation_id")
-    return keys, n, conv

@@ -1,7 +1,7 @@
 """TensorRT-LLM argument names an upstream disaggregated config may carry, by where they come from.
 
 Accepted and kept as given (never interpreted) so that every upstream config file loads unchanged,
-while a name in none of these sets is a typo and an error (`coordinator/config.py`).
+while a name in none of these sets is a typo and an error (`coordinator/config_upstream.py`).
 
 Source: NVIDIA/TensorRT-LLM `tensorrt_llm/llmapi/llm_args.py` at commit
 0004396720054fd8e205cbf616f21f0b57c6b412 (a main-branch snapshot of the 1.3 line: it schedules

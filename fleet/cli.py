@@ -11,6 +11,7 @@ Precedence: config file < `SPLITSERVE_*` environment < flags. Every flag also re
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -83,17 +84,30 @@ def run(args) -> int:
         print(f"splitserve serve: invalid configuration: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
-    import uvloop
-
     from .server import run_process
+    run = loop_runner(cfg.fleet.event_loop)
     if args.child_index is not None:
-        return uvloop.run(run_process(cfg, coordinator_url=cfg.disagg_coordinator_url,
-                                      process_index=args.child_index, reuse_port=True,
-                                      ready_fd=args.ready_fd))
+        return run(run_process(cfg, coordinator_url=cfg.disagg_coordinator_url,
+                               process_index=args.child_index, reuse_port=True,
+                               ready_fd=args.ready_fd))
     if cfg.num_workers == 1:
-        return uvloop.run(run_process(cfg, coordinator_url=cfg.disagg_coordinator_url))
+        return run(run_process(cfg, coordinator_url=cfg.disagg_coordinator_url))
     from .launcher import Launcher
     return Launcher(cfg, _child_argv(args)).run()
+
+
+def loop_runner(event_loop: str):
+    """`asyncio.run` or `uvloop.run` for `fleet.event_loop`.
+
+    asyncio is the default although uvloop is cheaper per request: a saturated uvloop process
+    serves some of its connections more than a second late (p99 1.1-1.3 s and client timeouts
+    with one process at 256 connections; asyncio: p99 44-162 ms, no errors), reproduced without
+    aiohttp and without any TCP loss (bench/RESULTS.md, 'fleet event loop').
+    """
+    if event_loop == "uvloop":
+        import uvloop
+        return uvloop.run
+    return asyncio.run
 
 
 def main(argv: list[str] | None = None) -> int:

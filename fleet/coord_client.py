@@ -4,11 +4,11 @@
 the coordinator's persistent channel (`coordinator.channel_client`: one connection per fleet
 process, calls of one event-loop turn batched into one frame, finishes coalesced and
 acknowledged per batch). When the coordinator does not offer it, or it cannot be reached, they go
-over `fleet.upstream.UpstreamPool` (asyncio protocols + httptools, TCP or Unix socket, msgpack
-bodies), several times cheaper in CPU than an aiohttp ClientSession call. Everything else
-(`/cluster_info`, identity leases) uses `coordinator.client.HttpCoordinatorClient`'s aiohttp
-session. Answers and errors are that client's (`NoServerAvailable`, `CoordinatorOverloaded`,
-`CoordinatorRequestError`, `CoordinatorUnavailable`).
+over `PoolTransport`: `fleet.upstream.UpstreamPool` (asyncio protocols + httptools, TCP or Unix
+socket, msgpack bodies), several times cheaper in CPU than an aiohttp ClientSession call.
+Everything else (`/cluster_info`, identity leases) uses `coordinator.client.HttpTransport`'s
+aiohttp session. Bodies, answers and errors are the one codec's (coordinator/client_codec.py:
+`NoServerAvailable`, `CoordinatorOverloaded`, `CoordinatorRequestError`, `CoordinatorUnavailable`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Any
 
 import msgpack
 
-from coordinator.client import HttpCoordinatorClient, answer_or_raise
+from coordinator import client_codec as codec
+from coordinator.client import HttpCoordinatorClient, HttpTransport
 from protocol.failures import Cause
 from protocol.coord import CoordinatorUnavailable
 
@@ -24,7 +25,6 @@ from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 
 _MSGPACK = b"application/msgpack"
 _ACCEPT = b"Accept: application/msgpack\r\n"
-_HOT = frozenset({"/select", "/select_pair", "/finish", "/renew"})
 
 
 def _origin(url: str) -> str:
@@ -34,17 +34,20 @@ def _origin(url: str) -> str:
     return url
 
 
-class FleetCoordinatorClient(HttpCoordinatorClient):
-    def __init__(self, url: str, *, timeout: float = 5.0, channel: bool = True,
-                 max_pending: int = 4096):
-        super().__init__(url, timeout=timeout, channel=channel, max_pending=max_pending)
-        self.timeout_s = timeout
-        self._origin = _origin(url)
-        self._pool = UpstreamPool(connect_timeout=timeout, idle_timeout=30.0)
+class PoolTransport:
+    """The per-request calls over the fleet's upstream pool; the others over aiohttp."""
+    inline = False
 
-    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
-        if method != "POST" or path not in _HOT:
-            return await super()._call(method, path, body)
+    def __init__(self, url: str, timeout_s: float):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._origin = _origin(url)
+        self._pool = UpstreamPool(connect_timeout=timeout_s, idle_timeout=30.0)
+        self._rest = HttpTransport(url, timeout_s)
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> Any:
+        if method != "POST" or path not in codec.HOT:
+            return await self._rest.call(method, path, body)
         data = msgpack.packb(body, use_bin_type=True)
         try:
             r = await self._pool.request(self._origin, path, data, _ACCEPT, timeout=self.timeout_s,
@@ -64,8 +67,16 @@ class FleetCoordinatorClient(HttpCoordinatorClient):
             obj = msgpack.unpackb(raw, raw=False) if "msgpack" in r.content_type else None
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             obj = None
-        return answer_or_raise(self.url, path, status, obj, raw)
+        return codec.answer_or_raise(self.url, path, status, obj, raw)
 
     async def close(self) -> None:
-        await super().close()      # the channel first: it flushes queued finishes
+        await self._rest.close()
         await self._pool.close()
+
+
+class FleetCoordinatorClient(HttpCoordinatorClient):
+    def __init__(self, url: str, *, timeout: float = 5.0, channel: bool = True,
+                 max_pending: int = 4096):
+        super().__init__(url, timeout=timeout, channel=channel, max_pending=max_pending,
+                         transport=PoolTransport(url, timeout))
+        self.timeout_s = timeout

@@ -106,9 +106,9 @@ class Placer:
                         "ns_seed": salt_seed(config.routing.namespace) if config.routing.namespace else 0}
         self._task: asyncio.Task | None = None
         self._bg: set[asyncio.Task] = set()
-        # In the one-process topology the coordinator object is right here: /finish is a plain call.
-        from coordinator.client import InProcessCoordinatorClient
-        self._inproc = coordinator.coord if isinstance(coordinator, InProcessCoordinatorClient) else None
+        # An in-process coordinator answers without suspending and applies /finish at once; the
+        # channel queues it. Either way the client says so (coordinator/client.py).
+        self._inline = bool(getattr(coordinator, "inline", False))
         self._nowait = getattr(coordinator, "finish_nowait", None)
         self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
@@ -346,7 +346,7 @@ class Placer:
         shielded and runs to its end; if the caller is gone by then, every role it may have leased is
         finished here (`/finish` is idempotent: a lease that was never created is a no-op).
         """
-        if self._inproc is not None:
+        if self._inline:
             # in-process: the call never suspends, so there is no point at which it can be cancelled
             return await call
         task = asyncio.ensure_future(call)
@@ -371,15 +371,14 @@ class Placer:
         p.finished = True
         if not p.lease:
             return
-        if self._inproc is not None:
+        if self._nowait is not None:
             try:
-                self._inproc.finish(p.role, p.req_id, success, self._usage(p))
+                if self._nowait(p.role, p.req_id, success, self._usage(p)):
+                    return   # applied (in-process), or queued on the channel and acknowledged there
             except Exception as e:   # a bad lease must not fail the request that already completed
-                log.warning("in-process /finish of %s %d failed: %s", p.role, p.req_id, e)
+                log.warning("/finish of %s %d failed: %s", p.role, p.req_id, e)
                 M.FINISH_DROPPED.inc()
-            return
-        if self._nowait is not None and self._nowait(p.role, p.req_id, success, self._usage(p)):
-            return   # queued on the coordinator channel: sent with the next batch, acknowledged there
+                return
         t = asyncio.get_running_loop().create_task(self._finish(p, success))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)

@@ -97,7 +97,7 @@ class FleetServer:
         self.body_timeout = config.fleet.body_timeout_s
         self.keepalive_requests = config.fleet.keepalive_requests
         self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        mins = config.health_minimums   # the coordinator's readiness rule (coordinator/config.py)
+        mins = config.health_minimums   # the coordinator's readiness rule (coordinator/config_schema.py)
         self.min_ctx, self.min_gen = mins.context_servers, mins.generation_servers
         self._identity_task: asyncio.Task | None = None
         self._m_req: dict = {}
@@ -455,8 +455,9 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
         except StartupError as e:
             log.error("%s", e)
             return 1
-        log.info("fleet process %d listening on %s:%d", os.getpid(), config.effective_bind_host,
-                 sock.getsockname()[1])
+        log.info("fleet process %d listening on %s:%d (event loop %s)", os.getpid(),
+                 config.effective_bind_host, sock.getsockname()[1],
+                 type(asyncio.get_running_loop()).__module__.partition(".")[0])
         # Everything allocated so far (modules, config, tokenizer) lives as long as the process: keep it
         # out of the collector's scans so per-request garbage collection stays cheap.
         settle_heap()

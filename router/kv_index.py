@@ -44,7 +44,7 @@ import numpy as np
 
 from .block_keys import block_keys_list, salt_seed
 from .events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, EventBatch, Tier
-from .kv_query import QueryMixin
+from .kv_query import LOG_TRIM, QueryMixin
 from .kv_speculation import SpeculationMixin
 from .kv_types import _COUNT, _GPU, _IDENT, IndexStats, StreamVerdict, _Entry, _Slot
 
@@ -77,6 +77,11 @@ class KvIndex(SpeculationMixin, QueryMixin):
         self._all_bits = 0
         self._streams: dict[tuple[str, int], int] = {}
         self._mask_cache: dict[int, tuple[str, ...]] = {}
+        # the walk memo's validation (router/kv_query.py): keys whose owner mask changed, and an
+        # epoch for changes not logged key by key
+        self._log: list[int] = []
+        self._epoch = 0
+        self._memo = None
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -96,6 +101,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
             self._worker_slots.setdefault(worker, []).append(s)
             self._all_bits |= s.bit
             self._mask_cache.clear()
+            self._epoch += 1
         return s
 
     def workers(self) -> list[str]:
@@ -130,6 +136,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         if not o:
             owners[ck] = s.bit
             self._n_keys += 1
+            self._log.append(ck)
             return
         sp = self._spec_owners.get(ck, 0) if self._spec_owners else 0
         if sp & s.bit:
@@ -143,6 +150,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
             self.stats.speculative_confirmed += 1
         else:
             owners[ck] = o | s.bit
+            self._log.append(ck)
         if not o & ~sp:
             self._n_keys += 1
 
@@ -150,6 +158,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         """Slot ``s`` no longer holds ``ck`` (its last reference went): clear its bit, and stop
         counting the key if no confirmed owner is left."""
         owners = self._owners
+        self._log.append(ck)
         m = owners[ck] & ~s.bit
         if m:
             owners[ck] = m
@@ -199,6 +208,8 @@ class KvIndex(SpeculationMixin, QueryMixin):
     def apply(self, worker: str, event, dp_rank: int = 0) -> None:
         """Apply one canonical event for ``worker``/``dp_rank`` (in stream order)."""
         s = self._slot(worker, dp_rank or 0)
+        if len(self._log) > LOG_TRIM:
+            self._trim_log()
         t = type(event)
         if t is BlocksStored:
             self._store(s, event)
@@ -285,6 +296,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
             dflt = ns == self._ns
             ident_ok = tier is _GPU and group == 0 and dflt
             owned, owners, bit = s.owned, self._owners, s.bit
+            log = self._log.append
             added = 0
             # the hot path of every store: _incref inlined
             for h, ck in zip(hashes, keys):
@@ -305,6 +317,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
                     if not o:
                         owners[ck] = bit
                         self._n_keys += 1
+                        log(ck)
                     else:
                         self._own(s, ck)
                 added += 1
@@ -357,6 +370,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         owned = s.owned
         stats = self.stats
         owners, nbit, spec_owners = self._owners, ~s.bit, self._spec_owners
+        log = self._log.append
         removed = 0
         for h in ev.engine_hashes:
             e = emap.pop(h, None) if emap else None
@@ -367,6 +381,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
                     owned[e] = c
                 else:
                     del owned[e]
+                    log(e)
                     m = owners[e] & nbit
                     if not m:
                         del owners[e]
@@ -409,6 +424,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
             self.stats.moved_blocks += 1
 
     def _clear_slot(self, s: _Slot, tier: Tier | None) -> None:
+        self._epoch += 1
         if tier is None:
             disown = self._disown
             for ck in s.owned:
@@ -445,6 +461,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
             self._all_bits &= ~s.bit
             self._streams.pop((s.worker, s.dp_rank), None)
         self._mask_cache.clear()
+        self._epoch += 1
 
     def load_snapshot(self, worker: str, block_keys: Iterable[int], dp_rank: int = 0, *,
                       append: bool = False) -> None:
@@ -455,6 +472,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         them; the stats count one snapshot per non-append call.
         """
         s = self._slot(worker, dp_rank)
+        self._epoch += 1    # its keys are not logged one by one
         if not append:
             self._clear_slot(s, None)
             self.stats.snapshots += 1

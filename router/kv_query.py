@@ -1,6 +1,21 @@
 """Prefix-match queries of the KV index: one walk over a prompt's keys for every slot.
 
 A mixin of `router.kv_index.KvIndex` (see its docstring for the owner-bitmask layout).
+
+The walk is memory-bound (one dict probe per key into an index of 10^4-10^6 keys, ~100-300 ns
+each on a busy host), so the last walk is memoised: a placement walks the prompt, inserts its
+speculative keys for the chosen slot and, for ``select_pair``, walks the same prompt again for
+the other role. The memo is exact, never a heuristic:
+
+- every change of an owner mask appends the key to ``_log`` (stores, removals, speculative
+  inserts and drops); changes the log does not describe one key at a time (a slot cleared, a
+  snapshot loaded, a slot created or freed, the log trimmed) bump ``_epoch`` instead;
+- the memo is reused only for the same keys, in the same epoch, when no key logged since it was
+  taken is one of the keys its walk read (the walked prefix and the key that ended it): the
+  other keys cannot change any slot's match;
+- the one change a placement itself makes, the chosen slot's speculative insert of the prompt's
+  unmatched tail, is applied to the memo instead (that slot now matches the whole prompt), when
+  it comes right after the walk with nothing logged in between.
 """
 
 from __future__ import annotations
@@ -11,6 +26,59 @@ from itertools import repeat
 import numpy as np
 
 from .kv_types import _COUNT
+
+# A memo with more keys logged since it was taken than this many times the keys its walk read is
+# dropped: checking them would cost about as much as walking again.
+_MEMO_CHECK_RATIO = 2
+LOG_TRIM = 1 << 16      # mutation-log length that trims it (and bumps the epoch)
+
+
+class WalkMemo:
+    """The last walk: its keys (list and, for uint64 arrays, their bytes), its groups over
+    every slot, and the epoch and log position it is valid at."""
+
+    __slots__ = ("keys", "raw", "groups", "epoch", "pos", "kset")
+
+    def __init__(self, keys: list, raw: bytes | None, groups: list, epoch: int, pos: int):
+        self.keys = keys
+        self.raw = raw
+        self.groups = groups
+        self.epoch = epoch
+        self.pos = pos
+        self.kset: set | None = None    # the keys the walk read, built on first need
+
+    def read_keys(self) -> set:
+        ks = self.kset
+        if ks is None:
+            ks = self.kset = set(self.keys[:self.groups[-1][1] + 1])
+        return ks
+
+    def deepen(self, bit: int, have: int) -> bool:
+        """The slot ``bit`` now also holds every key after its first ``have``: if it matched at
+        least ``have`` before, it matches the whole prompt now (False: memo left as it was)."""
+        n = len(self.keys)
+        groups = self.groups
+        for j, (bits, depth) in enumerate(groups):
+            if bits & bit:
+                break
+        else:
+            return False
+        if depth < have:
+            return False
+        if depth == n:
+            return True
+        out = [(b, d) for b, d in groups[:j]]
+        rest = bits ^ bit
+        if rest:
+            out.append((rest, depth))
+        out += groups[j + 1:]
+        if out and out[-1][1] == n:
+            out[-1] = (out[-1][0] | bit, n)
+        else:
+            out.append((bit, n))
+        self.groups = out
+        self.kset = None
+        return True
 
 
 class QueryMixin:
@@ -51,6 +119,56 @@ class QueryMixin:
         out.append((m, i))
         return out
 
+    def _groups(self, keys) -> list[tuple[int, int]]:
+        """``_walk(keys, every slot)``, from the memo when it is still exact (module docstring)."""
+        if type(keys) is list:
+            kl, raw = keys, None
+        elif isinstance(keys, np.ndarray):
+            kl, raw = None, keys.tobytes() if keys.dtype == np.uint64 else None
+        else:
+            kl, raw = list(keys), None
+        memo = self._memo
+        log = self._log
+        if memo is not None and memo.epoch == self._epoch and (
+                memo.raw == raw if raw is not None else memo.keys == kl):
+            pos, end = memo.pos, len(log)
+            if pos == end:
+                return memo.groups
+            if end - pos <= _MEMO_CHECK_RATIO * (memo.groups[-1][1] + 1) and \
+                    memo.read_keys().isdisjoint(log[pos:]):
+                memo.pos = end
+                return memo.groups
+        self._trim_log()
+        if not self._all_bits:
+            return []
+        if kl is None:
+            kl = keys.tolist()
+        groups = self._walk(kl, self._all_bits)
+        self._memo = WalkMemo(kl, raw, groups, self._epoch, len(self._log))
+        return groups
+
+    def _trim_log(self) -> None:
+        if len(self._log) > LOG_TRIM:
+            self._log.clear()
+            self._epoch += 1
+
+    def _memo_tail(self, keys: list, bit: int) -> None:
+        """Called by a speculative insert of ``keys`` for slot ``bit`` *before* it logs its
+        changes: when ``keys`` is the unmatched tail of the memoised walk and nothing was logged
+        since that walk, the memo takes the insert in (see ``WalkMemo.deepen``); else no-op."""
+        memo = self._memo
+        if memo is None or memo.epoch != self._epoch or memo.pos != len(self._log):
+            return
+        have = len(memo.keys) - len(keys)
+        if have < 0 or memo.keys[have:] != keys or not memo.deepen(bit, have):
+            return
+        memo.pos = -1   # marks "advance past the insert's own log entries" for _memo_logged
+
+    def _memo_logged(self) -> None:
+        memo = self._memo
+        if memo is not None and memo.pos == -1:
+            memo.pos = len(self._log)
+
     def _workers_of(self, bits: int) -> tuple[str, ...]:
         """Worker names of the slots in ``bits`` (memoised: the same groups of workers keep
         dropping out together, e.g. every worker holding only a shared system prompt)."""
@@ -75,13 +193,23 @@ class QueryMixin:
         With ``workers`` given, every named worker is in the answer (0 when nothing matched);
         otherwise only workers that matched at least one block are.
         """
-        active = self._mask(workers)
-        res: dict[str, int] = dict.fromkeys(workers, 0) if workers is not None else {}
+        if workers is None:
+            res: dict[str, int] = {}
+            active = self._all_bits
+        else:
+            workers = list(workers)
+            res = dict.fromkeys(workers, 0)
+            active = self._mask(workers)
         if not active:
             return res
         # groups come in increasing depth, so a later update is a deeper match (best dp rank)
-        for bits, depth in self._walk(keys, active):
+        full = active == self._all_bits
+        for bits, depth in self._groups(keys):
             if depth:
+                if not full:
+                    bits &= active
+                    if not bits:
+                        continue
                 res.update(zip(self._workers_of(bits), repeat(depth)))
         return res
 
@@ -91,7 +219,8 @@ class QueryMixin:
         active = self._mask(workers)
         res: dict[tuple[str, int], int] = {}
         by_bit = self._by_bit
-        for bits, depth in self._walk(keys, active) if active else ():
+        for bits, depth in self._groups(keys) if active else ():
+            bits &= active
             while depth and bits:
                 low = bits & -bits
                 s = by_bit[low.bit_length() - 1]

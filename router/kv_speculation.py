@@ -22,6 +22,7 @@ class SpeculationMixin:
     def _drop_spec(self, s: _Slot, ck: int) -> None:
         """Forget the slot's speculative entry for ``ck`` (the key keeps its confirmed owners)."""
         del s.spec[ck]
+        self._log.append(ck)
         nb = ~s.bit
         m = self._spec_owners[ck] & nb
         if m:
@@ -33,7 +34,6 @@ class SpeculationMixin:
             self._owners[ck] = m
         else:
             del self._owners[ck]
-
 
     def add_speculative(self, worker: str, keys, now: float, ttl: float,
                         dp_rank: int = 0) -> int:
@@ -59,6 +59,9 @@ class SpeculationMixin:
             spec[ck] = deadline
             added.append(ck)
         if added:
+            self._memo_tail(keys, s.bit)
+            self._log.extend(added)
+            self._memo_logged()
             # Only atomic values in the entry (no slot object): the collector untracks such tuples,
             # so a heap of 30 s of routed prompts adds nothing to its full scans (issue 13).
             heapq.heappush(self._spec_heap, (deadline, next(self._spec_seq), s.worker, s.dp_rank,
@@ -72,6 +75,7 @@ class SpeculationMixin:
         ``max_entries`` bounds the work of one call (heap entries, one per routed prompt): a
         second's worth of routed prompts expiring at once cost tens of ms, so the coordinator
         expires a few per placement instead of all of them on a timer (issue 13)."""
+        self._trim_log()
         heap = self._spec_heap
         n = 0
         budget = -1 if max_entries is None else max_entries

@@ -289,6 +289,7 @@ class KvCacheAwarePolicy(Policy):
         self.speculative_ttl_s = speculative_ttl_s
         self._pins = _Lru(max_conversations)
         self._cursor = 0
+        self._cands: tuple | None = None
 
     @property
     def needs_block_keys(self) -> bool:
@@ -309,21 +310,32 @@ class KvCacheAwarePolicy(Policy):
     def select(self, candidates, key, view) -> Decision:
         # Written for speed (it runs once per request over every candidate): list
         # comprehensions instead of per-candidate branches; rows are built in one pass.
-        ok, rows = _healthy(self.name, candidates)
+        # The candidate list is the coordinator's cached one until membership changes: what
+        # depends on it alone (healthy subset, server names, unknown-match servers) is kept.
+        memo = self._cands
+        if memo is not None and memo[0] == candidates:
+            _, ok, unhealthy, servers, unknown = memo
+            rows = [dict(r) for r in unhealthy]     # the explanation's own rows, appended below
+        else:
+            ok, rows = _healthy(self.name, candidates)
+            servers = [c.server for c in ok]
+            unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
+            self._cands = (list(candidates), ok, [dict(r) for r in rows], servers, unknown)
         keys = key.block_keys if key is not None else None
         nk = _n_keys(keys)
         num_tokens = key.num_tokens if key is not None and key.num_tokens else nk * self.block_size
         conv = key.conversation_id if key is not None else None
         pinned = self._pins.get(conv) if conv else None
-        mget = (view.matched_blocks(keys) if nk else {}).get
-        servers = [c.server for c in ok]
         loads = _loads(view, servers)
         reqs = [l[0] for l in loads]
         B = self.block_size
         cap = max(num_tokens - 1, 0)
         pw, tw, rw = self.prefill_weight, self.load_tokens_weight, self.load_requests_weight
-        matched = [mt if (mt := mget(s, 0) * B) < cap else cap for s in servers]
-        unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
+        if nk:
+            mget = view.matched_blocks(keys).get
+            matched = [mt if (mt := mget(s, 0) * B) < cap else cap for s in servers]
+        else:
+            matched = [0] * len(servers)
         est = matched
         if unknown:
             matched, est = _unknown_matches(matched, unknown)

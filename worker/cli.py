@@ -158,7 +158,7 @@ def _ns_seed(args) -> int:
     return salt_seed(ns) if ns else 0
 
 
-def _build_engine(args):
+def _build_engine(args, kv_connector=None):
     if args.tp_size < 1 or args.pp_size < 1:
         raise ValueError(f"--tp-size and --pp-size must be >= 1, got {args.tp_size}, {args.pp_size}")
     if args.engine == "sim":
@@ -184,7 +184,8 @@ def _build_engine(args):
             args.model, tp_size=args.tp_size, pp_size=args.pp_size, device=args.device,
             dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
             max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-            pin_timeout_s=args.pin_timeout, log_level=args.log_level, cache_dir=args.cache_dir)
+            pin_timeout_s=args.pin_timeout, log_level=args.log_level, cache_dir=args.cache_dir,
+            kv_connector=kv_connector)
     import torch
 
     from worker.engine import TorchEngine
@@ -210,7 +211,7 @@ def _build_engine(args):
              num_blocks * per_block / 2**20, runner.attention_backend)
     return TorchEngine(runner, tok, max_batch_size=args.max_batch_size,
                        max_num_tokens=args.max_num_tokens, pin_timeout_s=args.pin_timeout,
-                       ns_seed=_ns_seed(args))
+                       ns_seed=_ns_seed(args), kv_connector=kv_connector)
 
 
 def build_server(args):
@@ -239,24 +240,24 @@ def build_server(args):
     if args.disagg_protocol != "trtllm" and args.engine != "sim":
         raise ValueError(f"--disagg-protocol {args.disagg_protocol} is implemented for --engine sim "
                          f"only (its KV moves through the sim receiver), got --engine {args.engine}")
-    engine = _build_engine(args)
     advertise = args.advertise_host
     if advertise is None and args.host in ("0.0.0.0", "::", ""):
         import socket
         advertise = socket.gethostname()
-    publisher = KvEventPublisher(host=args.host, pub_port=args.kv_events_port,
-                                 replay_port=args.kv_replay_port, advertise_host=advertise)
     name = args.model if args.model in SIM_PRESET_VOCAB or is_named_model(args.model) \
         else Path(args.model).name or args.model
-    link = _build_transfer(args, engine, name, advertise) if args.engine == "torch" else None
-    server = WorkerServer(engine, model_name=name, role=args.role, host=args.host, port=args.port,
-                          advertise_host=advertise, publisher=publisher,
-                          coordinator_url=args.coordinator_url, register_ttl_s=args.register_ttl,
-                          transfer_info=link.server_info() if link else None,
-                          ctx_info_endpoint=link.endpoint if link else None,
-                          disagg_protocol=args.disagg_protocol, bootstrap_port=args.bootstrap_port)
-    server.transfer_link = link  # closed by _serve after the engine stopped
-    return server
+    # The torch engine's KV moves through transfer/; the connector is bound (and its transceiver
+    # built over the engine's pool) by the engine's constructor. The sim engine has its own.
+    conn = build_kv_connector(args, name, advertise) if args.engine == "torch" else None
+    engine = _build_engine(args, conn)
+    publisher = KvEventPublisher(host=args.host, pub_port=args.kv_events_port,
+                                 replay_port=args.kv_replay_port, advertise_host=advertise)
+    return WorkerServer(engine, model_name=name, role=args.role, host=args.host, port=args.port,
+                        advertise_host=advertise, publisher=publisher,
+                        coordinator_url=args.coordinator_url, register_ttl_s=args.register_ttl,
+                        transfer_info=conn.server_info() if conn else None,
+                        ctx_info_endpoint=conn.endpoint if conn else None,
+                        disagg_protocol=args.disagg_protocol, bootstrap_port=args.bootstrap_port)
 
 
 def transfer_config(args, advertise: str | None):
@@ -271,39 +272,16 @@ def transfer_config(args, advertise: str | None):
                           prepped=getattr(args, "transfer_prepped", "auto"))
 
 
-def _build_transfer(args, engine, model_name: str, advertise: str | None):
-    """KV transfer for the torch engine (transfer/engine_link.py wires it into the engine's hooks):
-    registers the runner's K/V pool with the selected agent and serves the control endpoint that
-    /server_info advertises as ``disaggregated_params.ctx_info_endpoint``."""
-    from transfer.engine_link import EngineTransferLink
-    from transfer.errors import TransferError
-    from transfer.page_table import PageTable
-    from transfer.session import KvTransceiver, RankTopology
+def build_kv_connector(args, model_name: str, advertise: str | None):
+    """The torch engine's KV connector (worker/kv_connector_transfer.py), not bound yet: pass it
+    to the engine's constructor, which builds its transceiver — registering the runner's K/V pool
+    with the selected agent and serving the control endpoint that /server_info advertises as
+    ``disaggregated_params.ctx_info_endpoint`` (one per rank for a multi-rank engine)."""
+    from worker.kv_connector_transfer import TransferKvConnector, transceiver_for
 
     cfg = transfer_config(args, advertise)
-    if getattr(engine, "rank_group", None) is not None:  # multi-rank: one transceiver per rank
-        from worker.parallel.rank_transfer import build_rank_transfer
-
-        return build_rank_transfer(args, engine, model_name, cfg)
-    runner = engine.runner
-    if args.transfer_agent == "shm":
-        if runner.device.type != "cpu":
-            raise ValueError("--transfer-agent shm moves host memory only; use nixl or tcp on cuda")
-        from transfer.memory import alloc_shared_host
-
-        # The shm agent's peers write straight into these pages: move the (still empty) K/V pool
-        # into a shared-memory file before anything registers or captures its address.
-        t = runner.kv_cache
-        shared = alloc_shared_host(t.numel() * t.element_size())
-        runner.kv_cache = shared.view(t.dtype).view(t.shape)
-    mc = runner.cfg
-    topo = RankTopology(role=args.role, num_layers=mc.num_hidden_layers,
-                        total_kv_heads=mc.num_key_value_heads, model=model_name)
-    try:
-        tx = KvTransceiver(PageTable.from_runner_dict(engine.page_table()), topo, cfg)
-    except TransferError as e:
-        raise ValueError(f"KV transfer setup failed: {e}") from None
-    return EngineTransferLink(engine, tx)
+    return TransferKvConnector(lambda engine: transceiver_for(engine, cfg, role=args.role,
+                                                              model_name=model_name))
 
 
 async def _serve(args) -> int:
@@ -341,8 +319,8 @@ async def _serve(args) -> int:
     for t in (drain, abort):
         t.cancel()
     await server.stop()
-    if getattr(server, "transfer_link", None) is not None:
-        await server.transfer_link.close()
+    if server.engine.kv_connector is not None:   # after the engine stopped: in-flight writes end
+        await server.engine.kv_connector.close()
     return getattr(server.engine, "exit_code", 0)
 
 

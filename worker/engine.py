@@ -7,17 +7,14 @@ aborts while the model computes. ``SchedulingEngine`` is what the torch and sim 
 engine surface, delegated explicitly to the scheduler it owns.
 torch is imported only when a ``TorchEngine`` is built, so the sim engine stays torch-free.
 
-Hooks for KV transfer (the transfer package plugs in here; see docs/INTERFACES.md §5/§6):
-
-* context side — a finished ``context_only`` request's prompt blocks stay pinned in
-  ``engine.pinned_transfers()``; ``pinned_transfer(ctx_request_id)`` gives their block ids;
-  ``release(ctx_request_id, reason)`` frees them when the transfer is done or cancelled (a sweep
-  frees them after ``pin_timeout_s`` otherwise). ``opaque_state_hook(pinned) -> dict`` adds fields
-  to the ``encoded_opaque_state`` the context response carries. ``page_table()`` describes the
-  K/V memory to register.
-* generation side — set ``engine.receiver`` to a ``KvReceiver``. A ``generation_only`` request then
-  gets its prompt's blocks allocated and ``await receiver.receive(spec)`` fills them; without a
-  receiver such requests are refused with ``TransferUnavailable`` (HTTP 501).
+KV that crosses workers goes through one ``KvConnector`` (worker/kv_connector.py), passed to the
+engine's constructor as ``kv_connector=`` and bound to it there (``bind(engine)``); the scheduler
+calls its hooks. What the connector may use of the engine: a finished ``context_only`` request's
+prompt blocks stay pinned (``pinned_transfer(ctx_request_id)``) until ``release(ctx_request_id,
+reason)`` (or an abort, or the ``pin_timeout_s`` sweep — each reported to ``pin_released``);
+``pool.pin/unpin``; ``page_table()`` (torch) describes the K/V memory to register. Without a
+connector ``generation_only`` requests are refused with ``TransferUnavailable`` (HTTP 501).
+See docs/INTERFACES.md §5/§6.
 """
 from __future__ import annotations
 
@@ -26,6 +23,7 @@ import concurrent.futures
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 from worker.kv_cache import BlockPool
+from worker.kv_connector import KvConnector
 from worker.requests import (  # noqa: F401  (re-exported: the engine seam's types)
     CONTEXT_AND_GENERATION, CONTEXT_ONLY, GENERATION_ONLY, ContextResult, EngineError,
     EngineRequest, EngineStopped, InvalidRequest, PinnedTransfer, ReceiveSpec, SamplingParams,
@@ -34,22 +32,11 @@ from worker.requests import (  # noqa: F401  (re-exported: the engine seam's typ
 from worker.scheduler import Plan, RequestStream, Scheduler
 
 __all__ = [
-    "Engine", "KvReceiver", "SchedulingEngine", "TorchEngine", "EngineRequest", "SamplingParams", "TokenEvent",
+    "Engine", "KvConnector", "SchedulingEngine", "TorchEngine", "EngineRequest", "SamplingParams",
+    "TokenEvent",
     "ContextResult", "ReceiveSpec", "PinnedTransfer", "EngineError", "InvalidRequest",
     "TransferUnavailable", "RequestStream",
 ]
-
-
-@runtime_checkable
-class KvReceiver(Protocol):
-    """Fills a generation_only request's freshly allocated blocks with the prompt's K/V.
-
-    ``receive`` returns when every block is written, raises on failure (the request then fails
-    with a 500 and its blocks are freed). When cancelled (client abort, shutdown) it must not
-    return until no remote write into ``spec.block_ids`` can still land: the blocks are reused
-    right after."""
-
-    async def receive(self, spec: ReceiveSpec) -> None: ...
 
 
 @runtime_checkable
@@ -61,7 +48,7 @@ class Engine(Protocol):
     max_model_len: int
     max_batch_size: int
     max_num_tokens: int
-    receiver: KvReceiver | None
+    kv_connector: KvConnector | None
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -108,16 +95,11 @@ class SchedulingEngine:
     vocab_size: int = _Delegated()
     eos_token_ids: frozenset = _Delegated()
     counters = _Delegated()
-    # Set by the server (worker_url, worker_id, event_sink) and the transfer layer (the rest).
+    kv_connector: KvConnector | None = _Delegated()   # given at construction
+    # Set by the server.
     worker_url: str | None = _Delegated(writable=True)
     worker_id: str = _Delegated(writable=True)
     event_sink = _Delegated(writable=True)
-    receiver = _Delegated(writable=True)
-    opaque_state_hook = _Delegated(writable=True)
-    prefill_hook = _Delegated(writable=True)
-    context_end_hook = _Delegated(writable=True)
-    receive_abandoned_hook = _Delegated(writable=True)
-    receive_expected_hook = _Delegated(writable=True)
 
     async def start(self) -> None:
         await self.scheduler.start()
@@ -165,7 +147,7 @@ class TorchEngine(SchedulingEngine):
 
     def __init__(self, runner, tokenizer, *, max_batch_size: int = 64,
                  max_num_tokens: int = 2048, pin_timeout_s: float = 60.0,
-                 worker_id: str = "worker", receiver: KvReceiver | None = None,
+                 worker_id: str = "worker", kv_connector: KvConnector | None = None,
                  ns_seed: int = 0, eos_token_ids=None):
         import torch  # noqa: F401  (only this engine needs it)
 
@@ -188,7 +170,9 @@ class TorchEngine(SchedulingEngine):
             tokenizer=tokenizer, eos_token_ids=eos, vocab_size=cfg.vocab_size,
             max_model_len=cfg.max_position_embeddings, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout_s, worker_id=worker_id,
-            receiver=receiver)
+            kv_connector=kv_connector)
+        if kv_connector is not None:   # may build its transceiver over our K/V memory now
+            kv_connector.bind(self)
         # One thread: steps are sequential by construction, and torch releases the GIL inside ops.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch-step")
 

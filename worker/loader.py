@@ -8,7 +8,7 @@ safetensors are read — never pickled ``*.bin`` files. Weight names follow tran
 ``LlamaForCausalLM`` (``model.layers.N.self_attn.q_proj.weight`` …); q/k/v and gate/up are fused on load.
 Loading is strict: a missing, unexpected or mis-shaped tensor is an error naming it
 (:class:`LoaderError`); an unsupported architecture in config.json raises
-:class:`worker.model.ModelConfigError`. Both are ``ValueError``.
+:class:`worker.model_config.ModelConfigError`. Both are ``ValueError``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 
 from router.named_models import NAMED_MODELS, is_gguf_source
 from router.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from worker.model import LlamaForCausalLM, ModelConfig
+from worker.model import LlamaForCausalLM
+from worker.model_config import ModelConfig
 from worker.presets import build_preset, is_preset, preset_config
 
 __all__ = ["LoaderError", "load_model", "load_directory", "load_tokenizer", "save_hf_checkpoint", "resolve_dtype",

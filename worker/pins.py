@@ -31,11 +31,12 @@ def ctx_id(ctx_request_id) -> int | None:
 
 class PinTable:
     """``ctx_request_id → PinnedTransfer``. Counts ``pins_created`` and ``pins_released_<reason>``
-    in ``counters``; ``on_release`` runs after each release (the scheduler wakes its loop: freed
-    blocks may let a waiting request in)."""
+    in ``counters``; ``on_release(ctx_request_id, reason)`` runs after each release (the scheduler
+    wakes its loop — freed blocks may let a waiting request in — and tells its KV connector)."""
 
     def __init__(self, pool: BlockPool, *, timeout_s: float, counters: collections.Counter,
-                 clock: Callable[[], float], on_release: Callable[[], None] = lambda: None):
+                 clock: Callable[[], float],
+                 on_release: Callable[[int, str], None] = lambda cid, reason: None):
         if timeout_s <= 0:
             raise ValueError(f"pin_timeout_s must be > 0, got {timeout_s}")
         self.pool = pool
@@ -83,7 +84,7 @@ class PinTable:
         self.counters[f"pins_released_{reason}"] += 1
         log.debug("released pinned transfer %s (%d blocks): %s", p.ctx_request_id,
                   len(p.block_ids), reason)
-        self._on_release()
+        self._on_release(p.ctx_request_id, reason)
         return True
 
     def named(self, key: str) -> list[int]:

@@ -16,7 +16,8 @@ import math
 import torch
 import xxhash
 
-from worker.model import LlamaForCausalLM, ModelConfig
+from worker.model import LlamaForCausalLM
+from worker.model_config import ModelConfig
 
 __all__ = ["PRESETS", "preset_config", "build_preset", "init_random_weights", "is_preset",
            "BYTE_VOCAB", "TINY_VOCAB"]

@@ -113,7 +113,7 @@ class TokenEvent:
 
 @dataclass(frozen=True, slots=True)
 class ReceiveSpec:
-    """What a ``KvReceiver`` must fill: the whole prompt's K/V into ``block_ids`` (position ``p``
+    """What a ``KvConnector.receive`` must fill: the whole prompt's K/V into ``block_ids`` (position ``p``
     lives in ``block_ids[p // block_size]`` at slot ``p % block_size``)."""
 
     request_id: str

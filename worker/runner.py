@@ -33,7 +33,8 @@ import torch
 
 from worker.attention import resolve_backend
 from worker.attention.plan import PagedDecode, build_paged_decode, choose_split, fill_units, max_units, num_sms, row_ranges
-from worker.model import AttentionMetadata, DecodeBatch, DecodeGroup, LlamaForCausalLM, ModelConfig, PrefillSeq
+from worker.model import AttentionMetadata, DecodeBatch, DecodeGroup, LlamaForCausalLM, PrefillSeq
+from worker.model_config import ModelConfig
 
 __all__ = ["Chunk", "ModelRunner", "RunnerInputError", "kv_bytes_per_block", "plan_decode_groups"]
 
@@ -299,12 +300,15 @@ class ModelRunner:
         if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or start < 0:
             raise RunnerInputError(f"chunk {i} start_pos must be a non-negative int, found {start!r}")
         end = int(start) + n
-        blocks = np.asarray(c.block_ids, dtype=np.int64).reshape(-1)
-        if blocks.size * bs < end:
+        need = (end - 1) // bs + 1
+        ids = c.block_ids
+        if len(ids) < need:
             raise RunnerInputError(
-                f"chunk {i} covers positions up to {end - 1} but its {blocks.size} blocks of {bs} hold "
-                f"only {blocks.size * bs} positions")
-        used = blocks[: (end - 1) // bs + 1]
+                f"chunk {i} covers positions up to {end - 1} but its {len(ids)} blocks of {bs} hold "
+                f"only {len(ids) * bs} positions")
+        # Only the blocks this chunk touches are converted: converting a long table every decode step
+        # cost ~60 µs per 2k-entry list, most of a batch-32 step's host time (bench/RESULTS.md, issue 17).
+        used = np.asarray(ids[:need], dtype=np.int64).reshape(-1)
         if used.min() < 0 or used.max() >= self.num_blocks:
             raise RunnerInputError(f"chunk {i} block ids must be in [0, {self.num_blocks}), found {used.tolist()}")
         tokens = np.asarray(c.token_ids, dtype=np.int64).reshape(-1)
@@ -536,6 +540,7 @@ class ModelRunner:
             # key's buckets so every step of this shape fits (worker/attention/plan.py).
             split = choose_split(sum(b * nb for b, nb in shape) * bs, self.kv_cache.shape[4], num_sms(dev))
             units = max_units([(b, nb * bs) for b, nb in shape], split)
+            row_units = max(-(-nb * bs // split) for _, nb in shape)
             fields.update({"tables": (rows, max(nb for _, nb in shape)), "u_row": (units,), "u_lo": (units,),
                            "u_hi": (units,), "row_start": (rows + 1,)})
         else:
@@ -554,7 +559,7 @@ class ModelRunner:
 
             def body() -> torch.Tensor:
                 pd = PagedDecode(v["tables"], v["pos"], v["first_key"], v["u_row"], v["u_lo"], v["u_hi"],
-                                 v["row_start"], direct)
+                                 v["row_start"], direct, max_row_units=row_units)
                 meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], None, bs, "triton", pd)
                 h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
                 return model.compute_logits(h.index_select(0, v["order"])).float()

@@ -62,7 +62,7 @@ class Scheduler:
     def __init__(self, *, execute: StepFn, pool: BlockPool, tokenizer, eos_token_ids,
                  vocab_size: int, max_model_len: int, max_batch_size: int = 64,
                  max_num_tokens: int = 2048, pin_timeout_s: float = 60.0,
-                 worker_id: str = "worker", receiver=None, engine_name: str = "base",
+                 worker_id: str = "worker", kv_connector=None, engine_name: str = "base",
                  prefix_reuse: bool = True, clock: Callable[[], float] = time.monotonic):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -71,7 +71,7 @@ class Scheduler:
         self._stats = SchedulerStats(clock)
         self.counters = self._stats.counters
         self.pins = PinTable(pool, timeout_s=pin_timeout_s, counters=self.counters, clock=clock,
-                             on_release=self._wake_loop)
+                             on_release=self._pin_released)
         self.execute = execute
         self.engine_name = engine_name
         self.prefix_reuse = bool(prefix_reuse)
@@ -86,24 +86,12 @@ class Scheduler:
         self.max_num_tokens = int(max_num_tokens)
         self.pin_timeout_s = float(pin_timeout_s)
         self.worker_id = worker_id
-        self.receiver = receiver
+        # How KV crosses workers (worker/kv_connector.py): its hooks are called below, at fixed
+        # points of a request's life. None: generation_only requests are refused (501).
+        self.kv_connector = kv_connector
         # The URL this worker is reachable at; context responses carry it in the opaque state so
         # the generation side knows whom to tell that a transfer finished.
         self.worker_url: str | None = None
-        # Extra entries for a context response's opaque state (the transfer layer adds its own).
-        self.opaque_state_hook: Callable[[PinnedTransfer], dict] | None = None
-        # KV-transfer hooks (transfer/engine_link.py): a context_only request computed another
-        # prefill chunk — (request, prompt tokens computed, block ids) — so its finished blocks can
-        # be sent while the rest is computed; and a context_only request left the scheduler.
-        self.prefill_hook: Callable[[EngineRequest, int, list[int]], None] | None = None
-        self.context_end_hook: Callable[[EngineRequest], None] | None = None
-        # A generation_only request ended before its KV receive began (aborted while queued, or
-        # its receive task cancelled before it ran; client gone, shutdown): the context worker
-        # may hold its KV pinned; the hook tells it.
-        self.receive_abandoned_hook: Callable[[EngineRequest], None] | None = None
-        # A generation_only request was accepted (queued): the context worker holding its KV is
-        # told at once, before the receive (which waits for free blocks) begins.
-        self.receive_expected_hook: Callable[[EngineRequest], None] | None = None
         self.event_sink: Callable[[list], None] | None = None
         self._waiting: collections.deque[Seq] = collections.deque()
         self._running: list[Seq] = []
@@ -195,7 +183,7 @@ class Scheduler:
             raise InvalidRequest(f"request id {req.request_id!r} is already running",
                                  param="request_id", code="duplicate_request_id")
         if req.request_type == GENERATION_ONLY:
-            if self.receiver is None:
+            if self.kv_connector is None:
                 raise TransferUnavailable(
                     "this worker cannot serve generation_only requests: generation_only needs a "
                     "KV transfer agent to receive the context worker's KV cache, and none is "
@@ -227,8 +215,9 @@ class Scheduler:
             self._aliases.setdefault(str(req.ctx_request_id), set()).add(seq.id)
         self._waiting.append(seq)
         self.counters["requests_submitted"] += 1
-        if self.receive_expected_hook is not None and req.request_type == GENERATION_ONLY:
-            self.receive_expected_hook(req)
+        if self.kv_connector is not None and req.request_type == GENERATION_ONLY:
+            # told at once, before the receive (which may wait for free blocks) begins
+            self.kv_connector.receive_expected(req)
         self._wake.set()
         return RequestStream(self.abort, seq)
 
@@ -268,8 +257,10 @@ class Scheduler:
         """Release pins whose deadline passed; returns how many."""
         return self.pins.sweep()
 
-    def _wake_loop(self) -> None:
-        self._wake.set()
+    def _pin_released(self, ctx_request_id: int, reason: str) -> None:
+        self._wake.set()   # freed blocks may let a waiting request in
+        if self.kv_connector is not None:
+            self.kv_connector.pin_released(ctx_request_id, reason)
 
     # ------------------------------------------------------------------ cache control
     def clear_cache(self) -> None:
@@ -460,7 +451,7 @@ class Scheduler:
                            block_size=self.block_size, disaggregated_params=dp)
         # Cleanup lives in a done callback, not in the coroutine: a task cancelled before its
         # first step never runs its body, and its blocks must still come back.
-        s.receive_task = asyncio.create_task(self.receiver.receive(spec), name=f"kv-receive-{s.id}")
+        s.receive_task = asyncio.create_task(self.kv_connector.receive(spec), name=f"kv-receive-{s.id}")
         s.receive_task.add_done_callback(lambda t, s=s: self._receive_done(s, t))
         return True
 
@@ -475,8 +466,7 @@ class Scheduler:
             self._drop_blocks(s)
             # A task cancelled before its first step never began the receive: the context
             # worker must hear it from us (the receiver ignores this when its receive began).
-            if self.receive_abandoned_hook is not None:
-                self.receive_abandoned_hook(s.req)
+            self.kv_connector.receive_abandoned(s.req)
             return
         exc = task.exception()
         if exc is not None:
@@ -517,9 +507,10 @@ class Scheduler:
                 continue
             s.num_computed = start + n
             self._commit_full_blocks(s)
-            if self.prefill_hook is not None and s.req.request_type == CONTEXT_ONLY \
-                    and start < s.num_prompt:
-                self.prefill_hook(s.req, min(s.num_computed, s.num_prompt), s.blocks)
+            if self.kv_connector is not None and s.req.request_type == CONTEXT_ONLY \
+                    and start < s.num_prompt:  # pipelining: finished blocks can leave now
+                self.kv_connector.prefill_progress(s.req, min(s.num_computed, s.num_prompt),
+                                                   s.blocks)
             if sample:
                 self._on_token(s, int(sampled[i]))
 
@@ -580,8 +571,8 @@ class Scheduler:
             p = self.pins.pin(cid, request_id=s.id, aliases=s.req.aliases,
                               prompt_token_ids=list(s.tokens[:s.num_prompt]),
                               block_ids=prompt_blocks)
-            if self.opaque_state_hook is not None:
-                opaque.update(self.opaque_state_hook(p))
+            if self.kv_connector is not None:
+                opaque.update(self.kv_connector.context_finished(p))
         return ContextResult(ctx_request_id=cid, first_gen_tokens=list(s.tokens[s.num_prompt:]),
                              prompt_token_ids=list(s.tokens[:s.num_prompt]), block_ids=prompt_blocks,
                              opaque_state=opaque, pinned=keep)
@@ -635,11 +626,13 @@ class Scheduler:
         last.finish_reason = reason
         last.error = error
         s.queue.put_nowait(last)
-        if self.context_end_hook is not None and s.req.request_type == CONTEXT_ONLY:
-            self.context_end_hook(s.req)
-        if self.receive_abandoned_hook is not None and not s.admitted \
-                and s.req.request_type == GENERATION_ONLY:
-            self.receive_abandoned_hook(s.req)
+        if self.kv_connector is not None:
+            if s.req.request_type == CONTEXT_ONLY:
+                self.kv_connector.context_ended(s.req)
+            elif not s.admitted and s.req.request_type == GENERATION_ONLY:
+                # ended before its receive began (aborted while queued; client gone, shutdown):
+                # the context worker may hold its KV pinned
+                self.kv_connector.receive_abandoned(s.req)
         self._wake.set()
 
     def _drop_blocks(self, s: Seq) -> None:

@@ -31,6 +31,7 @@ import xxhash
 from protocol.disagg import OpaqueState, OpaqueStateError, decode_opaque_state
 from worker.kv_cache import BlockPool
 from worker.engine import SchedulingEngine
+from worker.kv_connector import KvConnector
 from worker.requests import ReceiveSpec
 from worker.scheduler import Plan, Scheduler
 
@@ -58,7 +59,7 @@ def _alphabet(tokenizer, vocab_size: int, eos) -> list[int]:
     return out
 
 
-class SimReceiver:
+class SimReceiver(KvConnector):
     """generation_only on the sim engine: no bytes to move. Waits ``us_per_token`` per prompt
     token, then asks the context worker to release the pinned blocks (best effort; the context
     side's pin timeout covers a lost notification)."""
@@ -151,7 +152,8 @@ class SimEngine(SchedulingEngine):
                  pin_timeout_s: float = 60.0, worker_id: str = "sim", ns_seed: int = 0,
                  vocab_size: int | None = None, eos_token_ids=None,
                  prefill_us_per_token_per_kctx: float = 0.0, decode_us_per_seq: float = 0.0,
-                 decode_us_per_ctx_token: float = 0.0, prefix_reuse: bool = True):
+                 decode_us_per_ctx_token: float = 0.0, prefix_reuse: bool = True,
+                 kv_connector: KvConnector | None | str = "sim"):
         lat = {"prefill": prefill_us_per_token, "decode": decode_us_per_step,
                "prefill per kctx": prefill_us_per_token_per_kctx,
                "decode per seq": decode_us_per_seq, "decode per ctx token": decode_us_per_ctx_token}
@@ -161,13 +163,19 @@ class SimEngine(SchedulingEngine):
         vocab = int(vocab_size or tokenizer.vocab_size)
         eos = tuple(eos_token_ids if eos_token_ids is not None
                     else getattr(tokenizer, "eos_token_ids", ()) or ())
-        self._sim_receiver = SimReceiver(transfer_us_per_token)
+        # "sim": its own receiver (closed by stop()); None: no generation_only (HTTP 501).
+        own = kv_connector == "sim"
+        self._sim_receiver = SimReceiver(transfer_us_per_token) if own else None
+        if own:
+            kv_connector = self._sim_receiver
         self.scheduler = Scheduler(
             execute=self._execute, engine_name=self.engine_name, prefix_reuse=prefix_reuse,
             pool=BlockPool(num_blocks, block_size, ns_seed=ns_seed), tokenizer=tokenizer,
             eos_token_ids=eos, vocab_size=vocab, max_model_len=max_model_len,
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-            pin_timeout_s=pin_timeout_s, worker_id=worker_id, receiver=self._sim_receiver)
+            pin_timeout_s=pin_timeout_s, worker_id=worker_id, kv_connector=kv_connector)
+        if kv_connector is not None:
+            kv_connector.bind(self)
         self.prefill_us_per_token = float(prefill_us_per_token)
         self.decode_us_per_step = float(decode_us_per_step)
         self.prefill_us_per_token_per_kctx = float(prefill_us_per_token_per_kctx)
@@ -218,4 +226,5 @@ class SimEngine(SchedulingEngine):
 
     async def stop(self) -> None:
         await super().stop()
-        await self._sim_receiver.close()
+        if self._sim_receiver is not None:
+            await self._sim_receiver.close()

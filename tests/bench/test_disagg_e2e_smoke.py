@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench import disagg_e2e as bench
+from bench.disagg import report, workload
 from splitserve_testing import clean_env
 from splitserve_testing.proctable import alive
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "disagg_e2e.py"
 # tcp: the NIXL agent (UCX) takes seconds to start per process on a busy 2-core CI machine.
 SMOKE = ["--device", "cpu", "--model", "tiny", "--scale", "tiny", "--transfer-agent", "tcp"]
-SCALE = bench.SCALES["tiny"]
+SCALE = workload.SCALES["tiny"]
 N_SHORT = int(SCALE.duration_s * SCALE.short_rate)
 N_LONG = SCALE.long_count
 
@@ -164,15 +165,15 @@ def test_write_results_replaces_only_its_subsection(tmp_path):
     p = tmp_path / "RESULTS.md"
     p.write_text("# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\n### x\n\nold x\n\n### y\n\nold y\n\n"
                  "## b\n\ntwo\n")
-    bench.write_results(p, "new x\n", "### x")
+    report.write_results(p, "new x\n", "### x")
     assert p.read_text() == ("# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\n### x\n\nnew x\n\n"
                              "### y\n\nold y\n\n## b\n\ntwo\n")
-    bench.write_results(p, "new y\n", "### y")
-    bench.write_results(p, "z\n", "### z")
+    report.write_results(p, "new y\n", "### y")
+    report.write_results(p, "z\n", "### z")
     assert p.read_text() == ("# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\n### x\n\nnew x\n\n"
                              "### y\n\nnew y\n\n### z\n\nz\n\n## b\n\ntwo\n")
     q = tmp_path / "missing.md"
-    bench.write_results(q, "first\n", "### t")
+    report.write_results(q, "first\n", "### t")
     assert q.read_text() == "# Benchmark results\n\n## disagg_e2e\n\n### t\n\nfirst\n"
 
 
@@ -182,7 +183,7 @@ def test_from_json_renders_and_records_a_saved_run(smoke, tmp_path, capsys):
     results = tmp_path / "RESULTS.md"
     assert bench.main(["--from-json", str(saved), "--write-results", "--results", str(results)]) == 0
     out = capsys.readouterr().out
-    assert bench.render(smoke["result"]) in out and smoke["result"]["targets_line"] in out
+    assert report.render(smoke["result"]) in out and smoke["result"]["targets_line"] in out
     text = results.read_text()
     assert "### tiny · CPU smoke run · scale tiny" in text
     assert text == smoke["results"].read_text().replace("## worker\n\nkept as is\n\n", "")
@@ -193,17 +194,17 @@ def test_from_json_renders_and_records_a_saved_run(smoke, tmp_path, capsys):
 
 
 def test_workload_is_fixed_by_the_seed():
-    a = bench.build_workload(bench.SCALES["dry"], 3, "m")
-    assert a == bench.build_workload(bench.SCALES["dry"], 3, "m")
-    b = bench.build_workload(bench.SCALES["dry"], 4, "m")
+    a = workload.build_workload(workload.SCALES["dry"], 3, "m")
+    assert a == workload.build_workload(workload.SCALES["dry"], 3, "m")
+    b = workload.build_workload(workload.SCALES["dry"], 4, "m")
     assert [r.body for r in a] != [r.body for r in b]
     longs = [r for r in a if r.kind == "long"]
-    assert len(longs) == bench.SCALES["dry"].long_count
-    lo, hi = bench.SCALES["dry"].long_prompt
+    assert len(longs) == workload.SCALES["dry"].long_count
+    lo, hi = workload.SCALES["dry"].long_prompt
     for r in longs:
         assert len(r.body["prompt"]) == r.prompt_tokens and r.prompt_tokens % 16 == 0
         assert lo - 16 <= r.prompt_tokens <= hi and all(0 <= t < 256 for t in r.body["prompt"])
-        assert 0 < r.arrival_s < bench.SCALES["dry"].duration_s
+        assert 0 < r.arrival_s < workload.SCALES["dry"].duration_s
     # no two prompts share their first block (no accidental prefix-cache hits across requests)
     firsts = {tuple(r.body["prompt"][:16]) for r in longs}
     assert len(firsts) == len(longs)

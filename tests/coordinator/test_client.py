@@ -1,4 +1,6 @@
-"""Both clients speak the same API with the same answers and typed errors."""
+"""Every transport speaks the same API with the same answers and typed errors: one codec
+(coordinator/client_codec.py) over the in-process transport, aiohttp over a Unix socket, the
+persistent channel, and the fleet's pooled HTTP (fleet/coord_client.py)."""
 from __future__ import annotations
 
 import socket
@@ -20,13 +22,17 @@ async def both_clients(workers, coordinator, tmp_path):
     gen = await workers("generation")
     c, s = await coordinator(cfg([ctx.url], [gen.url]), uds=str(tmp_path / "c.sock"))
     await wait_for(c.is_ready)
-    http = HttpCoordinatorClient(s.uds_url, timeout=2.0)
-    inproc = InProcessCoordinatorClient(c)
-    yield c, s, ctx, gen, {"http": http, "inproc": inproc}
-    await http.close()
+    from fleet.coord_client import FleetCoordinatorClient
+    clients = {"http": HttpCoordinatorClient(s.uds_url, timeout=2.0),
+               "http-plain": HttpCoordinatorClient(s.uds_url, timeout=2.0, channel=False),
+               "fleet-pool": FleetCoordinatorClient(s.tcp_url, timeout=2.0, channel=False),
+               "inproc": InProcessCoordinatorClient(c)}
+    yield c, s, ctx, gen, clients
+    for cl in clients.values():
+        await cl.close()
 
 
-@pytest.mark.parametrize("which", ["http", "inproc"])
+@pytest.mark.parametrize("which", ["http", "http-plain", "fleet-pool", "inproc"])
 async def test_same_answers_and_errors(both_clients, which):
     c, s, ctx, gen, clients = both_clients
     cl = clients[which]
@@ -65,7 +71,11 @@ async def test_same_answers_and_errors(both_clients, which):
     assert await cl.release_identity(f"holder-{which}") is True
     ci = await cl.cluster_info()
     assert ci["is_ready"] is True and ci["routing"]["block_size"] == 16
+    assert await cl.health() is True
     assert c.in_flight() == {"context": 0, "generation": 0}
+    # the channel carried the per-request calls where there is one, the transport everywhere else
+    assert (cl.channel is not None and cl.channel.stats["calls"] > 0) is (which == "http")
+    assert cl.inline is (which == "inproc")
 
 
 async def test_url_forms(both_clients):

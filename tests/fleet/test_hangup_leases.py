@@ -38,14 +38,16 @@ def workers(module_cluster):
 # generation_first: the generation leg is sent (and may be retried) while the context leg runs.
 # channel: the fleet's calls go over the coordinator's pipelined channel, or (False) plain HTTP
 # requests — the transport an external coordinator without the channel gets.
+# No context policy: no context servers, an aggregated deployment (one /select, one leg).
 TOPOLOGIES = [(2, "kv_cache_aware", "kv_cache_aware", "context_first", True),
+              (2, None, "kv_cache_aware", "context_first", True),
               (2, "kv_cache_aware", "kv_cache_aware", "context_first", False),
               (2, "round_robin", "kv_cache_aware", "context_first", False),
               (2, "kv_cache_aware", "kv_cache_aware", "generation_first", True),
               (1, "kv_cache_aware", "kv_cache_aware", "context_first", True)]
 
 
-@pytest.fixture(params=TOPOLOGIES, ids=lambda t: f"{t[0]}proc-{t[1]}-{t[2]}-{t[3]}" + ("" if t[4] else "-http"))
+@pytest.fixture(params=TOPOLOGIES, ids=lambda t: f"{t[0]}proc-{t[1] or 'aggregated'}-{t[2]}-{t[3]}" + ("" if t[4] else "-http"))
 def local(request, module_cluster, workers):
     n, pc, pg, style, channel = request.param
     ctx, gen = workers
@@ -54,7 +56,8 @@ def local(request, module_cluster, workers):
     name = f"hl-fleet-{n}-{pc}-{style}-{channel}"
     cfg = c.config(f"{name}.yaml", port=port, num_workers=n, leases={"ttl_s": TTL_S}, schedule_style=style,
                    coordinator={**NO_SHEDDING, "channel": channel},
-                   context_servers=group([ctx], pc), generation_servers=group([gen], pg))
+                   **({"context_servers": group([ctx], pc)} if pc else {}),
+                   generation_servers=group([gen], pg))
     f = c.fleet(cfg, name=name)
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: healthy(url), 90, "the fleet", f)

@@ -1,5 +1,5 @@
 """One readiness rule: a coordinator process and a fleet process given the same config and the same
-workers report the same `/health` (`ClusterConfig.health_minimums`, coordinator/config.py), and the
+workers report the same `/health` (`ClusterConfig.health_minimums`, coordinator/config_schema.py), and the
 fleet's aggregated-only shortcut follows from the same minimums (`ClusterConfig.aggregated_only`).
 
 Each case below is one where the three former copies of the rule (fleet/server.py, fleet/flow.py,

@@ -46,12 +46,12 @@ def tiny_sliding():
 
 
 class W:
-    """One in-process worker (engine + transfer link + HTTP server)."""
+    """One in-process worker (engine + its KV connector + HTTP server)."""
 
     def __init__(self, server, url):
         self.server, self.url = server, url
         self.engine = server.engine
-        self.link = server.transfer_link
+        self.link = server.engine.kv_connector
 
     async def close(self):
         await self.server.stop()
@@ -62,24 +62,24 @@ class W:
 async def start(model, role, *, agent="tcp", block_size=4, num_blocks=192, max_num_tokens=64,
                 transfer=True, pipeline=True, pin_timeout=30.0, transfer_timeout=30.0):
     from router.tokenizer import ByteTokenizer
-    from worker.cli import _build_transfer
+    from worker.cli import build_kv_connector
     from worker.engine import TorchEngine
     from worker.runner import ModelRunner
     from worker.server import WorkerServer
 
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
-    engine = TorchEngine(runner, ByteTokenizer(vocab_size=model.config.vocab_size),
-                         max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout)
     link = None
     if transfer:
         ns = SimpleNamespace(transfer_agent=agent, host="127.0.0.1", transfer_port=0, role=role,
-                             pin_timeout=pin_timeout, transfer_timeout=transfer_timeout)
-        link = _build_transfer(ns, engine, "tiny", None)
-        link.tx.cfg.pipeline = pipeline
+                             pin_timeout=pin_timeout, transfer_timeout=transfer_timeout,
+                             transfer_pipeline="on" if pipeline else "off")
+        link = build_kv_connector(ns, "tiny", None)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
+    engine = TorchEngine(runner, ByteTokenizer(vocab_size=model.config.vocab_size),
+                         max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout,
+                         kv_connector=link)
     srv = WorkerServer(engine, model_name="tiny", role=role, host="127.0.0.1", port=0,
                        transfer_info=link.server_info() if link else None,
                        ctx_info_endpoint=link.endpoint if link else None)
-    srv.transfer_link = link
     url = await srv.start()
     return W(srv, url)
 
@@ -273,6 +273,44 @@ async def test_cancellation_paths_return_pools_to_baseline(tiny, http):
     finally:
         for w in (ctx, gen):
             await w.close()
+
+
+async def test_waiting_sends_are_not_polled_and_an_abort_ends_them_at_once(tiny, http):
+    """Context legs whose KV nobody fetched yet cost nothing while they wait: the connector looks
+    at a send only when something decided its fate (here: /v1/abort releases the pin), not every
+    few milliseconds (the link it replaced called send_status for every send every 2 ms)."""
+    ctx = await start(tiny, "context")
+    calls = []
+    status = ctx.link.tx.send_status
+    ctx.link.tx.send_status = lambda cid: (calls.append(cid), status(cid))[1]
+    try:
+        cids = []
+        for p in PROMPTS:
+            st, c = await complete(http, ctx.url, {
+                "prompt": p, "max_tokens": 2, "temperature": 0,
+                "disaggregated_params": {"request_type": "context_only",
+                                         "disagg_request_id": next(_ids)}})
+            assert st == 200, c
+            cids.append(c["choices"][0]["disaggregated_params"]["ctx_request_id"])
+        assert ctx.engine.stats()["pinned_transfers"] == len(PROMPTS)
+        await asyncio.sleep(0.1)
+        calls.clear()
+        await asyncio.sleep(0.5)   # below the connector's 1 s safety sweep
+        assert calls == [], f"{len(calls)} send_status calls while nothing happened"
+        async with http.post(ctx.url + "/v1/abort", json={"request_id": cids[0]}) as r:
+            assert (await r.json())["aborted"] is True
+        for _ in range(100):   # the abort released the pin; pin_released cancels the send now
+            if ctx.link.tx.pending()["send"] == len(PROMPTS) - 1:
+                break
+            await asyncio.sleep(0.01)
+        assert ctx.link.tx.pending()["send"] == len(PROMPTS) - 1
+        assert cids[0] in calls and set(calls) == {cids[0]}
+    finally:
+        for c in cids[1:]:
+            async with http.post(ctx.url + "/v1/abort", json={"request_id": c}) as r:
+                assert r.status == 200
+        await settled(ctx)
+        await ctx.close()
 
 
 async def test_generation_worker_killed_mid_transfer(tiny, http):

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from tests.worker.conftest import make_sim_engine, wait_for
+from worker.kv_connector import KvConnector
 from worker.requests import (
     CONTEXT_ONLY, GENERATION_ONLY, EngineRequest, InvalidRequest, SamplingParams,
     TransferUnavailable,
@@ -189,7 +190,7 @@ async def test_context_leg_that_stops_is_not_pinned(sim):
     assert e.pinned_transfer(3) is None and e.pool.num_used == 0
 
 
-class SlowReceiver:
+class SlowReceiver(KvConnector):
     def __init__(self):
         self.started = asyncio.Event()
         self.cancelled = False
@@ -205,15 +206,14 @@ class SlowReceiver:
             raise
 
 
-class FailingReceiver:
+class FailingReceiver(KvConnector):
     async def receive(self, spec):
         raise ConnectionError("peer went away")
 
 
 async def test_generation_only_receive_abort_failure_and_missing_receiver(sim):
-    e = await sim()
     rx = SlowReceiver()
-    e.receiver = rx
+    e = await sim(kv_connector=rx)
     s = await e.submit(req("g", prompt(13), request_type=GENERATION_ONLY, first_gen_tokens=[70],
                            aliases=("42",), disaggregated_params={"ctx_request_id": 42}))
     await asyncio.wait_for(rx.started.wait(), 5)
@@ -225,12 +225,12 @@ async def test_generation_only_receive_abort_failure_and_missing_receiver(sim):
     assert evs[-1].finish_reason == "abort"
     await wait_for(lambda: e.pool.num_used == 0)
     assert rx.cancelled
-    e.receiver = FailingReceiver()
+    e = await sim(kv_connector=FailingReceiver())
     _, _, l = await run(e, req("g2", prompt(13), request_type=GENERATION_ONLY,
                                first_gen_tokens=[70], disaggregated_params={"ctx_request_id": 1}))
     assert l.finish_reason == "error" and "peer went away" in l.error
     assert e.pool.num_used == 0
-    e.receiver = None
+    e = await sim(kv_connector=None)
     with pytest.raises(TransferUnavailable) as ei:
         await e.submit(req("g3", prompt(13), request_type=GENERATION_ONLY, first_gen_tokens=[70]))
     assert ei.value.status == 501 and "KV transfer agent" in ei.value.message

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from tests.worker.conftest import make_torch_engine, wait_for
+from worker.kv_connector import KvConnector
 from worker.requests import CONTEXT_ONLY, GENERATION_ONLY, EngineRequest, SamplingParams
 
 
@@ -91,27 +92,33 @@ async def test_seeded_sampling_is_reproducible_and_batch_invariant(engines):
     assert g == h, "top_k=1 is greedy"
 
 
-class CopyReceiver:
-    """A KvReceiver that 'transfers' by copying blocks between two in-process runners, then tells
-    the context engine the transfer is done, as the real transfer layer does over the wire."""
+class CopyConnector(KvConnector):
+    """A KV connector that 'transfers' by copying blocks between two in-process runners, then
+    tells the context engine the transfer is done, as the real transfer layer does over the wire.
+    Records the hooks the engine called."""
 
-    def __init__(self, ctx, gen):
-        self.ctx, self.gen = ctx, gen
+    def __init__(self, ctx):
+        self.ctx = ctx
         self.received = 0
+        self.calls = []
+
+    def receive_expected(self, req):
+        self.calls.append(("expected", req.request_id))
 
     async def receive(self, spec):
         pinned = self.ctx.pinned_transfer(spec.ctx_request_id)
         assert pinned is not None, "the context leg's blocks must still be pinned"
         assert pinned.prompt_token_ids == spec.prompt_token_ids
-        self.gen.runner.write_blocks(spec.block_ids, self.ctx.runner.read_blocks(pinned.block_ids))
+        self.engine.runner.write_blocks(spec.block_ids,
+                                        self.ctx.runner.read_blocks(pinned.block_ids))
         self.received += 1
         assert self.ctx.release(spec.ctx_request_id, "transferred")
 
 
 async def test_two_leg_flow_through_the_transfer_hooks_matches_one_leg(engines):
     ctx = await engines(num_blocks=64, block_size=8)
-    gen = await engines(num_blocks=64, block_size=8)
-    gen.receiver = CopyReceiver(ctx, gen)
+    gen = await engines(num_blocks=64, block_size=8, kv_connector=CopyConnector(ctx))
+    assert gen.kv_connector.engine is gen, "the engine binds the connector it was given"
     for i, n in enumerate((33, 24)):  # a partial last block, and a block-aligned prompt
         p = prompt(n, salt=i)
         want, _ = await run(gen, EngineRequest(f"one{i}", p, greedy()))
@@ -133,7 +140,8 @@ async def test_two_leg_flow_through_the_transfer_hooks_matches_one_leg(engines):
                                                disaggregated_params={"ctx_request_id": 200 + i}))
         assert got2 == want
         gen.clear_cache()
-    assert gen.receiver.received == 4
+    assert gen.kv_connector.received == 4
+    assert [c[1] for c in gen.kv_connector.calls] == ["g0", "g0b", "g1", "g1b"]
 
 
 async def test_block_accounting_returns_to_baseline(engines):

@@ -165,7 +165,8 @@ async def test_size_route_and_transfer_errors(servers, http):
         assert r.status == 404 and "error" in await r.json()
     async with http.get(url + "/v1/completions") as r:
         assert r.status == 405 and "error" in await r.json()
-    srv.engine.receiver = None  # a torch worker before the transfer layer is plugged in
+    # a worker without a KV connector (a torch worker started without the transfer layer)
+    _, url = await servers(engine_kw=dict(kv_connector=None))
     async with http.post(url + "/v1/completions", json={"prompt": "x", "disaggregated_params": {
             "request_type": "generation_only", "ctx_request_id": 7, "first_gen_tokens": [70]}}) as r:
         assert r.status == 501

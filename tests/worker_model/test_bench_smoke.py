@@ -49,3 +49,17 @@ def test_bench_worker_mixed_decode(tmp_path):
     single, grouped = (int(r[3].replace(",", "")) for r in rows)
     assert grouped < single / 3 and all(float(r[1]) > 0 for r in rows)
     assert "### mixed decode · tiny · cpu · float32" in results.read_text()
+
+
+def test_bench_worker_clips_contexts_to_the_model_limit():
+    """A decode context past ``max_position_embeddings`` (tiny: 8192) is one no worker serves
+    (worker/engine.py caps requests there, and the runner's CUDA-graph tables end there): the bench
+    runs the longest servable one instead and says so."""
+    out = subprocess.run([sys.executable, "bench/worker.py", "--quick", "--no-write", "--batch", "1",
+                          "--context", "100", "--context", "9000"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    ctx = re.findall(r"^\| decode \| 1 \| [\d,]+ \| [\d,]+ \| [\d.]+% \| \w+ \| (\d+) \|", out.stdout, re.M)
+    limit = 8192 - 2 * 4 - 2  # --quick: 4 decode steps, each context also runs a warm-up past it
+    assert ctx == ["100", str(limit)]
+    assert f"contexts 9000 clipped to {limit}" in out.stdout

@@ -301,7 +301,8 @@ def test_kernels_compile_for_hopper_without_spills(dim):
         # As the JIT specialises a launch: pointers and these strides are multiples of 16.
         hinted = [i for i, n in enumerate(names.split()) if types.get(n, "").startswith("*")
                   or n in ("stride_qt", "stride_qh", "stride_blk", "stride_tok", "stride_ot", "stride_oh",
-                           "stride_mu", "stride_mh", "stride_lu")]
+                           "stride_mu", "stride_mh", "stride_lu", "stride_xm", "stride_wn", "stride_om", "K",
+                           "k_per_split")]
         attrs = {(i,): [["tt.divisibility", 16]] for i in hinted}
         k = triton.compile(ASTSource(fn, _sig(names, types, const), const, attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": num_warps, "num_stages": 2})
@@ -320,11 +321,12 @@ def test_kernels_compile_for_hopper_without_spills(dim):
     dec_types = {n: bf for n in ("Q", "K", "V", "Out")} | {n: i64 for n in ("Tables", "Pos", "Key0", "URow", "ULo", "UHi")}
     dec_types |= {"MidO": "*fp32", "MidL": "*fp32", "stride_blk": "i64", "qk_scale": "fp32"}
     for direct in (False, True):
-        const = {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_N": T.DECODE_BLOCK_N, "PAGE": 16,
+        block_n, warps, _ = T.decode_config(bd)
+        const = {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_N": block_n, "PAGE": 16,
                  "DIRECT": direct, "PREC": None}
         assert build(T._decode_kernel, "Q K V Tables Pos Key0 URow ULo UHi Out MidO MidL stride_qt stride_qh "
                      "stride_blk stride_tok stride_tab stride_ot stride_oh stride_mu stride_mh stride_lu qk_scale",
-                     dec_types, const, 4 if bd <= 64 else 8, pipelined=True) == 0
+                     dec_types, const, warps, pipelined=True) == 0
     pre_types = {n: bf for n in ("Q", "K", "V", "Out")} | {"Table": i64, "stride_blk": "i64", "qk_scale": "fp32"}
     for window in (0, 100):
         const = {"GROUP": 4, "GROUP_P": 4, "BLOCK_T": (128 if dim <= 64 else 64) // 4, "HEAD_DIM": dim, "BLOCK_D": bd,
@@ -334,10 +336,19 @@ def test_kernels_compile_for_hopper_without_spills(dim):
     build(T._merge_kernel, "MidO MidL RowStart Out stride_mu stride_mh stride_lu stride_ot stride_oh",
           {"MidO": "*fp32", "MidL": "*fp32", "RowStart": i64, "Out": bf},
           {"HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_U": 16}, 2)
-    build(T._rope_store_kernel, "QKV Cos Sin K V SlotBlock SlotOff QOut stride_qkv stride_cos stride_blk stride_tok "
-          "stride_qo", {n: bf for n in ("QKV", "Cos", "Sin", "K", "V", "QOut")} | {"SlotBlock": i64, "SlotOff": i64,
-                                                                                  "stride_blk": "i64"},
-          {"NQ": 32, "NKV": 8, "HEAD_DIM": dim, "HALF": dim // 2, "BLOCK_HALF": dim // 2}, 1)
-    build(T._add_rms_norm_kernel, "X R W H Y stride_x stride_r stride_h stride_y n eps",
-          {n: bf for n in "X R W H Y".split()} | {"eps": "fp32"}, {"BLOCK": 2048}, 8)
+    for nsplit in (0, 4):
+        qkv = "*fp32" if nsplit else bf
+        build(T._rope_store_kernel, "QKV Cos Sin K V SlotBlock SlotOff QOut stride_qkv stride_cos stride_blk "
+              "stride_tok stride_qo stride_split", {n: bf for n in ("Cos", "Sin", "K", "V", "QOut")}
+              | {"QKV": qkv, "SlotBlock": i64, "SlotOff": i64, "stride_blk": "i64"},
+              {"NQ": 32, "NKV": 8, "HEAD_DIM": dim, "HALF": dim // 2, "BLOCK_HALF": dim // 2, "NSPLIT": nsplit}, 1)
+        build(T._add_rms_norm_kernel, "X R W H Y stride_x stride_r stride_h stride_y stride_split n eps",
+              {n: bf for n in "R W H Y".split()} | {"X": qkv, "eps": "fp32"}, {"BLOCK": 2048, "NSPLIT": nsplit}, 8)
+    from worker.attention import triton_linear as TL
+    for bm, bn, swiglu, partial in ((16, 16, False, True), (32, 16, False, True), (16, 32, True, False),
+                                    (32, 64, False, False)):
+        assert build(TL._small_m_kernel, "X W Bias Out M N K k_per_split stride_xm stride_wn stride_os stride_om "
+                     "up_off", {"X": bf, "W": bf, "Bias": bf, "Out": "*fp32" if partial else bf},
+                     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": TL.BLOCK_K, "SWIGLU": swiglu, "HAS_BIAS": False,
+                      "PARTIAL": partial, "PREC": None}, 4, pipelined=True) == 0
     build(T._silu_mul_kernel, "GU Out stride_gu stride_o inter", {"GU": bf, "Out": bf}, {"BLOCK": 1024}, 4)

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from worker.model import LlamaForCausalLM, ModelConfig, ModelConfigError
+from worker.model import LlamaForCausalLM
+from worker.model_config import ModelConfig, ModelConfigError
 from worker.presets import build_preset, init_random_weights, preset_config
 from worker.runner import Chunk, ModelRunner, RunnerInputError, kv_bytes_per_block
 

@@ -26,12 +26,12 @@ def _one_thread():
 
 
 class Worker:
-    """An in-process worker (engine [+ transfer link] + HTTP server on 127.0.0.1:0)."""
+    """An in-process worker (engine [+ its KV connector] + HTTP server on 127.0.0.1:0)."""
 
     def __init__(self, server, url):
         self.server, self.url = server, url
         self.engine = server.engine
-        self.link = getattr(server, "transfer_link", None)
+        self.link = server.engine.kv_connector
 
     async def close(self):
         await self.server.stop()
@@ -65,16 +65,22 @@ async def start_worker(model="tiny", *, tp=1, pp=1, role="both", transfer=None, 
     """A single-rank (tp=pp=1) or multi-rank worker; ``transfer`` names an agent (tcp, shm) or None.
     Multi-rank workers are launched from a thread that then exits: the followers must not care
     which thread spawned them (PR_SET_PDEATHSIG is per thread)."""
-    from worker.cli import _build_transfer
+    from worker.cli import build_kv_connector
     from worker.server import WorkerServer
 
     name = hf_dir or model
+    link = None
+    if transfer:  # bound, and its transceiver(s) built, by the engine's constructor
+        ns = SimpleNamespace(transfer_agent=transfer, host="127.0.0.1", transfer_port=0, role=role,
+                             pin_timeout=pin_timeout, transfer_timeout=transfer_timeout)
+        link = build_kv_connector(ns, "tiny", None)
     if tp * pp > 1:
         from worker.parallel.engine import build_parallel_engine
 
         engine = await _in_transient_thread(lambda: build_parallel_engine(
             name, tp_size=tp, pp_size=pp, device="cpu", dtype="float32", num_blocks=num_blocks,
-            block_size=block_size, max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout))
+            block_size=block_size, max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout,
+            kv_connector=link))
     else:
         from worker.engine import TorchEngine
         from worker.loader import load_model
@@ -82,16 +88,11 @@ async def start_worker(model="tiny", *, tp=1, pp=1, role="both", transfer=None, 
 
         m, tok, _ = load_model(name, device="cpu", dtype="float32")
         engine = TorchEngine(ModelRunner(m, num_blocks=num_blocks, block_size=block_size), tok,
-                             max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout)
-    link = None
-    if transfer:
-        ns = SimpleNamespace(transfer_agent=transfer, host="127.0.0.1", transfer_port=0, role=role,
-                             pin_timeout=pin_timeout, transfer_timeout=transfer_timeout)
-        link = _build_transfer(ns, engine, "tiny", None)
+                             max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout,
+                             kv_connector=link)
     srv = WorkerServer(engine, model_name="tiny", role=role, host="127.0.0.1", port=0,
                        transfer_info=link.server_info() if link else None,
                        ctx_info_endpoint=link.endpoint if link else None)
-    srv.transfer_link = link
     return Worker(srv, await srv.start())
 
 

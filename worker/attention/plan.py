@@ -27,14 +27,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["PagedDecode", "build_paged_decode", "MIN_SPLIT", "PROGRAMS_PER_SM", "choose_split", "max_units", "row_ranges",
-           "fill_units", "num_sms"]
+__all__ = ["PagedDecode", "build_paged_decode", "MIN_SPLIT", "PROGRAMS_PER_SM", "UNIT_ALIGN", "choose_split", "max_units",
+           "row_ranges", "fill_units", "num_sms"]
 
-#: Smallest work unit, in key slots (a few BLOCK_N tiles: below this the merge costs more than the
-#: extra parallelism gains).
-MIN_SPLIT = 256
-#: Target programs per multiprocessor for one decode launch.
-PROGRAMS_PER_SM = 4
+#: Smallest work unit, in key slots (one BLOCK_N tile of the kernel). Timed on the H200 (bench/RESULTS.md,
+#: issue 17 "decode kernels"): at batch 1-8 and 1k context, 128-slot units beat 256 by 10-30%.
+MIN_SPLIT = 128
+#: Target programs per multiprocessor for one decode launch, counted on the graph key's bucketed
+#: lengths (up to twice the real ones), so about 4 per multiprocessor of real work.
+PROGRAMS_PER_SM = 8
+#: Unit boundaries fall on multiples of this many slots (the kernel's BLOCK_N at head_dim ≤ 64).
+UNIT_ALIGN = 128
 
 
 @dataclass
@@ -44,7 +47,8 @@ class PagedDecode:
     ``tables [R, T]`` block ids per row (table slot ``i`` holds key slots ``i·block_size ..``);
     ``pos [R]`` query positions; ``key0 [R]`` absolute position of each table's first slot;
     ``unit_row / unit_lo / unit_hi [U]`` the work units (``unit_hi == unit_lo`` marks an unused
-    unit of a CUDA-graph buffer: its programs exit at once); ``row_start [R+1]`` each row's first unit.
+    unit of a CUDA-graph buffer: its programs exit at once); ``row_start [R+1]`` each row's first unit;
+    ``max_row_units`` an upper bound on any row's unit count (sizes the merge kernel's tile).
     ``token_start``: the decode rows are rows ``token_start ..`` of the flat batch."""
 
     tables: torch.Tensor
@@ -56,6 +60,7 @@ class PagedDecode:
     row_start: torch.Tensor
     direct: bool
     token_start: int = 0
+    max_row_units: int = 16
 
 
 _SMS: dict[str, int] = {}
@@ -93,7 +98,7 @@ def row_ranges(pos: np.ndarray, key0: np.ndarray, window: int | None) -> tuple[n
 
 
 def fill_units(lo: np.ndarray, hi: np.ndarray, split: int, unit_row: np.ndarray, unit_lo: np.ndarray,
-               unit_hi: np.ndarray, row_start: np.ndarray, align: int = 64) -> int:
+               unit_hi: np.ndarray, row_start: np.ndarray, align: int = UNIT_ALIGN) -> int:
     """Cut rows ``[lo, hi)`` into units of ≤ ``split`` slots, written into the given arrays (which may
     be longer: entries past the last unit become empty units of row 0). Returns the unit count.
 
@@ -132,7 +137,8 @@ def build_paged_decode(tables, pos, key0, window: int | None, kv_heads: int, dev
     lo, hi = row_ranges(pos_a, key0_a, window)
     read = int((hi - lo).sum())
     split = split or choose_split(read, kv_heads, num_sms(torch.device(device)))
-    units = int((-(-(hi - lo) // split)).sum())  # an upper bound: fill_units may need fewer
+    per_row = -(-(hi - lo) // split)
+    units = int(per_row.sum())  # an upper bound: fill_units may need fewer
     sizes = (r * width, r, r, units, units, units, r + 1)
     buf = np.zeros(sum(sizes), dtype=np.int64)
     parts, o = [], 0
@@ -152,5 +158,6 @@ def build_paged_decode(tables, pos, key0, window: int | None, kv_heads: int, dev
     for n in sizes:
         dev_parts.append(d[o:o + n])
         o += n
-    meta = PagedDecode(dev_parts[0].view(r, width), *dev_parts[1:], direct=units == r, token_start=token_start)
+    meta = PagedDecode(dev_parts[0].view(r, width), *dev_parts[1:], direct=units == r, token_start=token_start,
+                       max_row_units=int(per_row.max()))
     return meta, read

@@ -27,17 +27,26 @@ import triton
 import triton.language as tl
 
 from worker.attention.plan import PagedDecode
+from worker.attention.triton_linear import gate_up_silu, linear_partials, use_small_m
 
-__all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_mul"]
+__all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_mul", "use_small_m", "linear_partials",
+           "gate_up_silu", "decode_config"]
 
 _LOG2E = 1.4426950408889634
 #: Keys per tile. Shapes picked from ``ptxas -v`` and the TTGIR for sm_90 with the launcher's
-#: specialisation (16-aligned pointers and strides): decode 64 keys × 16 query rows, 4 warps (8 at
-#: head_dim 128), 64 registers a thread, K/V/table loads software-pipelined with cp.async, no
-#: spills; prefill 128 query rows × 64 keys, 8 warps, wgmma, 121 registers (4 warps took 255).
-#: vLLM's/SGLang's grouped decode kernel uses 32 keys × 16 rows, 4 warps, 2 stages.
-DECODE_BLOCK_N = 64
+#: specialisation (16-aligned pointers and strides), then timed on the H200 (bench/RESULTS.md, issue 17
+#: "decode kernels"): decode 128 keys × 16 query rows, 4 warps at head_dim ≤ 64 (64 keys, 8 warps at
+#: 128), K/V/table loads software-pipelined with cp.async, no spills — 128 keys beat 64 by 4–30% at
+#: every measured batch × context but 32k × 8, where it lost 3%; prefill 128 query rows × 64 keys,
+#: 8 warps, wgmma, 121 registers (4 warps took 255). vLLM's/SGLang's grouped decode kernel uses 32
+#: keys × 16 rows, 4 warps, 2 stages.
+DECODE_BLOCK_N = 128
 PREFILL_BLOCK_N = 64
+
+
+def decode_config(block_d: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` of the decode kernel at a padded head_dim."""
+    return (DECODE_BLOCK_N, 4, 2) if block_d <= 64 else (64, 8, 2)
 
 
 def _interpreter_compat() -> None:
@@ -72,18 +81,29 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 @triton.jit
 def _rope_store_kernel(QKV, Cos, Sin, K, V, SlotBlock, SlotOff, QOut,
-                       stride_qkv, stride_cos, stride_blk, stride_tok, stride_qo,
+                       stride_qkv, stride_cos, stride_blk, stride_tok, stride_qo, stride_split,
                        NQ: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr):
+                       BLOCK_HALF: tl.constexpr, NSPLIT: tl.constexpr):
     """One program per (token, head slot): slot < NQ rotates a query head into QOut, the next NKV
-    rotate key heads into the cache, the last NKV copy value heads into the cache."""
+    rotate key heads into the cache, the last NKV copy value heads into the cache. ``NSPLIT > 0``:
+    ``QKV`` holds that many fp32 split-K partials of the qkv product (worker/attention/
+    triton_linear.py), summed and rounded to the model dtype here."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
     m = offs < HALF
     src = QKV + t * stride_qkv + h * HEAD_DIM
-    x1 = tl.load(src + offs, mask=m, other=0.0)
-    x2 = tl.load(src + HALF + offs, mask=m, other=0.0)
+    if NSPLIT > 0:
+        a1 = tl.zeros([BLOCK_HALF], tl.float32)
+        a2 = tl.zeros([BLOCK_HALF], tl.float32)
+        for sp in tl.static_range(NSPLIT):
+            a1 += tl.load(src + sp * stride_split + offs, mask=m, other=0.0)
+            a2 += tl.load(src + sp * stride_split + HALF + offs, mask=m, other=0.0)
+        x1 = a1.to(QOut.dtype.element_ty)
+        x2 = a2.to(QOut.dtype.element_ty)
+    else:
+        x1 = tl.load(src + offs, mask=m, other=0.0)
+        x2 = tl.load(src + HALF + offs, mask=m, other=0.0)
     if h < NQ + NKV:
         c1 = tl.load(Cos + t * stride_cos + offs, mask=m, other=0.0).to(tl.float32)
         c2 = tl.load(Cos + t * stride_cos + HALF + offs, mask=m, other=0.0).to(tl.float32)
@@ -115,9 +135,11 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k
                num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """Rotate q and k of ``qkv [n, (H + 2·Hkv)·D]`` (RoPE, "rotate half"), store k and v into their
     cache slots and return the rotated q ``[n, H, D]``: the work of ``_apply_rope`` plus the two
-    index-put stores of the torch path in one launch."""
-    n = qkv.shape[0]
-    q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    index-put stores of the torch path in one launch. ``qkv`` may be split-K partials
+    ``[S, n, (H + 2·Hkv)·D]`` (fp32), summed here."""
+    nsplit = qkv.shape[0] if qkv.dim() == 3 else 0
+    n = qkv.shape[-2]
+    q = torch.empty(n, num_heads, head_dim, dtype=kv_cache.dtype, device=qkv.device)
     if n == 0:
         return q
     if cos.stride() != sin_signed.stride() or cos.stride(1) != 1:
@@ -125,9 +147,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k
     half = head_dim // 2
     _rope_store_kernel[(n, num_heads + 2 * num_kv_heads)](
         qkv, cos, sin_signed, kv_cache[:, layer, 0], kv_cache[:, layer, 1], slot_block, slot_offset, q,
-        qkv.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(3), q.stride(0),
+        qkv.stride(-2), cos.stride(0), kv_cache.stride(0), kv_cache.stride(3), q.stride(0),
+        qkv.stride(0) if nsplit else 0,
         NQ=num_heads, NKV=num_kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=1)
+        NSPLIT=nsplit, num_warps=1)
     return q
 
 
@@ -143,10 +166,11 @@ def _decode_kernel(Q, K, V, Tables, Pos, Key0, URow, ULo, UHi, Out, MidO, MidL,
                    PREC: tl.constexpr):
     u = tl.program_id(0)
     kvh = tl.program_id(1)
+    # The three unit loads are independent (one round trip), the table then K/V depend on them.
     lo = tl.load(ULo + u).to(tl.int32)
     hi = tl.load(UHi + u).to(tl.int32)
+    row = tl.load(URow + u)
     if hi > lo:
-        row = tl.load(URow + u)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask_h = offs_h < GROUP
@@ -187,7 +211,8 @@ def _decode_kernel(Q, K, V, Tables, Pos, Key0, URow, ULo, UHi, Out, MidO, MidL,
 def _merge_kernel(MidO, MidL, RowStart, Out, stride_mu, stride_mh, stride_lu, stride_ot, stride_oh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr):
     """One program per (row, query head): merge the row's units by log-sum-exp, ``BLOCK_U`` units per
-    load so a 32k-token row's few dozen partials cost one or two round trips, not one per unit."""
+    load (the launcher sizes it to the longest row's unit count) so a 32k-token row's few dozen
+    partials cost one round trip, not one per unit."""
     row = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -213,14 +238,16 @@ def _merge_kernel(MidO, MidL, RowStart, Out, stride_mu, stride_mh, stride_lu, st
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: PagedDecode, scale: float,
-                 out: torch.Tensor) -> torch.Tensor:
-    """Attention of single-token rows ``q [R, H, D]`` over their paged contexts into ``out [R, H, D]``."""
+                 out: torch.Tensor, cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Attention of single-token rows ``q [R, H, D]`` over their paged contexts into ``out [R, H, D]``.
+    ``cfg`` overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks sweep it)."""
     rows, nq, d = q.shape
     nkv = kv_cache.shape[4]
     group = nq // nkv
     bd = _pow2(d)
     units = meta.unit_row.shape[0]
     k, v = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+    block_n, warps, stages = cfg or decode_config(bd)
     if meta.direct:
         mid_o = mid_l = out  # unused
         smu = smh = slu = 0
@@ -232,11 +259,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: Page
         q, k, v, meta.tables, meta.pos, meta.key0, meta.unit_row, meta.unit_lo, meta.unit_hi, out, mid_o, mid_l,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3), meta.tables.stride(0),
         out.stride(0), out.stride(1), smu, smh, slu, scale * _LOG2E,
-        GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=DECODE_BLOCK_N, PAGE=kv_cache.shape[3],
-        DIRECT=meta.direct, PREC=_prec(q), num_warps=4 if bd <= 64 else 8, num_stages=2)
+        GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=block_n, PAGE=kv_cache.shape[3],
+        DIRECT=meta.direct, PREC=_prec(q), num_warps=warps, num_stages=stages)
     if not meta.direct:
+        # All of a row's units in one load (at most 128 of them; more take several rounds).
+        bu = min(128, max(2, triton.next_power_of_2(meta.max_row_units)))
         _merge_kernel[(rows, nq)](mid_o, mid_l, meta.row_start, out, smu, smh, slu, out.stride(0), out.stride(1),
-                                  HEAD_DIM=d, BLOCK_D=bd, BLOCK_U=16, num_warps=2)
+                                  HEAD_DIM=d, BLOCK_D=bd, BLOCK_U=bu, num_warps=4 if bu >= 32 else 2)
     return out
 
 
@@ -328,30 +357,40 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: to
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, n, eps,
-                         BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, stride_split, n, eps,
+                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < n
-    x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
+    dt = H.dtype.element_ty
+    if NSPLIT > 0:  # split-K partials of the product feeding the residual (triton_linear.py)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for sp in tl.static_range(NSPLIT):
+            acc += tl.load(X + sp * stride_split + row * stride_x + offs, mask=m, other=0.0)
+        x = acc.to(dt)
+    else:
+        x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
     r = tl.load(R + row * stride_r + offs, mask=m, other=0.0)
-    h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
     tl.store(H + row * stride_h + offs, h, mask=m)
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
     w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(x.dtype), mask=m)
+    tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(dt), mask=m)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = x + residual`` and ``rms_norm(h) · weight`` of ``[rows, hidden]`` in one launch."""
-    rows, n = x.shape
-    h, y = torch.empty_like(x), torch.empty_like(x)
+    """``h = x + residual`` and ``rms_norm(h) · weight`` of ``[rows, hidden]`` in one launch. ``x`` may
+    be split-K partials ``[S, rows, hidden]`` (fp32) of the product, summed here."""
+    nsplit = x.shape[0] if x.dim() == 3 else 0
+    rows, n = residual.shape
+    h, y = torch.empty_like(residual), torch.empty_like(residual)
     if rows:
         block = triton.next_power_of_2(n)
-        _add_rms_norm_kernel[(rows,)](x, residual, weight, h, y, x.stride(0), residual.stride(0), h.stride(0),
-                                      y.stride(0), n, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, h, y, x.stride(-2), residual.stride(0), h.stride(0),
+                                      y.stride(0), x.stride(0) if nsplit else 0, n, eps, BLOCK=block,
+                                      NSPLIT=nsplit, num_warps=min(16, max(1, block // 256)))
     return h, y
 
 

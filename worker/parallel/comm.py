@@ -140,7 +140,7 @@ class RankLayout:
             raise ParallelConfigError(f"tp_size {self.tp_size} with {num_kv_heads} KV heads: {e}") from None
 
     def check_model(self, cfg) -> None:
-        """Raise :class:`ParallelConfigError` unless a ``worker.model.ModelConfig`` shards this way."""
+        """Raise :class:`ParallelConfigError` unless a ``worker.model_config.ModelConfig`` shards this way."""
         tp, pp = self.tp_size, self.pp_size
         if cfg.num_attention_heads % tp:
             raise ParallelConfigError(f"--tp-size {tp} must divide the model's "

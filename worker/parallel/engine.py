@@ -32,8 +32,8 @@ class ParallelTorchEngine(TorchEngine):
     engine_name = "torch"
 
     def __init__(self, group, tokenizer, **kw) -> None:
+        self.rank_group = group   # before the KV connector binds: it builds a transceiver per rank
         super().__init__(group.runner, tokenizer, **kw)
-        self.rank_group = group
         self.failure: str | None = None
         self.exit_code = 0
         #: Called once, on the event loop, when a rank died (after requests were failed).
@@ -120,7 +120,7 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
     from router.named_models import is_gguf_source
     from router.tokenizer import ByteTokenizer
     from worker.loader import load_tokenizer, resolve_device, resolve_dtype
-    from worker.model import ModelConfig
+    from worker.model_config import ModelConfig
     from worker.parallel.comm import RankLayout
     from worker.presets import is_preset, preset_config
     from worker.parallel.rank_group import RankGroup

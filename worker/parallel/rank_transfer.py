@@ -6,10 +6,11 @@ receives (generation side) its own shard over the data plane; nothing funnels th
 Rank 0's transceiver answers ``get_instance`` with every rank's RankInfo (``set_instance``), so a
 peer needs only rank 0's endpoint (the ``ctx_info_endpoint`` / opaque state) to find them all.
 
-:class:`MultiRankTransceiver` lives on the leader and has the ``KvTransceiver`` surface that
-``transfer.engine_link.EngineTransferLink`` uses. Each operation runs on every rank at once
-(``RankGroup.call_all``) with identical arguments — block ids are global, one scheduler — and the
-results are combined so that the instance moves only when every rank agrees:
+:class:`MultiRankTransceiver` lives on the leader and offers ``transfer.transceiver.Transceiver``,
+which the worker's KV connector (``worker/kv_connector_transfer.py``) drives. Each operation runs
+on every rank at once (``RankGroup.call_all``) with identical arguments — block ids are global,
+one scheduler — and the results are combined so that the instance moves only when every rank
+agrees:
 
 * a status is quiescent only when every rank's is; it is ``done`` only when every rank is done
   (``transfer.session.combine_codes``: min over ranks), else the first failure's state and error;
@@ -44,7 +45,7 @@ _SET_INSTANCE = "worker.parallel.rank_transfer:_set_instance"
 _OP = "worker.parallel.rank_transfer:_op"
 WATCH_POLL_S = 0.002
 
-#: Transceiver methods a rank may be asked to run (the EngineTransferLink surface).
+#: Transceiver methods a rank may be asked to run (the ``Transceiver`` surface).
 _OPS = frozenset({"begin_send", "progress_send", "finish_send", "send_status", "cancel_send",
                   "release_send", "begin_receive", "recv_status", "cancel_receive",
                   "release_receive", "abandon_receive", "pending", "shutdown"})
@@ -348,15 +349,12 @@ def _ids(block_ids):
     return out
 
 
-def build_rank_transfer(args, engine, model_name: str, cfg):
-    """``worker.cli._build_transfer`` for a multi-rank engine: the same flags (already turned into
-    ``cfg`` by ``worker.cli.transfer_config``), one transceiver per rank, wired into the engine by
-    ``EngineTransferLink``."""
-    from transfer.engine_link import EngineTransferLink
+def build_rank_transfer(engine, cfg, *, role: str, model_name: str) -> MultiRankTransceiver:
+    """``worker.kv_connector_transfer.transceiver_for`` for a multi-rank engine: the same flags
+    (already a ``TransferConfig``, ``worker.cli.transfer_config``), one transceiver per rank."""
     from transfer.errors import TransferError
 
     try:
-        tx = MultiRankTransceiver(engine, cfg, role=args.role, model_name=model_name)
+        return MultiRankTransceiver(engine, cfg, role=role, model_name=model_name)
     except TransferError as e:
         raise ValueError(f"KV transfer setup failed: {e}") from None
-    return EngineTransferLink(engine, tx)

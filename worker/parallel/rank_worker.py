@@ -179,7 +179,7 @@ def _build(init: dict):
     import torch
 
     from worker.loader import resolve_dtype
-    from worker.model import ModelConfig
+    from worker.model_config import ModelConfig
     from worker.parallel.comm import RankComm, RankLayout
     from worker.runner import ModelRunner
     from worker.parallel.tp_model import build_rank_model

@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model import DecoderLayer, ModelConfig, RMSNorm, RotaryEmbedding, _signed_sin
+from worker.model import DecoderLayer, RMSNorm
+from worker.model_config import ModelConfig
 from worker.parallel.comm import RankComm, RankLayout
+from worker.rope import RotaryEmbedding, _signed_sin
 
 __all__ = ["RankModel", "shard_config", "build_rank_model", "full_parameters"]
 

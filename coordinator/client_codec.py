@@ -1,0 +1,122 @@
+"""The coordinator client's codec: one mapping from calls to request bodies and from answers to
+results or typed errors, shared by every transport (coordinator/client.py: in-process, HTTP over
+TCP or a Unix socket, the fleet's pooled HTTP in fleet/coord_client.py) and by the persistent
+channel (coordinator/channel_client.py), so no transport decides on its own what an answer means.
+
+Errors (coordinator/errors.py):
+- `NoServerAvailable` — a placement (`/select`, `/select_pair`) answered 503: no server fits;
+- `CoordinatorOverloaded` — 429: the coordinator shed the call, `retry_after` seconds;
+- `CoordinatorRequestError` — it rejected the call (400/404/415), with `.field` when known;
+- `CoordinatorUnavailable` — it could not be reached, timed out, or failed (other 5xx).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.channel import wire_key
+from protocol.failures import Cause
+from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
+                                CoordinatorUnavailable, NoServerAvailable)
+
+SELECT = "/select"
+SELECT_PAIR = "/select_pair"
+FINISH = "/finish"
+RENEW = "/renew"
+CLUSTER_INFO = "/cluster_info"
+HEALTH = "/health"
+IDENTITY = "/identity"
+IDENTITY_RELEASE = "/identity/release"
+PLACEMENTS = frozenset({SELECT, SELECT_PAIR})
+HOT = frozenset({SELECT, SELECT_PAIR, FINISH, RENEW})     # per request: the fast transports' calls
+
+
+def _excl(v: Any) -> Any:
+    if v is None or isinstance(v, (str, list)):
+        return v
+    return list(v)
+
+
+def select_body(role: str, req_id: int, routing_key: Any = None, exclude: Any = None,
+                wire: bool = True) -> dict:
+    """`wire=False`: the routing key stays as given (an in-process coordinator reads every form)."""
+    body = {"role": role, "req_id": req_id}
+    if routing_key is not None:
+        body["routing_key"] = wire_key(routing_key) if wire else routing_key
+    if exclude:
+        body["exclude"] = _excl(exclude)
+    return body
+
+
+def select_pair_body(req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
+                     exclude_gen: Any = None, wire: bool = True) -> dict:
+    body: dict = {"req_id": req_id}
+    if routing_key is not None:
+        body["routing_key"] = wire_key(routing_key) if wire else routing_key
+    if exclude_ctx:
+        body["exclude_ctx"] = _excl(exclude_ctx)
+    if exclude_gen:
+        body["exclude_gen"] = _excl(exclude_gen)
+    return body
+
+
+def finish_body(role: str, req_id: int, success: bool = True, usage: dict | None = None) -> dict:
+    body = {"role": role, "req_id": req_id, "success": bool(success)}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def renew_body(role: str, req_id: int) -> dict:
+    return {"role": role, "req_id": req_id}
+
+
+def identity_body(holder: str, node_id: int | None = None, process_id: int | None = None) -> dict:
+    body: dict = {"holder": holder}
+    if node_id is not None and process_id is not None:
+        body["node_id"], body["process_id"] = node_id, process_id
+    return body
+
+
+def renewed(ans: Any) -> bool:
+    return bool(ans.get("renewed")) if isinstance(ans, dict) else False
+
+
+def released(ans: Any) -> bool:
+    return bool(ans.get("released")) if isinstance(ans, dict) else False
+
+
+def identity(ans: Any) -> tuple[int, int]:
+    return int(ans["node_id"]), int(ans["process_id"])
+
+
+def answer_or_raise(url: str, path: str, status: int, obj: Any, raw: bytes) -> Any:
+    """The decoded body `obj` of a 200 answer to `path`; for any other status, its typed error."""
+    if status == 200:
+        return obj
+    raise error_of(url, path, status, obj, raw)
+
+
+def error_of(url: str, path: str, status: int, obj: Any, raw: bytes) -> Exception:
+    """The typed error of a non-200 answer to `path` (over HTTP or the channel, whose statuses are
+    HTTP's: protocol/channel.py).
+
+    `obj` is None when the body was not one the coordinator writes (an error page from a proxy);
+    the message then quotes the start of `raw`. 503 means "no server fits" only for the placement
+    calls; elsewhere it is the coordinator failing.
+    """
+    msg = obj.get("error") if isinstance(obj, dict) else None
+    msg = msg if isinstance(msg, str) else raw[:200].decode("utf-8", "replace")
+    if status == 503 and path in PLACEMENTS:
+        return NoServerAvailable(msg)
+    if status == 429:
+        ra = obj.get("retry_after") if isinstance(obj, dict) else None
+        return CoordinatorOverloaded(msg, float(ra) if isinstance(ra, (int, float)) else 1.0)
+    if 400 <= status < 500:
+        return CoordinatorRequestError(status, msg, obj.get("field") if isinstance(obj, dict) else None)
+    return CoordinatorUnavailable(f"coordinator {url} answered {status} for {path}: {msg}",
+                                  Cause.UPSTREAM_5XX)
+
+
+def rejected(exc: BadRequest) -> CoordinatorRequestError:
+    """A coordinator's own validation error as the client's (the in-process transport's 400)."""
+    return CoordinatorRequestError(400, exc.message, exc.field)

@@ -1,0 +1,236 @@
+"""The placement fast paths decide exactly what a straightforward reference decides.
+
+`KvIndex` memoises its last prefix walk (router/kv_query.py) and `KvCacheAwarePolicy` keeps what
+depends only on the candidate list between calls (router/policies.py). These properties drive
+random streams of events (stored with and without cache salts, removed, moved, cleared, snapshots),
+speculative inserts made the way the coordinator makes them (walk, pick, insert the chosen slot's
+unmatched tail, expire a few), expiry and worker removal, and after every step compare:
+
+- per-server and per-(server, dp rank) match lengths with a plain per-slot scan of what the
+  slot holds (its confirmed keys and its speculative keys), prompt by prompt, in both
+  namespaces, repeated (the memo's path) and after a fresh index walk;
+- the policy's choice, matched tokens and score rows with a reference written as a per-server
+  loop over the cost formula (docs/routing.md "Policies"), with the same tie cursor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.block_keys import block_keys_list, salt_seed
+from router.events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, Tier
+from router.kv_index import KvIndex
+from router.leases import LeaseTable
+from router.policies import Candidate, IndexLoadView, KvCacheAwarePolicy, RoutingKey
+
+B = 4
+WORKERS = ["http://a", "http://b", "http://c"]
+NS = "tenant-1"          # the index's cluster namespace
+SALT = "other-salt"      # events that carry their own cache salt key in another namespace
+# three prompts sharing a first block, two of them sharing four
+TOKS = [
+    [1, 2, 3, 4] + [5, 6, 7, 8] * 3 + [9] * 8,
+    [1, 2, 3, 4] + [5, 6, 7, 8] * 3 + [10] * 8,
+    [1, 2, 3, 4] + [11] * 20,
+]
+NSEEDS = {"cluster": salt_seed(NS), "salted": salt_seed(SALT)}
+PROMPTS = {(ns, i): block_keys_list(t, B, seed) for ns, seed in NSEEDS.items()
+           for i, t in enumerate(TOKS)}
+
+
+def reference_ranks(idx: KvIndex, keys: list[int]) -> dict[tuple[str, int], int]:
+    """Matched leading keys per slot from what each slot holds, one slot at a time."""
+    out = {}
+    for (w, r), s in idx._slots.items():
+        held = set(s.owned) | set(s.spec)
+        d = 0
+        while d < len(keys) and keys[d] in held:
+            d += 1
+        if d:
+            out[(w, r)] = d
+    return out
+
+
+def reference_workers(ranks: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (w, _), d in ranks.items():
+        out[w] = max(out.get(w, 0), d)
+    return out
+
+
+class ReferencePolicy:
+    """kv_cache_aware written as a plain loop: cost, hot-spot cap, unknown matches, ties."""
+
+    def __init__(self, policy: KvCacheAwarePolicy):
+        self.p = policy
+        self.cursor = 0
+
+    def select(self, cands, key: RoutingKey, idx: KvIndex, leases: LeaseTable):
+        p = self.p
+        ok, seen = [], set()
+        for c in cands:
+            if c.server not in seen and c.healthy:
+                ok.append(c)
+            seen.add(c.server)
+        n_tok = key.num_tokens or len(key.block_keys) * p.block_size
+        cap = max(n_tok - 1, 0)
+        depth = reference_workers(reference_ranks(idx, list(key.block_keys)))
+        matched = {c.server: min(depth.get(c.server, 0) * p.block_size, cap) for c in ok}
+        known = [matched[c.server] for c in ok if not c.kv_unknown]
+        mean = int(sum(known) / len(known)) if known else 0
+        cost = {}
+        for c in ok:
+            req, tok = leases.load(c.server)
+            est = mean if c.kv_unknown else matched[c.server]
+            cost[c.server] = (p.prefill_weight * (n_tok - est) + p.load_tokens_weight * tok
+                              + p.load_requests_weight * req)
+        reqs = [leases.load(c.server)[0] for c in ok]
+        hot = set()
+        if p.hotspot_factor:
+            limit = p.hotspot_factor * sum(reqs) / len(ok) + p.hotspot_slack
+            hot = {c.server for c, r in zip(ok, reqs) if r > limit}
+        if p.max_batch_size and p.load_cap is not None:
+            hot |= {c.server for c, r in zip(ok, reqs) if r / p.max_batch_size >= p.load_cap}
+        pool = [c.server for c in ok if c.server not in hot] or [c.server for c in ok]
+        best = min(cost[s] for s in pool)
+        tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
+        tied = [s for s in pool if cost[s] <= tol]
+        pick = tied[self.cursor % len(tied)]
+        if len(tied) > 1:
+            self.cursor += 1
+        shown = 0 if next(c for c in ok if c.server == pick).kv_unknown else matched[pick]
+        return pick, shown, cost
+
+
+def _store(data, idx, w, rank, hashes_of, counter):
+    ns = data.draw(st.sampled_from(["cluster", "salted"]))
+    i = data.draw(st.integers(0, len(TOKS) - 1))
+    start = data.draw(st.integers(0, 3))
+    end = data.draw(st.integers(start + 1, len(TOKS[i]) // B))
+    toks = TOKS[i]
+    keys = PROMPTS[(ns, i)]
+    parent = None
+    if start:
+        parent = hashes_of.get((w, rank, ns, i, start - 1))
+        if parent is None:
+            start, parent = 0, None
+    hashes = []
+    for j in range(start, end):
+        counter[0] += 1
+        # identity hashes (our workers) in the cluster namespace, opaque ones otherwise
+        h = keys[j] if ns == "cluster" and data.draw(st.booleans()) else counter[0]
+        hashes.append(h)
+        hashes_of[(w, rank, ns, i, j)] = h
+    tier = data.draw(st.sampled_from([Tier.GPU, Tier.GPU, Tier.HOST]))
+    idx.apply(w, BlocksStored(hashes, parent, toks[start * B:end * B], B, tier,
+                              cache_salt=SALT if ns == "salted" else None), rank)
+    return tier, hashes
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_walk_memo_and_policy_match_references(data):
+    idx = KvIndex(B, namespace=NS)
+    leases = LeaseTable()
+    view = IndexLoadView(idx, leases)
+    kw = data.draw(st.fixed_dictionaries({
+        "hotspot_factor": st.sampled_from([None, 1.0, 2.0]),
+        "load_tokens_weight": st.sampled_from([0.0, 1.0]),
+        "load_requests_weight": st.sampled_from([0.0, 4.0, 32.0]),
+    }))
+    policy = KvCacheAwarePolicy(B, explain_rows=2, **kw)
+    ref = ReferencePolicy(policy)
+    hashes_of: dict = {}
+    stored: list = []          # (worker, rank, tier, hash)
+    counter = [10_000]
+    now = 0.0
+    unknown = set()
+    cands = [Candidate(w) for w in WORKERS]
+    req = 0
+    for _ in range(data.draw(st.integers(5, 40))):
+        op = data.draw(st.sampled_from(
+            ["store", "store", "store", "place", "place", "place", "remove", "move", "clear",
+             "snapshot", "expire", "finish", "unknown", "remove_worker"]))
+        w = data.draw(st.sampled_from(WORKERS))
+        rank = data.draw(st.sampled_from([0, 0, 1]))
+        if op == "store":
+            tier, hashes = _store(data, idx, w, rank, hashes_of, counter)
+            stored += [(w, rank, tier, h) for h in hashes]
+        elif op == "remove" and stored:
+            sw, sr, t, h = data.draw(st.sampled_from(stored))
+            idx.apply(sw, BlocksRemoved([h], t), sr)
+        elif op == "move" and stored:
+            sw, sr, t, h = data.draw(st.sampled_from(stored))
+            idx.apply(sw, BlocksMoved([h], t, Tier.HOST if t is Tier.GPU else Tier.GPU), sr)
+        elif op == "clear":
+            idx.apply(w, AllCleared(data.draw(st.sampled_from([None, Tier.GPU]))), rank)
+        elif op == "snapshot":
+            keys = PROMPTS[("cluster", data.draw(st.integers(0, len(TOKS) - 1)))]
+            idx.load_snapshot(w, keys[:data.draw(st.integers(0, len(keys)))], rank,
+                              append=data.draw(st.booleans()))
+        elif op == "expire":
+            now += data.draw(st.sampled_from([0.5, 1.0, 3.0]))
+            idx.expire_speculative(now, data.draw(st.sampled_from([None, 1, 2])))
+        elif op == "finish" and req:
+            leases.finish("ctx", data.draw(st.integers(1, req)))
+        elif op == "unknown":
+            unknown ^= {w}
+            cands = [Candidate(s, kv_unknown=s in unknown) for s in WORKERS]
+        elif op == "remove_worker":
+            idx.remove_worker(w)
+        elif op == "place":
+            # what the coordinator does per leg: walk + pick, lease, insert the chosen
+            # server's unmatched tail, expire two due entries; sometimes twice (select_pair)
+            prompt = PROMPTS[(data.draw(st.sampled_from(["cluster", "salted"])),
+                              data.draw(st.integers(0, len(TOKS) - 1)))]
+            arr = np.array(prompt, dtype=np.uint64)
+            n_tok = len(prompt) * B + data.draw(st.integers(0, B - 1))
+            for _leg in range(data.draw(st.integers(1, 2))):
+                key = RoutingKey(arr, n_tok)
+                assert idx.longest_prefix(arr) == reference_workers(reference_ranks(idx, prompt))
+                want, want_matched, want_cost = ref.select(cands, key, idx, leases)
+                d = policy.select(cands, key, view)
+                assert d.server == want
+                assert d.explanation["matched_tokens"] == want_matched
+                for row in d.explanation["candidates"]:
+                    assert row["score"] == want_cost[row["server"]]
+                req += 1
+                leases.acquire("ctx", req, d.server, now, 1e9, n_tok)
+                have = d.explanation["matched_tokens"] // B
+                if have < len(prompt) and data.draw(st.booleans()):
+                    idx.add_speculative(d.server, arr[have:], now, data.draw(
+                        st.sampled_from([1.0, 5.0])))
+                    idx.expire_speculative(now, 2)
+        idx.check_invariants()
+        for keys in PROMPTS.values():
+            ranks = reference_ranks(idx, keys)
+            workers = reference_workers(ranks)
+            arr = np.array(keys, dtype=np.uint64)
+            assert idx.longest_prefix(arr) == workers        # maybe from the memo
+            assert idx.longest_prefix(arr) == workers        # from the memo
+            assert idx.longest_prefix_ranks(keys) == ranks    # list input: another memo key
+            assert idx.longest_prefix(keys, WORKERS[:2]) == {
+                s: workers.get(s, 0) for s in WORKERS[:2]}
+
+
+def test_memo_survives_unrelated_changes_and_sees_related_ones():
+    """The memo is reused across changes to other prompts' keys and dropped by changes to the
+    walked ones (so repeated placements of one prompt walk once)."""
+    idx = KvIndex(B)
+    a, b = block_keys_list(TOKS[0], B), block_keys_list(TOKS[2], B)
+    idx.load_snapshot("http://a", a[:3])
+    idx.load_snapshot("http://b", [])       # slots exist before the walk (a new slot re-walks)
+    assert idx.longest_prefix(a) == {"http://a": 3}
+    memo = idx._memo
+    idx.add_speculative("http://b", b[1:3], now=0.0, ttl=5.0)       # other keys: memo kept
+    assert idx.longest_prefix(a) == {"http://a": 3} and idx._memo is memo
+    # the chosen server's tail insert right after the walk is folded in
+    idx.add_speculative("http://a", a[3:], now=0.0, ttl=5.0)
+    assert idx.longest_prefix(a) == {"http://a": len(a)} and idx._memo is memo
+    idx.apply("http://a", BlocksRemoved([a[1]]))                    # a walked key: re-walk
+    assert idx.longest_prefix(a) == {"http://a": 1} and idx._memo is not memo
+    idx.expire_speculative(10.0)
+    assert idx.longest_prefix(a) == {"http://a": 1}
+    idx.check_invariants()
