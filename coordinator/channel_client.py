@@ -2,7 +2,7 @@
 
 Calls made during one event-loop turn (by any number of requests) leave as one `Batch`, together
 with every lease end queued since the last flush; the coordinator answers each batch with one
-`Replies` (frames in `coordinator.channel_wire`). Invariants:
+`Replies` (frames in `protocol.channel`). Invariants:
 - Bounded: at most `max_pending` calls unanswered; beyond, a placement fails at once with
   `CoordinatorOverloaded` (the fleet answers 503 + Retry-After) instead of queueing without limit.
 - Every call answers within `timeout_s`, else `CoordinatorUnavailable` (the fleet falls back to
@@ -24,10 +24,11 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from coordinator import channel_wire as cw
+from protocol import channel as cw
 from coordinator import client_codec as codec
-from coordinator import wire
-from coordinator.errors import BadRequest, CoordinatorOverloaded, CoordinatorUnavailable
+from protocol import coord as wire
+from protocol.failures import Cause
+from protocol.coord import BadRequest, CoordinatorOverloaded, CoordinatorUnavailable
 
 log = logging.getLogger("splitserve.coordinator.channel")
 
@@ -204,7 +205,7 @@ class ChannelClient:
             log.warning("coordinator channel to %s lost: %s", self.url, why)
         # Calls in flight: their callers fail over (an answer may never come). Their finishes:
         # owned until acknowledged, so re-sent.
-        err = CoordinatorUnavailable(f"coordinator channel to {self.url} lost: {why}")
+        err = CoordinatorUnavailable(f"coordinator channel to {self.url} lost: {why}", Cause.PEER_LOST)
         resend: list[cw.Finish] = []
         waiters: list[asyncio.Future] = []
         for seq, (ids, fins, timer, fw) in self._unacked.items():
@@ -297,7 +298,7 @@ class ChannelClient:
             fut, call = w
             if err is None:
                 err = CoordinatorUnavailable(f"coordinator {self.url} did not answer within "
-                                             f"{self.timeout_s:g}s (channel)")
+                                             f"{self.timeout_s:g}s (channel)", Cause.TIMEOUT)
             self._abandoned[i] = call
             if not fut.done():
                 fut.set_exception(err)

@@ -34,7 +34,8 @@ import orjson
 from coordinator import client_codec as codec
 from coordinator.channel_client import ChannelClient, Fallback
 from coordinator.client_codec import answer_or_raise
-from coordinator.errors import BadRequest, CoordinatorUnavailable
+from protocol.failures import Cause
+from protocol.coord import BadRequest, CoordinatorUnavailable
 from coordinator.identity import IdentityExhausted
 
 __all__ = [
@@ -112,7 +113,7 @@ class HttpTransport:
                 ctype = r.headers.get("Content-Type", "")
         except asyncio.TimeoutError:
             raise CoordinatorUnavailable(f"coordinator {self.url} did not answer {path} within "
-                                         f"{self.timeout.total:g}s") from None
+                                         f"{self.timeout.total:g}s", Cause.TIMEOUT) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise CoordinatorUnavailable(f"coordinator {self.url} unreachable for {path}: "
                                          f"{type(exc).__name__}: {exc}") from None

@@ -29,11 +29,12 @@ from typing import Any, Callable
 from coordinator import checks
 from coordinator import metrics as metrics_mod
 from coordinator import snapshot
-from coordinator import wire
+from protocol import coord as wire
+from protocol.roles import Mode
 from coordinator.api import make_app
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
-from coordinator.errors import BadRequest, NoServerAvailable
+from protocol.coord import BadRequest, NoServerAvailable
 from coordinator.health import HealthMonitor
 from coordinator.identity import IdentityTable
 from coordinator.kv_ingest import FeedSource, KvIngest
@@ -363,23 +364,23 @@ class Coordinator:
         t0 = time.perf_counter()
         gen = self._select(GENERATION, req_id, key, ex_gen)
         ctx = None
-        mode, reason = "disaggregated", None
+        mode, reason = Mode.DISAGGREGATED, None
         cond = self.config.conditional_disagg_config
         if cond is not None and key is not None and key.num_tokens:
             matched = int(gen["info"].get("matched_tokens") or 0)
             uncached = key.num_tokens - matched
             if matched > 0 and uncached <= cond.max_local_prefill_length:
-                mode = "generation_only"
+                mode = Mode.GENERATION_ONLY
                 reason = (f"generation server caches {matched} of {key.num_tokens} tokens; "
                           f"{uncached} <= max_local_prefill_length {cond.max_local_prefill_length}")
-        if mode == "disaggregated":
+        if mode is Mode.DISAGGREGATED:
             try:
                 ctx = self._select(CONTEXT, req_id, key, ex_ctx)
             except NoServerAvailable as exc:
                 if self.config.no_context_fallback != "aggregate":
                     self.leases.finish(GENERATION, req_id)
                     raise
-                mode, reason = "aggregate_fallback", f"{exc}; serving on the generation server alone"
+                mode, reason = Mode.AGGREGATE_FALLBACK, f"{exc}; serving on the generation server alone"
         self.stats.pair_modes[mode] = self.stats.pair_modes.get(mode, 0) + 1
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}

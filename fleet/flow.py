@@ -33,12 +33,12 @@ import time
 import orjson
 from aiohttp import web
 
-from coordinator.errors import NoServerAvailable
+from protocol.coord import NoServerAvailable
 
 from . import metrics as M
 from . import pd_flow
 from .auth import AUTH_HEADER, sign
-from .errors import ApiError
+from protocol.openai import ApiError
 from .legs import plan
 from .legs import trtllm as trt
 from .placement import CTX, GEN, Placement, Placer

@@ -90,8 +90,8 @@ ORPHANED_LEASES = Counter(f"{NS}_orphaned_placements_total",
                           "Placements whose client hung up while the coordinator was answering; their "
                           "leases are finished as soon as the answer arrives.")
 PLACEMENT = Counter(f"{NS}_placements_total",
-                    "How requests were served: disaggregated (context+generation legs), local_prefill "
-                    "(conditional disaggregation skipped the context leg), aggregated_fallback (no context "
+                    "How requests were served: disaggregated (context+generation legs), generation_only "
+                    "(conditional disaggregation skipped the context leg), aggregate_fallback (no context "
                     "server), context_only (the context leg already finished the request), aggregated (no context "
                     "servers configured), no_kv_transfer (the generation server cannot receive KV: served "
                     "aggregated there).", ["mode"])

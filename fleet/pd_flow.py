@@ -22,11 +22,11 @@ import time
 import msgspec
 import orjson
 
-from coordinator.errors import NoServerAvailable
+from protocol.coord import NoServerAvailable
 
 from . import legs
 from . import metrics as M
-from .errors import ApiError
+from protocol.openai import ApiError
 from .legs import plan
 from .legs import sglang as sgl
 from .legs import vllm as vl

@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from . import metrics as M
-from .errors import ApiError
+from protocol.openai import ApiError
 from .legs.plan import CHAT
 from .placement import CTX, GEN, Placement
 from .upstream import Response, UpstreamError, UpstreamTimeout

@@ -22,12 +22,12 @@ import weakref
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from coordinator.errors import CoordinatorError
+from protocol.coord import CoordinatorError
 from coordinator.gc_tuning import settle_heap
 
 from . import metrics as M
 from .auth import AUTH_HEADER, ApiKeys, vet_client_params
-from .errors import ApiError
+from protocol.openai import ApiError
 from .flow import Flow
 from .http_protocol import FleetRunner
 from .keys import TokenizerUnavailable, make_key_builder

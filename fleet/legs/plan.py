@@ -2,12 +2,13 @@
 mode, the fallback rule, and the `x-splitserve-route` receipt. Every engine family's flow
 (fleet/flow.py, fleet/pd_flow.py) uses these; the per-protocol bodies are in the sibling modules.
 
-Modes (the route header's `mode`, the `splitserve_fleet_placements_total` label):
+Modes (the route header's `mode`, the `splitserve_fleet_placements_total` label; the values are
+`protocol.roles.Mode`'s, the coordinator's spelling):
 - `aggregated` — no context servers configured, or a vetted client request carrying its own leg;
 - `disaggregated` — a context leg, then (or, for SGLang, alongside) a generation leg;
-- `local_prefill` — conditional disaggregation: the generation server caches nearly all of the
-  prompt and computes the rest itself;
-- `aggregated_fallback` — no healthy context server and `no_context_fallback: aggregate`;
+- `generation_only` (LOCAL_PREFILL) — conditional disaggregation: the generation server caches
+  nearly all of the prompt and computes the rest itself;
+- `aggregate_fallback` — no healthy context server and `no_context_fallback: aggregate`;
 - `no_kv_transfer` — the generation server cannot receive KV (or the engines differ): served there;
 - `context_only` — the context leg already finished the request.
 """
@@ -15,16 +16,18 @@ from __future__ import annotations
 
 import orjson
 
+from protocol.roles import Mode
+
 CHAT = "chat"
 PATHS = {CHAT: "/v1/chat/completions", "completion": "/v1/completions"}
 
-AGGREGATED = "aggregated"
-DISAGGREGATED = "disaggregated"
-LOCAL_PREFILL = "local_prefill"
-AGGREGATED_FALLBACK = "aggregated_fallback"
-NO_KV_TRANSFER = "no_kv_transfer"
-CONTEXT_ONLY = "context_only"
-MODES = (DISAGGREGATED, LOCAL_PREFILL, AGGREGATED_FALLBACK, CONTEXT_ONLY, AGGREGATED, NO_KV_TRANSFER)
+AGGREGATED = Mode.AGGREGATED
+DISAGGREGATED = Mode.DISAGGREGATED
+LOCAL_PREFILL = Mode.GENERATION_ONLY
+AGGREGATED_FALLBACK = Mode.AGGREGATE_FALLBACK
+NO_KV_TRANSFER = Mode.NO_KV_TRANSFER
+CONTEXT_ONLY = Mode.CONTEXT_ONLY
+MODES = tuple(Mode)
 
 _ROUTE_KEYS = ("matched_tokens", "score", "reason", "load_requests")
 _CANDIDATE_KEYS = ("server", "matched_tokens", "load_requests", "score", "why")

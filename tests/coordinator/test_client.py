@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from coordinator.client import HttpCoordinatorClient, InProcessCoordinatorClient, make_client
-from coordinator.errors import (CoordinatorOverloaded, CoordinatorRequestError, CoordinatorUnavailable,
-                                NoServerAvailable)
+from protocol.coord import (CoordinatorOverloaded, CoordinatorRequestError, CoordinatorUnavailable,
+                            NoServerAvailable)
 from router.block_keys import block_keys
 from router.policies import RoutingKey
 

@@ -11,7 +11,7 @@ import json
 import orjson
 import pytest
 
-from fleet.errors import ApiError
+from protocol.openai import ApiError
 from fleet.legs import plan
 from fleet.legs import trtllm as trt
 from fleet.placement import CTX, GEN, Placement
