@@ -3,7 +3,7 @@ results or typed errors, shared by every transport (coordinator/client.py: in-pr
 TCP or a Unix socket, the fleet's pooled HTTP in fleet/coord_client.py) and by the persistent
 channel (coordinator/channel_client.py), so no transport decides on its own what an answer means.
 
-Errors (coordinator/errors.py):
+Errors (protocol/coord.py):
 - `NoServerAvailable` — a placement (`/select`, `/select_pair`) answered 503: no server fits;
 - `CoordinatorOverloaded` — 429: the coordinator shed the call, `retry_after` seconds;
 - `CoordinatorRequestError` — it rejected the call (400/404/415), with `.field` when known;

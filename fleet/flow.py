@@ -293,11 +293,10 @@ class Flow:
         proto = pd_flow.request_protocol(self, ctx, gen)
         if proto != "trtllm":
             return await pd_flow.run(self, request, creq, scope, ctx, gen, key, proto)
-        if ctx is not None and gen.server in self.no_transfer:
-            # Known not to receive KV: the context leg would be wasted work.
+        scope.mode, keep = plan.placed(scope.mode, ctx is not None, gen.server not in self.no_transfer)
+        if ctx is not None and not keep:
             scope.release(ctx, True)
             ctx = None
-            scope.mode = plan.NO_KV_TRANSFER
         scope.route = plan.route_start(scope.rid, scope.mode, scope.alias)
         if ctx is None:
             return await self.plain_leg(request, creq, scope, gen, key)

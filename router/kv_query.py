@@ -33,19 +33,43 @@ _MEMO_CHECK_RATIO = 2
 LOG_TRIM = 1 << 16      # mutation-log length that trims it (and bumps the epoch)
 
 
+def _immutable(arr: np.ndarray) -> bool:
+    """The array's memory belongs to a ``bytes`` object (a wire payload), so it cannot change."""
+    b = arr.base
+    while isinstance(b, np.ndarray):
+        b = b.base
+    return isinstance(b, bytes)
+
+
 class WalkMemo:
-    """The last walk: its keys (list and, for uint64 arrays, their bytes), its groups over
-    every slot, and the epoch and log position it is valid at."""
+    """The last walk: its keys (a list; for a uint64 array over a ``bytes`` payload also the
+    array), its groups over every slot, and the epoch and log position it is valid at. Another
+    array is compared byte for byte, and only when its last key agrees."""
 
-    __slots__ = ("keys", "raw", "groups", "epoch", "pos", "kset")
+    __slots__ = ("keys", "arr", "_raw", "groups", "epoch", "pos", "kset")
 
-    def __init__(self, keys: list, raw: bytes | None, groups: list, epoch: int, pos: int):
+    def __init__(self, keys: list, arr, groups: list, epoch: int, pos: int):
         self.keys = keys
-        self.raw = raw
+        self.arr = arr
+        self._raw: bytes | None = None
         self.groups = groups
         self.epoch = epoch
         self.pos = pos
         self.kset: set | None = None    # the keys the walk read, built on first need
+
+    def same(self, keys, kl: list | None) -> bool:
+        """Whether ``keys`` (a list ``kl``, or a uint64 array) are the memoised keys."""
+        mk = self.keys
+        if kl is not None:
+            return mk == kl
+        if len(keys) != len(mk) or not mk or keys[-1] != mk[-1] or keys.dtype != np.uint64:
+            return False
+        if keys is self.arr:
+            return True
+        if self._raw is None:
+            self._raw = (self.arr.tobytes() if self.arr is not None
+                         else np.array(mk, dtype=np.uint64).tobytes())
+        return keys.tobytes() == self._raw
 
     def read_keys(self) -> set:
         ks = self.kset
@@ -122,15 +146,15 @@ class QueryMixin:
     def _groups(self, keys) -> list[tuple[int, int]]:
         """``_walk(keys, every slot)``, from the memo when it is still exact (module docstring)."""
         if type(keys) is list:
-            kl, raw = keys, None
+            kl, arr = keys, None
         elif isinstance(keys, np.ndarray):
-            kl, raw = None, keys.tobytes() if keys.dtype == np.uint64 else None
+            kl, arr = None, keys
         else:
-            kl, raw = list(keys), None
+            kl = list(keys)
+            arr = None
         memo = self._memo
         log = self._log
-        if memo is not None and memo.epoch == self._epoch and (
-                memo.raw == raw if raw is not None else memo.keys == kl):
+        if memo is not None and memo.epoch == self._epoch and memo.same(keys, kl):
             pos, end = memo.pos, len(log)
             if pos == end:
                 return memo.groups
@@ -138,13 +162,16 @@ class QueryMixin:
                     memo.read_keys().isdisjoint(log[pos:]):
                 memo.pos = end
                 return memo.groups
-        self._trim_log()
+        if len(log) > LOG_TRIM:
+            self._trim_log()
         if not self._all_bits:
             return []
         if kl is None:
             kl = keys.tolist()
         groups = self._walk(kl, self._all_bits)
-        self._memo = WalkMemo(kl, raw, groups, self._epoch, len(self._log))
+        # keep the array only when its content cannot change behind the memo's back
+        self._memo = WalkMemo(kl, arr if arr is not None and arr.dtype == np.uint64
+                              and _immutable(arr) else None, groups, self._epoch, len(log))
         return groups
 
     def _trim_log(self) -> None:

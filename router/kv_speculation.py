@@ -59,9 +59,14 @@ class SpeculationMixin:
             spec[ck] = deadline
             added.append(ck)
         if added:
-            self._memo_tail(keys, s.bit)
-            self._log.extend(added)
-            self._memo_logged()
+            log = self._log
+            memo = self._memo
+            if memo is not None and memo.pos == len(log):
+                self._memo_tail(keys, s.bit)
+                log.extend(added)
+                self._memo_logged()
+            else:
+                log.extend(added)
             # Only atomic values in the entry (no slot object): the collector untracks such tuples,
             # so a heap of 30 s of routed prompts adds nothing to its full scans (issue 13).
             heapq.heappush(self._spec_heap, (deadline, next(self._spec_seq), s.worker, s.dp_rank,

@@ -36,7 +36,8 @@ class LeaseTable:
         self._leases: dict[tuple[str, int], Lease] = {}
         self._heap: list[tuple[float, int, Lease]] = []
         self._seq = itertools.count()
-        self._load: dict[str, list[int]] = {}
+        # (requests, tokens) per server, replaced on change: read as is by every placement
+        self._load: dict[str, tuple[int, int]] = {}
         self._per_role: dict[str, int] = {}     # live leases per role
 
     @staticmethod
@@ -59,11 +60,11 @@ class LeaseTable:
         self._unload(lease)
 
     def _unload(self, lease: Lease) -> None:
-        load = self._load[lease.server]
-        load[0] -= 1
-        load[1] -= lease.tokens
-        if load[0] == 0:
+        r, t = self._load[lease.server]
+        if r == 1:
             del self._load[lease.server]
+        else:
+            self._load[lease.server] = (r - 1, t - lease.tokens)
 
     def acquire(self, role: str, req_id: int, server: str, now: float, ttl: float,
                 tokens: int = 0) -> Lease:
@@ -77,11 +78,7 @@ class LeaseTable:
         lease = Lease(role, req_id, server, tokens, now, now + ttl)
         self._leases[key] = lease
         load = self._load.get(server)
-        if load is None:
-            self._load[server] = [1, tokens]
-        else:
-            load[0] += 1
-            load[1] += tokens
+        self._load[server] = (1, tokens) if load is None else (load[0] + 1, load[1] + tokens)
         self._push(lease)
         return lease
 
@@ -125,8 +122,7 @@ class LeaseTable:
 
     def load(self, server: str) -> tuple[int, int]:
         """(in-flight requests, in-flight tokens) on ``server``."""
-        load = self._load.get(server)
-        return (load[0], load[1]) if load else (0, 0)
+        return self._load.get(server, (0, 0))
 
     def requests(self, server: str) -> int:
         load = self._load.get(server)
@@ -140,10 +136,10 @@ class LeaseTable:
         """(requests, tokens) for each of ``servers``, in order (one call per routing decision)."""
         get = self._load.get
         zero = (0, 0)
-        return [(l[0], l[1]) if (l := get(s)) else zero for s in servers]
+        return [get(s, zero) for s in servers]
 
     def loads(self) -> dict[str, tuple[int, int]]:
-        return {s: (l[0], l[1]) for s, l in self._load.items()}
+        return dict(self._load)
 
     def total(self) -> int:
         return len(self._leases)

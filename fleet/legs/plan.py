@@ -59,6 +59,15 @@ def local_prefill(num_tokens: int | None, matched_tokens: int, max_local_prefill
     return bool(num_tokens) and matched_tokens > 0 and num_tokens - matched_tokens <= max_local_prefill_length
 
 
+def placed(mode: str, has_context: bool, receives_kv: bool) -> tuple[str, bool]:
+    """(mode, whether the context leg runs) once the legs are placed: a generation server known
+    not to receive KV (or of another engine family) serves the request alone, so the context leg
+    would be wasted work."""
+    if has_context and not receives_kv:
+        return NO_KV_TRANSFER, False
+    return mode, has_context
+
+
 def falls_back_to_aggregate(status: int, code: str | None, no_context_fallback: str,
                             healthy_context_servers: int) -> bool:
     """A context leg that found no reachable server (every retry spent) is served aggregated on the

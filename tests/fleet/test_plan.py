@@ -98,6 +98,23 @@ def test_bad_context_answers_are_typed():
     trt.check_generation_params(ctx_answer("stop", dp={}))     # a finished request needs none
 
 
+def test_placed_mode():
+    for mode in (plan.DISAGGREGATED, plan.LOCAL_PREFILL, plan.AGGREGATED_FALLBACK, plan.AGGREGATED):
+        has_ctx = mode == plan.DISAGGREGATED
+        assert plan.placed(mode, has_ctx, True) == (mode, has_ctx)
+    # the generation server cannot receive KV (a 501 before, or another engine family)
+    assert plan.placed(plan.DISAGGREGATED, True, False) == (plan.NO_KV_TRANSFER, False)
+    assert plan.placed(plan.LOCAL_PREFILL, False, False) == (plan.LOCAL_PREFILL, False)
+
+
+def test_vllm_mode_after_the_prefill_answer():
+    from fleet.legs import vllm
+    assert vllm.mode_of({"do_remote_prefill": True, "remote_engine_id": "e"}) == plan.DISAGGREGATED
+    # no KV connector on the prefill server (no params, or params without a remote prefill)
+    assert vllm.mode_of(None) == plan.NO_KV_TRANSFER
+    assert vllm.mode_of({"do_remote_prefill": False}) == plan.NO_KV_TRANSFER
+
+
 def test_local_prefill_and_fallback_rules():
     # conditional disaggregation: 100 prompt tokens, 90 cached on the generation server
     assert plan.local_prefill(100, 90, 16) and not plan.local_prefill(100, 80, 16)

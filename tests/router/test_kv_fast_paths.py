@@ -185,7 +185,8 @@ def test_walk_memo_and_policy_match_references(data):
             # server's unmatched tail, expire two due entries; sometimes twice (select_pair)
             prompt = PROMPTS[(data.draw(st.sampled_from(["cluster", "salted"])),
                               data.draw(st.integers(0, len(TOKS) - 1)))]
-            arr = np.array(prompt, dtype=np.uint64)
+            # as the coordinator gets them: a read-only array over the wire payload's bytes
+            arr = np.frombuffer(np.array(prompt, dtype="<u8").tobytes(), dtype=np.uint64)
             n_tok = len(prompt) * B + data.draw(st.integers(0, B - 1))
             for _leg in range(data.draw(st.integers(1, 2))):
                 key = RoutingKey(arr, n_tok)
@@ -210,6 +211,9 @@ def test_walk_memo_and_policy_match_references(data):
             arr = np.array(keys, dtype=np.uint64)
             assert idx.longest_prefix(arr) == workers        # maybe from the memo
             assert idx.longest_prefix(arr) == workers        # from the memo
+            wire = np.frombuffer(arr.tobytes(), dtype=np.uint64)
+            assert idx.longest_prefix(wire) == workers       # bytes-backed: kept by identity
+            assert idx.longest_prefix(wire) == workers
             assert idx.longest_prefix_ranks(keys) == ranks    # list input: another memo key
             assert idx.longest_prefix(keys, WORKERS[:2]) == {
                 s: workers.get(s, 0) for s in WORKERS[:2]}
@@ -234,3 +238,18 @@ def test_memo_survives_unrelated_changes_and_sees_related_ones():
     idx.expire_speculative(10.0)
     assert idx.longest_prefix(a) == {"http://a": 1}
     idx.check_invariants()
+
+
+def test_memo_compares_the_keys_not_the_array_object():
+    """An array changed in place between two walks is a different prompt to the memo."""
+    idx = KvIndex(B)
+    a = block_keys_list(TOKS[0], B)
+    idx.load_snapshot("http://a", a)
+    arr = np.array(a, dtype=np.uint64)
+    assert idx.longest_prefix(arr) == {"http://a": len(a)}
+    arr[2] = 12345
+    assert idx.longest_prefix(arr) == {"http://a": 2}
+    wire = np.frombuffer(np.array(a, dtype="<u8").tobytes(), dtype=np.uint64)
+    assert idx.longest_prefix(wire) == {"http://a": len(a)}
+    assert idx.longest_prefix(wire[:3]) == {"http://a": 3}
+    assert idx.longest_prefix(list(a[:2]) + [7]) == {"http://a": 2}
