@@ -28,6 +28,7 @@ RUN set -eu; \
     esac
 WORKDIR /src
 COPY pyproject.toml README.md splitserve_cli.py ./
+COPY protocol/ protocol/
 COPY router/ router/
 COPY coordinator/ coordinator/
 COPY fleet/ fleet/

@@ -214,7 +214,7 @@ async def _client_main(base: dict, pipe) -> None:
     """A persistent client process: build the prompts once, then run one closed-loop window per
     command from the parent (set up, report armed, wait for the shared start time, warm up until
     it, count the pairs completed in [start, start + seconds], report)."""
-    from coordinator.errors import NoServerAvailable
+    from protocol.coord import NoServerAvailable
     prompts = _prompts(base["seed"], base["docs"], base["prompts"])
     bodies = {False: _Bodies(prompts, False), True: _Bodies(prompts, True)}
     loop = asyncio.get_running_loop()

@@ -68,7 +68,7 @@ async def main(a) -> dict:
 
     torch.set_num_threads(1)
     from worker.presets import build_preset
-    from worker.protocol import encode_opaque_state
+    from protocol.disagg import encode_opaque_state
     from worker.requests import CONTEXT_ONLY, GENERATION_ONLY, EngineRequest, SamplingParams
 
     model = build_preset("tiny")

@@ -80,7 +80,7 @@ def _cluster(ctx: list[str], gen: list[str], resident: dict[str, list[int]]):
 def build(scenario: str, calls: int, batch: int, seed: int = 0, servers: int = 32, docs: int = 64,
           prompts: int = 512):
     """(coordinator, channel server, frames) for one scenario."""
-    from coordinator import channel_wire as cw
+    from protocol import channel as cw
     from coordinator.channel import ChannelServer
     from router.block_keys import block_keys
     if scenario == "fleet-like pair":
@@ -123,7 +123,7 @@ def build(scenario: str, calls: int, batch: int, seed: int = 0, servers: int = 3
 
 def measure(scenario: str, calls: int = 8192, batch: int = 64) -> float:
     """CPU µs per call (with its finishes) on a fresh cluster, after one warm-up pass."""
-    from coordinator import channel_wire as cw
+    from protocol import channel as cw
     c, srv, frames = build(scenario, calls, batch)
     for f in frames[:len(frames) // 4]:       # warm-up: routed blocks fill the index
         cw.frame(srv.run_batch(cw.decode_batch(f), time.monotonic()))

@@ -348,6 +348,31 @@ def profile_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def sampling_bench(args: argparse.Namespace) -> int:
+    """``--sampling``: worker/sampling.py's batched ``sample`` against ``sample_reference`` (one row at a
+    time) on the same fp32 logits ``[batch, --vocab]``, every row non-greedy (temperature 0.8, top-k 50,
+    top-p 0.95, its own seed); median ms per call of each over ``--sampling-repeats`` calls, same run.
+    Prints only."""
+    from worker.requests import SamplingParams
+    from worker.sampling import make_generator, sample, sample_reference
+
+    dev = resolve_device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    print(f"## sampling — vocab {args.vocab:,}, {machine(dev)}\n")
+    print("| batch | one row at a time ms | batched ms | speedup |\n|---:|---:|---:|---:|")
+    for b in (tuple(args.batch) if args.batch else BATCHES):
+        logits = (torch.randn(b, args.vocab, generator=gen) * 2).to(dev)
+        params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=i) for i in range(b)]
+
+        def call(fn):
+            return lambda: fn(logits, [(i, p, make_generator(p, dev)) for i, p in enumerate(params)])
+
+        t_ref = timed(call(sample_reference), dev, args.sampling_repeats)
+        t_new = timed(call(sample), dev, args.sampling_repeats)
+        print(f"| {b} | {1e3 * t_ref:.3f} | {1e3 * t_new:.3f} | {t_ref / t_new:.1f}x |")
+    return 0
+
+
 def render_mixed(rows: list[dict], info: dict, command: str) -> str:
     lines = [
         f"- command: `{command}`",
@@ -430,12 +455,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-len", type=int, default=0, help="mixed decode: long context (32768 GPU, 4096 CPU)")
     p.add_argument("--short-len", type=int, default=0, help="mixed decode: short contexts (512 GPU, 64 CPU)")
     p.add_argument("--short-rows", type=int, default=30, help="mixed decode: number of short rows")
+    p.add_argument("--sampling", action="store_true",
+                   help="time the batched sampler against one row at a time (prints only)")
+    p.add_argument("--vocab", type=int, default=128256, help="--sampling: vocabulary size (default Llama 3's)")
+    p.add_argument("--sampling-repeats", type=int, default=20, help="--sampling: calls timed per batch")
     p.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md")
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     args = p.parse_args(argv)
     command = "python bench/worker.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.profile_decode:
         return profile_decode(args)
+    if args.sampling:
+        return sampling_bench(args)
     if args.mixed_decode:
         rows, info = mixed_decode(args)
         body = render_mixed(rows, info, command.strip())

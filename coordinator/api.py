@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from coordinator import metrics as metrics_mod
-from coordinator import checks, wire
-from coordinator.errors import BadRequest, NoServerAvailable
+from coordinator import checks
+from protocol import coord as wire
+from protocol.coord import BadRequest, NoServerAvailable
 from coordinator.identity import IdentityExhausted
 
 __all__ = ["Api", "Reply", "make_app"]

@@ -1,4 +1,4 @@
-"""The coordinator's end of the fleet channel (frames in `coordinator.channel_wire`).
+"""The coordinator's end of the fleet channel (frames in `protocol.channel`).
 
 A connection arrives as HTTP (`coordinator.http`), asks for `GET /channel` with the channel's
 `Upgrade` token, gets `101` and is handed to a `ChannelConn`. Each `Batch` is answered by one
@@ -23,9 +23,10 @@ import time
 
 import msgspec
 
-from coordinator import channel_wire as cw
-from coordinator import checks, wire
-from coordinator.errors import BadRequest, NoServerAvailable
+from protocol import channel as cw
+from coordinator import checks
+from protocol import coord as wire
+from protocol.coord import BadRequest, NoServerAvailable
 
 log = logging.getLogger("splitserve.coordinator.channel")
 

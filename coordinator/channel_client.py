@@ -2,14 +2,16 @@
 
 Calls made during one event-loop turn (by any number of requests) leave as one `Batch`, together
 with every lease end queued since the last flush; the coordinator answers each batch with one
-`Replies` (frames in `coordinator.channel_wire`). Invariants:
+`Replies` (frames in `protocol.channel`). Invariants:
 - Bounded: at most `max_pending` calls unanswered; beyond, a placement fails at once with
   `CoordinatorOverloaded` (the fleet answers 503 + Retry-After) instead of queueing without limit.
 - Every call answers within `timeout_s`, else `CoordinatorUnavailable` (the fleet falls back to
   local placement, as for an unreachable coordinator). A select answered after its caller gave
   up still took a lease: it is finished here when the late answer arrives, so no lease is lost.
-- Finishes are queued without awaiting; each leaves exactly once per batch and stays owned by the
-  client until its batch is acknowledged. When the connection drops first, the unacknowledged
+- Finishes are queued without awaiting and ride on the next batch of calls, or leave on their own
+  after `finish_delay_s` (2 ms) when no call comes first: under load a lease end costs no frame,
+  write or reply of its own (bench/RESULTS.md, "fleet CPU per request"). Each leaves exactly once
+  per batch and stays owned by the client until its batch is acknowledged. When the connection drops first, the unacknowledged
   ones are re-sent on the next connection, or handed to `fallback_finish` (the HTTP API) when the
   coordinator cannot be reached over the channel; a repeated finish is idempotent there.
 - Not offered (an older coordinator, `--http aiohttp`, `coordinator.channel: false`): `usable()`
@@ -22,10 +24,11 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from coordinator import channel_wire as cw
+from protocol import channel as cw
 from coordinator import client_codec as codec
-from coordinator import wire
-from coordinator.errors import BadRequest, CoordinatorOverloaded, CoordinatorUnavailable
+from protocol import coord as wire
+from protocol.failures import Cause
+from protocol.coord import BadRequest, CoordinatorOverloaded, CoordinatorUnavailable
 
 log = logging.getLogger("splitserve.coordinator.channel")
 
@@ -96,7 +99,8 @@ class _NotOffered(Exception):
 
 class ChannelClient:
     def __init__(self, url: str, *, timeout_s: float = 5.0, max_pending: int = 4096,
-                 retry_s: float = 5.0, fallback_finish: FallbackFinish | None = None):
+                 retry_s: float = 5.0, fallback_finish: FallbackFinish | None = None,
+                 finish_delay_s: float = 0.002):
         url = url.rstrip("/")
         if url.startswith("unix:"):
             self._uds: str | None = "/" + url[len("unix:"):].lstrip("/")
@@ -113,6 +117,7 @@ class ChannelClient:
         self.max_pending = max_pending
         self.retry_s = retry_s
         self.fallback_finish = fallback_finish
+        self.finish_delay_s = finish_delay_s
         self._proto: _Proto | None = None
         self._connecting: asyncio.Future | None = None
         self._down_until = 0.0          # no channel (not offered / unreachable) until then
@@ -123,6 +128,7 @@ class ChannelClient:
         self._fins: list[cw.Finish] = []
         self._fin_waiters: list[asyncio.Future] = []   # `await finish()` callers of queued finishes
         self._scheduled = False
+        self._fin_timer: asyncio.TimerHandle | None = None   # a flush of finishes alone, if no call
         self._waiting: dict[int, tuple[asyncio.Future, Any]] = {}
         self._unacked: dict[int, tuple[list[int], list[cw.Finish], asyncio.TimerHandle | None,
                                        list[asyncio.Future]]] = {}
@@ -199,7 +205,7 @@ class ChannelClient:
             log.warning("coordinator channel to %s lost: %s", self.url, why)
         # Calls in flight: their callers fail over (an answer may never come). Their finishes:
         # owned until acknowledged, so re-sent.
-        err = CoordinatorUnavailable(f"coordinator channel to {self.url} lost: {why}")
+        err = CoordinatorUnavailable(f"coordinator channel to {self.url} lost: {why}", Cause.PEER_LOST)
         resend: list[cw.Finish] = []
         waiters: list[asyncio.Future] = []
         for seq, (ids, fins, timer, fw) in self._unacked.items():
@@ -255,8 +261,15 @@ class ChannelClient:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def _schedule_finishes(self) -> None:
+        if not self._scheduled and self._fin_timer is None:
+            self._fin_timer = asyncio.get_running_loop().call_later(self.finish_delay_s, self._flush)
+
     def _flush(self) -> None:
         self._scheduled = False
+        if self._fin_timer is not None:
+            self._fin_timer.cancel()
+            self._fin_timer = None
         proto = self._proto
         if proto is None or proto.transport is None or not (self._calls or self._fins):
             return
@@ -285,7 +298,7 @@ class ChannelClient:
             fut, call = w
             if err is None:
                 err = CoordinatorUnavailable(f"coordinator {self.url} did not answer within "
-                                             f"{self.timeout_s:g}s (channel)")
+                                             f"{self.timeout_s:g}s (channel)", Cause.TIMEOUT)
             self._abandoned[i] = call
             if not fut.done():
                 fut.set_exception(err)
@@ -387,7 +400,7 @@ class ChannelClient:
                 return False
         self._fins.append(cw.Finish(canon, req_id, success, usage))
         if self._proto is not None:
-            self._schedule()
+            self._schedule_finishes()
         return True
 
     async def finish_acked(self, role: str, req_id: int, success: bool = True,
@@ -396,6 +409,8 @@ class ChannelClient:
         HTTP fallback); False when the channel is not usable (the caller sends it by HTTP)."""
         if not self.finish(role, req_id, success, usage):
             return False
+        if self._proto is not None:
+            self._schedule()     # awaited: no reason to wait for a call to ride on
         fut = asyncio.get_running_loop().create_future()
         self._fin_waiters.append(fut)
         await fut

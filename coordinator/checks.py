@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator import wire
-from coordinator.errors import BadRequest
+from protocol import coord as wire
+from protocol.coord import BadRequest
 from coordinator.registry import normalize_url
 from router.policies import RoutingKey
 

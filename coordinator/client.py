@@ -24,6 +24,7 @@ stacks; `make_client(target)` picks one.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
@@ -33,7 +34,8 @@ import orjson
 from coordinator import client_codec as codec
 from coordinator.channel_client import ChannelClient, Fallback
 from coordinator.client_codec import answer_or_raise
-from coordinator.errors import BadRequest, CoordinatorUnavailable
+from protocol.failures import Cause
+from protocol.coord import BadRequest, CoordinatorUnavailable
 from coordinator.identity import IdentityExhausted
 
 __all__ = [
@@ -45,6 +47,8 @@ __all__ = [
     "Transport",
     "make_client",
 ]
+
+log = logging.getLogger("splitserve.coordinator")
 
 MSGPACK = "application/msgpack"
 _HEADERS = {"Content-Type": MSGPACK, "Accept": MSGPACK}
@@ -109,7 +113,7 @@ class HttpTransport:
                 ctype = r.headers.get("Content-Type", "")
         except asyncio.TimeoutError:
             raise CoordinatorUnavailable(f"coordinator {self.url} did not answer {path} within "
-                                         f"{self.timeout.total:g}s") from None
+                                         f"{self.timeout.total:g}s", Cause.TIMEOUT) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise CoordinatorUnavailable(f"coordinator {self.url} unreachable for {path}: "
                                          f"{type(exc).__name__}: {exc}") from None
@@ -292,10 +296,35 @@ class HttpCoordinatorClient(CoordinatorClient):
 
 
 class InProcessCoordinatorClient(CoordinatorClient):
-    """The coordinator object in this process (one-process topology)."""
+    """The coordinator object in this process (one-process topology). `start(config)` also owns
+    its life: it creates and starts the coordinator, and `close()` stops it."""
 
-    def __init__(self, coordinator):
+    def __init__(self, coordinator, *, stop=None):
         super().__init__(InProcessTransport(coordinator))
+        self._stop = stop
+
+    @classmethod
+    async def start(cls, config) -> "InProcessCoordinatorClient":
+        """A started coordinator for `config`. With dynamic membership (`disagg_cluster`) workers
+        must reach it to register, so it also serves its API (loopback by default) on its port
+        (the fleet's port - 1) and its Unix socket."""
+        from coordinator.service import Coordinator
+        coord = Coordinator(config)
+        if config.disagg_cluster is None:
+            await coord.start()
+            return cls(coord, stop=coord.stop)
+        from coordinator.listeners import CoordinatorServer
+        server = CoordinatorServer(coord, host=config.coordinator.host, port=config.coordinator_port,
+                                   uds_path=config.coordinator_uds_path)
+        urls = await server.start()
+        log.info("in-process coordinator serving its API on %s", " and ".join(urls))
+        return cls(coord, stop=server.stop)
+
+    async def close(self) -> None:
+        await super().close()
+        stop, self._stop = self._stop, None
+        if stop is not None:
+            await stop()
 
 
 def make_client(target: Any, *, timeout_s: float = 5.0) -> CoordinatorClient:

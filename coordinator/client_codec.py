@@ -3,7 +3,7 @@ results or typed errors, shared by every transport (coordinator/client.py: in-pr
 TCP or a Unix socket, the fleet's pooled HTTP in fleet/coord_client.py) and by the persistent
 channel (coordinator/channel_client.py), so no transport decides on its own what an answer means.
 
-Errors (coordinator/errors.py):
+Errors (protocol/coord.py):
 - `NoServerAvailable` — a placement (`/select`, `/select_pair`) answered 503: no server fits;
 - `CoordinatorOverloaded` — 429: the coordinator shed the call, `retry_after` seconds;
 - `CoordinatorRequestError` — it rejected the call (400/404/415), with `.field` when known;
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.channel_wire import wire_key
-from coordinator.errors import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
+from protocol.channel import wire_key
+from protocol.failures import Cause
+from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
                                 CoordinatorUnavailable, NoServerAvailable)
 
 SELECT = "/select"
@@ -97,7 +98,7 @@ def answer_or_raise(url: str, path: str, status: int, obj: Any, raw: bytes) -> A
 
 def error_of(url: str, path: str, status: int, obj: Any, raw: bytes) -> Exception:
     """The typed error of a non-200 answer to `path` (over HTTP or the channel, whose statuses are
-    HTTP's: coordinator/channel_wire.py).
+    HTTP's: protocol/channel.py).
 
     `obj` is None when the body was not one the coordinator writes (an error page from a proxy);
     the message then quotes the start of `raw`. 503 means "no server fits" only for the placement
@@ -112,7 +113,8 @@ def error_of(url: str, path: str, status: int, obj: Any, raw: bytes) -> Exceptio
         return CoordinatorOverloaded(msg, float(ra) if isinstance(ra, (int, float)) else 1.0)
     if 400 <= status < 500:
         return CoordinatorRequestError(status, msg, obj.get("field") if isinstance(obj, dict) else None)
-    return CoordinatorUnavailable(f"coordinator {url} answered {status} for {path}: {msg}")
+    return CoordinatorUnavailable(f"coordinator {url} answered {status} for {path}: {msg}",
+                                  Cause.UPSTREAM_5XX)
 
 
 def rejected(exc: BadRequest) -> CoordinatorRequestError:

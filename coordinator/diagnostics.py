@@ -85,7 +85,7 @@ class Diagnostics:
         if not self.enabled:
             return
         p = self.parity.get(url)
-        if p is not None and p.worker_id == worker_id and not p.detail.startswith("probe failed"):
+        if p is not None and p.worker_id == worker_id and not p.probe_failed:
             return   # this instance was probed (a failed probe is retried on the next admission)
         t = self._tasks.get(url)
         if t is not None and not t.done():
@@ -113,7 +113,7 @@ class Diagnostics:
             res = kv_parity.Parity(kv_parity.UNVERIFIED, None, f"no routing tokenizer: {e}")
         except Exception as e:  # noqa: BLE001 - network trouble: unverified, retried on readmission
             res = kv_parity.Parity(kv_parity.UNVERIFIED, None,
-                                   f"probe failed: {type(e).__name__}: {e}")
+                                   f"probe failed: {type(e).__name__}: {e}", probe_failed=True)
         res.worker_id = worker_id
         old = self.parity.get(url)
         self.parity[url] = res

@@ -13,7 +13,7 @@ Semantics (invariants):
 - A body over `max_body` is answered 413 and the connection closed; a malformed request 400 and
   closed; `Expect: 100-continue` gets its interim answer; an `Upgrade` request is answered as
   plain HTTP and the connection closed — except `GET /channel` with the fleet channel's token
-  (`coordinator.channel_wire`), which gets `101` and continues as that channel's protocol.
+  (`protocol.channel`), which gets `101` and continues as that channel's protocol.
 - Back-pressure: when the transport's write buffer is full, reading pauses until it drains.
 - Idle keep-alive connections are closed after `keepalive_s`; `close()` stops accepting, closes
   idle connections at once and the rest when their current request is answered (bounded).
@@ -31,8 +31,8 @@ import httptools
 import orjson
 
 from coordinator.api import Api, Reply
-from coordinator.channel_wire import PATH as CHANNEL_PATH
-from coordinator.channel_wire import PROTOCOL, UPGRADE_ANSWER
+from protocol.channel import PATH as CHANNEL_PATH
+from protocol.channel import PROTOCOL, UPGRADE_ANSWER
 
 CHANNEL_TOKEN = PROTOCOL.encode()
 

@@ -47,6 +47,7 @@ class Parity:
     detail: str = ""
     worker_id: str | None = None
     checked: list = dataclasses.field(default_factory=list)   # fields actually compared
+    probe_failed: bool = False        # the probe itself failed (network): retried on readmission
     at: float = dataclasses.field(default_factory=time.time)
 
     def describe(self) -> dict:

@@ -9,17 +9,15 @@ import logging
 import time
 
 import aiohttp
-import msgpack
 import zmq
 
-from coordinator.errors import BadRequest
 from coordinator.kv_feed import WorkerFeed
-from coordinator.wire import block_keys_array
+from protocol import kv_replay
+from protocol.coord import BadRequest, block_keys_array
 from router.events import EventDecodeError, decode_zmq
 
 log = logging.getLogger("splitserve.coordinator.kv_ingest")
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_REPAIRS_IN_A_ROW = 3
 # Keys per slice of a snapshot load: ~5 ms of CPU each, so /select keeps being served while a
 # 50k-block snapshot loads (in one piece it stalled the event loop for ~50 ms).
@@ -117,8 +115,7 @@ class RepairMixin:
         out = []
         try:
             sock.connect(feed.replay_endpoint)
-            # vLLM's ROUTER expects [identity, b"", start]; a DEALER must add the empty delimiter.
-            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            await sock.send_multipart(kv_replay.request_frames(start))
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.replay_timeout_s
             while True:
@@ -128,13 +125,12 @@ class RepairMixin:
                     log.warning("replay from %s (%s) timed out after %.1fs", feed.server,
                                 feed.replay_endpoint, self.replay_timeout_s)
                     return None
-                frames = await sock.recv_multipart()
-                # Every reply form ends in [seq_be8, payload]: [b"", (topic,) seq, payload].
-                if len(frames) < 2:
+                tail = kv_replay.reply_tail(await sock.recv_multipart())
+                if tail is None:
                     feed.decode_errors += 1
                     return None
-                seq_b, payload = frames[-2], frames[-1]
-                if seq_b == END_SEQ and not payload:
+                seq_b, payload = tail
+                if seq_b == kv_replay.END_SEQ and not payload:
                     return out
                 try:
                     out.append(decode_zmq([seq_b, payload], engine=feed.source.engine))
@@ -157,24 +153,21 @@ class RepairMixin:
                 if r.status != 200:
                     log.warning("GET %s answered %d; cannot rebuild from a snapshot", url, r.status)
                     return False
-            snap = msgpack.unpackb(body, raw=False)
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             log.warning("GET %s failed: %s: %s", url, type(exc).__name__, exc)
             return False
-        if not isinstance(snap, dict):
-            log.warning("%s is not a msgpack map; ignoring it", url)
+        try:
+            snap = kv_replay.decode_snapshot(body)
+        except kv_replay.SnapshotError as exc:
+            log.warning("snapshot of %s from %s unusable: %s", feed.server, url, exc)
             return False
-        bs, ks = snap.get("block_size"), snap.get("key_scheme")
+        bs, ks, seq = snap.block_size, snap.key_scheme, snap.seq
         if bs != self.block_size or ks != self.key_scheme:
             log.warning("snapshot of %s is keyed at block size %r / scheme %r, routing uses %d / %s; "
                         "not usable", feed.server, bs, ks, self.block_size, self.key_scheme)
             return False
-        seq = snap.get("seq")
-        if seq is not None and (type(seq) is not int or seq < -1):
-            log.warning("snapshot of %s has invalid seq %r", feed.server, seq)
-            return False
         try:
-            keys = block_keys_array(snap.get("block_keys") or [], "block_keys")
+            keys = block_keys_array(snap.block_keys or [], "block_keys")
         except BadRequest as exc:
             log.warning("snapshot of %s has invalid block keys: %s", feed.server, exc.message)
             return False

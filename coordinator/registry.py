@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
-from coordinator.errors import BadRequest
+from protocol.coord import BadRequest
+from protocol.roles import Role
 
 log = logging.getLogger("splitserve.coordinator.registry")
 
-CONTEXT = "context"
-GENERATION = "generation"
+CONTEXT = Role.CONTEXT.value
+GENERATION = Role.GENERATION.value
 BOTH = (CONTEXT, GENERATION)
 
 

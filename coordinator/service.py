@@ -2,13 +2,16 @@
 
 `Coordinator` holds the registry and health loop, the KV index fed by ZMQ events, the load leases,
 the routing policies (and with them the conversation table) and the fleet identities. Its methods
-are synchronous state operations (one event loop, no locks): the HTTP handlers and the in-process
-client call the same ones, so the one-process topology and the networked one behave alike.
+are synchronous state operations (one event loop, no locks): the HTTP handlers, the channel and the
+in-process client call the same ones (`place`, `place_pair`, `end_lease`, `renew_lease` once their
+transport has checked the request), so the one-process topology and the networked one behave
+alike. `/cluster_info` and `/metrics` read one snapshot of it (coordinator/snapshot.py).
 
 Invariants:
 - Every placement creates a lease keyed by `(role, req_id)`; a repeated placement of the same key
   replaces the lease (its load is released first), `finish` is idempotent, and expiry releases
-  leases nobody finished or renewed. In-flight counts therefore return to zero after any mix.
+  leases nobody finished or renewed. In-flight counts (the lease table's own, per role) therefore
+  return to zero after any mix.
 - Only `healthy` servers are candidates; for `kv_cache_aware`, servers whose index is still being
   rebuilt are skipped while any rebuilt one is available.
 - `is_ready()` is true only while each role has at least its configured minimum of healthy servers.
@@ -26,11 +29,12 @@ from typing import Any, Callable
 from coordinator import checks
 from coordinator import metrics as metrics_mod
 from coordinator import snapshot
-from coordinator import wire
+from protocol import coord as wire
+from protocol.roles import Mode
 from coordinator.api import make_app
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
-from coordinator.errors import BadRequest, NoServerAvailable
+from protocol.coord import BadRequest, NoServerAvailable
 from coordinator.health import HealthMonitor
 from coordinator.identity import IdentityTable
 from coordinator.kv_ingest import FeedSource, KvIngest
@@ -360,23 +364,23 @@ class Coordinator:
         t0 = time.perf_counter()
         gen = self._select(GENERATION, req_id, key, ex_gen)
         ctx = None
-        mode, reason = "disaggregated", None
+        mode, reason = Mode.DISAGGREGATED, None
         cond = self.config.conditional_disagg_config
         if cond is not None and key is not None and key.num_tokens:
             matched = int(gen["info"].get("matched_tokens") or 0)
             uncached = key.num_tokens - matched
             if matched > 0 and uncached <= cond.max_local_prefill_length:
-                mode = "generation_only"
+                mode = Mode.GENERATION_ONLY
                 reason = (f"generation server caches {matched} of {key.num_tokens} tokens; "
                           f"{uncached} <= max_local_prefill_length {cond.max_local_prefill_length}")
-        if mode == "disaggregated":
+        if mode is Mode.DISAGGREGATED:
             try:
                 ctx = self._select(CONTEXT, req_id, key, ex_ctx)
             except NoServerAvailable as exc:
                 if self.config.no_context_fallback != "aggregate":
                     self.leases.finish(GENERATION, req_id)
                     raise
-                mode, reason = "aggregate_fallback", f"{exc}; serving on the generation server alone"
+                mode, reason = Mode.AGGREGATE_FALLBACK, f"{exc}; serving on the generation server alone"
         self.stats.pair_modes[mode] = self.stats.pair_modes.get(mode, 0) + 1
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}

@@ -18,7 +18,8 @@ import msgpack
 
 from coordinator import client_codec as codec
 from coordinator.client import HttpCoordinatorClient, HttpTransport
-from coordinator.errors import CoordinatorUnavailable
+from protocol.failures import Cause
+from protocol.coord import CoordinatorUnavailable
 
 from .upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 
@@ -57,9 +58,10 @@ class PoolTransport:
                 r.release()
         except UpstreamTimeout:
             raise CoordinatorUnavailable(f"coordinator {self.url} did not answer {path} within "
-                                         f"{self.timeout_s:g}s") from None
+                                         f"{self.timeout_s:g}s", Cause.TIMEOUT) from None
         except UpstreamError as e:
-            raise CoordinatorUnavailable(f"coordinator {self.url} unreachable for {path}: {e.detail}") from None
+            raise CoordinatorUnavailable(f"coordinator {self.url} unreachable for {path}: {e.detail}",
+                                         e.cause) from None
         status = r.status
         try:
             obj = msgpack.unpackb(raw, raw=False) if "msgpack" in r.content_type else None

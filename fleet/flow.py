@@ -33,12 +33,12 @@ import time
 import orjson
 from aiohttp import web
 
-from coordinator.errors import NoServerAvailable
+from protocol.coord import NoServerAvailable
 
 from . import metrics as M
 from . import pd_flow
 from .auth import AUTH_HEADER, sign
-from .errors import ApiError
+from protocol.openai import ApiError
 from .legs import plan
 from .legs import trtllm as trt
 from .placement import CTX, GEN, Placement, Placer
@@ -293,11 +293,10 @@ class Flow:
         proto = pd_flow.request_protocol(self, ctx, gen)
         if proto != "trtllm":
             return await pd_flow.run(self, request, creq, scope, ctx, gen, key, proto)
-        if ctx is not None and gen.server in self.no_transfer:
-            # Known not to receive KV: the context leg would be wasted work.
+        scope.mode, keep = plan.placed(scope.mode, ctx is not None, gen.server not in self.no_transfer)
+        if ctx is not None and not keep:
             scope.release(ctx, True)
             ctx = None
-            scope.mode = plan.NO_KV_TRANSFER
         scope.route = plan.route_start(scope.rid, scope.mode, scope.alias)
         if ctx is None:
             return await self.plain_leg(request, creq, scope, gen, key)

@@ -21,7 +21,7 @@ from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineToo
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from .errors import ApiError
+from protocol.openai import ApiError
 
 log = logging.getLogger("splitserve.fleet.http")
 

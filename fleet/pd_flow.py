@@ -22,11 +22,11 @@ import time
 import msgspec
 import orjson
 
-from coordinator.errors import NoServerAvailable
+from protocol.coord import NoServerAvailable
 
 from . import legs
 from . import metrics as M
-from .errors import ApiError
+from protocol.openai import ApiError
 from .legs import plan
 from .legs import sglang as sgl
 from .legs import vllm as vl
@@ -56,7 +56,8 @@ def request_protocol(flow, ctx: Placement | None, gen: Placement) -> str:
 
 async def run(flow, request, creq, scope, ctx: Placement | None, gen: Placement, key, proto: str):
     mod = legs.module(proto)
-    if ctx is not None and server_protocol(flow, CTX, ctx.server) != proto:
+    same = ctx is None or server_protocol(flow, CTX, ctx.server) == proto
+    if not same:
         if not mod.LOCAL_PREFILL:
             raise ApiError(502, f"context server {ctx.server} does not speak {proto} like generation server "
                                 f"{gen.server}, and a {proto} decode server cannot serve a request alone; "
@@ -64,9 +65,10 @@ async def run(flow, request, creq, scope, ctx: Placement | None, gen: Placement,
         # The KV cannot move between two engine families: serve it on the decode server alone.
         log.warning("request %d: context server %s does not speak %s like generation server %s; "
                     "serving it without a context leg", scope.rid, ctx.server, proto, gen.server)
+    scope.mode, keep = plan.placed(scope.mode, ctx is not None, same)
+    if ctx is not None and not keep:
         scope.release(ctx, True)
         ctx = None
-        scope.mode = plan.NO_KV_TRANSFER
     scope.route = plan.route_start(scope.rid, scope.mode, None, proto)
     if ctx is None and not mod.LOCAL_PREFILL and not flow.aggregated_only:
         # Its decode servers need a prefill leg: no local prefill, no aggregated fallback.

@@ -26,19 +26,19 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from coordinator.errors import CoordinatorRequestError, CoordinatorUnavailable, NoServerAvailable
+from protocol.coord import (ClusterInfo, CoordinatorRequestError, CoordinatorUnavailable,
+                            NoServerAvailable, SelectAnswer, SelectPairAnswer, as_answer)
+from protocol.roles import Mode, Role
 from router.block_keys import salt_seed
 
 from . import metrics as M
 
 log = logging.getLogger("splitserve.fleet.placement")
 
-CTX = "context"
-GEN = "generation"
+CTX = Role.CONTEXT.value
+GEN = Role.GENERATION.value
 DELEGATED = frozenset({"load_balancing", "kv_cache_aware", "conversation"})
 KEYED = frozenset({"kv_cache_aware", "conversation"})
-_PAIR_MODES = {"disaggregated": "disaggregated", "generation_only": "local_prefill",
-               "aggregate_fallback": "aggregated_fallback"}
 
 
 @dataclass(slots=True)
@@ -57,11 +57,7 @@ class Placement:
 
     @property
     def predicted_tokens(self) -> int:
-        e = self.explanation
-        v = e.get("matched_tokens")
-        if v is None and isinstance(e.get("explanation"), dict):
-            v = e["explanation"].get("matched_tokens")
-        return int(v or 0)
+        return int(self.explanation.get("matched_tokens") or 0)
 
 
 @dataclass(slots=True)
@@ -73,42 +69,13 @@ class _ServerState:
     inflight: int = 0
 
 
-def _as_list(v):
-    if v is None:
-        return []
-    if isinstance(v, dict):
-        out = []
-        for url, s in v.items():
-            s = dict(s) if isinstance(s, dict) else {}
-            s.setdefault("url", url)
-            out.append(s)
-        return out
-    return list(v)
-
-
-def parse_cluster_info(ci: dict) -> dict[str, list[_ServerState]]:
-    """Servers per role from a coordinator `/cluster_info` answer (tolerant of list or map shapes)."""
-    out: dict[str, list[_ServerState]] = {CTX: [], GEN: []}
-    servers = ci.get("servers", ci)
-    for role, keys in ((CTX, ("context", "context_servers", "ctx")), (GEN, ("generation", "generation_servers", "gen"))):
-        raw = None
-        for k in keys:
-            if isinstance(servers, dict) and servers.get(k) is not None:
-                raw = servers[k]
-                break
-        for s in _as_list(raw):
-            if isinstance(s, str):
-                out[role].append(_ServerState(s))
-                continue
-            url = s.get("url") or s.get("server")
-            if not url:
-                continue
-            healthy = s.get("healthy")
-            if healthy is None:
-                healthy = s.get("health") in (None, "healthy", "ok", True, "up")
-            info = s.get("server_info") or s.get("info") or {}
-            out[role].append(_ServerState(url, bool(healthy), (info or {}).get("model") or s.get("model"), info or {}))
-    return out
+def parse_cluster_info(ci: ClusterInfo) -> dict[str, list[_ServerState]]:
+    """Servers per role from a coordinator `/cluster_info` answer."""
+    return {role: [_ServerState(v.url, v.healthy,
+                                (v.server_info or {}).get("model") or (v.model or None),
+                                v.server_info or {})
+                   for v in getattr(ci.servers, role)]
+            for role in (CTX, GEN)}
 
 
 class Placer:
@@ -158,11 +125,12 @@ class Placer:
     def needs_key(self, role: str) -> bool:
         return self.policy[role] in KEYED
 
-    def apply_cluster_info(self, ci: dict) -> None:
+    def apply_cluster_info(self, raw: dict) -> None:
+        """Adopt a `/cluster_info` answer (decoded as `protocol.coord.ClusterInfo`; the raw body is
+        kept for the fleet's own `/cluster_info`)."""
+        ci = as_answer(ClusterInfo, raw, "/cluster_info")
         parsed = parse_cluster_info(ci)
         for role in (CTX, GEN):
-            if not parsed[role] and not ci.get("servers"):
-                continue
             old = {s.url: s for s in self.servers[role]}
             new = []
             for s in parsed[role]:
@@ -172,12 +140,9 @@ class Placer:
                 new.append(s)
             self.servers[role] = new
         self._reindex()
-        rk = ci.get("routing") or ci.get("routing_key") or ci.get("routing_key_config") or {}
-        if isinstance(rk, dict):
-            for k in ("block_size", "key_scheme", "ns_seed"):
-                if rk.get(k) is not None:
-                    self.routing[k] = rk[k]
-        self.cluster_info = ci
+        rk = ci.routing
+        self.routing.update(block_size=rk.block_size, key_scheme=rk.key_scheme, ns_seed=rk.ns_seed)
+        self.cluster_info = raw
         self.cluster_info_at = time.monotonic()
 
     async def refresh(self) -> dict:
@@ -319,10 +284,8 @@ class Placer:
             s.inflight += delta
 
     # ------------------------------------------------------------------ delegated placement
-    def _answer(self, role: str, req_id: int, ans: dict) -> Placement:
-        info = ans.get("info") or {}
-        expl = info.get("explanation", info) if isinstance(info, dict) else {}
-        return Placement(role, ans["server"], req_id, True, self.policy[role], expl if isinstance(expl, dict) else {},
+    def _answer(self, role: str, req_id: int, ans: SelectAnswer) -> Placement:
+        return Placement(role, ans.server, req_id, True, self.policy[role], ans.info,
                          last_renew=time.monotonic())
 
     async def place(self, role: str, req_id: int, routing_key: dict | None, exclude: set[str]) -> Placement:
@@ -338,16 +301,16 @@ class Placer:
                 self._coord_lost(e)
             else:
                 self._rtt["select"].observe(time.perf_counter() - t0)
-                return self._answer(role, req_id, ans)
+                return self._answer(role, req_id, as_answer(SelectAnswer, ans, "/select"))
         M.COORD_FALLBACK.labels(role).inc()
         return self._local(role, req_id, exclude, "local_fallback")
 
     async def place_pair(self, req_id: int, routing_key: dict | None, exclude_ctx: set[str],
-                         exclude_gen: set[str]) -> tuple[Placement | None, Placement, str]:
+                         exclude_gen: set[str]) -> tuple[Placement | None, Placement, Mode]:
         """Both legs in one coordinator call → (context or None, generation, mode).
 
-        mode: "disaggregated"; "local_prefill" (conditional disaggregation: the generation server
-        caches nearly all of the prompt); "aggregated_fallback" (no healthy context server)."""
+        mode: DISAGGREGATED; GENERATION_ONLY (conditional disaggregation: the generation server
+        caches nearly all of the prompt); AGGREGATE_FALLBACK (no healthy context server)."""
         if self.coord_ok:
             ej = set(self.ejected())
             t0 = time.perf_counter()
@@ -360,10 +323,10 @@ class Placer:
                 self._coord_lost(e)
             else:
                 self._rtt["select_pair"].observe(time.perf_counter() - t0)
-                ctx = ans.get("context")
-                gen = self._answer(GEN, req_id, ans["generation"])
-                mode = _PAIR_MODES.get(ans.get("mode"), "disaggregated" if ctx else "aggregated_fallback")
-                return (self._answer(CTX, req_id, ctx) if ctx else None), gen, mode
+                pair = as_answer(SelectPairAnswer, ans, "/select_pair")
+                gen = self._answer(GEN, req_id, pair.generation)
+                ctx = pair.context
+                return (self._answer(CTX, req_id, ctx) if ctx else None), gen, pair.mode
         M.COORD_FALLBACK.labels(CTX).inc()
         M.COORD_FALLBACK.labels(GEN).inc()
         gen = self._local(GEN, req_id, exclude_gen, "local_fallback")
@@ -372,8 +335,8 @@ class Placer:
         except NoServerAvailable:
             if self.config.no_context_fallback == "reject":
                 raise
-            return None, gen, "aggregated_fallback"
-        return ctx, gen, "disaggregated"
+            return None, gen, Mode.AGGREGATE_FALLBACK
+        return ctx, gen, Mode.DISAGGREGATED
 
     async def _leased(self, call, roles: tuple[str, ...], req_id: int) -> dict:
         """Await a coordinator placement so that a cancelled caller never leaks the lease it creates.

@@ -10,7 +10,7 @@
 - usage: each leg's `prompt_tokens`/`cached_tokens` is kept on its placement (the `/finish` report
   against the coordinator's prediction) and counted per role and server.
 
-The pure event/body transforms are module functions (unit-tested in tests/fleet/test_relay_plan.py);
+The pure event/body transforms are module functions (unit-tested in tests/fleet/test_plan.py);
 `Relay` is the shell that reads upstream responses and writes the client's.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from . import metrics as M
-from .errors import ApiError
+from protocol.openai import ApiError
 from .legs.plan import CHAT
 from .placement import CTX, GEN, Placement
 from .upstream import Response, UpstreamError, UpstreamTimeout

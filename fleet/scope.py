@@ -20,7 +20,7 @@ import asyncio
 import logging
 
 from . import metrics as M
-from .errors import ApiError
+from protocol.openai import ApiError
 from .placement import CTX, GEN, Placement
 
 log = logging.getLogger("splitserve.fleet.flow")

@@ -22,12 +22,12 @@ import weakref
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from coordinator.errors import CoordinatorError
+from protocol.coord import CoordinatorError
 from coordinator.gc_tuning import settle_heap
 
 from . import metrics as M
 from .auth import AUTH_HEADER, ApiKeys, vet_client_params
-from .errors import ApiError
+from protocol.openai import ApiError
 from .flow import Flow
 from .http_protocol import FleetRunner
 from .keys import TokenizerUnavailable, make_key_builder
@@ -420,22 +420,8 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
     if process_index is not None and reuse_port:
         # A launcher's child: if the launcher dies (even SIGKILL), stop instead of lingering as an orphan.
         watchdog = asyncio.get_running_loop().create_task(_watch_parent(os.getppid(), stop))
-    coord_obj = None
-    coord_server = None
     if coordinator_url is None:
-        from coordinator.listeners import CoordinatorServer
-        from coordinator.service import Coordinator
-        coord_obj = Coordinator(config)
-        if config.disagg_cluster is not None:
-            # Dynamic membership: workers must reach the coordinator to register, so the in-process
-            # coordinator also serves its API (loopback by default) on port - 1 and its Unix socket.
-            coord_server = CoordinatorServer(coord_obj, host=config.coordinator.host,
-                                             port=config.coordinator_port, uds_path=config.coordinator_uds_path)
-            urls = await coord_server.start()
-            log.info("in-process coordinator serving its API on %s", " and ".join(urls))
-        else:
-            await coord_obj.start()
-        client = InProcessCoordinatorClient(coord_obj)
+        client = await InProcessCoordinatorClient.start(config)
         label = "in-process"
     else:
         client = FleetCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s,
@@ -469,13 +455,7 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
     finally:
         if watchdog is not None:
             watchdog.cancel()
-        closer = getattr(client, "close", None)
-        if closer is not None:
-            try:
-                await closer()
-            except Exception:
-                pass
-        if coord_server is not None:
-            await coord_server.stop()
-        elif coord_obj is not None:
-            await coord_obj.stop()
+        try:
+            await client.close()    # an in-process coordinator stops with its client
+        except Exception as e:
+            log.warning("closing the coordinator client failed: %s", e)

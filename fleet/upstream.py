@@ -30,34 +30,34 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from protocol.failures import BadAnswer, ConnectRefused, Failure, PeerLost, Timeout
+
 _HIGH_WATER = 1 << 20   # pause reading the upstream socket when this much body is buffered
 _LOW_WATER = 1 << 18
 
 
-class UpstreamError(Exception):
-    """Base of upstream failures. `server` is the origin (`http://host:port`)."""
-
-    retryable = False
+class UpstreamError(Failure):
+    """Base of upstream failures. `server` is the origin (`http://host:port`); `cause` the typed
+    cause (`protocol.failures`, from the subclass), which the flow's retry rules read."""
 
     def __init__(self, server: str, message: str):
-        super().__init__(f"{server}: {message}")
+        super().__init__(server, message)
         self.server = server
-        self.detail = message
 
 
-class UpstreamConnectError(UpstreamError):
-    retryable = True
+class UpstreamConnectError(UpstreamError, ConnectRefused):
+    """Never reached a live server: safe to retry elsewhere."""
 
 
-class UpstreamDisconnected(UpstreamError):
+class UpstreamDisconnected(UpstreamError, PeerLost):
+    """The connection broke after the request was sent."""
+
+
+class UpstreamTimeout(UpstreamError, Timeout):
     pass
 
 
-class UpstreamTimeout(UpstreamError):
-    pass
-
-
-class UpstreamProtocolError(UpstreamError):
+class UpstreamProtocolError(UpstreamError, BadAnswer):
     pass
 
 

@@ -35,15 +35,17 @@ from typing import Any, Union
 
 import msgspec
 
+from protocol import kv_replay
+
 __all__ = [
     "Tier", "BlocksStored", "BlocksRemoved", "BlocksMoved", "AllCleared", "EventBatch",
     "KvEvent", "EventDecodeError", "decode_zmq", "decode_payload", "decode_trtllm_http",
-    "encode_vllm_batch", "END_SEQ_BYTES", "replay_request", "norm_hash", "tier_of",
+    "encode_vllm_batch", "END_SEQ_BYTES", "norm_hash", "tier_of",
 ]
 
 _M64 = (1 << 64) - 1
 EngineHash = Union[int, bytes]
-END_SEQ_BYTES = (-1).to_bytes(8, "big", signed=True)
+END_SEQ_BYTES = kv_replay.END_SEQ    # the replay end marker (framing: protocol.kv_replay)
 # A vLLM batch of a 128k-token prefill is ~1 MB; anything near this bound is not an event batch.
 MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
 MAX_EXTRA_KEYS_DEPTH = 4   # list per block -> tuple of keys -> (mm id, offset) -> scalar
@@ -408,11 +410,6 @@ def decode_zmq(frames: list[bytes], engine: str = "vllm") -> EventBatch:
     if not payload:
         raise EventDecodeError(f"empty payload for seq {int.from_bytes(seq_b, 'big')}")
     return decode_payload(bytes(payload), int.from_bytes(seq_b, "big"), engine)
-
-
-def replay_request(start_seq: int) -> list[bytes]:
-    """Frames a DEALER sends to ask a ROUTER replay socket for batches from ``start_seq``."""
-    return [b"", int(start_seq).to_bytes(8, "big")]
 
 
 # ---------------------------------------------------------------------------------------------

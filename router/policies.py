@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from protocol.failures import NoServerAvailable
+
 __all__ = [
     "Candidate", "RoutingKey", "LoadView", "Decision", "NoServerAvailable", "Policy",
     "RoundRobinPolicy", "LoadBalancingPolicy", "KvCacheAwarePolicy", "ConversationPolicy",
@@ -30,10 +32,6 @@ __all__ = [
 ]
 
 
-class NoServerAvailable(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

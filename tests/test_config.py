@@ -259,6 +259,21 @@ def test_invalid_values_name_their_path(src, path):
     assert err(src).path == path
 
 
+@pytest.mark.parametrize("src,message", [
+    ({"port": 70000}, "port: expected a value <= 65535, found 70000"),
+    ({"num_workers": 0}, "num_workers: expected a value >= 1, found 0"),
+    ({"leases": {"ttl_s": 0}}, "leases.ttl_s: expected a value > 0, found 0"),
+    ({"context_servers": {"kv_events": [{"server": "h:1", "endpoint": "tcp://h:2", "dp_size": 2000}]}},
+     "context_servers.kv_events[0].dp_size: expected a value <= 1024, found 2000"),
+    ({"disagg_cluster": {"cluster_name": "x"}},
+     "disagg_cluster.cluster_uri: required key missing (registration store: the coordinator URL"),
+    ({"coordinator": {"event_ingest": None}}, "coordinator.event_ingest: expected a mapping, found NoneType None"),
+])
+def test_bounds_and_missing_keys_say_expected_and_found(src, message):
+    """msgspec checks them; the message is restated in the schema's words (coordinator/config.py)."""
+    assert str(err(src)).startswith(message), str(err(src))
+
+
 def test_num_instances_must_match_urls():
     e = err({"generation_servers": {"num_instances": 3, "urls": ["a:1", "b:2"]}})
     assert e.path == "generation_servers.num_instances"

@@ -1,7 +1,8 @@
 """Dependency direction between our packages (docs/design.md §1, docs/INTERFACES.md).
 
-`fleet → coordinator → router`, `worker → router`, `worker → transfer`; `router` and `transfer`
-import no other package of ours; nothing imports `fleet`. Checked by parsing every module's imports
+`protocol` is at the bottom: it imports no other package of ours, and every package may import it.
+Above it `fleet → coordinator → router`, `worker → router`, `worker → transfer`; `router` and
+`transfer` import nothing of ours but `protocol`; nothing imports `fleet`. Checked by parsing every module's imports
 (including relative ones, imports inside functions, and `importlib.import_module("...")` with a
 literal name), so a forbidden import fails this test even if it is never executed.
 """
@@ -15,11 +16,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 ALLOWED: dict[str, frozenset[str]] = {
-    "router": frozenset(),
-    "transfer": frozenset(),
-    "coordinator": frozenset({"router"}),
-    "worker": frozenset({"router", "transfer"}),
-    "fleet": frozenset({"coordinator", "router"}),
+    "protocol": frozenset(),
+    "router": frozenset({"protocol"}),
+    "transfer": frozenset({"protocol"}),
+    "coordinator": frozenset({"protocol", "router"}),
+    "worker": frozenset({"protocol", "router", "transfer"}),
+    "fleet": frozenset({"protocol", "coordinator", "router"}),
     # The process/port harness of tests/ and bench/: usable by either, imports nothing of ours.
     "splitserve_testing": frozenset(),
 }
@@ -109,10 +111,13 @@ def test_repository_respects_the_dependency_direction():
     assert not violations, "forbidden imports:\n" + "\n".join(map(str, violations))
 
 
-def test_nothing_imports_fleet_and_router_transfer_import_none_of_ours():
+def test_nothing_imports_fleet_and_router_transfer_import_only_protocol():
     # The table says it; keep the table honest too.
     assert all("fleet" not in deps for deps in ALLOWED.values())
-    assert ALLOWED["router"] == ALLOWED["transfer"] == frozenset()
+    assert ALLOWED["protocol"] == frozenset()
+    assert ALLOWED["router"] == ALLOWED["transfer"] == frozenset({"protocol"})
+    assert all("protocol" in deps for pkg, deps in ALLOWED.items()
+               if pkg not in ("protocol", "splitserve_testing"))
 
 
 # ------------------------------------------------------------------------ the checker itself
@@ -135,6 +140,8 @@ def _synthetic(tmp_path: Path) -> Path:
     """)
     _write(tmp_path, "worker/ok.py", "import transfer.agent\nfrom router.events import x\n")
     _write(tmp_path, "fleet/ok.py", "from coordinator.config import load_config\nimport router\n")
+    _write(tmp_path, "router/ok.py", "from protocol.failures import NoServerAvailable\n")
+    _write(tmp_path, "transfer/ok.py", "import protocol.failures\n")
     return tmp_path
 
 
@@ -152,6 +159,7 @@ def test_checker_flags_each_kind_of_forbidden_import(tmp_path):
     _write(root, "worker/bad_coord.py", "from .. import coordinator\n")
     _write(root, "transfer/bad_kw.py",
            "from importlib import import_module\nimport_module('.flow', package='fleet')\n")
+    _write(root, "protocol/bad_router.py", "from router.block_keys import block_keys\n")
     got = {(v.file, v.imports) for v in find_violations(root)}
     assert got == {
         ("router/bad_abs.py", "coordinator.config"),
@@ -161,9 +169,12 @@ def test_checker_flags_each_kind_of_forbidden_import(tmp_path):
         ("worker/bad_dyn.py", "fleet.cli"),
         ("worker/bad_coord.py", "coordinator"),
         ("transfer/bad_kw.py", "fleet.flow"),
+        ("protocol/bad_router.py", "router.block_keys"),
     }
     msg = str(next(v for v in find_violations(root) if v.file == "router/bad_abs.py"))
-    assert "router/ imports 'coordinator.config'" in msg and "none of ours" in msg
+    assert "router/ imports 'coordinator.config'" in msg and "(allowed: protocol)" in msg
+    msg = str(next(v for v in find_violations(root) if v.file == "protocol/bad_router.py"))
+    assert "protocol/ imports 'router.block_keys'" in msg and "none of ours" in msg
 
 
 def test_relative_imports_inside_a_package_are_not_violations(tmp_path):

@@ -6,15 +6,11 @@ so callers never import a backend to catch a failure.
 """
 from __future__ import annotations
 
-import enum
-
-
-class FailureCause(enum.StrEnum):
-    """Why a submitted transfer ended in ERR (`XferHandle.cause`): what callers decide on. The
-    handle's `error` text is for people and logs only."""
-
-    PEER_LOST = "peer_lost"   # the remote agent or its process is gone: invalidate it
-    FAILED = "failed"         # anything else: backend error, invalidated remote, shutdown
+# Why a submitted transfer ended in ERR (`XferHandle.cause`): what callers decide on (the handle's
+# `error` text is for people and logs only). One enum for every layer: PEER_LOST (the remote agent
+# or its process is gone: invalidate it), FAILED (anything else: backend error, invalidated remote,
+# shutdown).
+from protocol.failures import Cause as FailureCause
 
 
 class TransferError(Exception):
@@ -43,6 +39,8 @@ class OutOfRange(TransferError):
 
 class PeerLost(TransferError):
     """The remote agent (or its process) went away while a transfer or control exchange needed it."""
+
+    cause = FailureCause.PEER_LOST
 
 
 class InvalidDescriptors(TransferError, ValueError):

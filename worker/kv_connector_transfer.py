@@ -32,12 +32,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from protocol.disagg import OpaqueStateError, decode_opaque_state
 from transfer.errors import SessionError, TransferError
 from transfer.states import SendEnd, TransferConfig
 from transfer.transceiver import Transceiver
 from worker.kv_connector import KvConnector, KvEngine, KvTransferFailed
-from worker.protocol import decode_opaque_state
-from worker.requests import InvalidRequest
 
 log = logging.getLogger("splitserve.worker.kv_connector")
 
@@ -58,10 +57,10 @@ def kv_source(disaggregated_params: dict | None) -> tuple[str, int]:
     if isinstance(blob, str) and blob:
         try:
             st = decode_opaque_state(blob)
-        except InvalidRequest as e:
+        except OpaqueStateError as e:
             raise KvTransferFailed(f"encoded_opaque_state unreadable: {e}") from None
-        if isinstance(st.get("tx_ep"), str) and isinstance(st.get("tx_req"), int):
-            return st["tx_ep"], st["tx_req"]
+        if st.tx_ep is not None and st.tx_req is not None:
+            return st.tx_ep, st.tx_req
     ep, cid = dp.get("ctx_info_endpoint"), dp.get("ctx_request_id")
     if isinstance(ep, str) and ep.startswith("tcp://") and isinstance(cid, int):
         return ep, cid

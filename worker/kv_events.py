@@ -4,14 +4,10 @@ Wire format (docs/reference/kv_events.md §1, docs/INTERFACES.md §3):
 
 * live: PUB frames ``[topic, seq_be8, payload]``; ``payload`` is ``router.events.encode_vllm_batch``
   (vLLM 0.33 map-format events); ``seq`` counts batches from 0, one per ``publish`` call;
-* replay: exactly vLLM 0.33's ``ZmqEventPublisher._service_replay``
-  (``vllm/distributed/kv_events.py`` of the vllm-0.33.0 wheel): a DEALER sends ``[b"", seq_be8]``;
-  the ROUTER answers one ``[b"", topic, seq_be8, payload]`` message per buffered batch with
-  ``seq >= start`` (oldest first), then the end marker ``[b"", b"", (-1).to_bytes(8, "big",
-  signed=True), b""]``. vLLM ignores a request without the delimiter; we also answer the bare
-  ``[seq_be8]`` form (docs/INTERFACES.md §3), with the same frames minus the delimiter. A first
-  replayed seq above the requested one means the ring buffer already dropped the gap: the
-  subscriber must resync from ``/kv_snapshot``.
+* replay: vLLM 0.33's ROUTER/DEALER replay, framed by ``protocol.kv_replay`` (the subscriber,
+  coordinator/kv_repair.py, uses the same module): one reply per buffered batch with
+  ``seq >= start`` (oldest first), then the end marker; a first replayed seq above the requested
+  one means the ring buffer already dropped the gap (resync from ``/kv_snapshot``).
 * ``data_parallel_rank`` is 0 unless given, as vLLM's publisher stamps every batch (a worker is
   one DP rank).
 
@@ -28,6 +24,7 @@ import time
 
 import zmq
 
+from protocol import kv_replay
 from router.events import encode_vllm_batch
 
 log = logging.getLogger("splitserve.worker.kv_events")
@@ -35,7 +32,7 @@ log = logging.getLogger("splitserve.worker.kv_events")
 __all__ = ["KvEventPublisher", "END_MARKER_SEQ", "DEFAULT_TOPIC"]
 
 DEFAULT_TOPIC = "kv-events"
-END_MARKER_SEQ = (-1).to_bytes(8, "big", signed=True)
+END_MARKER_SEQ = kv_replay.END_SEQ
 
 
 def _bind(sock: zmq.Socket, host: str, port: int) -> int:
@@ -108,7 +105,7 @@ class KvEventPublisher:
             raise RuntimeError("publisher is closed")
         payload = encode_vllm_batch(time.time(), events, self.dp_rank)
         seq = self._next_seq
-        seq_b = seq.to_bytes(8, "big")
+        seq_b = kv_replay.seq_bytes(seq)
         with self._lock:
             self._ring.append((seq, payload))
             self._next_seq = seq + 1
@@ -146,22 +143,18 @@ class KvEventPublisher:
                 log.warning("replay reply failed: %s", e)
 
     def _answer(self, frames: list[bytes]) -> None:
-        ident, rest = frames[0], frames[1:]
-        head = [ident]
-        if rest and rest[0] == b"":
-            head.append(b"")
-            rest = rest[1:]
-        if len(rest) != 1 or len(rest[0]) != 8:
+        delim, start = kv_replay.parse_request(frames[1:])
+        head = [frames[0], *delim]
+        if start is None:
             log.warning("malformed replay request (%d frames after identity; expected one 8-byte "
-                        "start seq); answering with the end marker only", len(rest))
-            self._router.send_multipart(head + [b"", END_MARKER_SEQ, b""])
+                        "start seq); answering with the end marker only", len(frames) - 1)
+            self._router.send_multipart(head + kv_replay.end_frames())
             return
-        start = int.from_bytes(rest[0], "big")
         with self._lock:
             batch = [(s, p) for s, p in self._ring if s >= start]
         for s, p in batch:
-            self._router.send_multipart(head + [self._topic_b, s.to_bytes(8, "big"), p], copy=False)
-        self._router.send_multipart(head + [b"", END_MARKER_SEQ, b""])
+            self._router.send_multipart(head + kv_replay.reply_frames(self._topic_b, s, p), copy=False)
+        self._router.send_multipart(head + kv_replay.end_frames())
         self.replays_served += 1
 
     # ------------------------------------------------------------------ shutdown

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.protocol import encode_opaque_state
+from protocol.disagg import OpaqueState, encode_opaque_state
 from worker.requests import CONTEXT_ONLY, GENERATION_ONLY, InvalidRequest
 
 PROTOCOLS = ("trtllm", "vllm", "sglang")
@@ -81,7 +81,7 @@ def _vllm_in(body: dict, local_id: int) -> tuple[dict, dict | None]:
                                  param="kv_transfer_params.remote_port")
         url = f"http://{_host(kv['remote_host'])}:{port}"
         out["disaggregated_params"] = {"request_type": GENERATION_ONLY, "ctx_request_id": cid,
-                                       "encoded_opaque_state": encode_opaque_state({"worker_url": url})}
+                                       "encoded_opaque_state": encode_opaque_state(OpaqueState(worker_url=url))}
         return out, {"kind": "vllm_decode"}
     return out, None
 
@@ -117,7 +117,8 @@ def _sglang_in(role: str, body: dict) -> tuple[dict, dict | None]:
                              param="bootstrap_host")
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     out["disaggregated_params"] = {"request_type": GENERATION_ONLY, "ctx_request_id": room,
-                                   "encoded_opaque_state": encode_opaque_state({"worker_url": url, "wait": True})}
+                                   "encoded_opaque_state": encode_opaque_state(
+                                       OpaqueState(worker_url=url, wait=True))}
     return out, {"kind": "sglang_decode", "rid": rid, "room": room}
 
 

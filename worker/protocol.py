@@ -7,44 +7,23 @@ SSE chunks), including ``disaggregated_params`` and ``usage.prompt_tokens_detail
 """
 from __future__ import annotations
 
-import base64
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
+from protocol.disagg import encode_opaque_state
+from protocol.openai import (SEED_MAX, SEED_MIN, bool_field, int_field, is_int,
+                             messages_field, model_field, n_field, num_field, stop_field,
+                             stream_fields, tname, token_ids)
 from worker.requests import (
     CONTEXT_AND_GENERATION, CONTEXT_ONLY, GENERATION_ONLY, REQUEST_TYPES, ContextResult,
     InvalidRequest, SamplingParams,
 )
 
 __all__ = [
-    "ParsedRequest", "parse_completion", "parse_chat", "encode_opaque_state",
-    "decode_opaque_state", "usage", "completion_response", "chat_response", "completion_chunk",
-    "chat_chunk", "usage_chunk", "disagg_response_params",
+    "ParsedRequest", "parse_completion", "parse_chat", "usage", "completion_response",
+    "chat_response", "completion_chunk", "chat_chunk", "usage_chunk", "disagg_response_params",
 ]
-
-_MAX_STOP = 16
-
-
-def encode_opaque_state(state: dict) -> str:
-    """The context leg's handoff blob: base64 (standard alphabet) of msgpack. No pickle."""
-    return base64.b64encode(msgpack.packb(state, use_bin_type=True)).decode("ascii")
-
-
-def decode_opaque_state(blob: str) -> dict:
-    try:
-        out = msgpack.unpackb(base64.b64decode(blob, validate=True), raw=False)
-    except Exception as e:
-        raise InvalidRequest(f"encoded_opaque_state is not base64 msgpack: {e}",
-                             param="disaggregated_params.encoded_opaque_state") from None
-    if not isinstance(out, dict):
-        raise InvalidRequest(
-            f"encoded_opaque_state must decode to a map, found {type(out).__name__}",
-            param="disaggregated_params.encoded_opaque_state")
-    return out
 
 
 @dataclass
@@ -70,64 +49,10 @@ class ParsedRequest:
     return_token_ids: bool = False
 
 
-def _tname(v: Any) -> str:
-    return "null" if v is None else type(v).__name__
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(float(v)))
-
-
-def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise InvalidRequest(f"'{name}' must be an integer, got {_tname(v)} {v!r}", param=name)
-    if lo is not None and v < lo:
-        raise InvalidRequest(f"'{name}' must be >= {lo}, got {v}", param=name)
-    if hi is not None and v > hi:
-        raise InvalidRequest(f"'{name}' must be <= {hi}, got {v}", param=name)
-    return v
-
-
-def _num(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_num(v):
-        raise InvalidRequest(f"'{name}' must be a number, got {_tname(v)} {v!r}", param=name)
-    if not lo <= v <= hi:
-        raise InvalidRequest(f"'{name}' must be in [{lo}, {hi}], got {v}", param=name)
-    return float(v)
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise InvalidRequest(f"'{name}' must be a boolean, got {_tname(v)} {v!r}", param=name)
-    return v
-
-
 def _token_ids(v: Any, name: str, vocab_size: int | None = None) -> list[int]:
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
-        raise InvalidRequest(f"'{name}' must be a list of integer token ids, got {_tname(v)}",
-                             param=name)
-    if any(t < 0 for t in v):
-        raise InvalidRequest(f"'{name}' must hold non-negative token ids, found "
-                             f"{[t for t in v if t < 0][:5]}", param=name)
-    if vocab_size is not None and any(t >= vocab_size for t in v):
-        # checked here, where the field's name is known (the scheduler only knows "the prompt")
-        raise InvalidRequest(f"'{name}' must hold token ids in [0, {vocab_size}), found "
-                             f"{[t for t in v if t >= vocab_size][:5]}", param=name)
-    return list(v)
+    # the vocabulary bound is checked here, where the field's name is known (the scheduler only
+    # knows "the prompt")
+    return list(token_ids(v, name, vocab_size))
 
 
 def _unsupported(body: dict, name: str, ok) -> None:
@@ -141,17 +66,14 @@ def _sampling(body: dict, default_max_tokens: int | None, max_model_len: int,
               prompt_len: int, max_tokens_names=("max_tokens",)) -> SamplingParams:
     max_tokens = None
     for name in max_tokens_names:
-        v = _int(body, name, None, lo=1)
+        v = int_field(body, name, None, lo=1)
         if v is not None:
             max_tokens = v
             break
     if max_tokens is None:
         max_tokens = (default_max_tokens if default_max_tokens is not None
                       else max(1, max_model_len - prompt_len))
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise InvalidRequest(f"'n' must be 1 on this worker (one choice per request), got {n}",
-                             param="n", code="unsupported_parameter")
+    n_field(body)
     _unsupported(body, "best_of", lambda v: v == 1)
     _unsupported(body, "logprobs", lambda v: v is False or v == 0)
     _unsupported(body, "top_logprobs", lambda v: v == 0)
@@ -161,55 +83,28 @@ def _sampling(body: dict, default_max_tokens: int | None, max_model_len: int,
     _unsupported(body, "tools", lambda v: v == [])
     _unsupported(body, "response_format",
                  lambda v: isinstance(v, dict) and v.get("type") == "text")
-    temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _num(body, "top_p", 1.0, 0.0, 1.0)
+    temperature = num_field(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = num_field(body, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0.0:
         raise InvalidRequest(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
-    top_k = _int(body, "top_k", 0, lo=-1)
+    top_k = int_field(body, "top_k", 0, lo=-1)
     if top_k == -1:
         top_k = 0
-    seed = _int(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1)
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,) if stop else ()
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > _MAX_STOP:
-            raise InvalidRequest(f"'stop' holds at most {_MAX_STOP} strings, got {len(stop)}",
-                                 param="stop")
-        stops = tuple(s for s in stop if s)
-    else:
-        raise InvalidRequest(f"'stop' must be a string or a list of strings, got {_tname(stop)}",
-                             param="stop")
+    seed = int_field(body, "seed", None, lo=SEED_MIN, hi=SEED_MAX)
+    stops = stop_field(body)
     stop_ids = body.get("stop_token_ids")
     stop_ids = tuple(_token_ids(stop_ids, "stop_token_ids")) if stop_ids is not None else ()
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=seed, stop=stops, stop_token_ids=stop_ids,
-                          ignore_eos=_bool(body, "ignore_eos", False))
+                          ignore_eos=bool_field(body, "ignore_eos", False))
 
 
 def _stream_opts(body: dict) -> tuple[bool, bool]:
-    stream = _bool(body, "stream", False)
-    so = body.get("stream_options")
-    include_usage = False
-    if so is not None:
-        if not isinstance(so, dict):
-            raise InvalidRequest(f"'stream_options' must be an object, got {_tname(so)}",
-                                 param="stream_options")
-        iu = so.get("include_usage")
-        if iu is not None and not isinstance(iu, bool):
-            raise InvalidRequest("'stream_options.include_usage' must be a boolean, got "
-                                 f"{_tname(iu)}", param="stream_options.include_usage")
-        include_usage = bool(iu)
-    return stream, include_usage
+    return stream_fields(body)
 
 
 def _model(body: dict) -> str | None:
-    m = body.get("model")
-    if m is not None and not isinstance(m, str):
-        raise InvalidRequest(f"'model' must be a string, got {_tname(m)}", param="model")
-    return m
+    return model_field(body, required=False)
 
 
 def _disagg(body: dict, out: ParsedRequest) -> None:
@@ -217,7 +112,7 @@ def _disagg(body: dict, out: ParsedRequest) -> None:
     if dp is None:
         return
     if not isinstance(dp, dict):
-        raise InvalidRequest(f"'disaggregated_params' must be an object, got {_tname(dp)}",
+        raise InvalidRequest(f"'disaggregated_params' must be an object, got {tname(dp)}",
                              param="disaggregated_params")
     rt = dp.get("request_type", CONTEXT_AND_GENERATION)
     if rt not in REQUEST_TYPES:
@@ -225,7 +120,7 @@ def _disagg(body: dict, out: ParsedRequest) -> None:
             f"'disaggregated_params.request_type' must be one of {list(REQUEST_TYPES)}, got {rt!r}",
             param="disaggregated_params.request_type")
     did = dp.get("disagg_request_id")
-    if did is not None and (not _is_int(did) or did < 0):
+    if did is not None and (not is_int(did) or did < 0):
         raise InvalidRequest(
             f"'disaggregated_params.disagg_request_id' must be a non-negative integer, got {did!r}",
             param="disaggregated_params.disagg_request_id")
@@ -237,14 +132,14 @@ def _disagg(body: dict, out: ParsedRequest) -> None:
                 raise InvalidRequest("'disaggregated_params.first_gen_tokens' must not be empty",
                                      param="disaggregated_params.first_gen_tokens")
         cid = dp.get("ctx_request_id")
-        if cid is not None and not _is_int(cid):
+        if cid is not None and not is_int(cid):
             raise InvalidRequest(
                 f"'disaggregated_params.ctx_request_id' must be an integer, got {cid!r}",
                 param="disaggregated_params.ctx_request_id")
         eos = dp.get("encoded_opaque_state")
         if eos is not None and not isinstance(eos, str):
             raise InvalidRequest(
-                f"'disaggregated_params.encoded_opaque_state' must be a string, got {_tname(eos)}",
+                f"'disaggregated_params.encoded_opaque_state' must be a string, got {tname(eos)}",
                 param="disaggregated_params.encoded_opaque_state")
         if fg is None and cid is None:
             raise InvalidRequest(
@@ -269,7 +164,7 @@ def _top_prompt_ids(body: dict, vocab_size: int | None) -> list[int] | None:
 def parse_completion(body: Any, tokenizer, *, max_model_len: int,
                      vocab_size: int | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {_tname(body)}")
+        raise InvalidRequest(f"the request body must be a JSON object, got {tname(body)}")
     model = _model(body)
     ids = _top_prompt_ids(body, vocab_size)
     from_ids = ids is not None
@@ -284,7 +179,7 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int,
             if not p:
                 raise InvalidRequest("'prompt' must not be empty", param="prompt")
             ids = list(tokenizer.encode(p))
-        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+        elif isinstance(p, list) and p and all(is_int(t) for t in p):
             ids = _token_ids(p, "prompt", vocab_size)
         elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
             raise InvalidRequest(
@@ -292,15 +187,15 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int,
                 param="prompt", code="unsupported_parameter")
         else:
             raise InvalidRequest(
-                f"'prompt' must be a non-empty string or list of token ids, got {_tname(p)}",
+                f"'prompt' must be a non-empty string or list of token ids, got {tname(p)}",
                 param="prompt")
     _unsupported(body, "suffix", lambda v: v == "")
     stream, include_usage = _stream_opts(body)
     out = ParsedRequest(kind="completion", model=model, prompt_token_ids=ids,
                         sampling=_sampling(body, 16, max_model_len, len(ids)),
                         stream=stream, include_usage=include_usage,
-                        echo=_bool(body, "echo", False),
-                        return_token_ids=_bool(body, "return_token_ids", False),
+                        echo=bool_field(body, "echo", False),
+                        return_token_ids=bool_field(body, "return_token_ids", False),
                         prompt_field="prompt_token_ids" if from_ids else "prompt")
     _disagg(body, out)
     return out
@@ -318,7 +213,7 @@ def _message_text(m: dict, i: int) -> str:
             if isinstance(part, dict) and part.get("type") == "text" and not isinstance(
                     part.get("text"), str):
                 raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string, got "
-                                     f"{_tname(part.get('text'))}", param=f"messages[{i}].content[{j}].text")
+                                     f"{tname(part.get('text'))}", param=f"messages[{i}].content[{j}].text")
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise InvalidRequest(
                     f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}; this "
@@ -326,34 +221,20 @@ def _message_text(m: dict, i: int) -> str:
             parts.append(part["text"])
         return "\n".join(parts)  # as vLLM does for string-content templates
     raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts, got "
-                         f"{_tname(c)}", param=f"messages[{i}].content")
+                         f"{tname(c)}", param=f"messages[{i}].content")
 
 
 def parse_chat(body: Any, tokenizer, *, max_model_len: int,
                vocab_size: int | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {_tname(body)}")
+        raise InvalidRequest(f"the request body must be a JSON object, got {tname(body)}")
     model = _model(body)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise InvalidRequest("'messages' must be a non-empty list of {role, content} objects, got "
-                             f"{_tname(msgs)}", param="messages",
-                             code="missing_required_parameter" if msgs is None else None)
-    clean = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object, got {_tname(m)}",
-                                 param=f"messages[{i}]")
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise InvalidRequest(
-                f"messages[{i}].role must be one of system, developer, user, assistant, tool; got "
-                f"{role!r}", param=f"messages[{i}].role")
-        clean.append({"role": role, "content": _message_text(m, i)})
+    msgs = messages_field(body.get("messages"))
+    clean = [{"role": m["role"], "content": _message_text(m, i)} for i, m in enumerate(msgs)]
     ids = _top_prompt_ids(body, vocab_size)
     from_ids = ids is not None
     if ids is None:
-        agp = _bool(body, "add_generation_prompt", True)
+        agp = bool_field(body, "add_generation_prompt", True)
         try:
             # The rendered prompt already holds any BOS the template adds.
             ids = list(tokenizer.encode(tokenizer.apply_chat_template(
@@ -368,7 +249,7 @@ def parse_chat(body: Any, tokenizer, *, max_model_len: int,
                         sampling=_sampling(body, None, max_model_len, len(ids),
                                            ("max_completion_tokens", "max_tokens")),
                         stream=stream, include_usage=include_usage,
-                        return_token_ids=_bool(body, "return_token_ids", False),
+                        return_token_ids=bool_field(body, "return_token_ids", False),
                         prompt_field="prompt_token_ids" if from_ids else "messages",
                         max_tokens_field="max_completion_tokens"
                         if body.get("max_completion_tokens") is not None else "max_tokens")

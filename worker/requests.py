@@ -5,6 +5,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.disagg import REQUEST_TYPES, RequestType
+from protocol.openai import ApiError, InvalidRequest
+
 __all__ = [
     "CONTEXT_ONLY", "GENERATION_ONLY", "CONTEXT_AND_GENERATION", "REQUEST_TYPES",
     "SamplingParams", "EngineRequest", "TokenEvent", "ContextResult", "ReceiveSpec",
@@ -12,28 +15,21 @@ __all__ = [
     "EngineStopped",
 ]
 
-CONTEXT_ONLY = "context_only"
-GENERATION_ONLY = "generation_only"
-CONTEXT_AND_GENERATION = "context_and_generation"
-REQUEST_TYPES = (CONTEXT_ONLY, GENERATION_ONLY, CONTEXT_AND_GENERATION)
+# The request types of `disaggregated_params` (protocol.disagg.RequestType), by their old names.
+CONTEXT_ONLY = RequestType.CONTEXT_ONLY
+GENERATION_ONLY = RequestType.GENERATION_ONLY
+CONTEXT_AND_GENERATION = RequestType.CONTEXT_AND_GENERATION
 
 
-class EngineError(Exception):
-    """Base of errors the server maps to OpenAI error bodies (``status``, ``type``, ``param``)."""
+class EngineError(ApiError):
+    """Base of the engine's own errors; each subclass has its status and OpenAI error type.
+    (A 400 is `protocol.openai.InvalidRequest`, the one the fleet raises too.)"""
 
     status = 500
     type = "internal_error"
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-class InvalidRequest(EngineError):
-    status = 400
-    type = "invalid_request_error"
+        super().__init__(type(self).status, message, param=param, code=code, type_=type(self).type)
 
 
 class TransferUnavailable(EngineError):

@@ -25,11 +25,13 @@ import msgpack
 import orjson
 from aiohttp import web
 
+from protocol import kv_replay
+from protocol.openai import ApiError, error_body
 from router.block_keys import KEY_SCHEME, block_keys_list
 from worker import pd_protocols, protocol
 from worker.metrics import make_registry, render
 from worker.requests import (
-    CONTEXT_ONLY, GENERATION_ONLY, EngineError, EngineRequest, EngineStopped, InvalidRequest,
+    CONTEXT_ONLY, GENERATION_ONLY, EngineRequest, EngineStopped, InvalidRequest,
 )
 
 log = logging.getLogger("splitserve.worker.server")
@@ -37,18 +39,11 @@ log = logging.getLogger("splitserve.worker.server")
 __all__ = ["WorkerServer", "ROLES"]
 
 ROLES = ("context", "generation", "both")
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 415: "invalid_request_error",
-                500: "internal_server_error", 501: "not_implemented", 503: "service_unavailable"}
-
-
 def error_response(status: int, message: str, *, param: str | None = None,
                    code: str | None = None, type_: str | None = None,
                    headers: dict | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "api_error"),
-                      "param": param, "code": code}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
-                        headers=headers)
+    return web.Response(status=status, body=error_body(status, message, param, code, type_),
+                        content_type="application/json", headers=headers)
 
 
 def _json(obj, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -203,7 +198,7 @@ class WorkerServer:
     async def _errors_middleware(self, request: web.Request, handler):
         try:
             return await handler(request)
-        except EngineError as e:
+        except ApiError as e:    # EngineError and protocol.openai.InvalidRequest
             return error_response(e.status, e.message, param=e.param, code=e.code, type_=e.type)
         except web.HTTPRequestEntityTooLarge as e:
             return error_response(413, f"request body too large: the limit is "
@@ -289,10 +284,10 @@ class WorkerServer:
         # Publish whatever is pending first: then the resident set is exactly the state after
         # batch `seq` (both read on the loop thread, nothing in between).
         self.engine.flush_events()
-        body = {"seq": self.publisher.last_seq if self.publisher is not None else -1,
-                "block_size": self.engine.block_size, "key_scheme": KEY_SCHEME,
-                "block_keys": self.engine.pool.resident_keys()}
-        return web.Response(body=msgpack.packb(body), content_type="application/msgpack")
+        body = kv_replay.encode_snapshot(self.publisher.last_seq if self.publisher is not None else -1,
+                                         self.engine.block_size, KEY_SCHEME,
+                                         self.engine.pool.resident_keys())
+        return web.Response(body=body, content_type="application/msgpack")
 
     async def kv_keys(self, request: web.Request) -> web.Response:
         """The prompt token ids and block keys this worker computes for a request body, by the
@@ -307,7 +302,7 @@ class WorkerServer:
         try:
             parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len)
         except ValueError as e:
-            if isinstance(e, EngineError):
+            if isinstance(e, ApiError):
                 raise
             raise InvalidRequest(f"cannot tokenize the prompt: {e}", param="prompt") from None
         ids = list(parsed.prompt_token_ids)
@@ -394,7 +389,7 @@ class WorkerServer:
             parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len,
                            vocab_size=getattr(eng, "vocab_size", None))
         except ValueError as e:
-            if isinstance(e, EngineError):
+            if isinstance(e, ApiError):
                 raise
             raise InvalidRequest(f"cannot tokenize the prompt: {e}", param="prompt") from None
         if parsed.model is not None and parsed.model != self.model_name:

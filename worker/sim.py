@@ -28,6 +28,7 @@ import logging
 
 import xxhash
 
+from protocol.disagg import OpaqueState, OpaqueStateError, decode_opaque_state
 from worker.kv_cache import BlockPool
 from worker.engine import SchedulingEngine
 from worker.kv_connector import KvConnector
@@ -74,20 +75,19 @@ class SimReceiver(KvConnector):
 
     async def receive(self, spec: ReceiveSpec) -> None:
         url = None
-        state: dict = {}
+        state = OpaqueState()
         blob = spec.disaggregated_params.get("encoded_opaque_state")
         if isinstance(blob, str):
-            from worker.protocol import decode_opaque_state
             try:
                 state = decode_opaque_state(blob)
-                url = state.get("worker_url")
-            except ValueError as e:
+                url = state.worker_url
+            except OpaqueStateError as e:
                 log.warning("opaque state of %s unreadable (%s); the context side will time out "
                             "its pins", spec.request_id, e)
         cid = spec.ctx_request_id
         if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
             url = None  # only a worker URL, never another scheme, is ever called back
-        if state.get("wait") and url and cid is not None:
+        if state.wait and url and cid is not None:
             # Both legs started together (SGLang): the prefill may still be running.
             await self._wait_ready(url, cid)
         if self.us_per_token > 0:

@@ -2,12 +2,13 @@
 mode, the fallback rule, and the `x-splitserve-route` receipt. Every engine family's flow
 (fleet/flow.py, fleet/pd_flow.py) uses these; the per-protocol bodies are in the sibling modules.
 
-Modes (the route header's `mode`, the `splitserve_fleet_placements_total` label):
+Modes (the route header's `mode`, the `splitserve_fleet_placements_total` label; the values are
+`protocol.roles.Mode`'s, the coordinator's spelling):
 - `aggregated` — no context servers configured, or a vetted client request carrying its own leg;
 - `disaggregated` — a context leg, then (or, for SGLang, alongside) a generation leg;
-- `local_prefill` — conditional disaggregation: the generation server caches nearly all of the
-  prompt and computes the rest itself;
-- `aggregated_fallback` — no healthy context server and `no_context_fallback: aggregate`;
+- `generation_only` (LOCAL_PREFILL) — conditional disaggregation: the generation server caches
+  nearly all of the prompt and computes the rest itself;
+- `aggregate_fallback` — no healthy context server and `no_context_fallback: aggregate`;
 - `no_kv_transfer` — the generation server cannot receive KV (or the engines differ): served there;
 - `context_only` — the context leg already finished the request.
 """
@@ -15,16 +16,18 @@ from __future__ import annotations
 
 import orjson
 
+from protocol.roles import Mode
+
 CHAT = "chat"
 PATHS = {CHAT: "/v1/chat/completions", "completion": "/v1/completions"}
 
-AGGREGATED = "aggregated"
-DISAGGREGATED = "disaggregated"
-LOCAL_PREFILL = "local_prefill"
-AGGREGATED_FALLBACK = "aggregated_fallback"
-NO_KV_TRANSFER = "no_kv_transfer"
-CONTEXT_ONLY = "context_only"
-MODES = (DISAGGREGATED, LOCAL_PREFILL, AGGREGATED_FALLBACK, CONTEXT_ONLY, AGGREGATED, NO_KV_TRANSFER)
+AGGREGATED = Mode.AGGREGATED
+DISAGGREGATED = Mode.DISAGGREGATED
+LOCAL_PREFILL = Mode.GENERATION_ONLY
+AGGREGATED_FALLBACK = Mode.AGGREGATE_FALLBACK
+NO_KV_TRANSFER = Mode.NO_KV_TRANSFER
+CONTEXT_ONLY = Mode.CONTEXT_ONLY
+MODES = tuple(Mode)
 
 _ROUTE_KEYS = ("matched_tokens", "score", "reason", "load_requests")
 _CANDIDATE_KEYS = ("server", "matched_tokens", "load_requests", "score", "why")
@@ -54,6 +57,15 @@ def local_prefill(num_tokens: int | None, matched_tokens: int, max_local_prefill
     """Conditional disaggregation, when the fleet places the legs one by one: skip the context leg
     when the generation server already caches all but `max_local_prefill_length` prompt tokens."""
     return bool(num_tokens) and matched_tokens > 0 and num_tokens - matched_tokens <= max_local_prefill_length
+
+
+def placed(mode: str, has_context: bool, receives_kv: bool) -> tuple[str, bool]:
+    """(mode, whether the context leg runs) once the legs are placed: a generation server known
+    not to receive KV (or of another engine family) serves the request alone, so the context leg
+    would be wasted work."""
+    if has_context and not receives_kv:
+        return NO_KV_TRANSFER, False
+    return mode, has_context
 
 
 def falls_back_to_aggregate(status: int, code: str | None, no_context_fallback: str,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import msgspec
 import orjson
 
+from protocol.disagg import RequestType
+
 NAME = "trtllm"
 SEQUENTIAL = True          # the generation leg needs the context answer's disaggregated_params
 LOCAL_PREFILL = True       # a generation server serves a plain request aggregated
@@ -84,7 +86,7 @@ def context_body(body: dict, rid: int, schedule: str) -> tuple[dict, dict]:
     out = dict(body)
     out["stream"] = False
     out["stream_options"] = None
-    dp = {"request_type": "context_only", "disagg_request_id": rid, "schedule_style": schedule}
+    dp = {"request_type": RequestType.CONTEXT_ONLY, "disagg_request_id": rid, "schedule_style": schedule}
     out["disaggregated_params"] = dp
     return out, dp
 
@@ -95,7 +97,7 @@ def generation_body(base: dict, chat: bool, ans: ContextAnswer, rid: int,
     answering leg's body (fleet/legs/plan.py `answer_body`); it is not modified."""
     body = dict(base)
     dp = dict(ans.choices[0].disaggregated_params)
-    dp["request_type"] = "generation_only"
+    dp["request_type"] = RequestType.GENERATION_ONLY
     dp.setdefault("disagg_request_id", rid)
     dp["schedule_style"] = schedule
     if ans.usage is not None:
@@ -115,7 +117,7 @@ def generation_body(base: dict, chat: bool, ans: ContextAnswer, rid: int,
 def generation_first_body(base: dict, rid: int, ctx_info_endpoint: str | None) -> tuple[dict, dict]:
     """(generation leg body sent before the context leg, its disaggregated_params)."""
     body = dict(base)
-    dp = {"request_type": "generation_only", "ctx_request_id": rid, "disagg_request_id": rid,
+    dp = {"request_type": RequestType.GENERATION_ONLY, "ctx_request_id": rid, "disagg_request_id": rid,
           "ctx_info_endpoint": ctx_info_endpoint, "schedule_style": "generation_first"}
     body["disaggregated_params"] = dp
     return body, dp

@@ -23,6 +23,8 @@ nixl/base_scheduler.py) when no decode comes.
 """
 from __future__ import annotations
 
+from . import plan
+
 NAME = "vllm"
 SEQUENTIAL = True
 LOCAL_PREFILL = True       # a decode request without kv_transfer_params is served locally
@@ -87,4 +89,4 @@ def mode_of(kv: dict | None) -> str:
     """The request's mode once the prefill answered: disaggregated when its params announce a remote
     prefill (the decode reads the KV), else no_kv_transfer (no KV connector on that prefill server:
     the decode server computes the prompt itself)."""
-    return "disaggregated" if kv is not None and kv.get("do_remote_prefill") else "no_kv_transfer"
+    return plan.DISAGGREGATED if kv is not None and kv.get("do_remote_prefill") else plan.NO_KV_TRANSFER

@@ -13,12 +13,13 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from protocol import kv_replay
 from router.block_keys import KEY_SCHEME, block_keys_list
 from router.events import AllCleared, BlocksRemoved, BlocksStored, encode_vllm_batch
 # Re-exported: the tests of this directory import it through here.
 from splitserve_testing import free_ports  # noqa: F401
 
-END = (-1).to_bytes(8, "big", signed=True)
+END = kv_replay.END_SEQ
 
 
 async def wait_for(pred, timeout: float = 10.0, interval: float = 0.01, what: str = "condition"):

@@ -24,9 +24,9 @@ import aiohttp
 import msgpack
 import pytest
 
-from coordinator import channel_wire as cw
+from protocol import channel as cw
 from coordinator.client import HttpCoordinatorClient
-from coordinator.errors import CoordinatorOverloaded, CoordinatorRequestError, NoServerAvailable
+from protocol.coord import CoordinatorOverloaded, CoordinatorRequestError, NoServerAvailable
 from router.block_keys import block_keys
 
 from .conftest import cfg, wait_for

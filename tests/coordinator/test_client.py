@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from coordinator.client import HttpCoordinatorClient, InProcessCoordinatorClient, make_client
-from coordinator.errors import CoordinatorRequestError, CoordinatorUnavailable, NoServerAvailable
+from protocol.coord import (CoordinatorOverloaded, CoordinatorRequestError, CoordinatorUnavailable,
+                            NoServerAvailable)
 from router.block_keys import block_keys
 from router.policies import RoutingKey
 
@@ -119,3 +120,28 @@ async def test_timeout_is_typed():
     finally:
         await cl.close()
         srv.close()
+
+
+@pytest.mark.parametrize("path, status, body, err", [
+    ("/select", 503, {"error": "no healthy context server"}, NoServerAvailable),
+    ("/select_pair", 503, {"error": "none"}, NoServerAvailable),
+    ("/renew", 503, {"error": "not ready"}, CoordinatorUnavailable),       # 503 is "no server fits" only for placements
+    ("/select", 429, {"error": "shed", "retry_after": 2.5}, CoordinatorOverloaded),
+    ("/finish", 400, {"error": "bad role", "field": "role"}, CoordinatorRequestError),
+    ("/select", 502, None, CoordinatorUnavailable),                        # a proxy's error page
+])
+def test_one_status_mapping_for_http_and_channel(path, status, body, err):
+    """The codec's mapping, which HTTP answers and channel replies (coordinator/channel_client.py) share."""
+    from coordinator import client_codec as codec
+    raw = b"<html>bad gateway</html>" if body is None else b"{}"
+    e = codec.error_of("http://c:1", path, status, body, raw)
+    assert type(e) is err
+    if err is CoordinatorOverloaded:
+        assert e.retry_after == 2.5
+    if err is CoordinatorRequestError:
+        assert (e.status, e.field) == (400, "role")
+    if body is None:
+        assert "bad gateway" in str(e)
+    with pytest.raises(err):
+        codec.answer_or_raise("http://c:1", path, status, body, raw)
+    assert codec.answer_or_raise("http://c:1", path, 200, {"ok": 1}, b"") == {"ok": 1}

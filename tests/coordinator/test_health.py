@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from coordinator.client import HttpCoordinatorClient
-from coordinator.errors import NoServerAvailable
+from protocol.coord import NoServerAvailable
 
 from .conftest import cfg, wait_for
 

@@ -102,7 +102,7 @@ def test_no_context_server_reject_and_aggregate(module_cluster, pair):
                     generation_servers=group([gen], "kv_cache_aware"))
     st, h, raw = call("POST", url2 + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
     assert st == 200, raw
-    assert json.loads(h["x-splitserve-route"])["mode"] == "aggregated_fallback"
+    assert json.loads(h["x-splitserve-route"])["mode"] == "aggregate_fallback"
     st, _, raw = call("GET", url2 + "/health")
     assert st == 503     # below the minimum of one healthy context server, though requests are served
 

@@ -8,7 +8,7 @@ import pytest
 from fleet import legs
 from fleet.legs import sglang, trtllm, vllm
 from worker import pd_protocols
-from worker.protocol import decode_opaque_state
+from protocol.disagg import OpaqueState, decode_opaque_state
 from worker.requests import CONTEXT_ONLY, GENERATION_ONLY, InvalidRequest
 
 CLIENT = {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
@@ -102,7 +102,7 @@ def test_worker_reads_vllm_legs():
     body, st = pd_protocols.incoming("vllm", "generation", vllm.decode_body(CLIENT, kv), 1)
     dp = body["disaggregated_params"]
     assert st == {"kind": "vllm_decode"} and dp["request_type"] == GENERATION_ONLY and dp["ctx_request_id"] == 77
-    assert decode_opaque_state(dp["encoded_opaque_state"]) == {"worker_url": "http://127.0.0.1:8100"}
+    assert decode_opaque_state(dp["encoded_opaque_state"]) == OpaqueState(worker_url="http://127.0.0.1:8100")
     assert pd_protocols.incoming("vllm", "both", dict(CLIENT), 1) == (CLIENT, None)
 
 
@@ -115,7 +115,8 @@ def test_worker_reads_sglang_legs():
     body, st = pd_protocols.incoming("sglang", "generation", leg, 1)
     dp = body["disaggregated_params"]
     assert dp["request_type"] == GENERATION_ONLY and dp["ctx_request_id"] == 12345
-    assert decode_opaque_state(dp["encoded_opaque_state"]) == {"worker_url": "http://127.0.0.1:8998", "wait": True}
+    assert decode_opaque_state(dp["encoded_opaque_state"]) == OpaqueState(worker_url="http://127.0.0.1:8998",
+                                                                          wait=True)
 
 
 SIM_KV = {**NIXL_ANSWER, "remote_request_id": "77"}

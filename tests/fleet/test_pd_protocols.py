@@ -187,7 +187,7 @@ def test_conditional_disaggregation_where_the_protocol_allows_it(pd):
     assert r["generation"].get("matched_tokens", 0) >= 160, r
     prefilled = metric(wm(pd["ctx"]), "splitserve_worker_prompt_tokens_total") > ctx_prompts
     if pd["proto"] == "vllm":
-        assert r["mode"] == "local_prefill" and "context" not in r and not prefilled, r
+        assert r["mode"] == "generation_only" and "context" not in r and not prefilled, r
     else:
         assert r["mode"] == "disaggregated" and r["context"]["server"] == pd["ctx"] and prefilled, r
 

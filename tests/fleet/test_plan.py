@@ -11,7 +11,7 @@ import json
 import orjson
 import pytest
 
-from fleet.errors import ApiError
+from protocol.openai import ApiError
 from fleet.legs import plan
 from fleet.legs import trtllm as trt
 from fleet.placement import CTX, GEN, Placement
@@ -96,6 +96,23 @@ def test_bad_context_answers_are_typed():
     with pytest.raises(trt.BadContextAnswer, match="ctx_request_id"):
         trt.check_generation_params(ctx_answer(dp={}))
     trt.check_generation_params(ctx_answer("stop", dp={}))     # a finished request needs none
+
+
+def test_placed_mode():
+    for mode in (plan.DISAGGREGATED, plan.LOCAL_PREFILL, plan.AGGREGATED_FALLBACK, plan.AGGREGATED):
+        has_ctx = mode == plan.DISAGGREGATED
+        assert plan.placed(mode, has_ctx, True) == (mode, has_ctx)
+    # the generation server cannot receive KV (a 501 before, or another engine family)
+    assert plan.placed(plan.DISAGGREGATED, True, False) == (plan.NO_KV_TRANSFER, False)
+    assert plan.placed(plan.LOCAL_PREFILL, False, False) == (plan.LOCAL_PREFILL, False)
+
+
+def test_vllm_mode_after_the_prefill_answer():
+    from fleet.legs import vllm
+    assert vllm.mode_of({"do_remote_prefill": True, "remote_engine_id": "e"}) == plan.DISAGGREGATED
+    # no KV connector on the prefill server (no params, or params without a remote prefill)
+    assert vllm.mode_of(None) == plan.NO_KV_TRANSFER
+    assert vllm.mode_of({"do_remote_prefill": False}) == plan.NO_KV_TRANSFER
 
 
 def test_local_prefill_and_fallback_rules():

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from router.events import (END_SEQ_BYTES, AllCleared, BlocksMoved, BlocksRemoved, BlocksStored,
                            EventDecodeError, Tier, decode_payload, decode_trtllm_http, decode_zmq,
-                           encode_vllm_batch, replay_request)
+                           encode_vllm_batch)
+from protocol.kv_replay import request_frames as replay_request
 
 HEX_23 = (
     "93cb3ff800000000000093de0009a474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865739"

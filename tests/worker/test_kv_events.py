@@ -9,7 +9,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.events import AllCleared, BlocksRemoved, BlocksStored, decode_zmq, replay_request
+from protocol.kv_replay import request_frames as replay_request
+from router.events import AllCleared, BlocksRemoved, BlocksStored, decode_zmq
 from router.kv_index import KvIndex
 from tests.worker.conftest import make_sim_engine, start_server
 from worker.kv_events import END_MARKER_SEQ, KvEventPublisher

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from tests.worker.conftest import make_sim_engine, metric, start_server, wait_for
-from worker.protocol import decode_opaque_state
+from protocol.disagg import decode_opaque_state
 
 
 @pytest.fixture
@@ -231,8 +231,8 @@ async def test_context_then_generation_across_two_workers(servers, http):
     assert c["prompt_token_ids"][0] == 256 and len(c["prompt_token_ids"]) == c["usage"][
         "prompt_tokens"]
     state = decode_opaque_state(dp["encoded_opaque_state"])
-    assert state["ctx_request_id"] == 4242 and state["worker_url"] == ctx_url
-    assert state["num_tokens"] == len(c["prompt_token_ids"])
+    assert state.ctx_request_id == 4242 and state.worker_url == ctx_url and state.v == 1
+    assert state.num_tokens == len(c["prompt_token_ids"]) and state.block_ids
     assert await metric(http, ctx_url, "num_pinned_transfers") == 1
     # leg 2: the gen worker emits the first token itself; the stream equals the one-leg answer
     gen_dp = {**dp, "request_type": "generation_only"}

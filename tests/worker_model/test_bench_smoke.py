@@ -63,3 +63,12 @@ def test_bench_worker_clips_contexts_to_the_model_limit():
     limit = 8192 - 2 * 4 - 2  # --quick: 4 decode steps, each context also runs a warm-up past it
     assert ctx == ["100", str(limit)]
     assert f"contexts 9000 clipped to {limit}" in out.stdout
+
+
+def test_bench_worker_sampling_table():
+    out = subprocess.run([sys.executable, "bench/worker.py", "--sampling", "--vocab", "1000", "--batch", "1",
+                          "--batch", "4", "--sampling-repeats", "2"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", out.stdout, re.M)
+    assert [r[0] for r in rows] == ["1", "4"] and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)

@@ -31,7 +31,8 @@ __all__ = ["PagedDecode", "build_paged_decode", "MIN_SPLIT", "PROGRAMS_PER_SM", 
            "row_ranges", "fill_units", "num_sms"]
 
 #: Smallest work unit, in key slots (one BLOCK_N tile of the kernel). Timed on the H200 (bench/RESULTS.md,
-#: issue 17 "decode kernels"): at batch 1-8 and 1k context, 128-slot units beat 256 by 10-30%.
+#: "decode kernels (issue 17, third pass)"): at batch 1 and 8 and 1k context, 128-slot units beat 256 by 16%
+#: and 5%.
 MIN_SPLIT = 128
 #: Target programs per multiprocessor for one decode launch, counted on the graph key's bucketed
 #: lengths (up to twice the real ones), so about 4 per multiprocessor of real work.

@@ -4,7 +4,7 @@ A decode step multiplies every weight matrix by a handful of rows (M = the batch
 product bound by reading the weights once. cuBLAS reaches 3.7–4.3 TB/s on the H200 for the wide
 matrices of ``1b`` (gate_up, LM head) but only 1.4–2.5 TB/s on the narrow ones (o_proj and down_proj
 with 2048 output columns, qkv with 3072), whose few column tiles leave most multiprocessors idle; its
-split-K answer adds a reduction kernel (bench/RESULTS.md, "decode kernels" of issue 17).
+split-K answer adds a reduction kernel (bench/RESULTS.md, "decode kernels (issue 17, third pass)").
 
 The kernel here streams ``W [N, K]`` in ``[BLOCK_N, BLOCK_K]`` tiles, multiplying each tile with all
 ``M ≤ BLOCK_M`` rows of ``x`` in one ``tl.dot`` (fp32 accumulation), and splits K over ``S``
@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
+
 __all__ = ["MAX_M", "use_small_m", "linear_partials", "gate_up_silu", "choose_splits"]
 
 #: Rows up to which decode steps use these kernels (bench/worker.py measures batch 1/8/32).
@@ -34,7 +36,7 @@ MAX_M = 32
 #: K elements per tile; every split's K range is a multiple of it.
 BLOCK_K = 128
 #: Programs per multiprocessor :func:`choose_splits` aims at. Swept on the H200 with ``1b`` at 1k context
-#: (bench/RESULTS.md, issue 17 "small-M GEMMs"): 2 gave 1.110 / 1.556 ms per step at batch 1 / 32,
+#: (bench/RESULTS.md, "decode kernels (issue 17, third pass)"): 2 gave 1.110 / 1.556 ms per step at batch 1 / 32,
 #: 4 gave 1.141 / 1.625, 1 gave 1.127 / 1.561.
 SPLITK_PROGRAMS_PER_SM = 2
 

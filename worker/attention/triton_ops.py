@@ -19,13 +19,11 @@ divisions into shifts) and any head_dim (padded to a power of two ≥ 16 with ma
 """
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
 from worker.attention.plan import PagedDecode
 from worker.attention.triton_linear import gate_up_silu, linear_partials, use_small_m
 
@@ -34,10 +32,11 @@ __all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_
 
 _LOG2E = 1.4426950408889634
 #: Keys per tile. Shapes picked from ``ptxas -v`` and the TTGIR for sm_90 with the launcher's
-#: specialisation (16-aligned pointers and strides), then timed on the H200 (bench/RESULTS.md, issue 17
-#: "decode kernels"): decode 128 keys × 16 query rows, 4 warps at head_dim ≤ 64 (64 keys, 8 warps at
-#: 128), K/V/table loads software-pipelined with cp.async, no spills — 128 keys beat 64 by 4–30% at
-#: every measured batch × context but 32k × 8, where it lost 3%; prefill 128 query rows × 64 keys,
+#: specialisation (16-aligned pointers and strides), then timed on the H200 (bench/RESULTS.md, "decode
+#: kernels (issue 17, third pass)"): decode 128 keys × 16 query rows, 4 warps at head_dim ≤ 64 (64 keys,
+#: 8 warps at 128), K/V/table loads software-pipelined with cp.async, no spills — 128 keys were 1–16%
+#: faster than 64 at batch 1–32 × 1k, batch 1 × 32k and one 32k row + 30 short ones, 3–7% slower at
+#: batch 8 × 32k and batch 32 × 8k (where the step is long and bandwidth-bound); prefill 128 query rows × 64 keys,
 #: 8 warps, wgmma, 121 registers (4 warps took 255). vLLM's/SGLang's grouped decode kernel uses 32
 #: keys × 16 rows, 4 warps, 2 stages.
 DECODE_BLOCK_N = 128
@@ -49,22 +48,6 @@ def decode_config(block_d: int) -> tuple[int, int, int]:
     return (DECODE_BLOCK_N, 4, 2) if block_d <= 64 else (64, 8, 2)
 
 
-def _interpreter_compat() -> None:
-    """Triton 3.6's CPU interpreter turns loop bounds into ints with ``int(array)``, which numpy ≥ 2.4
-    refuses for the shape-(1,) arrays it uses for scalars; ``.item()`` reads the same value."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = _patch_lang_tensor
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_compat()
 
 
 def _prec(q: torch.Tensor) -> str | None:

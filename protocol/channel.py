@@ -22,12 +22,13 @@ Validation happens here, at decode: roles are canonical names, ids are u64, bloc
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 import numpy as np
 
-from coordinator import wire
+from protocol import coord
+from protocol.roles import Role   # canonical names only on the channel (no aliases)
 
 PATH = "/channel"
 PROTOCOL = "splitserve-channel/1"
@@ -40,7 +41,6 @@ BAD_REQUEST = 400
 UNAVAILABLE = 503            # no server fits the placement
 OVERLOADED = 429             # the coordinator shed the call: it waited too long in its queue
 
-Role = Literal["context", "generation"]
 U64 = Annotated[int, msgspec.Meta(ge=0)]    # msgpack ints stop at u64 by themselves
 
 
@@ -48,14 +48,14 @@ class Select(msgspec.Struct, tag=0, array_like=True, omit_defaults=True):
     id: U64
     role: Role
     req_id: U64
-    routing_key: wire.RoutingKeyField = None
+    routing_key: coord.RoutingKeyField = None
     exclude: list[str] | None = None
 
 
 class SelectPair(msgspec.Struct, tag=1, array_like=True, omit_defaults=True):
     id: U64
     req_id: U64
-    routing_key: wire.RoutingKeyField = None
+    routing_key: coord.RoutingKeyField = None
     exclude_ctx: list[str] | None = None
     exclude_gen: list[str] | None = None
 
@@ -70,7 +70,7 @@ class Finish(msgspec.Struct, array_like=True, omit_defaults=True):
     role: Role
     req_id: U64
     success: bool = True
-    usage: wire.FinishUsage | None = None   # the worker's report against the prediction (/finish's)
+    usage: coord.FinishUsage | None = None   # the worker's report against the prediction (/finish's)
 
 
 Call = Union[Select, SelectPair, Renew]
@@ -96,7 +96,7 @@ class Replies(msgspec.Struct, tag="r", array_like=True):
     results: list[Result] = []
 
 
-_enc = msgspec.msgpack.Encoder(enc_hook=wire._enc_hook)
+_enc = msgspec.msgpack.Encoder(enc_hook=coord._enc_hook)
 _batch_dec = msgspec.msgpack.Decoder(Batch)
 _replies_dec = msgspec.msgpack.Decoder(Replies)
 _call_dec = msgspec.msgpack.Decoder(Call)

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""The triton backend's decode kernels alone, at the shapes of one model, next to what they replace.
+
+    python bench/decode_kernels.py --model 1b            # on a GPU: both parts below
+    python bench/decode_kernels.py --part gemm           # small-M linears only
+
+``gemm``: every weight matrix of the model (all layers: their bytes do not fit in L2, as in a real
+step) multiplied by M = 1 / 8 / 32 rows, through cuBLAS (``F.linear``) and through the split-K kernel
+of worker/attention/triton_linear.py at the launcher's split count and at forced ones (gate_up: the
+fused SwiGLU kernel). Each cell is µs per matrix, from a CUDA graph replaying all layers.
+
+``attn``: the paged decode kernel (worker/attention/triton_ops.py) over a pool of the model's KV
+shape, one launch per layer, for batch × context cases, at every work-unit size (``split``) and
+tile variant ``(BLOCK_N, num_warps, num_stages)``: µs per step (all layers) and GB/s of K/V read.
+
+Prints only (the numbers that set the launchers' constants are quoted in bench/RESULTS.md). On the
+CPU it runs under Triton's interpreter (``SPLITSERVE_TRITON_INTERPRET=1``) at ``--model tiny`` with
+wall-clock timing, as a smoke test of the code path, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from worker.attention import interpreting  # noqa: E402
+from worker.loader import load_model, resolve_device, resolve_dtype  # noqa: E402
+
+
+def step_time(fn, dev: torch.device, reps: int = 20) -> float:
+    """µs per call of ``fn``: median of 5 rounds of ``reps`` CUDA-graph replays (wall clock on the CPU)."""
+    if dev.type != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rounds = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        rounds.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(rounds)
+
+
+def gemm(model, dev, ms) -> None:
+    from worker.attention import triton_linear as TL
+
+    layers = model.layers
+    mats = {"qkv": [l.self_attn.qkv_proj.weight for l in layers], "o": [l.self_attn.o_proj.weight for l in layers],
+            "gate_up": [l.mlp.gate_up_proj.weight for l in layers], "down": [l.mlp.down_proj.weight for l in layers]}
+    print("| M | matrix | N × K | cuBLAS µs | triton µs (launcher's split) | forced splits: µs |")
+    print("|---:|---|---|---:|---:|---|")
+    for m in ms:
+        for name, ws in mats.items():
+            n, k = ws[0].shape
+            x = torch.randn(m, k, device=dev, dtype=model.dtype)
+            per = len(ws)
+            cub = step_time(lambda: [F.linear(x, w) for w in ws], dev) / per
+            if name == "gate_up":
+                ours = step_time(lambda: [TL.gate_up_silu(x, w) for w in ws], dev) / per
+                forced = "SwiGLU fused (no split)"
+            else:
+                ours = step_time(lambda: [TL.linear_partials(x, w) for w in ws], dev) / per
+                forced = " ".join(f"{s}: {step_time(lambda: [TL.linear_partials(x, w, splits=s) for w in ws], dev) / per:.1f}"
+                                  for s in (1, 2, 4, 8, 16))
+            print(f"| {m} | {name} | {n} × {k} | {cub:.1f} | {ours:.1f} | {forced} |")
+
+
+def attn(model, dev, quick: bool) -> None:
+    from worker.attention import triton_ops as T
+    from worker.attention.plan import build_paged_decode, choose_split, num_sms
+
+    cfg = model.config
+    layers, kvh, d, nq, bs = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads, 16
+    cases = ({"b1_200": [200], "b4_100": [100] * 4} if quick else
+             {"b1_1k": [1056], "b8_1k": [1056] * 8, "b32_1k": [1056] * 32, "b1_32k": [32784], "b8_32k": [32784] * 8,
+              "b32_8k": [8208] * 32, "mixed 32k+30x512": [32784] + [528] * 30})
+    blocks = max(sum(-(-n // bs) for n in v) for v in cases.values()) + 4
+    kv = torch.randn(blocks, layers, 2, bs, kvh, d, device=dev, dtype=model.dtype)
+    variants = [None] if quick else [None, (64, 4, 2), (32, 4, 2), (128, 4, 3), (32, 2, 3)]
+    splits = (64, 128) if quick else (64, 128, 256, 512, 1024, 2048, 4096, 1 << 20)
+    print("\n| case | K/V MB per step | launcher split | launcher µs | best µs (split, units, variant) | best GB/s |")
+    print("|---|---:|---:|---:|---|---:|")
+    for name, lengths in cases.items():
+        tables, o = [], 0
+        for n in lengths:
+            tables.append(np.arange(o, o + -(-n // bs)))
+            o += len(tables[-1])
+        pos = [n - 1 for n in lengths]
+        q = torch.randn(len(lengths), nq, d, device=dev, dtype=model.dtype)
+        out = torch.empty_like(q)
+        nbytes = sum(lengths) * layers * 2 * kvh * d * kv.element_size()
+        default = choose_split(sum(lengths), kvh, num_sms(q.device))
+        res = []
+        for split in sorted(set(splits) | {default}):
+            meta, _ = build_paged_decode(tables, pos, [0] * len(lengths), None, kvh, q.device, split=split)
+            for var in variants:
+                t = step_time(lambda: [T.paged_decode(q, kv, layer, meta, d ** -0.5, out, cfg=var)
+                                       for layer in range(layers)], dev)
+                res.append((t, split, meta.unit_row.numel(), var or T.decode_config(T._pow2(d))))
+        launcher = next(t for t, s, _, v in res if s == default and v == T.decode_config(T._pow2(d)))
+        best = min(res)
+        print(f"| {name} | {nbytes / 1e6:.1f} | {default} | {launcher:.1f} | {best[0]:.1f} ({best[1]}, {best[2]}, "
+              f"{best[3]}) | {nbytes / best[0] / 1e3:.0f} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="1b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--part", choices=["gemm", "attn", "all"], default="all")
+    args = p.parse_args(argv)
+    dev = resolve_device(args.device)
+    if dev.type != "cuda" and not interpreting():
+        print("bench/decode_kernels.py needs a CUDA device (or SPLITSERVE_TRITON_INTERPRET=1 for a smoke run)")
+        return 2
+    dtype = resolve_dtype(None, dev)
+    model, _, _ = load_model(args.model, dev, dtype)
+    quick = dev.type != "cuda"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"
+    print(f"## decode kernels: {args.model}, {str(dtype).removeprefix('torch.')}, {name}, torch {torch.__version__}\n")
+    with torch.inference_mode():
+        if args.part in ("gemm", "all"):
+            gemm(model, dev, (1, 3) if quick else (1, 8, 32))
+        if args.part in ("attn", "all"):
+            attn(model, dev, quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
