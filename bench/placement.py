@@ -48,6 +48,16 @@ PROMPT_TOKENS = 4096
 SCENARIOS = ("select", "select_pair", "fleet-like pair")
 
 
+def _channel_wire():
+    """The channel's frame codec (protocol/channel.py; coordinator/channel_wire.py in older trees,
+    so a baseline checkout from before the move runs too)."""
+    try:
+        from protocol import channel
+    except ImportError:
+        from coordinator import channel_wire as channel
+    return channel
+
+
 def _prompts(seed: int, docs: int, n: int) -> list[np.ndarray]:
     """bench/coordinator.py's prompts: a document's 3k-token prefix + a 1k-token unique tail."""
     from router.block_keys import block_keys
@@ -80,7 +90,7 @@ def _cluster(ctx: list[str], gen: list[str], resident: dict[str, list[int]]):
 def build(scenario: str, calls: int, batch: int, seed: int = 0, servers: int = 32, docs: int = 64,
           prompts: int = 512):
     """(coordinator, channel server, frames) for one scenario."""
-    from protocol import channel as cw
+    cw = _channel_wire()
     from coordinator.channel import ChannelServer
     from router.block_keys import block_keys
     if scenario == "fleet-like pair":
@@ -123,7 +133,7 @@ def build(scenario: str, calls: int, batch: int, seed: int = 0, servers: int = 3
 
 def measure(scenario: str, calls: int = 8192, batch: int = 64) -> float:
     """CPU µs per call (with its finishes) on a fresh cluster, after one warm-up pass."""
-    from protocol import channel as cw
+    cw = _channel_wire()
     c, srv, frames = build(scenario, calls, batch)
     for f in frames[:len(frames) // 4]:       # warm-up: routed blocks fill the index
         cw.frame(srv.run_batch(cw.decode_batch(f), time.monotonic()))
