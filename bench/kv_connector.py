@@ -35,7 +35,7 @@ def _setup_path(tree: str | None) -> None:
 
 
 def _engine(model, role: str, *, pin_timeout: float, claim_timeout: float):
-    from router.tokenizer import ByteTokenizer
+    from protocol.tokenizer import ByteTokenizer
     from worker.engine import TorchEngine
     from worker.runner import ModelRunner
 

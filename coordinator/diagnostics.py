@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import kv_parity
-from .prompt_tokens import TokenizerUnavailable, load_tokenizer, routing_tokenizer_name
+from protocol.prompt import TokenizerUnavailable, load_tokenizer, routing_tokenizer_name
 
 log = logging.getLogger("splitserve.coordinator.diagnostics")
 

@@ -5,7 +5,7 @@ the coordinator computes from the worker's events (another tokenizer, chat templ
 block size or key scheme): every index stays full and every match is 0. So when a server is
 admitted, and again when it restarts, the coordinator sends a fixed text prompt and a fixed chat
 prompt to the worker's `POST /kv_keys` (worker/server.py) and compares its token ids and block keys
-with the shared recipe (coordinator/prompt_tokens.py). A stock engine without `/kv_keys` is asked
+with the shared recipe (protocol/prompt.py). A stock engine without `/kv_keys` is asked
 its `POST /tokenize` (vLLM's and SGLang's shape: `{"tokens": [...]}`) for the token ids only; with
 neither the server is `unverified`.
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.block_keys import block_keys_list
-from router.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
-from .prompt_tokens import request_token_ids
+from protocol.prompt import request_token_ids
 
 __all__ = ["PROBES", "Parity", "OK", "MISMATCH", "UNVERIFIED", "expected_ids", "compare", "probe"]
 

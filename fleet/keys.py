@@ -4,7 +4,7 @@ The coordinator's KV index is keyed by canonical block keys (`router.block_keys`
 publish from the token ids they actually cached. The fleet must therefore produce the *same* token
 ids as the worker for the same request: completions encode the prompt with special tokens, chats
 render the model's chat template over the text of each message and encode the result without
-adding special tokens: the recipe and the tokenizer loader live in coordinator/prompt_tokens.py,
+adding special tokens: the recipe and the tokenizer loader live in protocol/prompt.py,
 which the coordinator's key parity probe runs too.
 
 Long prompts are tokenized in a worker thread (the `tokenizers` library releases the GIL), short
@@ -16,10 +16,10 @@ import asyncio
 
 import numpy as np
 
-from coordinator.prompt_tokens import (TokenizerUnavailable, load_tokenizer, request_token_ids,
+from protocol.prompt import (TokenizerUnavailable, load_tokenizer, request_token_ids,
                                       routing_tokenizer_name)
 from router.block_keys import block_keys, salt_seed
-from router.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 from .validate import CHAT, ClientRequest
 

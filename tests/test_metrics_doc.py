@@ -50,7 +50,7 @@ async def _coordinator() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def _worker() -> dict[str, tuple[str, tuple[str, ...]]]:
-    from router.tokenizer import ByteTokenizer
+    from protocol.tokenizer import ByteTokenizer
     from worker.kv_events import KvEventPublisher
     from worker.metrics import WorkerCollector
     from worker.sim import SimEngine

@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from router.named_models import gguf_source_path, is_gguf_source, is_named_model
+from protocol.named_models import gguf_source_path, is_gguf_source, is_named_model
 
 log = logging.getLogger("splitserve.worker")
 
@@ -114,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------- building
 def _sim_tokenizer(model: str):
     """The model's tokenizer without importing torch (presets: the byte-level tokenizer)."""
-    from router.tokenizer import ByteTokenizer, HFTokenizer
+    from protocol.tokenizer import ByteTokenizer, HFTokenizer
 
     path = Path(model)
     if model in SIM_PRESET_VOCAB and not path.is_dir():
@@ -122,7 +122,7 @@ def _sim_tokenizer(model: str):
     if is_gguf_source(model) and not path.is_dir():
         import gguf
 
-        from router.gguf_tokenizer import gguf_tokenizer
+        from protocol.gguf_tokenizer import gguf_tokenizer
 
         fields = gguf.GGUFReader(gguf_source_path(model)).fields
         meta = {k: f.contents() for k, f in fields.items()}
@@ -144,10 +144,8 @@ def _sim_tokenizer(model: str):
         gen = json.loads((path / "generation_config.json").read_text())
     eos = gen.get("eos_token_id")
     extra = [eos] if isinstance(eos, int) else list(eos or [])
-    template = None
-    if (path / "chat_template.jinja").is_file():
-        template = (path / "chat_template.jinja").read_text()
-    return HFTokenizer.from_json(tj.read_text(), tcfg, chat_template=template,
+    from protocol.prompt import chat_template_of
+    return HFTokenizer.from_json(tj.read_text(), tcfg, chat_template=chat_template_of(path),
                                  extra_eos_token_ids=extra), max_len
 
 

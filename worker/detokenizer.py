@@ -1,13 +1,13 @@
 """Streaming detokenization with stop strings, one instance per request.
 
-Token → text uses ``router.tokenizer.DetokenizeState`` (never splits a UTF-8 character, keeps
+Token → text uses ``protocol.tokenizer.DetokenizeState`` (never splits a UTF-8 character, keeps
 SentencePiece spacing). On top of it, the last ``len(longest stop) - 1`` characters are held back
 while they could still become a stop string; a matched stop string is cut, together with
 everything after it, as OpenAI does.
 """
 from __future__ import annotations
 
-from router.tokenizer import DetokenizeState
+from protocol.tokenizer import DetokenizeState
 
 __all__ = ["IncrementalDetokenizer"]
 

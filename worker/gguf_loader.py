@@ -41,9 +41,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from router.gguf_tokenizer import gguf_tokenizer_files
-from router.named_models import gguf_source_path, is_named_model
-from router.tokenizer import TokenizerError
+from protocol.gguf_tokenizer import gguf_tokenizer_files
+from protocol.named_models import gguf_source_path, is_named_model
+from protocol.tokenizer import TokenizerError
 from worker.loader import LoaderError, load_directory
 
 __all__ = ["GGUFError", "GGUFLoadInfo", "load_gguf", "convert_gguf", "read_gguf", "hf_config_from_gguf",

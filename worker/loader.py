@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from router.named_models import NAMED_MODELS, is_gguf_source
-from router.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from protocol.named_models import NAMED_MODELS, is_gguf_source
+from protocol.prompt import chat_template_of
+from protocol.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from worker.model import LlamaForCausalLM
 from worker.model_config import ModelConfig
 from worker.presets import build_preset, is_preset, preset_config
@@ -136,13 +137,7 @@ def load_tokenizer(path: str | os.PathLike, cfg: ModelConfig | None = None) -> T
         log.warning("%s has no tokenizer.json; using the byte-level tokenizer", path)
         return ByteTokenizer(vocab_size=vocab)
     tcfg = _read_json(path / "tokenizer_config.json", required=False) or {}
-    template = None
-    jinja = path / "chat_template.jinja"
-    if jinja.is_file():
-        template = jinja.read_text(encoding="utf-8")
-    elif (path / "chat_template.json").is_file():
-        template = (_read_json(path / "chat_template.json") or {}).get("chat_template")
-    return HFTokenizer.from_json(tj.read_text(encoding="utf-8"), tcfg, chat_template=template,
+    return HFTokenizer.from_json(tj.read_text(encoding="utf-8"), tcfg, chat_template=chat_template_of(path),
                                  extra_eos_token_ids=extra_eos)
 
 

@@ -22,7 +22,7 @@ from worker.model_config import ModelConfig
 __all__ = ["PRESETS", "preset_config", "build_preset", "init_random_weights", "is_preset",
            "BYTE_VOCAB", "TINY_VOCAB"]
 
-#: Byte-level tokenizer ids (router/tokenizer.py ``ByteTokenizer``): 0..255 bytes, then specials.
+#: Byte-level tokenizer ids (protocol/tokenizer.py ``ByteTokenizer``): 0..255 bytes, then specials.
 BYTE_VOCAB = 256
 TINY_VOCAB = 261  # exactly the byte tokenizer: every id the model can emit means something
 

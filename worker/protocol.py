@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.disagg import encode_opaque_state
+from protocol.prompt import chat_ids, prompt_ids
 from protocol.openai import (SEED_MAX, SEED_MIN, bool_field, int_field, is_int,
                              messages_field, model_field, n_field, num_field, stop_field,
                              stream_fields, tname, token_ids)
@@ -178,7 +179,7 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int,
         if isinstance(p, str):
             if not p:
                 raise InvalidRequest("'prompt' must not be empty", param="prompt")
-            ids = list(tokenizer.encode(p))
+            ids = list(prompt_ids(tokenizer, p))
         elif isinstance(p, list) and p and all(is_int(t) for t in p):
             ids = _token_ids(p, "prompt", vocab_size)
         elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
@@ -201,27 +202,18 @@ def parse_completion(body: Any, tokenizer, *, max_model_len: int,
     return out
 
 
-def _message_text(m: dict, i: int) -> str:
-    c = m.get("content")
-    if c is None:
-        return ""
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):
-        parts = []
-        for j, part in enumerate(c):
-            if isinstance(part, dict) and part.get("type") == "text" and not isinstance(
-                    part.get("text"), str):
-                raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string, got "
-                                     f"{tname(part.get('text'))}", param=f"messages[{i}].content[{j}].text")
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise InvalidRequest(
-                    f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}; this "
-                    f"worker serves text only", param=f"messages[{i}].content[{j}]")
-            parts.append(part["text"])
-        return "\n".join(parts)  # as vLLM does for string-content templates
-    raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts, got "
-                         f"{tname(c)}", param=f"messages[{i}].content")
+def _text_only(msgs: list[dict]) -> None:
+    """This worker serves text: every content part must be a text part (protocol.openai checked
+    the shapes already)."""
+    for i, m in enumerate(msgs):
+        c = m.get("content")
+        if isinstance(c, list):
+            for j, part in enumerate(c):
+                if part.get("type") != "text":
+                    raise InvalidRequest(
+                        f"'messages[{i}].content[{j}]' must be a text part {{'type': 'text', 'text': "
+                        f"string}}; this worker serves text only, got type {part.get('type')!r:.40}",
+                        param=f"messages[{i}].content[{j}]", code="unsupported_value")
 
 
 def parse_chat(body: Any, tokenizer, *, max_model_len: int,
@@ -230,15 +222,14 @@ def parse_chat(body: Any, tokenizer, *, max_model_len: int,
         raise InvalidRequest(f"the request body must be a JSON object, got {tname(body)}")
     model = _model(body)
     msgs = messages_field(body.get("messages"))
-    clean = [{"role": m["role"], "content": _message_text(m, i)} for i, m in enumerate(msgs)]
+    _text_only(msgs)
     ids = _top_prompt_ids(body, vocab_size)
     from_ids = ids is not None
     if ids is None:
         agp = bool_field(body, "add_generation_prompt", True)
         try:
             # The rendered prompt already holds any BOS the template adds.
-            ids = list(tokenizer.encode(tokenizer.apply_chat_template(
-                clean, add_generation_prompt=agp), add_special_tokens=False))
+            ids = list(chat_ids(tokenizer, msgs, agp))
         except ValueError as e:  # ChatTemplateError / TokenizerError
             raise InvalidRequest(f"the chat template failed on these messages: {e}",
                                  param="messages") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from coordinator.kv_parity import MISMATCH, OK, PROBES, compare, expected_ids
 from router.block_keys import block_keys_list, salt_seed
-from router.tokenizer import ByteTokenizer
+from protocol.tokenizer import ByteTokenizer
 
 B, SCHEME = 16, "xxh3_chain_v1"
 TOK = ByteTokenizer()

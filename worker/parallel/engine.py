@@ -117,8 +117,8 @@ def build_parallel_engine(model: str, *, tp_size: int, pp_size: int, device=None
 
     import torch
 
-    from router.named_models import is_gguf_source
-    from router.tokenizer import ByteTokenizer
+    from protocol.named_models import is_gguf_source
+    from protocol.tokenizer import ByteTokenizer
     from worker.loader import load_tokenizer, resolve_device, resolve_dtype
     from worker.model_config import ModelConfig
     from worker.parallel.comm import RankLayout

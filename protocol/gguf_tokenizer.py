@@ -4,7 +4,7 @@ A GGUF file carries no ``tokenizer.json``; llama.cpp stores the vocabulary as me
 (``tokenizer.ggml.tokens`` / ``token_type`` / ``merges`` / ``*_token_id``, ``tokenizer.ggml.pre`` naming
 the pre-tokenizer regex, ``tokenizer.chat_template``). This module rebuilds the byte-level BPE
 tokenizer that metadata describes (``tokenizer.ggml.model == "gpt2"``, the GPT-2 / Llama-3 /
-SmolLM / Qwen2 family), as :class:`router.tokenizer.HFTokenizer`, so the worker and the fleet's
+SmolLM / Qwen2 family), as :class:`protocol.tokenizer.HFTokenizer`, so the worker and the fleet's
 routing tokenizer derive their token ids from one recipe.
 
 The construction follows transformers 5.24.0 ``integrations/gguf/gguf_tokenizer_mapping.py``
@@ -28,7 +28,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Mapping
 
-from router.tokenizer import HFTokenizer, TokenizerError
+from protocol.tokenizer import HFTokenizer, TokenizerError
 
 __all__ = ["gguf_tokenizer", "gguf_tokenizer_files", "GGUF_PRE_TOKENIZERS"]
 

@@ -25,6 +25,8 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from protocol.prompt import message_text
+
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
@@ -91,8 +93,8 @@ def _compile(template: str):
 
 
 def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI chat messages → template input. Content given as a list of text parts is joined with
-    newlines (what vLLM does for string-content templates); other part types are rejected."""
+    """OpenAI chat messages → template input: `protocol.prompt.message_text` of each; part types
+    other than text are rejected."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ChatTemplateError(f"messages must be a non-empty list, found {type(messages).__name__}")
     out = []
@@ -104,19 +106,15 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
         msg = dict(m)
         content = msg.get("content")
         if isinstance(content, list):
-            texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ChatTemplateError(
                         f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': str}}, "
                         f"found {part!r}")
-                texts.append(part["text"])
-            msg["content"] = "\n".join(texts)
-        elif content is None:
-            msg["content"] = ""
-        elif not isinstance(content, str):
+        elif content is not None and not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string or a list of text parts, "
                                     f"found {type(content).__name__}")
+        msg["content"] = message_text(msg)      # the recipe's normalisation (protocol/prompt.py)
         out.append(msg)
     return out
 
