@@ -18,7 +18,7 @@ checkout (e.g. `git worktree add /tmp/main main`) in a subprocess, alternating w
 round by round, and reports medians and the ratio (the box may be shared: compare CPU µs
 measured in the same run).
 
-    python bench/placement.py [--baseline DIR] [--rounds 5] [--calls 8192]
+    python bench/placement.py [--baseline DIR] [--rounds 5] [--calls 8192] [--scenarios select]
 """
 from __future__ import annotations
 
@@ -46,6 +46,16 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16
 PROMPT_TOKENS = 4096
 SCENARIOS = ("select", "select_pair", "fleet-like pair")
+
+
+def _channel_wire():
+    """The channel's frame codec (protocol/channel.py; coordinator/channel_wire.py in older trees,
+    so a baseline checkout from before the move runs too)."""
+    try:
+        from protocol import channel
+    except ImportError:
+        from coordinator import channel_wire as channel
+    return channel
 
 
 def _prompts(seed: int, docs: int, n: int) -> list[np.ndarray]:
@@ -80,7 +90,7 @@ def _cluster(ctx: list[str], gen: list[str], resident: dict[str, list[int]]):
 def build(scenario: str, calls: int, batch: int, seed: int = 0, servers: int = 32, docs: int = 64,
           prompts: int = 512):
     """(coordinator, channel server, frames) for one scenario."""
-    from protocol import channel as cw
+    cw = _channel_wire()
     from coordinator.channel import ChannelServer
     from router.block_keys import block_keys
     if scenario == "fleet-like pair":
@@ -123,7 +133,7 @@ def build(scenario: str, calls: int, batch: int, seed: int = 0, servers: int = 3
 
 def measure(scenario: str, calls: int = 8192, batch: int = 64) -> float:
     """CPU µs per call (with its finishes) on a fresh cluster, after one warm-up pass."""
-    from protocol import channel as cw
+    cw = _channel_wire()
     c, srv, frames = build(scenario, calls, batch)
     for f in frames[:len(frames) // 4]:       # warm-up: routed blocks fill the index
         cw.frame(srv.run_batch(cw.decode_batch(f), time.monotonic()))
@@ -134,39 +144,46 @@ def measure(scenario: str, calls: int = 8192, batch: int = 64) -> float:
     return (time.thread_time() - t0) / (len(frames) * batch) * 1e6
 
 
-def _one_round(code: str | None, calls: int) -> dict:
-    """One round of every scenario, in a subprocess importing `code`'s router/ and coordinator/."""
+def _one_round(code: str | None, calls: int, scenarios: tuple) -> dict:
+    """One round of the scenarios, in a subprocess importing `code`'s router/ and coordinator/."""
     env = {**os.environ, "SPLITSERVE_PLACEMENT_CODE": code or ""}
-    out = subprocess.run([sys.executable, __file__, "--_round", "--calls", str(calls)], env=env,
+    out = subprocess.run([sys.executable, __file__, "--_round", "--calls", str(calls),
+                          "--scenarios", ",".join(scenarios)], env=env,
                          cwd=code or str(ROOT), capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise RuntimeError(f"placement round for {code or ROOT} failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(baseline: str | None, rounds: int, calls: int) -> dict:
+def run(baseline: str | None, rounds: int, calls: int, scenarios: tuple = SCENARIOS) -> dict:
     trees = [("this tree", None)] + ([("baseline", str(Path(baseline).resolve()))] if baseline else [])
-    got: dict[str, dict[str, list]] = {t: {s: [] for s in SCENARIOS} for t, _ in trees}
+    got: dict[str, dict[str, list]] = {t: {s: [] for s in scenarios} for t, _ in trees}
     for r in range(rounds):
         for name, code in (trees if r % 2 == 0 else trees[::-1]):
-            for s, us in _one_round(code, calls).items():
+            for s, us in _one_round(code, calls, scenarios).items():
                 got[name][s].append(us)
-    return {t: {s: float(np.median(v)) for s, v in by.items()} | {"_runs": by} for t, by in got.items()}
+    res = {t: {s: float(np.median(v)) for s, v in by.items()} | {"_runs": by} for t, by in got.items()}
+    if baseline:
+        # the ratio of each round's back-to-back pair, whose noise is shared
+        res["paired"] = {s: float(np.median([b / t for b, t in zip(got["baseline"][s], got["this tree"][s])]))
+                         for s in scenarios}
+    return res
 
 
-def render(res: dict, baseline: str | None, rounds: int, calls: int) -> list[str]:
+def render(res: dict, baseline: str | None, rounds: int, calls: int,
+           scenarios: tuple = SCENARIOS) -> list[str]:
     head = "| scenario | this tree: CPU µs per call | calls/s per core |"
     sep = "|---|---:|---:|"
     if baseline:
-        head += " baseline: CPU µs per call | baseline calls/s | ratio |"
-        sep += "---:|---:|---:|"
+        head += " baseline: CPU µs per call | baseline calls/s | ratio of medians | median of paired ratios |"
+        sep += "---:|---:|---:|---:|"
     lines = [head, sep]
-    for s in SCENARIOS:
+    for s in scenarios:
         us = res["this tree"][s]
         row = f"| {s} | {us:.1f} | {1e6 / us:,.0f} |"
         if baseline:
             b = res["baseline"][s]
-            row += f" {b:.1f} | {1e6 / b:,.0f} | {b / us:.2f}× |"
+            row += f" {b:.1f} | {1e6 / b:,.0f} | {b / us:.2f}× | {res['paired'][s]:.2f}× |"
         lines.append(row)
     lines.append("")
     lines.append(f"Medians of {rounds} rounds (trees alternating), {calls:,} calls per scenario and round, "
@@ -180,14 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default=None, help="another checkout's root to compare against")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=8192)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
+                    help=f"comma-separated subset of: {', '.join(SCENARIOS)}")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--_round", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    scenarios = tuple(x for x in a.scenarios.split(",") if x)
+    unknown = [x for x in scenarios if x not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario {unknown[0]!r}; expected some of {', '.join(SCENARIOS)}")
     if a._round:
-        print(json.dumps({s: measure(s, a.calls) for s in SCENARIOS}))
+        print(json.dumps({s: measure(s, a.calls) for s in scenarios}))
         return 0
-    res = run(a.baseline, a.rounds, a.calls)
-    print("\n".join(render(res, a.baseline, a.rounds, a.calls)))
+    res = run(a.baseline, a.rounds, a.calls, scenarios)
+    print("\n".join(render(res, a.baseline, a.rounds, a.calls, scenarios)))
     if a.json_out:
         a.json_out.write_text(json.dumps(res, indent=1))
     return 0

@@ -56,12 +56,13 @@ _HEADERS = {"Content-Type": MSGPACK, "Accept": MSGPACK}
 
 @runtime_checkable
 class Transport(Protocol):
-    """How a call reaches the coordinator. `call` returns the decoded answer of `path` or raises
-    the codec's typed errors (`client_codec.answer_or_raise` for a wire transport)."""
+    """How a call reaches the coordinator. `body` is the call's `protocol.coord` request struct
+    (built by the codec) or None; `call` returns the decoded answer of `path` or raises the codec's
+    typed errors (`client_codec.answer_or_raise` for a wire transport)."""
     url: str
     inline: bool        # answers without suspending (an in-process coordinator)
 
-    async def call(self, method: str, path: str, body: dict | None = None) -> Any: ...
+    async def call(self, method: str, path: str, body: Any = None) -> Any: ...
 
     async def close(self) -> None: ...
 
@@ -103,8 +104,8 @@ class HttpTransport:
                 skip_auto_headers=("User-Agent", "Accept-Encoding"))
         return s
 
-    async def call(self, method: str, path: str, body: dict | None = None) -> Any:
-        data = msgpack.packb(body, use_bin_type=True) if body is not None else None
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
+        data = codec.encode(body) if body is not None else None
         try:
             async with self._sess().request(method, self.base + path, data=data,
                                             headers=_HEADERS) as r:
@@ -142,18 +143,17 @@ class InProcessTransport:
     def __init__(self, coordinator):
         c = self._coord = coordinator
         self._routes = {
-            codec.SELECT: lambda b: c.select(b["role"], b["req_id"], b.get("routing_key"), b.get("exclude")),
-            codec.SELECT_PAIR: lambda b: c.select_pair(b["req_id"], b.get("routing_key"), b.get("exclude_ctx"),
-                                                       b.get("exclude_gen")),
-            codec.FINISH: lambda b: c.finish(b["role"], b["req_id"], b["success"], b.get("usage")),
-            codec.RENEW: lambda b: {"renewed": c.renew(b["role"], b["req_id"])},
+            codec.SELECT: lambda b: c.select(b.role, b.req_id, b.routing_key, b.exclude),
+            codec.SELECT_PAIR: lambda b: c.select_pair(b.req_id, b.routing_key, b.exclude_ctx, b.exclude_gen),
+            codec.FINISH: lambda b: c.finish(b.role, b.req_id, b.success, b.usage),
+            codec.RENEW: lambda b: {"renewed": c.renew(b.role, b.req_id)},
             codec.CLUSTER_INFO: lambda b: c.cluster_info(),
             codec.HEALTH: lambda b: c.is_ready(),
-            codec.IDENTITY: lambda b: c.lease_identity(b["holder"], b.get("node_id"), b.get("process_id")),
-            codec.IDENTITY_RELEASE: lambda b: {"released": c.release_identity(b["holder"])},
+            codec.IDENTITY: lambda b: c.lease_identity(b.holder, b.node_id, b.process_id),
+            codec.IDENTITY_RELEASE: lambda b: {"released": c.release_identity(b.holder)},
         }
 
-    def call_now(self, path: str, body: dict | None = None) -> Any:
+    def call_now(self, path: str, body: Any = None) -> Any:
         try:
             return self._routes[path](body)
         except BadRequest as exc:
@@ -161,7 +161,7 @@ class InProcessTransport:
         except IdentityExhausted as exc:
             raise CoordinatorUnavailable(str(exc)) from None
 
-    async def call(self, method: str, path: str, body: dict | None = None) -> Any:
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
         return self.call_now(path, body)
 
     async def close(self) -> None:
@@ -193,7 +193,7 @@ class CoordinatorClient:
             await self._chan.close()     # first: it flushes queued finishes
         await self.transport.close()
 
-    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
         return await self.transport.call(method, path, body)
 
     async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
@@ -276,7 +276,7 @@ class CoordinatorClient:
                                                codec.identity_body(holder, node_id, process_id)))
 
     async def release_identity(self, holder: str) -> bool:
-        return codec.released(await self._call("POST", codec.IDENTITY_RELEASE, {"holder": holder}))
+        return codec.released(await self._call("POST", codec.IDENTITY_RELEASE, codec.identity_release_body(holder)))
 
 
 class HttpCoordinatorClient(CoordinatorClient):

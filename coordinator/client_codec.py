@@ -1,5 +1,5 @@
-"""The coordinator client's codec: one mapping from calls to request bodies and from answers to
-results or typed errors, shared by every transport (coordinator/client.py: in-process, HTTP over
+"""The coordinator client's codec: one mapping from calls to request bodies (the API's own
+request structs, `protocol.coord.SelectBody` …) and from answers to results or typed errors, shared by every transport (coordinator/client.py: in-process, HTTP over
 TCP or a Unix socket, the fleet's pooled HTTP in fleet/coord_client.py) and by the persistent
 channel (coordinator/channel_client.py), so no transport decides on its own what an answer means.
 
@@ -16,7 +16,8 @@ from typing import Any
 from protocol.channel import wire_key
 from protocol.failures import Cause
 from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
-                                CoordinatorUnavailable, NoServerAvailable)
+                            CoordinatorUnavailable, FinishBody, IdentityBody, IdentityReleaseBody,
+                            NoServerAvailable, RenewBody, SelectBody, SelectPairBody, encode_msgpack)
 
 SELECT = "/select"
 SELECT_PAIR = "/select_pair"
@@ -36,45 +37,44 @@ def _excl(v: Any) -> Any:
     return list(v)
 
 
+def _key(rk: Any, wire: bool) -> Any:
+    return wire_key(rk) if wire and rk is not None else rk
+
+
 def select_body(role: str, req_id: int, routing_key: Any = None, exclude: Any = None,
-                wire: bool = True) -> dict:
+                wire: bool = True) -> SelectBody:
     """`wire=False`: the routing key stays as given (an in-process coordinator reads every form)."""
-    body = {"role": role, "req_id": req_id}
-    if routing_key is not None:
-        body["routing_key"] = wire_key(routing_key) if wire else routing_key
-    if exclude:
-        body["exclude"] = _excl(exclude)
-    return body
+    return SelectBody(role, req_id, _key(routing_key, wire), _excl(exclude) if exclude else None)
 
 
 def select_pair_body(req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
-                     exclude_gen: Any = None, wire: bool = True) -> dict:
-    body: dict = {"req_id": req_id}
-    if routing_key is not None:
-        body["routing_key"] = wire_key(routing_key) if wire else routing_key
-    if exclude_ctx:
-        body["exclude_ctx"] = _excl(exclude_ctx)
-    if exclude_gen:
-        body["exclude_gen"] = _excl(exclude_gen)
-    return body
+                     exclude_gen: Any = None, wire: bool = True) -> SelectPairBody:
+    return SelectPairBody(req_id, _key(routing_key, wire), _excl(exclude_ctx) if exclude_ctx else None,
+                          _excl(exclude_gen) if exclude_gen else None)
 
 
-def finish_body(role: str, req_id: int, success: bool = True, usage: dict | None = None) -> dict:
-    body = {"role": role, "req_id": req_id, "success": bool(success)}
-    if usage is not None:
-        body["usage"] = usage
-    return body
+def finish_body(role: str, req_id: int, success: bool = True, usage: dict | None = None) -> FinishBody:
+    # `usage` stays the caller's mapping: the coordinator checks it and names a bad field (400).
+    return FinishBody(role, req_id, bool(success), usage)
 
 
-def renew_body(role: str, req_id: int) -> dict:
-    return {"role": role, "req_id": req_id}
+def renew_body(role: str, req_id: int) -> RenewBody:
+    return RenewBody(role, req_id)
 
 
-def identity_body(holder: str, node_id: int | None = None, process_id: int | None = None) -> dict:
-    body: dict = {"holder": holder}
-    if node_id is not None and process_id is not None:
-        body["node_id"], body["process_id"] = node_id, process_id
-    return body
+def identity_body(holder: str, node_id: int | None = None, process_id: int | None = None) -> IdentityBody:
+    if node_id is None or process_id is None:
+        return IdentityBody(holder)
+    return IdentityBody(holder, node_id, process_id)
+
+
+def identity_release_body(holder: str) -> IdentityReleaseBody:
+    return IdentityReleaseBody(holder)
+
+
+def encode(body: Any) -> bytes:
+    """A request body (one of the `protocol.coord` request structs) as the msgpack the API reads."""
+    return encode_msgpack(body)
 
 
 def renewed(ans: Any) -> bool:

@@ -45,10 +45,10 @@ class PoolTransport:
         self._pool = UpstreamPool(connect_timeout=timeout_s, idle_timeout=30.0)
         self._rest = HttpTransport(url, timeout_s)
 
-    async def call(self, method: str, path: str, body: dict | None = None) -> Any:
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
         if method != "POST" or path not in codec.HOT:
             return await self._rest.call(method, path, body)
-        data = msgpack.packb(body, use_bin_type=True)
+        data = codec.encode(body)
         try:
             r = await self._pool.request(self._origin, path, data, _ACCEPT, timeout=self.timeout_s,
                                          content_type=_MSGPACK)

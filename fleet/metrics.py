@@ -11,6 +11,7 @@ worker URL, `endpoint`/`phase`/`reason` are fixed sets below.
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 
 from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
@@ -44,9 +45,10 @@ LEG_RETRIES = Counter(f"{NS}_leg_retries_total",
 
 
 class _Histogram(Histogram):
-    """A histogram whose children are looked up once per label tuple (`labels()` validates and
-    locks on every call: ~1 µs, twice per request for TTFT/E2E). No fleet histogram child is ever
-    removed, so the cache cannot go stale."""
+    """prometheus_client's Histogram with a cheaper hot path, same samples: children looked up once
+    per label tuple (`labels()` validates and locks on every call; no fleet histogram child is ever
+    removed, so the cache cannot go stale), and the bucket found by bisection instead of a linear
+    scan (5 observations per two-leg request, `bench/fleet_metrics.py`)."""
 
     def labels(self, *values, **kw):
         if kw:
@@ -58,6 +60,13 @@ class _Histogram(Histogram):
             child = cache[values] = super().labels(*values)
             return child
 
+    def observe(self, amount: float, exemplar=None) -> None:
+        if exemplar or amount != amount or (self._labelnames and not self._labelvalues):
+            return super().observe(amount, exemplar)   # exemplars, NaN, a parent: as upstream
+        self._sum.inc(amount)
+        # upstream increments the first bucket whose bound is >= amount; the last bound is +Inf
+        self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
+
 
 TTFT = _Histogram(f"{NS}_time_to_first_token_seconds",
                  "From the request's arrival at the fleet to the first response byte relayed to the client.",
@@ -65,13 +74,13 @@ TTFT = _Histogram(f"{NS}_time_to_first_token_seconds",
 E2E = _Histogram(f"{NS}_e2e_request_latency_seconds",
                 "From the request's arrival at the fleet to the last response byte sent to the client.",
                 ["mode"], buckets=_LAT_BUCKETS)
-ITL = Histogram(f"{NS}_inter_token_latency_seconds",
+ITL = _Histogram(f"{NS}_inter_token_latency_seconds",
                 "Gap between consecutive streamed events relayed to the client (one event per token step).",
                 buckets=_ITL_BUCKETS)
-LEG_LATENCY = Histogram(f"{NS}_leg_latency_seconds",
+LEG_LATENCY = _Histogram(f"{NS}_leg_latency_seconds",
                         "Duration of one upstream leg, from sending it to its last byte, by role.",
                         ["role"], buckets=_LAT_BUCKETS)
-COORD_RTT = Histogram(f"{NS}_coordinator_rtt_seconds",
+COORD_RTT = _Histogram(f"{NS}_coordinator_rtt_seconds",
                       "Round trip of one coordinator call as seen by the fleet, by call.", ["call"],
                       buckets=_RTT_BUCKETS)
 COORD_FALLBACK = Counter(f"{NS}_coordinator_fallback_total",

@@ -174,6 +174,11 @@ class QueryMixin:
                               and _immutable(arr) else None, groups, self._epoch, len(log))
         return groups
 
+    def drop_walk_memo(self) -> None:
+        """Make the next query walk (benchmarks measuring the walk itself; never needed for
+        correctness)."""
+        self._memo = None
+
     def _trim_log(self) -> None:
         if len(self._log) > LOG_TRIM:
             self._log.clear()

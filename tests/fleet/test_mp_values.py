@@ -71,3 +71,23 @@ def test_lean_values_expose_the_same_samples_as_prometheus_client(tmp_path):
     assert 'splitserve_fleet_leg_latency_seconds_count{role="context"} 301.0' in text
     # the collector's metric order follows file listing order: compare the samples, not the order
     assert sorted(lean.splitlines()) == sorted(std.splitlines())
+
+
+def test_fleet_histogram_buckets_like_prometheus_client():
+    """fleet.metrics._Histogram (bisection, cached children) against prometheus_client's own."""
+    from prometheus_client import Histogram
+
+    from fleet.metrics import _LAT_BUCKETS, _Histogram
+    amounts = [0.0, -1.0, 0.0005, 0.00050001, 0.001, 0.003, 1.0, 119.9, 120.0, 121.0,
+               float("inf"), float("-inf"), float("nan"), 1e-12, 60.0]
+    regs = []
+    for cls in (Histogram, _Histogram):
+        reg = CollectorRegistry()
+        h = cls("h_seconds", "h", ["mode"], buckets=_LAT_BUCKETS, registry=reg)
+        for a in amounts:
+            h.labels("disaggregated").observe(a)
+            h.labels(mode="aggregated").observe(a * 2)
+        # everything but the creation time stamps
+        regs.append(b"\n".join(l for l in generate_latest(reg).splitlines() if b"_created" not in l))
+    assert regs[0] == regs[1]
+    assert b'h_seconds_bucket{le="0.0005",mode="disaggregated"} 5.0' in regs[1]
