@@ -25,3 +25,12 @@ def test_bench_fleet_smoke():
         assert float(cells[2].replace(",", "")) > 0, line    # req/s
         assert cells[-1] == "0", line                         # no errors
     assert "added p50" in out
+
+
+def test_bench_fleet_metrics_smoke():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet_metrics.py"), "--rounds", "1", "--n", "500"],
+                       capture_output=True, text=True, timeout=120, cwd=str(ROOT), env=clean_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "prometheus_client  (MmapedValue): median" in r.stdout
+    assert "lean               (LeanMmapedValue): median" in r.stdout
+    assert "lean / prometheus_client:" in r.stdout

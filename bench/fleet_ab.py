@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Fleet CPU per request of source trees side by side: two-leg round_robin vs two-leg kv_cache_aware.
+
+For a change to the fleet's per-request cost on a shared box, where one run moves by tens of
+percent: every round starts a fresh fleet of each tree (`--trees`, default this one) for each path,
+in turn, against the same nginx mocks (bench/fleet.py's helpers), runs wrk, and reads the CPU of the
+fleet processes and of the coordinator process, and the coordinator's channel batches per request
+(`splitserve_coordinator_channel_batches_total`). Medians and minima per tree and path at the end
+(contention only adds CPU time: the minimum is the least disturbed run).
+
+A baseline tree: `git archive REV | tar -x -C /tmp/base` (it runs with this interpreter).
+Usage: `python bench/fleet_ab.py [--trees /tmp/base,.] [--rounds 5] [--conns 16] [--duration 3s]
+[--num-workers 2] [--json-out FILE]`. Needs wrk and nginx; prints only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fleet as F  # noqa: E402  (bench/fleet.py; it puts the repository root first on sys.path)
+
+PATHS = (("two-leg round_robin", "round_robin"), ("two-leg kv_cache_aware", "kv_cache_aware"))
+
+
+def _batches(coord_url: str) -> float | None:
+    try:
+        text = urllib.request.urlopen(coord_url + "/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    m = re.search(r"^splitserve_coordinator_channel_batches_total (\S+)", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def one(work: Path, tree: Path, tag: str, urls, policy: str, args, script: Path) -> dict:
+    F.ROOT = tree            # start_fleet runs `python -m splitserve_cli` in F.ROOT
+    port = F.free_port_pair()
+    cfg = F.fleet_config(work, tag, port, urls["gen"], urls["ctx"], policy, args.num_workers)
+    g = F.start_fleet(work, tag, cfg)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        F.wait_http(url + "/v1/completions", 90, g, body=F.BODY)
+        F.wrk(url, script, args.conns, "1s", 1)
+        time.sleep(0.5)      # see bench/fleet.py measure_group: wrk's port reuse after a run
+        b0, c0 = _batches(f"http://127.0.0.1:{port - 1}"), g.ticks_split()
+        r = F.wrk(url, script, args.conns, args.duration, 1)
+        b1, c1 = _batches(f"http://127.0.0.1:{port - 1}"), g.ticks_split()
+    finally:
+        g.stop()
+    n = max(1, r["n"])
+    return {"rps": r["rps"], "errors": r["errors"], "p99_ms": r["p99_ms"],
+            "fleet_us": (c1["fleet"] - c0["fleet"]) / F.CLK_TCK / n * 1e6,
+            "coord_us": (c1["coordinator"] - c0["coordinator"]) / F.CLK_TCK / n * 1e6,
+            "batches_per_req": (b1 - b0) / n if b0 is not None and b1 is not None else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trees", default=str(F.ROOT), help="comma-separated source trees")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--conns", type=int, default=16)
+    ap.add_argument("--duration", default="3s")
+    ap.add_argument("--num-workers", type=int, default=2, help="> 1: the coordinator is its own process")
+    ap.add_argument("--backend-workers", type=int, default=1)
+    ap.add_argument("--json-out", type=Path, default=None)
+    args = ap.parse_args()
+    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    work = Path(__import__("tempfile").mkdtemp(prefix="fleet-ab-"))
+    nginx, urls = F.mock_backends(work, args.backend_workers)
+    script = F.lua(work, "completions", "/v1/completions", F.BODY)
+    res: dict[str, list[dict]] = {}
+    try:
+        for i in range(args.rounds):
+            for t, tree in enumerate(trees):
+                for name, policy in PATHS:
+                    key = f"{tree.name or tree} · {name}"
+                    r = one(work, tree, f"t{t}-{policy}-{i}", urls, policy, args, script)
+                    res.setdefault(key, []).append(r)
+                    bpr = "-" if r["batches_per_req"] is None else f"{r['batches_per_req']:.2f}"
+                    print(f"round {i} {key}: {r['rps']:.0f} req/s, fleet {r['fleet_us']:.0f} µs/req, "
+                          f"coordinator {r['coord_us']:.0f} µs/req, batches/req {bpr}, errors {r['errors']}",
+                          flush=True)
+    finally:
+        nginx.stop()
+    print("\n| tree · path | fleet µs/req median (min) | coordinator µs/req median (min) | batches/req | req/s | errors |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for key, rs in res.items():
+        med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        low = lambda k: min(r[k] for r in rs)  # noqa: E731
+        b = [r["batches_per_req"] for r in rs if r["batches_per_req"] is not None]
+        print(f"| {key} | {med('fleet_us'):.0f} ({low('fleet_us'):.0f}) | {med('coord_us'):.0f} ({low('coord_us'):.0f}) | "
+              f"{statistics.median(b):.2f} | {med('rps'):,.0f} | {sum(r['errors'] for r in rs)} |" if b else
+              f"| {key} | {med('fleet_us'):.0f} ({low('fleet_us'):.0f}) | {med('coord_us'):.0f} ({low('coord_us'):.0f}) | - | "
+              f"{med('rps'):,.0f} | {sum(r['errors'] for r in rs)} |")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
