@@ -68,7 +68,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as `python bench/x.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
+# Run as `python bench/<script>.py`, sys.path[0] is bench/, whose worker.py would shadow the worker
 # package: the repository root goes first and bench/ itself is dropped.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 

@@ -9,9 +9,9 @@ Measures what the connector (worker/kv_connector_transfer.py) adds around the tr
   pin is released (the transfer's completion reaching the engine);
 - the generation leg's time (receive + first token) for a 64-token prompt, context_first.
 
-`--tree DIR` runs the same measurement against another checkout (e.g. the tree before the
-connector existed, whose `transfer/engine_link.py` polled every send every 2 ms): the script adapts
-to either API. Usage: `python bench/kv_connector.py [--tree DIR] [--pinned 256] [--requests 30]`.
+`--tree DIR` runs the same measurement against another checkout (e.g. 3578ad9, the tree before
+the connector existed, whose transfer-side engine link polled every send every 2 ms): the script
+adapts to either API. Usage: `python bench/kv_connector.py [--tree DIR] [--pinned 256] [--requests 30]`.
 Prints one JSON line.
 """
 from __future__ import annotations

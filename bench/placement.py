@@ -53,8 +53,8 @@ SCENARIOS = ("select", "select_pair", "fleet-like pair", "select unique-prompts"
 
 
 def _channel_wire():
-    """The channel's frame codec (protocol/channel.py; coordinator/channel_wire.py in older trees,
-    so a baseline checkout from before the move runs too)."""
+    """The channel's frame codec (protocol/channel.py; the coordinator's `channel_wire` module in
+    older trees, so a baseline checkout from before the move runs too)."""
     try:
         from protocol import channel
     except ImportError:

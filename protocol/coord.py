@@ -198,7 +198,7 @@ class IdentityReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
 #
 # What the coordinator answers (its Python API returns the same shapes as plain dicts). Answer
 # structs ignore fields they do not name, so an older fleet keeps reading a newer coordinator;
-# tests/protocol/test_coord_roundtrip.py drives a real coordinator over a socket and checks that
+# tests/coordinator/test_protocol_answers.py drives a real coordinator over a socket and checks that
 # every field it emits is described here (decoded and encoded again, nothing is lost).
 
 Unset = msgspec.UnsetType

@@ -3,8 +3,8 @@
 One asyncio task runs the loop: plan a step, execute it (the ``execute`` callable its engine passes
 in: a model step in a worker thread, or a simulated sleep), apply the sampled tokens, publish KV
 events, repeat. The engines own a ``Scheduler`` (worker/engine.py, worker/sim.py); pinned
-transfers live in worker/pins.py, counters and ``stats()`` in worker/sched_stats.py, the
-per-request state in worker/sequence.py.
+transfers live in worker/pins.py, counters and the ``stats()`` dict (``SchedulerStats.snapshot``)
+in worker/sched_stats.py, the per-request state in worker/sequence.py.
 Everything that touches scheduler state runs on the event loop thread, so there are no locks.
 
 Step planning (``_schedule``), under ``max_num_tokens`` tokens and ``max_batch_size`` sequences:

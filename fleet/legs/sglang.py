@@ -1,5 +1,5 @@
 """SGLang's prefill/decode legs (bootstrap rendezvous), as SGLang's own router sends them in PD mode:
-sglang-router 0.3.2 `--pd-disaggregation` (captured in tests/fleet/peers/fixtures/sglang_router.json)
+sglang-router 0.3.2 `--pd-disaggregation` (captured in tests/fleet/peers/fixtures/sglang-router-0.3.2.json)
 sends the client's body to the prefill and the decode server at the same time, each with
 `bootstrap_host` (the prefill server's host), `bootstrap_port` (its bootstrap server's port) and one
 `bootstrap_room`, and relays the decode answer. The fields are SGLang's `PDRoutingFields` (sglang

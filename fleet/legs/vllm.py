@@ -1,7 +1,7 @@
 """vLLM's prefill/decode legs over its KV connector (`kv_transfer_params`), as vLLM's own proxy sends
 them: tests/v1/kv_connector/nixl_integration/toy_proxy_server.py (`send_request_to_service`,
 `_handle_completions`, vllm-project/vllm main) and vllm-router 0.1.17 in `--vllm-pd-disaggregation`
-mode (captured in tests/fleet/peers/fixtures/vllm_router.json).
+mode (captured in tests/fleet/peers/fixtures/vllm-router-0.1.17.json).
 
 - prefill: the client's body with `kv_transfer_params = {do_remote_decode: true, do_remote_prefill:
   false, remote_engine_id/remote_block_ids/remote_host/remote_port: null}`, `stream: false`,

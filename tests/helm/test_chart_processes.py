@@ -1,6 +1,6 @@
 """The chart's commands are valid: run them.
 
-The CPU demo (examples/cpu-demo.yaml, with API keys and the HMAC key read from Secrets) is rendered,
+The CPU demo (helm/splitserve/examples/cpu-demo.yaml, with API keys and the HMAC key read from Secrets) is rendered,
 and every container of every rendered pod is started here as a real process, with exactly the
 `command`, `args` and `env` of the manifest. Only what the cluster would provide is substituted:
 each pod's container ports get free loopback ports, Service DNS names resolve to 127.0.0.1 with

@@ -1,0 +1,112 @@
+"""Comments and docstrings of our packages cite repository files that exist, and the names they cite
+next to a path live in that file.
+
+tests/test_doc_citations.py checks `.md` citations (in every Python file) and Markdown; this
+checks every other repository path that a comment or docstring in protocol/, router/, transfer/,
+coordinator/, worker/, fleet/, bench/, splitserve_testing/ or tests/ names
+(`worker/kv_connector.py`, `tests/fleet/peers/fixtures/….json`, `fleet/legs/plan.py:42`), so a
+file that moves or is renamed takes its citations with it. A path is ours when it starts with one
+of our packages, or with `tests/`, `docs/`, `examples/`, `helm/` followed by a folder or file that
+exists here: other projects' paths (`vllm/…`, `tensorrt_llm/…`, vLLM's `tests/v1/…`,
+TensorRT-LLM's `examples/disaggregated/…`) cite those projects' sources at a version and are left
+alone, and so are paths outside the checkout (`../shared/…`). A `:LINE` must be a line of the
+file; a name cited as `path's NAME`, `path (NAME)` or ``NAME` in path`` must be defined (or
+imported) in that file.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from .test_doc_citations import ROOT, _comments_and_docstrings, _files, _resolves
+
+PACKAGES = ("protocol", "router", "transfer", "coordinator", "worker", "fleet", "bench",
+            "splitserve_testing")
+SCANNED = (*PACKAGES, "tests")
+# Top-level folders that other projects have too: ours only when the next component exists here.
+SHARED_TOPS = ("tests", "docs", "examples", "helm")
+PATH = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)+[\w.-]*\w"
+                  r"\.(?:py|yaml|yml|sh|json|toml|txt|jinja|tpl))(?::(\d+))?\b")
+PATH_NAME = re.compile(r"(?<![\w./-])((?:[A-Za-z_]\w*/)+\w+\.py)(?:'s | \()`{1,2}([A-Za-z_]\w*)")
+NAME_IN_PATH = re.compile(r"`{1,2}([A-Za-z_]\w*)(?:\(\))?`{1,2} in `?((?:[A-Za-z_]\w*/)+\w+\.py)\b")
+
+
+def _ours(cited: str, citing: Path) -> bool:
+    """Whether a cited path names a file of this repository (as opposed to another project's)."""
+    parts = cited.split("/")
+    if parts[0] in PACKAGES:
+        return True
+    if parts[0] in SHARED_TOPS:
+        return len(parts) == 2 or (ROOT / parts[0] / parts[1]).exists()
+    # relative to the citing module's folder (`legs/plan.py` from fleet/, `pump.py` has no folder)
+    return (citing.parent / parts[0]).is_dir()
+
+
+@lru_cache(maxsize=None)
+def _defined(path: Path) -> frozenset[str]:
+    """Every name a module defines or imports, at any depth (functions, classes, methods,
+    assignments, attributes assigned on self)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            names.add(node.id if isinstance(node, ast.Name) else node.attr)
+    return frozenset(names)
+
+
+def _target(cited: str, citing: Path) -> Path | None:
+    for base in (ROOT, citing.parent):
+        if (base / cited).is_file():
+            return base / cited
+    return None
+
+
+def stale_citations(path: Path, items: list[tuple[int, str]]) -> list[str]:
+    """What `items` (line, comment or docstring text) of `path` cite that is not true."""
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    out = []
+    for line, text in items:
+        where = f"{rel}:{line}"
+        for cited, at in PATH.findall(text):
+            if not _ours(cited, path):
+                continue
+            target = _target(cited, path)
+            if target is None:
+                out.append(f"{where}: {cited} (no such file)")
+            elif at and int(at) > len(target.read_text(encoding="utf-8").splitlines()):
+                out.append(f"{where}: {cited}:{at} (the file has fewer lines)")
+        pairs = PATH_NAME.findall(text) + [(p, n) for n, p in NAME_IN_PATH.findall(text)]
+        for cited, name in pairs:
+            target = _target(cited, path) if _ours(cited, path) else None
+            if target is not None and name not in _defined(target):
+                out.append(f"{where}: {name} is not defined in {cited}")
+    return out
+
+
+def test_code_comments_cite_repository_files_that_exist():
+    stale = []
+    for path in _files(".py"):
+        if path.relative_to(ROOT).parts[0] in SCANNED:
+            assert _resolves(str(path.relative_to(ROOT)), path)
+            stale += stale_citations(path, _comments_and_docstrings(path))
+    assert not stale, "stale citations in comments and docstrings:\n" + "\n".join(stale)
+
+
+def test_the_checker_sees_each_kind_of_stale_citation():
+    # The check above must be able to fail: a moved module, a line past the end, a moved name.
+    here = ROOT / "fleet" / "flow.py"
+    text = ("See transfer/engine_link.py, worker/kv_connector.py and fleet/legs/plan.py:99999; "
+            "fleet/relay.py's `Relay` and `no_such_function` in fleet/relay.py; vllm/v1/core/"
+            "kv_cache_utils.py, tests/v1/kv_connector/toy_proxy_server.py, ../shared/x/y.sh, "
+            "tests/fleet/peers/fixtures/vllm_router.json and legs/nowhere.py.")
+    found = stale_citations(here, [(1, text)])
+    assert found == ["fleet/flow.py:1: transfer/engine_link.py (no such file)",
+                     "fleet/flow.py:1: fleet/legs/plan.py:99999 (the file has fewer lines)",
+                     "fleet/flow.py:1: tests/fleet/peers/fixtures/vllm_router.json (no such file)",
+                     "fleet/flow.py:1: legs/nowhere.py (no such file)",
+                     "fleet/flow.py:1: no_such_function is not defined in fleet/relay.py"], found
