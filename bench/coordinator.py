@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # package: the repository root goes first and bench/ itself is dropped.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
-from bench._common import replace_section  # noqa: E402
+from bench._common import replace_subsection  # noqa: E402
 
 from bench.coordinator_load import (BLOCK, PROMPT_TOKENS, ClientPool, _Bodies, _prompts,  # noqa: E402
                                     _total, open_loop, open_loop_channel)
@@ -375,8 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print(f"\n(total {time.perf_counter() - t0:.1f}s)")
     if not a.no_write:
-        replace_section(a.results, lines)
-        print(f"wrote the coordinator section of {a.results}")
+        # its own subsection per machine size: the section also holds other runs' subsections
+        title = f"### coordinator · {res['setup']['cpus']} cores · latest `bench/coordinator.py` run"
+        replace_subsection(a.results, "coordinator", title, "\n".join(lines[2:]))
+        print(f"wrote '{title}' in the coordinator section of {a.results}")
     return 0
 
 

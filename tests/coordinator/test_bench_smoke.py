@@ -1,4 +1,5 @@
-"""`bench/coordinator.py --quick --no-write` runs end to end (small sizes, same code paths)."""
+"""`bench/coordinator.py --quick` runs end to end (small sizes, same code paths) and writes only its own
+subsection of the results file's coordinator section."""
 from __future__ import annotations
 
 import subprocess
@@ -10,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_quick_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
+    results.write_text("# r\n\n## coordinator\n\n### another run\n\nkeep me\n\n## fleet\n\nand me\n")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "coordinator.py"), "--quick", "--no-write",
+        [sys.executable, str(ROOT / "bench" / "coordinator.py"), "--quick",
          "--servers", "4", "--docs", "4", "--seconds", "0.3", "--rate", "200", "--rate-seconds", "0.3",
          "--client-procs", "1",
          "--results", str(results)],
@@ -26,4 +28,6 @@ def test_bench_quick_smoke(tmp_path):
                 and "≥" not in line and "≤" not in line:
             assert line.rstrip(" |").endswith("| 0"), line
     assert "(0 errors" in out
-    assert not results.exists()   # --no-write
+    text = results.read_text()
+    assert "keep me" in text and "and me" in text
+    assert text.count("### coordinator · ") == 1 and "select round trip p50" in text
