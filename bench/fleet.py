@@ -187,7 +187,7 @@ http {{ access_log off; client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fa
 # --------------------------------------------------------------------------- fleet
 
 def fleet_config(work: Path, name: str, port: int, gen: list[str], ctx: list[str], policy: str,
-                 num_workers: int) -> Path:
+                 num_workers: int, event_loop: str | None = None) -> Path:
     import yaml
     doc = {"hostname": "127.0.0.1", "port": port, "num_workers": num_workers,
            "generation_servers": {"urls": [u.split("//")[1] for u in gen], "router": {"type": policy}},
@@ -197,6 +197,8 @@ def fleet_config(work: Path, name: str, port: int, gen: list[str], ctx: list[str
            "tokenizer": "tiny"}
     if num_workers > 1:
         doc["coordinator"] = {"port": port - 1}
+    if event_loop:
+        doc["fleet"] = {"event_loop": event_loop}
     p = work / f"{name}.yaml"
     p.write_text(yaml.safe_dump(doc))
     return p
@@ -336,7 +338,8 @@ def part_scaling(work: Path, urls, args) -> list[dict]:
             tag = f"{name.replace(' ', '-')}-n{nw}"
             for attempt in range(3):
                 # free_port_pair() only probes: on a shared host another process may take the port first
-                cfg = fleet_config(work, tag, free_port_pair(), urls["gen"], ctx, policy, nw)
+                cfg = fleet_config(work, tag, free_port_pair(), urls["gen"], ctx, policy, nw,
+                                   args.event_loop)
                 try:
                     r = measure(work, tag, cfg, script, "/v1/completions", BODY, **load)
                     break
@@ -497,6 +500,8 @@ def main() -> int:
     ap.add_argument("--conns", type=int, default=64, help="wrk connections (-c)")
     ap.add_argument("--nginx-workers", type=int, default=4,
                     help="worker processes of the nginx proxy peer (0: no nginx peer)")
+    ap.add_argument("--event-loop", choices=("asyncio", "uvloop"), default=None,
+                    help="fleet.event_loop of the splitserve fleets (default: the config's default)")
     ap.add_argument("--paths", default=None,
                     help="splitserve paths to run (default all): aggregated-round_robin, "
                          "two-leg-round_robin, two-leg-kv_cache_aware, comma-separated")
