@@ -11,7 +11,11 @@ indexes loaded from snapshots, and channel frames decoded, answered and encoded 
 - `select_pair`: the same cluster and prompts, both legs in one call, then both finishes: what
   a fleet process sends per two-leg kv_cache_aware request;
 - `fleet-like pair`: 2 context + 2 generation servers and one ~960-token prompt, both legs
-  and both finishes (bench/fleet.py's two-leg kv_cache_aware request).
+  and both finishes (bench/fleet.py's two-leg kv_cache_aware request);
+- `select unique-prompts`: the `select` cluster, but every prompt's 1k-token tail is new and
+  speculative entries live 0.25 s (`speculative_ttl_s`), so each placement inserts its tail's
+  64 keys and expiry runs in steady state, as under production traffic with distinct prompts
+  (in the other scenarios prompts repeat and the runs end before the 30 s TTL).
 
 `--baseline DIR` runs the same measurement against the `router/` and `coordinator/` of another
 checkout (e.g. `git worktree add /tmp/main main`) in a subprocess, alternating with this tree
@@ -45,7 +49,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16
 PROMPT_TOKENS = 4096
-SCENARIOS = ("select", "select_pair", "fleet-like pair")
+SCENARIOS = ("select", "select_pair", "fleet-like pair", "select unique-prompts")
 
 
 def _channel_wire():
@@ -71,9 +75,9 @@ def _prompts(seed: int, docs: int, n: int) -> list[np.ndarray]:
     return out
 
 
-def _cluster(ctx: list[str], gen: list[str], resident: dict[str, list[int]]):
+def _cluster(ctx: list[str], gen: list[str], resident: dict[str, list[int]], router: dict | None = None):
     from coordinator.service import Coordinator
-    router = {"type": "kv_cache_aware"}
+    router = router or {"type": "kv_cache_aware"}
     c = Coordinator({"context_servers": {"urls": ctx, "router": router},
                      "generation_servers": {"urls": gen, "router": router}, "leases": {"ttl_s": 60.0}})
     now = c.clock()
@@ -108,12 +112,14 @@ def build(scenario: str, calls: int, batch: int, seed: int = 0, servers: int = 3
         for i, u in enumerate(urls):   # as bench/coordinator.py: each doc's prefix on ~2 servers
             resident[u] = [k for d in range(i % docs, docs, max(1, servers // 2))
                            for k in doc_keys[d][:192]]
-        c = _cluster(urls, urls, resident)
+        unique = scenario == "select unique-prompts"
+        c = _cluster(urls, urls, resident, {"type": "kv_cache_aware", "speculative_ttl_s": 0.25}
+                     if unique else None)
         n_tok = PROMPT_TOKENS
-        keys = [p.astype("<u8").tobytes() for p in _prompts(seed, docs, prompts)]
+        keys = [p.astype("<u8").tobytes() for p in _prompts(seed, docs, calls if unique else prompts)]
     srv = ChannelServer(c, max_queue_delay_s=1e9)
     frames, rid = [], 1
-    pair = scenario != "select"
+    pair = scenario in ("select_pair", "fleet-like pair")
     for b in range(calls // batch):
         if pair:
             calls_ = [cw.SelectPair(rid + j, rid + j, {"block_keys": keys[(rid + j) % len(keys)],

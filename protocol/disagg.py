@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
-__all__ = ["RequestType", "REQUEST_TYPES", "DisaggParams", "OpaqueState", "OpaqueStateError",
+from protocol.openai import tname
+
+__all__ = ["RequestType", "REQUEST_TYPES", "DisaggParams", "DisaggParamsError", "parse_disagg_params",
+           "OpaqueState", "OpaqueStateError",
            "encode_opaque_state", "decode_opaque_state", "OPAQUE_FIELD", "OPAQUE_VERSION"]
 
 
@@ -38,7 +42,7 @@ OPAQUE_VERSION = 1
 class DisaggParams(msgspec.Struct, omit_defaults=True):
     """The `disaggregated_params` fields splitserve reads or writes (None: absent)."""
     request_type: RequestType | None = None
-    disagg_request_id: int | None = None       # the fleet's snowflake id, shared by both legs
+    disagg_request_id: Annotated[int, msgspec.Meta(ge=0)] | None = None   # the fleet's snowflake id
     ctx_request_id: int | None = None          # the context worker's id for the request
     first_gen_tokens: list[int] | None = None  # the context worker's first token(s)
     encoded_opaque_state: str | None = None    # `OpaqueState`, encoded; relayed verbatim
@@ -49,6 +53,35 @@ class DisaggParams(msgspec.Struct, omit_defaults=True):
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+
+class DisaggParamsError(ValueError):
+    """`disaggregated_params` does not fit `DisaggParams`; `field` is the offending key path."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def parse_disagg_params(dp: Any) -> DisaggParams:
+    """The typed view of a request's `disaggregated_params` (the dict itself is relayed as is:
+    fields this struct does not name pass through)."""
+    if not isinstance(dp, dict):
+        raise DisaggParamsError(f"'disaggregated_params' must be an object, got {tname(dp)}",
+                                "disaggregated_params")
+    try:
+        return msgspec.convert(dp, DisaggParams)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _AT.search(msg)
+        path = m.group(1) if m else ""
+        name = re.split(r"[.\[]", path, maxsplit=1)[0] if path else ""
+        field = f"disaggregated_params.{name}" if name else "disaggregated_params"
+        raise DisaggParamsError(f"'{field}': {msg[:m.start()] if m else msg}"
+                                + (f" (at {path})" if path and path != name else ""), field) from None
 
 
 class OpaqueState(msgspec.Struct):

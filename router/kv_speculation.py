@@ -49,13 +49,21 @@ class SpeculationMixin:
             keys = keys.tolist()
         deadline = now + ttl
         spec, owned, so, owners, bit = s.spec, s.owned, self._spec_owners, self._owners, s.bit
+        oget = owners.get
         added = []
+        # One probe of the owner map decides most keys: the slot's bit is set iff it holds the
+        # key or already predicts it, and a key nobody has is in neither map (the invariants).
         for ck in keys:
-            if ck in owned:
-                continue
-            if ck not in spec:
+            o = oget(ck, 0)
+            if o & bit:
+                if ck in owned:
+                    continue
+            elif o:
                 so[ck] = so.get(ck, 0) | bit
-                owners[ck] = owners.get(ck, 0) | bit
+                owners[ck] = o | bit
+            else:
+                so[ck] = bit
+                owners[ck] = bit
             spec[ck] = deadline
             added.append(ck)
         if added:
@@ -90,10 +98,23 @@ class SpeculationMixin:
             s = self._slots.get((worker, rank))
             if s is None:
                 continue  # slot removed since (a new slot's entries carry their own deadlines)
+            # _drop_spec inlined: this loop runs for every key of every routed prompt
+            spec, nb, so, owners, log = s.spec, ~s.bit, self._spec_owners, self._owners, self._log
             for ck in keys:
-                d = s.spec.get(ck)
+                d = spec.get(ck)
                 if d is not None and d <= now:
-                    self._drop_spec(s, ck)
+                    del spec[ck]
+                    log.append(ck)
+                    m = so[ck] & nb
+                    if m:
+                        so[ck] = m
+                    else:
+                        del so[ck]
+                    m = owners[ck] & nb
+                    if m:
+                        owners[ck] = m
+                    else:
+                        del owners[ck]
                     n += 1
         self.stats.speculative_expired += n
         return n

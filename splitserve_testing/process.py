@@ -57,6 +57,7 @@ class Proc:
 
     def start(self) -> None:
         """Start the process (again, after ``stop``: same argv, same log)."""
+        self.terminated = False
         if self._log is not None and not self._log.closed:
             self._log.close()
         self._log = open(self.log_path, "ab" if self.append else "wb")
@@ -104,6 +105,7 @@ class Proc:
     def terminate(self) -> None:
         """The first step of ``stop``: SIGTERM to the child, or to its group with ``group=True``."""
         if self.p.poll() is None:
+            self.terminated = True
             if self.group:
                 self.killpg(signal.SIGTERM)
             else:
@@ -114,7 +116,10 @@ class Proc:
         Returns the exit code (negative: the signal that ended it)."""
         self.escalated = False
         if self.p.poll() is None:
-            self.terminate()
+            # Once: a second SIGTERM during a graceful drain (stop_all's terminate, then this) hits
+            # a process that already removed its handler and kills it with -15.
+            if not self.terminated:
+                self.terminate()
             try:
                 self.p.wait(grace)
             except subprocess.TimeoutExpired:

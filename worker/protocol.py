@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.disagg import encode_opaque_state
+from protocol.disagg import DisaggParamsError, encode_opaque_state, parse_disagg_params
 from protocol.prompt import chat_ids, prompt_ids
 from protocol.openai import (SEED_MAX, SEED_MIN, bool_field, int_field, is_int,
                              messages_field, model_field, n_field, num_field, stop_field,
                              stream_fields, tname, token_ids)
 from worker.requests import (
-    CONTEXT_AND_GENERATION, CONTEXT_ONLY, GENERATION_ONLY, REQUEST_TYPES, ContextResult,
+    CONTEXT_AND_GENERATION, CONTEXT_ONLY, GENERATION_ONLY, ContextResult,
     InvalidRequest, SamplingParams,
 )
 
@@ -112,36 +112,19 @@ def _disagg(body: dict, out: ParsedRequest) -> None:
     dp = body.get("disaggregated_params")
     if dp is None:
         return
-    if not isinstance(dp, dict):
-        raise InvalidRequest(f"'disaggregated_params' must be an object, got {tname(dp)}",
-                             param="disaggregated_params")
-    rt = dp.get("request_type", CONTEXT_AND_GENERATION)
-    if rt not in REQUEST_TYPES:
-        raise InvalidRequest(
-            f"'disaggregated_params.request_type' must be one of {list(REQUEST_TYPES)}, got {rt!r}",
-            param="disaggregated_params.request_type")
-    did = dp.get("disagg_request_id")
-    if did is not None and (not is_int(did) or did < 0):
-        raise InvalidRequest(
-            f"'disaggregated_params.disagg_request_id' must be a non-negative integer, got {did!r}",
-            param="disaggregated_params.disagg_request_id")
+    try:
+        p = parse_disagg_params(dp)       # every field's type, at once (protocol.disagg)
+    except DisaggParamsError as e:
+        raise InvalidRequest(str(e), param=e.field) from None
+    rt = p.request_type or CONTEXT_AND_GENERATION
+    did = p.disagg_request_id
     if rt == GENERATION_ONLY:
-        fg = dp.get("first_gen_tokens")
+        fg, cid = p.first_gen_tokens, p.ctx_request_id
         if fg is not None:
             out.first_gen_tokens = _token_ids(fg, "disaggregated_params.first_gen_tokens")
             if not out.first_gen_tokens:
                 raise InvalidRequest("'disaggregated_params.first_gen_tokens' must not be empty",
                                      param="disaggregated_params.first_gen_tokens")
-        cid = dp.get("ctx_request_id")
-        if cid is not None and not is_int(cid):
-            raise InvalidRequest(
-                f"'disaggregated_params.ctx_request_id' must be an integer, got {cid!r}",
-                param="disaggregated_params.ctx_request_id")
-        eos = dp.get("encoded_opaque_state")
-        if eos is not None and not isinstance(eos, str):
-            raise InvalidRequest(
-                f"'disaggregated_params.encoded_opaque_state' must be a string, got {tname(eos)}",
-                param="disaggregated_params.encoded_opaque_state")
         if fg is None and cid is None:
             raise InvalidRequest(
                 "a generation_only request needs disaggregated_params.ctx_request_id (and "

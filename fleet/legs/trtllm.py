@@ -17,7 +17,7 @@ from __future__ import annotations
 import msgspec
 import orjson
 
-from protocol.disagg import RequestType
+from protocol.disagg import DisaggParamsError, RequestType, parse_disagg_params
 
 NAME = "trtllm"
 SEQUENTIAL = True          # the generation leg needs the context answer's disaggregated_params
@@ -70,8 +70,11 @@ def check_generation_params(ans: ContextAnswer) -> None:
     (`choices[0].disaggregated_params.ctx_request_id`)."""
     c = ans.choices[0]
     if c.finish_reason in NEED_GENERATION:
-        dp = c.disaggregated_params
-        if not isinstance(dp, dict) or dp.get("ctx_request_id") is None:
+        try:
+            dp = parse_disagg_params(c.disaggregated_params)     # typed: protocol.disagg
+        except DisaggParamsError as e:
+            raise BadContextAnswer(f"finished with {c.finish_reason!r} but its choices[0].{e}") from None
+        if dp.ctx_request_id is None:
             raise BadContextAnswer(f"finished with {c.finish_reason!r} but without "
                                    f"choices[0].disaggregated_params.ctx_request_id")
 

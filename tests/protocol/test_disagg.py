@@ -6,8 +6,8 @@ import base64
 import msgpack
 import pytest
 
-from protocol.disagg import (OPAQUE_FIELD, OpaqueState, OpaqueStateError, RequestType,
-                             decode_opaque_state, encode_opaque_state)
+from protocol.disagg import (OPAQUE_FIELD, DisaggParamsError, OpaqueState, OpaqueStateError, RequestType,
+                             decode_opaque_state, encode_opaque_state, parse_disagg_params)
 
 
 def test_roundtrip_and_wire_form():
@@ -44,3 +44,23 @@ def test_a_field_one_side_does_not_know_is_refused_not_dropped():
 
 def test_request_types_are_the_trtllm_spelling():
     assert [t.value for t in RequestType] == ["context_only", "generation_only", "context_and_generation"]
+
+
+@pytest.mark.parametrize("dp,field", [
+    ({"request_type": "both"}, "disaggregated_params.request_type"),
+    ({"request_type": "generation_only", "first_gen_tokens": [1, "x"]},
+     "disaggregated_params.first_gen_tokens"),
+    ({"disagg_request_id": -1}, "disaggregated_params.disagg_request_id"),
+    ({"ctx_request_id": "7"}, "disaggregated_params.ctx_request_id"),
+    (3, "disaggregated_params"),
+])
+def test_disagg_params_errors_name_the_field(dp, field):
+    with pytest.raises(DisaggParamsError) as e:
+        parse_disagg_params(dp)
+    assert e.value.field == field and str(e.value).startswith(f"'{field}'")
+
+
+def test_disagg_params_fields_we_do_not_name_pass_and_types_are_typed():
+    p = parse_disagg_params({"request_type": "generation_only", "ctx_request_id": 7,
+                             "first_gen_tokens": [5], "route_hint": {"dp_rank": 0}})
+    assert p.request_type is RequestType.GENERATION_ONLY and p.ctx_request_id == 7
