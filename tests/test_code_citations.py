@@ -11,7 +11,8 @@ exists here: other projects' paths (`vllm/…`, `tensorrt_llm/…`, vLLM's `test
 TensorRT-LLM's `examples/disaggregated/…`) cite those projects' sources at a version and are left
 alone, and so are paths outside the checkout (`../shared/…`). A `:LINE` must be a line of the
 file; a name cited as `path's NAME`, `path (NAME)` or ``NAME` in path`` must be defined (or
-imported) in that file.
+imported) in that file; a `<page>.md §N` (in code or in Markdown outside docs/reference/) must name a
+numbered heading of that page.
 """
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ SHARED_TOPS = ("tests", "docs", "examples", "helm")
 PATH = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)+[\w.-]*\w"
                   r"\.(?:py|yaml|yml|sh|json|toml|txt|jinja|tpl))(?::(\d+))?\b")
 PATH_NAME = re.compile(r"(?<![\w./-])((?:[A-Za-z_]\w*/)+\w+\.py)(?:'s | \()`{1,2}([A-Za-z_]\w*)")
-NAME_IN_PATH = re.compile(r"`{1,2}([A-Za-z_]\w*)(?:\(\))?`{1,2} in `?((?:[A-Za-z_]\w*/)+\w+\.py)\b")
+# `docs/INTERFACES.md §7`, a Markdown link to a page then `§8`, `docs/reference/kv_events.md §9.1`
+MD_SECTION = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.md)(?:\]\([^)]*\))?\)? ?§ ?"
+                        r"(\d+(?:\.\d+)?)")
+NAME_IN_PATH = re.compile(r"`{1,2}([A-Za-z_]\w*)(?:\(\))?`{1,2} in "
+                          r"`?((?:[A-Za-z_]\w*/)+\w+\.py)\b")
 
 
 def _ours(cited: str, citing: Path) -> bool:
@@ -88,6 +93,39 @@ def stale_citations(path: Path, items: list[tuple[int, str]]) -> list[str]:
     return out
 
 
+@lru_cache(maxsize=None)
+def _sections(md: Path) -> frozenset[str]:
+    """The numbers of a Markdown file's numbered headings (`## 9. …`, `### 9.1 …`)."""
+    text = re.sub(r"^```.*?^```", "", md.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return frozenset(re.findall(r"^#+ (\d+(?:\.\d+)*)\.? ", text, re.M))
+
+
+def stale_sections(path: Path, items: list[tuple[int, str]]) -> list[str]:
+    """`<page>.md §N` citations in `items` whose page has no section N (the file itself is checked
+    by tests/test_doc_citations.py)."""
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    out = []
+    for line, text in items:
+        for cited, n in MD_SECTION.findall(text):
+            bases = (ROOT, path.parent, ROOT / "docs", ROOT / "docs" / "reference")
+            md = next((b / cited for b in bases if (b / cited).is_file()), None)
+            if md is not None and _sections(md) and n not in _sections(md):
+                out.append(f"{rel}:{line}: {cited} §{n} (no such section)")
+    return out
+
+
+def test_cited_sections_exist():
+    stale = []
+    for path in _files(".py"):
+        if path.relative_to(ROOT).parts[0] in SCANNED:
+            stale += stale_sections(path, _comments_and_docstrings(path))
+    for path in _files(".md"):
+        if path.relative_to(ROOT).parts[:2] != ("docs", "reference"):
+            stale += stale_sections(path, list(enumerate(path.read_text(encoding="utf-8")
+                                                         .splitlines(), 1)))
+    assert not stale, "citations of sections that do not exist:\n" + "\n".join(stale)
+
+
 def test_code_comments_cite_repository_files_that_exist():
     stale = []
     for path in _files(".py"):
@@ -110,3 +148,7 @@ def test_the_checker_sees_each_kind_of_stale_citation():
                      "fleet/flow.py:1: tests/fleet/peers/fixtures/vllm_router.json (no such file)",
                      "fleet/flow.py:1: legs/nowhere.py (no such file)",
                      "fleet/flow.py:1: no_such_function is not defined in fleet/relay.py"], found
+    sections = stale_sections(here, [(2, "docs/INTERFACES.md §8, [INTERFACES.md](INTERFACES.md) "
+                                         "§42, docs/reference/kv_events.md §9.1, kv_events.md §9.9")])
+    assert sections == ["fleet/flow.py:2: INTERFACES.md §42 (no such section)",
+                        "fleet/flow.py:2: kv_events.md §9.9 (no such section)"], sections
