@@ -11,8 +11,8 @@ exists here: other projects' paths (`vllm/…`, `tensorrt_llm/…`, vLLM's `test
 TensorRT-LLM's `examples/disaggregated/…`) cite those projects' sources at a version and are left
 alone, and so are paths outside the checkout (`../shared/…`). A `:LINE` must be a line of the
 file; a name cited as `path's NAME`, `path (NAME)` or ``NAME` in path`` must be defined (or
-imported) in that file; a `<page>.md §N` (in code or in Markdown outside docs/reference/) must name a
-numbered heading of that page.
+imported) in that file; a `<page>.md §N` (in code or in Markdown outside docs/reference/) must name
+a numbered heading of that page.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ SHARED_TOPS = ("tests", "docs", "examples", "helm")
 PATH = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)+[\w.-]*\w"
                   r"\.(?:py|yaml|yml|sh|json|toml|txt|jinja|tpl))(?::(\d+))?\b")
 PATH_NAME = re.compile(r"(?<![\w./-])((?:[A-Za-z_]\w*/)+\w+\.py)(?:'s | \()`{1,2}([A-Za-z_]\w*)")
-# `docs/INTERFACES.md §7`, a Markdown link to a page then `§8`, `docs/reference/kv_events.md §9.1`
+# `docs/INTERFACES.md §7`, a Markdown link then `§8`, `docs/reference/kv_events.md §9.1`
 MD_SECTION = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.md)(?:\]\([^)]*\))?\)? ?§ ?"
                         r"(\d+(?:\.\d+)?)")
 NAME_IN_PATH = re.compile(r"`{1,2}([A-Za-z_]\w*)(?:\(\))?`{1,2} in "
@@ -150,5 +150,5 @@ def test_the_checker_sees_each_kind_of_stale_citation():
                      "fleet/flow.py:1: no_such_function is not defined in fleet/relay.py"], found
     sections = stale_sections(here, [(2, "docs/INTERFACES.md §8, [INTERFACES.md](INTERFACES.md) "
                                          "§42, docs/reference/kv_events.md §9.1, kv_events.md §9.9")])
-    assert sections == ["fleet/flow.py:2: INTERFACES.md §42 (no such section)",
-                        "fleet/flow.py:2: kv_events.md §9.9 (no such section)"], sections
+    assert sections == [f"fleet/flow.py:2: {page} (no such section)"
+                        for page in ("INTERFACES.md §42", "kv_events.md §9.9")], sections
