@@ -148,7 +148,8 @@ def test_the_checker_sees_each_kind_of_stale_citation():
                      "fleet/flow.py:1: tests/fleet/peers/fixtures/vllm_router.json (no such file)",
                      "fleet/flow.py:1: legs/nowhere.py (no such file)",
                      "fleet/flow.py:1: no_such_function is not defined in fleet/relay.py"], found
-    sections = stale_sections(here, [(2, "docs/INTERFACES.md §8, [INTERFACES.md](INTERFACES.md) "
-                                         "§42, docs/reference/kv_events.md §9.1, kv_events.md §9.9")])
+    text = ("docs/INTERFACES.md §8, [INTERFACES.md](INTERFACES.md) §42, "
+            "docs/reference/kv_events.md §9.1, kv_events.md §9.9")
+    sections = stale_sections(here, [(2, text)])
     assert sections == [f"fleet/flow.py:2: {page} (no such section)"
                         for page in ("INTERFACES.md §42", "kv_events.md §9.9")], sections
