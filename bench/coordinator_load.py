@@ -1,0 +1,366 @@
+"""The load generator of bench/coordinator.py: a small HTTP/1.1 keep-alive client on raw asyncio
+transports (so the client core is not the bottleneck being measured), the closed-loop client
+processes, and the open-loop drivers over HTTP and the fleet channel."""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from router.block_keys import block_keys  # noqa: E402
+
+BLOCK = 16
+PROMPT_TOKENS = 4096
+
+# ---------------------------------------------------------------------------- load generator
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; one request in flight at a time."""
+
+    def __init__(self):
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.transport = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = bytes(self.buf[:end])
+        i = head.lower().find(b"content-length:")
+        n = int(head[i + 15:head.index(b"\r\n", i)]) if i >= 0 else 0
+        if len(self.buf) < end + 4 + n:
+            return
+        status = int(head[9:12])
+        body = bytes(self.buf[end + 4:end + 4 + n])
+        del self.buf[:end + 4 + n]
+        w, self.waiter = self.waiter, None
+        if w is not None and not w.done():
+            w.set_result((status, body))
+
+    def connection_lost(self, exc):
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"connection lost: {exc}"))
+
+    def request(self, raw: bytes) -> asyncio.Future:
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return self.waiter
+
+
+async def _connect(target: dict) -> _Conn:
+    loop = asyncio.get_running_loop()
+    if target["uds"]:
+        _, proto = await loop.create_unix_connection(_Conn, target["uds"])
+    else:
+        _, proto = await loop.create_connection(_Conn, target["host"], target["port"])
+    return proto
+
+
+def _req(path: bytes, body: bytes, ctype: bytes) -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: c\r\nContent-Type: " + ctype +
+            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class _Bodies:
+    """Per-request bodies: a prompt's precomputed keys plus a fresh req_id."""
+
+    def __init__(self, prompts: list[np.ndarray], json_mode: bool):
+        self.json = json_mode
+        self.ctype = b"application/json" if json_mode else b"application/msgpack"
+        if json_mode:
+            self.keys = [p.tolist() for p in prompts]
+        else:
+            self.keys = [p.astype("<u8").tobytes() for p in prompts]
+
+    def select(self, rid: int, role: str) -> bytes:
+        body = {"role": role, "req_id": rid,
+                "routing_key": {"block_keys": self.keys[rid % len(self.keys)], "num_tokens": PROMPT_TOKENS}}
+        return _req(b"/select", orjson.dumps(body) if self.json else msgpack.packb(body), self.ctype)
+
+    def finish(self, rid: int, role: str) -> bytes:
+        body = {"role": role, "req_id": rid, "success": True}
+        return _req(b"/finish", orjson.dumps(body) if self.json else msgpack.packb(body), self.ctype)
+
+
+def _prompts(seed: int, docs: int, n: int) -> list[np.ndarray]:
+    """The clients' prompts: documents' 3k-token prefixes + a 1k-token unique tail (the same
+    documents the stand-in workers cache, from the same seed)."""
+    rng = np.random.default_rng(seed)
+    doc_tokens = [rng.integers(0, 50_000, PROMPT_TOKENS).tolist() for _ in range(docs)]
+    out = []
+    for i in range(n):
+        d = doc_tokens[i % docs]
+        tail = rng.integers(0, 50_000, PROMPT_TOKENS - 3072).tolist()
+        out.append(block_keys(d[:3072] + tail, BLOCK))
+    return out
+
+
+async def _client_main(base: dict, pipe) -> None:
+    """A persistent client process: build the prompts once, then run one closed-loop window per
+    command from the parent (set up, report armed, wait for the shared start time, warm up until
+    it, count the pairs completed in [start, start + seconds], report)."""
+    from protocol.coord import NoServerAvailable
+    prompts = _prompts(base["seed"], base["docs"], base["prompts"])
+    bodies = {False: _Bodies(prompts, False), True: _Bodies(prompts, True)}
+    loop = asyncio.get_running_loop()
+    rid = base["rid0"]
+
+    async def recv():
+        return await loop.run_in_executor(None, pipe.recv)
+
+    pipe.send("ready")
+    while True:
+        spec = await recv()
+        if spec is None:
+            return
+        kind = spec["kind"]
+        pairs = errors = 0
+        cl = None
+        ch = None
+        if kind == "client":
+            from coordinator.client import HttpCoordinatorClient
+            cl = HttpCoordinatorClient(spec["url"], timeout_s=60, channel=False)
+            conns = [None] * spec["conns"]
+        elif kind == "channel":
+            from coordinator.channel_client import ChannelClient
+            ch = ChannelClient(spec["url"], timeout_s=60)
+            assert await ch.connect(), "the coordinator did not offer its channel"
+            conns = [None] * spec["inflight"]
+            keys = bodies[False].keys
+        else:
+            b = bodies[spec["json"]]
+            conns = [await _connect(spec["target"]) for _ in range(spec["conns"])]
+        pipe.send("armed")
+        start_at = await recv()
+        end_at = start_at + spec["seconds"]
+
+        async def worker(c):
+            nonlocal rid, pairs, errors
+            while True:
+                now = time.time()
+                if now >= end_at:
+                    return
+                r = rid = rid + 1
+                role = "context" if r & 1 else "generation"
+                if ch is not None:
+                    # the fleet's pattern: await the placement, queue the finish (no round trip)
+                    try:
+                        await ch.select(role, r, {"block_keys": keys[r % len(keys)],
+                                                  "num_tokens": PROMPT_TOKENS})
+                        ok = ch.finish(role, r)
+                    except NoServerAvailable:       # CoordinatorOverloaded too: shed, no lease
+                        ok = False
+                elif cl is not None:
+                    await cl.select(role, r, {"block_keys": prompts[r % len(prompts)],
+                                              "num_tokens": PROMPT_TOKENS})
+                    await cl.finish(role, r)
+                    ok = True
+                else:
+                    first = b.finish(r, role) if kind == "floor" else b.select(r, role)
+                    st, _ = await c.request(first)
+                    st2, _ = await c.request(b.finish(r, role))
+                    ok = st == 200 and st2 == 200
+                if now >= start_at and time.time() <= end_at:
+                    pairs += 1
+                    errors += not ok
+
+        await asyncio.gather(*[worker(c) for c in conns])
+        if ch is not None:
+            await ch.close()
+        elif cl is not None:
+            await cl.close()
+        else:
+            for c in conns:
+                c.transport.close()
+        pipe.send({"pairs": pairs, "errors": errors})
+
+
+def _client_proc(base: dict, pipe) -> None:
+    import uvloop
+    if base.get("cpu") is not None:
+        os.sched_setaffinity(0, {base["cpu"]})
+    try:
+        uvloop.run(_client_main(base, pipe))
+    except BaseException as exc:  # report, never hang the parent
+        pipe.send({"error": f"{type(exc).__name__}: {exc}"})
+
+
+class ClientPool:
+    """`n` persistent client processes that run closed-loop windows on command."""
+
+    def __init__(self, args, cpu: int | None):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.n = max(1, args.client_procs)
+        self.conns = max(1, args.conns // self.n)
+        self.procs = []
+        for i in range(self.n):
+            parent, child = ctx.Pipe()
+            base = {"seed": args.seed, "docs": args.docs, "prompts": args.prompts,
+                    "rid0": (1 << 40) + i * 10**12, "cpu": cpu}
+            p = ctx.Process(target=_client_proc, args=(base, child), daemon=True)
+            p.start()
+            self.procs.append((p, parent))
+        for _p, pipe in self.procs:
+            self._expect(pipe, "ready", 120)
+
+    @staticmethod
+    def _expect(pipe, what: str | None, timeout: float):
+        if not pipe.poll(timeout):
+            raise RuntimeError(f"a client process did not report {what or 'its result'}")
+        msg = pipe.recv()
+        if isinstance(msg, dict) and "error" in msg:
+            raise RuntimeError(f"client process failed: {msg['error']}")
+        if what is not None and msg != what:
+            raise RuntimeError(f"client process sent {msg!r}, expected {what!r}")
+        return msg
+
+    def window(self, kind: str, target: dict, seconds: float, *, url: str | None = None,
+               json_body: bool = False, warmup: float = 0.3, inflight: int = 64) -> dict:
+        spec = {"kind": kind, "target": target, "url": url, "json": json_body,
+                "conns": self.conns, "seconds": seconds, "inflight": inflight}
+        for _p, pipe in self.procs:
+            pipe.send(spec)
+        for _p, pipe in self.procs:
+            self._expect(pipe, "armed", 60)
+        start_at = time.time() + warmup
+        for _p, pipe in self.procs:
+            pipe.send(start_at)
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0 = _proc_cpu(target["pid"])
+        time.sleep(seconds)
+        cpu = _proc_cpu(target["pid"]) - cpu0
+        pairs = errors = 0
+        for _p, pipe in self.procs:
+            r = self._expect(pipe, None, 120)
+            pairs += r["pairs"]
+            errors += r["errors"]
+        return {"pairs": pairs, "errors": errors, "cpu_s": cpu, "seconds": seconds}
+
+    def close(self) -> None:
+        for p, pipe in self.procs:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def _total(windows: list[dict]) -> dict:
+    secs = sum(w["seconds"] for w in windows)
+    pairs = sum(w["pairs"] for w in windows)
+    return {"pairs_per_s": pairs / secs, "errors": sum(w["errors"] for w in windows),
+            "coord_cpu": sum(w["cpu_s"] for w in windows) / secs}
+
+
+async def _open_loop(one, rate: float, seconds: float, rid0: int) -> int:
+    """Start `one(request_id, scheduled_time)` at exact intervals for `seconds` and wait for all;
+    returns how many starts were more than 1 ms late."""
+    n = int(rate * seconds)
+    interval = 1.0 / rate
+    t0 = time.perf_counter() + 0.05
+    late = 0
+    tasks: set = set()
+    for i in range(n):
+        t_sched = t0 + i * interval
+        now = time.perf_counter()
+        if t_sched > now:
+            await asyncio.sleep(t_sched - now)
+        elif now - t_sched > 0.001:
+            late += 1
+        t = asyncio.get_running_loop().create_task(one(rid0 + i + 1, t_sched))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+    return late
+
+
+async def open_loop(target: dict, bodies: _Bodies, rate: float, seconds: float, rid0: int) -> dict:
+    """Selects at exact intervals (each followed by its finish on the same connection); RTT of
+    the select measured from its scheduled send time, so queueing in the client counts too."""
+    pool = [await _connect(target) for _ in range(128)]
+    idle: asyncio.Queue = asyncio.Queue()
+    for c in pool:
+        idle.put_nowait(c)
+    rtts: list[float] = []
+    wire_rtts: list[float] = []
+    errors = 0
+
+    async def one(r: int, t_sched: float):
+        nonlocal errors
+        c = await idle.get()   # an overloaded server shows up as waiting here, counted in the RTT
+        role = "context" if r & 1 else "generation"
+        t_send = time.perf_counter()
+        st, _ = await c.request(bodies.select(r, role))
+        t_done = time.perf_counter()
+        rtts.append(t_done - t_sched)
+        wire_rtts.append(t_done - t_send)
+        st2, _ = await c.request(bodies.finish(r, role))
+        if st != 200 or st2 != 200:
+            errors += 1
+        idle.put_nowait(c)
+
+    late = await _open_loop(one, rate, seconds, rid0)
+    for c in pool:
+        c.transport.close()
+    a = np.asarray(rtts) * 1e3
+    w = np.asarray(wire_rtts) * 1e3
+    return {"rate": rate, "n": len(rtts), "p50_ms": float(np.percentile(a, 50)),
+            "p90_ms": float(np.percentile(a, 90)), "p99_ms": float(np.percentile(a, 99)),
+            "max_ms": float(a.max()), "wire_p50_ms": float(np.percentile(w, 50)),
+            "wire_p99_ms": float(np.percentile(w, 99)), "errors": errors, "late_sends": late}
+
+
+async def open_loop_channel(url: str, keys: list[bytes], rate: float, seconds: float, rid0: int) -> dict:
+    """The same open loop through the fleet's channel client (`ChannelClient`): selects at exact
+    intervals, each finish queued on return; RTT from the scheduled send time."""
+    from coordinator.channel_client import ChannelClient
+    ch = ChannelClient(url, timeout_s=30)
+    assert await ch.connect(), "the coordinator did not offer its channel"
+    rtts: list[float] = []
+    errors = 0
+
+    async def one(r: int, t_sched: float):
+        nonlocal errors
+        role = "context" if r & 1 else "generation"
+        try:
+            await ch.select(role, r, {"block_keys": keys[r % len(keys)], "num_tokens": PROMPT_TOKENS})
+        except Exception:
+            errors += 1
+            return
+        rtts.append(time.perf_counter() - t_sched)
+        ch.finish(role, r)
+
+    late = await _open_loop(one, rate, seconds, rid0)
+    await ch.close()
+    a = np.asarray(rtts) * 1e3
+    return {"rate": rate, "n": len(rtts), "p50_ms": float(np.percentile(a, 50)),
+            "p90_ms": float(np.percentile(a, 90)), "p99_ms": float(np.percentile(a, 99)),
+            "max_ms": float(a.max()), "errors": errors, "late_sends": late}
+
+
+def _proc_cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
