@@ -8,8 +8,8 @@ name included), only `request_type` changes.
 
 `encoded_opaque_state` is base64 (standard alphabet) of one msgpack map that only the two workers
 read (`OpaqueState`): the context worker's scheduler writes its part (`v` … `block_ids`), its KV
-transfer link adds the `tx_*` fields, the vLLM/SGLang shims (worker/pd_protocols.py) write
-`worker_url` (+ `wait`). No pickle.
+connector (worker/kv_connector_transfer.py) adds the `tx_*` fields, the vLLM/SGLang shims
+(worker/pd_protocols.py) write `worker_url` (+ `wait`). No pickle.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class OpaqueState(msgspec.Struct):
     block_size: int | None = None
     key_scheme: str | None = None
     block_ids: list[int] | None = None
-    # added by the KV transfer link (worker side of transfer/): where to fetch the KV from
+    # added by the KV connector (worker/kv_connector_transfer.py): where to fetch the KV from
     tx_ep: str | None = None           # the context rank's transfer control endpoint
     tx_inst: str | None = None         # its transceiver instance id
     tx_req: int | None = None          # the send session's id there

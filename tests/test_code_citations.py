@@ -1,4 +1,4 @@
-"""Comments and docstrings of our packages cite repository files that exist, and the names they cite
+"""Comments, docstrings and our Markdown cite repository files that exist, and the names they cite
 next to a path live in that file.
 
 tests/test_doc_citations.py checks `.md` citations (in every Python file) and Markdown; this
@@ -10,8 +10,10 @@ of our packages, or with `tests/`, `docs/`, `examples/`, `helm/` followed by a f
 exists here: other projects' paths (`vllm/…`, `tensorrt_llm/…`, vLLM's `tests/v1/…`,
 TensorRT-LLM's `examples/disaggregated/…`) cite those projects' sources at a version and are left
 alone, and so are paths outside the checkout (`../shared/…`). A `:LINE` must be a line of the
-file; a name cited as `path's NAME`, `path (NAME)` or ``NAME` in path`` must be defined (or
-imported) in that file.
+file; a name cited as `path's NAME`, `path (NAME)`, `path::NAME` or ``NAME` in path`` must be
+defined (or imported) in that file; a `<page>.md §N` must name a numbered heading of that page.
+The same rules hold for our Markdown, except docs/reference/ (other projects' notes) and
+bench/RESULTS.md (a dated record: each run cites the tree it ran on).
 """
 from __future__ import annotations
 
@@ -29,8 +31,13 @@ SCANNED = (*PACKAGES, "tests")
 SHARED_TOPS = ("tests", "docs", "examples", "helm")
 PATH = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)+[\w.-]*\w"
                   r"\.(?:py|yaml|yml|sh|json|toml|txt|jinja|tpl))(?::(\d+))?\b")
-PATH_NAME = re.compile(r"(?<![\w./-])((?:[A-Za-z_]\w*/)+\w+\.py)(?:'s | \()`{1,2}([A-Za-z_]\w*)")
-NAME_IN_PATH = re.compile(r"`{1,2}([A-Za-z_]\w*)(?:\(\))?`{1,2} in `?((?:[A-Za-z_]\w*/)+\w+\.py)\b")
+PATH_NAME = re.compile(r"(?<![\w./-])((?:[A-Za-z_]\w*/)+\w+\.py)(?:(?:'s | \()`{1,2}|::)"
+                       r"([A-Za-z_]\w*)")
+# `docs/INTERFACES.md §7`, a Markdown link then `§8`, `docs/reference/kv_events.md §9.1`
+MD_SECTION = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.md)(?:\]\([^)]*\))?\)? ?§ ?"
+                        r"(\d+(?:\.\d+)?)")
+NAME_IN_PATH = re.compile(r"`{1,2}([A-Za-z_]\w*)(?:\(\))?`{1,2} in "
+                          r"`?((?:[A-Za-z_]\w*/)+\w+\.py)\b")
 
 
 def _ours(cited: str, citing: Path) -> bool:
@@ -67,7 +74,7 @@ def _target(cited: str, citing: Path) -> Path | None:
 
 
 def stale_citations(path: Path, items: list[tuple[int, str]]) -> list[str]:
-    """What `items` (line, comment or docstring text) of `path` cite that is not true."""
+    """What `items` (line, comment, docstring or Markdown text) of `path` cite that is not true."""
     rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     out = []
     for line, text in items:
@@ -88,6 +95,51 @@ def stale_citations(path: Path, items: list[tuple[int, str]]) -> list[str]:
     return out
 
 
+@lru_cache(maxsize=None)
+def _sections(md: Path) -> frozenset[str]:
+    """The numbers of a Markdown file's numbered headings (`## 9. …`, `### 9.1 …`)."""
+    text = re.sub(r"^```.*?^```", "", md.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return frozenset(re.findall(r"^#+ (\d+(?:\.\d+)*)\.? ", text, re.M))
+
+
+def stale_sections(path: Path, items: list[tuple[int, str]]) -> list[str]:
+    """`<page>.md §N` citations in `items` whose page has no section N (the file itself is checked
+    by tests/test_doc_citations.py)."""
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    out = []
+    for line, text in items:
+        for cited, n in MD_SECTION.findall(text):
+            bases = (ROOT, path.parent, ROOT / "docs", ROOT / "docs" / "reference")
+            md = next((b / cited for b in bases if (b / cited).is_file()), None)
+            if md is not None and _sections(md) and n not in _sections(md):
+                out.append(f"{rel}:{line}: {cited} §{n} (no such section)")
+    return out
+
+
+def _our_markdown() -> list[Path]:
+    skip = (("docs", "reference"), ("bench", "RESULTS.md"))
+    return [p for p in _files(".md") if p.relative_to(ROOT).parts[:2] not in skip]
+
+
+def _lines(path: Path) -> list[tuple[int, str]]:
+    return list(enumerate(path.read_text(encoding="utf-8").splitlines(), 1))
+
+
+def test_cited_sections_exist():
+    stale = []
+    for path in _files(".py"):
+        if path.relative_to(ROOT).parts[0] in SCANNED:
+            stale += stale_sections(path, _comments_and_docstrings(path))
+    for path in _our_markdown():
+        stale += stale_sections(path, _lines(path))
+    assert not stale, "citations of sections that do not exist:\n" + "\n".join(stale)
+
+
+def test_markdown_cites_repository_files_that_exist():
+    stale = [s for path in _our_markdown() for s in stale_citations(path, _lines(path))]
+    assert not stale, "stale citations in Markdown:\n" + "\n".join(stale)
+
+
 def test_code_comments_cite_repository_files_that_exist():
     stale = []
     for path in _files(".py"):
@@ -101,7 +153,8 @@ def test_the_checker_sees_each_kind_of_stale_citation():
     # The check above must be able to fail: a moved module, a line past the end, a moved name.
     here = ROOT / "fleet" / "flow.py"
     text = ("See transfer/engine_link.py, worker/kv_connector.py and fleet/legs/plan.py:99999; "
-            "fleet/relay.py's `Relay` and `no_such_function` in fleet/relay.py; vllm/v1/core/"
+            "fleet/relay.py's `Relay`, `no_such_function` in fleet/relay.py, "
+            "tests/test_harness.py::test_gone; vllm/v1/core/"
             "kv_cache_utils.py, tests/v1/kv_connector/toy_proxy_server.py, ../shared/x/y.sh, "
             "tests/fleet/peers/fixtures/vllm_router.json and legs/nowhere.py.")
     found = stale_citations(here, [(1, text)])
@@ -109,4 +162,10 @@ def test_the_checker_sees_each_kind_of_stale_citation():
                      "fleet/flow.py:1: fleet/legs/plan.py:99999 (the file has fewer lines)",
                      "fleet/flow.py:1: tests/fleet/peers/fixtures/vllm_router.json (no such file)",
                      "fleet/flow.py:1: legs/nowhere.py (no such file)",
+                     "fleet/flow.py:1: test_gone is not defined in tests/test_harness.py",
                      "fleet/flow.py:1: no_such_function is not defined in fleet/relay.py"], found
+    text = ("docs/INTERFACES.md §8, [INTERFACES.md](INTERFACES.md) §42, "
+            "docs/reference/kv_events.md §9.1, kv_events.md §9.9")
+    sections = stale_sections(here, [(2, text)])
+    assert sections == [f"fleet/flow.py:2: {page} (no such section)"
+                        for page in ("INTERFACES.md §42", "kv_events.md §9.9")], sections
