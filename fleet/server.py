@@ -1,4 +1,5 @@
-"""The public OpenAI front door of one fleet process (aiohttp, on the loop `fleet.event_loop` names: fleet/cli.py).
+"""The public OpenAI front door of one fleet process (aiohttp, on the event loop that
+`fleet.event_loop` names: fleet/cli.py).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /cluster_info`, `GET /metrics`. Errors are OpenAI error bodies (docs/design.md §4).
