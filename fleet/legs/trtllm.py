@@ -1,4 +1,4 @@
-"""TensorRT-LLM's `disaggregated_params` legs (docs/reference/trtllm_disagg.md; our worker
+"""TensorRT-LLM's `disaggregated_params` legs (docs/design.md §5, docs/protocols.md; our worker
 speaks the same), as pure functions: the context leg's body, the context answer's decoding, and the
 generation leg's body for both schedule styles. fleet/flow.py sends them.
 

@@ -2,5 +2,6 @@
 
 Routing never depends on these: the index is keyed by canonical keys (``router.block_keys``).
 They exist for the optional engine-hash mode and as cross-checks in tests
-(docs/reference/kv_events.md §3, §6.2, §7.2, §5.1, vectors in §10).
+(docs/routing.md "Block keys"; each module names the engine file it follows, and
+tests/router/test_recipes.py holds the byte-level vectors).
 """

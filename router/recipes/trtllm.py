@@ -1,5 +1,5 @@
-"""TensorRT-LLM block keys (``tensorrt_llm/runtime/kv_cache_hash.py``, ``blockKey.cpp``;
-docs/reference/kv_events.md §7.2, docs/reference/trtllm_disagg.md §3.5).
+"""TensorRT-LLM block keys (``tensorrt_llm/runtime/kv_cache_hash.py``, ``blockKey.cpp``; what
+routing does with engine recipes: docs/routing.md "Block keys"; vectors: tests/router/test_recipes.py).
 
 - ``v1_block_key``: the V1 KV-cache manager's 64-bit boost-style mix, chained (parent 0 = root).
 - ``v2_sha256``: the V2 radix key, a SHA-256 chain over u32le tokens from ``sha256(scope)``;

@@ -16,7 +16,9 @@ from bench._trace import DEFAULT_TRACE
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason=f"no trace at {DEFAULT_TRACE}")
+@pytest.mark.skipif(not DEFAULT_TRACE.is_file(),
+                    reason=f"the Mooncake trace is read from {DEFAULT_TRACE} (outside the repository, "
+                           "never copied into it), absent here")
 def test_trace_replay_kv_aware_beats_round_robin(tmp_path):
     out = tmp_path / "routing.json"
     cmd = [sys.executable, "bench/routing.py", "--workers", "4", "--sample", "8", "--limit", "240",

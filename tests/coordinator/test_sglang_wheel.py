@@ -29,7 +29,8 @@ from .test_kv_ingest import TOK_A, TOK_B, matched
 WHEEL = os.environ.get("SPLITSERVE_SGLANG_WHEEL") or next(
     iter(sorted(glob.glob("/tmp/interop_dl/sglang/sglang-0.5.23-*.whl"))), None)
 pytestmark = pytest.mark.skipif(not WHEEL or not os.path.exists(WHEEL),
-                                reason="set SPLITSERVE_SGLANG_WHEEL to a sglang-0.5.23 wheel")
+                                reason="needs the sglang-0.5.23 wheel (not downloaded in CI): "
+                                       "set SPLITSERVE_SGLANG_WHEEL to its path")
 
 
 @pytest.fixture

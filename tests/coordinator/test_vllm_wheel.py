@@ -28,7 +28,8 @@ from .test_kv_ingest import TOK_A, TOK_B, matched
 WHEEL = os.environ.get("SPLITSERVE_VLLM_WHEEL") or next(
     iter(sorted(glob.glob("/tmp/interop_dl/vllm/vllm-0.33.*.whl"))), None)
 pytestmark = pytest.mark.skipif(not WHEEL or not os.path.exists(WHEEL),
-                                reason="set SPLITSERVE_VLLM_WHEEL to a vllm-0.33 wheel")
+                                reason="needs the vllm-0.33.0 wheel (336 MB, not downloaded in CI): "
+                                       "set SPLITSERVE_VLLM_WHEEL to its path")
 
 STANDINS = {
     "vllm/__init__.py": "",

@@ -279,7 +279,7 @@ def _sig(names: str, types: dict[str, str], constexprs: dict) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs triton (not under its interpreter)")
+                    reason="needs triton compiling for a real GPU target (the GPU host), not its CPU interpreter")
 @pytest.mark.parametrize("dim", [64, 128])
 def test_kernels_compile_for_hopper_without_spills(dim):
     """Every kernel compiles to sm_90 machine code with Triton's bundled ptxas (no GPU needed); the
