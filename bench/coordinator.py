@@ -49,8 +49,9 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not
 
 from bench._common import replace_subsection  # noqa: E402
 
-from bench.coordinator_load import (BLOCK, PROMPT_TOKENS, ClientPool, _Bodies, _prompts,  # noqa: E402
-                                    _total, open_loop, open_loop_channel)
+from bench.coordinator_load import (ClientPool, _Bodies, _prompts, _total, open_loop,  # noqa: E402
+                                    open_loop_channel)
+from bench.placement import BLOCK, PROMPT_TOKENS  # noqa: E402
 from router.block_keys import block_keys  # noqa: E402
 
 # Issue 13: on the fleet's channel, ≥ 15,000 select+finish pairs/s at 100% of one coordinator core

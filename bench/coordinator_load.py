@@ -17,10 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from router.block_keys import block_keys  # noqa: E402
-
-BLOCK = 16
-PROMPT_TOKENS = 4096
+# the prompts (and their sizes) are bench/placement.py's, which measures the same cluster in process
+from bench.placement import PROMPT_TOKENS, _prompts  # noqa: E402
 
 # ---------------------------------------------------------------------------- load generator
 
@@ -95,19 +93,6 @@ class _Bodies:
     def finish(self, rid: int, role: str) -> bytes:
         body = {"role": role, "req_id": rid, "success": True}
         return _req(b"/finish", orjson.dumps(body) if self.json else msgpack.packb(body), self.ctype)
-
-
-def _prompts(seed: int, docs: int, n: int) -> list[np.ndarray]:
-    """The clients' prompts: documents' 3k-token prefixes + a 1k-token unique tail (the same
-    documents the stand-in workers cache, from the same seed)."""
-    rng = np.random.default_rng(seed)
-    doc_tokens = [rng.integers(0, 50_000, PROMPT_TOKENS).tolist() for _ in range(docs)]
-    out = []
-    for i in range(n):
-        d = doc_tokens[i % docs]
-        tail = rng.integers(0, 50_000, PROMPT_TOKENS - 3072).tolist()
-        out.append(block_keys(d[:3072] + tail, BLOCK))
-    return out
 
 
 async def _client_main(base: dict, pipe) -> None:

@@ -144,16 +144,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         if meta.backend == "triton":
             return self._forward_triton(x, cos, sin, meta, kv_cache)
-        qkv = self.qkv_proj(x)
-        qk = _apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
-                                                                   self.head_dim), cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-
-        # kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
-        layer = kv_cache[:, self.layer_idx]
-        layer[meta.slot_block, 0, meta.slot_offset] = k
-        layer[meta.slot_block, 1, meta.slot_offset] = v
+        q, k, v, layer = self._qkv_store(x, cos, sin, meta, kv_cache)
 
         d = meta.decode
         if not meta.prefills and d is not None:
@@ -168,6 +159,21 @@ class Attention(nn.Module):
         if d is not None:
             out[d.token_idx] = self._decode(q[d.token_idx], layer, d, meta.block_size)
         return self.o_proj(out.view(n, self.q_size))
+
+    def _qkv_store(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   kv_cache: torch.Tensor):
+        """q, k, v of the step's tokens (RoPE applied) and this layer's cache view, after storing the
+        new K/V into their slots. kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        qk = _apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
+                                                                   self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        layer = kv_cache[:, self.layer_idx]
+        layer[meta.slot_block, 0, meta.slot_offset] = k
+        layer[meta.slot_block, 1, meta.slot_offset] = v
+        return q, k, v, layer
 
     def _forward_triton(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -190,14 +196,7 @@ class Attention(nn.Module):
             ops.paged_decode(q, kv_cache, self.layer_idx, meta.paged, self.scale, out)
             out = out.view(n, self.q_size)
             return ops.linear_partials(out, o.weight, o.bias) if small else o(out)
-        qkv = self.qkv_proj(x)
-        qk = _apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
-                                                                   self.head_dim), cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        layer = kv_cache[:, self.layer_idx]
-        layer[meta.slot_block, 0, meta.slot_offset] = k
-        layer[meta.slot_block, 1, meta.slot_offset] = v
+        q, k, v, layer = self._qkv_store(x, cos, sin, meta, kv_cache)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for p in meta.prefills:
             if p.gather_blocks is None:  # fresh prompt: its own K/V are at hand, SDPA as the torch path
