@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # name -> (module, one-line help). A subcommand is listed only once its module exists.
@@ -60,5 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     return int(mod.run(args) or 0)
 
 
+def entry() -> None:
+    """The program (console script and `python -m splitserve_cli`): `main`, then exit.
+
+    Once the subcommand returned, its shutdown is done and its event loop closed (which restored
+    the default signal handlers); a supervisor's repeated SIGTERM/SIGINT must not turn that exit
+    into death by signal while the interpreter tears down its threads."""
+    code = main()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

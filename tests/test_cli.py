@@ -85,7 +85,7 @@ def test_unknown_subcommand_is_an_error_that_lists_the_known_ones():
 
 def test_console_script_entry_point_is_declared():
     text = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^splitserve\s*=\s*"splitserve_cli:main"', text, re.M)
+    assert re.search(r'^splitserve\s*=\s*"splitserve_cli:entry"', text, re.M)
     assert importlib.util.find_spec("splitserve_cli") is not None
 
 

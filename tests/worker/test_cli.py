@@ -57,6 +57,23 @@ async def test_sim_worker_flags_env_and_sigterm_drain(http):
         stop_worker(proc)
 
 
+def test_repeated_sigterm_still_exits_0():
+    """A supervisor that signals twice (the second landing after the drain, while the interpreter
+    tears down) gets exit 0, not death by SIGTERM (splitserve_cli.entry ignores signals once the
+    subcommand returned). Signals 0-50 ms apart, the idle sim worker's whole shutdown being a few
+    ms: the later ones hit the teardown window."""
+    for gap in (0.0, 0.01, 0.05):
+        proc, _ = spawn_worker("--engine", "sim", "--role", "context")
+        try:
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(gap)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0, (gap, bytes(proc.output)[-2000:])
+        finally:
+            stop_worker(proc)
+
+
 def test_startup_errors_exit_2_with_a_message():
     for args, want in [(["--model", "/no/such/dir", "--engine", "sim"], b"neither a preset"),
                        (["--engine", "sim", "--block-size", "0"], b"--block-size must be >= 1"),
