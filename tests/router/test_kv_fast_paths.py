@@ -132,7 +132,9 @@ def _store(data, idx, w, rank, hashes_of, counter):
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_walk_memo_and_policy_match_references(data):
-    idx = KvIndex(B, namespace=NS)
+    # small memo strides (reuse between the prompts, which share leading blocks) and memo caps
+    idx = KvIndex(B, namespace=NS, memo_stride=data.draw(st.sampled_from([1, 2, 32])),
+                  memo_cap=data.draw(st.sampled_from([1, 3, 1024])))
     leases = LeaseTable()
     view = IndexLoadView(idx, leases)
     kw = data.draw(st.fixed_dictionaries({
