@@ -90,6 +90,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         self._memo = None                       # the latest walk
         self._pmemo: dict[int, object] = {}     # registered key -> memo
         self._memo_order: dict = {}             # memos, least recently used first
+        self._memo_pos: dict[int, tuple] = {}   # prompt length -> registration positions
         self._memo_stride = memo_stride
         self._memo_cap = memo_cap
 

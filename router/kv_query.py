@@ -159,13 +159,16 @@ class QueryMixin:
         if len(log) > LOG_TRIM:
             self._trim_log()
             epoch = self._epoch
-        kl = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
-        n = len(kl)
+        qa = keys if isinstance(keys, np.ndarray) else np.frombuffer(raw, np.uint64)
+        n = len(qa)
         groups = None
+        marks: list = []
         if n:
-            z, cut = self._find_memo(kl, raw, epoch)
+            plist, parr = self._mark_positions(n)
+            marks = qa[parr].tolist()
+            z, cut = self._find_memo(marks, plist, raw, epoch)
             if z is not None:
-                groups = self._reuse(z, kl, cut)
+                groups = self._reuse(z, qa, cut)
                 if groups is not None and z.raw == raw:
                     # the same prompt: the memo itself is exact again, at this log position
                     z.pos = len(log)
@@ -177,32 +180,43 @@ class QueryMixin:
                     self._memo = z
                     return groups
         if groups is None:
-            groups = self._walk(kl, self._all_bits)
-        self._remember(WalkMemo(raw, groups, epoch, len(log)), kl)
+            groups = self._walk(qa.tolist(), self._all_bits)
+        self._remember(WalkMemo(raw, groups, epoch, len(log)), marks)
         return groups
 
-    def _find_memo(self, kl: list, raw: bytes, epoch: int):
-        """(memo, c): a memo of this epoch whose first ``c`` keys are the prompt's, ``c`` as
-        large as the registered positions allow; (None, 0) when there is none."""
+    def _mark_positions(self, n: int) -> tuple[list, np.ndarray]:
+        """Where a memo of ``n`` keys is registered (and a prompt of ``n`` keys looks for one):
+        every ``_memo_stride``-th key and the last, in increasing order."""
+        got = self._memo_pos.get(n)
+        if got is None:
+            st = self._memo_stride
+            plist = list(range(st - 1, n, st))
+            if n % st:
+                plist.append(n - 1)
+            got = self._memo_pos[n] = (plist, np.array(plist, dtype=np.intp))
+        return got
+
+    def _find_memo(self, marks: list, plist: list, raw: bytes, epoch: int):
+        """(memo, c): a memo of this epoch whose first ``c`` keys are the prompt's (``marks``: the
+        prompt's keys at positions ``plist``), ``c`` as large as those positions allow;
+        (None, 0) when there is none."""
         pm = self._pmemo
-        n = len(kl)
-        z = pm.get(kl[-1])
-        if z is not None and z.epoch == epoch and z.n >= n and \
-                (z.raw == raw if z.n == n else z.raw[:8 * n] == raw):
-            return z, n
-        st = self._memo_stride
-        for c in range((n // st) * st - 1, -1, -st):
-            if c == n - 1:
+        n = len(raw) >> 3
+        for i in range(len(marks) - 1, -1, -1):
+            z = pm.get(marks[i])
+            if z is None or z.epoch != epoch:
                 continue
-            z = pm.get(kl[c])
-            if z is not None and z.epoch == epoch and z.n > c and \
-                    z.raw[:8 * (c + 1)] == raw[:8 * (c + 1)]:
-                return z, c + 1
+            c = plist[i] + 1
+            if c == n:
+                if z.raw == raw if z.n == n else z.n > n and z.raw[:8 * n] == raw:
+                    return z, n
+            elif z.n >= c and z.raw[:8 * c] == raw[:8 * c]:
+                return z, c
         return None, 0
 
-    def _reuse(self, z: WalkMemo, kl: list, cut: int) -> list | None:
-        """The prompt's groups from memo ``z``, whose first ``cut`` keys are the prompt's; None
-        when a slot that matched part of ``z`` lost a key since (then walk from scratch)."""
+    def _reuse(self, z: WalkMemo, qa: np.ndarray, cut: int) -> list | None:
+        """The prompt's groups from memo ``z``, whose first ``cut`` keys are the prompt's ``qa``;
+        None when a slot that matched part of ``z`` lost a key since (then walk from scratch)."""
         for s, n_lost in z.losses:
             if s.losses != n_lost:
                 return None
@@ -218,7 +232,7 @@ class QueryMixin:
                 break
             # these slots held the first d keys and lost nothing; they match exactly d keys
             # still unless one of them now holds key d
-            if get(kl[d], 0) & bits:
+            if get(int(qa[d]), 0) & bits:
                 p = d
                 break
             out.append((bits, d))
@@ -226,7 +240,7 @@ class QueryMixin:
         for bits, _ in groups[len(out):]:
             active |= bits
         if active:
-            out += [(b, d + p) for b, d in self._walk(kl[p:], active)]
+            out += [(b, d + p) for b, d in self._walk(qa[p:].tolist(), active)]
         return out
 
     def _snapshot_losses(self, memo: WalkMemo) -> None:
@@ -241,13 +255,8 @@ class QueryMixin:
                     bits ^= low
         memo.losses = ls
 
-    def _remember(self, memo: WalkMemo, kl: list) -> None:
+    def _remember(self, memo: WalkMemo, marks: list) -> None:
         self._snapshot_losses(memo)
-        st = self._memo_stride
-        n = len(kl)
-        marks = kl[st - 1::st]
-        if n and n % st:
-            marks.append(kl[-1])
         pm = self._pmemo
         for k in marks:
             pm[k] = memo
