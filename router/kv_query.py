@@ -15,7 +15,7 @@ never a heuristic:
   ``_memo_stride``-th position and its last key, then compared byte for byte), in the same
   ``_epoch`` (bumped by changes the log does not describe key by key: a slot cleared, created or
   freed, a snapshot loaded, the log trimmed), when none of the slots that matched part of that
-  prefix lost a key since (``_Slot.losses``): a slot that lost nothing still holds what it held,
+  prefix lost a key since (``_losses``, per slot): a slot that lost nothing still holds what it held,
   and its match can only have grown at the key that ended it, which is probed again (one probe
   per group of the walk). From the first group that grew, the walk goes on from that depth for
   the slots still matching there;
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import repeat
+from operator import itemgetter
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class WalkMemo:
     """One walk: its keys (bytes of native u64), its groups over every slot, the epoch and log
     position it was taken at, and the loss counters of the slots that matched part of it."""
 
-    __slots__ = ("raw", "n", "groups", "epoch", "pos", "losses", "marks")
+    __slots__ = ("raw", "n", "groups", "epoch", "pos", "lmask", "lcounts", "marks")
 
     def __init__(self, raw: bytes, groups: list, epoch: int, pos: int):
         self.raw = raw
@@ -63,7 +64,8 @@ class WalkMemo:
         self.groups = groups
         self.epoch = epoch
         self.pos = pos
-        self.losses: list = []      # [(slot, slot.losses)] for the slots of groups with depth > 0
+        self.lmask = 0              # the slots of groups with depth > 0 ...
+        self.lcounts = None         # ... and their loss counts (``_loss_getter(lmask)``)
         self.marks: list = []       # the keys it is registered under
 
     def read(self) -> int:
@@ -217,9 +219,8 @@ class QueryMixin:
     def _reuse(self, z: WalkMemo, qa: np.ndarray, cut: int) -> list | None:
         """The prompt's groups from memo ``z``, whose first ``cut`` keys are the prompt's ``qa``;
         None when a slot that matched part of ``z`` lost a key since (then walk from scratch)."""
-        for s, n_lost in z.losses:
-            if s.losses != n_lost:
-                return None
+        if z.lmask and self._loss_getter(z.lmask)(self._losses) != z.lcounts:
+            return None
         read = z.read()
         if cut > read:
             cut = read
@@ -227,12 +228,11 @@ class QueryMixin:
         out = []
         p = cut
         groups = z.groups
-        for bits, d in groups:
-            if d >= cut:
-                break
+        ends = [d for _, d in groups if d < cut]
+        for (bits, d), k in zip(groups, qa[ends].tolist() if ends else ()):
             # these slots held the first d keys and lost nothing; they match exactly d keys
             # still unless one of them now holds key d
-            if get(int(qa[d]), 0) & bits:
+            if get(k, 0) & bits:
                 p = d
                 break
             out.append((bits, d))
@@ -244,16 +244,28 @@ class QueryMixin:
         return out
 
     def _snapshot_losses(self, memo: WalkMemo) -> None:
-        by_bit = self._by_bit
-        ls = []
+        m = 0
         for bits, d in memo.groups:
             if d:
-                while bits:
-                    low = bits & -bits
-                    s = by_bit[low.bit_length() - 1]
-                    ls.append((s, s.losses))
-                    bits ^= low
-        memo.losses = ls
+                m |= bits
+        memo.lmask = m
+        memo.lcounts = self._loss_getter(m)(self._losses) if m else None
+
+    def _loss_getter(self, mask: int):
+        """The loss counts of the slots in ``mask``, read in one C call (cached per mask)."""
+        g = self._loss_getters.get(mask)
+        if g is None:
+            idxs = []
+            b = mask
+            while b:
+                low = b & -b
+                idxs.append(low.bit_length() - 1)
+                b ^= low
+            g = itemgetter(*idxs)
+            if len(self._loss_getters) >= 4096:
+                self._loss_getters.clear()
+            self._loss_getters[mask] = g
+        return g
 
     def _remember(self, memo: WalkMemo, marks: list) -> None:
         self._snapshot_losses(memo)
