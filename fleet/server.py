@@ -370,6 +370,8 @@ class FleetServer:
         self.http = FleetHttpServer(self.dispatch, max_body=self.max_body,
                                     keepalive_s=self.config.server_keep_alive_timeout,
                                     header_timeout_s=self.config.fleet.header_timeout_s)
+        # the loop listens on the socket again: with the bound backlog, not a default of 128 (256
+        # connections opened at once overflowed it: ~1 s retransmissions, issue 13)
         await self.http.serve(sock, LISTEN_BACKLOG)
         try:
             await stop.wait()
