@@ -114,9 +114,15 @@ class FleetRequest:
         self.conn = conn
         self.method = method
         self.raw_path = raw_path
-        q = raw_path.find(b"?")
-        p = (raw_path if q < 0 else raw_path[:q]).decode("utf-8", "surrogateescape")
-        self.path = unquote(p, errors="surrogateescape") if "%" in p else p
+        target = raw_path
+        if target[:1] != b"/" and (target.startswith(b"http://") or target.startswith(b"https://")):
+            # absolute form (RFC 9112 §3.2.2): the path starts after the authority
+            slash = target.find(b"/", target.find(b"//") + 2)
+            target = target[slash:] if slash >= 0 else b"/"
+        q = target.find(b"?")
+        # not UTF-8: no route matches it anyway, and the 404 naming it must stay valid JSON
+        p = (target if q < 0 else target[:q]).decode("utf-8", "replace")
+        self.path = unquote(p, errors="replace") if "%" in p else p
         self.version = version
         self.headers = headers
         self.keep_alive = keep_alive
@@ -362,10 +368,15 @@ class _Conn(asyncio.Protocol):
             self.task.cancel()       # the client hung up: its request ends here (scopes clean up)
 
     def pause_writing(self) -> None:
+        # a client that does not read its answers: stop reading its requests too
         self._paused_w = True
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._paused_w = False
+        if self.transport is not None and not self._paused_r and not self.closing:
+            self.transport.resume_reading()
         d = self._drain
         if d is not None and not d.done():
             d.set_result(None)
@@ -484,7 +495,8 @@ class _Conn(asyncio.Protocol):
             nxt = self.queue.popleft()
             if self._paused_r and len(self.queue) < _MAX_QUEUED // 2 and self.transport is not None:
                 self._paused_r = False
-                self.transport.resume_reading()
+                if not self._paused_w:
+                    self.transport.resume_reading()
             self._start(nxt)
 
     def _answer(self, req: FleetRequest, resp) -> bool:

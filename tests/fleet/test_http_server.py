@@ -236,3 +236,38 @@ def test_chunked_request_bodies_are_decoded(h):
         st, _, body = read_answer(s, 5)
     assert st == 200 and body == b'{"a":1}'
     assert dechunk(b"3\r\nabc\r\n0\r\n\r\n") == b"abc"
+
+
+def test_absolute_form_and_undecodable_paths(h):
+    with _conn(h) as s:
+        s.sendall(_req("GET", "http://fleet.example:80/v1/x?q=1") + _req("GET", "/%ff%fe"))
+        a, b = _answers(s, 2)
+    assert a[2] == b'{"path":"/v1/x"}'
+    assert b[0] == 200 and json.loads(b[2])["path"] == "/\ufffd\ufffd"
+
+
+def test_a_client_that_does_not_read_stops_being_read():
+    x = _Harness()
+    try:
+        with _conn(x) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            big = _req("GET", "/x" + "y" * 4000)
+            sent = 0
+            s.setblocking(False)
+            deadline = time.monotonic() + 5
+            # pipelined requests whose answers are never read: the server's writes back up, it
+            # pauses reading, and this side's sends stop being accepted (no unbounded buffering)
+            while time.monotonic() < deadline:
+                try:
+                    sent += s.send(big)
+                except BlockingIOError:
+                    time.sleep(0.05)
+                    try:
+                        sent += s.send(big)
+                    except BlockingIOError:
+                        break
+            assert time.monotonic() < deadline, "the server kept reading requests whose answers pile up"
+            served = len(x.seen)
+            assert served < sent // len(big)
+    finally:
+        x.stop()
