@@ -451,9 +451,6 @@ class _Conn(asyncio.Protocol):
 
     # ---- requests ------------------------------------------------------------------------------
     def _enqueue(self, req: FleetRequest) -> None:
-        if req.headers.get("Expect", "").lower() == "100-continue" and req.version == "1.1" \
-                and self.task is None and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if self.task is None:
             self._start(req)
             return
@@ -463,6 +460,10 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _start(self, req: FleetRequest) -> None:
+        if not req._done and req.version == "1.1" and self.transport is not None \
+                and req.headers.get("Expect", "").lower() == "100-continue":
+            # its turn has come and its body is still to be sent: ask for it
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.serving = req
         self.task = self.loop.create_task(self._serve(req))
 

@@ -146,6 +146,26 @@ def test_expect_100_continue_gets_its_interim_answer(h):
     assert st == 200 and body == b'{"c":3}'
 
 
+def test_100_continue_behind_a_pipelined_request_comes_at_its_turn(h):
+    with _conn(h) as s:
+        s.sendall(_req("GET", "/wait") + b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 7\r\nExpect: 100-continue\r\n\r\n")
+        s.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            s.recv(64)                              # the first request is still being served
+        h.loop.call_soon_threadsafe(h.gate.set)
+        s.settimeout(5)
+        got = b""
+        while b"100 Continue" not in got:
+            chunk = s.recv(4096)
+            assert chunk, got
+            got += chunk
+        # the interim answer follows the first request's answer, right when the second one's turn came
+        assert got.endswith(b'{"waited":true}HTTP/1.1 100 Continue\r\n\r\n'), got
+        s.sendall(b'{"d":4}')
+        assert _answers(s, 1)[0][2] == b'{"d":4}'
+
+
 def test_an_answer_before_the_whole_body_closes_the_connection(h):
     with _conn(h) as s:
         s.sendall(_req("POST", "/early", b"x" * 100)[:-50])     # half the body
