@@ -298,6 +298,11 @@ def test_kernels_compile_for_hopper_without_spills(dim):
     bf, i64 = "*bf16", "*i64"
 
     def build(fn, names, types, const, num_warps, pipelined=False):
+        for pdl in (False, True):  # off (CPU, older GPUs, SPLITSERVE_PDL=0) and on (worker/attention/pdl.py)
+            spills = build1(fn, names, types, const | {"PDL": pdl}, num_warps, pipelined)
+        return spills
+
+    def build1(fn, names, types, const, num_warps, pipelined=False):
         # As the JIT specialises a launch: pointers and these strides are multiples of 16.
         hinted = [i for i, n in enumerate(names.split()) if types.get(n, "").startswith("*")
                   or n in ("stride_qt", "stride_qh", "stride_blk", "stride_tok", "stride_ot", "stride_oh",
@@ -308,6 +313,18 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                            options={"num_warps": num_warps, "num_stages": 2})
         if pipelined:
             assert "async_copy_global_to_local" in k.asm["ttgir"], f"{fn.__name__}: K/V loads are not pipelined"
+        ptx = k.asm["ptx"]
+        if const["PDL"]:
+            # The wait comes before any activation is read: the first global load or async copy that
+            # is not a weight prefetch follows it.
+            wait = ptx.find("griddepcontrol.wait")
+            assert wait >= 0 and ptx.find("griddepcontrol.launch_dependents") > wait, fn.__name__
+            first = min((i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0), default=len(ptx))
+            assert first > wait, f"{fn.__name__}: a global load precedes griddepcontrol.wait"
+            if fn.__name__ == "_small_m_kernel":
+                assert 0 <= ptx.find("prefetch.global.L2") < wait, "weights are not prefetched before the wait"
+        else:
+            assert "griddepcontrol" not in ptx and "prefetch.global" not in ptx, fn.__name__
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(k.asm["ptx"])
         arch = re.search(r"\.target (\w+)", k.asm["ptx"]).group(1)
@@ -318,14 +335,14 @@ def test_kernels_compile_for_hopper_without_spills(dim):
         return int(spills.group(1)) if spills else 0
 
     bd = dim
-    dec_types = {n: bf for n in ("Q", "K", "V", "Out")} | {n: i64 for n in ("Tables", "Pos", "Key0", "URow", "ULo", "UHi")}
+    dec_types = {n: bf for n in ("Q", "K", "V", "Out")} | {n: i64 for n in ("Tables", "TabStart", "URow", "ULo", "UHi")}
     dec_types |= {"MidO": "*fp32", "MidL": "*fp32", "stride_blk": "i64", "qk_scale": "fp32"}
     for direct in (False, True):
         block_n, warps, _ = T.decode_config(bd)
         const = {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_N": block_n, "PAGE": 16,
                  "DIRECT": direct, "PREC": None}
-        assert build(T._decode_kernel, "Q K V Tables Pos Key0 URow ULo UHi Out MidO MidL stride_qt stride_qh "
-                     "stride_blk stride_tok stride_tab stride_ot stride_oh stride_mu stride_mh stride_lu qk_scale",
+        assert build(T._decode_kernel, "Q K V Tables TabStart URow ULo UHi Out MidO MidL stride_qt stride_qh "
+                     "stride_blk stride_tok stride_ot stride_oh stride_mu stride_mh stride_lu qk_scale",
                      dec_types, const, warps, pipelined=True) == 0
     pre_types = {n: bf for n in ("Q", "K", "V", "Out")} | {"Table": i64, "stride_blk": "i64", "qk_scale": "fp32"}
     for window in (0, 100):
