@@ -299,7 +299,8 @@ def test_kernels_compile_for_hopper_without_spills(dim):
 
     def build(fn, names, types, const, num_warps, pipelined=False):
         for pdl in (False, True):  # off (CPU, older GPUs, SPLITSERVE_PDL=0) and on (worker/attention/pdl.py)
-            spills = build1(fn, names, types, const | {"PDL": pdl}, num_warps, pipelined)
+            extra = {"PDL": pdl, "TRIGGER": pdl} | ({"PREFETCH": pdl} if fn.__name__ == "_small_m_kernel" else {})
+            spills = build1(fn, names, types, const | extra, num_warps, pipelined)
         return spills
 
     def build1(fn, names, types, const, num_warps, pipelined=False):

@@ -45,17 +45,27 @@ def enabled(device: torch.device) -> bool:
     return _CACHE[key]
 
 
-def launch_kwargs(device: torch.device) -> dict:
-    """``PDL`` constexpr and launch option for one kernel launch on ``device``."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+#: Experiment switches (bench only): prefetch weights before the wait; trigger the next launch right
+#: after the wait (else at exit); the kernels (by launcher name) that use PDL, ``None`` = all.
+PREFETCH = True
+TRIGGER = True
+KERNELS: set[str] | None = None
+
+
+def launch_kwargs(device: torch.device, kernel: str = "") -> dict:
+    """``PDL`` constexprs and launch option for one kernel launch on ``device``."""
+    if enabled(device) and (KERNELS is None or kernel in KERNELS):
+        return {"PDL": True, "TRIGGER": TRIGGER, "launch_pdl": True}
+    return {"PDL": False, "TRIGGER": False}
 
 
 @triton.jit
-def gdc_enter(PDL: tl.constexpr):
+def gdc_enter(PDL: tl.constexpr, TRIGGER: tl.constexpr):
     """Wait for the previous kernel, then let the next one launch (module docstring)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -67,12 +67,12 @@ def _pow2(n: int, lo: int = 16) -> int:
 def _rope_store_kernel(QKV, Cos, Sin, K, V, SlotBlock, SlotOff, QOut,
                        stride_qkv, stride_cos, stride_blk, stride_tok, stride_qo, stride_split,
                        NQ: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_HALF: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr):
     """One program per (token, head slot): slot < NQ rotates a query head into QOut, the next NKV
     rotate key heads into the cache, the last NKV copy value heads into the cache. ``NSPLIT > 0``:
     ``QKV`` holds that many fp32 split-K partials of the qkv product (worker/attention/
     triton_linear.py), summed and rounded to the model dtype here."""
-    gdc_enter(PDL)
+    gdc_enter(PDL, TRIGGER)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
@@ -135,7 +135,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k
         qkv.stride(-2), cos.stride(0), kv_cache.stride(0), kv_cache.stride(3), q.stride(0),
         qkv.stride(0) if nsplit else 0,
         NQ=num_heads, NKV=num_kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        NSPLIT=nsplit, num_warps=1, **launch_kwargs(qkv.device))
+        NSPLIT=nsplit, num_warps=1, **launch_kwargs(qkv.device, "rope"))
     return q
 
 
@@ -148,8 +148,8 @@ def _decode_kernel(Q, K, V, Tables, TabStart, URow, ULo, UHi, Out, MidO, MidL,
                    stride_ot, stride_oh, stride_mu, stride_mh, stride_lu, qk_scale,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr,
-                   PREC: tl.constexpr, PDL: tl.constexpr):
-    gdc_enter(PDL)
+                   PREC: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    gdc_enter(PDL, TRIGGER)
     u = tl.program_id(0)
     kvh = tl.program_id(1)
     # The three unit loads are independent (one round trip), the table then K/V depend on them.
@@ -195,11 +195,11 @@ def _decode_kernel(Q, K, V, Tables, TabStart, URow, ULo, UHi, Out, MidO, MidL,
 
 @triton.jit
 def _merge_kernel(MidO, MidL, RowStart, Out, stride_mu, stride_mh, stride_lu, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr):
     """One program per (row, query head): merge the row's units by log-sum-exp, ``BLOCK_U`` units per
     load (the launcher sizes it to the longest row's unit count) so a 32k-token row's few dozen
     partials cost one round trip, not one per unit."""
-    gdc_enter(PDL)
+    gdc_enter(PDL, TRIGGER)
     row = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -247,13 +247,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: Page
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3),
         out.stride(0), out.stride(1), smu, smh, slu, scale * _LOG2E,
         GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=block_n, PAGE=kv_cache.shape[3],
-        DIRECT=meta.direct, PREC=_prec(q), num_warps=warps, num_stages=stages, **launch_kwargs(q.device))
+        DIRECT=meta.direct, PREC=_prec(q), num_warps=warps, num_stages=stages, **launch_kwargs(q.device, "decode"))
     if not meta.direct:
         # All of a row's units in one load (at most 128 of them; more take several rounds).
         bu = min(128, max(2, triton.next_power_of_2(meta.max_row_units)))
         _merge_kernel[(rows, nq)](mid_o, mid_l, meta.row_start, out, smu, smh, slu, out.stride(0), out.stride(1),
                                   HEAD_DIM=d, BLOCK_D=bd, BLOCK_U=bu, num_warps=4 if bu >= 32 else 2,
-                                  **launch_kwargs(q.device))
+                                  **launch_kwargs(q.device, "merge"))
     return out
 
 
@@ -265,11 +265,11 @@ def _prefill_kernel(Q, K, V, Table, Out, q_pos0, num_q, key0,
                     stride_qt, stride_qh, stride_blk, stride_tok, stride_ot, stride_oh, qk_scale,
                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
-                    PREC: tl.constexpr, PDL: tl.constexpr):
+                    PREC: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr):
     """Queries of ``BLOCK_T`` consecutive chunk tokens × the ``GROUP`` heads of one KV head form the
     ``BLOCK_T·GROUP_P`` rows of one tile; keys come from the chunk's table (cached prefix and the
     chunk's own K/V, stored before attention), causal and windowed by absolute position."""
-    gdc_enter(PDL)
+    gdc_enter(PDL, TRIGGER)
     mt = tl.program_id(0)
     kvh = tl.program_id(1)
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
@@ -335,7 +335,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: to
         scale * _LOG2E,
         GROUP=group, GROUP_P=gp, BLOCK_T=block_t, HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_N=PREFILL_BLOCK_N,
         PAGE=kv_cache.shape[3], WINDOW=window or 0, PREC=_prec(q), num_warps=8, num_stages=2,
-        **launch_kwargs(q.device))
+        **launch_kwargs(q.device, "prefill"))
     return out
 
 
@@ -348,8 +348,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: to
 
 @triton.jit
 def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, stride_split, n, eps,
-                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
-    gdc_enter(PDL)
+                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    gdc_enter(PDL, TRIGGER)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < n
@@ -382,13 +382,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         _add_rms_norm_kernel[(rows,)](x, residual, weight, h, y, x.stride(-2), residual.stride(0), h.stride(0),
                                       y.stride(0), x.stride(0) if nsplit else 0, n, eps, BLOCK=block,
                                       NSPLIT=nsplit, num_warps=min(16, max(1, block // 256)),
-                                      **launch_kwargs(x.device))
+                                      **launch_kwargs(x.device, "norm"))
     return h, y
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Out, stride_gu, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    gdc_enter(PDL)
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    gdc_enter(PDL, TRIGGER)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < inter
@@ -407,5 +407,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
                                                             BLOCK=block, num_warps=4,
-                                                            **launch_kwargs(gate_up.device))
+                                                            **launch_kwargs(gate_up.device, "silu"))
     return out
