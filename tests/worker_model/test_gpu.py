@@ -126,8 +126,8 @@ def test_page_table_on_cuda():
 
 def test_pdl_launches_equal_plain_launches(monkeypatch):
     """worker/attention/pdl.py: on Hopper the triton backend's kernels are launched with programmatic
-    dependent launch (each waits for the previous grid; the small-M linears prefetch their weights
-    before that wait). Logits of graphed and of eager steps — a prefix-cache chunk, then decode
+    dependent launch (each may start before the previous grid's completion and waits for it before
+    touching memory). Logits of graphed and of eager steps — a prefix-cache chunk, then decode
     steps of one long row beside short ones at ``1b``'s widths — are bit-identical with it switched
     off (``SPLITSERVE_PDL=0``): a kernel that read its input before the previous one had finished,
     or wrote a buffer still being read, would differ here."""

@@ -1,24 +1,23 @@
-"""Programmatic dependent launch (PDL) for the decode step's Triton kernels (Hopper and later).
+"""Programmatic dependent launch (PDL) for the triton backend's kernels (Hopper and later).
 
-A batch-1 decode step of ``1b`` is ~150 kernels of 1–20 µs in one CUDA graph; between two of them the
-GPU drains the first, then ramps the second up, which left ~70 µs of gaps per step and kept the narrow
-weight matrices (qkv, o_proj: ≤ 0.8 MB a layer) at ~2 TB/s (bench/RESULTS.md, "decode kernels
-(issue 17, third pass)"). With PDL a kernel is launched while its predecessor still runs
-(``launch_pdl=True`` sets CUDA's programmatic-stream-serialization attribute; a captured graph keeps it
-as a programmatic edge):
+A batch-1 decode step of ``1b`` is ~130 kernels of 1–20 µs in one CUDA graph. Launched with
+``launch_pdl=True`` (CUDA's programmatic-stream-serialization attribute; a captured graph keeps it as a
+programmatic edge), a kernel may start as soon as every program of the previous one has *exited*,
+before that grid's completion is flushed, which hides part of each launch. Every kernel here therefore
+starts with ``gdc_wait`` (``griddepcontrol.wait``: returns once the previous grid has completed and
+its writes are visible) before it reads or writes anything; since every kernel waits for its
+predecessor, a kernel that passed its wait knows all earlier kernels have finished, which the caching
+allocator's buffer reuse needs.
 
-- every kernel here starts with ``gdc_wait`` (``griddepcontrol.wait``: returns once the previous grid
-  has completed and its writes are visible) before it reads or writes any activation, then calls
-  ``gdc_launch_dependents`` so the *next* kernel may be scheduled beside it. Triggering only after the
-  wait keeps at most two kernels resident, and since every kernel waits for its predecessor, a kernel
-  that has started its work knows that all earlier kernels have finished (what the caching
-  allocator's buffer reuse needs);
-- what does not depend on the previous kernel — the weight matrices of the small-M linears
-  (worker/attention/triton_linear.py) — is prefetched into L2 *before* the wait, so a matrix streams
-  from HBM while the norm or attention kernel before it still runs.
+Measured on the H200 (bench/RESULTS.md, "decode kernels (issue 17, fourth pass)", ``1b`` batch 1 / 32
+at 1k context, one process): without PDL 1.092 / 1.543 ms per step; with this 1.070 / 1.529 ms. Two
+further uses of PDL were slower and are not used: triggering the next launch right after the wait
+(``gdc_launch_dependents``, so the next kernel's programs sit resident beside the running one) 1.205 /
+1.689 ms, and in addition prefetching the next linear layer's weights into L2 before its wait
+(``prefetch.global.L2``) 1.392 / 1.827 ms.
 
-``SPLITSERVE_PDL=0`` turns it off (benchmarks compare both). Off on the CPU interpreter (no inline
-PTX there) and below compute capability 9.0, where the instructions do not exist.
+``SPLITSERVE_PDL=0`` turns it off. Off on the CPU interpreter (no inline PTX there) and below compute
+capability 9.0, where the instruction does not exist.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["enabled", "launch_kwargs", "gdc_enter", "prefetch_l2"]
+__all__ = ["enabled", "launch_kwargs", "gdc_wait"]
 
 _CACHE: dict[str, bool] = {}
 
@@ -45,31 +44,13 @@ def enabled(device: torch.device) -> bool:
     return _CACHE[key]
 
 
-#: Experiment switches (bench only): prefetch weights before the wait; trigger the next launch right
-#: after the wait (else at exit); the kernels (by launcher name) that use PDL, ``None`` = all.
-PREFETCH = True
-TRIGGER = True
-KERNELS: set[str] | None = None
-
-
-def launch_kwargs(device: torch.device, kernel: str = "") -> dict:
-    """``PDL`` constexprs and launch option for one kernel launch on ``device``."""
-    if enabled(device) and (KERNELS is None or kernel in KERNELS):
-        return {"PDL": True, "TRIGGER": TRIGGER, "launch_pdl": True}
-    return {"PDL": False, "TRIGGER": False}
+def launch_kwargs(device: torch.device) -> dict:
+    """``PDL`` constexpr and launch option for one kernel launch on ``device``."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
 
 
 @triton.jit
-def gdc_enter(PDL: tl.constexpr, TRIGGER: tl.constexpr):
-    """Wait for the previous kernel, then let the next one launch (module docstring)."""
+def gdc_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel's completion (module docstring); nothing without PDL."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        if TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """``prefetch.global.L2`` of every address in ``ptrs`` (a hint: no data comes back)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)

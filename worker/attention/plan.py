@@ -8,9 +8,9 @@ beyond the range, and every tile it loads starts with a visible key (no all ``-i
 Rows are cut into *work units* of at most ``split`` slots (flash-decoding): unit ``u`` covers
 ``[unit_lo[u], unit_hi[u])`` of row ``unit_row[u]``; the units of row ``r`` are
 ``row_start[r] .. row_start[r+1]-1``. One kernel program per (unit, KV head) reads that range once for
-all query heads of the KV head's group; a second kernel merges each row's units by their
-log-sum-exp. When no row has more than one unit the first kernel writes the output itself
-(``direct``). Units spread a long row over many programs while short rows stay one program each,
+all query heads of the KV head's group; the last of a row's programs to finish merges its units by
+their log-sum-exp (worker/attention/triton_ops.py), and a row of one unit writes its output directly
+(``direct``: every row is one unit). Units spread a long row over many programs while short rows stay one program each,
 which is what keeps a 32k-token row from setting the step time.
 
 The split size follows vLLM/SGLang's decode-attention launchers (vllm/attention/ops/

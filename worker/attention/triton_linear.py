@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 
 from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
-from worker.attention import pdl
-from worker.attention.pdl import gdc_enter, launch_kwargs, prefetch_l2
+from worker.attention.pdl import gdc_wait, launch_kwargs
 
 __all__ = ["MAX_M", "use_small_m", "linear_partials", "gate_up_silu", "choose_splits"]
 
@@ -47,7 +46,7 @@ SPLITK_PROGRAMS_PER_SM = 2
 def _small_m_kernel(X, W, Bias, Out, M, N, K, k_per_split, stride_xm, stride_wn, stride_os, stride_om, up_off,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
-                    PDL: tl.constexpr, TRIGGER: tl.constexpr, PREFETCH: tl.constexpr):
+                    PDL: tl.constexpr):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -56,20 +55,7 @@ def _small_m_kernel(X, W, Bias, Out, M, N, K, k_per_split, stride_xm, stride_wn,
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_lo = s * k_per_split
-    if PDL and PREFETCH:
-        # The weights do not depend on the previous kernel: start pulling this program's slice into L2
-        # while that kernel still runs (worker/attention/pdl.py), one address per 128-byte line,
-        # clamped inside the matrix. Then wait for the kernel that wrote X.
-        LINE: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth
-        PF_K: tl.constexpr = 16 * LINE
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-        cols = tl.arange(0, 16) * LINE
-        for k0 in range(0, k_per_split, PF_K):
-            c = tl.minimum(k_lo + k0 + cols, tl.minimum(k_lo + k_per_split, K) - 1)[None, :]
-            prefetch_l2(W + rows + c)
-            if SWIGLU:
-                prefetch_l2(W + up_off + rows + c)
-    gdc_enter(PDL, TRIGGER)
+    gdc_wait(PDL)
     x_ptr = X + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -157,7 +143,7 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         x, weight, bias if bias is not None else weight, out, m, n, k, kps, x.stride(0), weight.stride(0),
         out.stride(0), out.stride(1), 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, SWIGLU=False,
         HAS_BIAS=bias is not None, PARTIAL=True, PREC=_prec(x), num_warps=4, num_stages=4,
-        **launch_kwargs(x.device, "linear"), PREFETCH=pdl.PREFETCH)
+        **launch_kwargs(x.device))
     return out
 
 
@@ -174,5 +160,5 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | No
         x, gate_up, bias if bias is not None else gate_up, out, m, inter, k, k, x.stride(0), gate_up.stride(0),
         0, out.stride(0), inter * gate_up.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, SWIGLU=True,
         HAS_BIAS=bias is not None, PARTIAL=False, PREC=_prec(x), num_warps=4, num_stages=4,
-        **launch_kwargs(x.device, "linear"), PREFETCH=pdl.PREFETCH)
+        **launch_kwargs(x.device))
     return out
