@@ -104,6 +104,8 @@ def test_paged_decode_matches_reference(mode, group, window, bs):
             if split is not None:
                 assert meta.direct == (split != 32), "the forced splits reach both the merge and the direct path"
             out = ops().paged_decode(q, kv, 1, meta, dim ** -0.5, torch.empty_like(q))
+            # The program that merges a row resets its arrival count: the buffer is zero between launches.
+            assert all(int(c.abs().sum()) == 0 for c in ops()._COUNTS.get(str(kv.device), []))
             tol = TOL[dtype]
             torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol,
                                        msg=lambda m: f"{dtype} split={split} lengths={lengths}: {m}")
@@ -298,6 +300,11 @@ def test_kernels_compile_for_hopper_without_spills(dim):
     bf, i64 = "*bf16", "*i64"
 
     def build(fn, names, types, const, num_warps, pipelined=False):
+        for pdl in (False, True):  # off (CPU, older GPUs, SPLITSERVE_PDL=0) and on (worker/attention/pdl.py)
+            spills = build1(fn, names, types, const | {"PDL": pdl}, num_warps, pipelined)
+        return spills
+
+    def build1(fn, names, types, const, num_warps, pipelined=False):
         # As the JIT specialises a launch: pointers and these strides are multiples of 16.
         hinted = [i for i, n in enumerate(names.split()) if types.get(n, "").startswith("*")
                   or n in ("stride_qt", "stride_qh", "stride_blk", "stride_tok", "stride_ot", "stride_oh",
@@ -308,6 +315,15 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                            options={"num_warps": num_warps, "num_stages": 2})
         if pipelined:
             assert "async_copy_global_to_local" in k.asm["ttgir"], f"{fn.__name__}: K/V loads are not pipelined"
+        ptx = k.asm["ptx"]
+        if const["PDL"]:
+            # The wait comes before any global memory access (worker/attention/pdl.py).
+            wait = ptx.find("griddepcontrol.wait")
+            first = min((i for i in (ptx.find("ld.global"), ptx.find("cp.async"), ptx.find("st.global"))
+                         if i >= 0), default=len(ptx))
+            assert 0 <= wait < first, f"{fn.__name__}: a global load or store precedes griddepcontrol.wait"
+        else:
+            assert "griddepcontrol" not in ptx, fn.__name__
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(k.asm["ptx"])
         arch = re.search(r"\.target (\w+)", k.asm["ptx"]).group(1)
@@ -318,14 +334,14 @@ def test_kernels_compile_for_hopper_without_spills(dim):
         return int(spills.group(1)) if spills else 0
 
     bd = dim
-    dec_types = {n: bf for n in ("Q", "K", "V", "Out")} | {n: i64 for n in ("Tables", "Pos", "Key0", "URow", "ULo", "UHi")}
-    dec_types |= {"MidO": "*fp32", "MidL": "*fp32", "stride_blk": "i64", "qk_scale": "fp32"}
+    dec_types = {n: bf for n in ("Q", "K", "V", "Out")} | {n: i64 for n in ("Tables", "TabStart", "URow", "ULo", "UHi", "RowStart")}
+    dec_types |= {"MidO": "*fp32", "MidL": "*fp32", "Count": "*i32", "stride_blk": "i64", "qk_scale": "fp32"}
     for direct in (False, True):
         block_n, warps, _ = T.decode_config(bd)
         const = {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_N": block_n, "PAGE": 16,
-                 "DIRECT": direct, "PREC": None}
-        assert build(T._decode_kernel, "Q K V Tables Pos Key0 URow ULo UHi Out MidO MidL stride_qt stride_qh "
-                     "stride_blk stride_tok stride_tab stride_ot stride_oh stride_mu stride_mh stride_lu qk_scale",
+                 "DIRECT": direct, "BLOCK_U": 64, "PREC": None}
+        assert build(T._decode_kernel, "Q K V Tables TabStart URow ULo UHi RowStart Count Out MidO MidL stride_qt stride_qh "
+                     "stride_blk stride_tok stride_ot stride_oh stride_mu stride_mh stride_lu qk_scale",
                      dec_types, const, warps, pipelined=True) == 0
     pre_types = {n: bf for n in ("Q", "K", "V", "Out")} | {"Table": i64, "stride_blk": "i64", "qk_scale": "fp32"}
     for window in (0, 100):
@@ -333,9 +349,6 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                  "BLOCK_N": T.PREFILL_BLOCK_N, "PAGE": 16, "WINDOW": window, "PREC": None}
         assert build(T._prefill_kernel, "Q K V Table Out q_pos0 num_q key0 stride_qt stride_qh stride_blk stride_tok "
                      "stride_ot stride_oh qk_scale", pre_types, const, 8, pipelined=True) == 0
-    build(T._merge_kernel, "MidO MidL RowStart Out stride_mu stride_mh stride_lu stride_ot stride_oh",
-          {"MidO": "*fp32", "MidL": "*fp32", "RowStart": i64, "Out": bf},
-          {"HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_U": 16}, 2)
     for nsplit in (0, 4):
         qkv = "*fp32" if nsplit else bf
         build(T._rope_store_kernel, "QKV Cos Sin K V SlotBlock SlotOff QOut stride_qkv stride_cos stride_blk "
