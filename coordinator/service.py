@@ -336,11 +336,14 @@ class Coordinator:
                 and key.block_keys.size:
             self._kv_traffic[server] = self._kv_traffic.get(server, 0) + 1
             ttl = self._spec_ttl[role]
-            if ttl:
-                # Only the blocks the chosen server does not hold yet: re-adding matched
-                # speculative blocks would keep unconfirmed entries alive forever under steady
-                # traffic (upstream's never-expiring optimistic insertion).
-                have = int(decision.explanation.get("matched_tokens") or 0) // self.block_size
+            have = decision.matched_blocks
+            # None: the server's cache match is unknown (its keys are not ours), so entries for
+            # it would feed a match the policy never reads.
+            if ttl and have is not None:
+                # Only the blocks the chosen server does not hold yet (the index's own depth, not
+                # the reported match, which stops one token short of a fully cached prompt):
+                # re-adding matched speculative blocks would keep unconfirmed entries alive
+                # forever under steady traffic (upstream's never-expiring optimistic insertion).
                 if have < key.block_keys.size:
                     self.index.add_speculative(server, key.block_keys[have:], now, ttl)
                     # Two due entries out per entry in: expiry keeps pace with placements in

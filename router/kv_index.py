@@ -44,7 +44,7 @@ import numpy as np
 
 from .block_keys import block_keys_list, salt_seed
 from .events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, EventBatch, Tier
-from .kv_query import LOG_TRIM, QueryMixin
+from .kv_query import LOG_TRIM, MEMO_CAP, MEMO_STRIDE, QueryMixin
 from .kv_speculation import SpeculationMixin
 from .kv_types import _COUNT, _GPU, _IDENT, IndexStats, StreamVerdict, _Entry, _Slot
 
@@ -54,10 +54,16 @@ __all__ = ["KvIndex", "IndexStats", "StreamVerdict"]
 class KvIndex(SpeculationMixin, QueryMixin):
     """Per-worker, per-dp-rank ownership of canonical block keys. Single writer, no I/O."""
 
-    def __init__(self, block_size: int = 16, namespace: str | None = None):
+    def __init__(self, block_size: int = 16, namespace: str | None = None, *,
+                 memo_stride: int = MEMO_STRIDE, memo_cap: int = MEMO_CAP):
         """``namespace`` is the cluster's cache namespace (``routing.namespace``): chains that
         start at the root without their own cache salt are keyed in it, as the fleet keys
-        prompts, so ``ns = salt_seed(event.cache_salt or namespace, event.lora_name)``."""
+        prompts, so ``ns = salt_seed(event.cache_salt or namespace, event.lora_name)``.
+        ``memo_stride`` and ``memo_cap`` size the walk memo (router/kv_query.py; tests shrink
+        them to reach its edges)."""
+        for name, v in (("memo_stride", memo_stride), ("memo_cap", memo_cap)):
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name} must be a positive int, found {v!r}")
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, found {block_size!r}")
         self.block_size = block_size
@@ -81,7 +87,11 @@ class KvIndex(SpeculationMixin, QueryMixin):
         # epoch for changes not logged key by key
         self._log: list[int] = []
         self._epoch = 0
-        self._memo = None
+        self._memo = None                       # the latest walk
+        self._pmemo: dict[int, object] = {}     # registered key -> memo
+        self._memo_order: dict = {}             # memos, least recently used first
+        self._memo_stride = memo_stride
+        self._memo_cap = memo_cap
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -159,6 +169,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         counting the key if no confirmed owner is left."""
         owners = self._owners
         self._log.append(ck)
+        s.losses += 1
         m = owners[ck] & ~s.bit
         if m:
             owners[ck] = m
@@ -400,6 +411,8 @@ class KvIndex(SpeculationMixin, QueryMixin):
                 removed += 1
             else:
                 stats.unknown_removals += 1
+        if removed:
+            s.losses += 1
         stats.removed_blocks += removed
 
     def _move(self, s: _Slot, ev: BlocksMoved) -> None:

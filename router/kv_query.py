@@ -2,20 +2,26 @@
 
 A mixin of `router.kv_index.KvIndex` (see its docstring for the owner-bitmask layout).
 
-The walk is memory-bound (one dict probe per key into an index of 10^4-10^6 keys, ~100-300 ns
-each on a busy host), so the last walk is memoised: a placement walks the prompt, inserts its
-speculative keys for the chosen slot and, for ``select_pair``, walks the same prompt again for
-the other role. The memo is exact, never a heuristic:
+The walk is memory-bound (one dict probe per key into an index of 10^4-10^6 keys, ~150-300 ns
+each on a busy host: cache misses), so walks are memoised and reused by later prompts with the
+same leading keys: a placement walks the prompt, inserts the chosen slot's speculative tail and,
+for ``select_pair``, walks it again for the other role; a prompt placed again, or one extending
+an earlier one (a conversation's next turn), walks only what may have changed. Memos are exact,
+never a heuristic:
 
-- every change of an owner mask appends the key to ``_log`` (stores, removals, speculative
-  inserts and drops); changes the log does not describe one key at a time (a slot cleared, a
-  snapshot loaded, a slot created or freed, the log trimmed) bump ``_epoch`` instead;
-- the memo is reused only for the same keys, in the same epoch, when no key logged since it was
-  taken is one of the keys its walk read (the walked prefix and the key that ended it): the
-  other keys cannot change any slot's match;
+- the latest walk is reused for the same keys when nothing was logged since, or when no key
+  logged since (``_log``: every owner-mask change) is one its walk read;
+- any memo is reused for the leading keys a prompt shares with it (found by its keys at every
+  ``_memo_stride``-th position and its last key, then compared byte for byte), in the same
+  ``_epoch`` (bumped by changes the log does not describe key by key: a slot cleared, created or
+  freed, a snapshot loaded, the log trimmed), when none of the slots that matched part of that
+  prefix lost a key since (``_Slot.losses``): a slot that lost nothing still holds what it held,
+  and its match can only have grown at the key that ended it, which is probed again (one probe
+  per group of the walk). From the first group that grew, the walk goes on from that depth for
+  the slots still matching there;
 - the one change a placement itself makes, the chosen slot's speculative insert of the prompt's
-  unmatched tail, is applied to the memo instead (that slot now matches the whole prompt), when
-  it comes right after the walk with nothing logged in between.
+  unmatched tail, is applied to the latest memo instead (that slot now matches the whole prompt),
+  when it comes right after the walk with nothing logged in between.
 """
 
 from __future__ import annotations
@@ -31,56 +37,44 @@ from .kv_types import _COUNT
 # dropped: checking them would cost about as much as walking again.
 _MEMO_CHECK_RATIO = 2
 LOG_TRIM = 1 << 16      # mutation-log length that trims it (and bumps the epoch)
+MEMO_STRIDE = 32        # memos are found by their keys at every 32nd position (and their last)
+MEMO_CAP = 1024         # memos kept, least recently used dropped first (~2 KiB each at 256 keys)
 
 
-def _immutable(arr: np.ndarray) -> bool:
-    """The array's memory belongs to a ``bytes`` object (a wire payload), so it cannot change."""
-    b = arr.base
-    while isinstance(b, np.ndarray):
-        b = b.base
-    return isinstance(b, bytes)
+def _u64_bytes(keys) -> bytes | None:
+    """The keys as bytes of native u64 (a memo's identity), or None when they are not all u64."""
+    if isinstance(keys, np.ndarray):
+        return keys.tobytes() if keys.dtype == np.uint64 else None
+    try:
+        return np.array(keys, dtype=np.uint64).tobytes()
+    except (OverflowError, TypeError, ValueError):
+        return None
 
 
 class WalkMemo:
-    """The last walk: its keys (a list; for a uint64 array over a ``bytes`` payload also the
-    array), its groups over every slot, and the epoch and log position it is valid at. Another
-    array is compared byte for byte, and only when its last key agrees."""
+    """One walk: its keys (bytes of native u64), its groups over every slot, the epoch and log
+    position it was taken at, and the loss counters of the slots that matched part of it."""
 
-    __slots__ = ("keys", "arr", "_raw", "groups", "epoch", "pos", "kset")
+    __slots__ = ("raw", "n", "groups", "epoch", "pos", "losses", "marks")
 
-    def __init__(self, keys: list, arr, groups: list, epoch: int, pos: int):
-        self.keys = keys
-        self.arr = arr
-        self._raw: bytes | None = None
+    def __init__(self, raw: bytes, groups: list, epoch: int, pos: int):
+        self.raw = raw
+        self.n = len(raw) >> 3
         self.groups = groups
         self.epoch = epoch
         self.pos = pos
-        self.kset: set | None = None    # the keys the walk read, built on first need
+        self.losses: list = []      # [(slot, slot.losses)] for the slots of groups with depth > 0
+        self.marks: list = []       # the keys it is registered under
 
-    def same(self, keys, kl: list | None) -> bool:
-        """Whether ``keys`` (a list ``kl``, or a uint64 array) are the memoised keys."""
-        mk = self.keys
-        if kl is not None:
-            return mk == kl
-        if len(keys) != len(mk) or not mk or keys[-1] != mk[-1] or keys.dtype != np.uint64:
-            return False
-        if keys is self.arr:
-            return True
-        if self._raw is None:
-            self._raw = (self.arr.tobytes() if self.arr is not None
-                         else np.array(mk, dtype=np.uint64).tobytes())
-        return keys.tobytes() == self._raw
-
-    def read_keys(self) -> set:
-        ks = self.kset
-        if ks is None:
-            ks = self.kset = set(self.keys[:self.groups[-1][1] + 1])
-        return ks
+    def read(self) -> int:
+        """How many leading keys the walk read (the matched prefix and the key that ended it)."""
+        last = self.groups[-1][1] if self.groups else self.n
+        return self.n if last >= self.n else last + 1
 
     def deepen(self, bit: int, have: int) -> bool:
         """The slot ``bit`` now also holds every key after its first ``have``: if it matched at
         least ``have`` before, it matches the whole prompt now (False: memo left as it was)."""
-        n = len(self.keys)
+        n = self.n
         groups = self.groups
         for j, (bits, depth) in enumerate(groups):
             if bits & bit:
@@ -101,7 +95,6 @@ class WalkMemo:
         else:
             out.append((bit, n))
         self.groups = out
-        self.kset = None
         return True
 
 
@@ -144,56 +137,157 @@ class QueryMixin:
         return out
 
     def _groups(self, keys) -> list[tuple[int, int]]:
-        """``_walk(keys, every slot)``, from the memo when it is still exact (module docstring)."""
-        if type(keys) is list:
-            kl, arr = keys, None
-        elif isinstance(keys, np.ndarray):
-            kl, arr = None, keys
-        else:
-            kl = list(keys)
-            arr = None
-        memo = self._memo
+        """``_walk(keys, every slot)``, reusing memoised walks where exact (module docstring)."""
+        if not self._all_bits:
+            return []
+        raw = _u64_bytes(keys)
+        if raw is None:     # not u64 keys (no memo is for them): a plain walk
+            return self._walk(keys.tolist() if isinstance(keys, np.ndarray) else list(keys),
+                              self._all_bits)
         log = self._log
-        if memo is not None and memo.epoch == self._epoch and memo.same(keys, kl):
+        epoch = self._epoch
+        memo = self._memo
+        if memo is not None and memo.epoch == epoch and memo.raw == raw:
             pos, end = memo.pos, len(log)
             if pos == end:
                 return memo.groups
-            if end - pos <= _MEMO_CHECK_RATIO * (memo.groups[-1][1] + 1) and \
-                    memo.read_keys().isdisjoint(log[pos:]):
+            r = memo.read()
+            if end - pos <= _MEMO_CHECK_RATIO * r and \
+                    set(np.frombuffer(raw, np.uint64, r).tolist()).isdisjoint(log[pos:]):
                 memo.pos = end
                 return memo.groups
         if len(log) > LOG_TRIM:
             self._trim_log()
-        if not self._all_bits:
-            return []
-        if kl is None:
-            kl = keys.tolist()
-        groups = self._walk(kl, self._all_bits)
-        # keep the array only when its content cannot change behind the memo's back
-        self._memo = WalkMemo(kl, arr if arr is not None and arr.dtype == np.uint64
-                              and _immutable(arr) else None, groups, self._epoch, len(log))
+            epoch = self._epoch
+        kl = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
+        n = len(kl)
+        groups = None
+        if n:
+            z, cut = self._find_memo(kl, raw, epoch)
+            if z is not None:
+                groups = self._reuse(z, kl, cut)
+                if groups is not None and z.raw == raw:
+                    # the same prompt: the memo itself is exact again, at this log position
+                    z.pos = len(log)
+                    z.groups = groups
+                    self._snapshot_losses(z)
+                    order = self._memo_order
+                    del order[z]
+                    order[z] = None
+                    self._memo = z
+                    return groups
+        if groups is None:
+            groups = self._walk(kl, self._all_bits)
+        self._remember(WalkMemo(raw, groups, epoch, len(log)), kl)
         return groups
+
+    def _find_memo(self, kl: list, raw: bytes, epoch: int):
+        """(memo, c): a memo of this epoch whose first ``c`` keys are the prompt's, ``c`` as
+        large as the registered positions allow; (None, 0) when there is none."""
+        pm = self._pmemo
+        n = len(kl)
+        z = pm.get(kl[-1])
+        if z is not None and z.epoch == epoch and z.n >= n and \
+                (z.raw == raw if z.n == n else z.raw[:8 * n] == raw):
+            return z, n
+        st = self._memo_stride
+        for c in range((n // st) * st - 1, -1, -st):
+            if c == n - 1:
+                continue
+            z = pm.get(kl[c])
+            if z is not None and z.epoch == epoch and z.n > c and \
+                    z.raw[:8 * (c + 1)] == raw[:8 * (c + 1)]:
+                return z, c + 1
+        return None, 0
+
+    def _reuse(self, z: WalkMemo, kl: list, cut: int) -> list | None:
+        """The prompt's groups from memo ``z``, whose first ``cut`` keys are the prompt's; None
+        when a slot that matched part of ``z`` lost a key since (then walk from scratch)."""
+        for s, n_lost in z.losses:
+            if s.losses != n_lost:
+                return None
+        read = z.read()
+        if cut > read:
+            cut = read
+        get = self._owners.get
+        out = []
+        p = cut
+        groups = z.groups
+        for bits, d in groups:
+            if d >= cut:
+                break
+            # these slots held the first d keys and lost nothing; they match exactly d keys
+            # still unless one of them now holds key d
+            if get(kl[d], 0) & bits:
+                p = d
+                break
+            out.append((bits, d))
+        active = 0
+        for bits, _ in groups[len(out):]:
+            active |= bits
+        if active:
+            out += [(b, d + p) for b, d in self._walk(kl[p:], active)]
+        return out
+
+    def _snapshot_losses(self, memo: WalkMemo) -> None:
+        by_bit = self._by_bit
+        ls = []
+        for bits, d in memo.groups:
+            if d:
+                while bits:
+                    low = bits & -bits
+                    s = by_bit[low.bit_length() - 1]
+                    ls.append((s, s.losses))
+                    bits ^= low
+        memo.losses = ls
+
+    def _remember(self, memo: WalkMemo, kl: list) -> None:
+        self._snapshot_losses(memo)
+        st = self._memo_stride
+        n = len(kl)
+        marks = kl[st - 1::st]
+        if n and n % st:
+            marks.append(kl[-1])
+        pm = self._pmemo
+        for k in marks:
+            pm[k] = memo
+        memo.marks = marks
+        order = self._memo_order
+        order[memo] = None
+        self._memo = memo
+        if len(order) > self._memo_cap:
+            old = next(iter(order))
+            del order[old]
+            for k in old.marks:
+                if pm.get(k) is old:
+                    del pm[k]
 
     def drop_walk_memo(self) -> None:
         """Make the next query walk (benchmarks measuring the walk itself; never needed for
         correctness)."""
         self._memo = None
+        self._pmemo.clear()
+        self._memo_order.clear()
 
     def _trim_log(self) -> None:
         if len(self._log) > LOG_TRIM:
             self._log.clear()
             self._epoch += 1
 
-    def _memo_tail(self, keys: list, bit: int) -> None:
+    def _memo_tail(self, keys, bit: int) -> None:
         """Called by a speculative insert of ``keys`` for slot ``bit`` *before* it logs its
-        changes: when ``keys`` is the unmatched tail of the memoised walk and nothing was logged
-        since that walk, the memo takes the insert in (see ``WalkMemo.deepen``); else no-op."""
+        changes: when ``keys`` is the unmatched tail of the latest walk and nothing was logged
+        since that walk, that memo takes the insert in (see ``WalkMemo.deepen``); else no-op."""
         memo = self._memo
         if memo is None or memo.epoch != self._epoch or memo.pos != len(self._log):
             return
-        have = len(memo.keys) - len(keys)
-        if have < 0 or memo.keys[have:] != keys or not memo.deepen(bit, have):
+        tail = _u64_bytes(keys)
+        if tail is None:
             return
+        have = memo.n - (len(tail) >> 3)
+        if have < 0 or memo.raw[8 * have:] != tail or not memo.deepen(bit, have):
+            return
+        self._snapshot_losses(memo)     # the slot may be new among the memo's matching slots
         memo.pos = -1   # marks "advance past the insert's own log entries" for _memo_logged
 
     def _memo_logged(self) -> None:

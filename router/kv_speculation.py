@@ -23,6 +23,7 @@ class SpeculationMixin:
         """Forget the slot's speculative entry for ``ck`` (the key keeps its confirmed owners)."""
         del s.spec[ck]
         self._log.append(ck)
+        s.losses += 1
         nb = ~s.bit
         m = self._spec_owners[ck] & nb
         if m:
@@ -45,6 +46,7 @@ class SpeculationMixin:
         if ttl <= 0:
             raise ValueError(f"ttl must be positive, found {ttl}")
         s = self._slot(worker, dp_rank)
+        given = keys
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
         deadline = now + ttl
@@ -70,7 +72,7 @@ class SpeculationMixin:
             log = self._log
             memo = self._memo
             if memo is not None and memo.pos == len(log):
-                self._memo_tail(keys, s.bit)
+                self._memo_tail(given, s.bit)
                 log.extend(added)
                 self._memo_logged()
             else:
@@ -100,6 +102,7 @@ class SpeculationMixin:
                 continue  # slot removed since (a new slot's entries carry their own deadlines)
             # _drop_spec inlined: this loop runs for every key of every routed prompt
             spec, nb, so, owners, log = s.spec, ~s.bit, self._spec_owners, self._owners, self._log
+            s.losses += 1
             for ck in keys:
                 d = spec.get(ck)
                 if d is not None and d <= now:

@@ -31,7 +31,7 @@ class _Entry:
 
 
 class _Slot:
-    __slots__ = ("worker", "dp_rank", "bit", "owned", "emaps", "spec")
+    __slots__ = ("worker", "dp_rank", "bit", "owned", "emaps", "spec", "losses")
 
     def __init__(self, worker: str, dp_rank: int, bit: int):
         self.worker = worker
@@ -40,6 +40,9 @@ class _Slot:
         self.owned: dict[int, int] = {}
         self.emaps: dict[tuple, dict] = {}
         self.spec: dict[int, float] = {}
+        # bumped whenever the slot may have stopped holding a key (its bit cleared somewhere):
+        # a walk memo stays exact for the slot while this has not moved (router/kv_query.py)
+        self.losses = 0
 
 
 @dataclass

@@ -63,6 +63,10 @@ class LoadView(Protocol):
 class Decision:
     server: str
     explanation: dict
+    # Leading prompt blocks the KV index holds for the chosen server (speculation included),
+    # uncapped: what the coordinator's speculative insert skips. None when the policy did not
+    # read the index or the server's match is unknown (`Candidate.kv_unknown`).
+    matched_blocks: int | None = None
 
 
 class IndexLoadView:
@@ -331,6 +335,7 @@ class KvCacheAwarePolicy(Policy):
         B = self.block_size
         cap = max(num_tokens - 1, 0)
         pw, tw, rw = self.prefill_weight, self.load_tokens_weight, self.load_requests_weight
+        mget = None
         if nk:
             mget = view.matched_blocks(keys).get
             matched = [mt if (mt := mget(s, 0) * B) < cap else cap for s in servers]
@@ -404,7 +409,8 @@ class KvCacheAwarePolicy(Policy):
             "policy": self.name, "candidates": rows, "chosen": server, "reason": reason,
             "num_tokens": num_tokens, "matched_tokens": matched[pick],
             "conversation": conv, "pinned": pinned, "candidates_total": n + n_unhealthy,
-            "hot": len(hot)})
+            "hot": len(hot)}, None if unknown and ok[pick].kv_unknown
+            else mget(server, 0) if mget is not None else 0)
 
 
 def _unknown_matches(matched: list[int], unknown: list[int]) -> tuple[list[int], list[int]]:

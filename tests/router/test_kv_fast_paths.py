@@ -132,7 +132,9 @@ def _store(data, idx, w, rank, hashes_of, counter):
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_walk_memo_and_policy_match_references(data):
-    idx = KvIndex(B, namespace=NS)
+    # small memo strides (reuse between the prompts, which share leading blocks) and memo caps
+    idx = KvIndex(B, namespace=NS, memo_stride=data.draw(st.sampled_from([1, 2, 32])),
+                  memo_cap=data.draw(st.sampled_from([1, 3, 1024])))
     leases = LeaseTable()
     view = IndexLoadView(idx, leases)
     kw = data.draw(st.fixed_dictionaries({
@@ -182,7 +184,8 @@ def test_walk_memo_and_policy_match_references(data):
             idx.remove_worker(w)
         elif op == "place":
             # what the coordinator does per leg: walk + pick, lease, insert the chosen
-            # server's unmatched tail, expire two due entries; sometimes twice (select_pair)
+            # server's unmatched tail (none for a server whose match is unknown), expire two
+            # due entries; sometimes twice (select_pair)
             prompt = PROMPTS[(data.draw(st.sampled_from(["cluster", "salted"])),
                               data.draw(st.integers(0, len(TOKS) - 1)))]
             # as the coordinator gets them: a read-only array over the wire payload's bytes
@@ -195,12 +198,15 @@ def test_walk_memo_and_policy_match_references(data):
                 d = policy.select(cands, key, view)
                 assert d.server == want
                 assert d.explanation["matched_tokens"] == want_matched
+                # the chosen server's uncapped index depth, what the coordinator's insert skips
+                assert d.matched_blocks == (None if want in unknown else reference_workers(
+                    reference_ranks(idx, prompt)).get(want, 0))
                 for row in d.explanation["candidates"]:
                     assert row["score"] == want_cost[row["server"]]
                 req += 1
                 leases.acquire("ctx", req, d.server, now, 1e9, n_tok)
-                have = d.explanation["matched_tokens"] // B
-                if have < len(prompt) and data.draw(st.booleans()):
+                have = d.matched_blocks
+                if have is not None and have < len(prompt) and data.draw(st.booleans()):
                     idx.add_speculative(d.server, arr[have:], now, data.draw(
                         st.sampled_from([1.0, 5.0])))
                     idx.expire_speculative(now, 2)
