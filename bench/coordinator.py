@@ -15,7 +15,9 @@ mix of KV-index states, which keep changing as routed blocks are added):
 5. the HTTP floor: two /finish of no lease per "pair" (the server's own per-request cost);
 6. open loop at a fixed offered rate (2,000 selects/s, each followed by its finish) over UDS:
    select round-trip p50/p99;
-7. the same closed loop and floor against the coordinator run with `--http aiohttp`.
+7. the same closed loop and floor against the coordinator run with `--http aiohttp`;
+8. with `--baseline DIR`: DIR's coordinator started beside this tree's (same core, cluster and
+   prompts), channel windows alternating between the two, then the open loop on each.
 
 The load generator is a small HTTP/1.1 keep-alive client on raw asyncio transports so that the
 client core is not the bottleneck being measured. Prints a table and (unless --no-write)
@@ -23,6 +25,7 @@ replaces the "## coordinator" section of bench/RESULTS.md.
 
     python bench/coordinator.py            # full run (~1 minute)
     python bench/coordinator.py --quick    # smoke run (seconds), same code paths
+    python bench/coordinator.py --baseline DIR   # also this tree's coordinator vs DIR's, alternating
 """
 from __future__ import annotations
 
@@ -151,9 +154,14 @@ def _cluster_ready(url: str, n: int) -> bool:
         r["healthy"] and r["kv_ready"] and r["kv_index_blocks"] > 0 for r in rows)
 
 
-def _start_coordinator(conf: Path, uds: str, http: str, env: dict, cpu: int | None, servers: int):
+def _start_coordinator(conf: Path, uds: str, http: str, env: dict, cpu: int | None, servers: int,
+                       root: Path = ROOT):
+    """`root`: the checkout whose coordinator runs (another one for `--baseline`)."""
+    if root != ROOT:
+        env = {**env, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "splitserve_cli", "coordinator", "-c", str(conf),
-                             "--port", "0", "--uds", uds, "--http", http], env=env, cwd=ROOT, text=True,
+                             "--port", "0", "--uds", uds, "--http", http], env=env, cwd=root, text=True,
                             stdout=subprocess.PIPE, preexec_fn=_pin(cpu))
     line = proc.stdout.readline().strip()
     if not line.startswith("splitserve coordinator listening on "):
@@ -178,6 +186,36 @@ def _stop(p) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _ab(args, pool, conf: Path, env: dict, cpu, tmp: Path, uds: str, uds_t: dict, bodies) -> dict:
+    """This tree's coordinator (running, its index filled) against `--baseline`'s, started on the
+    same core and cluster: channel windows alternating between the two, round by round (the box's
+    noise shared), then the open loop on each; CPU µs per pair per window."""
+    import uvloop
+    base_uds = str(tmp / "coord-baseline.sock")
+    base, base_t, _ = _start_coordinator(conf, base_uds, "fast", env, cpu, args.servers,
+                                         root=Path(args.baseline).resolve())
+    try:
+        pool.window("select", base_t, min(2.0, args.seconds / 2))     # fill its index too
+        trees = {"this tree": (uds_t, "unix://" + uds), "baseline": (base_t, "unix://" + base_uds)}
+        wins: dict[str, list] = {t: [] for t in trees}
+        for r in range(args.rounds):
+            for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                target, url = trees[t]
+                wins[t].append(pool.window("channel", target, args.seconds / args.rounds, url=url))
+        out = {"rounds": args.rounds, "baseline_dir": str(args.baseline)}
+        for t, ws in wins.items():
+            us = [w["cpu_s"] / w["pairs"] * 1e6 for w in ws if w["pairs"]]
+            out[t] = {**_total(ws), "us_per_pair": [round(u, 1) for u in us],
+                      "median_us": float(np.median(us)) if us else float("nan")}
+        for t, (_target, url) in trees.items():
+            out[t]["open"] = uvloop.run(open_loop_channel(url, bodies.keys, args.rate,
+                                                          args.rate_seconds, (1 << 52) + (t == "baseline")
+                                                          * (1 << 48)))
+        return out
+    finally:
+        _stop(base)
 
 
 def run(args) -> dict:
@@ -236,6 +274,8 @@ def run(args) -> dict:
                                                    1 << 50))
             res["open_channel"] = uvloop.run(open_loop_channel("unix://" + uds, mp_bodies.keys,
                                                                args.rate, args.rate_seconds, 1 << 51))
+            if args.baseline:
+                res["ab"] = _ab(args, pool, conf, env, coord_cpu, tmp, uds, uds_t, mp_bodies)
             _stop(coord)
             if not args.skip_aiohttp:
                 uds2 = str(tmp / "coord-aiohttp.sock")
@@ -327,12 +367,29 @@ def render(res: dict, quick: bool) -> list[str]:
         f"scheduled send time ({o['errors']} errors, {o['late_sends']} sends >1 ms late); from the "
         f"actual send: p50 {o['wire_p50_ms']:.3f} ms, p99 {o['wire_p99_ms']:.3f} ms.",
         "",
+        *(_render_ab(res["ab"]) if "ab" in res else ()),
         "| target | measured | |",
         "|---|---|---|",
         f"| ≥ {TARGETS['pairs_per_s']:,.0f} pairs/s at 100% of one core (channel) | {ch_core:,.0f} "
         f"({cpu_us(ch):.1f} CPU µs per pair) | {ok_pairs} |",
         f"| p99 ≤ {TARGETS['p99_ms']:g} ms at {oc['rate']:,.0f}/s (channel, open loop) | {oc['p99_ms']:.3f} ms | {ok_p99} |",
     ]
+    return lines
+
+
+def _render_ab(ab: dict) -> list[str]:
+    t, b = ab["this tree"], ab["baseline"]
+    lines = [f"Against `--baseline {ab['baseline_dir']}` (its coordinator on the same core and cluster, "
+             f"channel windows alternating over {ab['rounds']} rounds; CPU µs per pair per window):",
+             "",
+             "| tree | channel pairs/s | CPU µs per pair (median) | windows | open loop p50 / p99 ms |",
+             "|---|---:|---:|---|---:|"]
+    for name, r in (("this tree", t), ("baseline", b)):
+        o = r["open"]
+        lines.append(f"| {name} | {r['pairs_per_s']:,.0f} | {r['median_us']:.1f} | "
+                     f"{', '.join(f'{u:.0f}' for u in r['us_per_pair'])} | "
+                     f"{o['p50_ms']:.3f} / {o['p99_ms']:.3f} ({o['errors']} errors) |")
+    lines += ["", f"Baseline / this tree, CPU µs per pair: **{b['median_us'] / t['median_us']:.2f}×**.", ""]
     return lines
 
 
@@ -354,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-aiohttp", action="store_true",
                     help="skip the comparison run against the aiohttp-served coordinator")
+    ap.add_argument("--baseline", default=None,
+                    help="another checkout's root: its coordinator against this tree's, channel "
+                         "windows alternating (e.g. `git archive REV | tar -x -C DIR`)")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
     ap.add_argument("--_workers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_docs", type=int, default=64, help=argparse.SUPPRESS)

@@ -151,10 +151,13 @@ async def _client_main(base: dict, pipe) -> None:
                     except NoServerAvailable:       # CoordinatorOverloaded too: shed, no lease
                         ok = False
                 elif cl is not None:
-                    await cl.select(role, r, {"block_keys": prompts[r % len(prompts)],
-                                              "num_tokens": PROMPT_TOKENS})
-                    await cl.finish(role, r)
-                    ok = True
+                    try:
+                        await cl.select(role, r, {"block_keys": prompts[r % len(prompts)],
+                                                  "num_tokens": PROMPT_TOKENS})
+                        await cl.finish(role, r)
+                        ok = True
+                    except NoServerAvailable:       # shed (429) on a loaded box: no lease
+                        ok = False
                 else:
                     first = b.finish(r, role) if kind == "floor" else b.select(r, role)
                     st, _ = await c.request(first)

@@ -90,6 +90,11 @@ class KvIndex(SpeculationMixin, QueryMixin):
         self._memo = None                       # the latest walk
         self._pmemo: dict[int, object] = {}     # registered key -> memo
         self._memo_order: dict = {}             # memos, least recently used first
+        self._memo_pos: dict[int, tuple] = {}   # prompt length -> registration positions
+        # per slot bit: bumped whenever the slot may have stopped holding a key (its bit cleared
+        # somewhere); a walk memo stays exact for a slot while its count has not moved
+        self._losses: list[int] = []
+        self._loss_getters: dict[int, object] = {}
         self._memo_stride = memo_stride
         self._memo_cap = memo_cap
 
@@ -105,6 +110,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
             else:
                 bit_idx = len(self._by_bit)
                 self._by_bit.append(None)
+                self._losses.append(0)
             s = _Slot(worker, dp_rank, 1 << bit_idx)
             self._by_bit[bit_idx] = s
             self._slots[(worker, dp_rank)] = s
@@ -169,7 +175,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         counting the key if no confirmed owner is left."""
         owners = self._owners
         self._log.append(ck)
-        s.losses += 1
+        self._losses[s.idx] += 1
         m = owners[ck] & ~s.bit
         if m:
             owners[ck] = m
@@ -412,7 +418,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
             else:
                 stats.unknown_removals += 1
         if removed:
-            s.losses += 1
+            self._losses[s.idx] += 1
         stats.removed_blocks += removed
 
     def _move(self, s: _Slot, ev: BlocksMoved) -> None:

@@ -15,7 +15,7 @@ never a heuristic:
   ``_memo_stride``-th position and its last key, then compared byte for byte), in the same
   ``_epoch`` (bumped by changes the log does not describe key by key: a slot cleared, created or
   freed, a snapshot loaded, the log trimmed), when none of the slots that matched part of that
-  prefix lost a key since (``_Slot.losses``): a slot that lost nothing still holds what it held,
+  prefix lost a key since (``_losses``, per slot): a slot that lost nothing still holds what it held,
   and its match can only have grown at the key that ended it, which is probed again (one probe
   per group of the walk). From the first group that grew, the walk goes on from that depth for
   the slots still matching there;
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import repeat
+from operator import itemgetter
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class WalkMemo:
     """One walk: its keys (bytes of native u64), its groups over every slot, the epoch and log
     position it was taken at, and the loss counters of the slots that matched part of it."""
 
-    __slots__ = ("raw", "n", "groups", "epoch", "pos", "losses", "marks")
+    __slots__ = ("raw", "n", "groups", "epoch", "pos", "lmask", "lcounts", "marks")
 
     def __init__(self, raw: bytes, groups: list, epoch: int, pos: int):
         self.raw = raw
@@ -63,7 +64,8 @@ class WalkMemo:
         self.groups = groups
         self.epoch = epoch
         self.pos = pos
-        self.losses: list = []      # [(slot, slot.losses)] for the slots of groups with depth > 0
+        self.lmask = 0              # the slots of groups with depth > 0 ...
+        self.lcounts = None         # ... and their loss counts (``_loss_getter(lmask)``)
         self.marks: list = []       # the keys it is registered under
 
     def read(self) -> int:
@@ -159,13 +161,16 @@ class QueryMixin:
         if len(log) > LOG_TRIM:
             self._trim_log()
             epoch = self._epoch
-        kl = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
-        n = len(kl)
+        qa = keys if isinstance(keys, np.ndarray) else np.frombuffer(raw, np.uint64)
+        n = len(qa)
         groups = None
+        marks: list = []
         if n:
-            z, cut = self._find_memo(kl, raw, epoch)
+            plist, parr = self._mark_positions(n)
+            marks = qa[parr].tolist()
+            z, cut = self._find_memo(marks, plist, raw, epoch)
             if z is not None:
-                groups = self._reuse(z, kl, cut)
+                groups = self._reuse(z, qa, cut)
                 if groups is not None and z.raw == raw:
                     # the same prompt: the memo itself is exact again, at this log position
                     z.pos = len(log)
@@ -177,35 +182,45 @@ class QueryMixin:
                     self._memo = z
                     return groups
         if groups is None:
-            groups = self._walk(kl, self._all_bits)
-        self._remember(WalkMemo(raw, groups, epoch, len(log)), kl)
+            groups = self._walk(qa.tolist(), self._all_bits)
+        self._remember(WalkMemo(raw, groups, epoch, len(log)), marks)
         return groups
 
-    def _find_memo(self, kl: list, raw: bytes, epoch: int):
-        """(memo, c): a memo of this epoch whose first ``c`` keys are the prompt's, ``c`` as
-        large as the registered positions allow; (None, 0) when there is none."""
+    def _mark_positions(self, n: int) -> tuple[list, np.ndarray]:
+        """Where a memo of ``n`` keys is registered (and a prompt of ``n`` keys looks for one):
+        every ``_memo_stride``-th key and the last, in increasing order."""
+        got = self._memo_pos.get(n)
+        if got is None:
+            st = self._memo_stride
+            plist = list(range(st - 1, n, st))
+            if n % st:
+                plist.append(n - 1)
+            got = self._memo_pos[n] = (plist, np.array(plist, dtype=np.intp))
+        return got
+
+    def _find_memo(self, marks: list, plist: list, raw: bytes, epoch: int):
+        """(memo, c): a memo of this epoch whose first ``c`` keys are the prompt's (``marks``: the
+        prompt's keys at positions ``plist``), ``c`` as large as those positions allow;
+        (None, 0) when there is none."""
         pm = self._pmemo
-        n = len(kl)
-        z = pm.get(kl[-1])
-        if z is not None and z.epoch == epoch and z.n >= n and \
-                (z.raw == raw if z.n == n else z.raw[:8 * n] == raw):
-            return z, n
-        st = self._memo_stride
-        for c in range((n // st) * st - 1, -1, -st):
-            if c == n - 1:
+        n = len(raw) >> 3
+        for i in range(len(marks) - 1, -1, -1):
+            z = pm.get(marks[i])
+            if z is None or z.epoch != epoch:
                 continue
-            z = pm.get(kl[c])
-            if z is not None and z.epoch == epoch and z.n > c and \
-                    z.raw[:8 * (c + 1)] == raw[:8 * (c + 1)]:
-                return z, c + 1
+            c = plist[i] + 1
+            if c == n:
+                if z.raw == raw if z.n == n else z.n > n and z.raw[:8 * n] == raw:
+                    return z, n
+            elif z.n >= c and z.raw[:8 * c] == raw[:8 * c]:
+                return z, c
         return None, 0
 
-    def _reuse(self, z: WalkMemo, kl: list, cut: int) -> list | None:
-        """The prompt's groups from memo ``z``, whose first ``cut`` keys are the prompt's; None
-        when a slot that matched part of ``z`` lost a key since (then walk from scratch)."""
-        for s, n_lost in z.losses:
-            if s.losses != n_lost:
-                return None
+    def _reuse(self, z: WalkMemo, qa: np.ndarray, cut: int) -> list | None:
+        """The prompt's groups from memo ``z``, whose first ``cut`` keys are the prompt's ``qa``;
+        None when a slot that matched part of ``z`` lost a key since (then walk from scratch)."""
+        if z.lmask and self._loss_getter(z.lmask)(self._losses) != z.lcounts:
+            return None
         read = z.read()
         if cut > read:
             cut = read
@@ -213,12 +228,11 @@ class QueryMixin:
         out = []
         p = cut
         groups = z.groups
-        for bits, d in groups:
-            if d >= cut:
-                break
+        ends = [d for _, d in groups if d < cut]
+        for (bits, d), k in zip(groups, qa[ends].tolist() if ends else ()):
             # these slots held the first d keys and lost nothing; they match exactly d keys
             # still unless one of them now holds key d
-            if get(kl[d], 0) & bits:
+            if get(k, 0) & bits:
                 p = d
                 break
             out.append((bits, d))
@@ -226,28 +240,35 @@ class QueryMixin:
         for bits, _ in groups[len(out):]:
             active |= bits
         if active:
-            out += [(b, d + p) for b, d in self._walk(kl[p:], active)]
+            out += [(b, d + p) for b, d in self._walk(qa[p:].tolist(), active)]
         return out
 
     def _snapshot_losses(self, memo: WalkMemo) -> None:
-        by_bit = self._by_bit
-        ls = []
+        m = 0
         for bits, d in memo.groups:
             if d:
-                while bits:
-                    low = bits & -bits
-                    s = by_bit[low.bit_length() - 1]
-                    ls.append((s, s.losses))
-                    bits ^= low
-        memo.losses = ls
+                m |= bits
+        memo.lmask = m
+        memo.lcounts = self._loss_getter(m)(self._losses) if m else None
 
-    def _remember(self, memo: WalkMemo, kl: list) -> None:
+    def _loss_getter(self, mask: int):
+        """The loss counts of the slots in ``mask``, read in one C call (cached per mask)."""
+        g = self._loss_getters.get(mask)
+        if g is None:
+            idxs = []
+            b = mask
+            while b:
+                low = b & -b
+                idxs.append(low.bit_length() - 1)
+                b ^= low
+            g = itemgetter(*idxs)
+            if len(self._loss_getters) >= 4096:
+                self._loss_getters.clear()
+            self._loss_getters[mask] = g
+        return g
+
+    def _remember(self, memo: WalkMemo, marks: list) -> None:
         self._snapshot_losses(memo)
-        st = self._memo_stride
-        n = len(kl)
-        marks = kl[st - 1::st]
-        if n and n % st:
-            marks.append(kl[-1])
         pm = self._pmemo
         for k in marks:
             pm[k] = memo

@@ -23,7 +23,7 @@ class SpeculationMixin:
         """Forget the slot's speculative entry for ``ck`` (the key keeps its confirmed owners)."""
         del s.spec[ck]
         self._log.append(ck)
-        s.losses += 1
+        self._losses[s.idx] += 1
         nb = ~s.bit
         m = self._spec_owners[ck] & nb
         if m:
@@ -102,7 +102,7 @@ class SpeculationMixin:
                 continue  # slot removed since (a new slot's entries carry their own deadlines)
             # _drop_spec inlined: this loop runs for every key of every routed prompt
             spec, nb, so, owners, log = s.spec, ~s.bit, self._spec_owners, self._owners, self._log
-            s.losses += 1
+            self._losses[s.idx] += 1
             for ck in keys:
                 d = spec.get(ck)
                 if d is not None and d <= now:

@@ -31,18 +31,16 @@ class _Entry:
 
 
 class _Slot:
-    __slots__ = ("worker", "dp_rank", "bit", "owned", "emaps", "spec", "losses")
+    __slots__ = ("worker", "dp_rank", "bit", "idx", "owned", "emaps", "spec")
 
     def __init__(self, worker: str, dp_rank: int, bit: int):
         self.worker = worker
         self.dp_rank = dp_rank
         self.bit = bit
+        self.idx = bit.bit_length() - 1     # its position in the index's per-bit lists
         self.owned: dict[int, int] = {}
         self.emaps: dict[tuple, dict] = {}
         self.spec: dict[int, float] = {}
-        # bumped whenever the slot may have stopped holding a key (its bit cleared somewhere):
-        # a walk memo stays exact for the slot while this has not moved (router/kv_query.py)
-        self.losses = 0
 
 
 @dataclass

@@ -311,9 +311,9 @@ class ModelRunner:
         # Only the blocks this chunk touches are converted: converting a long table every decode step
         # cost ~60 µs per 2k-entry list, most of a batch-32 step's host time (bench/RESULTS.md, "decode kernels
         # (issue 17, third pass)").
-        used = np.asarray(ids[:need], dtype=np.int64).reshape(-1)
-        tokens = np.asarray(c.token_ids, dtype=np.int64).reshape(-1)
-        return tokens, int(start), end, used
+        used = np.array(ids[:need], dtype=np.int64)
+        tokens = np.array(c.token_ids, dtype=np.int64)
+        return tokens.reshape(-1) if tokens.ndim != 1 else tokens, int(start), end, used.reshape(-1)
 
     def _check_ranges(self, checked) -> None:
         """Token ids in ``[0, vocab)`` and block ids in ``[0, num_blocks)`` for every chunk: one
@@ -343,10 +343,11 @@ class ModelRunner:
         if len(checked) == 1:
             return
         if all(e - s == 1 for _, s, e, _ in checked):  # decode step: one slot per chunk
-            slots = np.fromiter((int(u[s // bs]) * bs + s % bs for _, s, _, u in checked), np.int64, len(checked))
-        else:
-            slots = np.concatenate([used[np.arange(s, e) // bs] * bs + np.arange(s, e) % bs
-                                    for _, s, e, used in checked])
+            if len({int(u[s // bs]) * bs + s % bs for _, s, _, u in checked}) != len(checked):
+                raise RunnerInputError("two chunks of one step write the same KV slot (block, offset); "
+                                       "each sequence must write into blocks of its own")
+            return
+        slots = np.concatenate([used[np.arange(s, e) // bs] * bs + np.arange(s, e) % bs for _, s, e, used in checked])
         if np.unique(slots).size != slots.size:
             raise RunnerInputError("two chunks of one step write the same KV slot (block, offset); "
                                    "each sequence must write into blocks of its own")

@@ -1,6 +1,6 @@
 """The placement fast paths decide exactly what a straightforward reference decides.
 
-`KvIndex` memoises its last prefix walk (router/kv_query.py) and `KvCacheAwarePolicy` keeps what
+`KvIndex` memoises its prefix walks (router/kv_query.py) and `KvCacheAwarePolicy` keeps what
 depends only on the candidate list between calls (router/policies.py). These properties drive
 random streams of events (stored with and without cache salts, removed, moved, cleared, snapshots),
 speculative inserts made the way the coordinator makes them (walk, pick, insert the chosen slot's
@@ -259,3 +259,35 @@ def test_memo_compares_the_keys_not_the_array_object():
     assert idx.longest_prefix(wire) == {"http://a": len(a)}
     assert idx.longest_prefix(wire[:3]) == {"http://a": 3}
     assert idx.longest_prefix(list(a[:2]) + [7]) == {"http://a": 2}
+
+
+def test_memo_reuse_walks_only_what_may_have_changed():
+    """A prompt extending an earlier one reuses that walk: it walks only from where a slot's
+    match may have grown, and from scratch once a slot that matched part of it lost a key."""
+    idx = KvIndex(B, memo_stride=2)
+    p = block_keys_list(list(range(100, 100 + 10 * B)), B)
+    idx.load_snapshot("http://a", p[:6])
+    idx.load_snapshot("http://b", p[:2])
+    walked = []
+    walk = idx._walk
+    idx._walk = lambda keys, active: walked.append(len(keys)) or walk(keys, active)
+    assert idx.longest_prefix(p[:8]) == {"http://a": 6, "http://b": 2}
+    assert walked == [8]
+    # the next turn: the same leading keys, nothing changed on them: no probe beyond the ends
+    assert idx.longest_prefix(p) == {"http://a": 6, "http://b": 2}
+    assert walked == [8]
+    # a grows past its end (a routed tail, after another walk: not folded into the memo): p is
+    # walked again from there, for a alone
+    other = block_keys_list(list(range(900, 900 + 3 * B)), B)
+    assert idx.longest_prefix(other) == {}
+    idx.add_speculative("http://a", p[6:], now=0.0, ttl=5.0)
+    del walked[:]
+    assert idx.longest_prefix(p) == {"http://a": 10, "http://b": 2}
+    assert walked == [4]
+    # b loses a key it matched: its old match is no longer known, the prompt is walked again
+    assert idx.longest_prefix(other) == {}
+    idx.apply("http://b", BlocksRemoved([p[1]]))
+    del walked[:]
+    assert idx.longest_prefix(p) == {"http://a": 10, "http://b": 1}
+    assert walked == [10]
+    idx.check_invariants()

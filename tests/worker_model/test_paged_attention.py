@@ -112,6 +112,51 @@ def test_paged_decode_matches_reference(mode, group, window, bs):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("nsplit", [0, 2])
+def test_rope_store_decode_matches_rope_store_then_decode(mode, group, nsplit):
+    """The fused decode-step kernel (RoPE of q and k from the qkv product or its split-K partials,
+    K/V stored into their slots, the newest key attended from registers) against the two launches it
+    replaces, ``rope_store`` then ``paged_decode``: same cache contents, same output within the
+    dtype's tolerance; rows of one and of many units (merge), windowed and not."""
+    from worker.rope import _signed_sin
+    big = mode == "cuda"
+    lengths = [1, 2, 130, 4097, 700] if big else [1, 2, 40, 150]
+    kvh, dim, bs = 2, 64 if big else 32, 16
+    heads = group * kvh
+    dtype = torch.bfloat16 if big else torch.float32
+    dev = device_of(mode)
+    width = (heads + 2 * kvh) * dim
+    g = torch.Generator().manual_seed(group * 10 + nsplit)
+    for win in (None, 60 if not big else 1500):
+        kv, tables = pool(mode, [-(-n // bs) for n in lengths], bs, kvh, dim, dtype, seed=group + nsplit)
+        pos = [n - 1 for n in lengths]
+        first = [(max(0, p - win + 1) // bs) if win else 0 for p in pos]
+        if nsplit:
+            qkv = torch.randn(nsplit, len(lengths), width, generator=g).to(dev)
+        else:
+            qkv = torch.randn(len(lengths), width, generator=g).to(dev, dtype)
+        ang = torch.rand(len(lengths), dim // 2, generator=g) * 6.28
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dtype)
+        sin = _signed_sin(torch.cat([ang.sin(), ang.sin()], -1).to(dev, dtype))
+        slot_block = torch.tensor([int(t[p // bs]) for t, p in zip(tables, pos)], device=dev)
+        slot_off = torch.tensor([p % bs for p in pos], device=dev)
+        for split in (None, 32):
+            meta, _ = build_paged_decode([t[f:] for t, f in zip(tables, first)], pos, [f * bs for f in first],
+                                         win, kvh, kv.device, split=split)
+            ref_kv, fused_kv = kv.clone(), kv.clone()
+            q = ops().rope_store(qkv, cos, sin, ref_kv, 1, slot_block, slot_off, heads, kvh, dim)
+            ref = ops().paged_decode(q, ref_kv, 1, meta, dim ** -0.5, torch.empty_like(q))
+            out = ops().rope_store_decode(qkv, cos, sin, fused_kv, 1, slot_block, slot_off, meta, dim ** -0.5,
+                                          torch.empty_like(q))
+            torch.testing.assert_close(fused_kv, ref_kv, atol=0, rtol=0)
+            tol = TOL[dtype]
+            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol,
+                                       msg=lambda m: f"split={split} window={win}: {m}")
+            assert all(int(c.abs().sum()) == 0 for c in ops()._COUNTS.get(str(kv.device), []))
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("bs", [16, 64])
@@ -335,13 +380,16 @@ def test_kernels_compile_for_hopper_without_spills(dim):
 
     bd = dim
     dec_types = {n: bf for n in ("Q", "K", "V", "Out")} | {n: i64 for n in ("Tables", "TabStart", "URow", "ULo", "UHi", "RowStart")}
-    dec_types |= {"MidO": "*fp32", "MidL": "*fp32", "Count": "*i32", "stride_blk": "i64", "qk_scale": "fp32"}
-    for direct in (False, True):
+    dec_types |= {"MidO": "*fp32", "MidL": "*fp32", "Count": "*i32", "stride_blk": "i64", "qk_scale": "fp32",
+                  "Cos": bf, "Sin": bf, "SlotBlock": i64, "SlotOff": i64}
+    for direct, fused, nsplit in ((False, False, 0), (True, False, 0), (False, True, 2), (True, True, 0)):
         block_n, warps, _ = T.decode_config(bd)
         const = {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_N": block_n, "PAGE": 16,
-                 "DIRECT": direct, "BLOCK_U": 64, "PREC": None}
-        assert build(T._decode_kernel, "Q K V Tables TabStart URow ULo UHi RowStart Count Out MidO MidL stride_qt stride_qh "
-                     "stride_blk stride_tok stride_ot stride_oh stride_mu stride_mh stride_lu qk_scale",
+                 "DIRECT": direct, "BLOCK_U": 64, "FUSED": fused, "NQ": 32, "NSPLIT": nsplit, "PREC": None}
+        dec_types["QKV"] = "*fp32" if nsplit else bf
+        assert build(T._decode_kernel, "Q K V Tables TabStart URow ULo UHi RowStart Count Out MidO MidL QKV Cos Sin SlotBlock SlotOff "
+                     "stride_qt stride_qh stride_blk stride_tok stride_ot stride_oh stride_mu stride_mh stride_lu "
+                     "stride_cos stride_split qk_scale",
                      dec_types, const, warps, pipelined=True) == 0
     pre_types = {n: bf for n in ("Q", "K", "V", "Out")} | {"Table": i64, "stride_blk": "i64", "qk_scale": "fp32"}
     for window in (0, 100):

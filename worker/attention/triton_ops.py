@@ -30,7 +30,7 @@ from worker.attention.pdl import gdc_wait, launch_kwargs
 from worker.attention.plan import PagedDecode
 from worker.attention.triton_linear import gate_up_silu, linear_partials, use_small_m
 
-__all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_mul", "use_small_m", "linear_partials",
+__all__ = ["rope_store", "paged_decode", "rope_store_decode", "paged_prefill", "add_rms_norm", "silu_mul", "use_small_m", "linear_partials",
            "gate_up_silu", "decode_config"]
 
 _LOG2E = 1.4426950408889634
@@ -172,16 +172,47 @@ def _merge_head(MidO, MidL, Out, row, h, us, ue, stride_mu, stride_mh, stride_lu
 
 
 @triton.jit
+def _ld_sum(ptr, mask, stride_split, NSPLIT: tl.constexpr, DT: tl.constexpr):
+    """``ptr``'s values in dtype ``DT``; with ``NSPLIT > 0`` the sum of that many fp32 split-K
+    partials ``stride_split`` apart (worker/attention/triton_linear.py), rounded to ``DT``."""
+    if NSPLIT > 0:
+        acc = tl.load(ptr, mask=mask, other=0.0)
+        for sp in tl.static_range(1, NSPLIT):
+            acc += tl.load(ptr + sp * stride_split, mask=mask, other=0.0)
+        return acc.to(DT)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0).to(DT)
+
+
+@triton.jit
+def _rope(ptr, partner, cos, sin, mask, stride_split, NSPLIT: tl.constexpr, DT: tl.constexpr):
+    """RoPE ("rotate half") of the head at ``ptr`` as :func:`_rope_store_kernel` rounds it:
+    ``x·cos + x[partner]·sin`` in fp32 (``sin`` with its first half negated), rounded to ``DT``."""
+    x = _ld_sum(ptr, mask, stride_split, NSPLIT, DT).to(tl.float32)
+    xp = _ld_sum(partner, mask, stride_split, NSPLIT, DT).to(tl.float32)
+    return (x * cos + xp * sin).to(DT)
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, Tables, TabStart, URow, ULo, UHi, RowStart, Count, Out, MidO, MidL,
+                   QKV, Cos, Sin, SlotBlock, SlotOff,
                    stride_qt, stride_qh, stride_blk, stride_tok,
-                   stride_ot, stride_oh, stride_mu, stride_mh, stride_lu, qk_scale,
+                   stride_ot, stride_oh, stride_mu, stride_mh, stride_lu, stride_cos, stride_split, qk_scale,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr,
-                   BLOCK_U: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_U: tl.constexpr, FUSED: tl.constexpr, NQ: tl.constexpr, NSPLIT: tl.constexpr,
+                   PREC: tl.constexpr, PDL: tl.constexpr):
     """One program per (work unit, KV head). ``DIRECT``: every row is one unit, whose program writes
     the output. Otherwise a row of one unit still writes it directly; a row of several writes fp32
     partials plus their log-sum-exp, and the program that finishes that row's (row, KV head) last —
-    counted in ``Count``, which it resets to 0 for the next launch — merges them: no second kernel."""
+    counted in ``Count``, which it resets to 0 for the next launch — merges them: no second kernel.
+
+    ``FUSED`` (a decode-only step: row ``r`` is token ``r`` of ``QKV``): the work of
+    :func:`_rope_store_kernel` is done here instead of in a launch of its own. Each program rotates
+    its query heads from ``QKV`` (split-K partials when ``NSPLIT > 0``); the program of a row's last
+    unit also rotates the new key, stores key and value into their cache slot for later steps, and
+    attends to that newest key from registers (its tiles stop one slot short), so no program of this
+    launch reads a slot this launch writes."""
     gdc_wait(PDL)
     u = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -199,14 +230,41 @@ def _decode_kernel(Q, K, V, Tables, TabStart, URow, ULo, UHi, RowStart, Count, O
         mask_d = offs_d < HEAD_DIM
         heads = kvh * GROUP + offs_h
         qm = mask_h[:, None] & mask_d[None, :]
-        q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qm, other=0.0)
+        dt = K.dtype.element_ty
+        end = hi
+        if FUSED:
+            src = QKV + row * stride_qt
+            partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+            cos = tl.load(Cos + row * stride_cos + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            sin = tl.load(Sin + row * stride_cos + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            hq = src + heads[:, None] * HEAD_DIM
+            q = _rope(hq + offs_d[None, :], hq + partner[None, :], cos[None, :], sin[None, :], qm, stride_split,
+                      NSPLIT, dt)
+            if DIRECT:
+                last = True
+            else:
+                last = u == ue - 1
+            k_new = tl.zeros([BLOCK_D], dt)
+            v_new = tl.zeros([BLOCK_D], dt)
+            if last:
+                hk = src + (NQ + kvh) * HEAD_DIM
+                k_new = _rope(hk + offs_d, hk + partner, cos, sin, mask_d, stride_split, NSPLIT, dt)
+                v_new = _ld_sum(src + (NQ + tl.num_programs(1) + kvh) * HEAD_DIM + offs_d, mask_d, stride_split,
+                                NSPLIT, dt)
+                slot = (tl.load(SlotBlock + row) * stride_blk + tl.load(SlotOff + row) * stride_tok
+                        + kvh * HEAD_DIM + offs_d)
+                tl.store(K + slot, k_new, mask=mask_d)
+                tl.store(V + slot, v_new, mask=mask_d)
+                end = hi - 1
+        else:
+            q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qm, other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         tab = Tables + tl.load(TabStart + row)
-        for start in range(lo, hi, BLOCK_N):
+        for start in range(lo, end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            valid = offs_n < hi
+            valid = offs_n < end
             blk = tl.load(tab + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
             off = blk * stride_blk + (offs_n % PAGE).to(tl.int64) * stride_tok + kvh * HEAD_DIM
             kvm = valid[:, None] & mask_d[None, :]
@@ -221,6 +279,15 @@ def _decode_kernel(Q, K, V, Tables, TabStart, URow, ULo, UHi, RowStart, Count, O
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
+        if FUSED:
+            if last:  # the newest key, as one more (single-key) tile
+                qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+                m_new = tl.maximum(m_i, qk)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new)
+                acc = acc * alpha[:, None] + p.to(dt).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+                l_i = l_i * alpha + p
+                m_i = m_new
         o_ptr = Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         if DIRECT:
             tl.store(o_ptr, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=qm)
@@ -256,7 +323,22 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: Page
                  out: torch.Tensor, cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attention of single-token rows ``q [R, H, D]`` over their paged contexts into ``out [R, H, D]``.
     ``cfg`` overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks sweep it)."""
-    rows, nq, d = q.shape
+    return _paged_decode(q, None, kv_cache, layer, meta, scale, out, cfg)
+
+
+def rope_store_decode(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: torch.Tensor,
+                      layer: int, slot_block: torch.Tensor, slot_offset: torch.Tensor, meta: PagedDecode,
+                      scale: float, out: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_store` followed by :func:`paged_decode` for a decode-only step (row ``r`` = token
+    ``r`` of ``qkv``), in one launch: ``out [R, H, D]`` gets the attention output, the cache the new
+    K/V. ``qkv`` as :func:`rope_store` takes it (``[R, ·]``, or fp32 split-K partials ``[S, R, ·]``)."""
+    if cos.stride() != sin_signed.stride() or cos.stride(1) != 1:
+        raise ValueError(f"cos/sin tables must be row-major alike, found strides {cos.stride()} and {sin_signed.stride()}")
+    return _paged_decode(out, (qkv, cos, sin_signed, slot_block, slot_offset), kv_cache, layer, meta, scale, out, None)
+
+
+def _paged_decode(q, fused, kv_cache, layer, meta, scale, out, cfg):
+    rows, nq, d = out.shape
     nkv = kv_cache.shape[4]
     group = nq // nkv
     bd = _pow2(d)
@@ -267,19 +349,28 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: Page
         mid_o = mid_l = count = out  # unused
         smu = smh = slu = 0
     else:
-        mid_o = torch.empty(units, nq, d, dtype=torch.float32, device=q.device)
-        mid_l = torch.empty(units, nq, dtype=torch.float32, device=q.device)
+        mid_o = torch.empty(units, nq, d, dtype=torch.float32, device=out.device)
+        mid_l = torch.empty(units, nq, dtype=torch.float32, device=out.device)
         smu, smh, slu = mid_o.stride(0), mid_o.stride(1), mid_l.stride(0)
-        count = _counts(q.device, rows * nkv)
+        count = _counts(out.device, rows * nkv)
+    if fused is None:
+        qkv = cos = sin = slot_block = slot_off = out  # unused
+        stride_qt, stride_qh, stride_cos, stride_split, nsplit = q.stride(0), q.stride(1), 0, 0, 0
+    else:
+        qkv, cos, sin, slot_block, slot_off = fused
+        nsplit = qkv.shape[0] if qkv.dim() == 3 else 0
+        stride_qt, stride_qh, stride_cos = qkv.stride(-2), d, cos.stride(0)
+        stride_split = qkv.stride(0) if nsplit else 0
     # The merge reads all of a row's units in one load (at most 64 of them; more take several rounds).
     bu = min(64, max(2, triton.next_power_of_2(meta.max_row_units)))
     _decode_kernel[(units, nkv)](
         q, k, v, meta.tables, meta.table_start, meta.unit_row, meta.unit_lo, meta.unit_hi, meta.row_start, count,
-        out, mid_o, mid_l, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3),
-        out.stride(0), out.stride(1), smu, smh, slu, scale * _LOG2E,
+        out, mid_o, mid_l, qkv, cos, sin, slot_block, slot_off,
+        stride_qt, stride_qh, kv_cache.stride(0), kv_cache.stride(3),
+        out.stride(0), out.stride(1), smu, smh, slu, stride_cos, stride_split, scale * _LOG2E,
         GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=block_n, PAGE=kv_cache.shape[3],
-        DIRECT=meta.direct, BLOCK_U=bu, PREC=_prec(q), num_warps=warps, num_stages=stages,
-        **launch_kwargs(q.device))
+        DIRECT=meta.direct, BLOCK_U=bu, FUSED=fused is not None, NQ=nq, NSPLIT=nsplit, PREC=_prec(out),
+        num_warps=warps, num_stages=stages, **launch_kwargs(out.device))
     return out
 
 
