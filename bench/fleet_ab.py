@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fleet CPU per request of source trees side by side: two-leg round_robin vs two-leg kv_cache_aware.
+"""Fleet CPU per request of source trees side by side: aggregated round_robin, two-leg round_robin, two-leg kv_cache_aware.
 
 For a change to the fleet's per-request cost on a shared box, where one run moves by tens of
 percent: every round starts a fresh fleet of each tree (`--trees`, default this one) for each path,
@@ -10,7 +10,8 @@ fleet processes and of the coordinator process, and the coordinator's channel ba
 
 A baseline tree: `git archive REV | tar -x -C /tmp/base` (it runs with this interpreter).
 Usage: `python bench/fleet_ab.py [--trees /tmp/base,.] [--rounds 5] [--conns 16] [--duration 3s]
-[--num-workers 2] [--json-out FILE]`. Needs wrk and nginx; prints only.
+[--num-workers 2] [--paths two-leg-round_robin,two-leg-kv_cache_aware] [--json-out FILE]`
+(`--paths` as bench/fleet.py's, default the two two-leg paths). Needs wrk and nginx; prints only.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fleet as F  # noqa: E402  (bench/fleet.py; it puts the repository root first on sys.path)
 
-PATHS = (("two-leg round_robin", "round_robin"), ("two-leg kv_cache_aware", "kv_cache_aware"))
+PATHS = {"aggregated-round_robin": ("aggregated round_robin", "round_robin", False),
+         "two-leg-round_robin": ("two-leg round_robin", "round_robin", True),
+         "two-leg-kv_cache_aware": ("two-leg kv_cache_aware", "kv_cache_aware", True)}
 
 
 def _batches(coord_url: str) -> float | None:
@@ -38,10 +41,11 @@ def _batches(coord_url: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def one(work: Path, tree: Path, tag: str, urls, policy: str, args, script: Path) -> dict:
+def one(work: Path, tree: Path, tag: str, urls, policy: str, two_leg: bool, args, script: Path) -> dict:
     F.ROOT = tree            # start_fleet runs `python -m splitserve_cli` in F.ROOT
     port = F.free_port_pair()
-    cfg = F.fleet_config(work, tag, port, urls["gen"], urls["ctx"], policy, args.num_workers)
+    cfg = F.fleet_config(work, tag, port, urls["gen"], urls["ctx"] if two_leg else [], policy,
+                         args.num_workers)
     g = F.start_fleet(work, tag, cfg)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -68,8 +72,11 @@ def main() -> int:
     ap.add_argument("--duration", default="3s")
     ap.add_argument("--num-workers", type=int, default=2, help="> 1: the coordinator is its own process")
     ap.add_argument("--backend-workers", type=int, default=1)
+    ap.add_argument("--paths", default="two-leg-round_robin,two-leg-kv_cache_aware",
+                    help=f"comma-separated, of {', '.join(PATHS)}")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()
+    paths = [PATHS[p] for p in args.paths.split(",")]
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     work = Path(__import__("tempfile").mkdtemp(prefix="fleet-ab-"))
     nginx, urls = F.mock_backends(work, args.backend_workers)
@@ -78,26 +85,29 @@ def main() -> int:
     try:
         for i in range(args.rounds):
             for t, tree in enumerate(trees):
-                for name, policy in PATHS:
+                for name, policy, two_leg in paths:
                     key = f"{tree.name or tree} · {name}"
-                    r = one(work, tree, f"t{t}-{policy}-{i}", urls, policy, args, script)
+                    r = one(work, tree, f"t{t}-{name.split()[0]}-{policy}-{i}", urls, policy, two_leg, args,
+                            script)
                     res.setdefault(key, []).append(r)
                     bpr = "-" if r["batches_per_req"] is None else f"{r['batches_per_req']:.2f}"
                     print(f"round {i} {key}: {r['rps']:.0f} req/s, fleet {r['fleet_us']:.0f} µs/req, "
-                          f"coordinator {r['coord_us']:.0f} µs/req, batches/req {bpr}, errors {r['errors']}",
-                          flush=True)
+                          f"coordinator {r['coord_us']:.0f} µs/req, batches/req {bpr}, p99 {r['p99_ms']:.1f} ms, "
+                          f"errors {r['errors']}", flush=True)
     finally:
         nginx.stop()
-    print("\n| tree · path | fleet µs/req median (min) | coordinator µs/req median (min) | batches/req | req/s | errors |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| tree · path | fleet µs/req median (min) | coordinator µs/req median (min) | batches/req | req/s | "
+          "p99 ms | errors |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for key, rs in res.items():
         med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
         low = lambda k: min(r[k] for r in rs)  # noqa: E731
         b = [r["batches_per_req"] for r in rs if r["batches_per_req"] is not None]
         print(f"| {key} | {med('fleet_us'):.0f} ({low('fleet_us'):.0f}) | {med('coord_us'):.0f} ({low('coord_us'):.0f}) | "
-              f"{statistics.median(b):.2f} | {med('rps'):,.0f} | {sum(r['errors'] for r in rs)} |" if b else
+              f"{statistics.median(b):.2f} | {med('rps'):,.0f} | {med('p99_ms'):.1f} | {sum(r['errors'] for r in rs)} |"
+              if b else
               f"| {key} | {med('fleet_us'):.0f} ({low('fleet_us'):.0f}) | {med('coord_us'):.0f} ({low('coord_us'):.0f}) | - | "
-              f"{med('rps'):,.0f} | {sum(r['errors'] for r in rs)} |")
+              f"{med('rps'):,.0f} | {med('p99_ms'):.1f} | {sum(r['errors'] for r in rs)} |")
     if args.json_out:
         args.json_out.write_text(json.dumps(res, indent=1))
     return 0

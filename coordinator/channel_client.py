@@ -133,6 +133,8 @@ class ChannelClient:
         self._unacked: dict[int, tuple[list[int], list[cw.Finish], asyncio.TimerHandle | None,
                                        list[asyncio.Future]]] = {}
         self._abandoned: dict[int, Any] = {}
+        # called once per placement whose caller was cancelled while waiting (the fleet counts them)
+        self.on_abandoned: Callable[[], None] | None = None
         self._bg: set[asyncio.Task] = set()
         self._closed = False
         self.offered: bool | None = None     # None: not asked yet
@@ -141,6 +143,12 @@ class ChannelClient:
                       "reconnects": 0}
 
     # ---- connection ---------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        """A call made now goes over the channel, with no await before it is registered: a caller
+        cancelled from then on leaves its lease to `_on_replies` (no wrapper needed around it)."""
+        return self._proto is not None and not self._closed
+
     def usable(self) -> bool:
         """Connected, or worth trying to connect (not known to be unavailable right now)."""
         return not self._closed and (self._proto is not None or time.monotonic() >= self._down_until)
@@ -218,7 +226,14 @@ class ChannelClient:
                 if w is not None and not w[0].done():
                     w[0].set_exception(err)
         self._unacked.clear()
-        self._abandoned.clear()   # a select whose answer is lost expires on the coordinator
+        # A placement whose caller is gone and whose answer is lost may still have leased: end
+        # whatever it may have taken (a finish of a lease never created is a no-op).
+        for call in self._abandoned.values():
+            if type(call) is cw.Select:
+                resend.append(cw.Finish(call.role, call.req_id, True))
+            elif type(call) is cw.SelectPair:
+                resend += [cw.Finish("context", call.req_id, True), cw.Finish("generation", call.req_id, True)]
+        self._abandoned.clear()
         for fut, _call in self._waiting.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -362,6 +377,13 @@ class ChannelClient:
             w = self._waiting.pop(call.id, None)
             if w is not None:
                 self._abandoned[call.id] = call
+            elif fut.done() and not fut.cancelled() and fut.exception() is None:
+                # answered, but cancelled before this caller resumed: the lease is ours to end
+                self._finish_abandoned(call, fut.result())
+            else:
+                raise
+            if self.on_abandoned is not None and type(call) is not cw.Renew:
+                self.on_abandoned()
             raise
 
     async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:

@@ -31,8 +31,6 @@ import random
 import time
 
 import orjson
-from aiohttp import web
-
 from protocol.coord import NoServerAvailable
 
 from . import metrics as M
@@ -42,6 +40,7 @@ from protocol.openai import ApiError
 from .legs import plan
 from .legs import trtllm as trt
 from .placement import CTX, GEN, Placement, Placer
+from .http_server import FleetRequest
 from .relay import ReplayStream, Relay, worker_error
 from .scope import RequestScope
 from .upstream import Response, UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
@@ -77,8 +76,8 @@ class Flow:
         self.aggregated_only = config.aggregated_only   # a plain aggregated deployment
 
     # ------------------------------------------------------------------ entry point
-    async def handle(self, request: web.Request, creq: ClientRequest, alias: int | None,
-                     client_params: dict | None, t0: float) -> web.StreamResponse:
+    async def handle(self, request: FleetRequest, creq: ClientRequest, alias: int | None,
+                     client_params: dict | None, t0: float):
         """Serve one request. `alias` is the client's own `disagg_request_id`, kept for logs and the
         route header only (never sent to a worker, never an abort or transfer key), and unique among
         this process's requests in flight."""
@@ -116,7 +115,7 @@ class Flow:
             await asyncio.wait(list(self._bg), timeout=timeout)
 
     # ------------------------------------------------------------------ routing key
-    def _conversation_id(self, request: web.Request, creq: ClientRequest) -> str | None:
+    def _conversation_id(self, request: FleetRequest, creq: ClientRequest) -> str | None:
         if creq.conversation_id:
             return creq.conversation_id
         h = request.headers
@@ -132,7 +131,7 @@ class Flow:
                 return v
         return None
 
-    async def _routing_key(self, request: web.Request, creq: ClientRequest) -> dict | None:
+    async def _routing_key(self, request: FleetRequest, creq: ClientRequest) -> dict | None:
         need = [r for r in (CTX, GEN) if self.placer.needs_key(r)]
         if not need:
             return None
@@ -280,7 +279,7 @@ class Flow:
         return plan.falls_back_to_aggregate(e.status, e.code, self.fallback, self.placer.healthy_count(CTX))
 
     # ------------------------------------------------------------------ the flow
-    async def _run(self, request: web.Request, creq: ClientRequest, scope: RequestScope,
+    async def _run(self, request: FleetRequest, creq: ClientRequest, scope: RequestScope,
                    client_params: dict | None):
         key = await self._routing_key(request, creq)
         if client_params is not None:
@@ -410,7 +409,7 @@ class Flow:
         return await self.answer(request, creq, scope, gen, resp)
 
     async def answer(self, request, creq: ClientRequest, scope: RequestScope, gen: Placement,
-                     resp: Response) -> web.StreamResponse:
+                     resp: Response):
         route = plan.route_header(scope.route, rid=scope.rid, alias=scope.alias, mode=scope.mode,
                                   generation=self.route_of(gen), attempts=scope.attempts)
         return await self.relay.answer(request, creq, scope, gen, resp, route)

@@ -30,17 +30,75 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32
 _RTT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
                 1.0, 5.0, float("inf"))
 
+class _LoopValue:
+    """prometheus_client's `MutexValue` without the lock, for one-process fleets: every fleet
+    metric is written and read (`/metrics`) on the event-loop thread only."""
+
+    __slots__ = ("_value",)
+    _multiprocess = False
+
+    def __init__(self):
+        self._value = 0.0
+
+    def inc(self, amount) -> None:
+        self._value += amount
+
+    def set(self, value, timestamp=None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar) -> None:
+        return
+
+    def get(self):
+        return self._value
+
+    def get_exemplar(self):
+        return None
+
+
+class _Counter(Counter):
+    """Counter with the hot path of a labelled child or plain counter: no observability check per
+    call, no lock in a one-process fleet (same samples)."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        if not MULTIPROC_DIR:
+            self._value = _LoopValue()
+
+    def inc(self, amount: float = 1, exemplar=None) -> None:
+        if exemplar or amount < 0 or (self._labelnames and not self._labelvalues):
+            return super().inc(amount, exemplar)    # errors and exemplars: as upstream
+        self._value.inc(amount)
+
+
+class _Gauge(Gauge):
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        if not MULTIPROC_DIR:
+            self._value = _LoopValue()
+
+    def inc(self, amount: float = 1) -> None:
+        if self._labelnames and not self._labelvalues:
+            return super().inc(amount)
+        self._value.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        if self._labelnames and not self._labelvalues:
+            return super().dec(amount)
+        self._value.inc(-amount)
+
+
 NS = "splitserve_fleet"
 
-REQUESTS = Counter(f"{NS}_requests_total", "Public API requests answered, by endpoint and HTTP status.",
+REQUESTS = _Counter(f"{NS}_requests_total", "Public API requests answered, by endpoint and HTTP status.",
                    ["endpoint", "status"])
-INFLIGHT = Gauge(f"{NS}_inflight_requests", "Public API requests in progress (summed over fleet processes).",
+INFLIGHT = _Gauge(f"{NS}_inflight_requests", "Public API requests in progress (summed over fleet processes).",
                  multiprocess_mode="livesum")
-LEG_REQUESTS = Counter(f"{NS}_leg_requests_total", "Upstream legs sent to workers, by role (attempts included).",
+LEG_REQUESTS = _Counter(f"{NS}_leg_requests_total", "Upstream legs sent to workers, by role (attempts included).",
                        ["role"])
-LEG_ERRORS = Counter(f"{NS}_leg_errors_total", "Upstream legs that failed, by role and reason.",
+LEG_ERRORS = _Counter(f"{NS}_leg_errors_total", "Upstream legs that failed, by role and reason.",
                      ["role", "reason"])
-LEG_RETRIES = Counter(f"{NS}_leg_retries_total",
+LEG_RETRIES = _Counter(f"{NS}_leg_retries_total",
                       "Upstream legs retried on another server after a connect-level failure, by role.", ["role"])
 
 
@@ -49,6 +107,12 @@ class _Histogram(Histogram):
     per label tuple (`labels()` validates and locks on every call; no fleet histogram child is ever
     removed, so the cache cannot go stale), and the bucket found by bisection instead of a linear
     scan (5 observations per two-leg request, `bench/fleet_metrics.py`)."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        if not MULTIPROC_DIR:
+            self._sum = _LoopValue()
+            self._buckets = [_LoopValue() for _ in self._buckets]
 
     def labels(self, *values, **kw):
         if kw:
@@ -83,41 +147,41 @@ LEG_LATENCY = _Histogram(f"{NS}_leg_latency_seconds",
 COORD_RTT = _Histogram(f"{NS}_coordinator_rtt_seconds",
                       "Round trip of one coordinator call as seen by the fleet, by call.", ["call"],
                       buckets=_RTT_BUCKETS)
-COORD_FALLBACK = Counter(f"{NS}_coordinator_fallback_total",
+COORD_FALLBACK = _Counter(f"{NS}_coordinator_fallback_total",
                          "Placements made locally (last-known server list) because the coordinator was "
                          "unreachable, by role.", ["role"])
-COORD_UP = Gauge(f"{NS}_coordinator_reachable",
+COORD_UP = _Gauge(f"{NS}_coordinator_reachable",
                  "1 while this fleet process reaches its coordinator, 0 while it places locally.",
                  multiprocess_mode="min")
-FINISH_DROPPED = Counter(f"{NS}_finish_dropped_total",
+FINISH_DROPPED = _Counter(f"{NS}_finish_dropped_total",
                          "Lease /finish calls that could not be delivered (the lease expires on its TTL).")
-DUPLICATE_IDS = Counter(f"{NS}_duplicate_request_ids_total",
+DUPLICATE_IDS = _Counter(f"{NS}_duplicate_request_ids_total",
                         "Requests answered 409: their client disagg_request_id was already in flight.")
-BODY_TIMEOUTS = Counter(f"{NS}_body_timeouts_total",
+BODY_TIMEOUTS = _Counter(f"{NS}_body_timeouts_total",
                         "Requests answered 408 because their body did not arrive within fleet.body_timeout_s.")
-ORPHANED_LEASES = Counter(f"{NS}_orphaned_placements_total",
+ORPHANED_LEASES = _Counter(f"{NS}_orphaned_placements_total",
                           "Placements whose client hung up while the coordinator was answering; their "
                           "leases are finished as soon as the answer arrives.")
-PLACEMENT = Counter(f"{NS}_placements_total",
+PLACEMENT = _Counter(f"{NS}_placements_total",
                     "How requests were served: disaggregated (context+generation legs), generation_only "
                     "(conditional disaggregation skipped the context leg), aggregate_fallback (no context "
                     "server), context_only (the context leg already finished the request), aggregated (no context "
                     "servers configured), no_kv_transfer (the generation server cannot receive KV: served "
                     "aggregated there).", ["mode"])
-DISCONNECTS = Counter(f"{NS}_client_disconnects_total",
+DISCONNECTS = _Counter(f"{NS}_client_disconnects_total",
                       "Clients that went away before their answer was complete, by phase.", ["phase"])
-ABORTS = Counter(f"{NS}_upstream_aborts_total", "Worker /v1/abort calls sent, by role.", ["role"])
-STRIPPED = Counter(f"{NS}_stripped_disaggregated_params_total",
+ABORTS = _Counter(f"{NS}_upstream_aborts_total", "Worker /v1/abort calls sent, by role.", ["role"])
+STRIPPED = _Counter(f"{NS}_stripped_disaggregated_params_total",
                    "Client-supplied disaggregated_params removed for lack of a valid HMAC.")
-EJECTIONS = Counter(f"{NS}_server_ejections_total",
+EJECTIONS = _Counter(f"{NS}_server_ejections_total",
                     "Servers ejected locally after failures, by role and server.", ["role", "server"])
-PREDICTED_TOKENS = Counter(f"{NS}_routing_predicted_cached_tokens_total",
+PREDICTED_TOKENS = _Counter(f"{NS}_routing_predicted_cached_tokens_total",
                            "Prompt tokens the placement predicted to be cached on the chosen server.",
                            ["role", "server"])
-CACHED_TOKENS = Counter(f"{NS}_routing_reported_cached_tokens_total",
+CACHED_TOKENS = _Counter(f"{NS}_routing_reported_cached_tokens_total",
                         "Prompt tokens the server reported as cached (usage.prompt_tokens_details.cached_tokens).",
                         ["role", "server"])
-PROMPT_TOKENS = Counter(f"{NS}_routing_prompt_tokens_total",
+PROMPT_TOKENS = _Counter(f"{NS}_routing_prompt_tokens_total",
                         "Prompt tokens of requests placed on the server (for hit-rate ratios).", ["role", "server"])
 
 

@@ -110,6 +110,11 @@ class Placer:
         # channel queues it. Either way the client says so (coordinator/client.py).
         self._inline = bool(getattr(coordinator, "inline", False))
         self._nowait = getattr(coordinator, "finish_nowait", None)
+        # A call over a connected channel needs no `_leased` wrapper: the channel client itself
+        # finishes the lease of a placement whose caller was cancelled (coordinator/channel_client.py).
+        self._chan = getattr(coordinator, "channel", None)
+        if self._chan is not None:
+            self._chan.on_abandoned = M.ORPHANED_LEASES.inc
         self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
         M.COORD_UP.set(1)
@@ -348,6 +353,11 @@ class Placer:
         """
         if self._inline:
             # in-process: the call never suspends, so there is no point at which it can be cancelled
+            return await call
+        ch = self._chan
+        if ch is not None and ch.connected:
+            # over the channel (decided before the call's first await): a Task and a shield per
+            # placement (~9 µs) for what the channel client already does on cancellation
             return await call
         task = asyncio.ensure_future(call)
         try:

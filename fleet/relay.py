@@ -20,12 +20,11 @@ import time
 
 import msgspec
 import orjson
-from aiohttp import web
-
 from . import metrics as M
 from protocol.openai import ApiError
 from .legs.plan import CHAT
 from .placement import CTX, GEN, Placement
+from .http_server import FleetRequest, FleetStream, Reply
 from .upstream import Response, UpstreamError, UpstreamTimeout
 
 ROUTE_HEADER = "x-splitserve-route"
@@ -173,8 +172,8 @@ class ReplayStream:
     def __init__(self, obj: dict, chat: bool, include_usage: bool, route: str):
         self.obj, self.chat, self.include_usage, self.route = obj, chat, include_usage, route
 
-    async def send(self, request: web.Request) -> web.StreamResponse:
-        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, ROUTE_HEADER: self.route})
+    async def send(self, request: FleetRequest) -> FleetStream:
+        out = FleetStream(status=200, headers={**SSE_HEADERS, ROUTE_HEADER: self.route})
         await out.prepare(request)
         for ev in replay_events(self.obj, self.chat, self.include_usage):
             await out.write(ev)
@@ -238,12 +237,11 @@ class Relay:
         M.TTFT.labels(scope.mode).observe(now - scope.t0)
         M.E2E.labels(scope.mode).observe(now - scope.t0)
         if not creq.stream:
-            return web.Response(body=orjson.dumps(obj), headers={"Content-Type": "application/json",
-                                                                 ROUTE_HEADER: route})
+            return Reply(200, orjson.dumps(obj), {"Content-Type": "application/json", ROUTE_HEADER: route})
         return ReplayStream(obj, creq.kind == CHAT, creq.include_usage, route)
 
-    async def answer(self, request: web.Request, creq, scope, gen: Placement, resp: Response,
-                     route: str) -> web.StreamResponse:
+    async def answer(self, request: FleetRequest, creq, scope, gen: Placement, resp: Response,
+                     route: str):
         """Relay the answering leg `resp` (status < 400, headers read) to the client."""
         t_leg = time.perf_counter()
         if not creq.stream or not resp.content_type.startswith("text/event-stream"):
@@ -255,8 +253,8 @@ class Relay:
             M.TTFT.labels(scope.mode).observe(now - scope.t0)
             M.E2E.labels(scope.mode).observe(now - scope.t0)
             scope.settled()
-            return web.Response(body=data, headers={"Content-Type": "application/json", ROUTE_HEADER: route})
-        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, ROUTE_HEADER: route})
+            return Reply(200, data, {"Content-Type": "application/json", ROUTE_HEADER: route})
+        out = FleetStream(status=200, headers={**SSE_HEADERS, ROUTE_HEADER: route})
         await out.prepare(request)
         scope.bytes_sent = True
         if await self._stream(out, creq, scope, gen, resp):
@@ -268,7 +266,7 @@ class Relay:
             M.E2E.labels(scope.mode).observe(time.perf_counter() - scope.t0)
         return out
 
-    async def _stream(self, out: web.StreamResponse, creq, scope, gen: Placement, resp: Response) -> bool:
+    async def _stream(self, out: FleetStream, creq, scope, gen: Placement, resp: Response) -> bool:
         """Copy the SSE events; False when the leg failed mid-stream (the error event was sent)."""
         buf = b""
         last = None
@@ -326,7 +324,7 @@ class Relay:
         return True
 
 
-async def _stream_error(out: web.StreamResponse, err: ApiError) -> None:
+async def _stream_error(out: FleetStream, err: ApiError) -> None:
     try:
         await out.write(err.sse_event() + b"data: [DONE]\n\n")
         await out.write_eof()

@@ -20,8 +20,7 @@ import socket
 import time
 import weakref
 
-from aiohttp import hdrs, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp import web
 
 from protocol.coord import CoordinatorError
 from coordinator.gc_tuning import settle_heap
@@ -30,7 +29,7 @@ from . import metrics as M
 from .auth import AUTH_HEADER, ApiKeys, vet_client_params
 from protocol.openai import ApiError
 from .flow import Flow
-from .http_protocol import FleetRunner
+from .http_server import BadBody, BodyTooLarge, FleetHttpServer, FleetRequest
 from .keys import TokenizerUnavailable, make_key_builder
 from .placement import CTX, GEN, Placer
 from .snowflake import SnowflakeGenerator
@@ -102,7 +101,11 @@ class FleetServer:
         self.min_ctx, self.min_gen = mins.context_servers, mins.generation_servers
         self._identity_task: asyncio.Task | None = None
         self._m_req: dict = {}
-        self.runner: web.AppRunner | None = None
+        self.http: FleetHttpServer | None = None
+        self._routes = {("POST", "/v1/completions"): self.completions,
+                        ("POST", "/v1/chat/completions"): self.chat,
+                        ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
+                        ("GET", "/cluster_info"): self.cluster_info, ("GET", "/metrics"): self.metrics}
         self.started = False
 
     # ------------------------------------------------------------------ start / stop
@@ -194,16 +197,11 @@ class FleetServer:
                 pass   # the lease expires on its own
 
     # ------------------------------------------------------------------ app
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/cluster_info", self.cluster_info)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_route("*", "/{tail:.*}", self.not_found)
-        return app
+    def dispatch(self, request: FleetRequest):
+        """The route's coroutine for `request` (a HEAD is its GET without the body)."""
+        method = request.method
+        h = self._routes.get(("GET" if method == "HEAD" else method, request.path))
+        return (h or self.not_found)(request)
 
     def _count(self, endpoint: str, status: int) -> None:
         k = (endpoint, status)
@@ -212,20 +210,20 @@ class FleetServer:
             c = self._m_req[k] = M.REQUESTS.labels(endpoint, str(status))
         c.inc()
 
-    def _auth(self, request: web.Request) -> None:
+    def _auth(self, request: FleetRequest) -> None:
         if self.api_keys.enabled and not self.api_keys.check(request.headers.get("Authorization")):
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: FleetRequest):
         return await self._generate(request, COMPLETION)
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: FleetRequest):
         return await self._generate(request, CHAT)
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: FleetRequest) -> bytes:
         """The request body, within `fleet.body_timeout_s`; typed 4xx for what the client got wrong."""
-        ct = request.headers.get(hdrs.CONTENT_TYPE)
+        ct = request.headers.get("Content-Type")
         if ct is not None and not _is_json(request.content_type):
             raise ApiError(415, f"Content-Type must be application/json, got {ct[:80]!r}",
                            code="unsupported_media_type")
@@ -233,20 +231,22 @@ class FleetServer:
         if cl is not None and cl > self.max_body:
             raise too_large(self.max_body, cl)
         try:
+            if request.body_complete:
+                return request.body_now()     # the usual case: it came with the head, no timer needed
             async with asyncio.timeout(self.body_timeout):
                 return await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        except BodyTooLarge:
             raise too_large(self.max_body, None) from None
         except TimeoutError:
             M.BODY_TIMEOUTS.inc()
             raise ApiError(408, f"the request body was not received within {self.body_timeout:g}s "
                                 f"(fleet.body_timeout_s)", code="request_timeout", close=True) from None
-        except HttpProcessingError as e:
+        except BadBody as e:
             # e.g. bad chunked encoding that arrived after the head
-            raise ApiError(400, f"malformed request body: {' '.join(str(e.message).split())[:200]}",
+            raise ApiError(400, f"malformed request body: {e.message[:200]}",
                            code="bad_http_request", close=True) from None
 
-    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+    async def _generate(self, request: FleetRequest, kind: str):
         t0 = time.perf_counter()
         flow = self.flow
         status = 500
@@ -295,7 +295,7 @@ class FleetServer:
                 flow.inflight -= 1
             self._count(kind, status)
 
-    def _keepalive_cap(self, request: web.Request, resp: web.StreamResponse) -> None:
+    def _keepalive_cap(self, request: FleetRequest, resp) -> None:
         cap = self.keepalive_requests
         if cap is None:
             return
@@ -309,7 +309,7 @@ class FleetServer:
             # SO_REUSEPORT hash may land it on another fleet process (long-lived pools spread out).
             resp.force_close()
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: FleetRequest) -> web.Response:
         try:
             self._auth(request)
         except ApiError as e:
@@ -325,11 +325,11 @@ class FleetServer:
                     "generation_servers": n_gen, "min_context_servers": self.min_ctx,
                     "min_generation_servers": self.min_gen, "coordinator_reachable": self.placer.coord_ok}
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: FleetRequest) -> web.Response:
         ok, body = self._health()
         return web.json_response(body, status=200 if ok else 503)
 
-    async def cluster_info(self, request: web.Request) -> web.Response:
+    async def cluster_info(self, request: FleetRequest) -> web.Response:
         try:
             self._auth(request)
         except ApiError as e:
@@ -349,14 +349,15 @@ class FleetServer:
                  "policies": dict(self.placer.policy), "health": health, "schedule_style": self.config.schedule_style}
         return web.json_response({**ci, "fleet": fleet})
 
-    async def metrics(self, request: web.Request) -> web.Response:
+    async def metrics(self, request: FleetRequest) -> web.Response:
         body, ctype = M.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
-    async def not_found(self, request: web.Request) -> web.Response:
+    async def not_found(self, request: FleetRequest) -> web.Response:
         known = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET",
                  "/health": "GET", "/cluster_info": "GET", "/metrics": "GET"}
-        m = known.get(request.path)
+        # a CONNECT's target is a host:port (authority form), never one of these paths
+        m = known.get(request.path) if request.method != "CONNECT" else None
         if m is not None:
             return ApiError(405, f"{request.method} is not allowed on {request.path}; use {m}",
                             code="method_not_allowed").response({"Allow": m})
@@ -366,24 +367,19 @@ class FleetServer:
     # ------------------------------------------------------------------ serving
     async def serve(self, sock: socket.socket, stop: asyncio.Event) -> None:
         """Serve on `sock` (already listening) until `stop` is set, then drain and close."""
-        self.runner = FleetRunner(self.make_app(), access_log=None, handler_cancellation=True,
-                                  keepalive_timeout=self.config.server_keep_alive_timeout,
-                                  shutdown_timeout=self.config.fleet.drain_timeout_s,
-                                  header_timeout_s=self.config.fleet.header_timeout_s)
-        await self.runner.setup()
-        # backlog: SockSite listens again on the socket, by default with 128 — under the 4096 the
-        # socket was bound with. 256 connections opened at once then overflowed the accept queue
-        # and the dropped handshakes cost their first requests ~1 s of TCP retransmission (the
-        # one-process fleet's 842 ms p99 at 256 connections, issue 13; two processes: 2 x 128).
-        site = web.SockSite(self.runner, sock, shutdown_timeout=self.config.fleet.drain_timeout_s,
-                            backlog=LISTEN_BACKLOG)
-        await site.start()
+        self.http = FleetHttpServer(self.dispatch, max_body=self.max_body,
+                                    keepalive_s=self.config.server_keep_alive_timeout,
+                                    header_timeout_s=self.config.fleet.header_timeout_s)
+        # the loop listens on the socket again: with the bound backlog, not a default of 128 (256
+        # connections opened at once overflowed it: ~1 s retransmissions, issue 13)
+        await self.http.serve(sock, LISTEN_BACKLOG)
         try:
             await stop.wait()
         finally:
             log.info("fleet process %d: draining (%d in flight, up to %.0fs)", os.getpid(),
                      self.flow.inflight if self.flow else 0, self.config.fleet.drain_timeout_s)
-            await self.runner.cleanup()   # closes the listener first, then waits for in-flight requests
+            # closes the listener first, then waits for in-flight requests
+            await self.http.close(self.config.fleet.drain_timeout_s)
             await self.close()
 
 

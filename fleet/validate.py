@@ -54,27 +54,60 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _validate_common(body: dict) -> None:
-    int_field(body, "max_tokens", lo=1)
-    int_field(body, "max_completion_tokens", lo=1)
-    int_field(body, "min_tokens", lo=0)
-    num_field(body, "temperature", None, 0.0, 2.0)
-    num_field(body, "top_p", None, 0.0, 1.0)
-    num_field(body, "presence_penalty", None, -2.0, 2.0)
-    num_field(body, "frequency_penalty", None, -2.0, 2.0)
-    num_field(body, "repetition_penalty", None, 0.0, 10.0)
-    int_field(body, "top_k", lo=-1)
-    int_field(body, "seed", lo=SEED_MIN, hi=SEED_MAX)
-    bool_field(body, "ignore_eos")
-    str_field(body, "user")
-    n_field(body)
-    stop_field(body)
+def _logit_bias(body: dict) -> None:
     lb = body.get("logit_bias")
     if lb is not None and not isinstance(lb, dict):
         raise bad_request(f"'logit_bias' must be an object, got {tname(lb)}", "logit_bias", "invalid_type")
+
+
+def _prompt_token_ids(body: dict) -> None:
     pti = body.get("prompt_token_ids")
     if pti is not None:
         token_ids(pti, "prompt_token_ids")
+
+
+# (field, check) in the order the checks run, so that of several bad fields the same one is named
+# first; a check runs only when its field is present (each is a no-op for an absent one), which
+# skips ~20 calls on a typical body of three or four fields.
+_COMMON = (
+    ("max_tokens", lambda b: int_field(b, "max_tokens", lo=1)),
+    ("max_completion_tokens", lambda b: int_field(b, "max_completion_tokens", lo=1)),
+    ("min_tokens", lambda b: int_field(b, "min_tokens", lo=0)),
+    ("temperature", lambda b: num_field(b, "temperature", None, 0.0, 2.0)),
+    ("top_p", lambda b: num_field(b, "top_p", None, 0.0, 1.0)),
+    ("presence_penalty", lambda b: num_field(b, "presence_penalty", None, -2.0, 2.0)),
+    ("frequency_penalty", lambda b: num_field(b, "frequency_penalty", None, -2.0, 2.0)),
+    ("repetition_penalty", lambda b: num_field(b, "repetition_penalty", None, 0.0, 10.0)),
+    ("top_k", lambda b: int_field(b, "top_k", lo=-1)),
+    ("seed", lambda b: int_field(b, "seed", lo=SEED_MIN, hi=SEED_MAX)),
+    ("ignore_eos", lambda b: bool_field(b, "ignore_eos")),
+    ("user", lambda b: str_field(b, "user")),
+    ("n", n_field),
+    ("stop", stop_field),
+    ("logit_bias", _logit_bias),
+    ("prompt_token_ids", _prompt_token_ids),
+)
+_CHAT = (
+    ("logprobs", lambda b: bool_field(b, "logprobs")),
+    ("top_logprobs", lambda b: int_field(b, "top_logprobs", lo=0, hi=20)),
+)
+_COMPLETION = (
+    ("echo", lambda b: bool_field(b, "echo")),
+    ("logprobs", lambda b: int_field(b, "logprobs", lo=0, hi=20)),
+    ("best_of", lambda b: int_field(b, "best_of", lo=1, hi=1)),
+    ("suffix", lambda b: str_field(b, "suffix")),
+)
+_INTERNAL = frozenset(INTERNAL_FIELDS)
+
+
+def _check(body: dict, checks) -> None:
+    for name, check in checks:
+        if name in body:
+            check(body)
+
+
+def _validate_common(body: dict) -> None:
+    _check(body, _COMMON)
 
 
 def _conversation_id(body: dict) -> str | None:
@@ -126,18 +159,15 @@ def parse_request(raw: bytes, kind: str) -> ClientRequest:
     _validate_common(body)
     if kind == CHAT:
         messages_field(body.get("messages"))
-        bool_field(body, "logprobs")
-        int_field(body, "top_logprobs", lo=0, hi=20)
+        _check(body, _CHAT)
     else:
         _validate_prompt(body)
-        bool_field(body, "echo")
-        int_field(body, "logprobs", lo=0, hi=20)
-        int_field(body, "best_of", lo=1, hi=1)
-        str_field(body, "suffix")
-    for name in INTERNAL_FIELDS:
-        if name in body:
-            raise bad_request(f"'{name}' is a leg field set by the router, not by clients; remove it",
-                              name, "internal_field")
+        _check(body, _COMPLETION)
+    if not _INTERNAL.isdisjoint(body):
+        for name in INTERNAL_FIELDS:
+            if name in body:
+                raise bad_request(f"'{name}' is a leg field set by the router, not by clients; remove it",
+                                  name, "internal_field")
     dp = body.pop("disaggregated_params", None)
     if dp is not None and not isinstance(dp, dict):
         raise bad_request(f"'disaggregated_params' must be an object, got {tname(dp)}", "disaggregated_params",

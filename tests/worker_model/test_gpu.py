@@ -122,3 +122,42 @@ def test_page_table_on_cuda():
     pt = r.page_table()
     assert pt["mem_type"] == "VRAM" and pt["device_id"] == torch.cuda.current_device()
     assert pt["pools"][0]["base_ptr"] == r.kv_cache.data_ptr() and pt["pools"][0]["dtype"] == "bfloat16"
+
+
+def test_pdl_launches_equal_plain_launches(monkeypatch):
+    """worker/attention/pdl.py: on Hopper the triton backend's kernels are launched with programmatic
+    dependent launch (each may start before the previous grid's completion and waits for it before
+    touching memory). Logits of graphed and of eager steps — a prefix-cache chunk, then decode
+    steps of one long row beside short ones at ``1b``'s widths — are bit-identical with it switched
+    off (``SPLITSERVE_PDL=0``): a kernel that read its input before the previous one had finished,
+    or wrote a buffer still being read, would differ here."""
+    from worker.attention import pdl
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    cfg = dataclasses.replace(preset_config("1b"), num_hidden_layers=3, name="1b-3-layers")
+    model = LlamaForCausalLM(cfg, device="cuda", dtype=torch.bfloat16)
+    init_random_weights(model)
+    lengths = [3000] + [40 + 9 * i for i in range(6)]
+    seqs = [[(i * 13 + j * 5 + 1) % 250 for j in range(n)] for i, n in enumerate(lengths)]
+    tables, first = [], 0
+    for n in lengths:
+        tables.append(list(range(first, first + (n + 12 + BS - 1) // BS)))
+        first += len(tables[-1])
+
+    def run(flag: str, graphs: bool) -> torch.Tensor:
+        monkeypatch.setenv("SPLITSERVE_PDL", flag)
+        assert pdl.enabled(torch.device("cuda")) == (flag == "1")
+        runner = ModelRunner(model, first, BS, cuda_graphs=graphs, attention_backend="triton")
+        out = []
+        for s, t in zip(seqs, tables):  # a fresh chunk, then one after a cached prefix (paged prefill)
+            runner.step([Chunk(s[:-5], 0, t)])
+            out.append(runner.step([Chunk(s[-5:], len(s) - 5, t)]))
+        for k in range(6):
+            out.append(runner.step([Chunk([(k + i) % 250], len(s) + k, t)
+                                    for i, (s, t) in enumerate(zip(seqs, tables))]))
+        assert bool(runner._graphs) == graphs
+        return torch.cat(out)
+
+    for graphs in (True, False):
+        on, off = run("1", graphs), run("0", graphs)
+        assert torch.equal(on, off), f"cuda_graphs={graphs}: max |diff| {(on - off).abs().max().item()}"

@@ -1,0 +1,634 @@
+"""The fleet's public HTTP/1.1 server: httptools (llhttp) parsing on asyncio protocols.
+
+Why not aiohttp's server: on this project's 2-core box a route that reads a small JSON body and
+answers a fixed one costs ~48 µs of CPU per request through aiohttp (request/response objects,
+stream reader, URL parsing, writer) and ~13 µs through a bare httptools protocol — a fifth of the
+whole round-robin proxy path (bench/RESULTS.md, "fleet CPU per request · lean HTTP server").
+coordinator/http.py made the same move for the coordinator's API; this server also runs async
+handlers (one task per request), streams answers, and keeps the fleet's error contract.
+
+Semantics (invariants):
+- keep-alive and pipelining: requests on a connection are served one at a time, in order (the next
+  one's task starts when the previous answer is written); `Connection: close`, HTTP/1.0 without
+  keep-alive, a response marked `force_close()`, or a body left unread close after the answer.
+- The handler runs once the head is complete; the body arrives meanwhile (`FleetRequest.read`), so a
+  route can answer 413/415 without reading it and bound the wait (`fleet.body_timeout_s`).
+- Every error is an OpenAI error body (docs/design.md §4): 414 for a URL over `MAX_URL_BYTES`, 431
+  for a header line over `MAX_FIELD_BYTES`, 400 for more than `MAX_HEADERS` headers or anything the
+  parser rejects (a bad chunk after the head fails the route's body read instead: also 400), 408
+  when a started head is not complete within `header_timeout_s`; each closes the connection.
+- A client that hangs up cancels its request's task (at whatever await point it is), as aiohttp's
+  `handler_cancellation` did: the flow's scopes end leases and legs on that cancellation.
+- `Expect: 100-continue` gets its interim answer; an upgrade request is served as plain HTTP and
+  the connection closed. Back-pressure: a full write buffer pauses reading and `FleetStream.write`.
+- Idle keep-alive connections close after `keepalive_s`. `close()` stops accepting, closes idle
+  connections, waits for the requests in flight (bounded), then cancels the rest.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import time
+from email.utils import formatdate
+from http import HTTPStatus
+from urllib.parse import unquote
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from protocol.openai import ApiError
+
+log = logging.getLogger("splitserve.fleet.http")
+
+# The request line and one header line have separate limits so each failure names its own status.
+MAX_URL_BYTES = 8192
+MAX_FIELD_BYTES = 8190
+MAX_HEADERS = 128
+_MAX_QUEUED = 16          # pipelined requests parsed ahead of the one being served: reading pauses
+
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def status_line(status: int, reason: str | None = None) -> bytes:
+    if reason is None:
+        line = _STATUS_LINES.get(status)
+        if line is None:
+            line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n".encode()
+        return line
+    return f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1", "replace")
+
+
+class _Clock:
+    """The `Date` header line, rendered once per second."""
+
+    __slots__ = ("_sec", "line")
+
+    def __init__(self):
+        self._sec = -1
+        self.line = b""
+
+    def get(self) -> bytes:
+        now = int(time.time())
+        if now != self._sec:
+            self._sec = now
+            self.line = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+        return self.line
+
+
+_CLOCK = _Clock()
+
+
+class BodyTooLarge(Exception):
+    """The request body passed the server's `max_body`."""
+
+
+class BadBody(Exception):
+    """The request body's framing is broken (e.g. a bad chunk size after the head)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class _Limit(Exception):
+    def __init__(self, err: ApiError):
+        super().__init__(err.message)
+        self.err = err
+
+
+def _mimetype(ctype: str) -> str:
+    return ctype.partition(";")[0].strip().lower()
+
+
+class FleetRequest:
+    """One request: the parsed head, and its body as it arrives."""
+
+    __slots__ = ("method", "path", "raw_path", "version", "headers", "keep_alive", "conn", "_body",
+                 "_size", "_done", "_error", "_waiter", "stream", "upgrade")
+
+    def __init__(self, conn: "_Conn", method: str, raw_path: bytes, version: str, headers, keep_alive: bool,
+                 upgrade: bool):
+        self.conn = conn
+        self.method = method
+        self.raw_path = raw_path
+        target = raw_path
+        if target[:1] != b"/" and (target.startswith(b"http://") or target.startswith(b"https://")):
+            # absolute form (RFC 9112 §3.2.2): the path starts after the authority
+            slash = target.find(b"/", target.find(b"//") + 2)
+            target = target[slash:] if slash >= 0 else b"/"
+        q = target.find(b"?")
+        # not UTF-8: no route matches it anyway, and the 404 naming it must stay valid JSON
+        p = (target if q < 0 else target[:q]).decode("utf-8", "replace")
+        self.path = unquote(p, errors="replace") if "%" in p else p
+        self.version = version
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.upgrade = upgrade
+        self._body: list[bytes] = []
+        self._size = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self.stream: "FleetStream | None" = None     # the streamed answer, once prepared
+
+    # ---- what the routes read (the names aiohttp's request had)
+    @property
+    def transport(self):
+        return self.conn.transport
+
+    @property
+    def remote(self) -> str | None:
+        t = self.conn.transport
+        peer = t.get_extra_info("peername") if t is not None else None
+        return peer[0] if isinstance(peer, tuple) else None
+
+    @property
+    def content_type(self) -> str:
+        ct = self.headers.get("Content-Type")
+        return "application/octet-stream" if ct is None else _mimetype(ct)
+
+    @property
+    def content_length(self) -> int | None:
+        v = self.headers.get("Content-Length")
+        try:
+            return int(v) if v is not None else None
+        except ValueError:
+            return None
+
+    @property
+    def body_complete(self) -> bool:
+        return self._done and self._error is None
+
+    def body_now(self) -> bytes:
+        """The whole body when it has arrived already (`body_complete`)."""
+        b = self._body
+        return b[0] if len(b) == 1 else b"".join(b)
+
+    async def read(self) -> bytes:
+        """The whole body; BodyTooLarge / BadBody for what the client got wrong."""
+        while not self._done:
+            self._waiter = self.conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._error is not None:
+            raise self._error
+        return self.body_now()
+
+    # ---- fed by the connection
+    def _feed(self, chunk: bytes, limit: int) -> None:
+        if self._done:
+            return
+        self._size += len(chunk)
+        if self._size > limit:
+            self._fail(BodyTooLarge())
+            return
+        self._body.append(chunk)
+
+    def _eof(self) -> None:
+        if not self._done:
+            self._done = True
+            self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._done:
+            self._done = True
+            self._error = exc
+            self._body.clear()
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class FleetStream:
+    """A streamed answer (SSE): head with chunked framing, then `write`s, then `write_eof` — the
+    calls aiohttp's `StreamResponse` had. A write to a connection that is gone raises
+    ConnectionResetError."""
+
+    __slots__ = ("status", "headers", "prepared", "eof", "_conn", "_chunked", "_keep")
+
+    def __init__(self, status: int = 200, headers: dict | None = None):
+        self.status = status
+        self.headers = dict(headers or {})
+        self.prepared = False
+        self.eof = False
+        self._conn: _Conn | None = None
+        self._chunked = True
+        self._keep = True
+
+    def force_close(self) -> None:
+        self._keep = False
+
+    @property
+    def keep_alive(self) -> bool:
+        return self._keep
+
+    async def prepare(self, request: FleetRequest) -> "FleetStream":
+        if self.prepared:
+            return self
+        conn = request.conn
+        self._conn = conn
+        request.stream = self
+        self._chunked = request.version == "1.1"
+        if not self._chunked:
+            self._keep = False       # HTTP/1.0: the body ends when the connection closes
+        head = [status_line(self.status), _CLOCK.get()]
+        for k, v in self.headers.items():
+            head.append(b"%s: %s\r\n" % (k.encode("latin-1"), str(v).encode("latin-1")))
+        head.append(b"Transfer-Encoding: chunked\r\n" if self._chunked else b"Connection: close\r\n")
+        head.append(b"\r\n")
+        self.prepared = True
+        conn.write(b"".join(head))
+        await conn.drain()
+        return self
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("write before prepare")
+        conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        await conn.drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self.eof:
+            return
+        if data:
+            await self.write(data)
+        self.eof = True
+        if self._chunked:
+            self._conn.write(b"0\r\n\r\n")
+            await self._conn.drain()
+
+
+class Reply:
+    """A complete answer: status, headers, body (the hot routes' cheaper stand-in for aiohttp's
+    `web.Response`, which the other routes and `ApiError.response()` still build)."""
+
+    __slots__ = ("status", "body", "headers", "keep_alive")
+    prepared = False
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str]):
+        self.status = status
+        self.body = body
+        self.headers = headers
+        self.keep_alive: bool | None = None
+
+    def force_close(self) -> None:
+        self.keep_alive = False
+
+
+_SKIP = frozenset(("content-length", "transfer-encoding", "connection"))
+
+
+def reply_bytes(resp, keep: bool, head_only: bool = False) -> bytes:
+    """The bytes of a complete answer: a `Reply` or an aiohttp `web.Response` as the routes build
+    it (status, headers, bytes body); `Connection: close` unless `keep`."""
+    body = resp.body
+    if body is None:
+        body = b""
+    reason = getattr(resp, "reason", None)
+    parts = [status_line(resp.status, None if reason is None or reason == _REASONS.get(resp.status) else reason),
+             _CLOCK.get()]
+    for k, v in resp.headers.items():
+        if k.lower() in _SKIP:
+            continue
+        parts.append(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1")))
+    parts.append(b"Content-Length: %d\r\n" % len(body))
+    if not keep:
+        parts.append(b"Connection: close\r\n")
+    parts.append(b"\r\n")
+    if not head_only:
+        parts.append(body)
+    return b"".join(parts)
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection: parse, queue, serve one request at a time, write answers."""
+
+    __slots__ = ("srv", "loop", "transport", "parser", "_url", "_hdrs", "_nhdr", "cur", "queue", "task",
+                 "serving", "closing", "last", "_hdr_timer", "_paused_w", "_drain", "_paused_r",
+                 "_upgrade", "_pending_error", "_in_head")
+
+    def __init__(self, srv: "FleetHttpServer"):
+        self.srv = srv
+        self.loop = srv.loop
+        self.transport = None
+        self.parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._hdrs: list = []
+        self._nhdr = 0
+        self.cur: FleetRequest | None = None     # the request being parsed (head done, body coming)
+        self.queue: collections.deque[FleetRequest] = collections.deque()
+        self.task: asyncio.Task | None = None
+        self.serving: FleetRequest | None = None
+        self.closing = False
+        self.last = time.monotonic()
+        self._hdr_timer: asyncio.TimerHandle | None = None
+        self._paused_w = False
+        self._drain: asyncio.Future | None = None
+        self._paused_r = False
+        self._upgrade = False
+        self._pending_error: ApiError | None = None
+        self._in_head = False      # bytes of a request head arrived, the head is not complete
+
+    # ---- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.srv.conns.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def connection_lost(self, exc) -> None:
+        self.srv.conns.discard(self)
+        self.transport = None
+        self.closing = True
+        if self._hdr_timer is not None:
+            self._hdr_timer.cancel()
+            self._hdr_timer = None
+        if self.cur is not None:
+            self.cur._fail(ConnectionResetError("the client closed the connection"))
+        self.queue.clear()
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_exception(ConnectionResetError("the client closed the connection"))
+        if self.task is not None:
+            self.task.cancel()       # the client hung up: its request ends here (scopes clean up)
+
+    def pause_writing(self) -> None:
+        # a client that does not read its answers: stop reading its requests too
+        self._paused_w = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._paused_w = False
+        if self.transport is not None and not self._paused_r and not self.closing:
+            self.transport.resume_reading()
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.last = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._upgrade = True       # served as plain HTTP; nothing after it is read
+            if self.transport is not None:
+                self.transport.pause_reading()
+        except httptools.HttpParserError as exc:
+            self._parse_failed(exc)
+            return
+        if self.srv.header_timeout is not None and not self.closing:
+            if self._in_head:
+                if self._hdr_timer is None:
+                    self._hdr_timer = self.loop.call_later(self.srv.header_timeout, self._header_timed_out)
+            elif self._hdr_timer is not None:
+                self._hdr_timer.cancel()
+                self._hdr_timer = None
+
+    # ---- httptools callbacks -----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._hdrs = []
+        self._nhdr = 0
+        self._in_head = True
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > MAX_URL_BYTES:
+            raise _Limit(ApiError(414, f"request line (method and URL) longer than {MAX_URL_BYTES} bytes",
+                                  code="uri_too_long"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._nhdr += 1
+        if len(name) + len(value) + 2 > MAX_FIELD_BYTES:
+            raise _Limit(ApiError(431, f"a request header line is longer than {MAX_FIELD_BYTES} bytes",
+                                  code="request_header_fields_too_large"))
+        if self._nhdr > MAX_HEADERS:
+            raise _Limit(ApiError(400, f"malformed HTTP request: more than {MAX_HEADERS} headers",
+                                  code="bad_http_request"))
+        self._hdrs.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+
+    def on_headers_complete(self) -> None:
+        p = self.parser
+        self._in_head = False
+        if self._hdr_timer is not None:
+            self._hdr_timer.cancel()
+            self._hdr_timer = None
+        req = FleetRequest(self, p.get_method().decode("ascii", "replace"), self._url, p.get_http_version(),
+                           CIMultiDictProxy(CIMultiDict(self._hdrs)), p.should_keep_alive(), p.should_upgrade())
+        self._hdrs = []
+        self._url = b""
+        self.cur = req
+        self._enqueue(req)
+
+    def on_body(self, chunk: bytes) -> None:
+        cur = self.cur
+        if cur is not None:
+            cur._feed(chunk, self.srv.max_body)
+
+    def on_message_complete(self) -> None:
+        cur = self.cur
+        self.cur = None
+        if cur is not None:
+            cur._eof()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _enqueue(self, req: FleetRequest) -> None:
+        if self.task is None:
+            self._start(req)
+            return
+        self.queue.append(req)
+        if len(self.queue) >= _MAX_QUEUED and not self._paused_r and self.transport is not None:
+            self._paused_r = True
+            self.transport.pause_reading()
+
+    def _start(self, req: FleetRequest) -> None:
+        if not req._done and req.version == "1.1" and self.transport is not None \
+                and req.headers.get("Expect", "").lower() == "100-continue":
+            # its turn has come and its body is still to be sent: ask for it
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.serving = req
+        self.task = self.loop.create_task(self._serve(req))
+
+    async def _serve(self, req: FleetRequest) -> None:
+        srv = self.srv
+        try:
+            try:
+                resp = await srv.dispatch(req)
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # a bug costs one request, not the connection
+                log.exception("internal error on %s %s", req.method, req.path)
+                resp = ApiError(500, "internal error while handling the request", code="internal_error").response()
+            keep = self._answer(req, resp)
+        except asyncio.CancelledError:
+            self.task = None
+            return
+        self.task = None
+        self.serving = None
+        self.last = time.monotonic()
+        if not keep:
+            self._close()
+            return
+        if self._pending_error is not None:
+            self._send_error(self._pending_error)
+            return
+        if self._in_head and self._hdr_timer is None and srv.header_timeout is not None:
+            self._hdr_timer = self.loop.call_later(srv.header_timeout, self._header_timed_out)
+        if self.queue:
+            nxt = self.queue.popleft()
+            if self._paused_r and len(self.queue) < _MAX_QUEUED // 2 and self.transport is not None:
+                self._paused_r = False
+                if not self._paused_w:
+                    self.transport.resume_reading()
+            self._start(nxt)
+
+    def _answer(self, req: FleetRequest, resp) -> bool:
+        """Write `resp` unless it was streamed; whether the connection may stay open."""
+        ok = (req.keep_alive and req.body_complete and not req.upgrade and not self._upgrade
+              and not self.srv.stopping)
+        if req.stream is not None:
+            s = req.stream
+            return ok and s.eof and s.keep_alive
+        if self.transport is None:
+            return False
+        keep = ok and resp.keep_alive is not False
+        if not keep:
+            self.closing = True     # nothing more is read from this connection
+        self.transport.write(reply_bytes(resp, keep, req.method == "HEAD"))
+        return keep
+
+    def write(self, data: bytes) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        t.write(data)
+
+    async def drain(self) -> None:
+        if not self._paused_w:
+            return
+        if self.transport is None:
+            raise ConnectionResetError("the client closed the connection")
+        self._drain = self.loop.create_future()
+        try:
+            await self._drain
+        finally:
+            self._drain = None
+
+    # ---- errors ----------------------------------------------------------------------------------
+    def _parse_failed(self, exc: BaseException) -> None:
+        cause = exc.__context__
+        if isinstance(cause, _Limit):
+            err = cause.err
+        else:
+            detail = " ".join(str(exc).split())[:200] or "malformed request"
+            err = ApiError(400, f"malformed HTTP request: {detail}", code="bad_http_request")
+        cur = self.cur
+        self.cur = None
+        if cur is not None and self.serving is cur and not cur._done:
+            # the route is reading this body: its read fails, the route answers 400 and closes
+            cur._fail(BadBody(err.message))
+            self.closing = True
+            return
+        if self.task is not None:
+            self._pending_error = err    # answered after the request being served
+            self.closing = True
+            if self.transport is not None:
+                self.transport.pause_reading()
+            return
+        log.debug("rejected a malformed request: %s", err.message)
+        self._send_error(err)
+
+    def _send_error(self, err: ApiError) -> None:
+        t = self.transport
+        self.closing = True
+        if t is None:
+            return
+        t.write(reply_bytes(Reply(err.status, err.body(), err.headers()), False))
+        t.close()
+
+    def _header_timed_out(self) -> None:
+        self._hdr_timer = None
+        if self.transport is None or not self._in_head or self.task is not None or self.closing:
+            return
+        self._send_error(ApiError(408, f"the request head (request line and headers) was not received "
+                                       f"within {self.srv.header_timeout:g}s (fleet.header_timeout_s)",
+                                  code="request_timeout"))
+
+    def _close(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class FleetHttpServer:
+    """Serves `dispatch(request) -> response` on a listening socket with `_Conn` protocols."""
+
+    def __init__(self, dispatch, *, max_body: int, keepalive_s: float, header_timeout_s: float | None):
+        self.dispatch = dispatch
+        self.max_body = max_body
+        self.keepalive_s = keepalive_s
+        self.header_timeout = header_timeout_s
+        self.conns: set[_Conn] = set()
+        self.server: asyncio.base_events.Server | None = None
+        self.stopping = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    async def serve(self, sock: socket.socket, backlog: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.server = await self.loop.create_server(lambda: _Conn(self), sock=sock, backlog=backlog)
+        self._sweeper = self.loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, max(0.05, self.keepalive_s / 2)))
+            cutoff = time.monotonic() - self.keepalive_s
+            for c in list(self.conns):
+                if c.task is None and c.cur is None and c.last < cutoff and c.transport is not None:
+                    c._close()
+
+    def inflight(self) -> int:
+        return sum(1 for c in self.conns if c.task is not None)
+
+    async def close(self, timeout: float) -> None:
+        """Stop accepting; close idle connections; wait for requests in flight (bounded), cancel the rest."""
+        self.stopping = True
+        if self.server is not None:
+            self.server.close()
+        for c in list(self.conns):
+            if c.task is None:
+                c._close()
+        deadline = time.monotonic() + timeout
+        while any(c.task is not None for c in self.conns) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        tasks = [c.task for c in self.conns if c.task is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for c in list(self.conns):
+            c._close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        if self.server is not None:
+            await self.server.wait_closed()
