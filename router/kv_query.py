@@ -45,9 +45,12 @@ _MEMO_SCORE_DECAY = 1 / 64
 
 
 def _u64_bytes(keys) -> bytes | None:
-    """The keys as bytes of native u64 (a memo's identity), or None when they are not all u64."""
+    """The keys (a uint64 array or a list) as bytes of native u64 (a memo's identity), or None
+    when they are not all u64 values (an int array, floats, negative ints...)."""
     if isinstance(keys, np.ndarray):
         return keys.tobytes() if keys.dtype == np.uint64 else None
+    if not all(type(k) is int for k in keys):
+        return None
     try:
         return np.array(keys, dtype=np.uint64).tobytes()
     except (OverflowError, TypeError, ValueError):
@@ -144,6 +147,8 @@ class QueryMixin:
         """``_walk(keys, every slot)``, reusing memoised walks where exact (module docstring)."""
         if not self._all_bits:
             return []
+        if not isinstance(keys, (list, np.ndarray)):
+            keys = list(keys)
         raw = _u64_bytes(keys)
         if raw is None:     # not u64 keys (no memo is for them): a plain walk
             return self._walk(keys.tolist() if isinstance(keys, np.ndarray) else list(keys),
