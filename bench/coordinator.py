@@ -16,8 +16,8 @@ mix of KV-index states, which keep changing as routed blocks are added):
 6. open loop at a fixed offered rate (2,000 selects/s, each followed by its finish) over UDS:
    select round-trip p50/p99;
 7. the same closed loop and floor against the coordinator run with `--http aiohttp`;
-8. with `--baseline DIR`: DIR's coordinator started beside this tree's (same core, cluster and
-   prompts), channel windows alternating between the two, then the open loop on each.
+8. with `--baseline DIR`: fresh coordinators of this tree and of DIR started together (same core,
+   cluster and prompts), channel windows alternating between the two, then the open loop on each.
 
 The load generator is a small HTTP/1.1 keep-alive client on raw asyncio transports so that the
 client core is not the bottleneck being measured. Prints a table and (unless --no-write)
@@ -188,16 +188,21 @@ def _stop(p) -> None:
             p.wait()
 
 
-def _ab(args, pool, conf: Path, env: dict, cpu, tmp: Path, uds: str, uds_t: dict, bodies) -> dict:
-    """This tree's coordinator (running, its index filled) against `--baseline`'s, started on the
-    same core and cluster: channel windows alternating between the two, round by round (the box's
-    noise shared), then the open loop on each; CPU µs per pair per window."""
+def _ab(args, pool, conf: Path, env: dict, cpu, tmp: Path, bodies) -> dict:
+    """A fresh coordinator of this tree against one of `--baseline`, both started together on the
+    same core and cluster (so their speculative entries age alike): channel windows alternating
+    between the two, round by round (the box's noise shared), then the open loop on each; CPU µs
+    per pair per window."""
     import uvloop
+    uds = str(tmp / "coord-ab.sock")
     base_uds = str(tmp / "coord-baseline.sock")
-    base, base_t, _ = _start_coordinator(conf, base_uds, "fast", env, cpu, args.servers,
-                                         root=Path(args.baseline).resolve())
+    this, uds_t, _ = _start_coordinator(conf, uds, "fast", env, cpu, args.servers)
+    base = None
     try:
-        pool.window("select", base_t, min(2.0, args.seconds / 2))     # fill its index too
+        base, base_t, _ = _start_coordinator(conf, base_uds, "fast", env, cpu, args.servers,
+                                             root=Path(args.baseline).resolve())
+        for t in (uds_t, base_t):       # fill both indexes with routed blocks first
+            pool.window("select", t, min(2.0, args.seconds / 2))
         trees = {"this tree": (uds_t, "unix://" + uds), "baseline": (base_t, "unix://" + base_uds)}
         wins: dict[str, list] = {t: [] for t in trees}
         for r in range(args.rounds):
@@ -216,6 +221,7 @@ def _ab(args, pool, conf: Path, env: dict, cpu, tmp: Path, uds: str, uds_t: dict
         return out
     finally:
         _stop(base)
+        _stop(this)
 
 
 def run(args) -> dict:
@@ -274,9 +280,9 @@ def run(args) -> dict:
                                                    1 << 50))
             res["open_channel"] = uvloop.run(open_loop_channel("unix://" + uds, mp_bodies.keys,
                                                                args.rate, args.rate_seconds, 1 << 51))
-            if args.baseline:
-                res["ab"] = _ab(args, pool, conf, env, coord_cpu, tmp, uds, uds_t, mp_bodies)
             _stop(coord)
+            if args.baseline:
+                res["ab"] = _ab(args, pool, conf, env, coord_cpu, tmp, mp_bodies)
             if not args.skip_aiohttp:
                 uds2 = str(tmp / "coord-aiohttp.sock")
                 coord, uds_t, _ = _start_coordinator(conf, uds2, "aiohttp", env, coord_cpu,
@@ -379,8 +385,9 @@ def render(res: dict, quick: bool) -> list[str]:
 
 def _render_ab(ab: dict) -> list[str]:
     t, b = ab["this tree"], ab["baseline"]
-    lines = [f"Against `--baseline {ab['baseline_dir']}` (its coordinator on the same core and cluster, "
-             f"channel windows alternating over {ab['rounds']} rounds; CPU µs per pair per window):",
+    lines = [f"Against `--baseline {ab['baseline_dir']}` (fresh coordinators of both trees started "
+             f"together on the same core and cluster, channel windows alternating over {ab['rounds']} "
+             "rounds; CPU µs per pair per window):",
              "",
              "| tree | channel pairs/s | CPU µs per pair (median) | windows | open loop p50 / p99 ms |",
              "|---|---:|---:|---|---:|"]

@@ -95,6 +95,8 @@ class KvIndex(SpeculationMixin, QueryMixin):
         # somewhere); a walk memo stays exact for a slot while its count has not moved
         self._losses: list[int] = []
         self._loss_getters: dict[int, object] = {}
+        self._memo_tick = 0                     # placements walked (kv_query's cost control)
+        self._memo_score = 1.0                  # decayed share of lookups that found a memo
         self._memo_stride = memo_stride
         self._memo_cap = memo_cap
 

@@ -40,6 +40,8 @@ _MEMO_CHECK_RATIO = 2
 LOG_TRIM = 1 << 16      # mutation-log length that trims it (and bumps the epoch)
 MEMO_STRIDE = 32        # memos are found by their keys at every 32nd position (and their last)
 MEMO_CAP = 1024         # memos kept, least recently used dropped first (~2 KiB each at 256 keys)
+_MEMO_SCORE_MIN = 0.25 # below this share of memos found still exact, look up 1 in 16 only
+_MEMO_SCORE_DECAY = 1 / 64
 
 
 def _u64_bytes(keys) -> bytes | None:
@@ -164,14 +166,21 @@ class QueryMixin:
         qa = keys if isinstance(keys, np.ndarray) else np.frombuffer(raw, np.uint64)
         n = len(qa)
         groups = None
-        marks: list = []
-        if n:
+        marks = None
+        # Cost control, never a change of result: while the memos found are seldom still exact
+        # (distinct prompts sharing a prefix, their servers losing routed tails all the time),
+        # only every 16th placement looks one up and registers its own walk; the latest walk is
+        # always kept. A lookup that finds no memo at all (a prompt not seen yet) does not count.
+        self._memo_tick += 1
+        if n and (self._memo_score >= _MEMO_SCORE_MIN or not self._memo_tick & 15):
             plist, parr = self._mark_positions(n)
             marks = qa[parr].tolist()
             z, cut = self._find_memo(marks, plist, raw, epoch)
             if z is not None:
                 groups = self._reuse(z, qa, cut)
-                if groups is not None and z.raw == raw:
+                self._memo_score += ((groups is not None) - self._memo_score) * _MEMO_SCORE_DECAY
+            if groups is not None:
+                if z.raw == raw:
                     # the same prompt: the memo itself is exact again, at this log position
                     z.pos = len(log)
                     z.groups = groups
@@ -183,7 +192,11 @@ class QueryMixin:
                     return groups
         if groups is None:
             groups = self._walk(qa.tolist(), self._all_bits)
-        self._remember(WalkMemo(raw, groups, epoch, len(log)), marks)
+        memo = WalkMemo(raw, groups, epoch, len(log))
+        if marks is None:
+            self._memo = memo       # the latest walk only (select_pair's second leg, tail insert)
+        else:
+            self._remember(memo, marks)
         return groups
 
     def _mark_positions(self, n: int) -> tuple[list, np.ndarray]:

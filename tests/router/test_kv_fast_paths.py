@@ -135,6 +135,8 @@ def test_walk_memo_and_policy_match_references(data):
     # small memo strides (reuse between the prompts, which share leading blocks) and memo caps
     idx = KvIndex(B, namespace=NS, memo_stride=data.draw(st.sampled_from([1, 2, 32])),
                   memo_cap=data.draw(st.sampled_from([1, 3, 1024])))
+    # the memo's cost control: lookups on every placement, or on 1 in 16 (as after many stale ones)
+    idx._memo_score = data.draw(st.sampled_from([1.0, 0.0]))
     leases = LeaseTable()
     view = IndexLoadView(idx, leases)
     kw = data.draw(st.fixed_dictionaries({
