@@ -415,7 +415,7 @@ class ChannelClient:
         if canon is None or type(req_id) is not int or not 0 <= req_id <= wire.U64_MAX \
                 or type(success) is not bool:
             return False    # the HTTP API answers it with its 400 naming the field
-        if usage is not None:
+        if usage is not None and not _plain_usage(usage):
             try:
                 wire.finish_usage(usage)
             except BadRequest:
@@ -461,6 +461,16 @@ class ChannelClient:
                 t.cancel()
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
+
+
+def _plain_usage(u: Any) -> bool:
+    """The usage the fleet sends (exactly the three fields, non-negative ints): valid for
+    `protocol.coord.finish_usage` without running it (1.6 µs, twice per two-leg request); anything
+    else goes through it."""
+    if type(u) is not dict or len(u) != 3:
+        return False
+    p, c, d = u.get("prompt_tokens"), u.get("cached_tokens"), u.get("predicted_tokens")
+    return type(p) is int and type(c) is int and type(d) is int and p >= 0 and c >= 0 and d >= 0
 
 
 def _role(role: Any) -> str:

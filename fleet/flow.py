@@ -40,7 +40,7 @@ from protocol.openai import ApiError
 from .legs import plan
 from .legs import trtllm as trt
 from .placement import CTX, GEN, Placement, Placer
-from .http_server import FleetRequest
+from .http_messages import FleetRequest
 from .relay import ReplayStream, Relay, worker_error
 from .scope import RequestScope
 from .upstream import Response, UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout

@@ -24,7 +24,7 @@ from . import metrics as M
 from protocol.openai import ApiError
 from .legs.plan import CHAT
 from .placement import CTX, GEN, Placement
-from .http_server import FleetRequest, FleetStream, Reply
+from .http_messages import FleetRequest, FleetStream, Reply
 from .upstream import Response, UpstreamError, UpstreamTimeout
 
 ROUTE_HEADER = "x-splitserve-route"

@@ -29,7 +29,8 @@ from . import metrics as M
 from .auth import AUTH_HEADER, ApiKeys, vet_client_params
 from protocol.openai import ApiError
 from .flow import Flow
-from .http_server import BadBody, BodyTooLarge, FleetHttpServer, FleetRequest
+from .http_messages import BadBody, BodyTooLarge, FleetRequest
+from .http_server import FleetHttpServer
 from .keys import TokenizerUnavailable, make_key_builder
 from .placement import CTX, GEN, Placer
 from .snowflake import SnowflakeGenerator

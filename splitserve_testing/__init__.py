@@ -8,8 +8,8 @@
 
 Imports nothing of ours (tests/test_layering.py), so any test or benchmark can use it.
 """
-from splitserve_testing.ports import free_port, free_port_below_ephemeral, free_port_pair, free_ports
+from splitserve_testing.ports import free_port, free_port_pair, free_ports
 from splitserve_testing.process import ROOT, Proc, clean_env, http_status, stop_all, wait_for, wait_http
 
-__all__ = ["ROOT", "Proc", "clean_env", "free_port", "free_port_below_ephemeral", "free_port_pair",
+__all__ = ["ROOT", "Proc", "clean_env", "free_port", "free_port_pair",
            "free_ports", "http_status", "stop_all", "wait_for", "wait_http"]

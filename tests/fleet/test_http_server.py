@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from fleet.http_server import FleetHttpServer, FleetStream, Reply
+from fleet.http_messages import FleetStream, Reply
+from fleet.http_server import FleetHttpServer
 from protocol.openai import ApiError
 
 from .hostile import dechunk, read_answer

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitserve_testing import Proc, clean_env, free_port_below_ephemeral, stop_all
+from splitserve_testing import Proc, clean_env, free_port, stop_all
 from tests.helm import chart as C
 from tests.helm.conftest import CHART
 
@@ -93,7 +93,7 @@ class Cluster:
                 pod = Pod(w, i, workdir / f"{w['metadata']['name']}-{i}")
                 for c in C.pod_spec(w)["containers"]:
                     for p in c.get("ports") or []:
-                        pod.ports[p["containerPort"]] = free_port_below_ephemeral()
+                        pod.ports[p["containerPort"]] = free_port()
                         if "name" in p:
                             pod.named[p["name"]] = p["containerPort"]
                 self.pods.append(pod)
