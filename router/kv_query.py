@@ -213,6 +213,8 @@ class QueryMixin:
             plist = list(range(st - 1, n, st))
             if n % st:
                 plist.append(n - 1)
+            if len(self._memo_pos) >= 1024:     # bounded: one entry per prompt length seen
+                self._memo_pos.clear()
             got = self._memo_pos[n] = (plist, np.array(plist, dtype=np.intp))
         return got
 
