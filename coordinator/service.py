@@ -54,7 +54,10 @@ VERSION = "0.1.0"
 ROLES = (CONTEXT, GENERATION)
 EMPTY_INDEX_GRACE_S = 10.0      # kv-aware traffic this long with an empty index raises the warning
 EMPTY_INDEX_WARN_EVERY_S = 60.0
-SPEC_EXPIRE_PER_TICK = 256      # speculative index entries (routed prompts) expired per maintenance tick
+# Speculative keys looked at per maintenance slice (~1 ms): a backlog is worked through in slices
+# SPEC_EXPIRE_SLICE_S apart, the loop serving selects in between (router/kv_speculation.py).
+SPEC_EXPIRE_KEYS_PER_SLICE = 1024
+SPEC_EXPIRE_SLICE_S = 0.005
 
 
 @dataclass(slots=True)
@@ -187,10 +190,18 @@ class Coordinator:
 
     async def _maintenance(self) -> None:
         next_check = 0.0
+        tick = max(0.02, min(1.0, self.lease_ttl_s / 4, self.empty_index_check_s))
+        next_tick = 0.0
         while True:
-            await asyncio.sleep(max(0.02, min(1.0, self.lease_ttl_s / 4, self.empty_index_check_s)))
+            # A speculative backlog is drained in short slices between ticks.
+            backlog = self.index.speculative_due(self.clock())
+            await asyncio.sleep(SPEC_EXPIRE_SLICE_S if backlog else tick)
             try:
                 now = self.clock()
+                if now < next_tick:
+                    self.index.expire_speculative(now, max_keys=SPEC_EXPIRE_KEYS_PER_SLICE)
+                    continue
+                next_tick = now + tick
                 self.expire(now)
                 if now >= next_check:
                     next_check = now + self.empty_index_check_s
@@ -210,8 +221,9 @@ class Coordinator:
             log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
                         gone[0].role, gone[0].req_id, gone[0].server)
         self.identities.expire(now)
-        # Bounded (a few ms): under traffic each placement already expires two due entries.
-        self.index.expire_speculative(now, SPEC_EXPIRE_PER_TICK)
+        # One bounded slice: under traffic each placement already expires two due entries, and
+        # the maintenance loop comes back for the rest within SPEC_EXPIRE_SLICE_S.
+        self.index.expire_speculative(now, max_keys=SPEC_EXPIRE_KEYS_PER_SLICE)
         return len(gone)
 
     # ---- registry hooks ---------------------------------------------------------------------

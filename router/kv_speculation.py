@@ -84,19 +84,26 @@ class SpeculationMixin:
             self.stats.speculative_added += len(added)
         return len(added)
 
-    def expire_speculative(self, now: float, max_entries: int | None = None) -> int:
-        """Drop speculative entries whose deadline is ``<= now``; returns how many expired.
+    def expire_speculative(self, now: float, max_entries: int | None = None,
+                           max_keys: int | None = None) -> int:
+        """Drop speculative entries whose deadline is ``<= now``; returns how many keys expired.
 
-        ``max_entries`` bounds the work of one call (heap entries, one per routed prompt): a
-        second's worth of routed prompts expiring at once cost tens of ms, so the coordinator
-        expires a few per placement instead of all of them on a timer (issue 13)."""
+        ``max_entries`` (heap entries, one per routed prompt) and ``max_keys`` (keys looked at,
+        counted per whole entry: an entry is never left half expired) bound the work of one call.
+        A second's worth of routed prompts expiring at once cost tens of ms: 256 entries of a
+        4k-token prompt are ~65,000 keys, a 15-40 ms stall of every select behind the maintenance
+        tick (bench/RESULTS.md, "coordinator · open-loop stall"); so the coordinator expires a
+        few entries per placement and the tick works through a backlog in key-bounded slices."""
         self._trim_log()
         heap = self._spec_heap
         n = 0
         budget = -1 if max_entries is None else max_entries
-        while heap and heap[0][0] <= now and budget:
+        keys_left = -1 if max_keys is None else max_keys
+        while heap and heap[0][0] <= now and budget and keys_left:
             budget -= 1
             _, _, worker, rank, keys = heapq.heappop(heap)
+            if keys_left > 0:
+                keys_left = max(0, keys_left - len(keys))
             s = self._slots.get((worker, rank))
             if s is None:
                 continue  # slot removed since (a new slot's entries carry their own deadlines)
@@ -121,3 +128,8 @@ class SpeculationMixin:
                     n += 1
         self.stats.speculative_expired += n
         return n
+
+    def speculative_due(self, now: float) -> bool:
+        """Whether a speculative entry's deadline has passed (a backlog for the next slice)."""
+        heap = self._spec_heap
+        return bool(heap) and heap[0][0] <= now

@@ -278,6 +278,24 @@ def test_speculative_entries():
         idx.add_speculative("a", KEYS, now=0, ttl=0)
 
 
+def test_speculative_expiry_in_key_bounded_slices():
+    """A backlog of due entries is expired in slices of about ``max_keys`` keys, whole entries at a
+    time, until none is due; what a slice leaves still matches (coordinator/service.py's loop)."""
+    idx = KvIndex(B)
+    keys = list(range(1000, 1000 + 60))
+    for i in range(6):                                  # 6 routed prompts of 10 keys, due at 1.0
+        idx.add_speculative("a", keys[10 * i:10 * i + 10], now=0.0, ttl=1.0)
+    assert idx.speculative_size() == 60 and not idx.speculative_due(0.5)
+    assert idx.speculative_due(1.0)
+    assert idx.expire_speculative(1.0, max_keys=15) == 20   # two whole entries: 10 < 15, then 20
+    assert idx.speculative_size() == 40 and idx.speculative_due(1.0)
+    assert idx.longest_prefix(keys[20:30]) == {"a": 10}     # not expired yet: still predicted
+    assert idx.expire_speculative(1.0, max_keys=10) == 10   # one entry
+    assert idx.expire_speculative(1.0, max_keys=1000) == 30
+    assert idx.speculative_size() == 0 and not idx.speculative_due(1.0)
+    idx.check_invariants()
+
+
 def test_apply_batch_sequencing():
     idx = KvIndex(B)
     mk = lambda seq, evs: EventBatch(seq, 0.0, 0, evs)
