@@ -186,13 +186,14 @@ class Attention(nn.Module):
         ops = _triton_ops()
         n = x.shape[0]
         if not meta.prefills:
-            # Decode-only step: RoPE, both cache stores and the paged attention in one launch.
+            # Decode-only step: RoPE and both cache stores in one launch, then the paged kernel.
             small = ops.use_small_m(x)
             a, o = self.qkv_proj, self.o_proj
             qkv = ops.linear_partials(x, a.weight, a.bias) if small else a(x)
-            out = torch.empty(n, self.num_heads, self.head_dim, dtype=kv_cache.dtype, device=x.device)
-            ops.rope_store_decode(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_block, meta.slot_offset,
-                                  meta.paged, self.scale, out)
+            q = ops.rope_store(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_block, meta.slot_offset,
+                               self.num_heads, self.num_kv_heads, self.head_dim)
+            out = torch.empty_like(q)
+            ops.paged_decode(q, kv_cache, self.layer_idx, meta.paged, self.scale, out)
             out = out.view(n, self.q_size)
             return ops.linear_partials(out, o.weight, o.bias) if small else o(out)
         q, k, v, layer = self._qkv_store(x, cos, sin, meta, kv_cache)

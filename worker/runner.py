@@ -278,7 +278,6 @@ class ModelRunner:
         if not chunks:
             raise RunnerInputError("step needs at least one chunk, found none")
         checked = [self._check(i, c) for i, c in enumerate(chunks)]
-        self._check_ranges(checked)
         self._check_slots(checked)
         if self.use_cuda_graphs:
             if (len(checked) <= self.max_graph_batch and all(end - start == 1 for _, start, end, _ in checked)
@@ -292,8 +291,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch["last_idx"]]).float()
 
     def _check(self, i: int, c: Chunk) -> tuple[np.ndarray, int, int, np.ndarray]:
-        """Validate one chunk's shape → (token ids, start, end, the block-table prefix it touches).
-        Token and block id ranges are checked for the whole step at once (:meth:`_check_ranges`)."""
+        """Validate one chunk → (token ids, start, end, the block-table prefix it touches)."""
         bs = self.block_size
         n = len(c.token_ids)
         start = c.start_pos
@@ -311,43 +309,21 @@ class ModelRunner:
         # Only the blocks this chunk touches are converted: converting a long table every decode step
         # cost ~60 µs per 2k-entry list, most of a batch-32 step's host time (bench/RESULTS.md, "decode kernels
         # (issue 17, third pass)").
-        used = np.array(ids[:need], dtype=np.int64)
-        tokens = np.array(c.token_ids, dtype=np.int64)
-        return tokens.reshape(-1) if tokens.ndim != 1 else tokens, int(start), end, used.reshape(-1)
-
-    def _check_ranges(self, checked) -> None:
-        """Token ids in ``[0, vocab)`` and block ids in ``[0, num_blocks)`` for every chunk: one
-        min/max over the step's concatenated ids (a decode step of 31 rows spent ~0.2 ms of host time
-        on per-chunk reductions), and only on a failure a scan for the chunk to name."""
-        def bad_tokens(t):
-            return t.min() < 0 or t.max() >= self.vocab_size
-
-        def bad_blocks(u):
-            return u.min() < 0 or u.max() >= self.num_blocks
-
-        one = len(checked) == 1
-        toks = checked[0][0] if one else np.concatenate([t for t, _, _, _ in checked])
-        if bad_tokens(toks):
-            for i, (t, _, _, _) in enumerate(checked):
-                if bad_tokens(t):
-                    bad = t[(t < 0) | (t >= self.vocab_size)][:8].tolist()
-                    raise RunnerInputError(f"chunk {i} token ids must be in [0, {self.vocab_size}), found {bad}")
-        used = checked[0][3] if one else np.concatenate([u for _, _, _, u in checked])
-        if bad_blocks(used):
-            for i, (_, _, _, u) in enumerate(checked):
-                if bad_blocks(u):
-                    raise RunnerInputError(f"chunk {i} block ids must be in [0, {self.num_blocks}), found {u.tolist()}")
+        used = np.asarray(ids[:need], dtype=np.int64).reshape(-1)
+        if used.min() < 0 or used.max() >= self.num_blocks:
+            raise RunnerInputError(f"chunk {i} block ids must be in [0, {self.num_blocks}), found {used.tolist()}")
+        tokens = np.asarray(c.token_ids, dtype=np.int64).reshape(-1)
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)][:8].tolist()
+            raise RunnerInputError(f"chunk {i} token ids must be in [0, {self.vocab_size}), found {bad}")
+        return tokens, int(start), end, used
 
     def _check_slots(self, checked) -> None:
         bs = self.block_size
         if len(checked) == 1:
             return
-        if all(e - s == 1 for _, s, e, _ in checked):  # decode step: one slot per chunk
-            if len({int(u[s // bs]) * bs + s % bs for _, s, _, u in checked}) != len(checked):
-                raise RunnerInputError("two chunks of one step write the same KV slot (block, offset); "
-                                       "each sequence must write into blocks of its own")
-            return
-        slots = np.concatenate([used[np.arange(s, e) // bs] * bs + np.arange(s, e) % bs for _, s, e, used in checked])
+        slots = np.concatenate([used[np.arange(s, e) // bs] * bs + np.arange(s, e) % bs
+                                for _, s, e, used in checked])
         if np.unique(slots).size != slots.size:
             raise RunnerInputError("two chunks of one step write the same KV slot (block, offset); "
                                    "each sequence must write into blocks of its own")
@@ -487,9 +463,8 @@ class ModelRunner:
         blocks-per-row bucket) pair. Graph rows are laid out group after group, each group padded to
         its batch bucket; the graph's ``order`` input maps them back to chunk order."""
         bs, n = self.block_size, len(checked)
-        starts = np.fromiter((s for _, s, _, _ in checked), np.int64, n)
-        firsts = np.fromiter((self._first_key_block(s) for s in starts.tolist()), np.int64, n)
-        need = np.fromiter((u.size for _, _, _, u in checked), np.int64, n) - firsts
+        firsts = [self._first_key_block(start) for _, start, _, _ in checked]
+        need = [used.size - f for (_, _, _, used), f in zip(checked, firsts)]
         plan = plan_decode_groups(need, self.max_decode_groups, self.decode_group_overhead_keys / bs)
         cap = (self._graph_max_len + bs - 1) // bs
         shape = tuple((_bucket(len(grp), self.max_graph_batch),
@@ -499,35 +474,27 @@ class ModelRunner:
         host = g.host
         self._decode_padding(host, len(shape))
         paged = self.attention_backend == "triton"
-        # Graph row of each chunk: the groups one after another, each padded to its batch bucket.
-        row_of = np.empty(n, np.int64)
         row0 = 0
         for gi, grp in enumerate(plan):
-            row_of[grp] = row0 + np.arange(grp.size)
+            tables = host["tables"][row0:] if paged else host[f"tables{gi}"]
+            for j, ci in enumerate(grp.tolist()):
+                tokens, start, _, used = checked[ci]
+                f, row = firsts[ci], row0 + j
+                host["ids"][row] = tokens[0]
+                host["pos"][row] = start
+                host["slot_block"][row] = used[start // bs]
+                host["slot_off"][row] = start % bs
+                host["first_key"][row] = f * bs
+                host["order"][ci] = row
+                blocks = used[f:]
+                tables[j, : blocks.size] = blocks
             row0 += shape[gi][0]
-        host["ids"][row_of] = np.fromiter((t[0] for t, _, _, _ in checked), np.int64, n)
-        host["pos"][row_of] = starts
-        host["slot_block"][row_of] = np.fromiter((u[s // bs] for _, s, _, u in checked), np.int64, n)
-        host["slot_off"][row_of] = starts % bs
-        host["first_key"][row_of] = firsts * bs
-        host["order"][:n] = row_of
         if paged:
-            # One flat table (entry 0 is the padding rows' scratch block): each row's blocks from its
-            # first visible one, rows back to back.
-            total = int(need.sum())
-            host["tables"][1:1 + total] = np.concatenate([u[f:] for (_, _, _, u), f in zip(checked, firsts.tolist())])
-            host["tab_start"][row_of] = 1 + np.cumsum(need) - need
             lo, hi = row_ranges(host["pos"], host["first_key"], self._window)
             fill_units(lo, hi, g.split, host["u_row"], host["u_lo"], host["u_hi"], host["row_start"])
-            self.last_step_stats = _decode_stats(n, 1, int((hi - lo)[row_of].sum()), total * bs)
+            self.last_step_stats = _decode_stats(n, 1, int((hi - lo)[host["order"][:n]].sum()), sum(need) * bs)
         else:
-            for gi, grp in enumerate(plan):
-                tables = host[f"tables{gi}"]
-                for j, ci in enumerate(grp.tolist()):
-                    blocks = checked[ci][3][firsts[ci]:]
-                    tables[j, : blocks.size] = blocks
-            self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs,
-                                                 int(need.sum()) * bs)
+            self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, sum(need) * bs)
         return g.run()[:n].clone()
 
     def _prefill_graph_step(self, chunk) -> torch.Tensor:
@@ -554,9 +521,8 @@ class ModelRunner:
         host["slot_off"][:] = 0
         host["first_key"][:] = 0
         host["order"][:] = np.arange(host["order"].size)
-        if "tables" in host:  # paged: padding rows read slot 0 of table entry 0, nothing else
-            host["tables"][0] = self.scratch_block
-            host["tab_start"][:] = 0
+        if "tables" in host:
+            host["tables"][:] = self.scratch_block
             return
         for gi in range(num_groups):
             host[f"tables{gi}"][:] = self.scratch_block
@@ -576,8 +542,8 @@ class ModelRunner:
             split = choose_split(sum(b * nb for b, nb in shape) * bs, self.kv_cache.shape[4], num_sms(dev))
             units = max_units([(b, nb * bs) for b, nb in shape], split)
             row_units = max(-(-nb * bs // split) for _, nb in shape)
-            fields.update({"tables": (1 + sum(b * nb for b, nb in shape),), "tab_start": (rows,), "u_row": (units,),
-                           "u_lo": (units,), "u_hi": (units,), "row_start": (rows + 1,)})
+            fields.update({"tables": (rows, max(nb for _, nb in shape)), "u_row": (units,), "u_lo": (units,),
+                           "u_hi": (units,), "row_start": (rows + 1,)})
         else:
             fields.update({f"tables{gi}": grp for gi, grp in enumerate(shape)})
         g = _StepGraph(fields, dev)
@@ -593,8 +559,8 @@ class ModelRunner:
             fill_units(lo, hi, split, g.host["u_row"], g.host["u_lo"], g.host["u_hi"], g.host["row_start"])
 
             def body() -> torch.Tensor:
-                pd = PagedDecode(v["tables"], v["tab_start"], v["pos"], v["first_key"], v["u_row"], v["u_lo"],
-                                 v["u_hi"], v["row_start"], direct, max_row_units=row_units)
+                pd = PagedDecode(v["tables"], v["pos"], v["first_key"], v["u_row"], v["u_lo"], v["u_hi"],
+                                 v["row_start"], direct, max_row_units=row_units)
                 meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], None, bs, "triton", pd)
                 h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
                 return model.compute_logits(h.index_select(0, v["order"])).float()

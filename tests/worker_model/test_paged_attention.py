@@ -104,56 +104,9 @@ def test_paged_decode_matches_reference(mode, group, window, bs):
             if split is not None:
                 assert meta.direct == (split != 32), "the forced splits reach both the merge and the direct path"
             out = ops().paged_decode(q, kv, 1, meta, dim ** -0.5, torch.empty_like(q))
-            # The program that merges a row resets its arrival count: the buffer is zero between launches.
-            assert all(int(c.abs().sum()) == 0 for c in ops()._COUNTS.get(str(kv.device), []))
             tol = TOL[dtype]
             torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol,
                                        msg=lambda m: f"{dtype} split={split} lengths={lengths}: {m}")
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("nsplit", [0, 2])
-def test_rope_store_decode_matches_rope_store_then_decode(mode, group, nsplit):
-    """The fused decode-step kernel (RoPE of q and k from the qkv product or its split-K partials,
-    K/V stored into their slots, the newest key attended from registers) against the two launches it
-    replaces, ``rope_store`` then ``paged_decode``: same cache contents, same output within the
-    dtype's tolerance; rows of one and of many units (merge), windowed and not."""
-    from worker.rope import _signed_sin
-    big = mode == "cuda"
-    lengths = [1, 2, 130, 4097, 700] if big else [1, 2, 40, 150]
-    kvh, dim, bs = 2, 64 if big else 32, 16
-    heads = group * kvh
-    dtype = torch.bfloat16 if big else torch.float32
-    dev = device_of(mode)
-    width = (heads + 2 * kvh) * dim
-    g = torch.Generator().manual_seed(group * 10 + nsplit)
-    for win in (None, 60 if not big else 1500):
-        kv, tables = pool(mode, [-(-n // bs) for n in lengths], bs, kvh, dim, dtype, seed=group + nsplit)
-        pos = [n - 1 for n in lengths]
-        first = [(max(0, p - win + 1) // bs) if win else 0 for p in pos]
-        if nsplit:
-            qkv = torch.randn(nsplit, len(lengths), width, generator=g).to(dev)
-        else:
-            qkv = torch.randn(len(lengths), width, generator=g).to(dev, dtype)
-        ang = torch.rand(len(lengths), dim // 2, generator=g) * 6.28
-        cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dtype)
-        sin = _signed_sin(torch.cat([ang.sin(), ang.sin()], -1).to(dev, dtype))
-        slot_block = torch.tensor([int(t[p // bs]) for t, p in zip(tables, pos)], device=dev)
-        slot_off = torch.tensor([p % bs for p in pos], device=dev)
-        for split in (None, 32):
-            meta, _ = build_paged_decode([t[f:] for t, f in zip(tables, first)], pos, [f * bs for f in first],
-                                         win, kvh, kv.device, split=split)
-            ref_kv, fused_kv = kv.clone(), kv.clone()
-            q = ops().rope_store(qkv, cos, sin, ref_kv, 1, slot_block, slot_off, heads, kvh, dim)
-            ref = ops().paged_decode(q, ref_kv, 1, meta, dim ** -0.5, torch.empty_like(q))
-            out = ops().rope_store_decode(qkv, cos, sin, fused_kv, 1, slot_block, slot_off, meta, dim ** -0.5,
-                                          torch.empty_like(q))
-            torch.testing.assert_close(fused_kv, ref_kv, atol=0, rtol=0)
-            tol = TOL[dtype]
-            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol,
-                                       msg=lambda m: f"split={split} window={win}: {m}")
-            assert all(int(c.abs().sum()) == 0 for c in ops()._COUNTS.get(str(kv.device), []))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -345,11 +298,6 @@ def test_kernels_compile_for_hopper_without_spills(dim):
     bf, i64 = "*bf16", "*i64"
 
     def build(fn, names, types, const, num_warps, pipelined=False):
-        for pdl in (False, True):  # off (CPU, older GPUs, SPLITSERVE_PDL=0) and on (worker/attention/pdl.py)
-            spills = build1(fn, names, types, const | {"PDL": pdl}, num_warps, pipelined)
-        return spills
-
-    def build1(fn, names, types, const, num_warps, pipelined=False):
         # As the JIT specialises a launch: pointers and these strides are multiples of 16.
         hinted = [i for i, n in enumerate(names.split()) if types.get(n, "").startswith("*")
                   or n in ("stride_qt", "stride_qh", "stride_blk", "stride_tok", "stride_ot", "stride_oh",
@@ -360,15 +308,6 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                            options={"num_warps": num_warps, "num_stages": 2})
         if pipelined:
             assert "async_copy_global_to_local" in k.asm["ttgir"], f"{fn.__name__}: K/V loads are not pipelined"
-        ptx = k.asm["ptx"]
-        if const["PDL"]:
-            # The wait comes before any global memory access (worker/attention/pdl.py).
-            wait = ptx.find("griddepcontrol.wait")
-            first = min((i for i in (ptx.find("ld.global"), ptx.find("cp.async"), ptx.find("st.global"))
-                         if i >= 0), default=len(ptx))
-            assert 0 <= wait < first, f"{fn.__name__}: a global load or store precedes griddepcontrol.wait"
-        else:
-            assert "griddepcontrol" not in ptx, fn.__name__
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(k.asm["ptx"])
         arch = re.search(r"\.target (\w+)", k.asm["ptx"]).group(1)
@@ -379,17 +318,14 @@ def test_kernels_compile_for_hopper_without_spills(dim):
         return int(spills.group(1)) if spills else 0
 
     bd = dim
-    dec_types = {n: bf for n in ("Q", "K", "V", "Out")} | {n: i64 for n in ("Tables", "TabStart", "URow", "ULo", "UHi", "RowStart")}
-    dec_types |= {"MidO": "*fp32", "MidL": "*fp32", "Count": "*i32", "stride_blk": "i64", "qk_scale": "fp32",
-                  "Cos": bf, "Sin": bf, "SlotBlock": i64, "SlotOff": i64}
-    for direct, fused, nsplit in ((False, False, 0), (True, False, 0), (False, True, 2), (True, True, 0)):
+    dec_types = {n: bf for n in ("Q", "K", "V", "Out")} | {n: i64 for n in ("Tables", "Pos", "Key0", "URow", "ULo", "UHi")}
+    dec_types |= {"MidO": "*fp32", "MidL": "*fp32", "stride_blk": "i64", "qk_scale": "fp32"}
+    for direct in (False, True):
         block_n, warps, _ = T.decode_config(bd)
         const = {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_N": block_n, "PAGE": 16,
-                 "DIRECT": direct, "BLOCK_U": 64, "FUSED": fused, "NQ": 32, "NSPLIT": nsplit, "PREC": None}
-        dec_types["QKV"] = "*fp32" if nsplit else bf
-        assert build(T._decode_kernel, "Q K V Tables TabStart URow ULo UHi RowStart Count Out MidO MidL QKV Cos Sin SlotBlock SlotOff "
-                     "stride_qt stride_qh stride_blk stride_tok stride_ot stride_oh stride_mu stride_mh stride_lu "
-                     "stride_cos stride_split qk_scale",
+                 "DIRECT": direct, "PREC": None}
+        assert build(T._decode_kernel, "Q K V Tables Pos Key0 URow ULo UHi Out MidO MidL stride_qt stride_qh "
+                     "stride_blk stride_tok stride_tab stride_ot stride_oh stride_mu stride_mh stride_lu qk_scale",
                      dec_types, const, warps, pipelined=True) == 0
     pre_types = {n: bf for n in ("Q", "K", "V", "Out")} | {"Table": i64, "stride_blk": "i64", "qk_scale": "fp32"}
     for window in (0, 100):
@@ -397,6 +333,9 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                  "BLOCK_N": T.PREFILL_BLOCK_N, "PAGE": 16, "WINDOW": window, "PREC": None}
         assert build(T._prefill_kernel, "Q K V Table Out q_pos0 num_q key0 stride_qt stride_qh stride_blk stride_tok "
                      "stride_ot stride_oh qk_scale", pre_types, const, 8, pipelined=True) == 0
+    build(T._merge_kernel, "MidO MidL RowStart Out stride_mu stride_mh stride_lu stride_ot stride_oh",
+          {"MidO": "*fp32", "MidL": "*fp32", "RowStart": i64, "Out": bf},
+          {"HEAD_DIM": dim, "BLOCK_D": bd, "BLOCK_U": 16}, 2)
     for nsplit in (0, 4):
         qkv = "*fp32" if nsplit else bf
         build(T._rope_store_kernel, "QKV Cos Sin K V SlotBlock SlotOff QOut stride_qkv stride_cos stride_blk "

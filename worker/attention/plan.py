@@ -8,9 +8,9 @@ beyond the range, and every tile it loads starts with a visible key (no all ``-i
 Rows are cut into *work units* of at most ``split`` slots (flash-decoding): unit ``u`` covers
 ``[unit_lo[u], unit_hi[u])`` of row ``unit_row[u]``; the units of row ``r`` are
 ``row_start[r] .. row_start[r+1]-1``. One kernel program per (unit, KV head) reads that range once for
-all query heads of the KV head's group; the last of a row's programs to finish merges its units by
-their log-sum-exp (worker/attention/triton_ops.py), and a row of one unit writes its output directly
-(``direct``: every row is one unit). Units spread a long row over many programs while short rows stay one program each,
+all query heads of the KV head's group; a second kernel merges each row's units by their
+log-sum-exp. When no row has more than one unit the first kernel writes the output itself
+(``direct``). Units spread a long row over many programs while short rows stay one program each,
 which is what keeps a 32k-token row from setting the step time.
 
 The split size follows vLLM/SGLang's decode-attention launchers (vllm/attention/ops/
@@ -45,9 +45,7 @@ UNIT_ALIGN = 128
 class PagedDecode:
     """Device metadata of one paged decode launch (all int64 tensors on the model's device).
 
-    ``tables [T]`` every row's block ids, one flat buffer: row ``r``'s table starts at
-    ``table_start[r]`` (its entry ``i`` holds key slots ``i·block_size ..``), so a batch of one long and
-    many short rows uploads the blocks the rows have, not ``rows × longest`` of them;
+    ``tables [R, T]`` block ids per row (table slot ``i`` holds key slots ``i·block_size ..``);
     ``pos [R]`` query positions; ``key0 [R]`` absolute position of each table's first slot;
     ``unit_row / unit_lo / unit_hi [U]`` the work units (``unit_hi == unit_lo`` marks an unused
     unit of a CUDA-graph buffer: its programs exit at once); ``row_start [R+1]`` each row's first unit;
@@ -55,7 +53,6 @@ class PagedDecode:
     ``token_start``: the decode rows are rows ``token_start ..`` of the flat batch."""
 
     tables: torch.Tensor
-    table_start: torch.Tensor
     pos: torch.Tensor
     key0: torch.Tensor
     unit_row: torch.Tensor
@@ -136,32 +133,32 @@ def build_paged_decode(tables, pos, key0, window: int | None, kv_heads: int, dev
     slots it reads. ``tables``: each row's block ids from position ``key0[r]`` on; ``split``
     overrides :func:`choose_split` (tests force the merge path with it)."""
     r = len(tables)
-    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=r)
+    width = max(len(t) for t in tables)
     pos_a, key0_a = np.asarray(pos, dtype=np.int64), np.asarray(key0, dtype=np.int64)
     lo, hi = row_ranges(pos_a, key0_a, window)
     read = int((hi - lo).sum())
     split = split or choose_split(read, kv_heads, num_sms(torch.device(device)))
     per_row = -(-(hi - lo) // split)
     units = int(per_row.sum())  # an upper bound: fill_units may need fewer
-    sizes = (int(lens.sum()), r, r, r, units, units, units, r + 1)
+    sizes = (r * width, r, r, units, units, units, r + 1)
     buf = np.zeros(sum(sizes), dtype=np.int64)
     parts, o = [], 0
     for n in sizes:
         parts.append(buf[o:o + n])
         o += n
-    if r:
-        parts[0][:] = np.concatenate([np.asarray(t, dtype=np.int64).reshape(-1) for t in tables])
-    parts[1][1:] = np.cumsum(lens)[:-1]
-    parts[2][:], parts[3][:] = pos_a, key0_a
-    units = fill_units(lo, hi, split, parts[4], parts[5], parts[6], parts[7])
-    sizes = sizes[:4] + (units, units, units) + sizes[7:]
-    buf = np.concatenate([parts[0], parts[1], parts[2], parts[3], parts[4][:units], parts[5][:units],
-                          parts[6][:units], parts[7]])
+    tab = parts[0].reshape(r, width)
+    for j, t in enumerate(tables):
+        tab[j, :len(t)] = t
+    parts[1][:], parts[2][:] = pos_a, key0_a
+    units = fill_units(lo, hi, split, parts[3], parts[4], parts[5], parts[6])
+    sizes = sizes[:3] + (units, units, units) + sizes[6:]
+    buf = np.concatenate([parts[0], parts[1], parts[2], parts[3][:units], parts[4][:units], parts[5][:units],
+                          parts[6]])
     d = torch.from_numpy(buf).to(device)
     dev_parts, o = [], 0
     for n in sizes:
         dev_parts.append(d[o:o + n])
         o += n
-    meta = PagedDecode(*dev_parts, direct=units == r, token_start=token_start,
+    meta = PagedDecode(dev_parts[0].view(r, width), *dev_parts[1:], direct=units == r, token_start=token_start,
                        max_row_units=int(per_row.max()))
     return meta, read

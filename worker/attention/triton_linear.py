@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
-from worker.attention.pdl import gdc_wait, launch_kwargs
 
 __all__ = ["MAX_M", "use_small_m", "linear_partials", "gate_up_silu", "choose_splits"]
 
@@ -45,8 +44,7 @@ SPLITK_PROGRAMS_PER_SM = 2
 @triton.jit
 def _small_m_kernel(X, W, Bias, Out, M, N, K, k_per_split, stride_xm, stride_wn, stride_os, stride_om, up_off,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
-                    PDL: tl.constexpr):
+                    SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -55,7 +53,6 @@ def _small_m_kernel(X, W, Bias, Out, M, N, K, k_per_split, stride_xm, stride_wn,
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_lo = s * k_per_split
-    gdc_wait(PDL)
     x_ptr = X + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -142,8 +139,7 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     _small_m_kernel[(triton.cdiv(n, bn), s)](
         x, weight, bias if bias is not None else weight, out, m, n, k, kps, x.stride(0), weight.stride(0),
         out.stride(0), out.stride(1), 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, SWIGLU=False,
-        HAS_BIAS=bias is not None, PARTIAL=True, PREC=_prec(x), num_warps=4, num_stages=4,
-        **launch_kwargs(x.device))
+        HAS_BIAS=bias is not None, PARTIAL=True, PREC=_prec(x), num_warps=4, num_stages=4)
     return out
 
 
@@ -159,6 +155,5 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | No
     _small_m_kernel[(triton.cdiv(inter, bn), 1)](
         x, gate_up, bias if bias is not None else gate_up, out, m, inter, k, k, x.stride(0), gate_up.stride(0),
         0, out.stride(0), inter * gate_up.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, SWIGLU=True,
-        HAS_BIAS=bias is not None, PARTIAL=False, PREC=_prec(x), num_warps=4, num_stages=4,
-        **launch_kwargs(x.device))
+        HAS_BIAS=bias is not None, PARTIAL=False, PREC=_prec(x), num_warps=4, num_stages=4)
     return out

@@ -10,11 +10,9 @@ Design borrowed from the flash-decoding kernels of vLLM (vllm/attention/ops/
 triton_decode_attention.py, ``_fwd_grouped_kernel_stage1`` / ``_fwd_kernel_stage2``, itself from
 SGLang and LightLLM): query heads of one KV head are the rows of a ``tl.dot`` tile (padded to 16),
 so each K/V tile is loaded once for the whole GQA group; online softmax in fp32 with base-2
-exponentials; partial outputs plus their log-sum-exp. Differences: work units are explicit
-(:mod:`worker.attention.plan`) rather than a fixed split count per row, the sliding window is a key
-range, and there is no second kernel: a row of one unit writes its output directly, and the last
-program to finish a row of several merges that row's partials (an arrival count per (row, KV head),
-the "last block reduces" pattern of split-K GEMMs), which saves a launch per layer.
+exponentials; partial outputs plus their log-sum-exp merged by a second kernel. Differences: work
+units are explicit (:mod:`worker.attention.plan`) rather than a fixed split count per row, the
+sliding window is a key range, and the merge is skipped when every row is one unit.
 
 All kernels accept any block size (``PAGE`` is a compile-time constant; powers of two turn the
 divisions into shifts) and any head_dim (padded to a power of two ≥ 16 with masks).
@@ -26,11 +24,10 @@ import triton
 import triton.language as tl
 
 from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
-from worker.attention.pdl import gdc_wait, launch_kwargs
 from worker.attention.plan import PagedDecode
 from worker.attention.triton_linear import gate_up_silu, linear_partials, use_small_m
 
-__all__ = ["rope_store", "paged_decode", "rope_store_decode", "paged_prefill", "add_rms_norm", "silu_mul", "use_small_m", "linear_partials",
+__all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_mul", "use_small_m", "linear_partials",
            "gate_up_silu", "decode_config"]
 
 _LOG2E = 1.4426950408889634
@@ -69,12 +66,11 @@ def _pow2(n: int, lo: int = 16) -> int:
 def _rope_store_kernel(QKV, Cos, Sin, K, V, SlotBlock, SlotOff, QOut,
                        stride_qkv, stride_cos, stride_blk, stride_tok, stride_qo, stride_split,
                        NQ: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_HALF: tl.constexpr, NSPLIT: tl.constexpr):
     """One program per (token, head slot): slot < NQ rotates a query head into QOut, the next NKV
     rotate key heads into the cache, the last NKV copy value heads into the cache. ``NSPLIT > 0``:
     ``QKV`` holds that many fp32 split-K partials of the qkv product (worker/attention/
     triton_linear.py), summed and rounded to the model dtype here."""
-    gdc_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
@@ -137,7 +133,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k
         qkv.stride(-2), cos.stride(0), kv_cache.stride(0), kv_cache.stride(3), q.stride(0),
         qkv.stride(0) if nsplit else 0,
         NQ=num_heads, NKV=num_kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        NSPLIT=nsplit, num_warps=1, **launch_kwargs(qkv.device))
+        NSPLIT=nsplit, num_warps=1)
     return q
 
 
@@ -145,84 +141,18 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k
 
 
 @triton.jit
-def _merge_head(MidO, MidL, Out, row, h, us, ue, stride_mu, stride_mh, stride_lu, stride_ot, stride_oh,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr):
-    """Merge query head ``h`` of units ``us .. ue-1`` (one row) by log-sum-exp into ``Out``, ``BLOCK_U``
-    units per load, so a 32k-token row's few dozen partials cost one round trip, not one per unit.
-    The loads bypass L1 (``.cg``): other programs wrote these partials, and the same buffer held
-    another layer's partials a kernel ago."""
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    m = -float("inf")
-    s = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for u0 in range(us, ue, BLOCK_U):
-        offs_u = u0 + tl.arange(0, BLOCK_U)
-        mu = offs_u < ue
-        lse = tl.load(MidL + offs_u * stride_lu + h, mask=mu, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(MidO + offs_u[:, None] * stride_mu + h * stride_mh + offs_d[None, :],
-                    mask=mu[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every chunk holds at least one unit
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * a + tl.sum(w[:, None] * o, 0)
-        s = s * a + tl.sum(w, 0)
-        m = m_new
-    tl.store(Out + row * stride_ot + h * stride_oh + offs_d, (acc / s).to(Out.dtype.element_ty), mask=mask_d)
-
-
-@triton.jit
-def _ld_sum(ptr, mask, stride_split, NSPLIT: tl.constexpr, DT: tl.constexpr):
-    """``ptr``'s values in dtype ``DT``; with ``NSPLIT > 0`` the sum of that many fp32 split-K
-    partials ``stride_split`` apart (worker/attention/triton_linear.py), rounded to ``DT``."""
-    if NSPLIT > 0:
-        acc = tl.load(ptr, mask=mask, other=0.0)
-        for sp in tl.static_range(1, NSPLIT):
-            acc += tl.load(ptr + sp * stride_split, mask=mask, other=0.0)
-        return acc.to(DT)
-    else:
-        return tl.load(ptr, mask=mask, other=0.0).to(DT)
-
-
-@triton.jit
-def _rope(ptr, partner, cos, sin, mask, stride_split, NSPLIT: tl.constexpr, DT: tl.constexpr):
-    """RoPE ("rotate half") of the head at ``ptr`` as :func:`_rope_store_kernel` rounds it:
-    ``x·cos + x[partner]·sin`` in fp32 (``sin`` with its first half negated), rounded to ``DT``."""
-    x = _ld_sum(ptr, mask, stride_split, NSPLIT, DT).to(tl.float32)
-    xp = _ld_sum(partner, mask, stride_split, NSPLIT, DT).to(tl.float32)
-    return (x * cos + xp * sin).to(DT)
-
-
-@triton.jit
-def _decode_kernel(Q, K, V, Tables, TabStart, URow, ULo, UHi, RowStart, Count, Out, MidO, MidL,
-                   QKV, Cos, Sin, SlotBlock, SlotOff,
-                   stride_qt, stride_qh, stride_blk, stride_tok,
-                   stride_ot, stride_oh, stride_mu, stride_mh, stride_lu, stride_cos, stride_split, qk_scale,
+def _decode_kernel(Q, K, V, Tables, Pos, Key0, URow, ULo, UHi, Out, MidO, MidL,
+                   stride_qt, stride_qh, stride_blk, stride_tok, stride_tab,
+                   stride_ot, stride_oh, stride_mu, stride_mh, stride_lu, qk_scale,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr,
-                   BLOCK_U: tl.constexpr, FUSED: tl.constexpr, NQ: tl.constexpr, NSPLIT: tl.constexpr,
-                   PREC: tl.constexpr, PDL: tl.constexpr):
-    """One program per (work unit, KV head). ``DIRECT``: every row is one unit, whose program writes
-    the output. Otherwise a row of one unit still writes it directly; a row of several writes fp32
-    partials plus their log-sum-exp, and the program that finishes that row's (row, KV head) last —
-    counted in ``Count``, which it resets to 0 for the next launch — merges them: no second kernel.
-
-    ``FUSED`` (a decode-only step: row ``r`` is token ``r`` of ``QKV``): the work of
-    :func:`_rope_store_kernel` is done here instead of in a launch of its own. Each program rotates
-    its query heads from ``QKV`` (split-K partials when ``NSPLIT > 0``); the program of a row's last
-    unit also rotates the new key, stores key and value into their cache slot for later steps, and
-    attends to that newest key from registers (its tiles stop one slot short), so no program of this
-    launch reads a slot this launch writes."""
-    gdc_wait(PDL)
+                   PREC: tl.constexpr):
     u = tl.program_id(0)
     kvh = tl.program_id(1)
-    # The unit loads are independent (one round trip), the table then K/V depend on them.
+    # The three unit loads are independent (one round trip), the table then K/V depend on them.
     lo = tl.load(ULo + u).to(tl.int32)
     hi = tl.load(UHi + u).to(tl.int32)
     row = tl.load(URow + u)
-    if not DIRECT:
-        us = tl.load(RowStart + row).to(tl.int32)
-        ue = tl.load(RowStart + row + 1).to(tl.int32)
     if hi > lo:
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -230,41 +160,14 @@ def _decode_kernel(Q, K, V, Tables, TabStart, URow, ULo, UHi, RowStart, Count, O
         mask_d = offs_d < HEAD_DIM
         heads = kvh * GROUP + offs_h
         qm = mask_h[:, None] & mask_d[None, :]
-        dt = K.dtype.element_ty
-        end = hi
-        if FUSED:
-            src = QKV + row * stride_qt
-            partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
-            cos = tl.load(Cos + row * stride_cos + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-            sin = tl.load(Sin + row * stride_cos + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-            hq = src + heads[:, None] * HEAD_DIM
-            q = _rope(hq + offs_d[None, :], hq + partner[None, :], cos[None, :], sin[None, :], qm, stride_split,
-                      NSPLIT, dt)
-            if DIRECT:
-                last = True
-            else:
-                last = u == ue - 1
-            k_new = tl.zeros([BLOCK_D], dt)
-            v_new = tl.zeros([BLOCK_D], dt)
-            if last:
-                hk = src + (NQ + kvh) * HEAD_DIM
-                k_new = _rope(hk + offs_d, hk + partner, cos, sin, mask_d, stride_split, NSPLIT, dt)
-                v_new = _ld_sum(src + (NQ + tl.num_programs(1) + kvh) * HEAD_DIM + offs_d, mask_d, stride_split,
-                                NSPLIT, dt)
-                slot = (tl.load(SlotBlock + row) * stride_blk + tl.load(SlotOff + row) * stride_tok
-                        + kvh * HEAD_DIM + offs_d)
-                tl.store(K + slot, k_new, mask=mask_d)
-                tl.store(V + slot, v_new, mask=mask_d)
-                end = hi - 1
-        else:
-            q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qm, other=0.0)
+        q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qm, other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        tab = Tables + tl.load(TabStart + row)
-        for start in range(lo, end, BLOCK_N):
+        tab = Tables + row * stride_tab
+        for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            valid = offs_n < end
+            valid = offs_n < hi
             blk = tl.load(tab + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
             off = blk * stride_blk + (offs_n % PAGE).to(tl.int64) * stride_tok + kvh * HEAD_DIM
             kvm = valid[:, None] & mask_d[None, :]
@@ -279,66 +182,49 @@ def _decode_kernel(Q, K, V, Tables, TabStart, URow, ULo, UHi, RowStart, Count, O
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-        if FUSED:
-            if last:  # the newest key, as one more (single-key) tile
-                qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-                m_new = tl.maximum(m_i, qk)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new)
-                acc = acc * alpha[:, None] + p.to(dt).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
-                l_i = l_i * alpha + p
-                m_i = m_new
-        o_ptr = Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         if DIRECT:
-            tl.store(o_ptr, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=qm)
-        elif ue - us == 1:
+            o_ptr = Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptr, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=qm)
         else:
             tl.store(MidO + u * stride_mu + heads[:, None] * stride_mh + offs_d[None, :], acc / l_i[:, None], mask=qm)
             tl.store(MidL + u * stride_lu + heads, m_i + tl.log2(l_i), mask=mask_h)
-            # Every thread's partials are written before the count (acq_rel, GPU scope) publishes them.
-            tl.debug_barrier()
-            cnt = tl.atomic_add(Count + row * tl.num_programs(1) + kvh, 1, sem="acq_rel")
-            if cnt == ue - us - 1:
-                for g in tl.static_range(GROUP):
-                    _merge_head(MidO, MidL, Out, row, kvh * GROUP + g, us, ue, stride_mu, stride_mh, stride_lu,
-                                stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_U)
-                tl.atomic_xchg(Count + row * tl.num_programs(1) + kvh, 0)
 
 
-_COUNTS: dict[str, list[torch.Tensor]] = {}
-
-
-def _counts(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``n`` per-(row, KV head) arrival counts on ``device``. The
-    decode kernel leaves it zeroed after every launch, so it is allocated once and grows only; a
-    replaced buffer is kept, since captured CUDA graphs hold its address."""
-    held = _COUNTS.setdefault(str(device), [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(max(n, 4096, 2 * held[-1].numel() if held else 0), dtype=torch.int32, device=device))
-    return held[-1]
+@triton.jit
+def _merge_kernel(MidO, MidL, RowStart, Out, stride_mu, stride_mh, stride_lu, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr):
+    """One program per (row, query head): merge the row's units by log-sum-exp, ``BLOCK_U`` units per
+    load (the launcher sizes it to the longest row's unit count) so a 32k-token row's few dozen
+    partials cost one round trip, not one per unit."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    us = tl.load(RowStart + row).to(tl.int32)
+    ue = tl.load(RowStart + row + 1).to(tl.int32)
+    m = -float("inf")
+    s = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for u0 in range(us, ue, BLOCK_U):
+        offs_u = u0 + tl.arange(0, BLOCK_U)
+        mu = offs_u < ue
+        lse = tl.load(MidL + offs_u * stride_lu + h, mask=mu, other=float("-inf"))
+        o = tl.load(MidO + offs_u[:, None] * stride_mu + h * stride_mh + offs_d[None, :],
+                    mask=mu[:, None] & mask_d[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every chunk holds at least one unit
+        a = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * a + tl.sum(w[:, None] * o, 0)
+        s = s * a + tl.sum(w, 0)
+        m = m_new
+    tl.store(Out + row * stride_ot + h * stride_oh + offs_d, (acc / s).to(Out.dtype.element_ty), mask=mask_d)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: PagedDecode, scale: float,
                  out: torch.Tensor, cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attention of single-token rows ``q [R, H, D]`` over their paged contexts into ``out [R, H, D]``.
     ``cfg`` overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks sweep it)."""
-    return _paged_decode(q, None, kv_cache, layer, meta, scale, out, cfg)
-
-
-def rope_store_decode(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: torch.Tensor,
-                      layer: int, slot_block: torch.Tensor, slot_offset: torch.Tensor, meta: PagedDecode,
-                      scale: float, out: torch.Tensor) -> torch.Tensor:
-    """:func:`rope_store` followed by :func:`paged_decode` for a decode-only step (row ``r`` = token
-    ``r`` of ``qkv``), in one launch: ``out [R, H, D]`` gets the attention output, the cache the new
-    K/V. ``qkv`` as :func:`rope_store` takes it (``[R, ·]``, or fp32 split-K partials ``[S, R, ·]``)."""
-    if cos.stride() != sin_signed.stride() or cos.stride(1) != 1:
-        raise ValueError(f"cos/sin tables must be row-major alike, found strides {cos.stride()} and {sin_signed.stride()}")
-    return _paged_decode(out, (qkv, cos, sin_signed, slot_block, slot_offset), kv_cache, layer, meta, scale, out, None)
-
-
-def _paged_decode(q, fused, kv_cache, layer, meta, scale, out, cfg):
-    rows, nq, d = out.shape
+    rows, nq, d = q.shape
     nkv = kv_cache.shape[4]
     group = nq // nkv
     bd = _pow2(d)
@@ -346,31 +232,23 @@ def _paged_decode(q, fused, kv_cache, layer, meta, scale, out, cfg):
     k, v = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
     block_n, warps, stages = cfg or decode_config(bd)
     if meta.direct:
-        mid_o = mid_l = count = out  # unused
+        mid_o = mid_l = out  # unused
         smu = smh = slu = 0
     else:
-        mid_o = torch.empty(units, nq, d, dtype=torch.float32, device=out.device)
-        mid_l = torch.empty(units, nq, dtype=torch.float32, device=out.device)
+        mid_o = torch.empty(units, nq, d, dtype=torch.float32, device=q.device)
+        mid_l = torch.empty(units, nq, dtype=torch.float32, device=q.device)
         smu, smh, slu = mid_o.stride(0), mid_o.stride(1), mid_l.stride(0)
-        count = _counts(out.device, rows * nkv)
-    if fused is None:
-        qkv = cos = sin = slot_block = slot_off = out  # unused
-        stride_qt, stride_qh, stride_cos, stride_split, nsplit = q.stride(0), q.stride(1), 0, 0, 0
-    else:
-        qkv, cos, sin, slot_block, slot_off = fused
-        nsplit = qkv.shape[0] if qkv.dim() == 3 else 0
-        stride_qt, stride_qh, stride_cos = qkv.stride(-2), d, cos.stride(0)
-        stride_split = qkv.stride(0) if nsplit else 0
-    # The merge reads all of a row's units in one load (at most 64 of them; more take several rounds).
-    bu = min(64, max(2, triton.next_power_of_2(meta.max_row_units)))
     _decode_kernel[(units, nkv)](
-        q, k, v, meta.tables, meta.table_start, meta.unit_row, meta.unit_lo, meta.unit_hi, meta.row_start, count,
-        out, mid_o, mid_l, qkv, cos, sin, slot_block, slot_off,
-        stride_qt, stride_qh, kv_cache.stride(0), kv_cache.stride(3),
-        out.stride(0), out.stride(1), smu, smh, slu, stride_cos, stride_split, scale * _LOG2E,
+        q, k, v, meta.tables, meta.pos, meta.key0, meta.unit_row, meta.unit_lo, meta.unit_hi, out, mid_o, mid_l,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3), meta.tables.stride(0),
+        out.stride(0), out.stride(1), smu, smh, slu, scale * _LOG2E,
         GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=block_n, PAGE=kv_cache.shape[3],
-        DIRECT=meta.direct, BLOCK_U=bu, FUSED=fused is not None, NQ=nq, NSPLIT=nsplit, PREC=_prec(out),
-        num_warps=warps, num_stages=stages, **launch_kwargs(out.device))
+        DIRECT=meta.direct, PREC=_prec(q), num_warps=warps, num_stages=stages)
+    if not meta.direct:
+        # All of a row's units in one load (at most 128 of them; more take several rounds).
+        bu = min(128, max(2, triton.next_power_of_2(meta.max_row_units)))
+        _merge_kernel[(rows, nq)](mid_o, mid_l, meta.row_start, out, smu, smh, slu, out.stride(0), out.stride(1),
+                                  HEAD_DIM=d, BLOCK_D=bd, BLOCK_U=bu, num_warps=4 if bu >= 32 else 2)
     return out
 
 
@@ -382,11 +260,10 @@ def _prefill_kernel(Q, K, V, Table, Out, q_pos0, num_q, key0,
                     stride_qt, stride_qh, stride_blk, stride_tok, stride_ot, stride_oh, qk_scale,
                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
-                    PREC: tl.constexpr, PDL: tl.constexpr):
+                    PREC: tl.constexpr):
     """Queries of ``BLOCK_T`` consecutive chunk tokens × the ``GROUP`` heads of one KV head form the
     ``BLOCK_T·GROUP_P`` rows of one tile; keys come from the chunk's table (cached prefix and the
     chunk's own K/V, stored before attention), causal and windowed by absolute position."""
-    gdc_wait(PDL)
     mt = tl.program_id(0)
     kvh = tl.program_id(1)
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
@@ -451,8 +328,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: to
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3), out.stride(0), out.stride(1),
         scale * _LOG2E,
         GROUP=group, GROUP_P=gp, BLOCK_T=block_t, HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_N=PREFILL_BLOCK_N,
-        PAGE=kv_cache.shape[3], WINDOW=window or 0, PREC=_prec(q), num_warps=8, num_stages=2,
-        **launch_kwargs(q.device))
+        PAGE=kv_cache.shape[3], WINDOW=window or 0, PREC=_prec(q), num_warps=8, num_stages=2)
     return out
 
 
@@ -465,8 +341,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: to
 
 @triton.jit
 def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, stride_split, n, eps,
-                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
-    gdc_wait(PDL)
+                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < n
@@ -498,14 +373,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(rows,)](x, residual, weight, h, y, x.stride(-2), residual.stride(0), h.stride(0),
                                       y.stride(0), x.stride(0) if nsplit else 0, n, eps, BLOCK=block,
-                                      NSPLIT=nsplit, num_warps=min(16, max(1, block // 256)),
-                                      **launch_kwargs(x.device))
+                                      NSPLIT=nsplit, num_warps=min(16, max(1, block // 256)))
     return h, y
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Out, stride_gu, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    gdc_wait(PDL)
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < inter
@@ -523,6 +396,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                            BLOCK=block, num_warps=4,
-                                                            **launch_kwargs(gate_up.device))
+                                                            BLOCK=block, num_warps=4)
     return out
