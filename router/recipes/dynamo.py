@@ -1,4 +1,5 @@
-"""NVIDIA Dynamo block hashes (ai-dynamo-runtime 1.6.1, docs/reference/kv_events.md §5.1).
+"""NVIDIA Dynamo block hashes (ai-dynamo-runtime 1.6.1; what routing does with engine
+recipes: docs/routing.md "Block keys"; vectors: tests/router/test_recipes.py).
 
 Dynamo's local hash is ``xxh3_64(u32le(block), seed=compute_salt_hash(ns, lora))`` and its
 sequence hash chains them with seed 1337. Our canonical scheme *is* this pair, so these are thin

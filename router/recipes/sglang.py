@@ -1,4 +1,5 @@
-"""SGLang 0.5.23 page hashes (``srt/mem_cache/cpp_utils/hash_binding.cpp``, docs/reference/kv_events.md §6.2).
+"""SGLang 0.5.23 page hashes (``srt/mem_cache/cpp_utils/hash_binding.cpp``; what routing does with engine
+recipes: docs/routing.md "Block keys"; vectors: tests/router/test_recipes.py).
 
 A SHA-256 chain over little-endian u32 tokens per page, the first page unseeded (or seeded by
 the cache salt); the trailing partial page is hashed too. Events carry the first 8 bytes of each

@@ -1,4 +1,5 @@
-"""vLLM 0.33 prefix-cache block hashes (``vllm/v1/core/kv_cache_utils.py``, docs/reference/kv_events.md §3).
+"""vLLM 0.33 prefix-cache block hashes (``vllm/v1/core/kv_cache_utils.py``; what routing does with engine
+recipes: docs/routing.md "Block keys"; vectors: tests/router/test_recipes.py).
 
 ``H((parent_digest or NONE_HASH, tuple(tokens), extra_keys))`` per full block, with H one of
 sha256 / sha256_cbor / xxhash / xxhash_cbor, and ``NONE_HASH = H(seed)``. The event wire value is
