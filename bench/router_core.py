@@ -5,7 +5,7 @@ Prints a table and (unless --no-write) replaces the "## router core" section of
 bench/RESULTS.md. The select latency is measured side by side, interleaved in the same run,
 with a TensorRT-LLM-style baseline: one Python ``set`` of block hashes per server, scanned per
 server until the first miss, ``score = matched_blocks - 0.25 * in_flight``, argmax with
-round-robin ties (``KvCacheAwareRouter._route``, docs/reference/trtllm_disagg.md §3.4).
+round-robin ties (``KvCacheAwareRouter._route`` in TensorRT-LLM's ``tensorrt_llm/serve/router.py``).
 
     python bench/router_core.py            # full run (64 workers x 50k blocks, ~1-2 minutes)
     python bench/router_core.py --quick    # smoke run (seconds), same code paths

@@ -1,7 +1,7 @@
 """`disaggregated_params` and the context→generation opaque state: the one description of both.
 
-`disaggregated_params` is TensorRT-LLM's `DisaggregatedParams` (docs/reference/trtllm_disagg.md
-§2.1; docs/design.md §5): the fleet puts one on each leg, the context worker answers one in
+`disaggregated_params` is TensorRT-LLM's `DisaggregatedParams` (docs/design.md §5,
+docs/protocols.md): the fleet puts one on each leg, the context worker answers one in
 `choices[i].disaggregated_params`, the generation worker reads it. `DisaggParams` names the fields
 splitserve reads or writes; a leg copies the context answer's object verbatim (fields we do not
 name included), only `request_type` changes.

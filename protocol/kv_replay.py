@@ -1,9 +1,9 @@
 """KV-event replay framing and the `/kv_snapshot` body: the one copy publisher and subscriber share.
 
 Replay is vLLM 0.33's `ZmqEventPublisher._service_replay` (vllm/distributed/kv_events.py of the
-vllm-0.33.0 wheel; docs/reference/kv_events.md §1): a DEALER sends `[b"", seq_be8]`; the ROUTER
-answers one `[b"", topic, seq_be8, payload]` message per buffered batch with `seq >= start`
-(oldest first), then the end marker `[b"", b"", END_SEQ, b""]`. vLLM ignores a request without
+vllm-0.33.0 wheel; docs/kv-events.md "Engines × versions × transports"): a DEALER sends
+`[b"", seq_be8]`; the ROUTER answers one `[b"", topic, seq_be8, payload]` message per buffered
+batch with `seq >= start` (oldest first), then the end marker `[b"", b"", END_SEQ, b""]`. vLLM ignores a request without
 the delimiter; our publisher also answers the bare `[seq_be8]` form, with the same frames minus the
 delimiter. Every reply shape ends in `[seq_be8, payload]`, which is all a subscriber reads. A first
 replayed seq above the requested one means the ring buffer already dropped the gap: resync from

@@ -1,7 +1,7 @@
 """Canonical block keys: the one key scheme the fleet, the coordinator and our workers share.
 
-Scheme ``xxh3_chain_v1`` (docs/reference/kv_events.md §9.1; identical to NVIDIA Dynamo's local hash plus its
-sequence hash, so Dynamo publishers are wire-compatible):
+Scheme ``xxh3_chain_v1`` (docs/routing.md "Block keys", docs/design.md §7; identical to NVIDIA
+Dynamo's local hash plus its sequence hash, so Dynamo publishers are wire-compatible):
 
     local_i = xxh3_64(u32le(tokens[i*B:(i+1)*B]), seed=(1337 + ns_seed) mod 2**64)
     key_0   = local_0                                             (chain starts at the root)

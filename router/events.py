@@ -1,4 +1,5 @@
-"""KV-cache events: one canonical model (docs/reference/kv_events.md §9.2) and the codecs around it.
+"""KV-cache events: one canonical model and the codecs around it (docs/kv-events.md "Decoding into
+one model").
 
 Decoders accept every producer we route for:
 - vLLM: ZMQ frames ``[topic, seq_be8, msgpack([ts, events, dp_rank])]``, events as maps tagged
@@ -22,7 +23,7 @@ Invariants of the canonical events:
   kept (``extra_keys``) may nest at most ``MAX_EXTRA_KEYS_DEPTH`` levels.
 
 ``encode_vllm_batch`` is the one encoder: our workers publish exactly vLLM 0.33's bytes (checked
-against docs/reference/kv_events.md §2.3 in the tests), so any vLLM-compatible consumer can read them.
+against vLLM's own bytes in tests/router/test_events.py), so any vLLM-compatible consumer can read them.
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def _as_map(ev: Any, engine: str) -> dict:
 
 
 def _salt_from_extra_keys(extra_keys: Any, lora_name: str | None) -> str | None:
-    """vLLM puts the cache salt, untagged, among block 0's extra keys (docs/reference/kv_events.md §3.3)."""
+    """vLLM puts the cache salt, untagged, among block 0's extra keys (``vllm/v1/core/kv_cache_utils.py``)."""
     if not isinstance(extra_keys, list) or not extra_keys:
         return None
     first = extra_keys[0]

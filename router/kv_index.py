@@ -1,6 +1,6 @@
 """The KV index: which worker (and data-parallel rank) holds which canonical block key.
 
-Layout (docs/reference/kv_events.md §9.4, built for one-walk prefix matching):
+Layout (docs/kv-events.md "How the coordinator applies them"; built for one-walk prefix matching):
 
 - ``_owners: dict[key, int]`` maps a canonical key to a bitmask of *slots*; a slot is one
   ``(worker, dp_rank)`` pair and owns one bit. A slot's bit is set when it holds the key or

@@ -1,6 +1,6 @@
 """The transfer-agent interface: everything a one-sided writer needs, and nothing more.
 
-The nine operations of the reference design (docs/reference/kv_transfer.md, "Transfer agent interface"):
+The nine operations of a transfer agent (docs/kv-transfer.md "Agents", docs/design.md §9):
 
 | operation                  | here                                                        |
 |----------------------------|-------------------------------------------------------------|

@@ -241,7 +241,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def disagg_response_params(req: ParsedRequest, ctx: ContextResult,
                            ctx_info_endpoint: str | None) -> dict:
     """``choices[0].disaggregated_params`` of a context_only response
-    (docs/reference/trtllm_disagg.md §2.4)."""
+    (docs/design.md §5, docs/protocols.md)."""
     out = {k: v for k, v in req.disaggregated_params.items()
            if k in ("schedule_style", "conversation_id", "disagg_request_id")}
     out.update({
