@@ -19,7 +19,7 @@ _MAX_ID = (1 << 63) - 1
 
 
 def _raw(header: str) -> bytes:
-    """A header value's bytes: aiohttp keeps bytes that are not UTF-8 as surrogates."""
+    """A header value's bytes: fleet/http_server.py keeps bytes that are not UTF-8 as surrogates."""
     return header.encode("utf-8", "surrogateescape")
 
 

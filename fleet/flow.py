@@ -20,7 +20,7 @@ Failure rules (beating upstream, reference §7):
 - a 4xx from a worker is relayed as is, never retried; a failure after a request reached a worker
   (disconnect, timeout, 5xx) is not retried; nothing is retried after bytes went to the client;
 - every lease gets exactly one `/finish`, and a client that hangs up (the handler task is cancelled
-  by aiohttp) has every leg still open aborted at once: both by leaving the request's scope
+  by fleet/http_server.py) has every leg still open aborted at once: both by leaving the request's scope
   (fleet/scope.py); no further leg is started.
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Flow:
                 try:
                     v.encode("utf-8")
                 except UnicodeEncodeError:
-                    # aiohttp keeps undecodable header bytes as surrogates: no valid id to route by
+                    # the server keeps undecodable header bytes as surrogates: no valid id to route by
                     raise ApiError(400, f"header {name} must be UTF-8 text, got undecodable bytes",
                                    param=name, code="invalid_value") from None
                 return v
