@@ -273,22 +273,60 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     @torch.inference_mode()
-    def step(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Run one step; returns fp32 logits ``[len(chunks), vocab]`` of each chunk's last token."""
+    def step(self, chunks: Sequence[Chunk], feed_tokens: torch.Tensor | None = None,
+             feed_index: Sequence[int] | None = None) -> torch.Tensor:
+        """Run one step; returns fp32 logits ``[len(chunks), vocab]`` of each chunk's last token.
+
+        ``feed_index[i] >= 0`` makes chunk ``i`` (a single-token chunk) take its token from the device
+        tensor ``feed_tokens[feed_index[i]]`` instead of ``token_ids`` (a placeholder): the previous
+        step's sampled tokens feed this one without a round trip through the host, so the host can
+        prepare a step while the one before it still runs (async scheduling, worker/engine.py).
+
+        Nothing here waits for the device: inputs go up from pinned memory without blocking, so a call
+        returns once the step is queued (the logits are a device tensor still being computed)."""
         if not chunks:
             raise RunnerInputError("step needs at least one chunk, found none")
         checked = [self._check(i, c) for i, c in enumerate(chunks)]
         self._check_slots(checked)
+        feed = None
+        if feed_index is not None:
+            feed = np.asarray(feed_index, dtype=np.int64).reshape(-1)
+            if feed.size != len(checked):
+                raise RunnerInputError(f"feed_index has {feed.size} entries for {len(checked)} chunks")
+            if not (feed >= 0).any():
+                feed = None
+            elif feed_tokens is None:
+                raise RunnerInputError("feed_index names rows of feed_tokens, but feed_tokens is None")
+            else:
+                bad = [i for i in np.flatnonzero(feed >= 0).tolist() if checked[i][2] - checked[i][1] != 1]
+                if bad or int(feed.max()) >= feed_tokens.numel():
+                    raise RunnerInputError(
+                        f"fed chunks must have one token and name a row of feed_tokens (< {feed_tokens.numel()}); "
+                        f"found chunks {bad} with more, max row {int(feed.max())}")
         if self.use_cuda_graphs:
             if (len(checked) <= self.max_graph_batch and all(end - start == 1 for _, start, end, _ in checked)
                     and max(end for _, _, end, _ in checked) <= self._graph_max_len):
-                return self._graph_step(checked)
-            if len(checked) == 1 and checked[0][1] == 0 and 1 < checked[0][2] <= self.max_prefill_graph_tokens:
+                return self._graph_step(checked, feed, feed_tokens)
+            if (feed is None and len(checked) == 1 and checked[0][1] == 0
+                    and 1 < checked[0][2] <= self.max_prefill_graph_tokens):
                 return self._prefill_graph_step(checked[0])
-        batch = self._prepare(checked)
-        hidden = self.model(batch["input_ids"], batch["positions"], batch["meta"], self.kv_cache,
+        batch = self._prepare(checked, feed)
+        input_ids = batch["input_ids"]
+        if feed is not None:
+            input_ids = _fed(input_ids, batch["feed"], feed_tokens)
+        hidden = self.model(input_ids, batch["positions"], batch["meta"], self.kv_cache,
                             batch["seq_lens"], batch["max_position"], batch["max_seq_len"])
         return self.model.compute_logits(hidden[batch["last_idx"]]).float()
+
+    def _h2d(self, a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``a`` on the model's device without waiting for the device: a blocking copy from pageable
+        memory synchronises the stream (waits for every queued step), which would serialise the host's
+        preparation of a step with the step before it."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type != "cuda":
+            return t if dtype is None else t.to(dtype)
+        t = t.pin_memory().to(self.device, non_blocking=True)
+        return t if dtype is None else t.to(dtype)
 
     def _check(self, i: int, c: Chunk) -> tuple[np.ndarray, int, int, np.ndarray]:
         """Validate one chunk → (token ids, start, end, the block-table prefix it touches)."""
@@ -342,9 +380,9 @@ class ModelRunner:
         return plan_decode_groups(need, self.max_decode_groups,
                                   self.decode_group_overhead_keys / self.block_size)
 
-    def _prepare(self, checked) -> dict[str, Any]:
+    def _prepare(self, checked, feed: np.ndarray | None = None) -> dict[str, Any]:
         bs, window, dev = self.block_size, self._window, self.device
-        tok_parts, pos_parts, blk_parts, len_parts = [], [], [], []
+        tok_parts, pos_parts, blk_parts, len_parts, feed_parts = [], [], [], [], []
         prefills: list[PrefillSeq] = []
         dec_idx: list[int] = []
         dec_rows: list[np.ndarray] = []
@@ -368,6 +406,8 @@ class ModelRunner:
             pos_parts.append(pos)
             blk_parts.append(used[pos // bs])
             len_parts.append(np.full(n, end, dtype=np.int64))
+            if feed is not None:
+                feed_parts.append(np.full(n, feed[ci] if n == 1 else -1, dtype=np.int64))
             first_blk = self._first_key_block(start)
             if n == 1:
                 dec_idx.append(offset)
@@ -376,15 +416,15 @@ class ModelRunner:
                 dec_pos.append(start)
             elif start == 0 and paged and window and n > window:
                 # A windowed prompt longer than its window: the kernel masks by position, no [n, n] mask.
-                prefills.append(PrefillSeq(offset, offset + n, 0, torch.from_numpy(used).to(dev), 0, None))
+                prefills.append(PrefillSeq(offset, offset + n, 0, self._h2d(used), 0, None))
             elif start == 0:
                 mask = None
                 if window and n > window:
                     q = np.arange(n)
-                    mask = torch.from_numpy((q[None, :] <= q[:, None]) & (q[None, :] > q[:, None] - window)).to(dev)
+                    mask = self._h2d((q[None, :] <= q[:, None]) & (q[None, :] > q[:, None] - window))
                 prefills.append(PrefillSeq(offset, offset + n, 0, None, 0, mask))
             elif paged:
-                prefills.append(PrefillSeq(offset, offset + n, start, torch.from_numpy(used[first_blk:]).to(dev),
+                prefills.append(PrefillSeq(offset, offset + n, start, self._h2d(used[first_blk:]),
                                            first_blk * bs, None))
             else:
                 key_start = first_blk * bs
@@ -393,8 +433,7 @@ class ModelRunner:
                 if window:
                     mask &= kp[None, :] > pos[:, None] - window
                 prefills.append(PrefillSeq(offset, offset + n, start,
-                                           torch.from_numpy(used[first_blk:]).to(dev), key_start,
-                                           torch.from_numpy(mask).to(dev)))
+                                           self._h2d(used[first_blk:]), key_start, self._h2d(mask)))
             offset += n
             last_idx[ci] = offset - 1
 
@@ -419,11 +458,10 @@ class ModelRunner:
                 if window:
                     mask &= kp > p - window
                 bias = np.where(mask, np.float32(0), np.float32(-np.inf))[:, None, None, :]
-                groups.append(DecodeGroup(start, end_row, torch.from_numpy(tables).to(dev),
-                                          torch.from_numpy(bias).to(dev, self.dtype)))
+                groups.append(DecodeGroup(start, end_row, self._h2d(tables), self._h2d(bias, self.dtype)))
                 gathered += tables.size * bs
                 start = end_row
-            decode = DecodeBatch(torch.tensor(dec_idx, device=dev), groups)
+            decode = DecodeBatch(self._h2d(np.asarray(dec_idx, dtype=np.int64)), groups)
             self.last_step_stats = _decode_stats(len(dec_idx), len(groups), gathered,
                                                  sum(r.size for r in dec_rows) * bs)
 
@@ -434,11 +472,16 @@ class ModelRunner:
                  np.asarray(last_idx, dtype=np.int64)]
         if dynamic:
             parts.append(np.concatenate(len_parts))
-        packed = torch.from_numpy(np.concatenate(parts)).to(dev)
+        if feed is not None:
+            parts.append(np.concatenate(feed_parts))
+        packed = self._h2d(np.concatenate(parts))
         input_ids, pos_t, blk_t, off_t = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:4 * n]
-        last_t = packed[4 * n:4 * n + len(last_idx)]
-        seq_lens = packed[4 * n + len(last_idx):] if dynamic else None
+        o = 4 * n + len(last_idx)
+        last_t = packed[4 * n:o]
+        seq_lens = packed[o:o + n] if dynamic else None
+        feed_t = packed[packed.numel() - n:] if feed is not None else None
         return {
+            "feed": feed_t,
             "input_ids": input_ids,
             "positions": pos_t,
             "seq_lens": seq_lens,
@@ -458,7 +501,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def _graph_step(self, checked) -> torch.Tensor:
+    def _graph_step(self, checked, feed: np.ndarray | None = None,
+                    feed_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows through the graph captured for their grouping: per group, a (batch bucket,
         blocks-per-row bucket) pair. Graph rows are laid out group after group, each group padded to
         its batch bucket; the graph's ``order`` input maps them back to chunk order."""
@@ -486,6 +530,8 @@ class ModelRunner:
                 host["slot_off"][row] = start % bs
                 host["first_key"][row] = f * bs
                 host["order"][ci] = row
+                if feed is not None:
+                    host["feed"][row] = feed[ci]
                 blocks = used[f:]
                 tables[j, : blocks.size] = blocks
             row0 += shape[gi][0]
@@ -495,7 +541,11 @@ class ModelRunner:
             self.last_step_stats = _decode_stats(n, 1, int((hi - lo)[host["order"][:n]].sum()), sum(need) * bs)
         else:
             self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, sum(need) * bs)
-        return g.run()[:n].clone()
+        pre = None
+        if feed is not None:
+            ids, fd = g.dev["ids"], g.dev["feed"]
+            pre = lambda: ids.copy_(_fed(ids, fd, feed_tokens))  # noqa: E731  (after the upload)
+        return g.run(pre)[:n].clone()
 
     def _prefill_graph_step(self, chunk) -> torch.Tensor:
         """A fresh prompt (start 0) padded to a multiple of ``prefill_graph_granularity`` tokens.
@@ -521,6 +571,7 @@ class ModelRunner:
         host["slot_off"][:] = 0
         host["first_key"][:] = 0
         host["order"][:] = np.arange(host["order"].size)
+        host["feed"][:] = -1
         if "tables" in host:
             host["tables"][:] = self.scratch_block
             return
@@ -534,7 +585,7 @@ class ModelRunner:
         bs, dev, window, model = self.block_size, self.device, self._window, self.model
         rows = sum(b for b, _ in shape)
         fields = {"ids": (rows,), "pos": (rows,), "slot_block": (rows,), "slot_off": (rows,),
-                  "first_key": (rows,), "order": (rows,)}
+                  "first_key": (rows,), "order": (rows,), "feed": (rows,)}
         paged = self.attention_backend == "triton"
         if paged:
             # One table for all rows (the kernel reads each row's own range); work units sized from the
@@ -626,6 +677,11 @@ class ModelRunner:
         return g
 
 
+def _fed(ids: torch.Tensor, feed: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``ids`` with entry ``i`` replaced by ``tokens[feed[i]]`` where ``feed[i] >= 0`` (device only)."""
+    return torch.where(feed >= 0, tokens.reshape(-1).index_select(0, feed.clamp(min=0)).to(ids.dtype), ids)
+
+
 def _decode_stats(rows: int, groups: int, key_slots: int, context_slots: int) -> dict[str, int]:
     return {"decode_rows": rows, "decode_groups": groups, "decode_key_slots": key_slots,
             "decode_context_slots": context_slots}
@@ -665,8 +721,12 @@ class _StepGraph:
     def upload(self, blocking: bool = False) -> None:
         self._dev.copy_(self._host, non_blocking=not blocking)
 
-    def run(self) -> torch.Tensor:
+    def run(self, pre=None) -> torch.Tensor:
+        """Upload the inputs, run ``pre`` (eager work on the uploaded inputs, e.g. feeding tokens from
+        the device), replay."""
         self.upload()
         self.ready.record()
+        if pre is not None:
+            pre()
         self.graph.replay()
         return self.output

@@ -94,6 +94,7 @@ async def test_torch_worker_prefix_hits_and_events_match_snapshot(http):
             info = await r.json()
         assert info["engine"] == "torch" and info["model"] == "tiny"
         assert info["attention_backend"] == "torch", "auto picks the torch path on the CPU"
+        assert info["async_scheduling"] is False, "auto: no async scheduling on the CPU"
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(info["kv_events"]["publisher"])
