@@ -266,7 +266,8 @@ def serving_loop(runner, tokenizer, lengths: list[int], slack: list[int], async_
 
         try:
             long_times: list[float] = []
-            await asyncio.gather(consume(reqs[0], long_times), *(consume(r, None) for r in reqs[1:]))
+            # short rows first: they prefill and start decoding, then the long row prefills beside them
+            await asyncio.gather(*(consume(r, None) for r in reqs[1:]), consume(reqs[0], long_times))
             return long_times, min(ends[1:] or ends)
         finally:
             await engine.stop()
