@@ -255,9 +255,11 @@ class TorchEngine(SchedulingEngine):
                 if s.rng is None and not p.greedy:
                     s.rng = self._make_generator(p, self.runner.device)
                 rows.append((i, p, s.rng))
-        loop = asyncio.get_running_loop()
-        done = await loop.run_in_executor(self._executor, self._queue_step, chunks, rows, feed)
-        return loop.run_in_executor(self._executor, done)
+        # Queued from the loop's own thread: preparing a step is Python holding the GIL, which a worker
+        # thread would not free for the loop anyway, and each hand-off to the thread costs a wake-up.
+        # Only the wait for the tokens (which releases the GIL) goes to the worker thread.
+        done = self._queue_step(chunks, rows, feed)
+        return asyncio.get_running_loop().run_in_executor(self._executor, done)
 
     def _queue_step(self, chunks, rows, feed):
         """Runs the step up to its queued device work; returns the call that waits for its tokens."""
