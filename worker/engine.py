@@ -178,10 +178,9 @@ class TorchEngine(SchedulingEngine):
             max_model_len=cfg.max_position_embeddings, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout_s, worker_id=worker_id,
             kv_connector=kv_connector, launch=self._launch if self.async_scheduling else None)
-        # Async scheduling: the device tensor the runner feeds next-step tokens from (row i = the token
-        # plan entry i sampled), and two pinned host buffers the tokens come back through, alternately
-        # (step k's buffer is read while step k+1's copy may already be landing in the other).
-        self._fed = None
+        # Async scheduling: two pinned host buffers the tokens of a step (the runner's ``step_tokens``,
+        # row i = plan entry i) come back through, alternately: step k's is read while step k+1's copy
+        # may already be landing in the other.
         self._host_tokens: list = []
         self._flip = 0
         if kv_connector is not None:   # may build its transceiver over our K/V memory now
@@ -262,27 +261,25 @@ class TorchEngine(SchedulingEngine):
         return asyncio.get_running_loop().run_in_executor(self._executor, done)
 
     def _queue_step(self, chunks, rows, feed):
-        """Runs the step up to its queued device work; returns the call that waits for its tokens."""
-        torch = self._torch
+        """Queues the step's device work (the runner leaves greedy tokens in ``step_tokens``, the
+        other rows are sampled into it here) and the tokens' copy to the host; returns the call that
+        waits for them."""
+        torch, runner = self._torch, self.runner
         n = len(chunks)
-        dev = self.runner.device
-        if self._fed is None or self._fed.numel() < n:
-            old = self._fed
-            self._fed = torch.zeros(max(n, self.max_batch_size, 64), dtype=torch.int64, device=dev)
-            if old is not None:
-                self._fed[:old.numel()].copy_(old)
-            pin = dev.type == "cuda"
-            self._host_tokens = [torch.zeros(self._fed.numel(), dtype=torch.int64, pin_memory=pin)
-                                 for _ in range(2)]
-        logits = self.runner.step(chunks, feed_tokens=self._fed, feed_index=feed)
+        logits = runner.step(chunks, feed_index=feed, greedy_tokens=True)
         if not rows:
             return dict
-        self._fed[:n].copy_(self._sample_tokens(logits, rows))
+        tokens = runner.step_tokens
+        if any(not p.greedy for _, p, _ in rows):
+            tokens[:n].copy_(self._sample_tokens(logits, rows))
+        cuda = runner.device.type == "cuda"
+        if len(self._host_tokens) != 2 or self._host_tokens[0].numel() < n:
+            self._host_tokens = [torch.zeros(max(n, 256), dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         host = self._host_tokens[self._flip]
         self._flip ^= 1
-        host[:n].copy_(self._fed[:n], non_blocking=dev.type == "cuda")
+        host[:n].copy_(tokens[:n], non_blocking=cuda)
         event = None
-        if dev.type == "cuda":
+        if cuda:
             event = torch.cuda.Event()
             event.record()
         picked = [r for r, _, _ in rows]
@@ -291,7 +288,7 @@ class TorchEngine(SchedulingEngine):
             if event is not None:
                 event.synchronize()
             vals = host[:n].tolist()
-            return {r: int(vals[r]) for r in picked}
+            return {r: vals[r] for r in picked}
 
         return result
 

@@ -182,6 +182,8 @@ class ModelRunner:
         self.max_prefill_graph_tokens = 2048
         self.prefill_graph_granularity = 128
         self._graphs: dict[tuple, _StepGraph] = {}
+        #: Device tokens of the last step (see :meth:`step`), allocated on first use.
+        self.step_tokens: torch.Tensor | None = None
         self._graph_pool = None
         self._graph_max_len = min(num_blocks * block_size, max(cfg.max_position_embeddings, block_size))
         self._rope_len = max(self._graph_max_len, self.max_prefill_graph_tokens)
@@ -273,52 +275,78 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     @torch.inference_mode()
-    def step(self, chunks: Sequence[Chunk], feed_tokens: torch.Tensor | None = None,
-             feed_index: Sequence[int] | None = None) -> torch.Tensor:
+    def step(self, chunks: Sequence[Chunk], feed_index: Sequence[int] | None = None,
+             greedy_tokens: bool = False) -> torch.Tensor:
         """Run one step; returns fp32 logits ``[len(chunks), vocab]`` of each chunk's last token.
 
-        ``feed_index[i] >= 0`` makes chunk ``i`` (a single-token chunk) take its token from the device
-        tensor ``feed_tokens[feed_index[i]]`` instead of ``token_ids`` (a placeholder): the previous
-        step's sampled tokens feed this one without a round trip through the host, so the host can
-        prepare a step while the one before it still runs (async scheduling, worker/engine.py).
+        Device-side tokens (async scheduling, worker/engine.py): ``step_tokens`` is a device int64
+        buffer the runner owns. ``feed_index[i] >= 0`` makes chunk ``i`` (a single-token chunk) take its
+        token from ``step_tokens[feed_index[i]]`` instead of ``token_ids`` (a placeholder), and with
+        ``feed_index`` or ``greedy_tokens`` the step leaves ``argmax(logits[i])`` in ``step_tokens[i]``
+        for every chunk — inside the CUDA graph of a decode step, so the previous step's greedy tokens
+        feed this one with no host round trip and no extra launch. A caller sampling a row otherwise
+        overwrites that row of ``step_tokens`` after the call, before the next one.
 
         Nothing here waits for the device: inputs go up from pinned memory without blocking, so a call
         returns once the step is queued (the logits are a device tensor still being computed)."""
         if not chunks:
             raise RunnerInputError("step needs at least one chunk, found none")
         checked = self._check_decode(chunks) if all(len(c.token_ids) == 1 for c in chunks) else None
+        decode_only = checked is not None
         if checked is None:
             checked = [self._check(i, c) for i, c in enumerate(chunks)]
             self._check_slots(checked)
+        n = len(checked)
         feed = None
         if feed_index is not None:
             feed = np.asarray(feed_index, dtype=np.int64).reshape(-1)
-            if feed.size != len(checked):
-                raise RunnerInputError(f"feed_index has {feed.size} entries for {len(checked)} chunks")
-            if not (feed >= 0).any():
+            if feed.size != n:
+                raise RunnerInputError(f"feed_index has {feed.size} entries for {n} chunks")
+            top = int(feed.max())
+            if top < 0:
                 feed = None
-            elif feed_tokens is None:
-                raise RunnerInputError("feed_index names rows of feed_tokens, but feed_tokens is None")
             else:
-                bad = [i for i in np.flatnonzero(feed >= 0).tolist() if checked[i][2] - checked[i][1] != 1]
-                if bad or int(feed.max()) >= feed_tokens.numel():
-                    raise RunnerInputError(
-                        f"fed chunks must have one token and name a row of feed_tokens (< {feed_tokens.numel()}); "
-                        f"found chunks {bad} with more, max row {int(feed.max())}")
+                self.token_buffer(top + 1)
+                bad = [] if decode_only else [
+                    i for i in np.flatnonzero(feed >= 0).tolist() if checked[i][2] - checked[i][1] != 1]
+                if bad:
+                    raise RunnerInputError(f"fed chunks must have one token; chunks {bad} have more")
+        fused = feed is not None or greedy_tokens
+        if fused:
+            self.token_buffer(n)
+        logits = None
         if self.use_cuda_graphs:
-            if (len(checked) <= self.max_graph_batch and all(end - start == 1 for _, start, end, _ in checked)
+            if (decode_only and n <= self.max_graph_batch
                     and max(end for _, _, end, _ in checked) <= self._graph_max_len):
-                return self._graph_step(checked, feed, feed_tokens)
-            if (feed is None and len(checked) == 1 and checked[0][1] == 0
+                return self._graph_step(checked, feed, fused)
+            if (feed is None and n == 1 and checked[0][1] == 0
                     and 1 < checked[0][2] <= self.max_prefill_graph_tokens):
-                return self._prefill_graph_step(checked[0])
-        batch = self._prepare(checked, feed)
-        input_ids = batch["input_ids"]
-        if feed is not None:
-            input_ids = _fed(input_ids, batch["feed"], feed_tokens)
-        hidden = self.model(input_ids, batch["positions"], batch["meta"], self.kv_cache,
-                            batch["seq_lens"], batch["max_position"], batch["max_seq_len"])
-        return self.model.compute_logits(hidden[batch["last_idx"]]).float()
+                logits = self._prefill_graph_step(checked[0])
+        if logits is None:
+            batch = self._prepare(checked, feed)
+            input_ids = batch["input_ids"]
+            if feed is not None:
+                input_ids = _fed(input_ids, batch["feed"], self.step_tokens)
+            hidden = self.model(input_ids, batch["positions"], batch["meta"], self.kv_cache,
+                                batch["seq_lens"], batch["max_position"], batch["max_seq_len"])
+            logits = self.model.compute_logits(hidden[batch["last_idx"]]).float()
+        if fused:
+            self.step_tokens[:n].copy_(torch.argmax(logits, dim=-1))
+        return logits
+
+    def token_buffer(self, rows: int) -> torch.Tensor:
+        """``step_tokens`` with room for ``rows`` rows (at least ``max_graph_batch``). Growing it drops
+        the graphs that captured the old buffer's address (they are captured again when next used);
+        its contents are kept."""
+        buf = self.step_tokens
+        if buf is None or buf.numel() < rows:
+            with torch.inference_mode(False):  # a normal tensor: callers write sampled rows into it
+                new = torch.zeros(max(2 * rows, 2 * self.max_graph_batch), dtype=torch.int64, device=self.device)
+            if buf is not None:
+                new[:buf.numel()].copy_(buf)
+                self._graphs = {k: g for k, g in self._graphs.items() if not (len(k) > 2 and k[2] == "fused")}
+            self.step_tokens = buf = new
+        return buf
 
     def _h2d(self, a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``a`` on the model's device without waiting for the device: a blocking copy from pageable
@@ -372,7 +400,10 @@ class ModelRunner:
             need = st // bs + 1
             if len(ids) < need:
                 return None
-            used.append(np.asarray(ids[:need], dtype=np.int64).reshape(-1))
+            if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+                used.append(ids[:need])  # the torch engine's tables (worker/engine.py ``_table``)
+            else:
+                used.append(np.asarray(ids[:need], dtype=np.int64).reshape(-1))
         tokens = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n)
         flat = np.concatenate(used) if n > 1 else used[0]
         if (flat.min() < 0 or flat.max() >= self.num_blocks or tokens.min() < 0
@@ -530,51 +561,57 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def _graph_step(self, checked, feed: np.ndarray | None = None,
-                    feed_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def _graph_step(self, checked, feed: np.ndarray | None = None, fused: bool = False) -> torch.Tensor:
         """Decode rows through the graph captured for their grouping: per group, a (batch bucket,
         blocks-per-row bucket) pair. Graph rows are laid out group after group, each group padded to
         its batch bucket; the graph's ``order`` input maps them back to chunk order."""
         bs, n = self.block_size, len(checked)
-        firsts = [self._first_key_block(start) for _, start, _, _ in checked]
-        need = [used.size - f for (_, _, _, used), f in zip(checked, firsts)]
+        starts = np.fromiter((c[1] for c in checked), dtype=np.int64, count=n)
+        window = self._window
+        firsts = (np.maximum(0, starts - window + 1) // bs) if window else np.zeros(n, dtype=np.int64)
+        sizes = np.fromiter((c[3].size for c in checked), dtype=np.int64, count=n)
+        need = sizes - firsts
         plan = plan_decode_groups(need, self.max_decode_groups, self.decode_group_overhead_keys / bs)
         cap = (self._graph_max_len + bs - 1) // bs
         shape = tuple((_bucket(len(grp), self.max_graph_batch),
                        _bucket(int(need[grp[0]]), max(int(need[grp[0]]), cap))) for grp in plan)
-        g = self._graphs.get(("decode", shape)) or self._capture_decode(shape)
+        key = ("decode", shape, "fused") if fused else ("decode", shape)
+        g = self._graphs.get(key) or self._capture_decode(shape, fused)
         g.ready.synchronize()  # the previous upload from this pinned buffer has finished
         host = g.host
         paged = self.attention_backend == "triton"
         self._decode_padding(host, len(shape), whole_tables=not paged)
+        # Per-row scalars in a few array writes (chunk ci goes to graph row rows[k], ci = order[k]).
+        order = np.concatenate(plan) if len(plan) > 1 else plan[0]
+        rows = np.concatenate([row0 + np.arange(len(grp)) for grp, row0 in
+                               zip(plan, np.cumsum([0] + [b for b, _ in shape[:-1]]))]) if len(plan) > 1 \
+            else np.arange(n)
+        tokens = np.fromiter((c[0][0] for c in checked), dtype=np.int64, count=n)
+        slot_block = np.fromiter((c[3][-1] for c in checked), dtype=np.int64, count=n)  # block of `start`
+        host["ids"][rows] = tokens[order]
+        host["pos"][rows] = starts[order]
+        host["slot_block"][rows] = slot_block[order]
+        host["slot_off"][rows] = starts[order] % bs
+        host["first_key"][rows] = firsts[order] * bs
+        host["order"][order] = rows
+        if feed is not None:
+            host["feed"][rows] = feed[order]
         row0 = 0
         for gi, grp in enumerate(plan):
             tables = host["tables"][row0:] if paged else host[f"tables{gi}"]
             for j, ci in enumerate(grp.tolist()):
-                tokens, start, _, used = checked[ci]
-                f, row = firsts[ci], row0 + j
-                host["ids"][row] = tokens[0]
-                host["pos"][row] = start
-                host["slot_block"][row] = used[start // bs]
-                host["slot_off"][row] = start % bs
-                host["first_key"][row] = f * bs
-                host["order"][ci] = row
-                if feed is not None:
-                    host["feed"][row] = feed[ci]
-                blocks = used[f:]
-                tables[j, : blocks.size] = blocks
+                used = checked[ci][3]
+                f = int(firsts[ci])
+                tables[j, : used.size - f] = used[f:] if f else used
             row0 += shape[gi][0]
+        need = int(need.sum())
         if paged:
             lo, hi = row_ranges(host["pos"], host["first_key"], self._window)
             fill_units(lo, hi, g.split, host["u_row"], host["u_lo"], host["u_hi"], host["row_start"])
-            self.last_step_stats = _decode_stats(n, 1, int((hi - lo)[host["order"][:n]].sum()), sum(need) * bs)
+            self.last_step_stats = _decode_stats(n, 1, int((hi - lo)[host["order"][:n]].sum()), need * bs)
         else:
-            self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, sum(need) * bs)
-        pre = None
-        if feed is not None:
-            ids, fd = g.dev["ids"], g.dev["feed"]
-            pre = lambda: ids.copy_(_fed(ids, fd, feed_tokens))  # noqa: E731  (after the upload)
-        return g.run(pre)[:n].clone()
+            self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, need * bs)
+        return g.run()[:n].clone()
 
     def _prefill_graph_step(self, chunk) -> torch.Tensor:
         """A fresh prompt (start 0) padded to a multiple of ``prefill_graph_granularity`` tokens.
@@ -615,10 +652,13 @@ class ModelRunner:
         for gi in range(num_groups):
             host[f"tables{gi}"][:] = self.scratch_block
 
-    def _capture_decode(self, shape: tuple[tuple[int, int], ...]) -> "_StepGraph":
+    def _capture_decode(self, shape: tuple[tuple[int, int], ...], fused: bool = False) -> "_StepGraph":
         """Capture a decode step whose rows form ``len(shape)`` groups of ``(rows, blocks per row)``.
         Distinct captures stay few: each group's pair comes from power-of-two buckets, groups are
-        split only where the blocks bucket changes, and there are at most ``max_decode_groups``."""
+        split only where the blocks bucket changes, and there are at most ``max_decode_groups``.
+
+        ``fused``: the graph also takes fed tokens from ``step_tokens`` (its ``feed`` input) and
+        writes each row's argmax there (:meth:`step`); plain steps keep the graph without them."""
         bs, dev, window, model = self.block_size, self.device, self._window, self.model
         rows = sum(b for b, _ in shape)
         fields = {"ids": (rows,), "pos": (rows,), "slot_block": (rows,), "slot_off": (rows,),
@@ -642,6 +682,16 @@ class ModelRunner:
         token_idx = torch.arange(rows, device=dev)
         key_offs = [torch.arange(nb * bs, device=dev) for _, nb in shape]
         v = g.dev
+        key = ("decode", shape, "fused") if fused else ("decode", shape)
+        tokens = self.token_buffer(rows) if fused else None
+
+        def ids_in() -> torch.Tensor:
+            return _fed(v["ids"], v["feed"], tokens) if fused else v["ids"]
+
+        def tokens_out(logits: torch.Tensor) -> torch.Tensor:
+            if fused:  # rows past the step's chunks hold padding rows' argmax: never read
+                tokens[:rows].copy_(torch.argmax(logits, dim=-1))
+            return logits
         if paged:
             lo, hi = row_ranges(g.host["pos"], g.host["first_key"], window)
             fill_units(lo, hi, split, g.host["u_row"], g.host["u_lo"], g.host["u_hi"], g.host["row_start"])
@@ -650,10 +700,10 @@ class ModelRunner:
                 pd = PagedDecode(v["tables"], v["pos"], v["first_key"], v["u_row"], v["u_lo"], v["u_hi"],
                                  v["row_start"], direct, max_row_units=row_units)
                 meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], None, bs, "triton", pd)
-                h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
-                return model.compute_logits(h.index_select(0, v["order"])).float()
+                h = model(ids_in(), v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
+                return tokens_out(model.compute_logits(h.index_select(0, v["order"])).float())
 
-            return self._capture(("decode", shape), g, body, keep=())
+            return self._capture(key, g, body, keep=(tokens,) if fused else ())
 
         def body() -> torch.Tensor:
             groups, row0 = [], 0
@@ -667,10 +717,10 @@ class ModelRunner:
                 groups.append(DecodeGroup(row0, row0 + b, v[f"tables{gi}"], bias[:, None, None, :]))
                 row0 += b
             meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], DecodeBatch(token_idx, groups), bs)
-            h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
-            return model.compute_logits(h.index_select(0, v["order"])).float()
+            h = model(ids_in(), v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
+            return tokens_out(model.compute_logits(h.index_select(0, v["order"])).float())
 
-        return self._capture(("decode", shape), g, body, keep=(token_idx, *key_offs))
+        return self._capture(key, g, body, keep=(token_idx, *key_offs) + ((tokens,) if fused else ()))
 
     def _capture_prefill(self, tb: int) -> "_StepGraph":
         bs, dev, window, model = self.block_size, self.device, self._window, self.model
@@ -698,6 +748,9 @@ class ModelRunner:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         g.upload(blocking=True)
+        # A fused graph's warm-up writes argmax tokens of padding rows into step_tokens, which may hold
+        # the previous step's tokens that this step is about to feed from: keep them.
+        saved = self.step_tokens.clone() if key[-1] == "fused" else None
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -707,6 +760,8 @@ class ModelRunner:
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self._graph_pool):
             g.output = body()
+        if saved is not None:
+            self.step_tokens.copy_(saved)
         # The graph replays raw addresses: every tensor it reads that was allocated outside the capture
         # must outlive it (a freed index tensor would be reused and read back as garbage indices).
         g.keep = keep + (model.rotary._cos, model.rotary._sin)
@@ -758,12 +813,8 @@ class _StepGraph:
     def upload(self, blocking: bool = False) -> None:
         self._dev.copy_(self._host, non_blocking=not blocking)
 
-    def run(self, pre=None) -> torch.Tensor:
-        """Upload the inputs, run ``pre`` (eager work on the uploaded inputs, e.g. feeding tokens from
-        the device), replay."""
+    def run(self) -> torch.Tensor:
         self.upload()
         self.ready.record()
-        if pre is not None:
-            pre()
         self.graph.replay()
         return self.output

@@ -142,7 +142,9 @@ async def test_abort_and_preemption_under_async_scheduling_leak_nothing(engines)
 
 def _feed_case(runner):
     """Two prefilled sequences, then one decode step twice: tokens given on the host, and the same
-    tokens taken on the device through ``feed_tokens``/``feed_index`` (rows 2 and 0 of it)."""
+    tokens taken on the device from ``step_tokens`` (rows 2 and 0 of it); then a step mixing a fed
+    decode row with a prefill chunk (the eager path). Every fed step leaves its argmax tokens in
+    ``step_tokens``."""
     import torch
 
     from worker.runner import Chunk
@@ -152,28 +154,27 @@ def _feed_case(runner):
     runner.step([Chunk(s, 0, t) for s, t in zip(seqs, tables)])
     toks = [77, 201]
     host = runner.step([Chunk([toks[i]], len(s), t) for i, (s, t) in enumerate(zip(seqs, tables))])
-    dev_toks = torch.tensor([toks[1], 5, toks[0]], device=runner.device)
-    fed = runner.step([Chunk([0], len(s), t) for s, t in zip(seqs, tables)], feed_tokens=dev_toks,
-                      feed_index=[2, 0])
-    # a step mixing a fed decode row with a prefill chunk (the eager path)
-    mixed_host = runner.step([Chunk([toks[0]], len(seqs[0]), tables[0]), Chunk(prompt(9, 2), 0, list(range(16, 20)))])
-    mixed_fed = runner.step([Chunk([0], len(seqs[0]), tables[0]), Chunk(prompt(9, 2), 0, list(range(16, 20)))],
-                            feed_tokens=dev_toks, feed_index=[2, -1])
+    runner.token_buffer(3)[:3] = torch.tensor([toks[1], 5, toks[0]])
+    fed = runner.step([Chunk([0], len(s), t) for s, t in zip(seqs, tables)], feed_index=[2, 0])
+    assert runner.step_tokens[:2].tolist() == fed.argmax(-1).tolist()
+    other = Chunk(prompt(9, 2), 0, list(range(16, 20)))
+    mixed_host = runner.step([Chunk([toks[0]], len(seqs[0]), tables[0]), other])
+    runner.step_tokens[:3] = torch.tensor([toks[1], 5, toks[0]])
+    mixed_fed = runner.step([Chunk([0], len(seqs[0]), tables[0]), other], feed_index=[2, -1])
+    assert runner.step_tokens[:2].tolist() == mixed_fed.argmax(-1).tolist()
     return host, fed, mixed_host, mixed_fed
 
 
 def test_runner_feeds_tokens_from_the_device(tiny_model):
-    from worker.runner import ModelRunner, RunnerInputError, Chunk
+    from worker.runner import Chunk, ModelRunner, RunnerInputError
 
     runner = ModelRunner(tiny_model, num_blocks=32, block_size=8)
     host, fed, mixed_host, mixed_fed = _feed_case(runner)
     assert (host == fed).all() and (mixed_host == mixed_fed).all()
-    import torch
-
     with pytest.raises(RunnerInputError, match="one token"):
-        runner.step([Chunk([1, 2], 0, [30])], feed_tokens=torch.zeros(4, dtype=torch.long), feed_index=[0])
-    with pytest.raises(RunnerInputError, match="feed_tokens is None"):
-        runner.step([Chunk([1], 0, [30])], feed_index=[0])
+        runner.step([Chunk([1, 2], 0, [30]), Chunk([3], 5, [31])], feed_index=[-1, 0][::-1])
+    with pytest.raises(RunnerInputError, match="entries for 1 chunks"):
+        runner.step([Chunk([1], 0, [30])], feed_index=[0, 1])
 
 
 @pytest.mark.gpu
