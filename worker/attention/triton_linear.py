@@ -40,12 +40,14 @@ BLOCK_K = 128
 #: 4 gave 1.141 / 1.625, 1 gave 1.127 / 1.561.
 SPLITK_PROGRAMS_PER_SM = 2
 #: Batch-1 decode (M = 1): ``(BLOCK_N, num_warps, BLOCK_K)`` and programs per multiprocessor of the split-K
-#: launch. A sweep of every tile × split on the H200 (bench/RESULTS.md, "async scheduling and batch-1
-#: linears (issue 17, fifth pass)") put narrow two-warp programs over more K splits ahead of the M ≤ 32
-#: tiles on the narrow matrices: qkv 6.85 → 5.51, o_proj 5.73 → 4.53, down_proj 12.92 → 10.48 µs per
-#: layer. ``None`` keeps the general tiles at M = 1.
+#: launch. Swept on the H200 (bench/RESULTS.md, "async scheduling and batch-1 linears (issue 17, fifth
+#: pass)"): per matrix, narrow two-warp programs with 64-wide K tiles beat the M ≤ 32 tiles (qkv 6.85 →
+#: 5.51, o_proj 5.73 → 4.53, down_proj 12.92 → 10.48 µs per layer); end to end (one process, variants
+#: alternating) 2 programs per SM gave 1.042–1.049 ms per step at 1k context against 1.092–1.102 for the
+#: general tiles, 4 gave 1.072–1.085, 8 gave 1.171; 64-wide or four-warp programs were slower. ``None``
+#: keeps the general tiles at M = 1.
 M1_TILE: tuple[int, int, int] | None = (32, 2, 64)
-M1_PROGRAMS_PER_SM = 4
+M1_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
