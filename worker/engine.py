@@ -209,7 +209,13 @@ class TorchEngine(SchedulingEngine):
 
     def _step(self, chunks, rows) -> dict[int, int]:
         logits = self.runner.step(chunks)
-        return self._sample(logits, rows) if rows else {}
+        if rows:
+            return self._sample(logits, rows)  # its device→host copy waits for the step
+        if self.runner.device.type == "cuda":
+            # A step is applied only once its K/V is written: the scheduler then commits the blocks to
+            # the prefix cache and the KV connector may start sending them (worker/scheduler.py _apply).
+            self._torch.cuda.current_stream(self.runner.device).synchronize()
+        return {}
 
     def _can_async(self) -> bool:
         """Async scheduling feeds tokens on the device: only a runner that takes them (a multi-rank
@@ -267,12 +273,21 @@ class TorchEngine(SchedulingEngine):
         torch, runner = self._torch, self.runner
         n = len(chunks)
         logits = runner.step(chunks, feed_index=feed, greedy_tokens=True)
-        if not rows:
-            return dict
+        cuda = runner.device.type == "cuda"
+        if not rows:  # still waited for: the step is applied only once its K/V is written (see _step)
+            if not cuda:
+                return dict
+            done = torch.cuda.Event()
+            done.record()
+
+            def written() -> dict[int, int]:
+                done.synchronize()
+                return {}
+
+            return written
         tokens = runner.step_tokens
         if any(not p.greedy for _, p, _ in rows):
             tokens[:n].copy_(self._sample_tokens(logits, rows))
-        cuda = runner.device.type == "cuda"
         if len(self._host_tokens) != 2 or self._host_tokens[0].numel() < n:
             self._host_tokens = [torch.zeros(max(n, 256), dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         host = self._host_tokens[self._flip]
