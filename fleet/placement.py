@@ -115,6 +115,8 @@ class Placer:
         self._chan = getattr(coordinator, "channel", None)
         if self._chan is not None:
             self._chan.on_abandoned = M.ORPHANED_LEASES.inc
+            if not self._inline:
+                self._nowait = self._chan.finish   # what `finish_nowait` calls, one layer less
         self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
         M.COORD_UP.set(1)
