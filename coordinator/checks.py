@@ -40,10 +40,14 @@ def routing_key(rk: Any, block_size: int) -> RoutingKey | None:
     return RoutingKey(block_keys=arr, num_tokens=n or 0, conversation_id=conv)
 
 
-def exclusions(exclude: Any, field_name: str) -> set[str]:
-    """Server urls to leave out, normalised (BadRequest naming `field_name` otherwise)."""
+_NONE: frozenset[str] = frozenset()
+
+
+def exclusions(exclude: Any, field_name: str) -> set[str] | frozenset[str]:
+    """Server urls to leave out, normalised (BadRequest naming `field_name` otherwise); the
+    result is read, never changed, by the placement calls."""
     if exclude is None:
-        return set()
+        return _NONE
     if isinstance(exclude, str):
         exclude = [exclude]
     if not isinstance(exclude, (list, tuple, set, frozenset)):

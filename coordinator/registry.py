@@ -335,6 +335,12 @@ class Registry:
             return True
         return False
 
+    def report_success(self, url: str) -> None:
+        """`report(url, True, now)` without the clock read: a success only resets the count."""
+        e = self.servers.get(url)
+        if e is not None and e.passive_failures and e.state is ServerState.HEALTHY:
+            e.passive_failures = 0
+
     def _eject(self, e: ServerEntry, why: str, now: float) -> None:
         e.ejections += 1
         e.ejected_at = now

@@ -54,10 +54,11 @@ VERSION = "0.1.0"
 ROLES = (CONTEXT, GENERATION)
 EMPTY_INDEX_GRACE_S = 10.0      # kv-aware traffic this long with an empty index raises the warning
 EMPTY_INDEX_WARN_EVERY_S = 60.0
-# Speculative keys looked at per maintenance slice (~1 ms): a backlog is worked through in slices
-# SPEC_EXPIRE_SLICE_S apart, the loop serving selects in between (router/kv_speculation.py).
-SPEC_EXPIRE_KEYS_PER_SLICE = 1024
-SPEC_EXPIRE_SLICE_S = 0.005
+# Speculative keys looked at per maintenance slice (~0.3 ms at ~1.2 µs a key): a backlog is worked
+# through in slices SPEC_EXPIRE_SLICE_S apart, the loop serving selects in between
+# (router/kv_speculation.py); 1,024-key slices (~1.2 ms) were the open loop's p99 after a burst.
+SPEC_EXPIRE_KEYS_PER_SLICE = 256
+SPEC_EXPIRE_SLICE_S = 0.002
 
 
 @dataclass(slots=True)
@@ -338,29 +339,31 @@ class Coordinator:
         decision = self._place(role, key, excluded)
         server = decision.server
         now = self.clock()
-        tokens = key.num_tokens if key is not None else 0
-        old = self.leases.finish(role, req_id)
-        if old is not None:
-            self.stats.leases_replaced += 1
-        self.leases.acquire(role, req_id, server, now, self.lease_ttl_s, tokens)
+        leases = self.leases
+        # a live lease of the same key (a retry re-placing its leg) is replaced, its load moved
+        leases.acquire(role, req_id, server, now, self.lease_ttl_s,
+                       key.num_tokens if key is not None else 0)
+        self.stats.leases_replaced = leases.replaced
         self.stats.selects[role] += 1
-        if self._kv_aware[role] and key is not None and key.block_keys is not None \
-                and key.block_keys.size:
-            self._kv_traffic[server] = self._kv_traffic.get(server, 0) + 1
-            ttl = self._spec_ttl[role]
-            have = decision.matched_blocks
-            # None: the server's cache match is unknown (its keys are not ours), so entries for
-            # it would feed a match the policy never reads.
-            if ttl and have is not None:
-                # Only the blocks the chosen server does not hold yet (the index's own depth, not
-                # the reported match, which stops one token short of a fully cached prompt):
-                # re-adding matched speculative blocks would keep unconfirmed entries alive
-                # forever under steady traffic (upstream's never-expiring optimistic insertion).
-                if have < key.block_keys.size:
-                    self.index.add_speculative(server, key.block_keys[have:], now, ttl)
+        if self._kv_aware[role] and key is not None:
+            keys = key.block_keys
+            if keys is not None and keys.size:
+                self._kv_traffic[server] = self._kv_traffic.get(server, 0) + 1
+                ttl = self._spec_ttl[role]
+                have = decision.matched_blocks
+                # None: the server's cache match is unknown (its keys are not ours), so entries
+                # for it would feed a match the policy never reads.
+                if ttl and have is not None and have < keys.size:
+                    # Only the blocks the chosen server does not hold yet (the index's own depth,
+                    # not the reported match, which stops one token short of a fully cached
+                    # prompt): re-adding matched speculative blocks would keep unconfirmed entries
+                    # alive forever under steady traffic (upstream's never-expiring optimistic
+                    # insertion).
+                    index = self.index
+                    index.add_speculative(server, keys[have:], now, ttl)
                     # Two due entries out per entry in: expiry keeps pace with placements in
                     # small steps instead of one burst per maintenance tick (a select stall).
-                    self.index.expire_speculative(now, 2)
+                    index.expire_speculative(now, 2)
         info = decision.explanation
         entry = self._entries.get(server)
         info["server_info"] = entry.server_info if entry is not None else None
@@ -412,9 +415,13 @@ class Coordinator:
             return False
         if usage is not None and self._kv_aware[role]:
             self.diag.report(lease.server, *usage)
+        fin = self.stats.finishes
         k = (role, success)
-        self.stats.finishes[k] = self.stats.finishes.get(k, 0) + 1
-        self.registry.report(lease.server, success, self.clock())
+        fin[k] = fin.get(k, 0) + 1
+        if success:
+            self.registry.report_success(lease.server)
+        else:
+            self.registry.report(lease.server, False, self.clock())
         return True
 
     def renew_lease(self, role: str, req_id: int) -> bool:

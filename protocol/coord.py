@@ -150,6 +150,10 @@ def finish_usage(u) -> tuple[int, int, int] | None:
     """(prompt, predicted, cached) from a FinishUsage, a dict or None; BadRequest naming the field."""
     if u is None:
         return None
+    if type(u) is FinishUsage:
+        p, c, pr = u.prompt_tokens, u.cached_tokens, u.predicted_tokens
+        if type(p) is int and type(c) is int and type(pr) is int and p >= 0 and c >= 0 and pr >= 0:
+            return p, pr, c
     if isinstance(u, FinishUsage):
         vals = {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
                 "predicted_tokens": u.predicted_tokens}

@@ -1,8 +1,12 @@
 """Load accounting as leases: one per in-flight ``(role, req_id)``, with a deadline.
 
 A lease counts toward its server's load from ``acquire`` until ``finish`` or expiry. Expiry is a
-heap of deadlines with lazy deletion (a renew pushes a fresh entry and strands the old one), so
-there is no timer or task per request: the owner calls ``expire(now)`` periodically.
+queue of deadlines with lazy deletion (a renew pushes a fresh entry and strands the old one), so
+there is no timer or task per request: the owner calls ``expire(now)`` periodically. The
+coordinator's deadlines are ``now + one ttl`` on a monotonic clock, so they arrive in order: those
+go to a FIFO (an append, where a heap push cost ~1 µs of every placement at thousands of live
+leases); a deadline earlier than the FIFO's last (another ttl, a clock that went back) goes to a
+heap, and expiry drains both in deadline order.
 
 Invariants:
 - per-server ``requests``/``tokens`` equal the sums over live leases: never negative, and zero
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["Lease", "LeaseTable"]
@@ -34,8 +39,10 @@ class Lease:
 class LeaseTable:
     def __init__(self):
         self._leases: dict[tuple[str, int], Lease] = {}
-        self._heap: list[tuple[float, int, Lease]] = []
+        self._fifo: deque[tuple[float, Lease]] = deque()    # deadlines in non-decreasing order
+        self._heap: list[tuple[float, int, Lease]] = []     # the ones that came out of order
         self._seq = itertools.count()
+        self.replaced = 0                                    # acquires that replaced a live lease
         # (requests, tokens) per server, replaced on change: read as is by every placement
         self._load: dict[str, tuple[int, int]] = {}
         self._per_role: dict[str, int] = {}     # live leases per role
@@ -48,11 +55,17 @@ class LeaseTable:
             raise ValueError(f"lease tokens must be a non-negative int, found {tokens!r}")
 
     def _push(self, lease: Lease) -> None:
-        heapq.heappush(self._heap, (lease.deadline, next(self._seq), lease))
-        # stale entries from renewals and finishes: compact before they dominate the heap
-        if len(self._heap) > 2 * len(self._leases) + 1024:
-            self._heap = [(l.deadline, next(self._seq), l) for l in self._leases.values()]
-            heapq.heapify(self._heap)
+        d = lease.deadline
+        fifo = self._fifo
+        if not fifo or fifo[-1][0] <= d:
+            fifo.append((d, lease))
+        else:
+            heapq.heappush(self._heap, (d, next(self._seq), lease))
+        # stale entries from renewals and finishes: compact before they dominate the queues
+        if len(fifo) + len(self._heap) > 2 * len(self._leases) + 1024:
+            self._fifo = deque(sorted(((l.deadline, l) for l in self._leases.values()),
+                                      key=lambda e: e[0]))
+            self._heap = []
 
     def _drop(self, lease: Lease) -> None:
         """A lease left the table (finished, expired, its server dropped)."""
@@ -68,11 +81,13 @@ class LeaseTable:
 
     def acquire(self, role: str, req_id: int, server: str, now: float, ttl: float,
                 tokens: int = 0) -> Lease:
-        self._check(ttl, tokens)
+        if not ttl > 0 or type(tokens) is not int or tokens < 0:
+            self._check(ttl, tokens)
         key = (role, req_id)
         old = self._leases.pop(key, None)
         if old is not None:
             self._unload(old)
+            self.replaced += 1
         else:
             self._per_role[role] = self._per_role.get(role, 0) + 1
         lease = Lease(role, req_id, server, tokens, now, now + ttl)
@@ -102,20 +117,27 @@ class LeaseTable:
     def expire(self, now: float) -> list[Lease]:
         """Remove and return every live lease whose deadline is ``<= now``."""
         out = []
-        heap = self._heap
+        heap, fifo = self._heap, self._fifo
         leases = self._leases
-        while heap and heap[0][0] <= now:
-            deadline, _, lease = heapq.heappop(heap)
+        while True:
+            if fifo and fifo[0][0] <= now and not (heap and heap[0][0] < fifo[0][0]):
+                deadline, lease = fifo.popleft()
+            elif heap and heap[0][0] <= now:
+                deadline, _, lease = heapq.heappop(heap)
+            else:
+                return out
             key = (lease.role, lease.req_id)
             if leases.get(key) is lease and lease.deadline == deadline:
                 del leases[key]
                 self._drop(lease)
                 out.append(lease)
-        return out
 
     def next_deadline(self) -> float | None:
-        """Earliest deadline that may expire something (stale heap entries may make it early)."""
-        return self._heap[0][0] if self._heap else None
+        """Earliest deadline that may expire something (stale entries may make it early)."""
+        fifo, heap = self._fifo, self._heap
+        if fifo and heap:
+            return min(fifo[0][0], heap[0][0])
+        return fifo[0][0] if fifo else heap[0][0] if heap else None
 
     def get(self, role: str, req_id: int) -> Lease | None:
         return self._leases.get((role, req_id))

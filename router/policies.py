@@ -294,6 +294,7 @@ class KvCacheAwarePolicy(Policy):
         self._pins = _Lru(max_conversations)
         self._cursor = 0
         self._cands: tuple | None = None
+        self._bulk: tuple | None = None     # (view, its bulk `loads` or None)
 
     @property
     def needs_block_keys(self) -> bool:
@@ -312,86 +313,104 @@ class KvCacheAwarePolicy(Policy):
         self._pins.remove_server(server)
 
     def select(self, candidates, key, view) -> Decision:
-        # Written for speed (it runs once per request over every candidate): list
+        # Written for speed (it runs once per leg of every request over every candidate): list
         # comprehensions instead of per-candidate branches; rows are built in one pass.
         # The candidate list is the coordinator's cached one until membership changes: what
         # depends on it alone (healthy subset, server names, unknown-match servers) is kept.
         memo = self._cands
         if memo is not None and memo[0] == candidates:
-            _, ok, unhealthy, servers, unknown = memo
-            rows = [dict(r) for r in unhealthy]     # the explanation's own rows, appended below
+            _, ok, unhealthy, servers, unknown, all_unknown = memo
+            rows = [dict(r) for r in unhealthy] if unhealthy else []
         else:
             ok, rows = _healthy(self.name, candidates)
             servers = [c.server for c in ok]
             unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
-            self._cands = (list(candidates), ok, [dict(r) for r in rows], servers, unknown)
-        keys = key.block_keys if key is not None else None
-        nk = _n_keys(keys)
-        num_tokens = key.num_tokens if key is not None and key.num_tokens else nk * self.block_size
-        conv = key.conversation_id if key is not None else None
+            all_unknown = len(unknown) == len(ok)
+            self._cands = (list(candidates), ok, [dict(r) for r in rows], servers, unknown,
+                           all_unknown)
+        n = len(servers)
+        if key is not None:
+            keys = key.block_keys
+            nk = 0 if keys is None else len(keys)
+            num_tokens = key.num_tokens or nk * self.block_size
+            conv = key.conversation_id
+        else:
+            keys, nk, num_tokens, conv = None, 0, 0, None
         pinned = self._pins.get(conv) if conv else None
-        loads = _loads(view, servers)
-        reqs = [l[0] for l in loads]
+        bulk = self._bulk
+        if bulk is None or bulk[0] is not view:
+            bulk = self._bulk = (view, getattr(view, "loads", None))
+        loads = bulk[1](servers) if bulk[1] is not None else _loads(view, servers)
         B = self.block_size
-        cap = max(num_tokens - 1, 0)
-        pw, tw, rw = self.prefill_weight, self.load_tokens_weight, self.load_requests_weight
+        cap = num_tokens - 1 if num_tokens > 0 else 0
         mget = None
-        if nk:
+        if not nk:
+            matched = est = [0] * n
+        elif all_unknown:
+            # Every match is unknown: reported 0, estimated as the mean of no verified one (0),
+            # so the index walk would decide nothing (`_unknown_matches`).
+            matched = est = [0] * n
+        else:
             mget = view.matched_blocks(keys).get
             matched = [mt if (mt := mget(s, 0) * B) < cap else cap for s in servers]
-        else:
-            matched = [0] * len(servers)
-        est = matched
-        if unknown:
-            matched, est = _unknown_matches(matched, unknown)
+            est = matched
+            if unknown:
+                matched, est = _unknown_matches(matched, unknown)
+        pw, tw, rw = self.prefill_weight, self.load_tokens_weight, self.load_requests_weight
         costs = [pw * (num_tokens - mt) + tw * tok + rw * req
                  for mt, (req, tok) in zip(est, loads)]
         if pinned is not None and pinned in servers:
             costs[servers.index(pinned)] -= self.affinity_bonus * num_tokens
-        n = len(servers)
         hot: dict[int, str] = {}
-        if self.hotspot_factor:
-            limit = self.hotspot_factor * sum(reqs) / n + self.hotspot_slack
-            if max(reqs) > limit:
-                hot = {i: f"hot: {r} in-flight requests > cap {limit:.1f}"
-                       for i, r in enumerate(reqs) if r > limit}
-        if self.max_batch_size and self.load_cap is not None:
-            mbs, lcap = self.max_batch_size, self.load_cap
-            for i, r in enumerate(reqs):
-                if i not in hot and r / mbs >= lcap:
-                    hot[i] = f"hot: {r}/{mbs} requests >= load_cap {lcap}"
+        if self.hotspot_factor or (self.max_batch_size and self.load_cap is not None):
+            reqs = [l[0] for l in loads]
+            if self.hotspot_factor:
+                limit = self.hotspot_factor * sum(reqs) / n + self.hotspot_slack
+                if max(reqs) > limit:
+                    hot = {i: f"hot: {r} in-flight requests > cap {limit:.1f}"
+                           for i, r in enumerate(reqs) if r > limit}
+            if self.max_batch_size and self.load_cap is not None:
+                mbs, lcap = self.max_batch_size, self.load_cap
+                for i, r in enumerate(reqs):
+                    if i not in hot and r / mbs >= lcap:
+                        hot[i] = f"hot: {r}/{mbs} requests >= load_cap {lcap}"
         all_hot = len(hot) == n
-        if hot and not all_hot:
+        skip_hot = bool(hot) and not all_hot
+        if skip_hot:
             best = min([c for i, c in enumerate(costs) if i not in hot])
         else:
             best = min(costs)
         tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
-        if hot and not all_hot:
+        if skip_hot:
             tied = [i for i, c in enumerate(costs) if c <= tol and i not in hot]
         else:
             tied = [i for i, c in enumerate(costs) if c <= tol]
-        pick = tied[self._cursor % len(tied)]
-        if len(tied) > 1:
+        tie = len(tied) > 1
+        if tie:
+            pick = tied[self._cursor % len(tied)]
             self._cursor += 1
+        else:
+            pick = tied[0]
         server = servers[pick]
         if conv:
             self._pins.put(conv, server)
         # Rows for the chosen server and the next-cheapest ones only: building and encoding a
         # row per candidate cost more than the decision itself at tens of servers.
         n_unhealthy = len(rows)
-        shown = [pick]
         if n > 1:
             # a sort of a few dozen floats is cheaper than heapq.nsmallest's bookkeeping
             rest = sorted(range(n), key=costs.__getitem__)
             rest.remove(pick)
-            shown += rest[:self.explain_rows - 1]
-        tie = len(tied) > 1
+            shown = [pick, *rest[:self.explain_rows - 1]]
+        else:
+            shown = [pick]
         tied_set = set(tied) if tie else ()
+        append = rows.append
         for i in shown:
             if i == pick:
-                w = "chosen: lowest cost" + (" (tie, in turn)" if tie else "") + (
+                w = ("chosen: lowest cost (tie, in turn)" if tie else "chosen: lowest cost") + (
                     ", conversation affinity bonus" if server == pinned else "")
-            elif hot and not all_hot and i in hot:
+            elif skip_hot and i in hot:
                 w = hot[i]
             elif i in tied_set:
                 w = "tied, not its turn"
@@ -400,11 +419,13 @@ class KvCacheAwarePolicy(Policy):
             req, tok = loads[i]
             if unknown and ok[i].kv_unknown:
                 w += " (kv_mismatch: cache match unknown, mean of the others assumed)"
-            rows.append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
-                         "load_tokens": tok, "score": costs[i], "why": w})
-        reason = (f"lowest cost: {matched[pick]} of {num_tokens} prompt tokens cached"
-                  + (", every candidate hot: cap ignored" if all_hot else "")
-                  + (", conversation affinity" if pinned == server else ""))
+            append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
+                    "load_tokens": tok, "score": costs[i], "why": w})
+        reason = f"lowest cost: {matched[pick]} of {num_tokens} prompt tokens cached"
+        if all_hot:
+            reason += ", every candidate hot: cap ignored"
+        if pinned == server:
+            reason += ", conversation affinity"
         return Decision(server, {
             "policy": self.name, "candidates": rows, "chosen": server, "reason": reason,
             "num_tokens": num_tokens, "matched_tokens": matched[pick],
