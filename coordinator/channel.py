@@ -157,11 +157,12 @@ class ChannelServer:
                 key = checks.routing_key(call.routing_key, coord.block_size)
                 if t is cw.Select:
                     ans = coord.place(call.role, call.req_id, key,
-                                      checks.exclusions(call.exclude, "exclude"))
+                                      checks.exclusions(call.exclude, "exclude"), server_info=False)
                 else:
                     ans = coord.place_pair(call.req_id, key,
                                            checks.exclusions(call.exclude_ctx, "exclude_ctx"),
-                                           checks.exclusions(call.exclude_gen, "exclude_gen"))
+                                           checks.exclusions(call.exclude_gen, "exclude_gen"),
+                                           server_info=False)
                 results.append(cw.Result(call.id, cw.OK, ans))
             except NoServerAvailable as exc:
                 r = getattr(exc, "reason", None)

@@ -327,15 +327,19 @@ class Coordinator:
     # Placement and lease calls take validated arguments: every transport checks a request once,
     # where it decodes it (HTTP bodies in coordinator/api.py, channel frames in
     # coordinator/channel.py, Python values in `select`/`select_pair`/`finish`/`renew` below).
-    def place(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str]) -> dict:
+    def place(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str], *,
+              server_info: bool = True) -> dict:
         """Place one leg and lease it (`role` canonical, `req_id` a u64, `key` checked by
-        `checks.routing_key`). Raises `NoServerAvailable`."""
+        `checks.routing_key`). Raises `NoServerAvailable`. `server_info=False` leaves the
+        server's `/server_info` out of `info` (the fleet channel: the fleet has its own copy, and
+        an SGLang worker's is kilobytes of server arguments, encoded and decoded per leg)."""
         t0 = time.perf_counter()
-        ans = self._select(role, req_id, key, excluded)
+        ans = self._select(role, req_id, key, excluded, server_info)
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return ans
 
-    def _select(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str]) -> dict:
+    def _select(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str],
+                server_info: bool = True) -> dict:
         decision = self._place(role, key, excluded)
         server = decision.server
         now = self.clock()
@@ -365,13 +369,14 @@ class Coordinator:
                     # small steps instead of one burst per maintenance tick (a select stall).
                     index.expire_speculative(now, 2)
         info = decision.explanation
-        entry = self._entries.get(server)
-        info["server_info"] = entry.server_info if entry is not None else None
+        if server_info:
+            entry = self._entries.get(server)
+            info["server_info"] = entry.server_info if entry is not None else None
         info["lease_ttl_s"] = self.lease_ttl_s
         return {"server": server, "req_id": req_id, "info": info}
 
     def place_pair(self, req_id: int, key: RoutingKey | None, ex_ctx: set[str],
-                   ex_gen: set[str]) -> dict:
+                   ex_gen: set[str], *, server_info: bool = True) -> dict:
         """Both legs in one call: `{"context": answer|None, "generation": answer, "mode", "reason"}`.
 
         The generation leg is placed first so conditional disaggregation can use its cache match:
@@ -380,7 +385,7 @@ class Coordinator:
         context server, `no_context_fallback: aggregate` serves on the generation server alone.
         """
         t0 = time.perf_counter()
-        gen = self._select(GENERATION, req_id, key, ex_gen)
+        gen = self._select(GENERATION, req_id, key, ex_gen, server_info)
         ctx = None
         mode, reason = Mode.DISAGGREGATED, None
         cond = self.config.conditional_disagg_config
@@ -393,7 +398,7 @@ class Coordinator:
                           f"{uncached} <= max_local_prefill_length {cond.max_local_prefill_length}")
         if mode is Mode.DISAGGREGATED:
             try:
-                ctx = self._select(CONTEXT, req_id, key, ex_ctx)
+                ctx = self._select(CONTEXT, req_id, key, ex_ctx, server_info)
             except NoServerAvailable as exc:
                 if self.config.no_context_fallback != "aggregate":
                     self.leases.finish(GENERATION, req_id)

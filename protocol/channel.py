@@ -13,8 +13,10 @@ call a fleet process made since its last flush (one event-loop turn) and every l
 queued: finishes carry no call id and get no result of their own; the `Replies` with the same
 `seq` acknowledges all of them at once (applied exactly once: a finish of a lease already ended
 is counted and ignored, so re-sending an unacknowledged batch's finishes after a reconnect is
-safe). Results carry the HTTP API's answer bodies unchanged (same shapes as `/select`,
-`/select_pair`, `/renew`) with the HTTP status they would have had.
+safe). Results carry the HTTP API's answer bodies (same shapes as `/select`, `/select_pair`,
+`/renew`) with the HTTP status they would have had, less `info.server_info`: the fleet keeps each
+server's `/server_info` from its own view of the cluster, and an SGLang worker's is kilobytes of
+server arguments that would be encoded and decoded for every leg.
 
 Validation happens here, at decode: roles are canonical names, ids are u64, block keys are one
 `bin` of little-endian u64; the coordinator does not re-check per call what the schema enforces.

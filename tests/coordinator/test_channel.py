@@ -87,6 +87,32 @@ async def test_default_client_batches_selects_and_queues_finishes(served):
     assert "splitserve_coordinator_channel_batches_total" in m
 
 
+async def test_channel_answers_leave_out_server_info_the_http_api_keeps_it(served):
+    """The channel's answers are the HTTP API's less each leg's `info.server_info` (the fleet has
+    its own copy; an SGLang worker's is kilobytes per leg): protocol/channel.py."""
+    c, s, ctx, gen = await served()
+    rk = {"block_keys": block_keys(list(range(64)), 16), "num_tokens": 64}
+    ch = HttpCoordinatorClient(s.uds_url, timeout=5.0)
+    http = HttpCoordinatorClient(s.uds_url, timeout=5.0, channel=False)
+    try:
+        over_channel = await ch.select_pair(21, rk)
+        assert ch.channel.offered is True
+        over_http = await http.select_pair(22, rk)
+        for leg in ("context", "generation"):
+            a, b = over_channel[leg]["info"], over_http[leg]["info"]
+            assert "server_info" not in a
+            assert b["server_info"]["role"] == leg
+            assert {k: v for k, v in b.items() if k != "server_info"}.keys() == a.keys()
+            assert a["chosen"] == over_channel[leg]["server"] and a["lease_ttl_s"] == b["lease_ttl_s"]
+        for rid in (21, 22):
+            await http.finish("context", rid)
+            await http.finish("generation", rid)
+        assert _leases(c) == 0
+    finally:
+        await ch.close()
+        await http.close()
+
+
 async def test_finish_usage_travels_on_the_channel(served):
     c, s, ctx, gen = await served()
     cl = HttpCoordinatorClient(s.uds_url, timeout=5.0)
