@@ -74,6 +74,8 @@ class Flow:
         self._m_leg = {r: M.LEG_REQUESTS.labels(r) for r in (CTX, GEN)}
         self.m_retry = {r: M.LEG_RETRIES.labels(r) for r in (CTX, GEN)}
         self.aggregated_only = config.aggregated_only   # a plain aggregated deployment
+        self._key_roles: list[str] | None = None   # roles whose policy needs a routing key
+        self._conv_only = False
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: FleetRequest, creq: ClientRequest, alias: int | None,
@@ -132,16 +134,18 @@ class Flow:
         return None
 
     async def _routing_key(self, request: FleetRequest, creq: ClientRequest) -> dict | None:
-        need = [r for r in (CTX, GEN) if self.placer.needs_key(r)]
+        need = self._key_roles
+        if need is None:   # the policies are the config's: decided once
+            need = self._key_roles = [r for r in (CTX, GEN) if self.placer.needs_key(r)]
+            self._conv_only = all(self.placer.policy[r] == "conversation" for r in need)
         if not need:
             return None
         conv = self._conversation_id(request, creq)
         key: dict = {}
         if conv:
             key["conversation_id"] = conv
-        conv_only = all(self.placer.policy[r] == "conversation" for r in need)
-        if conv and conv_only:
-            return key
+            if self._conv_only:
+                return key
         if self.keys is None:
             return key or None
         try:

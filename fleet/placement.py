@@ -115,6 +115,8 @@ class Placer:
         self._chan = getattr(coordinator, "channel", None)
         if self._chan is not None:
             self._chan.on_abandoned = M.ORPHANED_LEASES.inc
+            if not self._inline:
+                self._nowait = self._chan.finish   # what `finish_nowait` calls, one layer less
         self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
         M.COORD_UP.set(1)
@@ -297,11 +299,18 @@ class Placer:
         if not self.delegated(role):
             return self._local(role, req_id, exclude, "round_robin")
         if self.coord_ok:
-            excl = sorted(exclude | set(self.ejected()))
+            ej = self.ejected()
+            excl = sorted(exclude.union(ej)) if exclude or ej else None
             t0 = time.perf_counter()
+            ch = self._chan
             try:
-                ans = await self._leased(self.coord.select(role, req_id, routing_key=routing_key,
-                                                           exclude=excl or None), (role,), req_id)
+                if ch is not None and ch.connected and not self._inline:
+                    # straight to the channel (what coord.select does when it is connected), no
+                    # `_leased` wrapper: the channel client ends a cancelled caller's lease itself
+                    ans = await ch.select(role, req_id, routing_key, excl)
+                else:
+                    ans = await self._leased(self.coord.select(role, req_id, routing_key=routing_key,
+                                                               exclude=excl), (role,), req_id)
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
@@ -317,13 +326,18 @@ class Placer:
         mode: DISAGGREGATED; GENERATION_ONLY (conditional disaggregation: the generation server
         caches nearly all of the prompt); AGGREGATE_FALLBACK (no healthy context server)."""
         if self.coord_ok:
-            ej = set(self.ejected())
+            ej = self.ejected()
+            ec = sorted(exclude_ctx.union(ej)) if exclude_ctx or ej else None
+            eg = sorted(exclude_gen.union(ej)) if exclude_gen or ej else None
             t0 = time.perf_counter()
+            ch = self._chan
             try:
-                ans = await self._leased(self.coord.select_pair(req_id, routing_key=routing_key,
-                                                                exclude_ctx=sorted(exclude_ctx | ej) or None,
-                                                                exclude_gen=sorted(exclude_gen | ej) or None),
-                                         (CTX, GEN), req_id)
+                if ch is not None and ch.connected and not self._inline:
+                    ans = await ch.select_pair(req_id, routing_key, ec, eg)     # as in `place`
+                else:
+                    ans = await self._leased(self.coord.select_pair(req_id, routing_key=routing_key,
+                                                                    exclude_ctx=ec, exclude_gen=eg),
+                                             (CTX, GEN), req_id)
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:

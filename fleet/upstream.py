@@ -180,9 +180,47 @@ class Response:
         self._conn._response_done(self, reusable=False)
 
 
+class _Deadlines:
+    """The requests in flight with one timeout value, in deadline order (that of their start): one
+    timer for all of them, at the earliest deadline, instead of a `call_later` and a `cancel` per
+    request (~2.3 µs, twice per two-leg request; bench/RESULTS.md, issue 13). A request that ends
+    leaves the table (a dict: O(1) wherever it is)."""
+
+    __slots__ = ("loop", "timeout", "conns", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float):
+        self.loop = loop
+        self.timeout = timeout
+        self.conns: dict[_Conn, float] = {}
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, conn: "_Conn") -> None:
+        dl = self.loop.time() + self.timeout
+        conns = self.conns
+        conns.pop(conn, None)      # re-added: goes to the end, where its deadline belongs
+        conns[conn] = dl
+        conn._dl = self
+        if self.timer is None:
+            self.timer = self.loop.call_at(dl, self._fire)
+
+    def _fire(self) -> None:
+        self.timer = None
+        conns = self.conns
+        now = self.loop.time()
+        while conns:
+            conn = next(iter(conns))
+            dl = conns[conn]
+            if dl > now:
+                self.timer = self.loop.call_at(dl, self._fire)
+                return
+            del conns[conn]
+            conn._dl = None
+            conn._on_timeout(self.timeout)
+
+
 class _Conn(asyncio.Protocol):
     __slots__ = ("origin", "pool", "transport", "parser", "response", "_hdr_future", "_hname", "_keep_alive",
-                 "last_used", "reused", "_closed", "_msg_started", "_timer")
+                 "last_used", "reused", "_closed", "_msg_started", "_dl")
 
     def __init__(self, origin: _Origin, pool: "UpstreamPool"):
         self.origin = origin
@@ -197,7 +235,7 @@ class _Conn(asyncio.Protocol):
         self.reused = False
         self._closed = False
         self._msg_started = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._dl: _Deadlines | None = None       # the pool's timeout table this request is in
 
     # -- asyncio.Protocol
     def connection_made(self, transport):
@@ -276,16 +314,16 @@ class _Conn(asyncio.Protocol):
             self.transport.abort()
 
     def _on_timeout(self, seconds: float) -> None:
-        self._timer = None
         if self.response is not None:
             self._error(UpstreamTimeout(self.origin.url, f"no complete answer within {seconds:g}s"))
 
     def _response_done(self, r: Response, reusable: bool) -> None:
         if self.response is not r:
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        dl = self._dl
+        if dl is not None:
+            self._dl = None
+            dl.conns.pop(self, None)
         self.response = None
         self._hdr_future = None
         if reusable and self._keep_alive and not self._closed and self.transport is not None \
@@ -312,6 +350,7 @@ class UpstreamPool:
         self._origins: dict[str, _Origin] = {}
         self._all: set[_Conn] = set()
         self._ssl_ctx: _ssl.SSLContext | None = None
+        self._deadlines: dict[float, _Deadlines] = {}
 
     def _origin(self, url: str) -> _Origin:
         o = self._origins.get(url)
@@ -374,7 +413,8 @@ class UpstreamPool:
 
         `headers` are extra pre-encoded header lines, each ending in CRLF. `timeout` bounds the whole
         exchange (headers and body, or the whole stream): past it the connection is closed and the
-        pending read raises `UpstreamTimeout` (one timer per request, cheaper than asyncio.timeout).
+        pending read raises `UpstreamTimeout` (`_Deadlines`: one timer per timeout value, not per
+        request).
         """
         o = self._origin(url)
         conn = self._checkout(o)
@@ -386,7 +426,10 @@ class UpstreamPool:
         fut = loop.create_future()
         conn._hdr_future = fut
         if timeout is not None:
-            conn._timer = loop.call_later(timeout, conn._on_timeout, timeout)
+            dls = self._deadlines.get(timeout)
+            if dls is None or dls.loop is not loop:
+                dls = self._deadlines[timeout] = _Deadlines(loop, timeout)
+            dls.add(conn)
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n" % (
             method, path.encode(), o.host_header, content_type, len(body), headers)
         if len(body) < 65536:

@@ -92,6 +92,37 @@ async def test_timeout_closes_the_connection(server):
     await pool.close()
 
 
+async def test_timeouts_share_one_table_in_deadline_order(server):
+    """Requests with one timeout value share one timer (fleet/upstream.py `_Deadlines`): each still
+    times out at its own deadline, a completed one (or a reused connection's earlier request) never
+    does, and the table is empty once nothing is in flight."""
+    url, _ = server
+    pool = UpstreamPool()
+    loop = asyncio.get_running_loop()
+    # a completed request on a connection that is then reused: its deadline must not fire later
+    r = await pool.request(url, "/echo", b"a", timeout=0.3)
+    assert await r.read() == b"echo:a"
+    r.release()
+    await asyncio.sleep(0.2)                     # "a"'s deadline is 0.1 s ahead: it must not hit `first`
+    t0 = loop.time()
+    first = asyncio.ensure_future(pool.request(url, "/slow", b"", timeout=0.3))
+    await asyncio.sleep(0.15)
+    second = asyncio.ensure_future(pool.request(url, "/slow", b"", timeout=0.3))
+    ok = await pool.request(url, "/echo", b"b", timeout=0.3)      # answered long before its deadline
+    assert await ok.read() == b"echo:b"
+    ok.release()
+    with pytest.raises(UpstreamTimeout):
+        await first
+    t_first = loop.time() - t0
+    assert not second.done()                     # its own deadline is 0.15 s later
+    with pytest.raises(UpstreamTimeout):
+        await second
+    t_second = loop.time() - t0
+    assert 0.28 <= t_first < 0.42 and 0.43 <= t_second < 0.6, (t_first, t_second)
+    assert all(not d.conns for d in pool._deadlines.values())
+    await pool.close()
+
+
 async def _raw_server(reply: bytes):
     async def handle(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
