@@ -29,7 +29,7 @@ from torch import nn
 
 from worker.attention.plan import PagedDecode
 from worker.model_config import ModelConfig
-from worker.rope import RotaryEmbedding, _apply_rope, _signed_sin
+from worker.rope import RotaryEmbedding, _apply_rope
 
 __all__ = [
     "AttentionMetadata",
@@ -354,8 +354,7 @@ class LlamaForCausalLM(nn.Module):
                 max_position: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the last layer, before the final norm.
         ``max_position``/``max_seq_len``: host-side maxima (see :meth:`RotaryEmbedding.cos_sin`)."""
-        cos, sin = self.rotary.cos_sin(positions, seq_lens, max_position, max_seq_len)
-        cos, sin = cos.to(self.dtype), _signed_sin(sin.to(self.dtype))
+        cos, sin = self.rotary.cos_sin_signed(positions, self.dtype, seq_lens, max_position, max_seq_len)
         h = self.embed_tokens(input_ids)
         if meta.backend == "triton":
             # Each layer's closing residual add is folded into the next layer's input RMSNorm.

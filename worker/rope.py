@@ -33,6 +33,10 @@ class RotaryEmbedding:
         self.inv_freq, self.attention_factor = self._inv_freq(None)
         self._cos = torch.empty(0, self.dim, device=self.device)
         self._sin = torch.empty(0, self.dim, device=self.device)
+        #: ``dtype -> [cached_len, 2, head_dim]``: cos and sign-folded sin (see :meth:`cos_sin_signed`)
+        #: cast from the current fp32 tables; rebuilt when those grow.
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._typed_src: torch.Tensor | None = None
 
     def _base_inv_freq(self, base: float) -> torch.Tensor:
         exps = torch.arange(0, self.dim, 2, dtype=torch.int64).to(dtype=torch.float) / self.dim
@@ -129,11 +133,48 @@ class RotaryEmbedding:
             return cos, sin
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else -1
-        need = max_position + 1
+        self._grow(max_position + 1)
+        return self._cos[positions], self._sin[positions]
+
+    def _grow(self, need: int) -> None:
+        """Static types: make the fp32 tables cover positions ``[0, need)`` (doubling)."""
         if need > self._cos.shape[0]:
             size = max(need, 2 * self._cos.shape[0], 256)
             self._cos, self._sin = self._table(self.inv_freq, torch.arange(size, device=self.device))
-        return self._cos[positions], self._sin[positions]
+
+    def cos_sin_signed(self, positions: torch.Tensor, dtype: torch.dtype, seq_lens: torch.Tensor | None = None,
+                       max_position: int | None = None, max_seq_len: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and :func:`_signed_sin` ``sin`` ``[n, head_dim]`` in ``dtype``, the inputs of
+        :func:`_apply_rope` and the triton RoPE kernel; arguments as :meth:`cos_sin`.
+
+        Static types gather both from one cached ``[len, 2, head_dim]`` table already cast and
+        sign-folded: one kernel per step instead of six (two gathers, two casts, a negation and a
+        concatenation: about 8 µs of a 1 ms CUDA-graph decode step of ``1b``). Casting, negating and
+        gathering commute exactly, so the values are bit for bit those of the unfused sequence. The two
+        results are strided views of the gathered ``[n, 2, head_dim]`` tensor, with equal strides."""
+        if self.rope_type == "dynamic":
+            cos, sin = self.cos_sin(positions, seq_lens, max_position, max_seq_len)
+            return cos.to(dtype), _signed_sin(sin.to(dtype))
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else -1
+        self._grow(max_position + 1)
+        both = self.typed_table(dtype)[positions]
+        return both[..., 0, :], both[..., 1, :]
+
+    def typed_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """The cached ``[cached_len, 2, head_dim]`` table of :meth:`cos_sin_signed` (static types)."""
+        if self._typed_src is not self._cos:
+            self._typed, self._typed_src = {}, self._cos
+        tab = self._typed.get(dtype)
+        if tab is None:
+            tab = torch.stack((self._cos.to(dtype), _signed_sin(self._sin.to(dtype))), dim=1)
+            self._typed[dtype] = tab
+        return tab
+
+    def graph_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every cached table a captured CUDA graph may read (kept alive with the graph)."""
+        return (self._cos, self._sin, *self._typed.values())
 
     def ensure(self, length: int) -> None:
         """Pre-build the static table up to ``length`` positions (keeps CUDA-graph replays allocation-free)."""

@@ -690,8 +690,12 @@ class ModelRunner:
 
         def tokens_out(logits: torch.Tensor) -> torch.Tensor:
             if fused:  # rows past the step's chunks hold padding rows' argmax: never read
-                tokens[:rows].copy_(torch.argmax(logits, dim=-1))
+                torch.argmax(logits, dim=-1, out=tokens[:rows])
             return logits
+
+        def last_rows(h: torch.Tensor) -> torch.Tensor:
+            # A one-row graph's ``order`` is [0]: the reorder would be a copy kernel per step for nothing.
+            return h if rows == 1 else h.index_select(0, v["order"])
         if paged:
             lo, hi = row_ranges(g.host["pos"], g.host["first_key"], window)
             fill_units(lo, hi, split, g.host["u_row"], g.host["u_lo"], g.host["u_hi"], g.host["row_start"])
@@ -701,7 +705,7 @@ class ModelRunner:
                                  v["row_start"], direct, max_row_units=row_units)
                 meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], None, bs, "triton", pd)
                 h = model(ids_in(), v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
-                return tokens_out(model.compute_logits(h.index_select(0, v["order"])).float())
+                return tokens_out(model.compute_logits(last_rows(h)).float())
 
             return self._capture(key, g, body, keep=(tokens,) if fused else ())
 
@@ -718,7 +722,7 @@ class ModelRunner:
                 row0 += b
             meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], DecodeBatch(token_idx, groups), bs)
             h = model(ids_in(), v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
-            return tokens_out(model.compute_logits(h.index_select(0, v["order"])).float())
+            return tokens_out(model.compute_logits(last_rows(h)).float())
 
         return self._capture(key, g, body, keep=(token_idx, *key_offs) + ((tokens,) if fused else ()))
 
@@ -764,7 +768,7 @@ class ModelRunner:
             self.step_tokens.copy_(saved)
         # The graph replays raw addresses: every tensor it reads that was allocated outside the capture
         # must outlive it (a freed index tensor would be reused and read back as garbage indices).
-        g.keep = keep + (model.rotary._cos, model.rotary._sin)
+        g.keep = keep + model.rotary.graph_tensors()
         self._graphs[key] = g
         return g
 

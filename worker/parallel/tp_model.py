@@ -32,7 +32,7 @@ from torch import nn
 from worker.model import DecoderLayer, RMSNorm
 from worker.model_config import ModelConfig
 from worker.parallel.comm import RankComm, RankLayout
-from worker.rope import RotaryEmbedding, _signed_sin
+from worker.rope import RotaryEmbedding
 
 __all__ = ["RankModel", "shard_config", "build_rank_model", "full_parameters"]
 
@@ -122,8 +122,7 @@ class RankModel(nn.Module):
                 max_seq_len: int | None = None) -> torch.Tensor:
         """This stage's output hidden states ``[num_tokens, hidden]`` (sent on to the next stage)."""
         lay = self.layout
-        cos, sin = self.rotary.cos_sin(positions, seq_lens, max_position, max_seq_len)
-        cos, sin = cos.to(self.dtype), _signed_sin(sin.to(self.dtype))
+        cos, sin = self.rotary.cos_sin_signed(positions, self.dtype, seq_lens, max_position, max_seq_len)
         if lay.is_first_stage:
             h = self.embed_tokens(input_ids)
         else:
