@@ -182,7 +182,12 @@ class Attention(nn.Module):
         A decode-only step of at most ``MAX_M`` rows runs qkv and o_proj as split-K partial products
         (worker/attention/triton_linear.py): the fp32 ``[S, n, ·]`` result is summed by its consumer
         (RoPE + store here, the residual-add + RMSNorm after o_proj), so the return value is then
-        those partials, not the product."""
+        those partials, not the product.
+
+        Launches per layer of such a step (this method + :meth:`DecoderLayer.triton_parts`): qkv, RoPE +
+        store, decode, [merge], o_proj, add + RMSNorm, gate·up + SiLU, down, and the next layer's add +
+        RMSNorm: 8, or 9 with the merge (rows over several work units). At one row of at most
+        ``MERGE_MAX_UNITS`` units o_proj merges them itself: 9 → 8 (``1b`` at 1k context)."""
         ops = _triton_ops()
         n = x.shape[0]
         if not meta.prefills:
@@ -192,8 +197,13 @@ class Attention(nn.Module):
             qkv = ops.linear_partials(x, a.weight, a.bias) if small else a(x)
             q = ops.rope_store(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_block, meta.slot_offset,
                                self.num_heads, self.num_kv_heads, self.head_dim)
+            pd = meta.paged
+            if small and ops.merges_units(n, pd.max_row_units, pd.direct):
+                # One short row: o_proj merges the attention's units itself (no merge kernel).
+                mid_o, mid_l = ops.paged_decode_units(q, kv_cache, self.layer_idx, pd, self.scale)
+                return ops.merged_linear_partials(mid_o, mid_l, pd.row_start, pd.max_row_units, o.weight, o.bias)
             out = torch.empty_like(q)
-            ops.paged_decode(q, kv_cache, self.layer_idx, meta.paged, self.scale, out)
+            ops.paged_decode(q, kv_cache, self.layer_idx, pd, self.scale, out)
             out = out.view(n, self.q_size)
             return ops.linear_partials(out, o.weight, o.bias) if small else o(out)
         q, k, v, layer = self._qkv_store(x, cos, sin, meta, kv_cache)

@@ -184,6 +184,98 @@ def test_runner_triton_backend_equals_torch(mode, window):
             torch.testing.assert_close(b, a, atol=tol, rtol=0, msg=lambda m: f"{dtype} step {i}: {m}")
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_o_proj_merges_decode_units(mode, bias):
+    """Batch-1 decode's o_proj reading the paged decode kernel's unmerged units
+    (``merged_linear_partials``) sums to the merge kernel + split-K o_proj path and to ``F.linear``
+    of the reference attention: rows of 2 … 16 units, graph-style unit buffers with empty units past
+    the row's, head_dim equal to, below and above the 64-wide K tile, forced split counts.
+
+    Tolerance: bf16 as :data:`TOL` relative to the output's scale (both paths round the merged
+    attention output to bf16 once, then sum fp32 products in different orders); fp32 1e-4."""
+    import torch.nn.functional as F
+
+    from worker.attention import triton_linear as TL
+    from worker.attention.plan import PagedDecode
+
+    big = mode == "cuda"
+    dtype = torch.bfloat16 if big else torch.float32
+    cases = [(8, 4, 64, 1025), (8, 4, 64, 2048), (8, 4, 64, 130), (2, 4, 128, 1500), (4, 2, 32, 700)] if big else \
+        [(2, 3, 16, 150), (2, 2, 32, 33), (1, 4, 16, 300), (1, 3, 64, 200), (1, 2, 128, 90)]
+    split = 128 if big else 32
+    g = torch.Generator().manual_seed(5)
+    for kvh, group, dim, length in cases:
+        bs = 16
+        kv, (table,) = pool(mode, [-(-length // bs)], bs, kvh, dim, dtype, seed=length)
+        heads = kvh * group
+        q = torch.randn(1, heads, dim, generator=g).to(kv.device, dtype)
+        meta, _ = build_paged_decode([table], [length - 1], [0], None, kvh, kv.device, split=split)
+        units = meta.unit_row.numel()
+        assert not meta.direct and units == -(-length // split) <= TL.MERGE_MAX_UNITS
+        # As a CUDA graph's buffers: more units than the row has (empty ones), max_row_units the key's bound.
+        pad = TL.MERGE_MAX_UNITS - units
+        z = torch.zeros(pad, dtype=torch.int64, device=kv.device)
+        meta = dataclasses.replace(meta, unit_row=torch.cat([meta.unit_row, z]), unit_lo=torch.cat([meta.unit_lo, z]),
+                                   unit_hi=torch.cat([meta.unit_hi, z]), max_row_units=TL.MERGE_MAX_UNITS)
+        assert TL.merges_units(1, meta.max_row_units, meta.direct) and not TL.merges_units(2, 4, False)
+        n_out = 2048 if big else 40
+        w = (torch.randn(n_out, heads * dim, generator=g) / (heads * dim) ** 0.5).to(kv.device, dtype)
+        b = torch.randn(n_out, generator=g).to(kv.device, dtype) if bias else None
+        mid_o, mid_l = ops().paged_decode_units(q, kv, 1, meta, dim ** -0.5)
+        attn = ops().paged_decode(q, kv, 1, meta, dim ** -0.5, torch.empty_like(q)).view(1, -1)
+        unfused = TL.linear_partials(attn, w, b).sum(0)
+        ref = F.linear(reference(q, kv, 1, table, [length - 1], None, dim ** -0.5).view(1, -1).to(dtype).float(),
+                       w.float(), None if b is None else b.float())
+        tol = TOL[dtype]
+        scale = ref.abs().max().item()
+        for splits in (None, 1, 2, 3, 64):  # K = 192 at 2 splits: the last split's second tile lies past K
+            got = TL.merged_linear_partials(mid_o, mid_l, meta.row_start, meta.max_row_units, w, b, splits=splits)
+            assert got.dtype == torch.float32 and got.shape[1:] == (1, n_out)
+            what = f"kvh={kvh} group={group} dim={dim} length={length} splits={splits}"
+            torch.testing.assert_close(got.sum(0), unfused, atol=tol * scale, rtol=tol, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(got.sum(0), ref, atol=tol * scale, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [None, 200])
+def test_one_row_decode_through_merged_o_proj_equals_torch(mode, window, monkeypatch):
+    """Batch-1 decode over several work units takes the merged o_proj path (no merge kernel) in eager
+    steps and, on CUDA, in captured graphs; logits equal the torch backend's at every step."""
+    from worker.attention import triton_linear as TL
+
+    dev = device_of(mode)
+    cfg = dataclasses.replace(preset_config("tiny"), sliding_window=window, name="tiny-merged")
+    dtypes = [torch.float32, torch.bfloat16] if mode == "cuda" else [torch.float32]
+    bs, length, steps = 16, 600 if mode == "cuda" else 300, 6 if mode == "cuda" else 3
+    seq = [(j * 7 + 3) % 250 for j in range(length)]
+    table = list(range(-(-(length + steps) // bs)))
+    calls = []
+    T = ops()
+    real = T.merged_linear_partials
+    monkeypatch.setattr(T, "merged_linear_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for dtype in dtypes:
+        model = LlamaForCausalLM(cfg, device=dev, dtype=dtype)
+        init_random_weights(model)
+
+        def run(backend, graphs):
+            r = ModelRunner(model, len(table) + 4, bs, cuda_graphs=graphs, attention_backend=backend)
+            out = [r.step([Chunk(seq, 0, table)])]
+            out += [r.step([Chunk([(5 * k) % 250], length + k, table)]) for k in range(steps)]
+            assert not graphs or r._graphs
+            return torch.cat(out)
+
+        ref = run("torch", False)
+        calls.clear()
+        runs = {"eager": run("triton", False)}
+        assert len(calls) == steps * cfg.num_hidden_layers, "eager one-row steps did not merge units in o_proj"
+        if mode == "cuda":
+            runs["graphed"] = run("triton", True)
+        for name, got in runs.items():
+            tol = TOL[dtype] * 5 * ref.abs().max().item()
+            torch.testing.assert_close(got, ref, atol=tol, rtol=0, msg=lambda m: f"{dtype} {name}: {m}")
+
+
 @pytest.mark.gpu
 def test_1b_greedy_tokens_equal_torch_path():
     """``1b`` bf16, CUDA graphs on: a batch of short rows and one long row (prefilled in two chunks,
@@ -354,3 +446,7 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                      {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWIGLU": swiglu, "HAS_BIAS": False,
                       "PARTIAL": partial, "PREC": None}, warps, pipelined=True) == 0
     build(T._silu_mul_kernel, "GU Out stride_gu stride_o inter", {"GU": bf, "Out": bf}, {"BLOCK": 1024}, 4)
+    assert build(TL._merged_m1_kernel, "MidO MidL RowStart W Bias Out N K k_per_split stride_mu stride_lu stride_wn "
+                 "stride_os", {"MidO": "*fp32", "MidL": "*fp32", "RowStart": i64, "W": bf, "Bias": bf, "Out": "*fp32"},
+                 {"BLOCK_M": 16, "BLOCK_N": m1[0], "BLOCK_K": m1[2], "BLOCK_U": TL.MERGE_MAX_UNITS, "HEAD_DIM": dim,
+                  "HAS_BIAS": False, "PREC": None}, m1[1], pipelined=True) == 0

@@ -29,7 +29,8 @@ import triton.language as tl
 
 from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
 
-__all__ = ["MAX_M", "use_small_m", "linear_partials", "gate_up_silu", "choose_splits"]
+__all__ = ["MAX_M", "use_small_m", "linear_partials", "gate_up_silu", "choose_splits", "merges_units",
+           "merged_linear_partials"]
 
 #: Rows up to which decode steps use these kernels (bench/worker.py measures batch 1/8/32).
 MAX_M = 32
@@ -48,6 +49,13 @@ SPLITK_PROGRAMS_PER_SM = 2
 #: keeps the general tiles at M = 1.
 M1_TILE: tuple[int, int, int] | None = (32, 2, 64)
 M1_PROGRAMS_PER_SM = 2
+#: Batch-1 decode: o_proj merges the paged decode kernel's work units itself (:func:`merged_linear_partials`,
+#: one launch fewer per layer) when the row has at most this many units (a graph key of ≤ 2048 key slots
+#: at the launcher's 128-slot units: contexts up to ~2k). Each of o_proj's column tiles re-reads the
+#: units of its K range: at 16 units, 2048 columns and H·D = 2048 that is 64 tiles × 16 × 2048 × 4 B =
+#: 8 MB from L2, as much as the weight itself, so longer rows keep the merge kernel, which reads them
+#: once. 0 turns the fusion off.
+MERGE_MAX_UNITS = 16
 
 
 @triton.jit
@@ -93,6 +101,61 @@ def _small_m_kernel(X, W, Bias, Out, M, N, K, k_per_split, stride_xm, stride_wn,
             tl.store(optr, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=omask)
         else:
             tl.store(optr, acc.to(dt), mask=omask)
+
+
+@triton.jit
+def _merged_m1_kernel(MidO, MidL, RowStart, W, Bias, Out, N, K, k_per_split, stride_mu, stride_lu, stride_wn,
+                      stride_os, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_U: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    """:func:`_small_m_kernel`'s split-K partials at M = 1 for ``x`` = the attention output of one
+    decode row, merged here from the paged decode kernel's units instead of by its merge kernel
+    (worker/attention/triton_ops.py ``_merge_kernel``): per K tile, the row's units ``RowStart[0] ..
+    RowStart[1]-1`` (at most ``BLOCK_U``) are combined by their log-sum-exp ``MidL [U, H]`` and their
+    outputs ``MidO [U, H·D]`` (column ``k`` is head ``k // HEAD_DIM``), rounded to the weight dtype
+    as the merge kernel's output is, then multiplied with the weight tile."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    us = tl.load(RowStart).to(tl.int32)
+    ue = tl.load(RowStart + 1).to(tl.int32)
+    offs_u = us + tl.arange(0, BLOCK_U)
+    mask_u = offs_u < ue
+    k_lo = s * k_per_split
+    w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
+    dt = W.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        kk = k_lo + k0 + offs_k
+        mk = kk < K
+        um = mask_u[:, None] & mk[None, :]
+        o = tl.load(MidO + offs_u[:, None] * stride_mu + kk[None, :], mask=um, other=0.0)
+        if HEAD_DIM % BLOCK_K == 0:  # the tile lies inside one head (tiles start at multiples of BLOCK_K)
+            inside = k_lo + k0 < K
+            lse = tl.load(MidL + offs_u * stride_lu + (k_lo + k0) // HEAD_DIM, mask=mask_u & inside,
+                          other=float("-inf"))
+            mx = tl.where(inside, tl.max(lse, 0), 0.0)  # finite inside K: a row has at least one unit
+            wgt = tl.exp2(lse - mx)
+            den = tl.where(inside, tl.sum(wgt, 0), 1.0)
+            xm = (tl.sum(wgt[:, None] * o, 0) / den).to(dt)
+        else:  # several heads per tile: each column's head
+            lse = tl.load(MidL + offs_u[:, None] * stride_lu + (kk // HEAD_DIM)[None, :], mask=um,
+                          other=float("-inf"))
+            mx = tl.where(mk, tl.max(lse, 0), 0.0)
+            wgt = tl.exp2(lse - mx[None, :])
+            den = tl.where(mk, tl.sum(wgt, 0), 1.0)
+            xm = (tl.sum(wgt * o, 0) / den).to(dt)
+        x = tl.where(offs_m[:, None] == 0, xm[None, :], tl.zeros([BLOCK_M, BLOCK_K], dt))
+        w = tl.load(w_ptr, mask=mask_n[:, None] & mk[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+        w_ptr += BLOCK_K
+    if HAS_BIAS:
+        if s == 0:
+            acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    optr = Out + s * stride_os + offs_m[:, None] * 0 + offs_n[None, :]
+    tl.store(optr, acc, mask=(offs_m[:, None] == 0) & mask_n[None, :])
 
 
 def use_small_m(x: torch.Tensor) -> bool:
@@ -171,4 +234,35 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | No
         x, gate_up, bias if bias is not None else gate_up, out, m, inter, k, k, x.stride(0), gate_up.stride(0),
         0, out.stride(0), inter * gate_up.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, SWIGLU=True,
         HAS_BIAS=bias is not None, PARTIAL=False, PREC=_prec(x), num_warps=4, num_stages=4)
+    return out
+
+
+def merges_units(m: int, units_per_row: int, direct: bool) -> bool:
+    """Whether a decode-only step of ``m`` rows whose rows have at most ``units_per_row`` work units
+    runs :func:`merged_linear_partials` for o_proj (one row, units to merge, at most
+    :data:`MERGE_MAX_UNITS` of them, the M = 1 tile in use) instead of the merge kernel + split-K o_proj."""
+    return m == 1 and not direct and units_per_row <= MERGE_MAX_UNITS and M1_TILE is not None
+
+
+def merged_linear_partials(mid_o: torch.Tensor, mid_l: torch.Tensor, row_start: torch.Tensor, units_per_row: int,
+                           weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           splits: int | None = None) -> torch.Tensor:
+    """:func:`linear_partials` of the one decode row whose attention output is still the paged decode
+    kernel's unmerged units ``mid_o [U, H, D]`` / ``mid_l [U, H]`` (fp32; the row's units are
+    ``row_start[0] .. row_start[1]-1``, at most ``units_per_row``): fp32 ``[S, 1, N]``."""
+    _, nh, d = mid_o.shape
+    k, n = nh * d, weight.shape[0]
+    if weight.shape[1] != k or mid_o.stride(2) != 1 or mid_o.stride(1) != d or mid_l.stride(1) != 1:
+        raise ValueError(f"expected contiguous [U, H, D] partials of width {weight.shape[1]}, found "
+                         f"{tuple(mid_o.shape)} with strides {mid_o.stride()}")
+    bn, warps, bk = M1_TILE
+    s = splits or choose_splits(1, n, k, bn, _num_sms(mid_o.device), bk, M1_PROGRAMS_PER_SM)
+    kps = triton.cdiv(triton.cdiv(k, s), bk) * bk
+    s = triton.cdiv(k, kps)
+    out = torch.empty(s, 1, n, dtype=torch.float32, device=mid_o.device)
+    _merged_m1_kernel[(triton.cdiv(n, bn), s)](
+        mid_o, mid_l, row_start, weight, bias if bias is not None else weight, out, n, k, kps, mid_o.stride(0),
+        mid_l.stride(0), weight.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_U=max(2, triton.next_power_of_2(units_per_row)), HEAD_DIM=d, HAS_BIAS=bias is not None,
+        PREC=_prec(weight), num_warps=warps, num_stages=4)
     return out

@@ -25,10 +25,11 @@ import triton.language as tl
 
 from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
 from worker.attention.plan import PagedDecode
-from worker.attention.triton_linear import gate_up_silu, linear_partials, use_small_m
+from worker.attention.triton_linear import (gate_up_silu, linear_partials, merged_linear_partials, merges_units,
+                                            use_small_m)
 
-__all__ = ["rope_store", "paged_decode", "paged_prefill", "add_rms_norm", "silu_mul", "use_small_m", "linear_partials",
-           "gate_up_silu", "decode_config"]
+__all__ = ["rope_store", "paged_decode", "paged_decode_units", "paged_prefill", "add_rms_norm", "silu_mul",
+           "use_small_m", "linear_partials", "gate_up_silu", "merged_linear_partials", "merges_units", "decode_config"]
 
 _LOG2E = 1.4426950408889634
 #: Keys per tile. Shapes picked from ``ptxas -v`` and the TTGIR for sm_90 with the launcher's
@@ -225,31 +226,49 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: Page
     """Attention of single-token rows ``q [R, H, D]`` over their paged contexts into ``out [R, H, D]``.
     ``cfg`` overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks sweep it)."""
     rows, nq, d = q.shape
+    bd = _pow2(d)
+    if meta.direct:
+        _decode_launch(q, kv_cache, layer, meta, scale, out, out, out, cfg)
+        return out
+    mid_o, mid_l = paged_decode_units(q, kv_cache, layer, meta, scale, cfg)
+    # All of a row's units in one load (at most 128 of them; more take several rounds).
+    bu = min(128, max(2, triton.next_power_of_2(meta.max_row_units)))
+    _merge_kernel[(rows, nq)](mid_o, mid_l, meta.row_start, out, mid_o.stride(0), mid_o.stride(1), mid_l.stride(0),
+                              out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=bd, BLOCK_U=bu,
+                              num_warps=4 if bu >= 32 else 2)
+    return out
+
+
+def paged_decode_units(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: PagedDecode, scale: float,
+                       cfg: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of :func:`paged_decode` when rows span several units (``meta.direct`` false):
+    each unit's normalised output ``mid_o [U, H, D]`` and base-2 log-sum-exp ``mid_l [U, H]`` (fp32),
+    left for a consumer to merge (``_merge_kernel``, or o_proj at one row:
+    worker/attention/triton_linear.py ``merged_linear_partials``)."""
+    if meta.direct:
+        raise ValueError("paged_decode_units needs rows split into units; a direct launch has no partials")
+    units, (_, nq, d) = meta.unit_row.shape[0], q.shape
+    mid_o = torch.empty(units, nq, d, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty(units, nq, dtype=torch.float32, device=q.device)
+    _decode_launch(q, kv_cache, layer, meta, scale, q, mid_o, mid_l, cfg)
+    return mid_o, mid_l
+
+
+def _decode_launch(q, kv_cache, layer, meta: PagedDecode, scale, out, mid_o, mid_l, cfg) -> None:
+    _, nq, d = q.shape
     nkv = kv_cache.shape[4]
     group = nq // nkv
     bd = _pow2(d)
     units = meta.unit_row.shape[0]
     k, v = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
     block_n, warps, stages = cfg or decode_config(bd)
-    if meta.direct:
-        mid_o = mid_l = out  # unused
-        smu = smh = slu = 0
-    else:
-        mid_o = torch.empty(units, nq, d, dtype=torch.float32, device=q.device)
-        mid_l = torch.empty(units, nq, dtype=torch.float32, device=q.device)
-        smu, smh, slu = mid_o.stride(0), mid_o.stride(1), mid_l.stride(0)
+    smu, smh, slu = (0, 0, 0) if meta.direct else (mid_o.stride(0), mid_o.stride(1), mid_l.stride(0))
     _decode_kernel[(units, nkv)](
         q, k, v, meta.tables, meta.pos, meta.key0, meta.unit_row, meta.unit_lo, meta.unit_hi, out, mid_o, mid_l,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(3), meta.tables.stride(0),
         out.stride(0), out.stride(1), smu, smh, slu, scale * _LOG2E,
         GROUP=group, BLOCK_H=_pow2(group), HEAD_DIM=d, BLOCK_D=bd, BLOCK_N=block_n, PAGE=kv_cache.shape[3],
         DIRECT=meta.direct, PREC=_prec(q), num_warps=warps, num_stages=stages)
-    if not meta.direct:
-        # All of a row's units in one load (at most 128 of them; more take several rounds).
-        bu = min(128, max(2, triton.next_power_of_2(meta.max_row_units)))
-        _merge_kernel[(rows, nq)](mid_o, mid_l, meta.row_start, out, smu, smh, slu, out.stride(0), out.stride(1),
-                                  HEAD_DIM=d, BLOCK_D=bd, BLOCK_U=bu, num_warps=4 if bu >= 32 else 2)
-    return out
 
 
 # ----------------------------------------------------------------------------- prefill
