@@ -365,11 +365,16 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden]`` after the last layer, before the final norm.
         ``max_position``/``max_seq_len``: host-side maxima (see :meth:`RotaryEmbedding.cos_sin`)."""
         cos, sin = self.rotary.cos_sin_signed(positions, self.dtype, seq_lens, max_position, max_seq_len)
-        h = self.embed_tokens(input_ids)
         if meta.backend == "triton":
-            # Each layer's closing residual add is folded into the next layer's input RMSNorm.
+            # Each layer's closing residual add is folded into the next layer's input RMSNorm; on a
+            # one-row decode step the embedding lookup and the first input norm are one launch too.
             ops, layers = _triton_ops(), self.layers
-            x = layers[0].input_layernorm(h)
+            norm0 = layers[0].input_layernorm
+            if not meta.prefills and input_ids.dim() == 1 and input_ids.shape[0] == 1:
+                h, x = ops.embed_rms_norm(input_ids, self.embed_tokens.weight, norm0.weight, norm0.eps)
+            else:
+                h = self.embed_tokens(input_ids)
+                x = norm0(h)
             for i, layer in enumerate(layers):
                 h, m = layer.triton_parts(h, x, cos, sin, meta, kv_cache)
                 if i + 1 == len(layers):
@@ -377,6 +382,7 @@ class LlamaForCausalLM(nn.Module):
                     return ops.add_rms_norm(m, h, self.norm.weight, self.norm.eps)[0] if m.dim() == 3 else h + m
                 norm = layers[i + 1].input_layernorm
                 h, x = ops.add_rms_norm(m, h, norm.weight, norm.eps)
+        h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, meta, kv_cache)
         return h

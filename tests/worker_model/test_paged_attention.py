@@ -446,6 +446,8 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                      {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWIGLU": swiglu, "HAS_BIAS": False,
                       "PARTIAL": partial, "PREC": None}, warps, pipelined=True) == 0
     build(T._silu_mul_kernel, "GU Out stride_gu stride_o inter", {"GU": bf, "Out": bf}, {"BLOCK": 1024}, 4)
+    assert build(T._embed_rms_norm_kernel, "Ids E W H Y stride_e stride_h stride_y n eps",
+                 {"Ids": i64, "E": bf, "W": bf, "H": bf, "Y": bf, "eps": "fp32"}, {"BLOCK": 2048}, 8) == 0
     assert build(TL._merged_m1_kernel, "MidO MidL RowStart W Bias Out N K k_per_split stride_mu stride_lu stride_wn "
                  "stride_os", {"MidO": "*fp32", "MidL": "*fp32", "RowStart": i64, "W": bf, "Bias": bf, "Out": "*fp32"},
                  {"BLOCK_M": 16, "BLOCK_N": m1[0], "BLOCK_K": m1[2], "BLOCK_U": TL.MERGE_MAX_UNITS, "HEAD_DIM": dim,

@@ -122,6 +122,24 @@ def test_consumers_sum_partials(mode):
     assert caches[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_embed_rms_norm_matches_embedding_then_norm(mode):
+    """The one-row decode step's embedding lookup + first input norm in one kernel equals
+    ``F.embedding`` then ``F.rms_norm`` (the lookup exactly; the norm to the tolerance above: fp32
+    sums in another order, one rounding to the output dtype)."""
+    _, T, dev, dtype = setup(mode)
+    g = torch.Generator().manual_seed(4)
+    vocab, hidden = (128256, 2048) if mode == "cuda" else (300, 96)
+    table = torch.randn(vocab, hidden, generator=g).to(dev, dtype)
+    nw = torch.rand(hidden, generator=g).to(dev, dtype)
+    ids = torch.tensor([vocab - 1, 0, 7, 7], device=dev)
+    for rows in (1, 4):
+        h, y = T.embed_rms_norm(ids[:rows], table, nw, 1e-5)
+        ref_h = F.embedding(ids[:rows], table)
+        assert torch.equal(h, ref_h)
+        close(y, F.rms_norm(ref_h, (hidden,), nw, 1e-5), dtype, "y")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not INTERP, reason="set SPLITSERVE_TRITON_INTERPRET=1 (with triton installed) to run kernels on the CPU")
 def test_decode_kernels_bench_runs_under_the_interpreter():

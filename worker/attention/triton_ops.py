@@ -28,7 +28,8 @@ from worker.attention.plan import PagedDecode
 from worker.attention.triton_linear import (gate_up_silu, linear_partials, merged_linear_partials, merges_units,
                                             use_small_m)
 
-__all__ = ["rope_store", "paged_decode", "paged_decode_units", "paged_prefill", "add_rms_norm", "silu_mul",
+__all__ = ["rope_store", "paged_decode", "paged_decode_units", "paged_prefill", "add_rms_norm", "embed_rms_norm",
+           "silu_mul",
            "use_small_m", "linear_partials", "gate_up_silu", "merged_linear_partials", "merges_units", "decode_config"]
 
 _LOG2E = 1.4426950408889634
@@ -393,6 +394,35 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         _add_rms_norm_kernel[(rows,)](x, residual, weight, h, y, x.stride(-2), residual.stride(0), h.stride(0),
                                       y.stride(0), x.stride(0) if nsplit else 0, n, eps, BLOCK=block,
                                       NSPLIT=nsplit, num_warps=min(16, max(1, block // 256)))
+    return h, y
+
+
+@triton.jit
+def _embed_rms_norm_kernel(Ids, E, W, H, Y, stride_e, stride_h, stride_y, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tok = tl.load(Ids + row).to(tl.int64)
+    h = tl.load(E + tok * stride_e + offs, mask=m, other=0.0)
+    tl.store(H + row * stride_h + offs, h, mask=m)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
+    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(H.dtype.element_ty), mask=m)
+
+
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = table[ids]`` and ``rms_norm(h) · weight`` of ``[rows, hidden]`` in one launch: the
+    embedding lookup and the first layer's input norm of a decode step (the norm as
+    :func:`add_rms_norm`'s, with nothing to add)."""
+    rows, n = ids.shape[0], table.shape[1]
+    h = torch.empty(rows, n, dtype=table.dtype, device=table.device)
+    y = torch.empty_like(h)
+    if rows:
+        block = triton.next_power_of_2(n)
+        _embed_rms_norm_kernel[(rows,)](ids, table, weight, h, y, table.stride(0), h.stride(0), y.stride(0), n, eps,
+                                        BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return h, y
 
 
