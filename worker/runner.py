@@ -752,6 +752,7 @@ class ModelRunner:
     def _capture(self, key: tuple, g: "_StepGraph", body, keep: tuple) -> "_StepGraph":
         dev, model = self.device, self.model
         model.rotary.ensure(self._rope_len)
+        model.rotary.typed_table(model.dtype)  # the table the step gathers cos/sin from, built on this stream
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         g.upload(blocking=True)
