@@ -150,7 +150,7 @@ class RotaryEmbedding:
 
         Static types gather both from one cached ``[len, 2, head_dim]`` table already cast and
         sign-folded: one kernel per step instead of six (two gathers, two casts, a negation and a
-        concatenation: about 8 µs of a 1 ms CUDA-graph decode step of ``1b``). Casting, negating and
+        concatenation: at batch 1 a CUDA-graph decode step is bound by its launches). Casting, negating and
         gathering commute exactly, so the values are bit for bit those of the unfused sequence. The two
         results are strided views of the gathered ``[n, 2, head_dim]`` tensor, with equal strides."""
         if self.rope_type == "dynamic":
