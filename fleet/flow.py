@@ -83,7 +83,7 @@ class Flow:
         """Serve one request. `alias` is the client's own `disagg_request_id`, kept for logs and the
         route header only (never sent to a worker, never an abort or transfer key), and unique among
         this process's requests in flight."""
-        async with RequestScope(self, t0, alias) as scope:
+        with RequestScope(self, t0, alias) as scope:
             resp = await self._run(request, creq, scope, client_params)
             if isinstance(resp, ReplayStream):
                 resp = await resp.send(request)
