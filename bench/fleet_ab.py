@@ -6,7 +6,8 @@ percent: every round starts a fresh fleet of each tree (`--trees`, default this 
 in turn, against the same nginx mocks (bench/fleet.py's helpers), runs wrk, and reads the CPU of the
 fleet processes and of the coordinator process, and the coordinator's channel batches per request
 (`splitserve_coordinator_channel_batches_total`). Medians and minima per tree and path at the end
-(contention only adds CPU time: the minimum is the least disturbed run).
+(contention only adds CPU time: the minimum is the least disturbed run), and each later tree's
+fleet CPU over the first tree's, per round (the two ran back to back) and their median.
 
 A baseline tree: `git archive REV | tar -x -C /tmp/base` (it runs with this interpreter).
 Usage: `python bench/fleet_ab.py [--trees /tmp/base,.] [--rounds 5] [--conns 16] [--duration 3s]
@@ -108,6 +109,21 @@ def main() -> int:
               if b else
               f"| {key} | {med('fleet_us'):.0f} ({low('fleet_us'):.0f}) | {med('coord_us'):.0f} ({low('coord_us'):.0f}) | - | "
               f"{med('rps'):,.0f} | {med('p99_ms'):.1f} | {sum(r['errors'] for r in rs)} |")
+    if len(trees) > 1:
+        # Same-round pairs (the trees ran back to back): the box's drift between rounds cancels out.
+        print("\n| path · tree / first tree | fleet µs/req ratio, median of rounds (each round) |")
+        print("|---|---|")
+        base = trees[0].name or str(trees[0])
+        for name, _policy, _two in paths:
+            for tree in trees[1:]:
+                t = tree.name or str(tree)
+                a, b = res.get(f"{base} · {name}"), res.get(f"{t} · {name}")
+                if not a or not b:
+                    continue
+                ratios = [y["fleet_us"] / x["fleet_us"] for x, y in zip(a, b) if x["fleet_us"] > 0]
+                if ratios:
+                    print(f"| {name} · {t} / {base} | **{statistics.median(ratios):.2f}** "
+                          f"({' '.join(f'{r:.2f}' for r in ratios)}) |")
     if args.json_out:
         args.json_out.write_text(json.dumps(res, indent=1))
     return 0
