@@ -10,8 +10,12 @@ fleet processes and of the coordinator process, and the coordinator's channel ba
 fleet CPU over the first tree's, per round (the two ran back to back) and their median.
 
 A baseline tree: `git archive REV | tar -x -C /tmp/base` (it runs with this interpreter).
+`--together` loads every tree's fleet at the same time instead (each with its own wrk): all see the
+same contention from the rest of the box, which on a shared box resolves differences of a few
+percent that the in-turn rounds do not.
+
 Usage: `python bench/fleet_ab.py [--trees /tmp/base,.] [--rounds 5] [--conns 16] [--duration 3s]
-[--num-workers 2] [--paths two-leg-round_robin,two-leg-kv_cache_aware] [--json-out FILE]`
+[--num-workers 2] [--paths two-leg-round_robin,two-leg-kv_cache_aware] [--together] [--json-out FILE]`
 (`--paths` as bench/fleet.py's, default the two two-leg paths). Needs wrk and nginx; prints only.
 """
 from __future__ import annotations
@@ -65,6 +69,43 @@ def one(work: Path, tree: Path, tag: str, urls, policy: str, two_leg: bool, args
             "batches_per_req": (b1 - b0) / n if b0 is not None and b1 is not None else None}
 
 
+def together(work: Path, trees: list[Path], tags: list[str], urls, policy: str, two_leg: bool, args,
+             script: Path) -> list[dict]:
+    """`--together`: one fleet per tree, all loaded at once by their own wrk (same connections,
+    same duration), so every tree sees the same contention from the rest of the box; each one's
+    CPU per request is its own processes' ticks over its own requests."""
+    from concurrent.futures import ThreadPoolExecutor
+    groups, ports = [], []
+    try:
+        for tree, tag in zip(trees, tags):
+            F.ROOT = tree
+            port = F.free_port_pair()
+            cfg = F.fleet_config(work, tag, port, urls["gen"], urls["ctx"] if two_leg else [], policy,
+                                 args.num_workers)
+            groups.append(F.start_fleet(work, tag, cfg))
+            ports.append(port)
+        for g, port in zip(groups, ports):
+            F.wait_http(f"http://127.0.0.1:{port}/v1/completions", 90, g, body=F.BODY)
+        with ThreadPoolExecutor(len(groups)) as ex:
+            list(ex.map(lambda p: F.wrk(f"http://127.0.0.1:{p}", script, args.conns, "1s", 1), ports))
+            time.sleep(0.5)
+            before = [(_batches(f"http://127.0.0.1:{p - 1}"), g.ticks_split()) for g, p in zip(groups, ports)]
+            runs = list(ex.map(lambda p: F.wrk(f"http://127.0.0.1:{p}", script, args.conns, args.duration, 1),
+                               ports))
+            after = [(_batches(f"http://127.0.0.1:{p - 1}"), g.ticks_split()) for g, p in zip(groups, ports)]
+    finally:
+        for g in groups:
+            g.stop()
+    out = []
+    for r, (b0, c0), (b1, c1) in zip(runs, before, after):
+        n = max(1, r["n"])
+        out.append({"rps": r["rps"], "errors": r["errors"], "p99_ms": r["p99_ms"],
+                    "fleet_us": (c1["fleet"] - c0["fleet"]) / F.CLK_TCK / n * 1e6,
+                    "coord_us": (c1["coordinator"] - c0["coordinator"]) / F.CLK_TCK / n * 1e6,
+                    "batches_per_req": (b1 - b0) / n if b0 is not None and b1 is not None else None})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", default=str(F.ROOT), help="comma-separated source trees")
@@ -75,6 +116,8 @@ def main() -> int:
     ap.add_argument("--backend-workers", type=int, default=1)
     ap.add_argument("--paths", default="two-leg-round_robin,two-leg-kv_cache_aware",
                     help=f"comma-separated, of {', '.join(PATHS)}")
+    ap.add_argument("--together", action="store_true",
+                    help="load every tree's fleet at once (same contention for all) instead of in turn")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()
     paths = [PATHS[p] for p in args.paths.split(",")]
@@ -85,16 +128,23 @@ def main() -> int:
     res: dict[str, list[dict]] = {}
     try:
         for i in range(args.rounds):
-            for t, tree in enumerate(trees):
+            if args.together:
+                done = []
                 for name, policy, two_leg in paths:
-                    key = f"{tree.name or tree} · {name}"
-                    r = one(work, tree, f"t{t}-{name.split()[0]}-{policy}-{i}", urls, policy, two_leg, args,
-                            script)
-                    res.setdefault(key, []).append(r)
-                    bpr = "-" if r["batches_per_req"] is None else f"{r['batches_per_req']:.2f}"
-                    print(f"round {i} {key}: {r['rps']:.0f} req/s, fleet {r['fleet_us']:.0f} µs/req, "
-                          f"coordinator {r['coord_us']:.0f} µs/req, batches/req {bpr}, p99 {r['p99_ms']:.1f} ms, "
-                          f"errors {r['errors']}", flush=True)
+                    tags = [f"t{t}-{name.split()[0]}-{policy}-{i}" for t in range(len(trees))]
+                    rs = together(work, trees, tags, urls, policy, two_leg, args, script)
+                    done += [(f"{tree.name or tree} · {name}", r) for tree, r in zip(trees, rs)]
+            else:
+                done = ((f"{tree.name or tree} · {name}",
+                         one(work, tree, f"t{t}-{name.split()[0]}-{policy}-{i}", urls, policy, two_leg, args,
+                             script))
+                        for t, tree in enumerate(trees) for name, policy, two_leg in paths)
+            for key, r in done:
+                res.setdefault(key, []).append(r)
+                bpr = "-" if r["batches_per_req"] is None else f"{r['batches_per_req']:.2f}"
+                print(f"round {i} {key}: {r['rps']:.0f} req/s, fleet {r['fleet_us']:.0f} µs/req, "
+                      f"coordinator {r['coord_us']:.0f} µs/req, batches/req {bpr}, p99 {r['p99_ms']:.1f} ms, "
+                      f"errors {r['errors']}", flush=True)
     finally:
         nginx.stop()
     print("\n| tree · path | fleet µs/req median (min) | coordinator µs/req median (min) | batches/req | req/s | "
