@@ -55,10 +55,10 @@ def one(work: Path, tree: Path, tag: str, urls, policy: str, two_leg: bool, args
     url = f"http://127.0.0.1:{port}"
     try:
         F.wait_http(url + "/v1/completions", 90, g, body=F.BODY)
-        F.wrk(url, script, args.conns, "1s", 1)
+        F.wrk(url, script, args.conns, "1s", args.wrk_threads)
         time.sleep(0.5)      # see bench/fleet.py measure_group: wrk's port reuse after a run
         b0, c0 = _batches(f"http://127.0.0.1:{port - 1}"), g.ticks_split()
-        r = F.wrk(url, script, args.conns, args.duration, 1)
+        r = F.wrk(url, script, args.conns, args.duration, args.wrk_threads)
         b1, c1 = _batches(f"http://127.0.0.1:{port - 1}"), g.ticks_split()
     finally:
         g.stop()
@@ -87,10 +87,12 @@ def together(work: Path, trees: list[Path], tags: list[str], urls, policy: str, 
         for g, port in zip(groups, ports):
             F.wait_http(f"http://127.0.0.1:{port}/v1/completions", 90, g, body=F.BODY)
         with ThreadPoolExecutor(len(groups)) as ex:
-            list(ex.map(lambda p: F.wrk(f"http://127.0.0.1:{p}", script, args.conns, "1s", 1), ports))
+            list(ex.map(lambda p: F.wrk(f"http://127.0.0.1:{p}", script, args.conns, "1s", args.wrk_threads),
+                        ports))
             time.sleep(0.5)
             before = [(_batches(f"http://127.0.0.1:{p - 1}"), g.ticks_split()) for g, p in zip(groups, ports)]
-            runs = list(ex.map(lambda p: F.wrk(f"http://127.0.0.1:{p}", script, args.conns, args.duration, 1),
+            runs = list(ex.map(lambda p: F.wrk(f"http://127.0.0.1:{p}", script, args.conns, args.duration,
+                                                     args.wrk_threads),
                                ports))
             after = [(_batches(f"http://127.0.0.1:{p - 1}"), g.ticks_split()) for g, p in zip(groups, ports)]
     finally:
@@ -111,6 +113,7 @@ def main() -> int:
     ap.add_argument("--trees", default=str(F.ROOT), help="comma-separated source trees")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--conns", type=int, default=16)
+    ap.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (-t) per fleet")
     ap.add_argument("--duration", default="3s")
     ap.add_argument("--num-workers", type=int, default=2, help="> 1: the coordinator is its own process")
     ap.add_argument("--backend-workers", type=int, default=1)
