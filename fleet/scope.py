@@ -79,6 +79,13 @@ class RequestScope:
                 self.flow.aliases.discard(self.alias)
         return False
 
+    # the same as an asynchronous context manager (`async with`)
+    async def __aenter__(self) -> "RequestScope":
+        return self.__enter__()
+
+    async def __aexit__(self, et, exc, tb) -> bool:
+        return self.__exit__(et, exc, tb)
+
     # ------------------------------------------------------------------ leases
     def hold(self, p: Placement) -> None:
         """A lease taken for this request: counted in the local in-flight load until it ends."""
