@@ -27,7 +27,11 @@ Mixed decode (``--mixed-decode``): one long context (``--long-len``) decoding in
 grouped by table length (the runner's default) and forced into one batch padded to the longest table
 (``max_decode_groups = 1``, the old behaviour) on the torch backend, and through the paged kernel
 (which reads each row's own range: no grouping) on the triton backend. The K/V cache is left zero instead of prefilled:
-values do not change the work a step does, and a 32k prefill would dominate the run.
+values do not change the work a step does, and a 32k prefill would dominate the run. Those modes call
+``ModelRunner.step`` and wait for each step. Then the same batch runs through the worker's own step loop
+(``TorchEngine``: real requests, prefilled by the engine, greedy, detokenized), with synchronous and with
+async scheduling alternately (``--serving-repeats`` pairs; ``--no-serving`` skips them): the step time a
+served request sees, the host's planning included.
 
 Needs only torch and this repository. Appends (or replaces) a ``## worker`` section in bench/RESULTS.md
 unless ``--no-write``.
@@ -36,6 +40,7 @@ unless ``--no-write``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as _dt
 import os
 import statistics
@@ -230,10 +235,56 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
     return rows, info
 
 
+def serving_loop(runner, tokenizer, lengths: list[int], slack: list[int], async_scheduling: bool,
+                 seed: int = 0) -> dict:
+    """The mixed batch through the worker's own step loop (``TorchEngine``: scheduler, sampling,
+    detokenizing, token events), synchronous or with async scheduling. Every row is a real request
+    (random prompt of its length, prefilled by the engine); the step time is the median interval
+    between the long row's tokens while every short row is still decoding."""
+    from worker.engine import TorchEngine
+    from worker.requests import EngineRequest, SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    long_max = max(2, min(16, slack[0]))
+    short_max = min(min(slack[1:]), long_max + 32)
+    reqs = [EngineRequest(f"r{i}", torch.randint(0, 256, (n,), generator=gen).tolist(), SamplingParams(
+        max_tokens=long_max if i == 0 else short_max, temperature=0.0, ignore_eos=True))
+        for i, n in enumerate(lengths)]
+    engine = TorchEngine(runner, tokenizer, max_batch_size=max(64, len(lengths)), max_num_tokens=8192,
+                         async_scheduling=async_scheduling)
+
+    async def go() -> tuple[list[float], float]:
+        await engine.start()
+        ends: list[float] = []
+
+        async def consume(r, times):
+            stream = await engine.submit(r)
+            async for ev in stream:
+                if times is not None and ev.token_ids:
+                    times.append(time.perf_counter())
+            ends.append(time.perf_counter())
+
+        try:
+            long_times: list[float] = []
+            # short rows first: they prefill and start decoding, then the long row prefills beside them
+            await asyncio.gather(*(consume(r, None) for r in reqs[1:]), consume(reqs[0], long_times))
+            return long_times, min(ends[1:] or ends)
+        finally:
+            await engine.stop()
+
+    times, first_short_end = asyncio.run(go())
+    # Intervals after the long row's first token (its prefill step) and before any short row ended.
+    iv = [b - a for a, b in zip(times[1:], times[2:]) if b <= first_short_end]
+    stats = engine.stats()
+    return {"mode": f"serving loop ({'async' if async_scheduling else 'sync'} scheduling)",
+            "ms": 1e3 * statistics.median(iv) if iv else float("nan"), "groups": "-", "key_slots": len(iv),
+            "context_slots": "-", "steps": stats["steps_total"], "async": engine.async_scheduling}
+
+
 def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
-    model, _, cfg = load_model(args.model, dev, dtype, cache_dir=args.cache_dir)
+    model, tokenizer, cfg = load_model(args.model, dev, dtype, cache_dir=args.cache_dir)
     gpu = dev.type == "cuda"
     long_len = args.long_len or (32768 if gpu else 4096)
     short_len = args.short_len or (512 if gpu else 64)
@@ -241,10 +292,11 @@ def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
     steps = args.decode_steps or (4 if args.quick else (32 if gpu else 8))
     bs = args.block_size
     lengths = [long_len] + [short_len] * shorts
-    tables, first = [], 0
+    tables, first, slack = [], 0, []
     for n in lengths:
         nb = (n + steps + 4 + bs - 1) // bs
         tables.append(list(range(first, first + nb)))
+        slack.append(nb * bs - n)
         first += nb
     rows, logits = [], {}
     modes = []
@@ -288,6 +340,16 @@ def mixed_decode(args: argparse.Namespace) -> tuple[list[dict], dict]:
             traceback.print_exc()
             failures.append(f"{label}: {type(e).__name__}: {e}")
             runner = None
+    # The same batch through the worker's step loop, on the last runner (its graphs already captured):
+    # sync, async, sync, async (alternating, so drift shows).
+    if runner is not None and not args.no_serving:
+        runner.max_decode_groups = 3
+        for flag in (False, True) * max(1, args.serving_repeats):
+            try:
+                rows.append(serving_loop(runner, tokenizer, lengths, slack, flag))
+            except Exception as e:
+                traceback.print_exc()
+                failures.append(f"serving loop async={flag}: {type(e).__name__}: {e}")
     vals = list(logits.values()) or [torch.zeros(1)]
     a = vals[0]
     diff = max((float((a - b).abs().max()) for b in vals[1:]), default=0.0)
@@ -389,6 +451,10 @@ def render_mixed(rows: list[dict], info: dict, command: str) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
+        if "steps" in r:  # a serving-loop row: key_slots holds the intervals measured
+            lines.append(f"| {r['mode']} | {r['ms']:.2f} | - | median of {r['key_slots']} steps "
+                         f"({r['steps']} engine steps in all) | - |")
+            continue
         lines.append(f"| {r['mode']} | {r['ms']:.2f} | {r['groups']} | {r['key_slots']:,} | {r['context_slots']:,} |")
     return "\n".join(lines) + "\n"
 
@@ -455,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-len", type=int, default=0, help="mixed decode: long context (32768 GPU, 4096 CPU)")
     p.add_argument("--short-len", type=int, default=0, help="mixed decode: short contexts (512 GPU, 64 CPU)")
     p.add_argument("--short-rows", type=int, default=30, help="mixed decode: number of short rows")
+    p.add_argument("--no-serving", action="store_true",
+                   help="mixed decode: skip the runs through the worker's step loop (sync and async scheduling)")
+    p.add_argument("--serving-repeats", type=int, default=2,
+                   help="mixed decode: sync/async serving-loop pairs, alternating (default 2)")
     p.add_argument("--sampling", action="store_true",
                    help="time the batched sampler against one row at a time (prints only)")
     p.add_argument("--vocab", type=int, default=128256, help="--sampling: vocabulary size (default Llama 3's)")

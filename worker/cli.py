@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--attention-backend", "auto", choices=["auto", "triton", "torch"],
         help="attention over the paged KV cache: triton kernels reading blocks in place, or torch "
              "(gather + SDPA); auto = triton on CUDA, torch on the CPU")
+    add("--async-scheduling", "auto", choices=["auto", "on", "off"],
+        help="torch engine: plan and prepare step k+1 while step k runs on the device, feeding its "
+             "tokens on the device (a stop on EOS/stop text then costs one discarded step); auto = on "
+             "for a single-rank worker on CUDA, off on the CPU and with --tp-size/--pp-size > 1")
     add("--block-size", 16, type=int, help="tokens per KV block (= the routing block size)")
     add("--kv-namespace", None, help="cache namespace salted into this worker's block keys "
         "(= the cluster's routing.namespace; its /kv_snapshot keys are trusted only when equal)")
@@ -175,6 +179,9 @@ def _build_engine(args, kv_connector=None):
                          prefix_reuse=args.sim_prefix_reuse != "off",
                          pin_timeout_s=args.pin_timeout)
     if args.tp_size != 1 or args.pp_size != 1:
+        if args.async_scheduling == "on":
+            raise ValueError("--async-scheduling on needs a single-rank worker (its tokens are fed on the "
+                             f"device); found --tp-size {args.tp_size} --pp-size {args.pp_size}")
         # One process per rank; this one is rank 0 (worker/parallel/engine.py, INTERFACES §7).
         from worker.parallel.engine import build_parallel_engine
 
@@ -209,7 +216,8 @@ def _build_engine(args, kv_connector=None):
              num_blocks * per_block / 2**20, runner.attention_backend)
     return TorchEngine(runner, tok, max_batch_size=args.max_batch_size,
                        max_num_tokens=args.max_num_tokens, pin_timeout_s=args.pin_timeout,
-                       ns_seed=_ns_seed(args), kv_connector=kv_connector)
+                       ns_seed=_ns_seed(args), kv_connector=kv_connector,
+                       async_scheduling={"on": True, "off": False}.get(args.async_scheduling))
 
 
 def build_server(args):
@@ -222,6 +230,7 @@ def build_server(args):
                           ("device", ("cpu", "cuda", None)), ("dtype", ("float32", "bfloat16", None)),
                           ("transfer_agent", ("auto", "nixl", "shm", "tcp")),
                           ("attention_backend", ("auto", "triton", "torch")),
+                          ("async_scheduling", ("auto", "on", "off")),
                           ("sim_prefix_reuse", ("on", "off")),
                           ("disagg_protocol", ("trtllm", "vllm", "sglang"))):
         if getattr(args, name) not in choices:

@@ -148,14 +148,21 @@ class TorchEngine(SchedulingEngine):
     def __init__(self, runner, tokenizer, *, max_batch_size: int = 64,
                  max_num_tokens: int = 2048, pin_timeout_s: float = 60.0,
                  worker_id: str = "worker", kv_connector: KvConnector | None = None,
-                 ns_seed: int = 0, eos_token_ids=None):
-        import torch  # noqa: F401  (only this engine needs it)
+                 ns_seed: int = 0, eos_token_ids=None, async_scheduling: bool | None = None):
+        import torch
 
         from worker.runner import Chunk
-        from worker.sampling import make_generator, sample
+        from worker.sampling import make_generator, sample, sample_tokens
 
         self._Chunk, self._make_generator, self._sample = Chunk, make_generator, sample
+        self._sample_tokens, self._torch = sample_tokens, torch
         self.runner = runner
+        #: Plan and prepare step k+1 while step k runs (worker/scheduler.py ``_run_async``). Default: on
+        #: for a single-rank runner on CUDA, where the device runs a step on its own; on the CPU the
+        #: step runs on the host and there is nothing to overlap.
+        if async_scheduling is None:
+            async_scheduling = getattr(runner, "device", None) is not None and runner.device.type == "cuda"
+        self.async_scheduling = bool(async_scheduling) and self._can_async()
         cfg = runner.cfg
         eos = eos_token_ids
         if eos is None:
@@ -170,7 +177,12 @@ class TorchEngine(SchedulingEngine):
             tokenizer=tokenizer, eos_token_ids=eos, vocab_size=cfg.vocab_size,
             max_model_len=cfg.max_position_embeddings, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout_s, worker_id=worker_id,
-            kv_connector=kv_connector)
+            kv_connector=kv_connector, launch=self._launch if self.async_scheduling else None)
+        # Async scheduling: two pinned host buffers the tokens of a step (the runner's ``step_tokens``,
+        # row i = plan entry i) come back through, alternately: step k's is read while step k+1's copy
+        # may already be landing in the other.
+        self._host_tokens: list = []
+        self._flip = 0
         if kv_connector is not None:   # may build its transceiver over our K/V memory now
             kv_connector.bind(self)
         # One thread: steps are sequential by construction, and torch releases the GIL inside ops.
@@ -197,7 +209,103 @@ class TorchEngine(SchedulingEngine):
 
     def _step(self, chunks, rows) -> dict[int, int]:
         logits = self.runner.step(chunks)
-        return self._sample(logits, rows) if rows else {}
+        if rows:
+            return self._sample(logits, rows)  # its device→host copy waits for the step
+        if self.runner.device.type == "cuda":
+            # A step is applied only once its K/V is written: the scheduler then commits the blocks to
+            # the prefix cache and the KV connector may start sending them (worker/scheduler.py _apply).
+            self._torch.cuda.current_stream(self.runner.device).synchronize()
+        return {}
+
+    def _can_async(self) -> bool:
+        """Async scheduling feeds tokens on the device: only a runner that takes them (a multi-rank
+        runner sends every token to its followers, so it steps synchronously)."""
+        return type(self.runner).__name__ == "ModelRunner"
+
+    def _table(self, s) -> Any:
+        """``s.blocks`` as an int64 array kept beside the list and extended as it grows, so a long
+        sequence's table is not converted again every step (a 2k-entry list costs ~60 µs)."""
+        import numpy as np
+
+        blocks, t = s.blocks, s.table
+        if t is None or t[0] is not blocks or t[2] > len(blocks):
+            s.table = (blocks, np.empty(max(16, 2 * len(blocks)), dtype=np.int64), 0)
+            t = s.table
+        _, arr, n = t
+        if n < len(blocks):
+            if len(blocks) > arr.size:
+                grown = np.empty(2 * len(blocks), dtype=np.int64)
+                grown[:n] = arr[:n]
+                arr = grown
+            arr[n:len(blocks)] = blocks[n:]
+            s.table = t = (blocks, arr, len(blocks))
+        return arr[:len(blocks)]
+
+    async def _launch(self, plan: Plan):
+        """Queue one step (async scheduling); returns an awaitable of its sampled tokens. A chunk whose
+        token is still being sampled by the step before takes it from the device (``feed_row``)."""
+        chunks, rows, feed = [], [], []
+        for i, (s, start, n, sample) in enumerate(plan.entries):
+            if start + n > len(s.tokens):
+                if n != 1 or s.feed_row < 0:
+                    raise RuntimeError(f"{s.id}: chunk {start}+{n} runs past its {len(s.tokens)} known tokens")
+                chunks.append(self._Chunk(token_ids=(0,), start_pos=start, block_ids=self._table(s)))
+                feed.append(s.feed_row)
+            else:
+                chunks.append(self._Chunk(token_ids=s.tokens[start:start + n], start_pos=start,
+                                          block_ids=self._table(s)))
+                feed.append(-1)
+            if sample:
+                p = s.req.sampling
+                if s.rng is None and not p.greedy:
+                    s.rng = self._make_generator(p, self.runner.device)
+                rows.append((i, p, s.rng))
+        # Queued from the loop's own thread: preparing a step is Python holding the GIL, which a worker
+        # thread would not free for the loop anyway, and each hand-off to the thread costs a wake-up.
+        # Only the wait for the tokens (which releases the GIL) goes to the worker thread.
+        done = self._queue_step(chunks, rows, feed)
+        return asyncio.get_running_loop().run_in_executor(self._executor, done)
+
+    def _queue_step(self, chunks, rows, feed):
+        """Queues the step's device work (the runner leaves greedy tokens in ``step_tokens``, the
+        other rows are sampled into it here) and the tokens' copy to the host; returns the call that
+        waits for them."""
+        torch, runner = self._torch, self.runner
+        n = len(chunks)
+        logits = runner.step(chunks, feed_index=feed, greedy_tokens=True)
+        cuda = runner.device.type == "cuda"
+        if not rows:  # still waited for: the step is applied only once its K/V is written (see _step)
+            if not cuda:
+                return dict
+            done = torch.cuda.Event()
+            done.record()
+
+            def written() -> dict[int, int]:
+                done.synchronize()
+                return {}
+
+            return written
+        tokens = runner.step_tokens
+        if any(not p.greedy for _, p, _ in rows):
+            tokens[:n].copy_(self._sample_tokens(logits, rows))
+        if len(self._host_tokens) != 2 or self._host_tokens[0].numel() < n:
+            self._host_tokens = [torch.zeros(max(n, 256), dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        host = self._host_tokens[self._flip]
+        self._flip ^= 1
+        host[:n].copy_(tokens[:n], non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        picked = [r for r, _, _ in rows]
+
+        def result() -> dict[int, int]:
+            if event is not None:
+                event.synchronize()
+            vals = host[:n].tolist()
+            return {r: vals[r] for r in picked}
+
+        return result
 
     async def stop(self) -> None:
         await super().stop()

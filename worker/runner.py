@@ -182,6 +182,8 @@ class ModelRunner:
         self.max_prefill_graph_tokens = 2048
         self.prefill_graph_granularity = 128
         self._graphs: dict[tuple, _StepGraph] = {}
+        #: Device tokens of the last step (see :meth:`step`), allocated on first use.
+        self.step_tokens: torch.Tensor | None = None
         self._graph_pool = None
         self._graph_max_len = min(num_blocks * block_size, max(cfg.max_position_embeddings, block_size))
         self._rope_len = max(self._graph_max_len, self.max_prefill_graph_tokens)
@@ -273,22 +275,88 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     @torch.inference_mode()
-    def step(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Run one step; returns fp32 logits ``[len(chunks), vocab]`` of each chunk's last token."""
+    def step(self, chunks: Sequence[Chunk], feed_index: Sequence[int] | None = None,
+             greedy_tokens: bool = False) -> torch.Tensor:
+        """Run one step; returns fp32 logits ``[len(chunks), vocab]`` of each chunk's last token.
+
+        Device-side tokens (async scheduling, worker/engine.py): ``step_tokens`` is a device int64
+        buffer the runner owns. ``feed_index[i] >= 0`` makes chunk ``i`` (a single-token chunk) take its
+        token from ``step_tokens[feed_index[i]]`` instead of ``token_ids`` (a placeholder), and with
+        ``feed_index`` or ``greedy_tokens`` the step leaves ``argmax(logits[i])`` in ``step_tokens[i]``
+        for every chunk — inside the CUDA graph of a decode step, so the previous step's greedy tokens
+        feed this one with no host round trip and no extra launch. A caller sampling a row otherwise
+        overwrites that row of ``step_tokens`` after the call, before the next one.
+
+        Nothing here waits for the device: inputs go up from pinned memory without blocking, so a call
+        returns once the step is queued (the logits are a device tensor still being computed)."""
         if not chunks:
             raise RunnerInputError("step needs at least one chunk, found none")
-        checked = [self._check(i, c) for i, c in enumerate(chunks)]
-        self._check_slots(checked)
+        checked = self._check_decode(chunks) if all(len(c.token_ids) == 1 for c in chunks) else None
+        decode_only = checked is not None
+        if checked is None:
+            checked = [self._check(i, c) for i, c in enumerate(chunks)]
+            self._check_slots(checked)
+        n = len(checked)
+        feed = None
+        if feed_index is not None:
+            feed = np.asarray(feed_index, dtype=np.int64).reshape(-1)
+            if feed.size != n:
+                raise RunnerInputError(f"feed_index has {feed.size} entries for {n} chunks")
+            top = int(feed.max())
+            if top < 0:
+                feed = None
+            else:
+                self.token_buffer(top + 1)
+                bad = [] if decode_only else [
+                    i for i in np.flatnonzero(feed >= 0).tolist() if checked[i][2] - checked[i][1] != 1]
+                if bad:
+                    raise RunnerInputError(f"fed chunks must have one token; chunks {bad} have more")
+        fused = feed is not None or greedy_tokens
+        if fused:
+            self.token_buffer(n)
+        logits = None
         if self.use_cuda_graphs:
-            if (len(checked) <= self.max_graph_batch and all(end - start == 1 for _, start, end, _ in checked)
+            if (decode_only and n <= self.max_graph_batch
                     and max(end for _, _, end, _ in checked) <= self._graph_max_len):
-                return self._graph_step(checked)
-            if len(checked) == 1 and checked[0][1] == 0 and 1 < checked[0][2] <= self.max_prefill_graph_tokens:
-                return self._prefill_graph_step(checked[0])
-        batch = self._prepare(checked)
-        hidden = self.model(batch["input_ids"], batch["positions"], batch["meta"], self.kv_cache,
-                            batch["seq_lens"], batch["max_position"], batch["max_seq_len"])
-        return self.model.compute_logits(hidden[batch["last_idx"]]).float()
+                return self._graph_step(checked, feed, fused)
+            if (feed is None and n == 1 and checked[0][1] == 0
+                    and 1 < checked[0][2] <= self.max_prefill_graph_tokens):
+                logits = self._prefill_graph_step(checked[0])
+        if logits is None:
+            batch = self._prepare(checked, feed)
+            input_ids = batch["input_ids"]
+            if feed is not None:
+                input_ids = _fed(input_ids, batch["feed"], self.step_tokens)
+            hidden = self.model(input_ids, batch["positions"], batch["meta"], self.kv_cache,
+                                batch["seq_lens"], batch["max_position"], batch["max_seq_len"])
+            logits = self.model.compute_logits(hidden[batch["last_idx"]]).float()
+        if fused:
+            self.step_tokens[:n].copy_(torch.argmax(logits, dim=-1))
+        return logits
+
+    def token_buffer(self, rows: int) -> torch.Tensor:
+        """``step_tokens`` with room for ``rows`` rows (at least ``max_graph_batch``). Growing it drops
+        the graphs that captured the old buffer's address (they are captured again when next used);
+        its contents are kept."""
+        buf = self.step_tokens
+        if buf is None or buf.numel() < rows:
+            with torch.inference_mode(False):  # a normal tensor: callers write sampled rows into it
+                new = torch.zeros(max(2 * rows, 2 * self.max_graph_batch), dtype=torch.int64, device=self.device)
+            if buf is not None:
+                new[:buf.numel()].copy_(buf)
+                self._graphs = {k: g for k, g in self._graphs.items() if not (len(k) > 2 and k[2] == "fused")}
+            self.step_tokens = buf = new
+        return buf
+
+    def _h2d(self, a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``a`` on the model's device without waiting for the device: a blocking copy from pageable
+        memory synchronises the stream (waits for every queued step), which would serialise the host's
+        preparation of a step with the step before it."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type != "cuda":
+            return t if dtype is None else t.to(dtype)
+        t = t.pin_memory().to(self.device, non_blocking=True)
+        return t if dtype is None else t.to(dtype)
 
     def _check(self, i: int, c: Chunk) -> tuple[np.ndarray, int, int, np.ndarray]:
         """Validate one chunk → (token ids, start, end, the block-table prefix it touches)."""
@@ -318,6 +386,36 @@ class ModelRunner:
             raise RunnerInputError(f"chunk {i} token ids must be in [0, {self.vocab_size}), found {bad}")
         return tokens, int(start), end, used
 
+    def _check_decode(self, chunks: Sequence[Chunk]) -> list | None:
+        """:meth:`_check` + :meth:`_check_slots` for single-token chunks, in a few array operations
+        (31 rows of per-chunk checks cost ~0.25 ms of a mixed decode step's host time). ``None`` when
+        anything is off: the per-chunk path then raises the error naming it."""
+        bs, n = self.block_size, len(chunks)
+        starts = [c.start_pos for c in chunks]
+        if not all(type(st) is int and st >= 0 for st in starts):
+            return None
+        used = []
+        for c, st in zip(chunks, starts):
+            ids = c.block_ids
+            need = st // bs + 1
+            if len(ids) < need:
+                return None
+            if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+                used.append(ids[:need])  # the torch engine's tables (worker/engine.py ``_table``)
+            else:
+                used.append(np.asarray(ids[:need], dtype=np.int64).reshape(-1))
+        tokens = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n)
+        flat = np.concatenate(used) if n > 1 else used[0]
+        if (flat.min() < 0 or flat.max() >= self.num_blocks or tokens.min() < 0
+                or tokens.max() >= self.vocab_size):
+            return None
+        if n > 1:
+            pos = np.asarray(starts, dtype=np.int64)
+            slots = np.fromiter((u[-1] for u in used), dtype=np.int64, count=n) * bs + pos % bs
+            if np.unique(slots).size != n:
+                return None
+        return [(tokens[i:i + 1], st, st + 1, u) for i, (st, u) in enumerate(zip(starts, used))]
+
     def _check_slots(self, checked) -> None:
         bs = self.block_size
         if len(checked) == 1:
@@ -342,9 +440,9 @@ class ModelRunner:
         return plan_decode_groups(need, self.max_decode_groups,
                                   self.decode_group_overhead_keys / self.block_size)
 
-    def _prepare(self, checked) -> dict[str, Any]:
+    def _prepare(self, checked, feed: np.ndarray | None = None) -> dict[str, Any]:
         bs, window, dev = self.block_size, self._window, self.device
-        tok_parts, pos_parts, blk_parts, len_parts = [], [], [], []
+        tok_parts, pos_parts, blk_parts, len_parts, feed_parts = [], [], [], [], []
         prefills: list[PrefillSeq] = []
         dec_idx: list[int] = []
         dec_rows: list[np.ndarray] = []
@@ -368,6 +466,8 @@ class ModelRunner:
             pos_parts.append(pos)
             blk_parts.append(used[pos // bs])
             len_parts.append(np.full(n, end, dtype=np.int64))
+            if feed is not None:
+                feed_parts.append(np.full(n, feed[ci] if n == 1 else -1, dtype=np.int64))
             first_blk = self._first_key_block(start)
             if n == 1:
                 dec_idx.append(offset)
@@ -376,15 +476,15 @@ class ModelRunner:
                 dec_pos.append(start)
             elif start == 0 and paged and window and n > window:
                 # A windowed prompt longer than its window: the kernel masks by position, no [n, n] mask.
-                prefills.append(PrefillSeq(offset, offset + n, 0, torch.from_numpy(used).to(dev), 0, None))
+                prefills.append(PrefillSeq(offset, offset + n, 0, self._h2d(used), 0, None))
             elif start == 0:
                 mask = None
                 if window and n > window:
                     q = np.arange(n)
-                    mask = torch.from_numpy((q[None, :] <= q[:, None]) & (q[None, :] > q[:, None] - window)).to(dev)
+                    mask = self._h2d((q[None, :] <= q[:, None]) & (q[None, :] > q[:, None] - window))
                 prefills.append(PrefillSeq(offset, offset + n, 0, None, 0, mask))
             elif paged:
-                prefills.append(PrefillSeq(offset, offset + n, start, torch.from_numpy(used[first_blk:]).to(dev),
+                prefills.append(PrefillSeq(offset, offset + n, start, self._h2d(used[first_blk:]),
                                            first_blk * bs, None))
             else:
                 key_start = first_blk * bs
@@ -393,8 +493,7 @@ class ModelRunner:
                 if window:
                     mask &= kp[None, :] > pos[:, None] - window
                 prefills.append(PrefillSeq(offset, offset + n, start,
-                                           torch.from_numpy(used[first_blk:]).to(dev), key_start,
-                                           torch.from_numpy(mask).to(dev)))
+                                           self._h2d(used[first_blk:]), key_start, self._h2d(mask)))
             offset += n
             last_idx[ci] = offset - 1
 
@@ -419,11 +518,10 @@ class ModelRunner:
                 if window:
                     mask &= kp > p - window
                 bias = np.where(mask, np.float32(0), np.float32(-np.inf))[:, None, None, :]
-                groups.append(DecodeGroup(start, end_row, torch.from_numpy(tables).to(dev),
-                                          torch.from_numpy(bias).to(dev, self.dtype)))
+                groups.append(DecodeGroup(start, end_row, self._h2d(tables), self._h2d(bias, self.dtype)))
                 gathered += tables.size * bs
                 start = end_row
-            decode = DecodeBatch(torch.tensor(dec_idx, device=dev), groups)
+            decode = DecodeBatch(self._h2d(np.asarray(dec_idx, dtype=np.int64)), groups)
             self.last_step_stats = _decode_stats(len(dec_idx), len(groups), gathered,
                                                  sum(r.size for r in dec_rows) * bs)
 
@@ -434,11 +532,16 @@ class ModelRunner:
                  np.asarray(last_idx, dtype=np.int64)]
         if dynamic:
             parts.append(np.concatenate(len_parts))
-        packed = torch.from_numpy(np.concatenate(parts)).to(dev)
+        if feed is not None:
+            parts.append(np.concatenate(feed_parts))
+        packed = self._h2d(np.concatenate(parts))
         input_ids, pos_t, blk_t, off_t = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:4 * n]
-        last_t = packed[4 * n:4 * n + len(last_idx)]
-        seq_lens = packed[4 * n + len(last_idx):] if dynamic else None
+        o = 4 * n + len(last_idx)
+        last_t = packed[4 * n:o]
+        seq_lens = packed[o:o + n] if dynamic else None
+        feed_t = packed[packed.numel() - n:] if feed is not None else None
         return {
+            "feed": feed_t,
             "input_ids": input_ids,
             "positions": pos_t,
             "seq_lens": seq_lens,
@@ -458,43 +561,56 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def _graph_step(self, checked) -> torch.Tensor:
+    def _graph_step(self, checked, feed: np.ndarray | None = None, fused: bool = False) -> torch.Tensor:
         """Decode rows through the graph captured for their grouping: per group, a (batch bucket,
         blocks-per-row bucket) pair. Graph rows are laid out group after group, each group padded to
         its batch bucket; the graph's ``order`` input maps them back to chunk order."""
         bs, n = self.block_size, len(checked)
-        firsts = [self._first_key_block(start) for _, start, _, _ in checked]
-        need = [used.size - f for (_, _, _, used), f in zip(checked, firsts)]
+        starts = np.fromiter((c[1] for c in checked), dtype=np.int64, count=n)
+        window = self._window
+        firsts = (np.maximum(0, starts - window + 1) // bs) if window else np.zeros(n, dtype=np.int64)
+        sizes = np.fromiter((c[3].size for c in checked), dtype=np.int64, count=n)
+        need = sizes - firsts
         plan = plan_decode_groups(need, self.max_decode_groups, self.decode_group_overhead_keys / bs)
         cap = (self._graph_max_len + bs - 1) // bs
         shape = tuple((_bucket(len(grp), self.max_graph_batch),
                        _bucket(int(need[grp[0]]), max(int(need[grp[0]]), cap))) for grp in plan)
-        g = self._graphs.get(("decode", shape)) or self._capture_decode(shape)
+        key = ("decode", shape, "fused") if fused else ("decode", shape)
+        g = self._graphs.get(key) or self._capture_decode(shape, fused)
         g.ready.synchronize()  # the previous upload from this pinned buffer has finished
         host = g.host
-        self._decode_padding(host, len(shape))
         paged = self.attention_backend == "triton"
+        self._decode_padding(host, len(shape), whole_tables=not paged)
+        # Per-row scalars in a few array writes (chunk ci goes to graph row rows[k], ci = order[k]).
+        order = np.concatenate(plan) if len(plan) > 1 else plan[0]
+        rows = np.concatenate([row0 + np.arange(len(grp)) for grp, row0 in
+                               zip(plan, np.cumsum([0] + [b for b, _ in shape[:-1]]))]) if len(plan) > 1 \
+            else np.arange(n)
+        tokens = np.fromiter((c[0][0] for c in checked), dtype=np.int64, count=n)
+        slot_block = np.fromiter((c[3][-1] for c in checked), dtype=np.int64, count=n)  # block of `start`
+        host["ids"][rows] = tokens[order]
+        host["pos"][rows] = starts[order]
+        host["slot_block"][rows] = slot_block[order]
+        host["slot_off"][rows] = starts[order] % bs
+        host["first_key"][rows] = firsts[order] * bs
+        host["order"][order] = rows
+        if feed is not None:
+            host["feed"][rows] = feed[order]
         row0 = 0
         for gi, grp in enumerate(plan):
             tables = host["tables"][row0:] if paged else host[f"tables{gi}"]
             for j, ci in enumerate(grp.tolist()):
-                tokens, start, _, used = checked[ci]
-                f, row = firsts[ci], row0 + j
-                host["ids"][row] = tokens[0]
-                host["pos"][row] = start
-                host["slot_block"][row] = used[start // bs]
-                host["slot_off"][row] = start % bs
-                host["first_key"][row] = f * bs
-                host["order"][ci] = row
-                blocks = used[f:]
-                tables[j, : blocks.size] = blocks
+                used = checked[ci][3]
+                f = int(firsts[ci])
+                tables[j, : used.size - f] = used[f:] if f else used
             row0 += shape[gi][0]
+        need = int(need.sum())
         if paged:
             lo, hi = row_ranges(host["pos"], host["first_key"], self._window)
             fill_units(lo, hi, g.split, host["u_row"], host["u_lo"], host["u_hi"], host["row_start"])
-            self.last_step_stats = _decode_stats(n, 1, int((hi - lo)[host["order"][:n]].sum()), sum(need) * bs)
+            self.last_step_stats = _decode_stats(n, 1, int((hi - lo)[host["order"][:n]].sum()), need * bs)
         else:
-            self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, sum(need) * bs)
+            self.last_step_stats = _decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, need * bs)
         return g.run()[:n].clone()
 
     def _prefill_graph_step(self, chunk) -> torch.Tensor:
@@ -513,28 +629,40 @@ class ModelRunner:
         host["last"][0] = end - 1
         return g.run().clone()
 
-    def _decode_padding(self, host: dict[str, np.ndarray], num_groups: int) -> None:
-        """Padding rows: token 0 at position 0 writing into (and reading only) the scratch block."""
+    def _decode_padding(self, host: dict[str, np.ndarray], num_groups: int, whole_tables: bool = True) -> None:
+        """Padding rows: token 0 at position 0 writing into (and reading only) the scratch block.
+
+        ``whole_tables=False`` (paged decode steps): only each table's first entry is reset — the
+        paged kernel reads a row's table only inside its ``[lo, hi)`` range, which a padding row's
+        position 0 makes its first slot; stale entries past a real row's blocks are never read (and
+        are block ids of earlier steps anyway). Saves rewriting ~1 MB per step for a 32k row."""
         host["ids"][:] = 0
         host["pos"][:] = 0
         host["slot_block"][:] = self.scratch_block
         host["slot_off"][:] = 0
         host["first_key"][:] = 0
         host["order"][:] = np.arange(host["order"].size)
+        host["feed"][:] = -1
         if "tables" in host:
-            host["tables"][:] = self.scratch_block
+            if whole_tables:
+                host["tables"][:] = self.scratch_block
+            else:
+                host["tables"][:, 0] = self.scratch_block
             return
         for gi in range(num_groups):
             host[f"tables{gi}"][:] = self.scratch_block
 
-    def _capture_decode(self, shape: tuple[tuple[int, int], ...]) -> "_StepGraph":
+    def _capture_decode(self, shape: tuple[tuple[int, int], ...], fused: bool = False) -> "_StepGraph":
         """Capture a decode step whose rows form ``len(shape)`` groups of ``(rows, blocks per row)``.
         Distinct captures stay few: each group's pair comes from power-of-two buckets, groups are
-        split only where the blocks bucket changes, and there are at most ``max_decode_groups``."""
+        split only where the blocks bucket changes, and there are at most ``max_decode_groups``.
+
+        ``fused``: the graph also takes fed tokens from ``step_tokens`` (its ``feed`` input) and
+        writes each row's argmax there (:meth:`step`); plain steps keep the graph without them."""
         bs, dev, window, model = self.block_size, self.device, self._window, self.model
         rows = sum(b for b, _ in shape)
         fields = {"ids": (rows,), "pos": (rows,), "slot_block": (rows,), "slot_off": (rows,),
-                  "first_key": (rows,), "order": (rows,)}
+                  "first_key": (rows,), "order": (rows,), "feed": (rows,)}
         paged = self.attention_backend == "triton"
         if paged:
             # One table for all rows (the kernel reads each row's own range); work units sized from the
@@ -554,6 +682,16 @@ class ModelRunner:
         token_idx = torch.arange(rows, device=dev)
         key_offs = [torch.arange(nb * bs, device=dev) for _, nb in shape]
         v = g.dev
+        key = ("decode", shape, "fused") if fused else ("decode", shape)
+        tokens = self.token_buffer(rows) if fused else None
+
+        def ids_in() -> torch.Tensor:
+            return _fed(v["ids"], v["feed"], tokens) if fused else v["ids"]
+
+        def tokens_out(logits: torch.Tensor) -> torch.Tensor:
+            if fused:  # rows past the step's chunks hold padding rows' argmax: never read
+                tokens[:rows].copy_(torch.argmax(logits, dim=-1))
+            return logits
         if paged:
             lo, hi = row_ranges(g.host["pos"], g.host["first_key"], window)
             fill_units(lo, hi, split, g.host["u_row"], g.host["u_lo"], g.host["u_hi"], g.host["row_start"])
@@ -562,10 +700,10 @@ class ModelRunner:
                 pd = PagedDecode(v["tables"], v["pos"], v["first_key"], v["u_row"], v["u_lo"], v["u_hi"],
                                  v["row_start"], direct, max_row_units=row_units)
                 meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], None, bs, "triton", pd)
-                h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
-                return model.compute_logits(h.index_select(0, v["order"])).float()
+                h = model(ids_in(), v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
+                return tokens_out(model.compute_logits(h.index_select(0, v["order"])).float())
 
-            return self._capture(("decode", shape), g, body, keep=())
+            return self._capture(key, g, body, keep=(tokens,) if fused else ())
 
         def body() -> torch.Tensor:
             groups, row0 = [], 0
@@ -579,10 +717,10 @@ class ModelRunner:
                 groups.append(DecodeGroup(row0, row0 + b, v[f"tables{gi}"], bias[:, None, None, :]))
                 row0 += b
             meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], DecodeBatch(token_idx, groups), bs)
-            h = model(v["ids"], v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
-            return model.compute_logits(h.index_select(0, v["order"])).float()
+            h = model(ids_in(), v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
+            return tokens_out(model.compute_logits(h.index_select(0, v["order"])).float())
 
-        return self._capture(("decode", shape), g, body, keep=(token_idx, *key_offs))
+        return self._capture(key, g, body, keep=(token_idx, *key_offs) + ((tokens,) if fused else ()))
 
     def _capture_prefill(self, tb: int) -> "_StepGraph":
         bs, dev, window, model = self.block_size, self.device, self._window, self.model
@@ -610,6 +748,9 @@ class ModelRunner:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         g.upload(blocking=True)
+        # A fused graph's warm-up writes argmax tokens of padding rows into step_tokens, which may hold
+        # the previous step's tokens that this step is about to feed from: keep them.
+        saved = self.step_tokens.clone() if key[-1] == "fused" else None
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -619,11 +760,18 @@ class ModelRunner:
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self._graph_pool):
             g.output = body()
+        if saved is not None:
+            self.step_tokens.copy_(saved)
         # The graph replays raw addresses: every tensor it reads that was allocated outside the capture
         # must outlive it (a freed index tensor would be reused and read back as garbage indices).
         g.keep = keep + (model.rotary._cos, model.rotary._sin)
         self._graphs[key] = g
         return g
+
+
+def _fed(ids: torch.Tensor, feed: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``ids`` with entry ``i`` replaced by ``tokens[feed[i]]`` where ``feed[i] >= 0`` (device only)."""
+    return torch.where(feed >= 0, tokens.reshape(-1).index_select(0, feed.clamp(min=0)).to(ids.dtype), ids)
 
 
 def _decode_stats(rows: int, groups: int, key_slots: int, context_slots: int) -> dict[str, int]:

@@ -52,6 +52,12 @@ __all__ = ["Scheduler", "RequestStream", "Plan", "Seq", "StepFn"]
 
 #: Runs one step: one sampled token per plan entry (None where ``sample`` is False).
 StepFn = Callable[[Plan], Awaitable[list[int | None]]]
+#: Async scheduling: queues one step and returns at once with an awaitable of what ``StepFn`` returns.
+LaunchFn = Callable[[Plan], Awaitable[Awaitable[list[int | None]]]]
+
+
+class _Quiesce(Exception):
+    """Planning needs a preemption, which must wait until no step is in flight."""
 
 
 class Scheduler:
@@ -63,7 +69,8 @@ class Scheduler:
                  vocab_size: int, max_model_len: int, max_batch_size: int = 64,
                  max_num_tokens: int = 2048, pin_timeout_s: float = 60.0,
                  worker_id: str = "worker", kv_connector=None, engine_name: str = "base",
-                 prefix_reuse: bool = True, clock: Callable[[], float] = time.monotonic):
+                 prefix_reuse: bool = True, clock: Callable[[], float] = time.monotonic,
+                 launch: LaunchFn | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_num_tokens < 1:
@@ -73,6 +80,8 @@ class Scheduler:
         self.pins = PinTable(pool, timeout_s=pin_timeout_s, counters=self.counters, clock=clock,
                              on_release=self._pin_released)
         self.execute = execute
+        #: Async scheduling (see ``_run_async``) when the engine can queue a step without waiting.
+        self.launch = launch
         self.engine_name = engine_name
         self.prefix_reuse = bool(prefix_reuse)
         self.pool = pool
@@ -98,7 +107,7 @@ class Scheduler:
         self._receiving: dict[str, Seq] = {}
         self._seqs: dict[str, Seq] = {}
         self._aliases: dict[str, set[str]] = {}
-        self._in_step: set[str] = set()
+        self._in_step: dict[str, int] = {}  # seq id -> launched steps holding it, not yet applied
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._sweep_task: asyncio.Task | None = None
@@ -111,7 +120,8 @@ class Scheduler:
         if self._loop_task is not None:
             return
         self._alive = True
-        self._loop_task = asyncio.create_task(self._run(), name=f"{self.engine_name}-engine-loop")
+        run = self._run_async() if self.launch is not None else self._run()
+        self._loop_task = asyncio.create_task(run, name=f"{self.engine_name}-engine-loop")
         self._sweep_task = asyncio.create_task(self.pins.run_sweeper(),
                                                name="pinned-transfer-sweep")
 
@@ -297,7 +307,7 @@ class Scheduler:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                self._in_step = {e[0].id for e in plan.entries}
+                self._enter_step(plan)
                 try:
                     sampled = await self.execute(plan)
                     error = None
@@ -307,7 +317,7 @@ class Scheduler:
                     log.exception("engine step failed")
                     sampled, error = None, f"engine step failed: {type(e).__name__}: {e}"
                 finally:
-                    self._in_step = set()
+                    self._leave_step(plan)
                 self._apply(plan, sampled, error)
                 self._flush_events()
                 # Let HTTP handlers run between steps even when the step itself never yields.
@@ -315,11 +325,98 @@ class Scheduler:
         finally:
             self._alive = False
 
+    async def _run_async(self) -> None:
+        """The loop with one step always queued ahead (vLLM's async scheduling): plan and launch step
+        k+1 while step k runs on the device, then apply step k's tokens. A sequence sampled by step k
+        is planned into step k+1 before its token is known: the engine feeds that token on the device
+        (``Seq.feed_row``), so the host's planning and input preparation overlap the device's work.
+
+        What this changes against ``_run``: a sequence that stops on a token it cannot foresee (EOS,
+        a stop id or string) has run one step more, whose token is discarded and whose blocks are freed
+        once that step is applied; one that ends by ``max_tokens`` or the context limit is never
+        planned past its end. Tokens are the same (every step computes what ``_run``'s would). A
+        preemption is planned only when no step is in flight (the loop drains first)."""
+        inflight: tuple[Plan, Any, str | None] | None = None
+        try:
+            while not self._stopping:
+                plan = self._schedule() if (self._running or self._waiting) else None
+                self._flush_events()
+                launched = None
+                if plan is not None and plan.entries:
+                    self._enter_step(plan)
+                    try:
+                        launched = (plan, await self.launch(plan), None)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:
+                        log.exception("engine step failed")
+                        launched = (plan, None, f"engine step failed: {type(e).__name__}: {e}")
+                    self._launched(plan)
+                elif inflight is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                if inflight is not None:
+                    await self._complete(*inflight)
+                inflight = launched
+                await asyncio.sleep(0)
+        finally:
+            self._alive = False
+
+    async def _complete(self, plan: Plan, result, error: str | None) -> None:
+        sampled = None
+        if error is None:
+            try:
+                sampled = await result
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.exception("engine step failed")
+                error = f"engine step failed: {type(e).__name__}: {e}"
+        self._leave_step(plan)
+        self._apply(plan, sampled, error)
+        self._flush_events()
+
+    def _enter_step(self, plan: Plan) -> None:
+        for e in plan.entries:
+            self._in_step[e[0].id] = self._in_step.get(e[0].id, 0) + 1
+
+    def _leave_step(self, plan: Plan) -> None:
+        for e in plan.entries:
+            sid = e[0].id
+            left = self._in_step.get(sid, 0) - 1
+            if left > 0:
+                self._in_step[sid] = left
+            else:
+                self._in_step.pop(sid, None)
+
+    def _launched(self, plan: Plan) -> None:
+        """Async scheduling: a queued step counts as computed; its samples are in flight."""
+        for i, (s, start, n, sample) in enumerate(plan.entries):
+            s.num_computed = start + n
+            if sample:
+                s.inflight += 1
+                s.feed_row = i
+
+    def _ends_with_inflight(self, s: Seq) -> bool:
+        """Whether the token ``s`` has in flight is certain to finish it (no step to plan after it)."""
+        sp = s.req.sampling
+        return (s.num_output + s.inflight >= sp.max_tokens or len(s.tokens) + s.inflight >= self.max_model_len
+                or s.req.request_type == CONTEXT_ONLY)
+
     # ------------------------------------------------------------------ planning
     def _blocks_for(self, ntokens: int) -> int:
         return -(-ntokens // self.block_size)
 
     def _schedule(self) -> Plan:
+        try:
+            return self._schedule_once()
+        except _Quiesce:
+            # Nothing was launched or admitted (running sequences plan before waiting ones): an empty
+            # plan lets the loop apply what is in flight and plan again with the preemption allowed.
+            return Plan()
+
+    def _schedule_once(self) -> Plan:
         plan = Plan()
         budget = self.max_num_tokens
         planned: set[str] = set()
@@ -332,6 +429,8 @@ class Scheduler:
                 if s.state != RUNNING or s.id in planned:
                     continue
                 if (s.pending == 1) != (phase == 1):
+                    continue
+                if s.inflight and self._ends_with_inflight(s):
                     continue
                 n = self._grow(s, min(s.pending, budget), planned, preempt=True)
                 if n <= 0:
@@ -372,7 +471,7 @@ class Scheduler:
         return len(self._running) + len(self._receiving)
 
     def _plan(self, plan: Plan, s: Seq, n: int) -> None:
-        sample = s.num_computed + n == len(s.tokens)
+        sample = s.num_computed + n == len(s.tokens) + s.inflight
         plan.entries.append((s, s.num_computed, n, sample))
         if s.num_computed >= s.num_prompt and n == 1:
             plan.num_decode_tokens += 1
@@ -396,6 +495,8 @@ class Scheduler:
                 continue
             if not preempt:
                 return 0
+            if self._in_step:
+                raise _Quiesce
             victim = next((v for v in reversed(self._running)
                            if v is not s and v.state == RUNNING and v.id not in planned), None)
             self._preempt(victim or s)
@@ -496,7 +597,7 @@ class Scheduler:
         self._stats.record_step(plan.num_prefill_tokens, plan.num_decode_tokens)
         for i, (s, start, n, sample) in enumerate(plan.entries):
             if s.state == FINISHED:  # aborted during the step: free what it held now
-                if s.free_after_step:
+                if s.free_after_step and s.id not in self._in_step:
                     s.free_after_step = False
                     self._drop_blocks(s)
                 continue
@@ -505,17 +606,23 @@ class Scheduler:
             if error is not None:
                 self._finish(s, "error", error=error)
                 continue
-            s.num_computed = start + n
-            self._commit_full_blocks(s)
+            if self.launch is None:
+                s.num_computed = start + n
+            # Only what this step wrote is offered to the prefix cache: under async scheduling a later
+            # step may still be writing the positions after it.
+            self._commit_full_blocks(s, start + n)
             if self.kv_connector is not None and s.req.request_type == CONTEXT_ONLY \
                     and start < s.num_prompt:  # pipelining: finished blocks can leave now
-                self.kv_connector.prefill_progress(s.req, min(s.num_computed, s.num_prompt),
+                self.kv_connector.prefill_progress(s.req, min(start + n, s.num_prompt),
                                                    s.blocks)
             if sample:
+                if self.launch is not None:
+                    s.inflight -= 1
                 self._on_token(s, int(sampled[i]))
 
-    def _commit_full_blocks(self, s: Seq) -> None:
-        full = min(s.num_computed // self.block_size, len(s.blocks))
+    def _commit_full_blocks(self, s: Seq, upto: int | None = None) -> None:
+        done = s.num_computed if upto is None else min(upto, s.num_computed)
+        full = min(done // self.block_size, len(s.blocks))
         if full <= s.num_committed:
             return
         keys = self._keys_upto(s, full)

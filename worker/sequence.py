@@ -20,7 +20,7 @@ class Seq:
     __slots__ = (
         "req", "id", "tokens", "num_prompt", "num_output", "num_computed", "blocks", "keys",
         "num_committed", "cached_tokens", "admitted", "state", "queue", "detok", "rng",
-        "free_after_step", "receive_task", "arrival", "finish_reason",
+        "free_after_step", "receive_task", "arrival", "finish_reason", "inflight", "feed_row", "table",
     )
 
     def __init__(self, req: EngineRequest, detok: IncrementalDetokenizer):
@@ -43,11 +43,16 @@ class Seq:
         self.receive_task: asyncio.Task | None = None
         self.arrival = time.monotonic()
         self.finish_reason: str | None = None
+        # Async scheduling (worker/scheduler.py): tokens sampled by launched steps whose values the
+        # host does not know yet, and the row of the last launched step that samples the next one.
+        self.inflight = 0
+        self.feed_row = -1
+        self.table: Any = None  # engine-specific mirror of ``blocks`` (the torch engine's numpy table)
 
     @property
     def pending(self) -> int:
-        """Tokens known but not yet fed through the model."""
-        return len(self.tokens) - self.num_computed
+        """Tokens to feed through the model: known ones not fed yet, plus those still being sampled."""
+        return len(self.tokens) + self.inflight - self.num_computed
 
 
 class Plan:

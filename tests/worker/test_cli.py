@@ -77,7 +77,10 @@ def test_repeated_sigterm_still_exits_0():
 def test_startup_errors_exit_2_with_a_message():
     for args, want in [(["--model", "/no/such/dir", "--engine", "sim"], b"neither a preset"),
                        (["--engine", "sim", "--block-size", "0"], b"--block-size must be >= 1"),
-                       (["--engine", "torch", "--tp-size", "3"], b"--tp-size 3 must divide")]:
+                       (["--engine", "torch", "--tp-size", "3"], b"--tp-size 3 must divide"),
+                       (["--engine", "torch", "--tp-size", "2", "--async-scheduling", "on"],
+                        b"--async-scheduling on needs a single-rank worker"),
+                       (["--engine", "sim", "--async-scheduling", "sometimes"], b"invalid choice")]:
         r = subprocess.run([sys.executable, "-m", "splitserve_cli", "worker", "--port", "0", *args],
                            cwd=REPO, capture_output=True, timeout=120,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -94,6 +97,7 @@ async def test_torch_worker_prefix_hits_and_events_match_snapshot(http):
             info = await r.json()
         assert info["engine"] == "torch" and info["model"] == "tiny"
         assert info["attention_backend"] == "torch", "auto picks the torch path on the CPU"
+        assert info["async_scheduling"] is False, "auto: no async scheduling on the CPU"
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(info["kv_events"]["publisher"])

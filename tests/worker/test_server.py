@@ -102,7 +102,8 @@ async def test_info_endpoints(servers, http):
         info = await r.json()
     assert set(info) == {"role", "model", "engine", "block_size", "key_scheme", "ns_seed",
                          "worker_id", "max_batch_size", "max_num_tokens", "kv_events",
-                         "transfer", "disaggregated_params", "disagg_protocol", "attention_backend"}
+                         "transfer", "disaggregated_params", "disagg_protocol", "attention_backend",
+                         "async_scheduling"}
     assert info["role"] == "context" and info["engine"] == "sim" and info["block_size"] == 4
     assert info["key_scheme"] == "xxh3_chain_v1" and info["ns_seed"] == 0
     assert set(info["kv_events"]) == {"publisher", "replay", "topic", "snapshot", "format"}

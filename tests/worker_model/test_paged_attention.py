@@ -345,10 +345,12 @@ def test_kernels_compile_for_hopper_without_spills(dim):
         build(T._add_rms_norm_kernel, "X R W H Y stride_x stride_r stride_h stride_y stride_split n eps",
               {n: bf for n in "R W H Y".split()} | {"X": qkv, "eps": "fp32"}, {"BLOCK": 2048, "NSPLIT": nsplit}, 8)
     from worker.attention import triton_linear as TL
-    for bm, bn, swiglu, partial in ((16, 16, False, True), (32, 16, False, True), (16, 32, True, False),
-                                    (32, 64, False, False)):
+    m1 = TL.M1_TILE or (16, 4, TL.BLOCK_K)  # the batch-1 tile: (BLOCK_N, num_warps, BLOCK_K)
+    for bm, bn, swiglu, partial, bk, warps in ((16, 16, False, True, TL.BLOCK_K, 4), (32, 16, False, True, TL.BLOCK_K, 4),
+                                               (16, 32, True, False, TL.BLOCK_K, 4), (32, 64, False, False, TL.BLOCK_K, 4),
+                                               (16, m1[0], False, True, m1[2], m1[1])):
         assert build(TL._small_m_kernel, "X W Bias Out M N K k_per_split stride_xm stride_wn stride_os stride_om "
                      "up_off", {"X": bf, "W": bf, "Bias": bf, "Out": "*fp32" if partial else bf},
-                     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": TL.BLOCK_K, "SWIGLU": swiglu, "HAS_BIAS": False,
-                      "PARTIAL": partial, "PREC": None}, 4, pipelined=True) == 0
+                     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWIGLU": swiglu, "HAS_BIAS": False,
+                      "PARTIAL": partial, "PREC": None}, warps, pipelined=True) == 0
     build(T._silu_mul_kernel, "GU Out stride_gu stride_o inter", {"GU": bf, "Out": bf}, {"BLOCK": 1024}, 4)

@@ -154,7 +154,9 @@ def build_paged_decode(tables, pos, key0, window: int | None, kv_heads: int, dev
     sizes = sizes[:3] + (units, units, units) + sizes[6:]
     buf = np.concatenate([parts[0], parts[1], parts[2], parts[3][:units], parts[4][:units], parts[5][:units],
                           parts[6]])
-    d = torch.from_numpy(buf).to(device)
+    d = torch.from_numpy(buf)
+    # Pinned and non-blocking: a pageable copy would wait for every step queued before this one.
+    d = d.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else d.to(device)
     dev_parts, o = [], 0
     for n in sizes:
         dev_parts.append(d[o:o + n])

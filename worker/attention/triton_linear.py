@@ -39,6 +39,15 @@ BLOCK_K = 128
 #: (bench/RESULTS.md, "decode kernels (issue 17, third pass)"): 2 gave 1.110 / 1.556 ms per step at batch 1 / 32,
 #: 4 gave 1.141 / 1.625, 1 gave 1.127 / 1.561.
 SPLITK_PROGRAMS_PER_SM = 2
+#: Batch-1 decode (M = 1): ``(BLOCK_N, num_warps, BLOCK_K)`` and programs per multiprocessor of the split-K
+#: launch. Swept on the H200 (bench/RESULTS.md, "async scheduling and batch-1 linears (issue 17, fifth
+#: pass)"): per matrix, narrow two-warp programs with 64-wide K tiles beat the M ≤ 32 tiles (qkv 6.85 →
+#: 5.51, o_proj 5.73 → 4.53, down_proj 12.92 → 10.48 µs per layer); end to end (one process, variants
+#: alternating) 2 programs per SM gave 1.042–1.049 ms per step at 1k context against 1.092–1.102 for the
+#: general tiles, 4 gave 1.072–1.085, 8 gave 1.171; 64-wide or four-warp programs were slower. ``None``
+#: keeps the general tiles at M = 1.
+M1_TILE: tuple[int, int, int] | None = (32, 2, 64)
+M1_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -109,13 +118,15 @@ def _tiles(m: int, n: int) -> tuple[int, int]:
     return (16 if m <= 16 else 32), (16 if n <= 4096 else 32 if n <= 16384 else 64)
 
 
-def choose_splits(m: int, n: int, k: int, block_n: int, sms: int) -> int:
-    """K splits (a power of two) so the launch has about :data:`SPLITK_PROGRAMS_PER_SM` programs per
-    multiprocessor, each split at least 2 tiles of :data:`BLOCK_K`, and the fp32 partials at most 1/8
-    of the weight's bytes."""
+def choose_splits(m: int, n: int, k: int, block_n: int, sms: int, block_k: int = BLOCK_K,
+                  per_sm: float | None = None) -> int:
+    """K splits (a power of two) so the launch has about ``per_sm`` (default
+    :data:`SPLITK_PROGRAMS_PER_SM`) programs per multiprocessor, each split at least 2 tiles of
+    ``block_k``, and the fp32 partials at most 1/8 of the weight's bytes."""
+    per_sm = SPLITK_PROGRAMS_PER_SM if per_sm is None else per_sm
     tiles = triton.cdiv(n, block_n)
     s = 1
-    while tiles * s < SPLITK_PROGRAMS_PER_SM * sms and k // (2 * s) >= 2 * BLOCK_K and 2 * s * m * 16 <= k:
+    while tiles * s < per_sm * sms and k // (2 * s) >= 2 * block_k and 2 * s * m * 16 <= k:
         s *= 2
     return s
 
@@ -131,15 +142,19 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     m, k = x.shape
     n = weight.shape[0]
     bm, bn = _tiles(m, n)
+    bk, warps, per_sm = BLOCK_K, 4, None
+    if m == 1 and M1_TILE is not None and block_n is None:
+        bn, warps, bk = M1_TILE
+        per_sm = M1_PROGRAMS_PER_SM
     bn = block_n or bn
-    s = splits or choose_splits(m, n, k, bn, _num_sms(x.device))
-    kps = triton.cdiv(triton.cdiv(k, s), BLOCK_K) * BLOCK_K
+    s = splits or choose_splits(m, n, k, bn, _num_sms(x.device), bk, per_sm)
+    kps = triton.cdiv(triton.cdiv(k, s), bk) * bk
     s = triton.cdiv(k, kps)
     out = torch.empty(s, m, n, dtype=torch.float32, device=x.device)
     _small_m_kernel[(triton.cdiv(n, bn), s)](
         x, weight, bias if bias is not None else weight, out, m, n, k, kps, x.stride(0), weight.stride(0),
-        out.stride(0), out.stride(1), 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, SWIGLU=False,
-        HAS_BIAS=bias is not None, PARTIAL=True, PREC=_prec(x), num_warps=4, num_stages=4)
+        out.stride(0), out.stride(1), 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=False,
+        HAS_BIAS=bias is not None, PARTIAL=True, PREC=_prec(x), num_warps=warps, num_stages=4)
     return out
 
 
