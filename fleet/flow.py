@@ -83,7 +83,7 @@ class Flow:
         """Serve one request. `alias` is the client's own `disagg_request_id`, kept for logs and the
         route header only (never sent to a worker, never an abort or transfer key), and unique among
         this process's requests in flight."""
-        async with RequestScope(self, t0, alias) as scope:
+        with RequestScope(self, t0, alias) as scope:
             resp = await self._run(request, creq, scope, client_params)
             if isinstance(resp, ReplayStream):
                 resp = await resp.send(request)
@@ -149,7 +149,8 @@ class Flow:
         if self.keys is None:
             return key or None
         try:
-            keys, n = await self.keys.keys_for(creq, self.placer.routing)
+            got = self.keys.keys_now(creq, self.placer.routing)     # inline: no coroutine
+            keys, n = got if got is not None else await self.keys.keys_for(creq, self.placer.routing)
         except ValueError as e:   # ChatTemplateError / TokenizerError: what the worker says too
             param = "messages" if creq.kind == CHAT else "prompt"
             raise ApiError(400, f"cannot tokenize the prompt: {e}", param=param) from None
@@ -285,7 +286,7 @@ class Flow:
     # ------------------------------------------------------------------ the flow
     async def _run(self, request: FleetRequest, creq: ClientRequest, scope: RequestScope,
                    client_params: dict | None):
-        key = await self._routing_key(request, creq)
+        key = await self._routing_key(request, creq) if self._key_roles != [] else None
         if client_params is not None:
             # A vetted (HMAC-signed) client request carries its own leg instruction: forward as is.
             p = await self.place_gen(scope, key)

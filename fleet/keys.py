@@ -56,11 +56,22 @@ class KeyBuilder:
             keys.byteswap()
         return keys.tobytes(), len(ids)
 
-    async def keys_for(self, creq: ClientRequest, routing: dict) -> tuple[bytes, int]:
-        """→ (block keys as little-endian u64 bytes, number of prompt tokens)."""
+    def _params(self, routing: dict) -> tuple[int, int]:
         bs = int(routing.get("block_size") or 16)
         # the coordinator's published seed wins: its index keys events under it
         ns = int(routing["ns_seed"] if routing.get("ns_seed") is not None else self.ns_seed)
+        return bs, ns
+
+    def keys_now(self, creq: ClientRequest, routing: dict) -> tuple[bytes, int] | None:
+        """`keys_for`'s answer computed inline, or None when the prompt is long enough to go to a
+        worker thread (then await `keys_for`)."""
+        if self._size(creq) > _INLINE_CHARS:
+            return None
+        return self._keys(creq, *self._params(routing))
+
+    async def keys_for(self, creq: ClientRequest, routing: dict) -> tuple[bytes, int]:
+        """→ (block keys as little-endian u64 bytes, number of prompt tokens)."""
+        bs, ns = self._params(routing)
         if self._size(creq) <= _INLINE_CHARS:
             return self._keys(creq, bs, ns)
         return await asyncio.to_thread(self._keys, creq, bs, ns)

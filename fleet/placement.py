@@ -125,6 +125,10 @@ class Placer:
     def _reindex(self) -> None:
         self._by_url = {s.url: s for role in (CTX, GEN) for s in self.servers[role]}
         self._models = self._collect_models()
+        # per role: (the server list, its healthy servers), for placements with nothing excluded
+        # or ejected (round robin: every request, twice on the two-leg path)
+        self._healthy = {role: (self.servers[role], [s for s in self.servers[role] if s.healthy])
+                         for role in (CTX, GEN)}
 
     def delegated(self, role: str) -> bool:
         return self.policy[role] in DELEGATED
@@ -268,8 +272,12 @@ class Placer:
 
     # ------------------------------------------------------------------ local placement
     def _local(self, role: str, req_id: int, exclude: set[str], why: str) -> Placement:
-        now = time.monotonic()
-        cands = [s for s in self.servers[role] if s.url not in exclude and self.usable(s.url, now)]
+        hc = self._healthy[role] if not exclude and not self._ejected else None
+        if hc is not None and hc[0] is self.servers[role]:
+            cands = hc[1]          # what the scan below finds when nothing is excluded or ejected
+        else:
+            now = time.monotonic()
+            cands = [s for s in self.servers[role] if s.url not in exclude and self.usable(s.url, now)]
         if not cands:
             # Every known server excluded or ejected: an ejected one is still better than a 503.
             cands = [s for s in self.servers[role] if s.url not in exclude and s.healthy]

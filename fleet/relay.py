@@ -190,6 +190,14 @@ class Relay:
         self.renew_every = renew_every
         self.leg_latency = {r: M.LEG_LATENCY.labels(r) for r in (CTX, GEN)}
         self._m_tokens: dict = {}
+        self._m_latency: dict = {}
+
+    def _latency(self, mode: str) -> tuple:
+        """(TTFT, E2E) histograms of a placement mode."""
+        m = self._m_latency.get(mode)
+        if m is None:
+            m = self._m_latency[mode] = (M.TTFT.labels(mode), M.E2E.labels(mode))
+        return m
 
     # ------------------------------------------------------------------ usage
     def observe_usage(self, role: str, p: Placement, usage: dict | None) -> None:
@@ -203,10 +211,15 @@ class Relay:
         if m is None:
             m = self._m_tokens[k] = (M.PROMPT_TOKENS.labels(role, p.server), M.CACHED_TOKENS.labels(role, p.server),
                                      M.PREDICTED_TOKENS.labels(role, p.server))
-        m[0].inc(prompt)
-        m[1].inc(cached)
+        # an inc(0) writes the value it leaves (two mmap writes a leg when nothing is cached)
+        if prompt:
+            m[0].inc(prompt)
+        if cached:
+            m[1].inc(cached)
         if p.lease:
-            m[2].inc(p.predicted_tokens)
+            predicted = p.predicted_tokens
+            if predicted:
+                m[2].inc(predicted)
 
     # ------------------------------------------------------------------ reading a leg
     async def read(self, resp: Response, scope, role: str, p: Placement) -> bytes:
@@ -249,9 +262,10 @@ class Relay:
             self.leg_latency[GEN].observe(time.perf_counter() - t_leg)
             data, usage = clean_json(data)
             self.observe_usage(GEN, gen, usage)
-            now = time.perf_counter()
-            M.TTFT.labels(scope.mode).observe(now - scope.t0)
-            M.E2E.labels(scope.mode).observe(now - scope.t0)
+            ttft, e2e = self._latency(scope.mode)
+            took = time.perf_counter() - scope.t0
+            ttft.observe(took)
+            e2e.observe(took)
             scope.settled()
             return Reply(200, data, {"Content-Type": "application/json", ROUTE_HEADER: route})
         out = FleetStream(status=200, headers={**SSE_HEADERS, ROUTE_HEADER: route})

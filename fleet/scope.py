@@ -1,8 +1,9 @@
 """One request's scope: the leases it holds and the legs it opened, ended in one place.
 
-`async with RequestScope(flow, t0, alias) as scope:` mints the request's id (and claims the client's
+`with RequestScope(flow, t0, alias) as scope:` (a plain context manager: entering and leaving never
+await, so no coroutine per request for either) mints the request's id (and claims the client's
 alias, 409 when it is in flight already); leaving the block, on every path — an answer, an error,
-the client hanging up at any await point (aiohttp cancels the handler) —
+the client hanging up at any await point (fleet/http_server.py cancels the request's task) —
 - finishes every lease still held, exactly once (`Placer.finish` is idempotent), `success=false` only
   when the server failed (a client that hung up or sent a bad request does not count toward its
   ejection);
@@ -46,7 +47,7 @@ class RequestScope:
         self.touched: list = []         # (role, server) that received this request (aborted on exit)
 
     # ------------------------------------------------------------------ entry / exit
-    async def __aenter__(self) -> "RequestScope":
+    def __enter__(self) -> "RequestScope":
         alias = self.alias
         if alias is not None:
             if alias in self.flow.aliases:
@@ -60,7 +61,7 @@ class RequestScope:
             log.debug("request %d: client request id %d", self.rid, alias)
         return self
 
-    async def __aexit__(self, et, exc, tb) -> bool:
+    def __exit__(self, et, exc, tb) -> bool:
         try:
             if et is not None and issubclass(et, asyncio.CancelledError):
                 M.DISCONNECTS.labels("generation" if self.bytes_sent or self.attempts[GEN] else "context").inc()
@@ -77,6 +78,13 @@ class RequestScope:
             if self.alias is not None:
                 self.flow.aliases.discard(self.alias)
         return False
+
+    # the same as an asynchronous context manager (`async with`)
+    async def __aenter__(self) -> "RequestScope":
+        return self.__enter__()
+
+    async def __aexit__(self, et, exc, tb) -> bool:
+        return self.__exit__(et, exc, tb)
 
     # ------------------------------------------------------------------ leases
     def hold(self, p: Placement) -> None:

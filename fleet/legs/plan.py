@@ -85,7 +85,7 @@ def route_of(server: str, policy: str, explanation: dict) -> dict:
             out[k] = explanation[k]
     cands = explanation.get("candidates")
     if isinstance(cands, list) and cands:
-        out["candidates"] = [{k: c.get(k) for k in _CANDIDATE_KEYS if k in c}
+        out["candidates"] = [{k: c[k] for k in _CANDIDATE_KEYS if k in c}
                              for c in cands[:TOP_CANDIDATES] if isinstance(c, dict)]
     return out
 
