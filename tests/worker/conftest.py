@@ -35,6 +35,25 @@ def tiny_model():
     return build_preset("tiny")
 
 
+@pytest.fixture
+async def engines(tiny_model):
+    """TorchEngines on the tiny preset, started on demand (``await engines(**kw)``); each is stopped
+    afterwards with its block pool's invariants checked and every block back."""
+    made = []
+
+    async def make(**kw):
+        e = make_torch_engine(tiny_model, **kw)
+        await e.start()
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        await e.stop()
+        e.pool.check_invariants()
+        assert e.pool.num_used == 0, f"{e.pool.num_used} blocks leaked"
+
+
 def make_torch_engine(model, tokenizer=None, *, num_blocks=128, block_size=8, **kw):
     from protocol.tokenizer import ByteTokenizer
     from worker.engine import TorchEngine

@@ -26,23 +26,6 @@ async def run(engine, r):
     return toks, last.finish_reason, last.completion_tokens
 
 
-@pytest.fixture
-async def engines(tiny_model):
-    made = []
-
-    async def make(**kw):
-        e = make_torch_engine(tiny_model, **kw)
-        await e.start()
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        await e.stop()
-        e.pool.check_invariants()
-        assert e.pool.num_used == 0, f"{e.pool.num_used} blocks leaked"
-
-
 async def both(engines, reqs, **kw):
     """Run ``reqs()`` (fresh requests each call) on a synchronous and an async engine at once each."""
     sync = await engines(async_scheduling=False, **kw)

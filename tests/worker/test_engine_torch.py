@@ -30,23 +30,6 @@ async def run(engine, r):
     return toks, last
 
 
-@pytest.fixture
-async def engines(tiny_model):
-    made = []
-
-    async def make(**kw):
-        e = make_torch_engine(tiny_model, **kw)
-        await e.start()
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        await e.stop()
-        e.pool.check_invariants()
-        assert e.pool.num_used == 0
-
-
 async def test_greedy_is_identical_with_prefix_hits_batching_and_chunking(engines):
     base = await engines(num_blocks=128, block_size=8)
     shared = prompt(37)
