@@ -4,7 +4,7 @@ Layout (docs/kv-events.md "How the coordinator applies them"; built for one-walk
 
 - ``_owners: dict[key, int]`` maps a canonical key to a bitmask of *slots*; a slot is one
   ``(worker, dp_rank)`` pair and owns one bit. A slot's bit is set when it holds the key or
-  holds it speculatively (``_spec_owners`` has the speculative bits alone), so
+  holds it speculatively (the slot's own ``spec`` map says which), so
   ``longest_prefix`` does one dict lookup per key: it walks the request's keys once and narrows
   the active bitmask, so its cost is O(matched depth), independent of the number of workers
   (TensorRT-LLM's router scans one ``set`` per server instead: O(workers x depth)).
@@ -15,9 +15,12 @@ Layout (docs/kv-events.md "How the coordinator applies them"; built for one-walk
 
 Invariants (checked by the property tests):
 - the bit of slot s is set in ``_owners[key]`` iff ``key in s.owned or key in s.spec`` (never
-  both), and in ``_spec_owners[key]`` iff ``key in s.spec``; no mask is stored as 0;
-  ``size`` counts the keys with a confirmed owner (``_owners[key] & ~_spec_owners[key]``);
-  refcounts are positive;
+  both); no mask is stored as 0; ``size`` counts the keys some slot holds confirmed (``key in
+  s.owned``); ``_n_spec`` is the number of speculative entries over all slots; refcounts are
+  positive. Speculative bits have no map of their own: a key lives in two maps (``_owners`` and
+  the slot's ``owned`` or ``spec``), so a routed prompt's insert and expiry touch two large maps
+  per key instead of three (each a cache miss at ~0.3 µs: bench/RESULTS.md, "coordinator ·
+  hot-path pass");
 - storing an engine hash that is already present changes nothing (idempotent stores);
 - removing what a store added restores the index exactly; ``AllCleared`` empties the slot;
 - speculative entries (per slot ``spec``: key -> deadline) are never counted in sizes, and are
@@ -72,7 +75,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         self._ns = salt_seed(self.namespace, None)
         self.stats = IndexStats()
         self._owners: dict[int, int] = {}       # confirmed | speculative bits
-        self._spec_owners: dict[int, int] = {}  # speculative bits only
+        self._n_spec = 0                        # speculative entries, all slots
         self._n_keys = 0                        # keys with a confirmed owner
         self._spec_heap: list = []
         self._spec_seq = itertools.count()
@@ -135,7 +138,23 @@ class KvIndex(SpeculationMixin, QueryMixin):
         return self._n_keys
 
     def speculative_size(self) -> int:
-        return sum(len(s.spec) for s in self._slots.values())
+        return self._n_spec
+
+    def _confirmed_in(self, mask: int, ck: int) -> bool:
+        """Whether a slot of ``mask`` holds ``ck`` confirmed (not only speculatively). Without
+        speculative entries every bit is a confirmed one; else the slots are asked in bit order,
+        and the first usually answers."""
+        if not mask:
+            return False
+        if not self._n_spec:
+            return True
+        by_bit = self._by_bit
+        while mask:
+            low = mask & -mask
+            if ck in by_bit[low.bit_length() - 1].owned:
+                return True
+            mask ^= low
+        return False
 
     # -- ownership primitives --------------------------------------------------------------------
 
@@ -156,20 +175,16 @@ class KvIndex(SpeculationMixin, QueryMixin):
             self._n_keys += 1
             self._log.append(ck)
             return
-        sp = self._spec_owners.get(ck, 0) if self._spec_owners else 0
-        if sp & s.bit:
+        others = o & ~s.bit
+        if o & s.bit and ck in s.spec:
             # the speculative bit becomes a confirmed one: ``_owners[ck]`` keeps it
-            rest = sp ^ s.bit
-            if rest:
-                self._spec_owners[ck] = rest
-            else:
-                del self._spec_owners[ck]
             del s.spec[ck]
+            self._n_spec -= 1
             self.stats.speculative_confirmed += 1
         else:
             owners[ck] = o | s.bit
             self._log.append(ck)
-        if not o & ~sp:
+        if not self._confirmed_in(others, ck):
             self._n_keys += 1
 
     def _disown(self, s: _Slot, ck: int) -> None:
@@ -181,7 +196,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         m = owners[ck] & ~s.bit
         if m:
             owners[ck] = m
-            if not m & ~self._spec_owners.get(ck, 0):
+            if not self._confirmed_in(m, ck):
                 self._n_keys -= 1
         else:
             del owners[ck]
@@ -388,7 +403,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         ident_ok = tier is _GPU and group == 0
         owned = s.owned
         stats = self.stats
-        owners, nbit, spec_owners = self._owners, ~s.bit, self._spec_owners
+        owners, nbit, confirmed_in = self._owners, ~s.bit, self._confirmed_in
         log = self._log.append
         removed = 0
         for h in ev.engine_hashes:
@@ -407,7 +422,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
                         self._n_keys -= 1
                     else:
                         owners[e] = m
-                        if spec_owners and not m & ~spec_owners.get(e, 0):
+                        if not confirmed_in(m, e):
                             self._n_keys -= 1
                 removed += 1
             elif e is not None:

@@ -22,14 +22,10 @@ class SpeculationMixin:
     def _drop_spec(self, s: _Slot, ck: int) -> None:
         """Forget the slot's speculative entry for ``ck`` (the key keeps its confirmed owners)."""
         del s.spec[ck]
+        self._n_spec -= 1
         self._log.append(ck)
         self._losses[s.idx] += 1
         nb = ~s.bit
-        m = self._spec_owners[ck] & nb
-        if m:
-            self._spec_owners[ck] = m
-        else:
-            del self._spec_owners[ck]
         m = self._owners[ck] & nb
         if m:
             self._owners[ck] = m
@@ -50,24 +46,22 @@ class SpeculationMixin:
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
         deadline = now + ttl
-        spec, owned, so, owners, bit = s.spec, s.owned, self._spec_owners, self._owners, s.bit
+        spec, owned, owners, bit = s.spec, s.owned, self._owners, s.bit
         oget = owners.get
         added = []
+        n_before = len(spec)
         # One probe of the owner map decides most keys: the slot's bit is set iff it holds the
-        # key or already predicts it, and a key nobody has is in neither map (the invariants).
+        # key or already predicts it (the invariants).
         for ck in keys:
             o = oget(ck, 0)
             if o & bit:
                 if ck in owned:
                     continue
-            elif o:
-                so[ck] = so.get(ck, 0) | bit
-                owners[ck] = o | bit
             else:
-                so[ck] = bit
-                owners[ck] = bit
+                owners[ck] = o | bit
             spec[ck] = deadline
             added.append(ck)
+        self._n_spec += len(spec) - n_before
         if added:
             log = self._log
             memo = self._memo
@@ -108,18 +102,13 @@ class SpeculationMixin:
             if s is None:
                 continue  # slot removed since (a new slot's entries carry their own deadlines)
             # _drop_spec inlined: this loop runs for every key of every routed prompt
-            spec, nb, so, owners, log = s.spec, ~s.bit, self._spec_owners, self._owners, self._log
+            spec, nb, owners, log = s.spec, ~s.bit, self._owners, self._log
             self._losses[s.idx] += 1
             for ck in keys:
                 d = spec.get(ck)
                 if d is not None and d <= now:
                     del spec[ck]
                     log.append(ck)
-                    m = so[ck] & nb
-                    if m:
-                        so[ck] = m
-                    else:
-                        del so[ck]
                     m = owners[ck] & nb
                     if m:
                         owners[ck] = m
@@ -127,6 +116,7 @@ class SpeculationMixin:
                         del owners[ck]
                     n += 1
         self.stats.speculative_expired += n
+        self._n_spec -= n
         return n
 
     def speculative_due(self, now: float) -> bool:
