@@ -54,6 +54,11 @@ async def engines(tiny_model):
         assert e.pool.num_used == 0, f"{e.pool.num_used} blocks leaked"
 
 
+def prompt(n, salt=0):
+    """A BOS then ``n - 1`` byte-range ids, distinct per ``salt`` (prompts for the tiny preset)."""
+    return [256] + [(i * 31 + salt * 17) % 200 + 40 for i in range(n - 1)]
+
+
 def make_torch_engine(model, tokenizer=None, *, num_blocks=128, block_size=8, **kw):
     from protocol.tokenizer import ByteTokenizer
     from worker.engine import TorchEngine

@@ -9,12 +9,9 @@ import asyncio
 
 import pytest
 
-from tests.worker.conftest import make_torch_engine
+from tests.worker.conftest import make_torch_engine, prompt
 from worker.requests import EngineRequest, SamplingParams
 
-
-def prompt(n, salt=0):
-    return [256] + [(i * 31 + salt * 17) % 200 + 40 for i in range(n - 1)]
 
 
 async def run(engine, r):

@@ -7,13 +7,10 @@ import asyncio
 
 import pytest
 
-from tests.worker.conftest import make_torch_engine, wait_for
+from tests.worker.conftest import make_torch_engine, prompt, wait_for
 from worker.kv_connector import KvConnector
 from worker.requests import CONTEXT_ONLY, GENERATION_ONLY, EngineRequest, SamplingParams
 
-
-def prompt(n, salt=0):
-    return [256] + [(i * 31 + salt * 17) % 200 + 40 for i in range(n - 1)]
 
 
 def greedy(n=12, **kw):
