@@ -1,0 +1,174 @@
+"""What every routing policy shares: the candidate, routing-key and decision records, the load
+view, the healthy-candidate filter, the conversation-pin LRU and the ``Policy`` interface
+(router/policies.py holds the policies and ``make_policy``).
+
+``Policy.select(candidates, key, view) -> Decision``; the explanation record is
+``{"policy", "candidates": [{"server", "matched_tokens", "load_requests", "load_tokens",
+"score", "why"}], "chosen", "reason", "num_tokens", "matched_tokens"}`` (plus policy-specific
+keys such as ``"conversation"``). ``score`` is a cost where lower wins (``kv_cache_aware``), the
+load metric (``load_balancing``), or None where no score applies.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from protocol.failures import NoServerAvailable
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    server: str
+    healthy: bool = True
+    info: dict = field(default_factory=dict)
+    # The server's block keys are known not to match ours (the coordinator's key parity probe):
+    # its index matches mean nothing, so kv_cache_aware neither trusts nor penalises them.
+    kv_unknown: bool = False
+
+
+@dataclass(slots=True)
+class RoutingKey:
+    block_keys: np.ndarray | list | None = None
+    num_tokens: int = 0
+    conversation_id: str | None = None
+
+
+class LoadView(Protocol):
+    def requests(self, server: str) -> int: ...
+
+    def tokens(self, server: str) -> int: ...
+
+    def matched_blocks(self, keys) -> dict[str, int]: ...
+
+
+@dataclass(slots=True)
+class Decision:
+    server: str
+    explanation: dict
+    # Leading prompt blocks the KV index holds for the chosen server (speculation included),
+    # uncapped: what the coordinator's speculative insert skips. None when the policy did not
+    # read the index or the server's match is unknown (`Candidate.kv_unknown`).
+    matched_blocks: int | None = None
+
+
+class IndexLoadView:
+    """A LoadView over a ``KvIndex`` and a ``LeaseTable`` (what the coordinator holds)."""
+
+    def __init__(self, index, leases):
+        self.index = index
+        self.leases = leases
+
+    def requests(self, server: str) -> int:
+        return self.leases.requests(server)
+
+    def tokens(self, server: str) -> int:
+        return self.leases.tokens(server)
+
+    def matched_blocks(self, keys) -> dict[str, int]:
+        return self.index.longest_prefix(keys)
+
+    def loads(self, servers: Sequence[str]) -> list[tuple[int, int]]:
+        """(requests, tokens) per server in one call (the hot path of every select)."""
+        return self.leases.loads_for(servers)
+
+
+def _loads(view, servers: Sequence[str]) -> list[tuple[int, int]]:
+    bulk = getattr(view, "loads", None)
+    if bulk is not None:
+        return bulk(servers)
+    return [(view.requests(s), view.tokens(s)) for s in servers]
+
+
+def _n_keys(keys) -> int:
+    return 0 if keys is None else len(keys)
+
+
+def _healthy(policy: str, candidates: Sequence[Candidate]) -> tuple[list[Candidate], list[dict]]:
+    """Healthy candidates (first occurrence of each server) and rows for the rest."""
+    if candidates and False not in [c.healthy for c in candidates] and \
+            len({c.server for c in candidates}) == len(candidates):
+        return list(candidates), []
+    seen = set()
+    ok, rows = [], []
+    for c in candidates:
+        if c.server in seen:
+            continue
+        seen.add(c.server)
+        if c.healthy:
+            ok.append(c)
+        else:
+            rows.append({"server": c.server, "matched_tokens": 0, "load_requests": None,
+                         "load_tokens": None, "score": None, "why": "unhealthy"})
+    if not ok:
+        raise NoServerAvailable(
+            f"{policy}: no healthy server among {len(seen)} candidate(s)" if seen
+            else f"{policy}: no candidate servers")
+    return ok, rows
+
+
+def _row(server: str, matched: int, req: int, tok: int, score, why: str) -> dict:
+    return {"server": server, "matched_tokens": matched, "load_requests": req,
+            "load_tokens": tok, "score": score, "why": why}
+
+
+class _Lru:
+    """Bounded conversation -> server pins with a reverse index for server departures."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._map: OrderedDict[str, str] = OrderedDict()
+        self._by_server: dict[str, set[str]] = {}
+
+    def get(self, key: str) -> str | None:
+        server = self._map.get(key)
+        if server is not None:
+            self._map.move_to_end(key)
+        return server
+
+    def put(self, key: str, server: str) -> None:
+        old = self._map.get(key)
+        if old is not None and old != server:
+            self._by_server[old].discard(key)
+        self._map[key] = server
+        self._map.move_to_end(key)
+        self._by_server.setdefault(server, set()).add(key)
+        while len(self._map) > self.max_entries:
+            k, s = self._map.popitem(last=False)
+            self._by_server[s].discard(k)
+
+    def remove_server(self, server: str) -> list[str]:
+        keys = self._by_server.pop(server, set())
+        for k in keys:
+            self._map.pop(k, None)
+        return list(keys)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+class Policy(ABC):
+    name: str = ""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.passthrough: dict[str, Any] = {}  # upstream args another component consumes
+
+    @abstractmethod
+    def select(self, candidates: Sequence[Candidate], key: RoutingKey | None,
+               view: LoadView) -> Decision: ...
+
+    def remove_server(self, server: str) -> None:
+        """Forget per-server state (conversation pins) when a server leaves the cluster."""
+
+    @property
+    def needs_block_keys(self) -> bool:
+        return False
+
+    def describe(self) -> dict:
+        return {"type": self.name}

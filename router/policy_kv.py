@@ -1,0 +1,206 @@
+"""``kv_cache_aware``: the lowest estimated prefill + load cost wins (router/policy_base.py has the
+records and the interface)."""
+
+from __future__ import annotations
+
+
+from .policy_base import Decision, Policy, _Lru, _healthy, _loads
+
+__all__ = ["KvCacheAwarePolicy"]
+
+
+class KvCacheAwarePolicy(Policy):
+    """Lowest estimated cost wins:
+
+        cost = prefill_weight * uncached_prompt_tokens
+             + load_tokens_weight * in_flight_tokens + load_requests_weight * in_flight_requests
+             - affinity_bonus * prompt_tokens        (only on the conversation's pinned server)
+
+    ``uncached = num_tokens - min(matched_blocks * block_size, num_tokens - 1)`` (the last prompt
+    token is always recomputed). A server is *hot* when its in-flight requests exceed
+    ``hotspot_factor * mean + hotspot_slack`` over the candidates (or ``requests /
+    max_batch_size >= load_cap``); hot servers are skipped unless every candidate is hot. Equal
+    costs are broken in turn.
+
+    The explanation's ``candidates`` rows: unhealthy candidates first, then the chosen server,
+    then the next-lowest costs, ``explain_rows`` healthy rows at most; ``candidates_total``
+    counts every candidate and ``hot`` the hot ones.
+    """
+
+    name = "kv_cache_aware"
+
+    def __init__(self, block_size: int = 16, *, prefill_weight: float = 1.0,
+                 load_tokens_weight: float = 1.0, load_requests_weight: float = 32.0,
+                 affinity_bonus: float = 0.25, hotspot_factor: float | None = 2.0,
+                 hotspot_slack: float = 2.0, max_batch_size: int | None = None,
+                 load_cap: float | None = None, max_conversations: int = 100_000,
+                 track_routed_blocks: bool = True, speculative_ttl_s: float = 30.0,
+                 explain_rows: int = 8):
+        super().__init__(block_size)
+        if type(explain_rows) is not int or explain_rows < 1:
+            raise ValueError(f"explain_rows must be a positive int, found {explain_rows!r}")
+        self.explain_rows = explain_rows
+        self.prefill_weight = prefill_weight
+        self.load_tokens_weight = load_tokens_weight
+        self.load_requests_weight = load_requests_weight
+        self.affinity_bonus = affinity_bonus
+        self.hotspot_factor = hotspot_factor
+        self.hotspot_slack = hotspot_slack
+        self.max_batch_size = max_batch_size
+        self.load_cap = load_cap
+        self.track_routed_blocks = track_routed_blocks
+        self.speculative_ttl_s = speculative_ttl_s
+        self._pins = _Lru(max_conversations)
+        self._cursor = 0
+        self._cands: tuple | None = None
+        self._bulk: tuple | None = None     # (view, its bulk `loads` or None)
+
+    @property
+    def needs_block_keys(self) -> bool:
+        return True
+
+    def describe(self) -> dict:
+        return {"type": self.name, "prefill_weight": self.prefill_weight,
+                "load_tokens_weight": self.load_tokens_weight,
+                "load_requests_weight": self.load_requests_weight,
+                "affinity_bonus": self.affinity_bonus, "hotspot_factor": self.hotspot_factor,
+                "hotspot_slack": self.hotspot_slack, "max_batch_size": self.max_batch_size,
+                "load_cap": self.load_cap, "track_routed_blocks": self.track_routed_blocks,
+                "speculative_ttl_s": self.speculative_ttl_s, "explain_rows": self.explain_rows}
+
+    def remove_server(self, server: str) -> None:
+        self._pins.remove_server(server)
+
+    def select(self, candidates, key, view) -> Decision:
+        # Written for speed (it runs once per leg of every request over every candidate): list
+        # comprehensions instead of per-candidate branches; rows are built in one pass.
+        # The candidate list is the coordinator's cached one until membership changes: what
+        # depends on it alone (healthy subset, server names, unknown-match servers) is kept.
+        memo = self._cands
+        if memo is not None and memo[0] == candidates:
+            _, ok, unhealthy, servers, unknown, all_unknown = memo
+            rows = [dict(r) for r in unhealthy] if unhealthy else []
+        else:
+            ok, rows = _healthy(self.name, candidates)
+            servers = [c.server for c in ok]
+            unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
+            all_unknown = len(unknown) == len(ok)
+            self._cands = (list(candidates), ok, [dict(r) for r in rows], servers, unknown,
+                           all_unknown)
+        n = len(servers)
+        if key is not None:
+            keys = key.block_keys
+            nk = 0 if keys is None else len(keys)
+            num_tokens = key.num_tokens or nk * self.block_size
+            conv = key.conversation_id
+        else:
+            keys, nk, num_tokens, conv = None, 0, 0, None
+        pinned = self._pins.get(conv) if conv else None
+        bulk = self._bulk
+        if bulk is None or bulk[0] is not view:
+            bulk = self._bulk = (view, getattr(view, "loads", None))
+        loads = bulk[1](servers) if bulk[1] is not None else _loads(view, servers)
+        B = self.block_size
+        cap = num_tokens - 1 if num_tokens > 0 else 0
+        mget = None
+        if not nk:
+            matched = est = [0] * n
+        elif all_unknown:
+            # Every match is unknown: reported 0, estimated as the mean of no verified one (0),
+            # so the index walk would decide nothing (`_unknown_matches`).
+            matched = est = [0] * n
+        else:
+            mget = view.matched_blocks(keys).get
+            matched = [mt if (mt := mget(s, 0) * B) < cap else cap for s in servers]
+            est = matched
+            if unknown:
+                matched, est = _unknown_matches(matched, unknown)
+        pw, tw, rw = self.prefill_weight, self.load_tokens_weight, self.load_requests_weight
+        costs = [pw * (num_tokens - mt) + tw * tok + rw * req
+                 for mt, (req, tok) in zip(est, loads)]
+        if pinned is not None and pinned in servers:
+            costs[servers.index(pinned)] -= self.affinity_bonus * num_tokens
+        hot: dict[int, str] = {}
+        if self.hotspot_factor or (self.max_batch_size and self.load_cap is not None):
+            reqs = [l[0] for l in loads]
+            if self.hotspot_factor:
+                limit = self.hotspot_factor * sum(reqs) / n + self.hotspot_slack
+                if max(reqs) > limit:
+                    hot = {i: f"hot: {r} in-flight requests > cap {limit:.1f}"
+                           for i, r in enumerate(reqs) if r > limit}
+            if self.max_batch_size and self.load_cap is not None:
+                mbs, lcap = self.max_batch_size, self.load_cap
+                for i, r in enumerate(reqs):
+                    if i not in hot and r / mbs >= lcap:
+                        hot[i] = f"hot: {r}/{mbs} requests >= load_cap {lcap}"
+        all_hot = len(hot) == n
+        skip_hot = bool(hot) and not all_hot
+        if skip_hot:
+            best = min([c for i, c in enumerate(costs) if i not in hot])
+        else:
+            best = min(costs)
+        tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
+        if skip_hot:
+            tied = [i for i, c in enumerate(costs) if c <= tol and i not in hot]
+        else:
+            tied = [i for i, c in enumerate(costs) if c <= tol]
+        tie = len(tied) > 1
+        if tie:
+            pick = tied[self._cursor % len(tied)]
+            self._cursor += 1
+        else:
+            pick = tied[0]
+        server = servers[pick]
+        if conv:
+            self._pins.put(conv, server)
+        # Rows for the chosen server and the next-cheapest ones only: building and encoding a
+        # row per candidate cost more than the decision itself at tens of servers.
+        n_unhealthy = len(rows)
+        if n > 1:
+            # a sort of a few dozen floats is cheaper than heapq.nsmallest's bookkeeping
+            rest = sorted(range(n), key=costs.__getitem__)
+            rest.remove(pick)
+            shown = [pick, *rest[:self.explain_rows - 1]]
+        else:
+            shown = [pick]
+        tied_set = set(tied) if tie else ()
+        append = rows.append
+        for i in shown:
+            if i == pick:
+                w = ("chosen: lowest cost (tie, in turn)" if tie else "chosen: lowest cost") + (
+                    ", conversation affinity bonus" if server == pinned else "")
+            elif skip_hot and i in hot:
+                w = hot[i]
+            elif i in tied_set:
+                w = "tied, not its turn"
+            else:
+                w = "higher cost"
+            req, tok = loads[i]
+            if unknown and ok[i].kv_unknown:
+                w += " (kv_mismatch: cache match unknown, mean of the others assumed)"
+            append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
+                    "load_tokens": tok, "score": costs[i], "why": w})
+        reason = f"lowest cost: {matched[pick]} of {num_tokens} prompt tokens cached"
+        if all_hot:
+            reason += ", every candidate hot: cap ignored"
+        if pinned == server:
+            reason += ", conversation affinity"
+        return Decision(server, {
+            "policy": self.name, "candidates": rows, "chosen": server, "reason": reason,
+            "num_tokens": num_tokens, "matched_tokens": matched[pick],
+            "conversation": conv, "pinned": pinned, "candidates_total": n + n_unhealthy,
+            "hot": len(hot)}, None if unknown and ok[pick].kv_unknown
+            else mget(server, 0) if mget is not None else 0)
+
+
+def _unknown_matches(matched: list[int], unknown: list[int]) -> tuple[list[int], list[int]]:
+    """(reported, estimated) matched tokens when some servers' matches are unknown: reported as
+    0 (nothing is predicted cached there: conditional disaggregation and the predicted-vs-actual
+    check must not rely on it), estimated as the mean over the servers whose keys are verified,
+    so placement between an unknown server and the others falls to load, not to a match of 0
+    that would starve it (or, when every server is unknown, to load alone)."""
+    u = set(unknown)
+    known = [m for i, m in enumerate(matched) if i not in u]
+    mean = int(sum(known) / len(known)) if known else 0
+    return ([0 if i in u else m for i, m in enumerate(matched)],
+            [mean if i in u else m for i, m in enumerate(matched)])
