@@ -71,10 +71,15 @@ class Stats:
     finish_unknown: int = 0
     renewed: int = 0
     renew_unknown: int = 0
-    leases_replaced: int = 0
     leases_expired: dict = field(default_factory=lambda: {CONTEXT: 0, GENERATION: 0})
     empty_index_warnings: int = 0
     select_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    leases: LeaseTable | None = None      # the coordinator's: what it counts is read from it
+
+    @property
+    def leases_replaced(self) -> int:
+        """Selects that replaced a live lease of the same key (a leg re-placed)."""
+        return self.leases.replaced if self.leases is not None else 0
 
 
 class _LoadView:
@@ -110,7 +115,7 @@ class Coordinator:
         self.index = KvIndex(block_size=self.block_size, namespace=cfg.routing.namespace)
         self.leases = LeaseTable()
         self.identities = IdentityTable(co.identity_ttl_s)
-        self.stats = Stats()
+        self.stats = Stats(leases=self.leases)
         self.registry = Registry(
             block_size=self.block_size, key_scheme=self.key_scheme,
             failure_threshold=co.health_failure_threshold,
@@ -343,11 +348,9 @@ class Coordinator:
         decision = self._place(role, key, excluded)
         server = decision.server
         now = self.clock()
-        leases = self.leases
         # a live lease of the same key (a retry re-placing its leg) is replaced, its load moved
-        leases.acquire(role, req_id, server, now, self.lease_ttl_s,
-                       key.num_tokens if key is not None else 0)
-        self.stats.leases_replaced = leases.replaced
+        self.leases.acquire(role, req_id, server, now, self.lease_ttl_s,
+                            key.num_tokens if key is not None else 0)
         self.stats.selects[role] += 1
         if self._kv_aware[role] and key is not None:
             keys = key.block_keys

@@ -71,10 +71,10 @@ class KeyBuilder:
 
     async def keys_for(self, creq: ClientRequest, routing: dict) -> tuple[bytes, int]:
         """→ (block keys as little-endian u64 bytes, number of prompt tokens)."""
-        bs, ns = self._params(routing)
-        if self._size(creq) <= _INLINE_CHARS:
-            return self._keys(creq, bs, ns)
-        return await asyncio.to_thread(self._keys, creq, bs, ns)
+        got = self.keys_now(creq, routing)
+        if got is not None:
+            return got
+        return await asyncio.to_thread(self._keys, creq, *self._params(routing))
 
 
 def make_key_builder(config, reported_models: list[str] = ()) -> KeyBuilder | None:
