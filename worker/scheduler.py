@@ -4,7 +4,10 @@ One asyncio task runs the loop: plan a step, execute it (the ``execute`` callabl
 in: a model step in a worker thread, or a simulated sleep), apply the sampled tokens, publish KV
 events, repeat. The engines own a ``Scheduler`` (worker/engine.py, worker/sim.py); pinned
 transfers live in worker/pins.py, counters and the ``stats()`` dict (``SchedulerStats.snapshot``)
-in worker/sched_stats.py, the per-request state in worker/sequence.py.
+in worker/sched_stats.py, the per-request state in worker/sequence.py. This file holds the
+``Scheduler`` itself (state, requests, pins, planning, generation_only receives); the step loops are
+in worker/step_loop.py and applying a step / finishing requests in worker/step_apply.py, mixins
+``Scheduler`` inherits.
 Everything that touches scheduler state runs on the event loop thread, so there are no locks.
 
 Step planning (``_schedule``), under ``max_num_tokens`` tokens and ``max_batch_size`` sequences:
@@ -33,18 +36,20 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
-from router.block_keys import KEY_SCHEME, block_keys_list
+from router.block_keys import block_keys_list
 from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import BlockPool
 from worker.pins import PinTable
 from worker.requests import (
-    CONTEXT_ONLY, GENERATION_ONLY, ContextResult, EngineRequest, EngineStopped, InvalidRequest,
-    PinnedTransfer, ReceiveSpec, TokenEvent, TransferUnavailable,
+    CONTEXT_ONLY, GENERATION_ONLY, EngineRequest, EngineStopped, InvalidRequest, PinnedTransfer,
+    ReceiveSpec, TransferUnavailable,
 )
 from worker.sched_stats import SchedulerStats
 from worker.sequence import FINISHED, RECEIVING, RUNNING, WAITING, Plan, RequestStream, Seq
+from worker.step_apply import StepApplyMixin
+from worker.step_loop import StepLoopMixin
 
 log = logging.getLogger("splitserve.worker.scheduler")
 
@@ -60,7 +65,7 @@ class _Quiesce(Exception):
     """Planning needs a preemption, which must wait until no step is in flight."""
 
 
-class Scheduler:
+class Scheduler(StepLoopMixin, StepApplyMixin):
     """The engine core, owned by an engine. ``execute(plan)`` runs one step (the engine's model
     or simulation; the scheduler looks it up on every step). ``prefix_reuse=False`` never reuses
     a cached block (the sim engine's engine-that-lies mode); blocks are still committed."""
@@ -80,7 +85,7 @@ class Scheduler:
         self.pins = PinTable(pool, timeout_s=pin_timeout_s, counters=self.counters, clock=clock,
                              on_release=self._pin_released)
         self.execute = execute
-        #: Async scheduling (see ``_run_async``) when the engine can queue a step without waiting.
+        #: Async scheduling (worker/step_loop.py ``_run_async``) when the engine can queue a step without waiting.
         self.launch = launch
         self.engine_name = engine_name
         self.prefix_reuse = bool(prefix_reuse)
@@ -297,113 +302,6 @@ class Scheduler:
             waiting=len(self._waiting), receiving=len(self._receiving),
             pinned_transfers=len(self.pins), pool=self.pool)
 
-    # ------------------------------------------------------------------ the loop
-    async def _run(self) -> None:
-        try:
-            while not self._stopping:
-                plan = self._schedule() if (self._running or self._waiting) else None
-                self._flush_events()
-                if plan is None or not plan.entries:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                self._enter_step(plan)
-                try:
-                    sampled = await self.execute(plan)
-                    error = None
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # a failed step fails its requests, not the worker
-                    log.exception("engine step failed")
-                    sampled, error = None, f"engine step failed: {type(e).__name__}: {e}"
-                finally:
-                    self._leave_step(plan)
-                self._apply(plan, sampled, error)
-                self._flush_events()
-                # Let HTTP handlers run between steps even when the step itself never yields.
-                await asyncio.sleep(0)
-        finally:
-            self._alive = False
-
-    async def _run_async(self) -> None:
-        """The loop with one step always queued ahead (vLLM's async scheduling): plan and launch step
-        k+1 while step k runs on the device, then apply step k's tokens. A sequence sampled by step k
-        is planned into step k+1 before its token is known: the engine feeds that token on the device
-        (``Seq.feed_row``), so the host's planning and input preparation overlap the device's work.
-
-        What this changes against ``_run``: a sequence that stops on a token it cannot foresee (EOS,
-        a stop id or string) has run one step more, whose token is discarded and whose blocks are freed
-        once that step is applied; one that ends by ``max_tokens`` or the context limit is never
-        planned past its end. Tokens are the same (every step computes what ``_run``'s would). A
-        preemption is planned only when no step is in flight (the loop drains first)."""
-        inflight: tuple[Plan, Any, str | None] | None = None
-        try:
-            while not self._stopping:
-                plan = self._schedule() if (self._running or self._waiting) else None
-                self._flush_events()
-                launched = None
-                if plan is not None and plan.entries:
-                    self._enter_step(plan)
-                    try:
-                        launched = (plan, await self.launch(plan), None)
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception as e:
-                        log.exception("engine step failed")
-                        launched = (plan, None, f"engine step failed: {type(e).__name__}: {e}")
-                    self._launched(plan)
-                elif inflight is None:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                if inflight is not None:
-                    await self._complete(*inflight)
-                inflight = launched
-                await asyncio.sleep(0)
-        finally:
-            self._alive = False
-
-    async def _complete(self, plan: Plan, result, error: str | None) -> None:
-        sampled = None
-        if error is None:
-            try:
-                sampled = await result
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.exception("engine step failed")
-                error = f"engine step failed: {type(e).__name__}: {e}"
-        self._leave_step(plan)
-        self._apply(plan, sampled, error)
-        self._flush_events()
-
-    def _enter_step(self, plan: Plan) -> None:
-        for e in plan.entries:
-            self._in_step[e[0].id] = self._in_step.get(e[0].id, 0) + 1
-
-    def _leave_step(self, plan: Plan) -> None:
-        for e in plan.entries:
-            sid = e[0].id
-            left = self._in_step.get(sid, 0) - 1
-            if left > 0:
-                self._in_step[sid] = left
-            else:
-                self._in_step.pop(sid, None)
-
-    def _launched(self, plan: Plan) -> None:
-        """Async scheduling: a queued step counts as computed; its samples are in flight."""
-        for i, (s, start, n, sample) in enumerate(plan.entries):
-            s.num_computed = start + n
-            if sample:
-                s.inflight += 1
-                s.feed_row = i
-
-    def _ends_with_inflight(self, s: Seq) -> bool:
-        """Whether the token ``s`` has in flight is certain to finish it (no step to plan after it)."""
-        sp = s.req.sampling
-        return (s.num_output + s.inflight >= sp.max_tokens or len(s.tokens) + s.inflight >= self.max_model_len
-                or s.req.request_type == CONTEXT_ONLY)
-
     # ------------------------------------------------------------------ planning
     def _blocks_for(self, ntokens: int) -> int:
         return -(-ntokens // self.block_size)
@@ -591,158 +489,3 @@ class Scheduler:
             if self._on_token(s, int(t)):
                 break
         self._flush_events()
-
-    # ------------------------------------------------------------------ applying a step
-    def _apply(self, plan: Plan, sampled: list[int | None] | None, error: str | None) -> None:
-        self._stats.record_step(plan.num_prefill_tokens, plan.num_decode_tokens)
-        for i, (s, start, n, sample) in enumerate(plan.entries):
-            if s.state == FINISHED:  # aborted during the step: free what it held now
-                if s.free_after_step and s.id not in self._in_step:
-                    s.free_after_step = False
-                    self._drop_blocks(s)
-                continue
-            if s.state != RUNNING:
-                continue
-            if error is not None:
-                self._finish(s, "error", error=error)
-                continue
-            if self.launch is None:
-                s.num_computed = start + n
-            # Only what this step wrote is offered to the prefix cache: under async scheduling a later
-            # step may still be writing the positions after it.
-            self._commit_full_blocks(s, start + n)
-            if self.kv_connector is not None and s.req.request_type == CONTEXT_ONLY \
-                    and start < s.num_prompt:  # pipelining: finished blocks can leave now
-                self.kv_connector.prefill_progress(s.req, min(start + n, s.num_prompt),
-                                                   s.blocks)
-            if sample:
-                if self.launch is not None:
-                    s.inflight -= 1
-                self._on_token(s, int(sampled[i]))
-
-    def _commit_full_blocks(self, s: Seq, upto: int | None = None) -> None:
-        done = s.num_computed if upto is None else min(upto, s.num_computed)
-        full = min(done // self.block_size, len(s.blocks))
-        if full <= s.num_committed:
-            return
-        keys = self._keys_upto(s, full)
-        B = self.block_size
-        for i in range(s.num_committed, full):
-            self.pool.commit(s.blocks[i], keys[i], keys[i - 1] if i else None,
-                             s.tokens[i * B:(i + 1) * B])
-        s.num_committed = full
-
-    def _on_token(self, s: Seq, tok: int) -> bool:
-        """Append a sampled token, emit it, finish on a stop condition. True if finished."""
-        s.tokens.append(tok)
-        s.num_output += 1
-        self.counters["generation_tokens"] += 1
-        sp = s.req.sampling
-        finish = stop_reason = None
-        text = ""
-        if tok in self.eos_token_ids and not sp.ignore_eos:
-            finish = "stop"
-        elif tok in sp.stop_token_ids:
-            finish, stop_reason = "stop", tok
-        else:
-            text = s.detok.add(tok)
-            if s.detok.stopped_on is not None:
-                finish, stop_reason = "stop", s.detok.stopped_on
-        if finish is None and (s.num_output >= sp.max_tokens or len(s.tokens) >= self.max_model_len):
-            finish = "length"
-        if finish is None and s.req.request_type == CONTEXT_ONLY:
-            finish = "length"  # a context leg ends after its first token; gen continues
-        if finish is not None:
-            text += s.detok.flush()
-        ev = TokenEvent(token_ids=[tok], text=text, prompt_tokens=s.num_prompt,
-                        cached_tokens=s.cached_tokens, completion_tokens=s.num_output)
-        if finish is None:
-            s.queue.put_nowait(ev)
-            return False
-        ev.stop_reason = stop_reason
-        if s.req.request_type == CONTEXT_ONLY:
-            ev.context = self._finish_context(s, keep=finish == "length")
-        self._finish(s, finish, last=ev)
-        return True
-
-    def _finish_context(self, s: Seq, keep: bool) -> ContextResult:
-        """Turn a finished prefill's references into pins (when a generation leg will follow)."""
-        cid = int(s.req.ctx_request_id)
-        prompt_blocks = list(s.blocks[:self._blocks_for(s.num_prompt)])
-        opaque: dict[str, Any] = {
-            "v": 1, "worker_id": self.worker_id, "ctx_request_id": cid,
-            "num_tokens": s.num_prompt, "block_size": self.block_size, "key_scheme": KEY_SCHEME,
-            "block_ids": prompt_blocks, "worker_url": self.worker_url,
-        }
-        if keep:
-            p = self.pins.pin(cid, request_id=s.id, aliases=s.req.aliases,
-                              prompt_token_ids=list(s.tokens[:s.num_prompt]),
-                              block_ids=prompt_blocks)
-            if self.kv_connector is not None:
-                opaque.update(self.kv_connector.context_finished(p))
-        return ContextResult(ctx_request_id=cid, first_gen_tokens=list(s.tokens[s.num_prompt:]),
-                             prompt_token_ids=list(s.tokens[:s.num_prompt]), block_ids=prompt_blocks,
-                             opaque_state=opaque, pinned=keep)
-
-    # ------------------------------------------------------------------ finishing
-    def _finish_by_id(self, sid: str, reason: str, error: str | None = None) -> bool:
-        s = self._seqs.get(sid)
-        if s is None or s.state == FINISHED:
-            return False
-        if s.state == RECEIVING and s.receive_task is not None:
-            # Finish now (the client sees the abort); blocks are freed when the receiver confirms.
-            self._finish(s, reason, error=error, keep_blocks=True)
-            s.receive_task.cancel()
-            return True
-        self._finish(s, reason, error=error)
-        return True
-
-    def _finish(self, s: Seq, reason: str, *, error: str | None = None,
-                last: TokenEvent | None = None, keep_blocks: bool = False) -> None:
-        prev = s.state
-        s.state = FINISHED
-        s.finish_reason = reason
-        if prev == WAITING:
-            try:
-                self._waiting.remove(s)
-            except ValueError:
-                pass
-        elif prev == RUNNING:
-            self._running.remove(s)
-        if not keep_blocks:
-            if s.id in self._in_step:
-                s.free_after_step = True
-            else:
-                self._drop_blocks(s)
-        self._seqs.pop(s.id, None)
-        names = {s.id, *s.req.aliases}
-        if s.req.ctx_request_id is not None:
-            names.add(str(s.req.ctx_request_id))
-        for a in names:
-            ids = self._aliases.get(str(a))
-            if ids is not None:
-                ids.discard(s.id)
-                if not ids:
-                    del self._aliases[str(a)]
-        s.rng = None
-        self.counters[f"finished_{reason}"] += 1
-        if last is None:
-            last = TokenEvent(token_ids=[], text=s.detok.flush() if reason != "error" else "",
-                              prompt_tokens=s.num_prompt, cached_tokens=s.cached_tokens,
-                              completion_tokens=s.num_output)
-        last.finish_reason = reason
-        last.error = error
-        s.queue.put_nowait(last)
-        if self.kv_connector is not None:
-            if s.req.request_type == CONTEXT_ONLY:
-                self.kv_connector.context_ended(s.req)
-            elif not s.admitted and s.req.request_type == GENERATION_ONLY:
-                # ended before its receive began (aborted while queued; client gone, shutdown):
-                # the context worker may hold its KV pinned
-                self.kv_connector.receive_abandoned(s.req)
-        self._wake.set()
-
-    def _drop_blocks(self, s: Seq) -> None:
-        if s.blocks:
-            self.pool.free(s.blocks)
-            s.blocks = []

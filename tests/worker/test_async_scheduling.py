@@ -1,4 +1,4 @@
-"""Async scheduling (worker/scheduler.py ``_run_async``, worker/engine.py ``TorchEngine._launch``): step
+"""Async scheduling (worker/step_loop.py ``_run_async``, worker/engine.py ``TorchEngine._launch``): step
 k+1 is planned and queued before step k's tokens reach the host, its decode rows fed on the device.
 On the tiny preset (CPU) the tokens, finish reasons and usage equal the synchronous loop's for
 batches mixing short and long prompts, chunked prefill, stops by EOS / stop id / stop string /
