@@ -408,7 +408,7 @@ class ModelRunner(CudaGraphsMixin):
                                   self.decode_group_overhead_keys / self.block_size)
 
     def _prepare(self, checked, feed: np.ndarray | None = None) -> dict[str, Any]:
-        bs, window, dev = self.block_size, self._window, self.device
+        bs, window = self.block_size, self._window
         tok_parts, pos_parts, blk_parts, len_parts, feed_parts = [], [], [], [], []
         prefills: list[PrefillSeq] = []
         dec_idx: list[int] = []
