@@ -11,10 +11,10 @@ must remember (round-robin cursors, conversation pins, a seeded rng for power-of
 ``make_policy`` validates arguments strictly; upstream ``trtllm-serve`` router arguments are
 accepted with the meaning documented in docs/routing.md ("Policies").
 
-The records and the interface live in router/policy_base.py, ``round_robin`` and
-``load_balancing`` in router/policy_load.py, ``kv_cache_aware`` in router/policy_kv.py and
-``conversation`` in router/policy_conversation.py. This module holds ``make_policy`` and is where
-callers import all of them from.
+The records and the interface live in router/policy_base.py, ``RoundRobinPolicy`` and
+``LoadBalancingPolicy`` in router/policy_load.py, ``KvCacheAwarePolicy`` in router/policy_kv.py and
+``ConversationPolicy`` in router/policy_conversation.py. This module holds ``make_policy`` and is
+where callers import all of them from.
 """
 
 from __future__ import annotations
