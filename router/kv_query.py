@@ -354,6 +354,11 @@ class QueryMixin:
             self._mask_cache[bits] = ws
         return ws
 
+    def walk_version(self) -> tuple[int, int]:
+        """Changes whenever the answer of a walk may: the epoch and the log's length (every
+        owner-mask change is logged or bumps the epoch, the memos' own test)."""
+        return self._epoch, len(self._log)
+
     def longest_prefix(self, keys, workers: Iterable[str] | None = None) -> dict[str, int]:
         """Matched leading blocks per worker (best dp rank), in one walk over ``keys``.
 
