@@ -5,7 +5,8 @@ A mixin of `router.kv_index.KvIndex` (see its docstring for the owner-bitmask la
 The walk is memory-bound (one dict probe per key into an index of 10^4-10^6 keys, ~150-300 ns
 each on a busy host: cache misses), so walks are memoised and reused by later prompts with the
 same leading keys: a placement walks the prompt, inserts the chosen slot's speculative tail and,
-for ``select_pair``, walks it again for the other role; a prompt placed again, or one extending
+for ``select_pair``, walks it again for the other role (unless nothing changed in between: the
+coordinator's view then hands the other leg the same answer, ``walk_version``); a prompt placed again, or one extending
 an earlier one (a conversation's next turn), walks only what may have changed. Memos are exact,
 never a heuristic:
 
