@@ -163,6 +163,7 @@ class KvCacheAwarePolicy(Policy):
 
 
 _NONE: list = []    # shared empty list of a KvChoice (never changed: explain only reads it)
+_NO_HOT: dict = {}
 
 
 def explain(c: KvChoice) -> dict:
@@ -175,34 +176,38 @@ def explain(c: KvChoice) -> dict:
     n = len(servers)
     server = servers[pick]
     pinned = c.pinned
-    tie = len(c.tied) > 1
-    hot = dict(c.hot) if c.hot else {}
-    unknown = set(c.unknown)
-    rows = [dict(r) for r in c.unhealthy]
+    tied = c.tied
+    tie = len(tied) > 1
+    hot = dict(c.hot) if c.hot else _NO_HOT
+    skip_hot = c.skip_hot
+    unknown = c.unknown
+    rows = [dict(r) for r in c.unhealthy] if c.unhealthy else []
     n_unhealthy = len(rows)
-    if n > 1:
+    if n == 2 and c.explain_rows > 1:
+        shown = (pick, 1 - pick)
+    elif n > 1:
         # a sort of a few dozen floats is cheaper than heapq.nsmallest's bookkeeping
         rest = sorted(range(n), key=costs.__getitem__)
         rest.remove(pick)
         shown = [pick, *rest[:c.explain_rows - 1]]
     else:
-        shown = [pick]
-    tied_set = set(c.tied) if tie else ()
+        shown = (pick,)
+    append = rows.append
     for i in shown:
         if i == pick:
             w = ("chosen: lowest cost (tie, in turn)" if tie else "chosen: lowest cost") + (
                 ", conversation affinity bonus" if server == pinned else "")
-        elif c.skip_hot and i in hot:
+        elif skip_hot and i in hot:
             w = hot[i]
-        elif i in tied_set:
+        elif tie and i in tied:
             w = "tied, not its turn"
         else:
             w = "higher cost"
         req, tok = loads[i]
-        if i in unknown:
+        if unknown and i in unknown:
             w += " (kv_mismatch: cache match unknown, mean of the others assumed)"
-        rows.append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
-                     "load_tokens": tok, "score": costs[i], "why": w})
+        append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
+                "load_tokens": tok, "score": costs[i], "why": w})
     reason = f"lowest cost: {matched[pick]} of {c.num_tokens} prompt tokens cached"
     if len(hot) == n:
         reason += ", every candidate hot: cap ignored"
