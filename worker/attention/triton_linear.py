@@ -49,6 +49,17 @@ SPLITK_PROGRAMS_PER_SM = 2
 #: keeps the general tiles at M = 1.
 M1_TILE: tuple[int, int, int] | None = (32, 2, 64)
 M1_PROGRAMS_PER_SM = 2
+#: Software-pipeline depth (``num_stages``) of the M = 1 split-K launch (bench/RESULTS.md, "issue 17, seventh pass").
+M1_STAGES = 4
+#: Batch-1 decode: the SwiGLU launch's ``(GEMV, BLOCK_N, num_warps, BLOCK_K, num_stages)`` at M = 1 (no K
+#: split: SiLU needs the whole sum). ``GEMV`` picks :func:`_gemv_kernel` (multiply-add in registers, one
+#: reduction at the end) over :func:`_small_m_kernel`'s 16-row ``tl.dot`` tile. ``None`` keeps the
+#: general tiles (bench/RESULTS.md, "issue 17, seventh pass").
+M1_GATE_UP_TILE: tuple[bool, int, int, int, int] | None = None
+#: Batch-1 decode: a whole ``(GEMV, BLOCK_N, num_warps, BLOCK_K, num_stages)`` tile for the M = 1 split-K
+#: launches of qkv, o_proj and down_proj, in place of :data:`M1_TILE` + :data:`M1_STAGES` (o_proj's merged
+#: launch keeps :data:`M1_TILE`). ``None``: those two.
+M1_LINEAR_TILE: tuple[bool, int, int, int, int] | None = None
 #: Batch-1 decode: o_proj merges the paged decode kernel's work units itself (:func:`merged_linear_partials`,
 #: one launch fewer per layer) when the row has at most this many units (a graph key of ≤ 2048 key slots
 #: at the launcher's 128-slot units: contexts up to ~2k). Each of o_proj's column tiles re-reads the
@@ -101,6 +112,55 @@ def _small_m_kernel(X, W, Bias, Out, M, N, K, k_per_split, stride_xm, stride_wn,
             tl.store(optr, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=omask)
         else:
             tl.store(optr, acc.to(dt), mask=omask)
+
+
+@triton.jit
+def _gemv_kernel(X, W, Bias, Out, N, K, k_per_split, stride_wn, stride_os, up_off,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PARTIAL: tl.constexpr):
+    """:func:`_small_m_kernel` at M = 1 without ``tl.dot``: each thread multiplies its slice of the
+    ``[BLOCK_N, BLOCK_K]`` weight tile with ``x`` and accumulates in fp32 registers; the K reduction
+    runs once, after the loop. Same outputs and rounding points."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    k_lo = s * k_per_split
+    w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        kk = k_lo + k0 + offs_k
+        mk = kk < K
+        # x broadcast over the tile's rows as a [BLOCK_N, BLOCK_K] load: it then takes the weight tile's
+        # layout (a [1, BLOCK_K] load gets its own and a layout conversion through shared memory per
+        # iteration); the repeated addresses are L1 hits.
+        x = tl.load(X + kk[None, :] + 0 * offs_n[:, None], mask=mk[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr, mask=mask_n[:, None] & mk[None, :], other=0.0)
+        acc += w.to(tl.float32) * x
+        if SWIGLU:
+            wu = tl.load(w_ptr + up_off, mask=mask_n[:, None] & mk[None, :], other=0.0)
+            acc_u += wu.to(tl.float32) * x
+        w_ptr += BLOCK_K
+    g = tl.sum(acc, 1)
+    if HAS_BIAS:
+        if s == 0:
+            g += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    optr = Out + s * stride_os + offs_n
+    if PARTIAL:
+        tl.store(optr, g, mask=mask_n)
+    else:
+        dt = Out.dtype.element_ty
+        if SWIGLU:
+            u = tl.sum(acc_u, 1)
+            if HAS_BIAS:
+                u += tl.load(Bias + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            g = g.to(dt).to(tl.float32)
+            u = u.to(dt).to(tl.float32)
+            tl.store(optr, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=mask_n)
+        else:
+            tl.store(optr, g.to(dt), mask=mask_n)
 
 
 @triton.jit
@@ -198,42 +258,70 @@ def _prec(x: torch.Tensor) -> str | None:
     return "ieee" if x.dtype == torch.float32 else None
 
 
+#: A launch's tile: ``(GEMV, BLOCK_N, num_warps, BLOCK_K, num_stages)``; ``GEMV`` (M = 1 only) runs
+#: :func:`_gemv_kernel` instead of :func:`_small_m_kernel`.
+Tile = tuple[bool, int, int, int, int]
+
+
+def _m1_split_tile() -> Tile | None:
+    if M1_LINEAR_TILE is not None:
+        return M1_LINEAR_TILE
+    return None if M1_TILE is None else (False, M1_TILE[0], M1_TILE[1], M1_TILE[2], M1_STAGES)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n: int, k: int,
+            kps: int, s: int, stride_os: int, up_off: int, tile: Tile, bm: int, swiglu: bool, partial: bool) -> None:
+    gemv, bn, warps, bk, stages = tile
+    b = bias if bias is not None else w
+    if gemv:
+        if x.shape[0] != 1:
+            raise ValueError(f"the GEMV tile takes one row, got {x.shape[0]}")
+        _gemv_kernel[(triton.cdiv(n, bn), s)](
+            x, w, b, out, n, k, kps, w.stride(0), stride_os, up_off, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=swiglu,
+            HAS_BIAS=bias is not None, PARTIAL=partial, num_warps=warps, num_stages=stages)
+        return
+    _small_m_kernel[(triton.cdiv(n, bn), s)](
+        x, w, b, out, x.shape[0], n, k, kps, x.stride(0), w.stride(0), stride_os, out.stride(-2), up_off,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=swiglu, HAS_BIAS=bias is not None, PARTIAL=partial,
+        PREC=_prec(x), num_warps=warps, num_stages=stages)
+
+
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                    splits: int | None = None, tile: Tile | None = None) -> torch.Tensor:
     """Split-K partial products of ``F.linear(x, weight, bias)`` for ``x [M ≤ MAX_M, K]``: fp32
-    ``[S, M, N]`` whose sum over dim 0 is the product (see the module docstring)."""
+    ``[S, M, N]`` whose sum over dim 0 is the product (see the module docstring). ``tile`` overrides
+    the launch's tile (benchmarks sweep it)."""
     m, k = x.shape
     n = weight.shape[0]
     bm, bn = _tiles(m, n)
-    bk, warps, per_sm = BLOCK_K, 4, None
-    if m == 1 and M1_TILE is not None and block_n is None:
-        bn, warps, bk = M1_TILE
+    per_sm = None
+    if tile is None:
+        tile = _m1_split_tile() if m == 1 else None
+        per_sm = M1_PROGRAMS_PER_SM if tile is not None else None
+        tile = tile or (False, bn, 4, BLOCK_K, 4)
+    elif m == 1:
         per_sm = M1_PROGRAMS_PER_SM
-    bn = block_n or bn
+    bn, bk = tile[1], tile[3]
     s = splits or choose_splits(m, n, k, bn, _num_sms(x.device), bk, per_sm)
     kps = triton.cdiv(triton.cdiv(k, s), bk) * bk
     s = triton.cdiv(k, kps)
     out = torch.empty(s, m, n, dtype=torch.float32, device=x.device)
-    _small_m_kernel[(triton.cdiv(n, bn), s)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, kps, x.stride(0), weight.stride(0),
-        out.stride(0), out.stride(1), 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=False,
-        HAS_BIAS=bias is not None, PARTIAL=True, PREC=_prec(x), num_warps=warps, num_stages=4)
+    _launch(x, weight, bias, out, n, k, kps, s, out.stride(0), 0, tile, bm, swiglu=False, partial=True)
     return out
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
-                 block_n: int | None = None) -> torch.Tensor:
+                 tile: Tile | None = None) -> torch.Tensor:
     """``silu(gate)·up`` of ``F.linear(x, gate_up, bias)`` split at its middle column (gate first),
-    ``[M, I]`` in the model dtype."""
+    ``[M, I]`` in the model dtype. ``tile`` overrides the launch's tile (benchmarks sweep it)."""
     m, k = x.shape
     inter = gate_up.shape[0] // 2
     bm, bn = _tiles(m, inter)
-    bn = block_n or bn
+    if tile is None:
+        tile = (M1_GATE_UP_TILE if m == 1 else None) or (False, bn, 4, BLOCK_K, 4)
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    _small_m_kernel[(triton.cdiv(inter, bn), 1)](
-        x, gate_up, bias if bias is not None else gate_up, out, m, inter, k, k, x.stride(0), gate_up.stride(0),
-        0, out.stride(0), inter * gate_up.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, SWIGLU=True,
-        HAS_BIAS=bias is not None, PARTIAL=False, PREC=_prec(x), num_warps=4, num_stages=4)
+    _launch(x, gate_up, bias, out, inter, k, k, 1, 0, inter * gate_up.stride(0), tile, bm, swiglu=True,
+            partial=False)
     return out
 
 

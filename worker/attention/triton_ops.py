@@ -78,6 +78,10 @@ def _rope_store_kernel(QKV, Cos, Sin, K, V, SlotBlock, SlotOff, QOut,
     offs = tl.arange(0, BLOCK_HALF)
     m = offs < HALF
     src = QKV + t * stride_qkv + h * HEAD_DIM
+    # The cache slot is loaded before the product it stores, not after the rotation: its round trip
+    # then overlaps the product's instead of following it (bench/RESULTS.md, "issue 17, seventh pass").
+    blk = tl.load(SlotBlock + t).to(tl.int64)
+    off = tl.load(SlotOff + t).to(tl.int64)
     if NSPLIT > 0:
         a1 = tl.zeros([BLOCK_HALF], tl.float32)
         a2 = tl.zeros([BLOCK_HALF], tl.float32)
@@ -104,8 +108,6 @@ def _rope_store_kernel(QKV, Cos, Sin, K, V, SlotBlock, SlotOff, QOut,
     if h < NQ:
         dst = QOut + t * stride_qo + h * HEAD_DIM
     else:
-        blk = tl.load(SlotBlock + t).to(tl.int64)
-        off = tl.load(SlotOff + t).to(tl.int64)
         base = blk * stride_blk + off * stride_tok
         if h < NQ + NKV:
             dst = K + base + (h - NQ) * HEAD_DIM
@@ -366,6 +368,11 @@ def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, 
     offs = tl.arange(0, BLOCK)
     m = offs < n
     dt = H.dtype.element_ty
+    # The weight first: loaded after the reduction (a barrier) its latency, from HBM in a decode
+    # step, would follow the partials' instead of overlapping it (bench/RESULTS.md, "issue 17,
+    # seventh pass").
+    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + offs, mask=m, other=0.0)
     if NSPLIT > 0:  # split-K partials of the product feeding the residual (triton_linear.py)
         acc = tl.zeros([BLOCK], tl.float32)
         for sp in tl.static_range(NSPLIT):
@@ -373,12 +380,10 @@ def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, 
         x = acc.to(dt)
     else:
         x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
-    r = tl.load(R + row * stride_r + offs, mask=m, other=0.0)
     h = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
     tl.store(H + row * stride_h + offs, h, mask=m)
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
-    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(dt), mask=m)
 
 
@@ -402,12 +407,12 @@ def _embed_rms_norm_kernel(Ids, E, W, H, Y, stride_e, stride_h, stride_y, n, eps
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < n
+    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)  # first, as in _add_rms_norm_kernel
     tok = tl.load(Ids + row).to(tl.int64)
     h = tl.load(E + tok * stride_e + offs, mask=m, other=0.0)
     tl.store(H + row * stride_h + offs, h, mask=m)
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
-    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(H.dtype.element_ty), mask=m)
 
 
