@@ -407,5 +407,6 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[rows, vocab]`` (model dtype) for the given rows of :meth:`forward`'s output."""
         normed = self._normed
         if normed is not None and hidden is normed[0]:  # the final norm already ran (forward)
-            return F.linear(normed[1], self.output_weight)
+            logits = _triton_ops().linear_m1(normed[1], self.output_weight)
+            return F.linear(normed[1], self.output_weight) if logits is None else logits
         return F.linear(self.norm(hidden), self.output_weight)

@@ -68,6 +68,11 @@ def test_partials_sum_to_linear(mode, bias):
                 assert p.dtype == torch.float32 and p.shape[1:] == (m, n)
                 close(p.sum(0), ref, torch.float32 if dtype == torch.float32 else torch.bfloat16,
                       f"n={n} k={k} m={m} splits={splits}->{p.shape[0]}")
+            if m == 1:
+                for tile in M1_TILES:  # the LM head's one-row launch: unsplit, output in the model dtype
+                    out = TL.linear_m1(x, w, tile=tile)
+                    assert out.dtype == dtype and out.shape == (1, n)
+                    close(out, F.linear(x.float(), w.float()), dtype, f"linear_m1 n={n} k={k} tile={tile}")
             for tile in (M1_TILES if m == 1 else ()):
                 for splits in (None, 1, 3):
                     p = TL.linear_partials(x, w, b, splits=splits, tile=tile)

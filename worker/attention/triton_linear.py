@@ -30,7 +30,7 @@ import triton.language as tl
 from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
 
 __all__ = ["MAX_M", "use_small_m", "linear_partials", "gate_up_silu", "choose_splits", "merges_units",
-           "merged_linear_partials"]
+           "merged_linear_partials", "linear_m1"]
 
 #: Rows up to which decode steps use these kernels (bench/worker.py measures batch 1/8/32).
 MAX_M = 32
@@ -60,6 +60,9 @@ M1_GATE_UP_TILE: tuple[bool, int, int, int, int] | None = None
 #: launches of qkv, o_proj and down_proj, in place of :data:`M1_TILE` + :data:`M1_STAGES` (o_proj's merged
 #: launch keeps :data:`M1_TILE`). ``None``: those two.
 M1_LINEAR_TILE: tuple[bool, int, int, int, int] | None = None
+#: Batch-1 decode: the LM head's tile at one row (:func:`linear_m1`, from the model's compute_logits);
+#: ``None`` leaves it to cuBLAS (bench/RESULTS.md, "issue 17, seventh pass").
+M1_LM_HEAD_TILE: tuple[bool, int, int, int, int] | None = None
 #: Batch-1 decode: o_proj merges the paged decode kernel's work units itself (:func:`merged_linear_partials`,
 #: one launch fewer per layer) when the row has at most this many units (a graph key of ≤ 2048 key slots
 #: at the launcher's 128-slot units: contexts up to ~2k). Each of o_proj's column tiles re-reads the
@@ -322,6 +325,19 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     _launch(x, gate_up, bias, out, inter, k, k, 1, 0, inter * gate_up.stride(0), tile, bm, swiglu=True,
             partial=False)
+    return out
+
+
+def linear_m1(x: torch.Tensor, weight: torch.Tensor, tile: Tile | None = None) -> torch.Tensor | None:
+    """``F.linear(x, weight)`` of one row ``x [1, K]`` in the model dtype, unsplit, with ``tile``
+    (default :data:`M1_LM_HEAD_TILE`); ``None`` when no tile is set (the caller runs cuBLAS)."""
+    tile = tile or M1_LM_HEAD_TILE
+    if tile is None:
+        return None
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _launch(x, weight, None, out, n, k, k, 1, 0, 0, tile, 16, swiglu=False, partial=False)
     return out
 
 

@@ -25,12 +25,12 @@ import triton.language as tl
 
 from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
 from worker.attention.plan import PagedDecode
-from worker.attention.triton_linear import (gate_up_silu, linear_partials, merged_linear_partials, merges_units,
-                                            use_small_m)
+from worker.attention.triton_linear import (gate_up_silu, linear_m1, linear_partials, merged_linear_partials,
+                                            merges_units, use_small_m)
 
 __all__ = ["rope_store", "paged_decode", "paged_decode_units", "paged_prefill", "add_rms_norm", "embed_rms_norm",
            "silu_mul", "use_small_m", "linear_partials", "gate_up_silu", "merged_linear_partials", "merges_units",
-           "decode_config"]
+           "linear_m1", "decode_config"]
 
 _LOG2E = 1.4426950408889634
 #: Keys per tile. Shapes picked from ``ptxas -v`` and the TTGIR for sm_90 with the launcher's
