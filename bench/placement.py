@@ -62,6 +62,12 @@ def _channel_wire():
     return channel
 
 
+def _decoder(cw):
+    """How the coordinator decodes a frame: `decode_frame` (items in the one pass), or
+    `decode_batch` in trees from before it."""
+    return getattr(cw, "decode_frame", cw.decode_batch)
+
+
 def _prompts(seed: int, docs: int, n: int) -> list[np.ndarray]:
     """bench/coordinator.py's prompts: a document's 3k-token prefix + a 1k-token unique tail."""
     from router.block_keys import block_keys
@@ -141,12 +147,13 @@ def measure(scenario: str, calls: int = 8192, batch: int = 64) -> float:
     """CPU µs per call (with its finishes) on a fresh cluster, after one warm-up pass."""
     cw = _channel_wire()
     c, srv, frames = build(scenario, calls, batch)
+    dec = _decoder(cw)
     for f in frames[:len(frames) // 4]:       # warm-up: routed blocks fill the index
-        cw.frame(srv.run_batch(cw.decode_batch(f), time.monotonic()))
+        cw.frame(srv.run_batch(dec(f), time.monotonic()))
     gc.collect()
     t0 = time.thread_time()
     for f in frames:
-        cw.frame(srv.run_batch(cw.decode_batch(f), time.monotonic()))
+        cw.frame(srv.run_batch(dec(f), time.monotonic()))
     return (time.thread_time() - t0) / (len(frames) * batch) * 1e6
 
 

@@ -31,6 +31,7 @@ from protocol.coord import BadRequest, NoServerAvailable
 log = logging.getLogger("splitserve.coordinator.channel")
 
 _RETRY_AFTER_S = 1
+_NONE = checks.exclusions(None, "exclude")    # the shared empty exclusion set
 
 
 class ChannelStats:
@@ -101,7 +102,7 @@ class ChannelServer:
             c.close()
 
     # ---- one batch ------------------------------------------------------------------------------
-    def run_batch(self, b: cw.Batch, since: float) -> cw.Replies:
+    def run_batch(self, b: cw.DecodedBatch | cw.Batch, since: float) -> cw.Replies:
         """Answer one batch. `since`: when it would have arrived unloaded (this process's
         monotonic clock); a placement is shed once now - since exceeds `max_queue_delay_s`, which
         also covers the calls queued behind earlier ones of the same batch."""
@@ -113,14 +114,18 @@ class ChannelServer:
         mono = time.monotonic
         # Finishes first: none can be for a lease taken by a call of the same batch (its answer has
         # not reached the client), while a call may follow a finish of the same key (a retry).
+        decoded = type(b) is cw.DecodedBatch     # items decoded with the frame (`cw.decode_frame`)
         for raw in b.finishes:
             st.finishes += 1
-            try:
-                f = cw.decode_finish(raw)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                st.bad_calls += 1
-                log.warning("ignored a malformed finish on the channel: %s", exc)
-                continue
+            if decoded:
+                f = raw
+            else:
+                try:
+                    f = cw.decode_finish(raw)
+                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                    st.bad_calls += 1
+                    log.warning("ignored a malformed finish on the channel: %s", exc)
+                    continue
             # Role, id and flag were checked by the frame schema; the usage numbers' bounds are not.
             try:
                 usage = wire.finish_usage(f.usage)
@@ -131,15 +136,18 @@ class ChannelServer:
             coord.end_lease(f.role, f.req_id, f.success, usage)
         for raw in b.calls:
             st.calls += 1
-            try:
-                call = cw.decode_call(raw)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                st.bad_calls += 1
-                cid = cw.call_id(raw)
-                if cid is not None:
-                    results.append(cw.Result(cid, cw.BAD_REQUEST,
-                                             {"error": f"malformed channel call: {exc}", "field": None}))
-                continue
+            if decoded:
+                call = raw
+            else:
+                try:
+                    call = cw.decode_call(raw)
+                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                    st.bad_calls += 1
+                    cid = cw.call_id(raw)
+                    if cid is not None:
+                        results.append(cw.Result(cid, cw.BAD_REQUEST,
+                                                 {"error": f"malformed channel call: {exc}", "field": None}))
+                    continue
             t = type(call)
             if t is cw.Renew:
                 results.append(cw.Result(call.id, cw.OK,
@@ -156,12 +164,15 @@ class ChannelServer:
             try:
                 key = checks.routing_key(call.routing_key, coord.block_size)
                 if t is cw.Select:
+                    ex = call.exclude
                     ans = coord.place(call.role, call.req_id, key,
-                                      checks.exclusions(call.exclude, "exclude"), server_info=False)
+                                      _NONE if ex is None else checks.exclusions(ex, "exclude"),
+                                      server_info=False)
                 else:
+                    ex, eg = call.exclude_ctx, call.exclude_gen
                     ans = coord.place_pair(call.req_id, key,
-                                           checks.exclusions(call.exclude_ctx, "exclude_ctx"),
-                                           checks.exclusions(call.exclude_gen, "exclude_gen"),
+                                           _NONE if ex is None else checks.exclusions(ex, "exclude_ctx"),
+                                           _NONE if eg is None else checks.exclusions(eg, "exclude_gen"),
                                            server_info=False)
                 results.append(cw.Result(call.id, cw.OK, ans))
             except NoServerAvailable as exc:
@@ -224,7 +235,7 @@ class ChannelConn(asyncio.Protocol):
         srv = self.srv
         for p in payloads:
             try:
-                b = cw.decode_batch(p)
+                b = cw.decode_frame(p)
             except Exception as exc:   # msgspec.ValidationError / DecodeError: a client bug
                 # The batch cannot be answered call by call (its ids are unreadable): the client
                 # fails its pending calls and re-sends its finishes on a new connection.

@@ -83,16 +83,30 @@ class Stats:
 
 
 class _LoadView:
-    """The policies' window on load and cache state (router.policies.LoadView). The methods are
-    the table's and the index's own bound methods: no extra call layer per candidate."""
+    """The policies' window on load and cache state (router.policies.LoadView). The load methods
+    are the table's own bound methods: no extra call layer per candidate."""
 
-    __slots__ = ("requests", "tokens", "loads", "matched_blocks")
+    __slots__ = ("requests", "tokens", "loads", "_index", "_walk")
 
     def __init__(self, leases: LeaseTable, index: KvIndex):
         self.requests = leases.requests
         self.tokens = leases.tokens
         self.loads = leases.loads_for
-        self.matched_blocks = index.longest_prefix
+        self._index = index
+        self._walk: tuple | None = None     # (keys, the index's walk version, answer)
+
+    def matched_blocks(self, keys) -> dict[str, int]:
+        """The index's matches per server (read-only: the answer is shared). Both legs of a
+        `select_pair` ask with the same keys object; the second gets the first's answer when the
+        index has not changed in between (a speculative insert or an expiry changes it)."""
+        index = self._index
+        version = index.walk_version()
+        w = self._walk
+        if w is not None and w[0] is keys and w[1] == version:
+            return w[2]
+        res = index.longest_prefix(keys)
+        self._walk = (keys, version, res)
+        return res
 
 
 class Coordinator:

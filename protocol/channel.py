@@ -87,6 +87,15 @@ class Batch(msgspec.Struct, tag="b", array_like=True):
     finishes: list[msgspec.Raw] = []
 
 
+class DecodedBatch(msgspec.Struct, tag="b", array_like=True):
+    """The same frame as `Batch` with its calls and finishes decoded in the one pass (the common
+    case: every item fits the schema). `decode_frame` falls back to `Batch` when one does not."""
+    seq: U64
+    sent: float | None = None
+    calls: list[Call] = []
+    finishes: list[Finish] = []
+
+
 class Result(msgspec.Struct, array_like=True):
     id: int
     status: int
@@ -100,6 +109,7 @@ class Replies(msgspec.Struct, tag="r", array_like=True):
 
 _enc = msgspec.msgpack.Encoder(enc_hook=coord._enc_hook)
 _batch_dec = msgspec.msgpack.Decoder(Batch)
+_decoded_dec = msgspec.msgpack.Decoder(DecodedBatch)
 _replies_dec = msgspec.msgpack.Decoder(Replies)
 _call_dec = msgspec.msgpack.Decoder(Call)
 _finish_dec = msgspec.msgpack.Decoder(Finish)
@@ -120,6 +130,17 @@ def batch_frame(seq: int, sent: float, calls: list, finishes: list) -> bytes:
 
 def decode_batch(payload: bytes | memoryview) -> Batch:
     return _batch_dec.decode(payload)
+
+
+def decode_frame(payload: bytes | memoryview) -> DecodedBatch | Batch:
+    """A client's frame, its items decoded in one pass when they all fit the schema; otherwise a
+    `Batch` whose items the caller decodes one by one (`decode_call`, `decode_finish`), so that a
+    malformed one costs only its own answer. Raises `msgspec.DecodeError`/`ValidationError` when
+    the frame itself is not a batch."""
+    try:
+        return _decoded_dec.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return _batch_dec.decode(payload)
 
 
 def decode_call(raw: msgspec.Raw) -> Call:

@@ -428,6 +428,8 @@ def check_req_id(req_id: int, field: str = "req_id") -> int:
 
 def block_keys_array(keys: Any, field: str = "routing_key.block_keys") -> np.ndarray:
     """Block keys as a uint64 array: from bytes (little-endian u64, no copy), a list, or an array."""
+    if type(keys) is bytes and not len(keys) % 8:   # the wire form (checked in full below otherwise)
+        return np.frombuffer(keys, dtype="<u8")
     if isinstance(keys, np.ndarray):
         if keys.dtype == np.uint64:
             return keys

@@ -5,7 +5,8 @@ A mixin of `router.kv_index.KvIndex` (see its docstring for the owner-bitmask la
 The walk is memory-bound (one dict probe per key into an index of 10^4-10^6 keys, ~150-300 ns
 each on a busy host: cache misses), so walks are memoised and reused by later prompts with the
 same leading keys: a placement walks the prompt, inserts the chosen slot's speculative tail and,
-for ``select_pair``, walks it again for the other role; a prompt placed again, or one extending
+for ``select_pair``, walks it again for the other role (unless nothing changed in between: the
+coordinator's view then hands the other leg the same answer, ``walk_version``); a prompt placed again, or one extending
 an earlier one (a conversation's next turn), walks only what may have changed. Memos are exact,
 never a heuristic:
 
@@ -353,6 +354,11 @@ class QueryMixin:
                 self._mask_cache.clear()
             self._mask_cache[bits] = ws
         return ws
+
+    def walk_version(self) -> tuple[int, int]:
+        """Changes whenever the answer of a walk may: the epoch and the log's length (every
+        owner-mask change is logged or bumps the epoch, the memos' own test)."""
+        return self._epoch, len(self._log)
 
     def longest_prefix(self, keys, workers: Iterable[str] | None = None) -> dict[str, int]:
         """Matched leading blocks per worker (best dp rank), in one walk over ``keys``.

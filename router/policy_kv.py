@@ -156,7 +156,9 @@ class KvCacheAwarePolicy(Policy):
         # Rows for the chosen server and the next-cheapest ones only: building and encoding a
         # row per candidate cost more than the decision itself at tens of servers.
         n_unhealthy = len(rows)
-        if n > 1:
+        if n == 2 and self.explain_rows > 1:     # one context and one generation pool of two
+            shown = [pick, 1 - pick]
+        elif n > 1:
             # a sort of a few dozen floats is cheaper than heapq.nsmallest's bookkeeping
             rest = sorted(range(n), key=costs.__getitem__)
             rest.remove(pick)
