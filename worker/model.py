@@ -194,7 +194,7 @@ class Attention(nn.Module):
             # Decode-only step: RoPE and both cache stores in one launch, then the paged kernel.
             small = ops.use_small_m(x)
             a, o = self.qkv_proj, self.o_proj
-            qkv = ops.linear_partials(x, a.weight, a.bias) if small else a(x)
+            qkv = ops.linear_partials(x, a.weight, a.bias, role="qkv") if small else a(x)
             q = ops.rope_store(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_block, meta.slot_offset,
                                self.num_heads, self.num_kv_heads, self.head_dim)
             pd = meta.paged
@@ -205,7 +205,7 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             ops.paged_decode(q, kv_cache, self.layer_idx, pd, self.scale, out)
             out = out.view(n, self.q_size)
-            return ops.linear_partials(out, o.weight, o.bias) if small else o(out)
+            return ops.linear_partials(out, o.weight, o.bias, role="o") if small else o(out)
         q, k, v, layer = self._qkv_store(x, cos, sin, meta, kv_cache)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for p in meta.prefills:
@@ -318,7 +318,7 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp
         if ops.use_small_m(x):
             gu, down = mlp.gate_up_proj, mlp.down_proj
-            return h, ops.linear_partials(ops.gate_up_silu(x, gu.weight, gu.bias), down.weight, down.bias)
+            return h, ops.linear_partials(ops.gate_up_silu(x, gu.weight, gu.bias), down.weight, down.bias, role="down")
         return h, mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
 
 

@@ -445,6 +445,20 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                      "up_off", {"X": bf, "W": bf, "Bias": bf, "Out": "*fp32" if partial else bf},
                      {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWIGLU": swiglu, "HAS_BIAS": False,
                       "PARTIAL": partial, "PREC": None}, warps, pipelined=True) == 0
+    # The batch-1 tiles the launchers are set to (gate_up's SwiGLU, the LM head, per-matrix split-K), and
+    # the register GEMV kernel in its three output modes.
+    tiles = [(t, True, False) for t in [TL.M1_GATE_UP_TILE] if t] + [(t, False, False) for t in [TL.M1_LM_HEAD_TILE] if t]
+    tiles += [(t, False, True) for t in TL.M1_ROLE_TILES.values()]
+    tiles += [((True, 8, 4, 256, 1), sw, part) for sw, part in ((True, False), (False, True), (False, False))]
+    for (gemv, bn, warps, bk, _), swiglu, partial in tiles:
+        const = {"BLOCK_N": bn, "BLOCK_K": bk, "SWIGLU": swiglu, "HAS_BIAS": False, "PARTIAL": partial}
+        types = {"X": bf, "W": bf, "Bias": bf, "Out": "*fp32" if partial else bf}
+        if gemv:
+            assert build(TL._gemv_kernel, "X W Bias Out N K k_per_split stride_wn stride_os up_off", types, const,
+                         warps) == 0
+        else:
+            assert build(TL._small_m_kernel, "X W Bias Out M N K k_per_split stride_xm stride_wn stride_os stride_om "
+                         "up_off", types, const | {"BLOCK_M": 16, "PREC": None}, warps, pipelined=True) == 0
     build(T._silu_mul_kernel, "GU Out stride_gu stride_o inter", {"GU": bf, "Out": bf}, {"BLOCK": 1024}, 4)
     assert build(T._embed_rms_norm_kernel, "Ids E W H Y stride_e stride_h stride_y n eps",
                  {"Ids": i64, "E": bf, "W": bf, "H": bf, "Y": bf, "eps": "fp32"}, {"BLOCK": 2048}, 8) == 0

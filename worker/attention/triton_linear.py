@@ -56,13 +56,14 @@ M1_STAGES = 4
 #: reduction at the end) over :func:`_small_m_kernel`'s 16-row ``tl.dot`` tile. ``None`` keeps the
 #: general tiles (bench/RESULTS.md, "issue 17, seventh pass").
 M1_GATE_UP_TILE: tuple[bool, int, int, int, int] | None = None
-#: Batch-1 decode: a whole ``(GEMV, BLOCK_N, num_warps, BLOCK_K, num_stages)`` tile for the M = 1 split-K
-#: launches of qkv, o_proj and down_proj, in place of :data:`M1_TILE` + :data:`M1_STAGES` (o_proj's merged
-#: launch keeps :data:`M1_TILE`). ``None``: those two.
-M1_LINEAR_TILE: tuple[bool, int, int, int, int] | None = None
+#: Batch-1 decode: per-matrix tiles of the M = 1 split-K launches, by the caller's ``role`` ("qkv", "o",
+#: "down"), in place of :data:`M1_TILE` + :data:`M1_STAGES` (bench/RESULTS.md, "issue 17, seventh pass").
+M1_ROLE_TILES: dict[str, tuple[bool, int, int, int, int]] = {}
+#: ``num_stages`` of o_proj's merged M = 1 launch (:func:`merged_linear_partials`).
+M1_MERGED_STAGES = 4
 #: Batch-1 decode: the LM head's tile at one row (:func:`linear_m1`, from the model's compute_logits);
 #: ``None`` leaves it to cuBLAS (bench/RESULTS.md, "issue 17, seventh pass").
-M1_LM_HEAD_TILE: tuple[bool, int, int, int, int] | None = None
+M1_LM_HEAD_TILE: tuple[bool, int, int, int, int] | None = (False, 64, 4, 128, 4)
 #: Batch-1 decode: o_proj merges the paged decode kernel's work units itself (:func:`merged_linear_partials`,
 #: one launch fewer per layer) when the row has at most this many units (a graph key of ≤ 2048 key slots
 #: at the launcher's 128-slot units: contexts up to ~2k). Each of o_proj's column tiles re-reads the
@@ -266,10 +267,10 @@ def _prec(x: torch.Tensor) -> str | None:
 Tile = tuple[bool, int, int, int, int]
 
 
-def _m1_split_tile() -> Tile | None:
-    if M1_LINEAR_TILE is not None:
-        return M1_LINEAR_TILE
-    return None if M1_TILE is None else (False, M1_TILE[0], M1_TILE[1], M1_TILE[2], M1_STAGES)
+def _m1_split_tile(role: str | None) -> Tile | None:
+    if M1_TILE is None:
+        return None
+    return M1_ROLE_TILES.get(role) or (False, M1_TILE[0], M1_TILE[1], M1_TILE[2], M1_STAGES)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n: int, k: int,
@@ -290,16 +291,16 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    splits: int | None = None, tile: Tile | None = None) -> torch.Tensor:
+                    splits: int | None = None, tile: Tile | None = None, role: str | None = None) -> torch.Tensor:
     """Split-K partial products of ``F.linear(x, weight, bias)`` for ``x [M ≤ MAX_M, K]``: fp32
-    ``[S, M, N]`` whose sum over dim 0 is the product (see the module docstring). ``tile`` overrides
-    the launch's tile (benchmarks sweep it)."""
+    ``[S, M, N]`` whose sum over dim 0 is the product (see the module docstring). ``role`` names the
+    matrix for :data:`M1_ROLE_TILES`; ``tile`` overrides the launch's tile (benchmarks sweep it)."""
     m, k = x.shape
     n = weight.shape[0]
     bm, bn = _tiles(m, n)
     per_sm = None
     if tile is None:
-        tile = _m1_split_tile() if m == 1 else None
+        tile = _m1_split_tile(role) if m == 1 else None
         per_sm = M1_PROGRAMS_PER_SM if tile is not None else None
         tile = tile or (False, bn, 4, BLOCK_K, 4)
     elif m == 1:
@@ -368,5 +369,5 @@ def merged_linear_partials(mid_o: torch.Tensor, mid_l: torch.Tensor, row_start: 
         mid_o, mid_l, row_start, weight, bias if bias is not None else weight, out, n, k, kps, mid_o.stride(0),
         mid_l.stride(0), weight.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_U=max(2, triton.next_power_of_2(units_per_row)), HEAD_DIM=d, HAS_BIAS=bias is not None,
-        PREC=_prec(weight), num_warps=warps, num_stages=4)
+        PREC=_prec(weight), num_warps=warps, num_stages=M1_MERGED_STAGES)
     return out

@@ -387,6 +387,11 @@ def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, 
     tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(dt), mask=m)
 
 
+#: Warps of the add + RMSNorm kernel's one program per row; ``None``: one per 256 elements of the row
+#: (8 at hidden 2048), up to 16 (bench/RESULTS.md, "issue 17, seventh pass").
+NORM_WARPS: int | None = None
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` and ``rms_norm(h) · weight`` of ``[rows, hidden]`` in one launch. ``x`` may
@@ -398,7 +403,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(rows,)](x, residual, weight, h, y, x.stride(-2), residual.stride(0), h.stride(0),
                                       y.stride(0), x.stride(0) if nsplit else 0, n, eps, BLOCK=block,
-                                      NSPLIT=nsplit, num_warps=min(16, max(1, block // 256)))
+                                      NSPLIT=nsplit, num_warps=NORM_WARPS or min(16, max(1, block // 256)))
     return h, y
 
 
