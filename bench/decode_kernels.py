@@ -142,8 +142,8 @@ def m1(model, dev, quick: bool, json_path: str | None) -> None:
         else:
             cells.append(("launcher", TL.linear_partials(x, ws[0], role=name).shape[0],
                           lambda w: TL.linear_partials(x, w, role=name)))
-            cells += [(t, TL.linear_partials(x, ws[0], tile=t).shape[0], lambda w, t=t: TL.linear_partials(x, w, tile=t))
-                      for t in sweep["split"]]
+            cells += [(t, TL.linear_partials(x, ws[0], tile=t).shape[0],
+                       lambda w, t=t: TL.linear_partials(x, w, tile=t)) for t in sweep["split"]]
         out[name] = {}
         for tile, splits, fn in cells:
             us = timed(fn, ws)

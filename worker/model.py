@@ -375,7 +375,9 @@ class LlamaForCausalLM(nn.Module):
             # embedding + norm 2, 16 × 9 layer launches, final add + norm, reorder, norm, LM head, fp32
             # cast) → 133 at contexts up to ~2k (cos/sin 1, embedding + norm 1, 16 × 8, final add + norm,
             # norm, LM head) and 149 beyond (16 × 9: the merge kernel stays; Attention._forward_triton);
-            # 132 / 148 since the final add + norm's output feeds the LM head (compute_logits).
+            # 148 at every context since the seventh pass: o_proj's own merge is off (triton_linear.py
+            # MERGE_MAX_UNITS: slower than the merge kernel) and the final add + norm's output feeds the
+            # LM head (compute_logits).
             ops, layers = _triton_ops(), self.layers
             norm0 = layers[0].input_layernorm
             self._normed = None

@@ -445,9 +445,9 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                      "up_off", {"X": bf, "W": bf, "Bias": bf, "Out": "*fp32" if partial else bf},
                      {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWIGLU": swiglu, "HAS_BIAS": False,
                       "PARTIAL": partial, "PREC": None}, warps, pipelined=True) == 0
-    # The batch-1 tiles the launchers are set to (gate_up's SwiGLU, the LM head, per-matrix split-K), and
-    # the register GEMV kernel in its three output modes.
-    tiles = [(t, True, False) for t in [TL.M1_GATE_UP_TILE] if t] + [(t, False, False) for t in [TL.M1_LM_HEAD_TILE] if t]
+    # The batch-1 tiles the launchers are set to (the LM head, per-matrix split-K), and the register GEMV
+    # kernel in its three output modes.
+    tiles = [(t, False, False) for t in [TL.M1_LM_HEAD_TILE] if t]
     tiles += [(t, False, True) for t in TL.M1_ROLE_TILES.values()]
     tiles += [((True, 8, 4, 256, 1), sw, part) for sw, part in ((True, False), (False, True), (False, False))]
     for (gemv, bn, warps, bk, _), swiglu, partial in tiles:

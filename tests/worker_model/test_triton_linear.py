@@ -191,7 +191,8 @@ def test_decode_kernels_bench_runs_under_the_interpreter():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("| 1 | ") == 4 and "| b1_200 |" in out.stdout and "| b4_100 |" in out.stdout
-    out = subprocess.run([sys.executable, "bench/decode_kernels.py", "--model", "tiny", "--device", "cpu", "--part", "m1"],
-                         cwd=root, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "bench/decode_kernels.py", "--model", "tiny", "--device", "cpu",
+                          "--part", "m1"], cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "| lm_head | cuBLAS |" in out.stdout and "| gate_up | launcher |" in out.stdout and "failed" not in out.stdout
+    assert "| lm_head | cuBLAS |" in out.stdout and "| gate_up | launcher |" in out.stdout
+    assert "failed" not in out.stdout

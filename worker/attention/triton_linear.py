@@ -17,6 +17,10 @@ programs per column tile so that even 2048 columns fill the GPU. Its output is t
 - **SwiGLU**: for ``gate_up_proj`` a program reads the gate rows ``n`` and the up rows ``I + n`` and
   writes ``silu(gate)·up`` directly; the ``[M, 2I]`` product is never stored.
 
+At M = 1 a launch may instead run :func:`_gemv_kernel`, the same streaming without ``tl.dot``
+(per-matrix tiles: :data:`M1_ROLE_TILES`), and the LM head of a one-row step runs here too
+(:func:`linear_m1`, :data:`M1_LM_HEAD_TILE`): its 525 MB stream faster than in cuBLAS.
+
 Rounding points match the unfused path: the summed product is rounded to the model dtype before it
 is added to the residual, rotated or fed to SiLU (gate and up each rounded), as cuBLAS's output would
 be. Only the fp32 summation order differs.
@@ -45,32 +49,39 @@ SPLITK_PROGRAMS_PER_SM = 2
 #: pass)"): per matrix, narrow two-warp programs with 64-wide K tiles beat the M ≤ 32 tiles (qkv 6.85 →
 #: 5.51, o_proj 5.73 → 4.53, down_proj 12.92 → 10.48 µs per layer); end to end (one process, variants
 #: alternating) 2 programs per SM gave 1.042–1.049 ms per step at 1k context against 1.092–1.102 for the
-#: general tiles, 4 gave 1.072–1.085, 8 gave 1.171; 64-wide or four-warp programs were slower. ``None``
-#: keeps the general tiles at M = 1.
+#: general tiles, 4 gave 1.072–1.085, 8 gave 1.171; 64-wide or four-warp programs were slower; 1 and 1.5
+#: gave 1.0835–1.0837 and 1.0626–1.0655 against 1.0216–1.0274 for 2 (bench/RESULTS.md, "issue 17, seventh
+#: pass"). ``None`` keeps the general tiles at M = 1.
 M1_TILE: tuple[int, int, int] | None = (32, 2, 64)
 M1_PROGRAMS_PER_SM = 2
-#: Software-pipeline depth (``num_stages``) of the M = 1 split-K launch (bench/RESULTS.md, "issue 17, seventh pass").
+#: Software-pipeline depth (``num_stages``) of the M = 1 split-K launch of a matrix :data:`M1_ROLE_TILES`
+#: does not name (o_proj).
 M1_STAGES = 4
-#: Batch-1 decode: the SwiGLU launch's ``(GEMV, BLOCK_N, num_warps, BLOCK_K, num_stages)`` at M = 1 (no K
-#: split: SiLU needs the whole sum). ``GEMV`` picks :func:`_gemv_kernel` (multiply-add in registers, one
-#: reduction at the end) over :func:`_small_m_kernel`'s 16-row ``tl.dot`` tile. ``None`` keeps the
-#: general tiles (bench/RESULTS.md, "issue 17, seventh pass").
-M1_GATE_UP_TILE: tuple[bool, int, int, int, int] | None = None
-#: Batch-1 decode: per-matrix tiles of the M = 1 split-K launches, by the caller's ``role`` ("qkv", "o",
-#: "down"), in place of :data:`M1_TILE` + :data:`M1_STAGES` (bench/RESULTS.md, "issue 17, seventh pass").
-M1_ROLE_TILES: dict[str, tuple[bool, int, int, int, int]] = {}
-#: ``num_stages`` of o_proj's merged M = 1 launch (:func:`merged_linear_partials`).
-M1_MERGED_STAGES = 4
+#: Batch-1 decode: per-matrix ``(GEMV, BLOCK_N, num_warps, BLOCK_K, num_stages)`` of the M = 1 split-K
+#: launches, by the caller's ``role`` ("qkv", "o", "down"), in place of :data:`M1_TILE` + :data:`M1_STAGES`.
+#: ``GEMV`` picks :func:`_gemv_kernel` (multiply-add in registers, one reduction after the loop) over
+#: :func:`_small_m_kernel`'s 16-row ``tl.dot`` tile. Swept on the H200 (bench/RESULTS.md, "issue 17,
+#: seventh pass"; ``bench/decode_kernels.py --part m1``, µs per layer): qkv 5.87 (M1_TILE) → 5.32 with
+#: 64-column four-warp GEMV programs at 128-wide K (8 splits), down_proj 10.57 → 10.35 with five stages;
+#: o_proj's best (4.57) matched its 4.58. End to end (one process, variants alternating, ms per step at
+#: 1k / 8k): qkv 1.0172–1.0173 / 1.0837–1.0887, down 1.0225–1.0231 / 1.0891–1.0904, neither
+#: 1.0216–1.0274 / 1.0873–1.0953.
+M1_ROLE_TILES: dict[str, tuple[bool, int, int, int, int]] = {
+    "qkv": (True, 64, 4, 128, 1), "down": (False, 32, 2, 64, 5)}
 #: Batch-1 decode: the LM head's tile at one row (:func:`linear_m1`, from the model's compute_logits);
-#: ``None`` leaves it to cuBLAS (bench/RESULTS.md, "issue 17, seventh pass").
+#: ``None`` leaves it to cuBLAS. The 64-column dot tile read the 525 MB at 4.45 TB/s (117.7–118.0 µs)
+#: against cuBLAS's 4.29–4.33 (121.4–121.8 µs); end to end about 5 µs per step at 1k and 8k
+#: (bench/RESULTS.md, "issue 17, seventh pass").
 M1_LM_HEAD_TILE: tuple[bool, int, int, int, int] | None = (False, 64, 4, 128, 4)
 #: Batch-1 decode: o_proj merges the paged decode kernel's work units itself (:func:`merged_linear_partials`,
 #: one launch fewer per layer) when the row has at most this many units (a graph key of ≤ 2048 key slots
 #: at the launcher's 128-slot units: contexts up to ~2k). Each of o_proj's column tiles re-reads the
 #: units of its K range: at 16 units, 2048 columns and H·D = 2048 that is 64 tiles × 16 × 2048 × 4 B =
-#: 8 MB from L2, as much as the weight itself, so longer rows keep the merge kernel, which reads them
-#: once. 0 turns the fusion off.
-MERGE_MAX_UNITS = 16
+#: 8 MB from L2, as much as the weight itself. 0 turns the fusion off, which is faster end to end: the
+#: merge kernel + the plain split-K o_proj took 1.0105–1.0113 ms per step at 1k against 1.0216–1.0274
+#: with the fusion (bench/RESULTS.md, "issue 17, seventh pass"; the sixth pass had seen the same within
+#: its noise).
+MERGE_MAX_UNITS = 0
 
 
 @triton.jit
@@ -321,8 +332,8 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | No
     m, k = x.shape
     inter = gate_up.shape[0] // 2
     bm, bn = _tiles(m, inter)
-    if tile is None:
-        tile = (M1_GATE_UP_TILE if m == 1 else None) or (False, bn, 4, BLOCK_K, 4)
+    if tile is None:  # at M = 1 too: no M = 1 tile beat the general one (bench/RESULTS.md, seventh pass)
+        tile = (False, bn, 4, BLOCK_K, 4)
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     _launch(x, gate_up, bias, out, inter, k, k, 1, 0, inter * gate_up.stride(0), tile, bm, swiglu=True,
             partial=False)
@@ -369,5 +380,5 @@ def merged_linear_partials(mid_o: torch.Tensor, mid_l: torch.Tensor, row_start: 
         mid_o, mid_l, row_start, weight, bias if bias is not None else weight, out, n, k, kps, mid_o.stride(0),
         mid_l.stride(0), weight.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_U=max(2, triton.next_power_of_2(units_per_row)), HEAD_DIM=d, HAS_BIAS=bias is not None,
-        PREC=_prec(weight), num_warps=warps, num_stages=M1_MERGED_STAGES)
+        PREC=_prec(weight), num_warps=warps, num_stages=4)
     return out

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
 from worker.attention.plan import PagedDecode
-from worker.attention.triton_linear import (gate_up_silu, linear_m1, linear_partials, merged_linear_partials,
+from worker.attention.triton_linear import (MAX_M, gate_up_silu, linear_m1, linear_partials, merged_linear_partials,
                                             merges_units, use_small_m)
 
 __all__ = ["rope_store", "paged_decode", "paged_decode_units", "paged_prefill", "add_rms_norm", "embed_rms_norm",
@@ -387,9 +387,12 @@ def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, 
     tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(dt), mask=m)
 
 
-#: Warps of the add + RMSNorm kernel's one program per row; ``None``: one per 256 elements of the row
-#: (8 at hidden 2048), up to 16 (bench/RESULTS.md, "issue 17, seventh pass").
-NORM_WARPS: int | None = None
+#: Warps of the add + RMSNorm kernel's one program per row on decode steps (at most ``MAX_M`` rows):
+#: 16 took 0.9988–1.0002 ms per batch-1 step at 1k against 1.0216–1.0274 for 8 and 1.0275–1.0300 for 4
+#: (bench/RESULTS.md, "issue 17, seventh pass"): the single program sums up to 8 split-K partials of
+#: 2048 columns. Longer launches (prefill) keep one warp per 256 elements (8 at hidden 2048): at 16,
+#: 1024 rows no longer fit the GPU in one wave.
+DECODE_NORM_WARPS = 16
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -403,7 +406,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(rows,)](x, residual, weight, h, y, x.stride(-2), residual.stride(0), h.stride(0),
                                       y.stride(0), x.stride(0) if nsplit else 0, n, eps, BLOCK=block,
-                                      NSPLIT=nsplit, num_warps=NORM_WARPS or min(16, max(1, block // 256)))
+                                      NSPLIT=nsplit,
+                                      num_warps=DECODE_NORM_WARPS if rows <= MAX_M else min(16, max(1, block // 256)))
     return h, y
 
 
