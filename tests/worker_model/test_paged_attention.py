@@ -244,9 +244,11 @@ def test_one_row_o_proj_merges_decode_units(mode, bias, monkeypatch):
 @pytest.mark.parametrize("window", [None, 200])
 def test_one_row_decode_through_merged_o_proj_equals_torch(mode, window, monkeypatch):
     """Batch-1 decode over several work units takes the merged o_proj path (no merge kernel) in eager
-    steps and, on CUDA, in captured graphs; logits equal the torch backend's at every step."""
+    steps and, on CUDA, in captured graphs; logits equal the torch backend's at every step. The launcher
+    has the fusion off (``MERGE_MAX_UNITS`` 0); it is tested at the 16 units it ran with."""
     from worker.attention import triton_linear as TL
 
+    monkeypatch.setattr(TL, "MERGE_MAX_UNITS", 16)
     dev = device_of(mode)
     cfg = dataclasses.replace(preset_config("tiny"), sliding_window=window, name="tiny-merged")
     dtypes = [torch.float32, torch.bfloat16] if mode == "cuda" else [torch.float32]
