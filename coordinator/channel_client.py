@@ -25,8 +25,11 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+import msgspec
+
 from protocol import channel as cw
 from coordinator import client_codec as codec
+from router.policy_kv import explain as explain_kv
 from protocol import coord as wire
 from protocol.failures import Cause
 from protocol.coord import BadRequest, CoordinatorOverloaded, CoordinatorUnavailable
@@ -436,7 +439,7 @@ class ChannelClient:
         _req_id(req_id)
         rk = cw.wire_key(routing_key) if routing_key is not None else None
         ex = list(exclude) if exclude else None
-        return await self._call(lambda i: cw.Select(i, role, req_id, rk, ex))
+        return _expanded(await self._call(lambda i: cw.Select(i, role, req_id, rk, ex)))
 
     async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
                           exclude_gen: Any = None) -> dict:
@@ -444,7 +447,12 @@ class ChannelClient:
         rk = cw.wire_key(routing_key) if routing_key is not None else None
         ec = list(exclude_ctx) if exclude_ctx else None
         eg = list(exclude_gen) if exclude_gen else None
-        return await self._call(lambda i: cw.SelectPair(i, req_id, rk, ec, eg))
+        ans = await self._call(lambda i: cw.SelectPair(i, req_id, rk, ec, eg))
+        if isinstance(ans, dict):
+            for leg in ("context", "generation"):
+                if ans.get(leg):
+                    _expanded(ans[leg])
+        return ans
 
     async def renew(self, role: str, req_id: int) -> bool:
         role = _role(role)
@@ -541,6 +549,23 @@ class _Fallback(Exception):
 
 
 _PATHS = {cw.Select: codec.SELECT, cw.SelectPair: codec.SELECT_PAIR, cw.Renew: codec.RENEW}
+
+
+def _expanded(leg: Any) -> Any:
+    """A leg's answer with its `kv_cache_aware` explanation rebuilt from the numbers the channel
+    carried (`info["kv"]`, protocol/channel.py `KvChoice`): the HTTP API's `info`, less
+    `server_info`. Raises `BadAnswer` when they do not fit the schema."""
+    info = leg.get("info") if isinstance(leg, dict) else None
+    if isinstance(info, dict) and "kv" in info:
+        try:
+            choice = msgspec.convert(info.pop("kv"), cw.KvChoice)
+        except msgspec.ValidationError as exc:
+            raise wire.BadAnswer("coordinator channel", f"a kv_cache_aware placement's numbers "
+                                 f"(info.kv) do not fit protocol.channel.KvChoice: {exc}") from None
+        full = explain_kv(choice)
+        full.update(info)
+        leg["info"] = full
+    return leg
 
 
 def _error(url: str, call: Any, status: int, body: Any) -> Exception:

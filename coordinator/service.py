@@ -349,9 +349,11 @@ class Coordinator:
     def place(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str], *,
               server_info: bool = True) -> dict:
         """Place one leg and lease it (`role` canonical, `req_id` a u64, `key` checked by
-        `checks.routing_key`). Raises `NoServerAvailable`. `server_info=False` leaves the
-        server's `/server_info` out of `info` (the fleet channel: the fleet has its own copy, and
-        an SGLang worker's is kilobytes of server arguments, encoded and decoded per leg)."""
+        `checks.routing_key`). Raises `NoServerAvailable`. `server_info=False` is the fleet
+        channel's answer: the server's `/server_info` is left out of `info` (the fleet has its own
+        copy, and an SGLang worker's is kilobytes of server arguments, encoded and decoded per
+        leg), and a `kv_cache_aware` explanation travels as the numbers it is built from
+        (`info["kv"]`, protocol/channel.py `KvChoice`), which the channel's client expands."""
         t0 = time.perf_counter()
         ans = self._select(role, req_id, key, excluded, server_info)
         self.stats.select_latency.observe(time.perf_counter() - t0)
@@ -385,10 +387,14 @@ class Coordinator:
                     # Two due entries out per entry in: expiry keeps pace with placements in
                     # small steps instead of one burst per maintenance tick (a select stall).
                     index.expire_speculative(now, 2)
-        info = decision.explanation
         if server_info:
+            info = decision.explanation
             entry = self._entries.get(server)
             info["server_info"] = entry.server_info if entry is not None else None
+        elif decision.choice is not None:   # the fleet channel: its client builds the explanation
+            info = {"kv": decision.choice}
+        else:
+            info = decision.explanation
         info["lease_ttl_s"] = self.lease_ttl_s
         return {"server": server, "req_id": req_id, "info": info}
 
@@ -407,7 +413,9 @@ class Coordinator:
         mode, reason = Mode.DISAGGREGATED, None
         cond = self.config.conditional_disagg_config
         if cond is not None and key is not None and key.num_tokens:
-            matched = int(gen["info"].get("matched_tokens") or 0)
+            info = gen["info"]
+            kv = info.get("kv")
+            matched = kv.matched[kv.pick] if kv is not None else int(info.get("matched_tokens") or 0)
             uncached = key.num_tokens - matched
             if matched > 0 and uncached <= cond.max_local_prefill_length:
                 mode = Mode.GENERATION_ONLY

@@ -16,7 +16,9 @@ is counted and ignored, so re-sending an unacknowledged batch's finishes after a
 safe). Results carry the HTTP API's answer bodies (same shapes as `/select`, `/select_pair`,
 `/renew`) with the HTTP status they would have had, less `info.server_info`: the fleet keeps each
 server's `/server_info` from its own view of the cluster, and an SGLang worker's is kilobytes of
-server arguments that would be encoded and decoded for every leg.
+server arguments that would be encoded and decoded for every leg. A `kv_cache_aware` leg's
+explanation travels as the numbers it is built from (`KvChoice`, in `info["kv"]`), which the
+client expands (coordinator/channel_client.py).
 
 Validation happens here, at decode: roles are canonical names, ids are u64, block keys are one
 `bin` of little-endian u64; the coordinator does not re-check per call what the schema enforces.
@@ -94,6 +96,28 @@ class DecodedBatch(msgspec.Struct, tag="b", array_like=True):
     sent: float | None = None
     calls: list[Call] = []
     finishes: list[Finish] = []
+
+
+class KvChoice(msgspec.Struct, array_like=True):
+    """What a `kv_cache_aware` placement decided, in the numbers it decided from: the channel sends
+    this as a leg's `info["kv"]` instead of the explanation, which the client rebuilds from it
+    (router/policy_kv.py `explain`, the same function that builds the HTTP API's). Building and
+    encoding the explanation's rows and reasons was a fifth of the coordinator's work per request,
+    and only the fleet reads them. Lists are per healthy candidate, in candidate order."""
+    servers: list[str]
+    matched: list[int]                    # reported matched tokens
+    loads: list[tuple[int, int]]          # (in-flight requests, in-flight tokens)
+    costs: list[float | int]
+    pick: int                             # index of the chosen server
+    tied: list[int] = []                  # indexes tied at the lowest cost ([] when no tie)
+    hot: list[tuple[int, str]] = []       # (index, why) of the hot candidates
+    skip_hot: bool = False                # hot candidates were passed over
+    unknown: list[int] = []               # indexes whose cache match is unknown (kv_mismatch)
+    unhealthy: list[dict[str, Any]] = []  # the explanation's rows for unhealthy candidates
+    num_tokens: int = 0
+    conversation: str | None = None
+    pinned: str | None = None
+    explain_rows: int = 8
 
 
 class Result(msgspec.Struct, array_like=True):

@@ -47,14 +47,34 @@ class LoadView(Protocol):
     def matched_blocks(self, keys) -> dict[str, int]: ...
 
 
-@dataclass(slots=True)
 class Decision:
-    server: str
-    explanation: dict
-    # Leading prompt blocks the KV index holds for the chosen server (speculation included),
-    # uncapped: what the coordinator's speculative insert skips. None when the policy did not
-    # read the index or the server's match is unknown (`Candidate.kv_unknown`).
-    matched_blocks: int | None = None
+    """A policy's choice. ``explanation`` is the record above; a policy may leave the inputs it
+    was decided from in ``choice`` (``kv_cache_aware``: ``protocol.channel.KvChoice``) with an
+    ``explain`` function instead, and the record is built on first read: the fleet channel sends
+    the inputs and its client builds the record (coordinator/channel_client.py).
+    ``matched_blocks``: leading prompt blocks the KV index holds for the chosen server
+    (speculation included), uncapped: what the coordinator's speculative insert skips. None when
+    the policy did not read the index or the server's match is unknown (`Candidate.kv_unknown`)."""
+
+    __slots__ = ("server", "_explanation", "matched_blocks", "choice", "_explain")
+
+    def __init__(self, server: str, explanation: dict | None = None, matched_blocks: int | None = None,
+                 choice: Any = None, explain: Any = None):
+        self.server = server
+        self._explanation = explanation
+        self.matched_blocks = matched_blocks
+        self.choice = choice
+        self._explain = explain
+
+    @property
+    def explanation(self) -> dict:
+        e = self._explanation
+        if e is None:
+            e = self._explanation = self._explain(self.choice) if self._explain is not None else {}
+        return e
+
+    def __repr__(self) -> str:
+        return f"Decision({self.server!r}, matched_blocks={self.matched_blocks!r})"
 
 
 class IndexLoadView:

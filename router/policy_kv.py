@@ -4,9 +4,11 @@ records and the interface)."""
 from __future__ import annotations
 
 
+from protocol.channel import KvChoice
+
 from .policy_base import Decision, Policy, _Lru, _healthy, _loads
 
-__all__ = ["KvCacheAwarePolicy"]
+__all__ = ["KvCacheAwarePolicy", "explain"]
 
 
 class KvCacheAwarePolicy(Policy):
@@ -79,14 +81,12 @@ class KvCacheAwarePolicy(Policy):
         memo = self._cands
         if memo is not None and memo[0] == candidates:
             _, ok, unhealthy, servers, unknown, all_unknown = memo
-            rows = [dict(r) for r in unhealthy] if unhealthy else []
         else:
-            ok, rows = _healthy(self.name, candidates)
+            ok, unhealthy = _healthy(self.name, candidates)
             servers = [c.server for c in ok]
             unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
             all_unknown = len(unknown) == len(ok)
-            self._cands = (list(candidates), ok, [dict(r) for r in rows], servers, unknown,
-                           all_unknown)
+            self._cands = (list(candidates), ok, unhealthy, servers, unknown, all_unknown)
         n = len(servers)
         if key is not None:
             keys = key.block_keys
@@ -153,46 +153,65 @@ class KvCacheAwarePolicy(Policy):
         server = servers[pick]
         if conv:
             self._pins.put(conv, server)
-        # Rows for the chosen server and the next-cheapest ones only: building and encoding a
-        # row per candidate cost more than the decision itself at tens of servers.
-        n_unhealthy = len(rows)
-        if n == 2 and self.explain_rows > 1:     # one context and one generation pool of two
-            shown = [pick, 1 - pick]
-        elif n > 1:
-            # a sort of a few dozen floats is cheaper than heapq.nsmallest's bookkeeping
-            rest = sorted(range(n), key=costs.__getitem__)
-            rest.remove(pick)
-            shown = [pick, *rest[:self.explain_rows - 1]]
+        # The explanation is built from these numbers when it is read (`explain`): the fleet
+        # channel carries them and its client builds it (protocol/channel.py `KvChoice`).
+        choice = KvChoice(servers, matched, loads, costs, pick, tied if len(tied) > 1 else _NONE,
+                          list(hot.items()) if hot else _NONE, skip_hot, unknown, unhealthy,
+                          num_tokens, conv, pinned, self.explain_rows)
+        return Decision(server, None, None if unknown and ok[pick].kv_unknown
+                        else mget(server, 0) if mget is not None else 0, choice, explain)
+
+
+_NONE: list = []    # shared empty list of a KvChoice (never changed: explain only reads it)
+
+
+def explain(c: KvChoice) -> dict:
+    """The explanation record of a ``kv_cache_aware`` decision (module docstring of
+    router/policy_base.py; ``KvCacheAwarePolicy``'s docstring for the rows): the unhealthy
+    candidates, then the chosen server, then the next-lowest costs, ``explain_rows`` healthy rows
+    at most. Rows for the chosen and next-cheapest servers only: building and encoding a row per
+    candidate cost more than the decision itself at tens of servers."""
+    servers, matched, loads, costs, pick = c.servers, c.matched, c.loads, c.costs, c.pick
+    n = len(servers)
+    server = servers[pick]
+    pinned = c.pinned
+    tie = len(c.tied) > 1
+    hot = dict(c.hot) if c.hot else {}
+    unknown = set(c.unknown)
+    rows = [dict(r) for r in c.unhealthy]
+    n_unhealthy = len(rows)
+    if n > 1:
+        # a sort of a few dozen floats is cheaper than heapq.nsmallest's bookkeeping
+        rest = sorted(range(n), key=costs.__getitem__)
+        rest.remove(pick)
+        shown = [pick, *rest[:c.explain_rows - 1]]
+    else:
+        shown = [pick]
+    tied_set = set(c.tied) if tie else ()
+    for i in shown:
+        if i == pick:
+            w = ("chosen: lowest cost (tie, in turn)" if tie else "chosen: lowest cost") + (
+                ", conversation affinity bonus" if server == pinned else "")
+        elif c.skip_hot and i in hot:
+            w = hot[i]
+        elif i in tied_set:
+            w = "tied, not its turn"
         else:
-            shown = [pick]
-        tied_set = set(tied) if tie else ()
-        append = rows.append
-        for i in shown:
-            if i == pick:
-                w = ("chosen: lowest cost (tie, in turn)" if tie else "chosen: lowest cost") + (
-                    ", conversation affinity bonus" if server == pinned else "")
-            elif skip_hot and i in hot:
-                w = hot[i]
-            elif i in tied_set:
-                w = "tied, not its turn"
-            else:
-                w = "higher cost"
-            req, tok = loads[i]
-            if unknown and ok[i].kv_unknown:
-                w += " (kv_mismatch: cache match unknown, mean of the others assumed)"
-            append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
-                    "load_tokens": tok, "score": costs[i], "why": w})
-        reason = f"lowest cost: {matched[pick]} of {num_tokens} prompt tokens cached"
-        if all_hot:
-            reason += ", every candidate hot: cap ignored"
-        if pinned == server:
-            reason += ", conversation affinity"
-        return Decision(server, {
-            "policy": self.name, "candidates": rows, "chosen": server, "reason": reason,
-            "num_tokens": num_tokens, "matched_tokens": matched[pick],
-            "conversation": conv, "pinned": pinned, "candidates_total": n + n_unhealthy,
-            "hot": len(hot)}, None if unknown and ok[pick].kv_unknown
-            else mget(server, 0) if mget is not None else 0)
+            w = "higher cost"
+        req, tok = loads[i]
+        if i in unknown:
+            w += " (kv_mismatch: cache match unknown, mean of the others assumed)"
+        rows.append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
+                     "load_tokens": tok, "score": costs[i], "why": w})
+    reason = f"lowest cost: {matched[pick]} of {c.num_tokens} prompt tokens cached"
+    if len(hot) == n:
+        reason += ", every candidate hot: cap ignored"
+    if pinned == server:
+        reason += ", conversation affinity"
+    return {"policy": KvCacheAwarePolicy.name, "candidates": rows, "chosen": server, "reason": reason,
+            "num_tokens": c.num_tokens, "matched_tokens": matched[pick],
+            "conversation": c.conversation, "pinned": pinned, "candidates_total": n + n_unhealthy,
+            "hot": len(hot)}
 
 
 def _unknown_matches(matched: list[int], unknown: list[int]) -> tuple[list[int], list[int]]:
