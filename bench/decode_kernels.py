@@ -3,11 +3,15 @@
 
     python bench/decode_kernels.py --model 1b            # on a GPU: both parts below
     python bench/decode_kernels.py --part gemm           # small-M linears only
+    python bench/decode_kernels.py --part m1 --json m1.json   # batch-1 tiles (not part of "all")
 
 ``gemm``: every weight matrix of the model (all layers: their bytes do not fit in L2, as in a real
 step) multiplied by M = 1 / 8 / 32 rows, through cuBLAS (``F.linear``) and through the split-K kernel
 of worker/attention/triton_linear.py at the launcher's split count and at forced ones (gate_up: the
 fused SwiGLU kernel). Each cell is µs per matrix, from a CUDA graph replaying all layers.
+
+``m1``: batch-1 (M = 1) tiles of worker/attention/triton_linear.py per matrix, the LM head included,
+against cuBLAS: µs per matrix and GB/s of weight read.
 
 ``attn``: the paged decode kernel (worker/attention/triton_ops.py) over a pool of the model's KV
 shape, one launch per layer, for batch × context cases, at every work-unit size (``split``) and
@@ -90,6 +94,67 @@ def gemm(model, dev, ms) -> None:
             print(f"| {m} | {name} | {n} × {k} | {cub:.1f} | {ours:.1f} | {forced} |")
 
 
+#: M = 1 tiles ``(GEMV, BLOCK_N, num_warps, BLOCK_K, num_stages)`` that ``--part m1`` times besides the
+#: launchers' own (worker/attention/triton_linear.py; bench/RESULTS.md, "issue 17, seventh pass").
+M1_SWEEP = {
+    "gate_up": [(False, 32, 2, 128, 4), (False, 16, 1, 128, 3), (True, 4, 1, 256, 1), (True, 8, 4, 256, 1)],
+    "split": [(False, 32, 2, 64, 4), (False, 32, 2, 64, 5), (True, 32, 4, 256, 1), (True, 32, 8, 256, 1),
+              (True, 64, 8, 256, 1), (True, 32, 4, 512, 1), (True, 16, 2, 256, 1), (True, 64, 4, 128, 1)],
+    "lm_head": [(False, 64, 4, 128, 4), (False, 64, 4, 128, 5), (False, 64, 4, 128, 6), (False, 128, 4, 128, 4),
+                (False, 128, 8, 128, 4), (False, 64, 8, 128, 4), (False, 64, 4, 256, 3), (False, 64, 2, 128, 4),
+                (True, 4, 4, 512, 1)],
+}
+
+
+def m1(model, dev, quick: bool, json_path: str | None) -> None:
+    """Batch-1 tiles: gate_up (SwiGLU), the split-K matrices at the launcher's split for each tile, and
+    the LM head (:func:`worker.attention.triton_linear.linear_m1` against cuBLAS), µs per matrix."""
+    import json
+
+    from worker.attention import triton_linear as TL
+
+    layers = model.layers
+    mats = {"qkv": [l.self_attn.qkv_proj.weight for l in layers], "o": [l.self_attn.o_proj.weight for l in layers],
+            "down": [l.mlp.down_proj.weight for l in layers], "gate_up": [l.mlp.gate_up_proj.weight for l in layers],
+            "lm_head": [model.output_weight] * 4}
+    sweep = {k: v[:2] for k, v in M1_SWEEP.items()} if quick else M1_SWEEP
+    out: dict[str, dict[str, float | None]] = {}
+
+    def timed(fn, ws) -> float | None:
+        try:
+            return step_time(lambda: [fn(w) for w in ws], dev) / len(ws)
+        except Exception as e:  # a tile over the shared-memory limit, say
+            print(f"<!-- {type(e).__name__}: {str(e)[:120]} -->")
+            return None
+
+    print("\n| matrix | tile (GEMV, BLOCK_N, warps, BLOCK_K, stages) | K splits | µs | GB/s |")
+    print("|---|---|---:|---:|---:|")
+    for name, ws in mats.items():
+        n, k = ws[0].shape
+        x = torch.randn(1, k, device=dev, dtype=model.dtype)
+        nbytes = ws[0].numel() * ws[0].element_size()
+        cells = [("cuBLAS", 1, lambda w: F.linear(x, w))]
+        if name == "gate_up":
+            cells.append(("launcher", 1, lambda w: TL.gate_up_silu(x, w)))
+            cells += [(t, 1, lambda w, t=t: TL.gate_up_silu(x, w, tile=t)) for t in sweep["gate_up"]]
+        elif name == "lm_head":
+            cells += [(t, 1, lambda w, t=t: TL.linear_m1(x, w, tile=t)) for t in sweep["lm_head"]]
+        else:
+            cells.append(("launcher", TL.linear_partials(x, ws[0], role=name).shape[0],
+                          lambda w: TL.linear_partials(x, w, role=name)))
+            cells += [(t, TL.linear_partials(x, ws[0], tile=t).shape[0],
+                       lambda w, t=t: TL.linear_partials(x, w, tile=t)) for t in sweep["split"]]
+        out[name] = {}
+        for tile, splits, fn in cells:
+            us = timed(fn, ws)
+            out[name][str(tile)] = us
+            cell = "failed" if us is None else f"{us:.2f} | {nbytes / us / 1e3:.0f}"
+            print(f"| {name} | {tile} | {splits} | {cell} |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def attn(model, dev, quick: bool) -> None:
     from worker.attention import triton_ops as T
     from worker.attention.plan import build_paged_decode, choose_split, num_sms
@@ -132,7 +197,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="1b")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--part", choices=["gemm", "attn", "all"], default="all")
+    p.add_argument("--part", choices=["gemm", "attn", "m1", "all"], default="all",
+                   help="all = gemm + attn; m1 = the batch-1 tile sweep")
+    p.add_argument("--json", default=None, help="--part m1: also write its numbers here")
     args = p.parse_args(argv)
     dev = resolve_device(args.device)
     if dev.type != "cuda" and not interpreting():
@@ -148,6 +215,8 @@ def main(argv=None) -> int:
             gemm(model, dev, (1, 3) if quick else (1, 8, 32))
         if args.part in ("attn", "all"):
             attn(model, dev, quick)
+        if args.part == "m1":
+            m1(model, dev, quick, args.json)
     return 0
 
 

@@ -194,7 +194,7 @@ class Attention(nn.Module):
             # Decode-only step: RoPE and both cache stores in one launch, then the paged kernel.
             small = ops.use_small_m(x)
             a, o = self.qkv_proj, self.o_proj
-            qkv = ops.linear_partials(x, a.weight, a.bias) if small else a(x)
+            qkv = ops.linear_partials(x, a.weight, a.bias, role="qkv") if small else a(x)
             q = ops.rope_store(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_block, meta.slot_offset,
                                self.num_heads, self.num_kv_heads, self.head_dim)
             pd = meta.paged
@@ -205,7 +205,7 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             ops.paged_decode(q, kv_cache, self.layer_idx, pd, self.scale, out)
             out = out.view(n, self.q_size)
-            return ops.linear_partials(out, o.weight, o.bias) if small else o(out)
+            return ops.linear_partials(out, o.weight, o.bias, role="o") if small else o(out)
         q, k, v, layer = self._qkv_store(x, cos, sin, meta, kv_cache)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for p in meta.prefills:
@@ -318,7 +318,7 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp
         if ops.use_small_m(x):
             gu, down = mlp.gate_up_proj, mlp.down_proj
-            return h, ops.linear_partials(ops.gate_up_silu(x, gu.weight, gu.bias), down.weight, down.bias)
+            return h, ops.linear_partials(ops.gate_up_silu(x, gu.weight, gu.bias), down.weight, down.bias, role="down")
         return h, mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
 
 
@@ -340,6 +340,9 @@ class LlamaForCausalLM(nn.Module):
         self.to_empty(device=device)
         self.requires_grad_(False)  # inference only: no autograd bookkeeping on weights
         self.rotary = RotaryEmbedding(cfg, device)
+        # (hidden, norm(hidden)) of the last one-row triton decode forward: the final add + RMSNorm
+        # kernel computes both, so compute_logits given that very hidden skips its own norm launch.
+        self._normed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -371,10 +374,15 @@ class LlamaForCausalLM(nn.Module):
             # Launches of a one-row decode graph of 1b (16 layers): 157 before these fusions (cos/sin 6,
             # embedding + norm 2, 16 × 9 layer launches, final add + norm, reorder, norm, LM head, fp32
             # cast) → 133 at contexts up to ~2k (cos/sin 1, embedding + norm 1, 16 × 8, final add + norm,
-            # norm, LM head) and 149 beyond (16 × 9: the merge kernel stays; Attention._forward_triton).
+            # norm, LM head) and 149 beyond (16 × 9: the merge kernel stays; Attention._forward_triton);
+            # 148 at every context since the seventh pass: o_proj's own merge is off (triton_linear.py
+            # MERGE_MAX_UNITS: slower than the merge kernel) and the final add + norm's output feeds the
+            # LM head (compute_logits).
             ops, layers = _triton_ops(), self.layers
             norm0 = layers[0].input_layernorm
-            if not meta.prefills and input_ids.dim() == 1 and input_ids.shape[0] == 1:
+            self._normed = None
+            one_row = not meta.prefills and input_ids.dim() == 1 and input_ids.shape[0] == 1
+            if one_row:
                 h, x = ops.embed_rms_norm(input_ids, self.embed_tokens.weight, norm0.weight, norm0.eps)
             else:
                 h = self.embed_tokens(input_ids)
@@ -382,8 +390,14 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(layers):
                 h, m = layer.triton_parts(h, x, cos, sin, meta, kv_cache)
                 if i + 1 == len(layers):
-                    # m may be split-K partials: the add kernel sums them (its normalised output unused)
-                    return ops.add_rms_norm(m, h, self.norm.weight, self.norm.eps)[0] if m.dim() == 3 else h + m
+                    if m.dim() != 3:
+                        return h + m
+                    # m is split-K partials: the add kernel sums them; its normalised output is the LM
+                    # head's input, kept for compute_logits at one row (one launch fewer per step).
+                    h, y = ops.add_rms_norm(m, h, self.norm.weight, self.norm.eps)
+                    if one_row:
+                        self._normed = (h, y)
+                    return h
                 norm = layers[i + 1].input_layernorm
                 h, x = ops.add_rms_norm(m, h, norm.weight, norm.eps)
         h = self.embed_tokens(input_ids)
@@ -393,4 +407,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, vocab]`` (model dtype) for the given rows of :meth:`forward`'s output."""
+        normed = self._normed
+        if normed is not None and hidden is normed[0]:  # the final norm already ran (forward)
+            logits = _triton_ops().linear_m1(normed[1], self.output_weight)
+            return F.linear(normed[1], self.output_weight) if logits is None else logits
         return F.linear(self.norm(hidden), self.output_weight)

@@ -186,11 +186,13 @@ def test_runner_triton_backend_equals_torch(mode, window):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_row_o_proj_merges_decode_units(mode, bias):
+def test_one_row_o_proj_merges_decode_units(mode, bias, monkeypatch):
     """Batch-1 decode's o_proj reading the paged decode kernel's unmerged units
     (``merged_linear_partials``) sums to the merge kernel + split-K o_proj path and to ``F.linear``
     of the reference attention: rows of 2 … 16 units, graph-style unit buffers with empty units past
-    the row's, head_dim equal to, below and above the 64-wide K tile, forced split counts.
+    the row's, head_dim equal to, below and above the 64-wide K tile, forced split counts. The launcher
+    has the fusion off (``MERGE_MAX_UNITS`` 0: bench/RESULTS.md, "issue 17, seventh pass"); it is tested
+    at the 16 units it ran with.
 
     Tolerance: bf16 as :data:`TOL` relative to the output's scale (both paths round the merged
     attention output to bf16 once, then sum fp32 products in different orders); fp32 1e-4."""
@@ -199,6 +201,7 @@ def test_one_row_o_proj_merges_decode_units(mode, bias):
     from worker.attention import triton_linear as TL
     from worker.attention.plan import PagedDecode
 
+    monkeypatch.setattr(TL, "MERGE_MAX_UNITS", 16)
     big = mode == "cuda"
     dtype = torch.bfloat16 if big else torch.float32
     cases = [(8, 4, 64, 1025), (8, 4, 64, 2048), (8, 4, 64, 130), (2, 4, 128, 1500), (4, 2, 32, 700)] if big else \
@@ -241,9 +244,11 @@ def test_one_row_o_proj_merges_decode_units(mode, bias):
 @pytest.mark.parametrize("window", [None, 200])
 def test_one_row_decode_through_merged_o_proj_equals_torch(mode, window, monkeypatch):
     """Batch-1 decode over several work units takes the merged o_proj path (no merge kernel) in eager
-    steps and, on CUDA, in captured graphs; logits equal the torch backend's at every step."""
+    steps and, on CUDA, in captured graphs; logits equal the torch backend's at every step. The launcher
+    has the fusion off (``MERGE_MAX_UNITS`` 0); it is tested at the 16 units it ran with."""
     from worker.attention import triton_linear as TL
 
+    monkeypatch.setattr(TL, "MERGE_MAX_UNITS", 16)
     dev = device_of(mode)
     cfg = dataclasses.replace(preset_config("tiny"), sliding_window=window, name="tiny-merged")
     dtypes = [torch.float32, torch.bfloat16] if mode == "cuda" else [torch.float32]
@@ -445,10 +450,24 @@ def test_kernels_compile_for_hopper_without_spills(dim):
                      "up_off", {"X": bf, "W": bf, "Bias": bf, "Out": "*fp32" if partial else bf},
                      {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWIGLU": swiglu, "HAS_BIAS": False,
                       "PARTIAL": partial, "PREC": None}, warps, pipelined=True) == 0
+    # The batch-1 tiles the launchers are set to (the LM head, per-matrix split-K), and the register GEMV
+    # kernel in its three output modes.
+    tiles = [(t, False, False) for t in [TL.M1_LM_HEAD_TILE] if t]
+    tiles += [(t, False, True) for t in TL.M1_ROLE_TILES.values()]
+    tiles += [((True, 8, 4, 256, 1), sw, part) for sw, part in ((True, False), (False, True), (False, False))]
+    for (gemv, bn, warps, bk, _), swiglu, partial in tiles:
+        const = {"BLOCK_N": bn, "BLOCK_K": bk, "SWIGLU": swiglu, "HAS_BIAS": False, "PARTIAL": partial}
+        types = {"X": bf, "W": bf, "Bias": bf, "Out": "*fp32" if partial else bf}
+        if gemv:
+            assert build(TL._gemv_kernel, "X W Bias Out N K k_per_split stride_wn stride_os up_off", types, const,
+                         warps) == 0
+        else:
+            assert build(TL._small_m_kernel, "X W Bias Out M N K k_per_split stride_xm stride_wn stride_os stride_om "
+                         "up_off", types, const | {"BLOCK_M": 16, "PREC": None}, warps, pipelined=True) == 0
     build(T._silu_mul_kernel, "GU Out stride_gu stride_o inter", {"GU": bf, "Out": bf}, {"BLOCK": 1024}, 4)
     assert build(T._embed_rms_norm_kernel, "Ids E W H Y stride_e stride_h stride_y n eps",
                  {"Ids": i64, "E": bf, "W": bf, "H": bf, "Y": bf, "eps": "fp32"}, {"BLOCK": 2048}, 8) == 0
     assert build(TL._merged_m1_kernel, "MidO MidL RowStart W Bias Out N K k_per_split stride_mu stride_lu stride_wn "
                  "stride_os", {"MidO": "*fp32", "MidL": "*fp32", "RowStart": i64, "W": bf, "Bias": bf, "Out": "*fp32"},
-                 {"BLOCK_M": 16, "BLOCK_N": m1[0], "BLOCK_K": m1[2], "BLOCK_U": TL.MERGE_MAX_UNITS, "HEAD_DIM": dim,
+                 {"BLOCK_M": 16, "BLOCK_N": m1[0], "BLOCK_K": m1[2], "BLOCK_U": TL.MERGE_MAX_UNITS or 16, "HEAD_DIM": dim,
                   "HAS_BIAS": False, "PREC": None}, m1[1], pipelined=True) == 0

@@ -26,6 +26,12 @@ MODES = [
 ]
 
 
+#: M = 1 tiles ``(GEMV, BLOCK_N, num_warps, BLOCK_K, num_stages)`` beside the launchers' own: the
+#: register GEMV kernel at several shapes (BLOCK_K past K, BLOCK_N past N) and the ``tl.dot`` one.
+M1_TILES = [(True, 8, 4, 256, 1), (True, 16, 2, 128, 1), (True, 4, 1, 512, 1), (False, 32, 2, 64, 3),
+            (False, 16, 1, 128, 5)]
+
+
 def setup(mode):
     if mode == "interp":
         from worker.attention import interpreting
@@ -62,6 +68,16 @@ def test_partials_sum_to_linear(mode, bias):
                 assert p.dtype == torch.float32 and p.shape[1:] == (m, n)
                 close(p.sum(0), ref, torch.float32 if dtype == torch.float32 else torch.bfloat16,
                       f"n={n} k={k} m={m} splits={splits}->{p.shape[0]}")
+            if m == 1:
+                for tile in M1_TILES:  # the LM head's one-row launch: unsplit, output in the model dtype
+                    out = TL.linear_m1(x, w, tile=tile)
+                    assert out.dtype == dtype and out.shape == (1, n)
+                    close(out, F.linear(x.float(), w.float()), dtype, f"linear_m1 n={n} k={k} tile={tile}")
+            for tile in (M1_TILES if m == 1 else ()):
+                for splits in (None, 1, 3):
+                    p = TL.linear_partials(x, w, b, splits=splits, tile=tile)
+                    close(p.sum(0), ref, torch.float32 if dtype == torch.float32 else torch.bfloat16,
+                          f"n={n} k={k} tile={tile} splits={splits}->{p.shape[0]}")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -81,6 +97,8 @@ def test_gate_up_silu_matches_unfused(mode, bias):
             gate, up = gu.float().split(two_i // 2, -1)
             ref = F.silu(gate) * up
             close(TL.gate_up_silu(x, w, b), ref, dtype, f"2I={two_i} k={k} m={m}")
+            for tile in (M1_TILES if m == 1 else ()):
+                close(TL.gate_up_silu(x, w, b, tile=tile), ref, dtype, f"2I={two_i} k={k} tile={tile}")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -123,6 +141,26 @@ def test_consumers_sum_partials(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_add_rms_norm_matches_torch(mode):
+    """``h = x + residual`` rounded to the model dtype, then ``F.rms_norm(h)``, from a product or from
+    its split-K partials, at one row and several."""
+    TL, T, dev, dtype = setup(mode)
+    g = torch.Generator().manual_seed(5)
+    hidden, k = (2048, 8192) if mode == "cuda" else (96, 256)
+    w = (torch.randn(hidden, k, generator=g) / k ** 0.5).to(dev, dtype)
+    nw = torch.rand(hidden, generator=g).to(dev, dtype)
+    for rows in (1, 5):
+        x = torch.randn(rows, k, generator=g).to(dev, dtype)
+        res = torch.randn(rows, hidden, generator=g).to(dev, dtype)
+        p = TL.linear_partials(x, w)
+        for inp in (p, p.sum(0).to(dtype)):
+            h, y = T.add_rms_norm(inp, res, nw, 1e-5)
+            ref_h = (p.sum(0).to(dtype).float() + res.float()).to(dtype)
+            close(h, ref_h, dtype, f"h rows={rows} {tuple(inp.shape)}")
+            close(y, F.rms_norm(ref_h.float(), (hidden,), nw.float(), 1e-5), dtype, f"y rows={rows}")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_embed_rms_norm_matches_embedding_then_norm(mode):
     """The one-row decode step's embedding lookup + first input norm in one kernel equals
     ``F.embedding`` then ``F.rms_norm`` (the lookup exactly; the norm to the tolerance above: fp32
@@ -153,3 +191,8 @@ def test_decode_kernels_bench_runs_under_the_interpreter():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("| 1 | ") == 4 and "| b1_200 |" in out.stdout and "| b4_100 |" in out.stdout
+    out = subprocess.run([sys.executable, "bench/decode_kernels.py", "--model", "tiny", "--device", "cpu",
+                          "--part", "m1"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| lm_head | cuBLAS |" in out.stdout and "| gate_up | launcher |" in out.stdout
+    assert "failed" not in out.stdout

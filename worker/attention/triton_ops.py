@@ -25,12 +25,12 @@ import triton.language as tl
 
 from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, before any kernel runs)
 from worker.attention.plan import PagedDecode
-from worker.attention.triton_linear import (gate_up_silu, linear_partials, merged_linear_partials, merges_units,
-                                            use_small_m)
+from worker.attention.triton_linear import (MAX_M, gate_up_silu, linear_m1, linear_partials, merged_linear_partials,
+                                            merges_units, use_small_m)
 
 __all__ = ["rope_store", "paged_decode", "paged_decode_units", "paged_prefill", "add_rms_norm", "embed_rms_norm",
            "silu_mul", "use_small_m", "linear_partials", "gate_up_silu", "merged_linear_partials", "merges_units",
-           "decode_config"]
+           "linear_m1", "decode_config"]
 
 _LOG2E = 1.4426950408889634
 #: Keys per tile. Shapes picked from ``ptxas -v`` and the TTGIR for sm_90 with the launcher's
@@ -78,6 +78,10 @@ def _rope_store_kernel(QKV, Cos, Sin, K, V, SlotBlock, SlotOff, QOut,
     offs = tl.arange(0, BLOCK_HALF)
     m = offs < HALF
     src = QKV + t * stride_qkv + h * HEAD_DIM
+    # The cache slot is loaded before the product it stores, not after the rotation: its round trip
+    # then overlaps the product's instead of following it (bench/RESULTS.md, "issue 17, seventh pass").
+    blk = tl.load(SlotBlock + t).to(tl.int64)
+    off = tl.load(SlotOff + t).to(tl.int64)
     if NSPLIT > 0:
         a1 = tl.zeros([BLOCK_HALF], tl.float32)
         a2 = tl.zeros([BLOCK_HALF], tl.float32)
@@ -104,8 +108,6 @@ def _rope_store_kernel(QKV, Cos, Sin, K, V, SlotBlock, SlotOff, QOut,
     if h < NQ:
         dst = QOut + t * stride_qo + h * HEAD_DIM
     else:
-        blk = tl.load(SlotBlock + t).to(tl.int64)
-        off = tl.load(SlotOff + t).to(tl.int64)
         base = blk * stride_blk + off * stride_tok
         if h < NQ + NKV:
             dst = K + base + (h - NQ) * HEAD_DIM
@@ -366,6 +368,11 @@ def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, 
     offs = tl.arange(0, BLOCK)
     m = offs < n
     dt = H.dtype.element_ty
+    # The weight first: loaded after the reduction (a barrier) its latency, from HBM in a decode
+    # step, would follow the partials' instead of overlapping it (bench/RESULTS.md, "issue 17,
+    # seventh pass").
+    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + offs, mask=m, other=0.0)
     if NSPLIT > 0:  # split-K partials of the product feeding the residual (triton_linear.py)
         acc = tl.zeros([BLOCK], tl.float32)
         for sp in tl.static_range(NSPLIT):
@@ -373,13 +380,19 @@ def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, 
         x = acc.to(dt)
     else:
         x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
-    r = tl.load(R + row * stride_r + offs, mask=m, other=0.0)
     h = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
     tl.store(H + row * stride_h + offs, h, mask=m)
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
-    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(dt), mask=m)
+
+
+#: Warps of the add + RMSNorm kernel's one program per row on decode steps (at most ``MAX_M`` rows):
+#: 16 took 0.9988–1.0002 ms per batch-1 step at 1k against 1.0216–1.0274 for 8 and 1.0275–1.0300 for 4
+#: (bench/RESULTS.md, "issue 17, seventh pass"): the single program sums up to 8 split-K partials of
+#: 2048 columns. Longer launches (prefill) keep one warp per 256 elements (8 at hidden 2048): at 16,
+#: 1024 rows no longer fit the GPU in one wave.
+DECODE_NORM_WARPS = 16
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -393,7 +406,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(rows,)](x, residual, weight, h, y, x.stride(-2), residual.stride(0), h.stride(0),
                                       y.stride(0), x.stride(0) if nsplit else 0, n, eps, BLOCK=block,
-                                      NSPLIT=nsplit, num_warps=min(16, max(1, block // 256)))
+                                      NSPLIT=nsplit,
+                                      num_warps=DECODE_NORM_WARPS if rows <= MAX_M else min(16, max(1, block // 256)))
     return h, y
 
 
@@ -402,12 +416,12 @@ def _embed_rms_norm_kernel(Ids, E, W, H, Y, stride_e, stride_h, stride_y, n, eps
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < n
+    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)  # first, as in _add_rms_norm_kernel
     tok = tl.load(Ids + row).to(tl.int64)
     h = tl.load(E + tok * stride_e + offs, mask=m, other=0.0)
     tl.store(H + row * stride_h + offs, h, mask=m)
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
-    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (hf * rstd * w).to(H.dtype.element_ty), mask=m)
 
 
