@@ -47,38 +47,21 @@ def _batches(coord_url: str) -> float | None:
 
 
 def one(work: Path, tree: Path, tag: str, urls, policy: str, two_leg: bool, args, script: Path) -> dict:
-    F.ROOT = tree            # start_fleet runs `python -m splitserve_cli` in F.ROOT
-    port = F.free_port_pair()
-    cfg = F.fleet_config(work, tag, port, urls["gen"], urls["ctx"] if two_leg else [], policy,
-                         args.num_workers)
-    g = F.start_fleet(work, tag, cfg)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        F.wait_http(url + "/v1/completions", 90, g, body=F.BODY)
-        F.wrk(url, script, args.conns, "1s", args.wrk_threads)
-        time.sleep(0.5)      # see bench/fleet.py measure_group: wrk's port reuse after a run
-        b0, c0 = _batches(f"http://127.0.0.1:{port - 1}"), g.ticks_split()
-        r = F.wrk(url, script, args.conns, args.duration, args.wrk_threads)
-        b1, c1 = _batches(f"http://127.0.0.1:{port - 1}"), g.ticks_split()
-    finally:
-        g.stop()
-    n = max(1, r["n"])
-    return {"rps": r["rps"], "errors": r["errors"], "p99_ms": r["p99_ms"],
-            "fleet_us": (c1["fleet"] - c0["fleet"]) / F.CLK_TCK / n * 1e6,
-            "coord_us": (c1["coordinator"] - c0["coordinator"]) / F.CLK_TCK / n * 1e6,
-            "batches_per_req": (b1 - b0) / n if b0 is not None and b1 is not None else None}
+    """One tree's fleet on its own (the in-turn rounds)."""
+    return together(work, [tree], [tag], urls, policy, two_leg, args, script)[0]
 
 
 def together(work: Path, trees: list[Path], tags: list[str], urls, policy: str, two_leg: bool, args,
              script: Path) -> list[dict]:
-    """`--together`: one fleet per tree, all loaded at once by their own wrk (same connections,
-    same duration), so every tree sees the same contention from the rest of the box; each one's
-    CPU per request is its own processes' ticks over its own requests."""
+    """One fleet per tree, all loaded at once by their own wrk (same connections, same duration):
+    with `--together` every tree sees the same contention from the rest of the box; with one tree
+    it is a round's run of that tree (`one`). Each one's CPU per request is its own processes'
+    ticks over its own requests."""
     from concurrent.futures import ThreadPoolExecutor
     groups, ports = [], []
     try:
         for tree, tag in zip(trees, tags):
-            F.ROOT = tree
+            F.ROOT = tree            # start_fleet runs `python -m splitserve_cli` in F.ROOT
             port = F.free_port_pair()
             cfg = F.fleet_config(work, tag, port, urls["gen"], urls["ctx"] if two_leg else [], policy,
                                  args.num_workers)
@@ -89,7 +72,7 @@ def together(work: Path, trees: list[Path], tags: list[str], urls, policy: str, 
         with ThreadPoolExecutor(len(groups)) as ex:
             list(ex.map(lambda p: F.wrk(f"http://127.0.0.1:{p}", script, args.conns, "1s", args.wrk_threads),
                         ports))
-            time.sleep(0.5)
+            time.sleep(0.5)      # see bench/fleet.py measure_group: wrk's port reuse after a run
             before = [(_batches(f"http://127.0.0.1:{p - 1}"), g.ticks_split()) for g, p in zip(groups, ports)]
             runs = list(ex.map(lambda p: F.wrk(f"http://127.0.0.1:{p}", script, args.conns, args.duration,
                                                      args.wrk_threads),

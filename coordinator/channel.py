@@ -109,23 +109,12 @@ class ChannelServer:
         coord = self.coord
         st = self.stats
         st.batches += 1
-        results = []
         limit = since + self.max_queue_delay_s
         mono = time.monotonic
+        finishes, calls, results = self._items(b)
         # Finishes first: none can be for a lease taken by a call of the same batch (its answer has
         # not reached the client), while a call may follow a finish of the same key (a retry).
-        decoded = type(b) is cw.DecodedBatch     # items decoded with the frame (`cw.decode_frame`)
-        for raw in b.finishes:
-            st.finishes += 1
-            if decoded:
-                f = raw
-            else:
-                try:
-                    f = cw.decode_finish(raw)
-                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                    st.bad_calls += 1
-                    log.warning("ignored a malformed finish on the channel: %s", exc)
-                    continue
+        for f in finishes:
             # Role, id and flag were checked by the frame schema; the usage numbers' bounds are not.
             try:
                 usage = wire.finish_usage(f.usage)
@@ -134,20 +123,7 @@ class ChannelServer:
                 log.warning("finish on the channel: %s; ending the lease without its usage", exc)
                 usage = None
             coord.end_lease(f.role, f.req_id, f.success, usage)
-        for raw in b.calls:
-            st.calls += 1
-            if decoded:
-                call = raw
-            else:
-                try:
-                    call = cw.decode_call(raw)
-                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                    st.bad_calls += 1
-                    cid = cw.call_id(raw)
-                    if cid is not None:
-                        results.append(cw.Result(cid, cw.BAD_REQUEST,
-                                                 {"error": f"malformed channel call: {exc}", "field": None}))
-                    continue
+        for call in calls:
             t = type(call)
             if t is cw.Renew:
                 results.append(cw.Result(call.id, cw.OK,
@@ -184,6 +160,33 @@ class ChannelServer:
                 coord.stats.bad_requests[name] = coord.stats.bad_requests.get(name, 0) + 1
                 results.append(cw.Result(call.id, cw.BAD_REQUEST, exc.to_body()))
         return cw.Replies(b.seq, results)
+
+    def _items(self, b: cw.DecodedBatch | cw.Batch) -> tuple[list, list, list]:
+        """(finishes, calls, answers to malformed calls) of a batch: as decoded with the frame
+        (`cw.decode_frame`), or decoded one by one when an item did not fit the schema, a malformed
+        finish ignored and a malformed call answered 400 on its own (when its id is readable)."""
+        st = self.stats
+        st.finishes += len(b.finishes)
+        st.calls += len(b.calls)
+        if type(b) is cw.DecodedBatch:
+            return b.finishes, b.calls, []
+        finishes, calls, bad = [], [], []
+        for raw in b.finishes:
+            try:
+                finishes.append(cw.decode_finish(raw))
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                st.bad_calls += 1
+                log.warning("ignored a malformed finish on the channel: %s", exc)
+        for raw in b.calls:
+            try:
+                calls.append(cw.decode_call(raw))
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                st.bad_calls += 1
+                cid = cw.call_id(raw)
+                if cid is not None:
+                    bad.append(cw.Result(cid, cw.BAD_REQUEST,
+                                         {"error": f"malformed channel call: {exc}", "field": None}))
+        return finishes, calls, bad
 
 
 class ChannelConn(asyncio.Protocol):

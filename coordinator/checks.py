@@ -21,14 +21,12 @@ def routing_key(rk: Any, block_size: int) -> RoutingKey | None:
     `num_tokens` holds at this block size). A decoded wire struct (`wire.RoutingKeyBody`) or a
     conversation-id string has its types guaranteed by the decoder; a dict or `RoutingKey`
     from a Python caller is type-checked here."""
-    if type(rk) is wire.RoutingKeyBody:      # the channel's and the HTTP API's decoded form
+    if isinstance(rk, wire.RoutingKeyBody):   # first: the channel's and the HTTP API's decoded form
         keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
     elif rk is None:
         return None
     elif isinstance(rk, str):
         return RoutingKey(block_keys=None, num_tokens=0, conversation_id=rk)
-    elif isinstance(rk, wire.RoutingKeyBody):
-        keys, n, conv = rk.block_keys, rk.num_tokens, rk.conversation_id
     else:
         keys, n, conv = _python_routing_key(rk)
     arr = None if keys is None else wire.block_keys_array(keys)

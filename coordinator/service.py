@@ -415,7 +415,7 @@ class Coordinator:
         if cond is not None and key is not None and key.num_tokens:
             info = gen["info"]
             kv = info.get("kv")
-            matched = kv.matched[kv.pick] if kv is not None else int(info.get("matched_tokens") or 0)
+            matched = kv.matched_tokens if kv is not None else int(info.get("matched_tokens") or 0)
             uncached = key.num_tokens - matched
             if matched > 0 and uncached <= cond.max_local_prefill_length:
                 mode = Mode.GENERATION_ONLY

@@ -101,9 +101,10 @@ class DecodedBatch(msgspec.Struct, tag="b", array_like=True):
 class KvChoice(msgspec.Struct, array_like=True):
     """What a `kv_cache_aware` placement decided, in the numbers it decided from: the channel sends
     this as a leg's `info["kv"]` instead of the explanation, which the client rebuilds from it
-    (router/policy_kv.py `explain`, the same function that builds the HTTP API's). Building and
-    encoding the explanation's rows and reasons was a fifth of the coordinator's work per request,
-    and only the fleet reads them. Lists are per healthy candidate, in candidate order."""
+    (router/policy_kv.py `explain`, the same function that builds the HTTP API's). Building the
+    explanation's rows and reasons took over a third of a two-candidate `select` (bench/RESULTS.md,
+    "coordinator · the kv explanation built by the channel's client"), and only the fleet reads
+    them. Lists are per healthy candidate, in candidate order."""
     servers: list[str]
     matched: list[int]                    # reported matched tokens
     loads: list[tuple[int, int]]          # (in-flight requests, in-flight tokens)
@@ -118,6 +119,11 @@ class KvChoice(msgspec.Struct, array_like=True):
     conversation: str | None = None
     pinned: str | None = None
     explain_rows: int = 8
+
+    @property
+    def matched_tokens(self) -> int:
+        """The chosen server's reported matched tokens (the explanation's `matched_tokens`)."""
+        return self.matched[self.pick]
 
 
 class Result(msgspec.Struct, array_like=True):

@@ -428,7 +428,11 @@ def check_req_id(req_id: int, field: str = "req_id") -> int:
 
 def block_keys_array(keys: Any, field: str = "routing_key.block_keys") -> np.ndarray:
     """Block keys as a uint64 array: from bytes (little-endian u64, no copy), a list, or an array."""
-    if type(keys) is bytes and not len(keys) % 8:   # the wire form (checked in full below otherwise)
+    if isinstance(keys, (bytes, bytearray, memoryview)):   # first: the wire form
+        n = len(keys)
+        if n % 8:
+            raise BadRequest(f"binary block keys must be a multiple of 8 bytes (little-endian u64), "
+                             f"got {n} bytes", field)
         return np.frombuffer(keys, dtype="<u8")
     if isinstance(keys, np.ndarray):
         if keys.dtype == np.uint64:
@@ -436,12 +440,6 @@ def block_keys_array(keys: Any, field: str = "routing_key.block_keys") -> np.nda
         if keys.dtype.kind not in "iu" or (keys.size and keys.dtype.kind == "i" and keys.min() < 0):
             raise BadRequest(f"block keys must be unsigned 64-bit integers, got dtype {keys.dtype}", field)
         return keys.astype(np.uint64)
-    if isinstance(keys, (bytes, bytearray, memoryview)):
-        n = len(keys)
-        if n % 8:
-            raise BadRequest(f"binary block keys must be a multiple of 8 bytes (little-endian u64), "
-                             f"got {n} bytes", field)
-        return np.frombuffer(keys, dtype="<u8")
     if isinstance(keys, (list, tuple)):
         try:
             return np.array(keys, dtype=np.uint64)

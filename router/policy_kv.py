@@ -208,13 +208,13 @@ def explain(c: KvChoice) -> dict:
             w += " (kv_mismatch: cache match unknown, mean of the others assumed)"
         append({"server": servers[i], "matched_tokens": matched[i], "load_requests": req,
                 "load_tokens": tok, "score": costs[i], "why": w})
-    reason = f"lowest cost: {matched[pick]} of {c.num_tokens} prompt tokens cached"
+    reason = f"lowest cost: {c.matched_tokens} of {c.num_tokens} prompt tokens cached"
     if len(hot) == n:
         reason += ", every candidate hot: cap ignored"
     if pinned == server:
         reason += ", conversation affinity"
     return {"policy": KvCacheAwarePolicy.name, "candidates": rows, "chosen": server, "reason": reason,
-            "num_tokens": c.num_tokens, "matched_tokens": matched[pick],
+            "num_tokens": c.num_tokens, "matched_tokens": c.matched_tokens,
             "conversation": c.conversation, "pinned": pinned, "candidates_total": n + n_unhealthy,
             "hot": len(hot)}
 

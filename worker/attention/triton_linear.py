@@ -278,6 +278,11 @@ def _prec(x: torch.Tensor) -> str | None:
 Tile = tuple[bool, int, int, int, int]
 
 
+def _general_tile(block_n: int) -> Tile:
+    """The M ≤ :data:`MAX_M` tile: ``tl.dot``, 4 warps, :data:`BLOCK_K`-wide K, 4 stages."""
+    return (False, block_n, 4, BLOCK_K, 4)
+
+
 def _m1_split_tile(role: str | None) -> Tile | None:
     if M1_TILE is None:
         return None
@@ -309,13 +314,10 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     m, k = x.shape
     n = weight.shape[0]
     bm, bn = _tiles(m, n)
-    per_sm = None
-    if tile is None:
-        tile = _m1_split_tile(role) if m == 1 else None
-        per_sm = M1_PROGRAMS_PER_SM if tile is not None else None
-        tile = tile or (False, bn, 4, BLOCK_K, 4)
-    elif m == 1:
-        per_sm = M1_PROGRAMS_PER_SM
+    if tile is None and m == 1:
+        tile = _m1_split_tile(role)
+    per_sm = M1_PROGRAMS_PER_SM if m == 1 and tile is not None else None
+    tile = tile or _general_tile(bn)
     bn, bk = tile[1], tile[3]
     s = splits or choose_splits(m, n, k, bn, _num_sms(x.device), bk, per_sm)
     kps = triton.cdiv(triton.cdiv(k, s), bk) * bk
@@ -333,7 +335,7 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | No
     inter = gate_up.shape[0] // 2
     bm, bn = _tiles(m, inter)
     if tile is None:  # at M = 1 too: no M = 1 tile beat the general one (bench/RESULTS.md, seventh pass)
-        tile = (False, bn, 4, BLOCK_K, 4)
+        tile = _general_tile(bn)
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     _launch(x, gate_up, bias, out, inter, k, k, 1, 0, inter * gate_up.stride(0), tile, bm, swiglu=True,
             partial=False)
