@@ -314,8 +314,9 @@ class Placer:
             try:
                 if ch is not None and ch.connected and not self._inline:
                     # straight to the channel (what coord.select does when it is connected), no
-                    # `_leased` wrapper: the channel client ends a cancelled caller's lease itself
-                    ans = await ch.select(role, req_id, routing_key, excl)
+                    # `_leased` wrapper: the channel client ends a cancelled caller's lease itself;
+                    # its answer comes checked (as_answer below returns it as is)
+                    ans = await ch.select_answer(role, req_id, routing_key, excl)
                 else:
                     ans = await self._leased(self.coord.select(role, req_id, routing_key=routing_key,
                                                                exclude=excl), (role,), req_id)
@@ -341,7 +342,7 @@ class Placer:
             ch = self._chan
             try:
                 if ch is not None and ch.connected and not self._inline:
-                    ans = await ch.select_pair(req_id, routing_key, ec, eg)     # as in `place`
+                    ans = await ch.select_pair_answer(req_id, routing_key, ec, eg)   # as in `place`
                 else:
                     ans = await self._leased(self.coord.select_pair(req_id, routing_key=routing_key,
                                                                     exclude_ctx=ec, exclude_gen=eg),

@@ -31,6 +31,11 @@ MODES = tuple(Mode)
 
 _ROUTE_KEYS = ("matched_tokens", "score", "reason", "load_requests")
 _CANDIDATE_KEYS = ("server", "matched_tokens", "load_requests", "score", "why")
+# A `kv_cache_aware` row's keys in their order (router/policy_kv.py `explain`): its entry is the
+# row less `load_tokens`, a copy and a delete, ~5x cheaper than the key-by-key projection (two rows
+# per leg, two legs per request). Any other row goes key by key.
+_KV_ROW = ("server", "matched_tokens", "load_requests", "load_tokens", "score", "why")
+assert tuple(k for k in _KV_ROW if k != "load_tokens") == _CANDIDATE_KEYS
 TOP_CANDIDATES = 4
 
 
@@ -85,9 +90,17 @@ def route_of(server: str, policy: str, explanation: dict) -> dict:
             out[k] = explanation[k]
     cands = explanation.get("candidates")
     if isinstance(cands, list) and cands:
-        out["candidates"] = [{k: c[k] for k in _CANDIDATE_KEYS if k in c}
-                             for c in cands[:TOP_CANDIDATES] if isinstance(c, dict)]
+        out["candidates"] = [_candidate(c) for c in cands[:TOP_CANDIDATES] if isinstance(c, dict)]
     return out
+
+
+def _candidate(row: dict) -> dict:
+    """A candidate row's entry in the route header: its `_CANDIDATE_KEYS`, in that order."""
+    if tuple(row) == _KV_ROW:
+        c = row.copy()
+        del c["load_tokens"]
+        return c
+    return {k: row[k] for k in _CANDIDATE_KEYS if k in row}
 
 
 def route_start(rid: int, mode: str, alias: int | None, protocol: str | None = None) -> dict:

@@ -113,6 +113,50 @@ async def test_channel_answers_leave_out_server_info_the_http_api_keeps_it(serve
         await http.close()
 
 
+async def test_typed_answers_equal_the_dict_answers(served):
+    """`select_answer` / `select_pair_answer` (what the fleet's placer awaits: the answer checked,
+    then its kv explanation built) give what `as_answer` makes of `select` / `select_pair` (built,
+    then checked), for the same coordinator reply."""
+    import copy
+    from unittest import mock
+
+    import msgspec
+
+    from protocol.coord import SelectAnswer, SelectPairAnswer, as_answer
+    c, s, ctx, gen = await served()
+    keys = block_keys(list(range(64)), 16)
+    cl = HttpCoordinatorClient(s.uds_url, timeout=5.0)
+    try:
+        await cl.select("generation", 40, {"block_keys": keys, "num_tokens": 64})   # channel up
+        ch = cl.channel
+        rk = {"block_keys": keys, "num_tokens": 64}
+        raw_pair = await ch._select_pair(41, rk, None, None)
+        raw_one = await ch._select("generation", 42, rk, None)
+        assert "kv" in raw_pair["generation"]["info"] and "kv" in raw_one["info"]
+        cases = [("select_pair", "select_pair_answer", SelectPairAnswer, raw_pair, (41, rk)),
+                 ("select", "select_answer", SelectAnswer, raw_one, ("generation", 42, rk))]
+        for plain, typed, schema, raw, args in cases:
+            private = "_" + plain
+            with mock.patch.object(ch, private, side_effect=lambda *a, r=raw: _ready(copy.deepcopy(r))):
+                want = as_answer(schema, await getattr(ch, plain)(*args), "/x")
+                got = await getattr(ch, typed)(*args)
+            assert type(got) is schema and got == want
+            assert msgspec.json.encode(got) == msgspec.json.encode(want)     # key order too
+            for leg in [got.context, got.generation] if schema is SelectPairAnswer else [got]:
+                assert "kv" not in leg.info and leg.info["policy"] == "kv_cache_aware"
+        for role, rid in (("generation", 40), ("context", 41), ("generation", 41), ("generation", 42)):
+            ch.finish(role, rid)
+        await wait_for(lambda: _leases(c) == 0, what="leases finished")
+    finally:
+        await cl.close()
+
+
+def _ready(value):
+    f = asyncio.get_running_loop().create_future()
+    f.set_result(value)
+    return f
+
+
 async def test_finish_usage_travels_on_the_channel(served):
     c, s, ctx, gen = await served()
     cl = HttpCoordinatorClient(s.uds_url, timeout=5.0)
