@@ -37,7 +37,7 @@ def routing_key(rk: Any, block_size: int) -> RoutingKey | None:
             raise BadRequest(f"{arr.size} block keys for {n} tokens: at block size "
                              f"{block_size} at most {n // block_size} full blocks exist",
                              "routing_key.block_keys")
-    return RoutingKey(block_keys=arr, num_tokens=n or 0, conversation_id=conv)
+    return RoutingKey(arr, n or 0, conv)
 
 
 _NONE: frozenset[str] = frozenset()

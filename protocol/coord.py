@@ -426,6 +426,9 @@ def check_req_id(req_id: int, field: str = "req_id") -> int:
     return req_id
 
 
+_U64LE = np.dtype("<u8")   # a dtype object: frombuffer parses a dtype string on every call (~0.4 µs)
+
+
 def block_keys_array(keys: Any, field: str = "routing_key.block_keys") -> np.ndarray:
     """Block keys as a uint64 array: from bytes (little-endian u64, no copy), a list, or an array."""
     if isinstance(keys, (bytes, bytearray, memoryview)):   # first: the wire form
@@ -433,7 +436,7 @@ def block_keys_array(keys: Any, field: str = "routing_key.block_keys") -> np.nda
         if n % 8:
             raise BadRequest(f"binary block keys must be a multiple of 8 bytes (little-endian u64), "
                              f"got {n} bytes", field)
-        return np.frombuffer(keys, dtype="<u8")
+        return np.frombuffer(keys, _U64LE)
     if isinstance(keys, np.ndarray):
         if keys.dtype == np.uint64:
             return keys
