@@ -32,8 +32,8 @@ MODES = tuple(Mode)
 _ROUTE_KEYS = ("matched_tokens", "score", "reason", "load_requests")
 _CANDIDATE_KEYS = ("server", "matched_tokens", "load_requests", "score", "why")
 # A `kv_cache_aware` row's keys in their order (router/policy_kv.py `explain`): its entry is the
-# row less `load_tokens`, a copy and a delete, ~5x cheaper than the key-by-key projection (two rows
-# per leg, two legs per request). Any other row goes key by key.
+# row less `load_tokens`, a copy and a delete (two rows: 0.95 against 1.4 µs key by key, 2-core
+# box; two legs per request). Any other row goes key by key.
 _KV_ROW = ("server", "matched_tokens", "load_requests", "load_tokens", "score", "why")
 assert tuple(k for k in _KV_ROW if k != "load_tokens") == _CANDIDATE_KEYS
 TOP_CANDIDATES = 4
