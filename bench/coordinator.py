@@ -365,7 +365,9 @@ def render(res: dict, quick: bool) -> list[str]:
         f"Open loop over the fleet channel (UDS) at {oc['rate']:,.0f} selects/s, {oc['n']:,} selects, "
         f"finish queued on each answer: select round trip p50 **{oc['p50_ms']:.3f} ms**, p90 "
         f"{oc['p90_ms']:.3f} ms, p99 **{oc['p99_ms']:.3f} ms**, max {oc['max_ms']:.2f} ms from each "
-        f"select's scheduled send time ({oc['errors']} errors, {oc['late_sends']} sends >1 ms late).",
+        f"select's scheduled send time ({oc['errors']} errors, {oc['late_sends']} sends >1 ms late); from the "
+        f"call into the channel client (the client's own late starts left out): p50 "
+        f"{oc['wire_p50_ms']:.3f} ms, p99 {oc['wire_p99_ms']:.3f} ms.",
         "",
         f"Open loop over HTTP/UDS at {o['rate']:,.0f} selects/s (each followed by its finish), {o['n']:,} selects: "
         f"select round trip p50 **{o['p50_ms']:.3f} ms**, p90 {o['p90_ms']:.3f} ms, "

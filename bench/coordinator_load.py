@@ -324,25 +324,31 @@ async def open_loop_channel(url: str, keys: list[bytes], rate: float, seconds: f
     ch = ChannelClient(url, timeout_s=30)
     assert await ch.connect(), "the coordinator did not offer its channel"
     rtts: list[float] = []
+    wire_rtts: list[float] = []
     errors = 0
 
     async def one(r: int, t_sched: float):
         nonlocal errors
         role = "context" if r & 1 else "generation"
+        t_send = time.perf_counter()
         try:
             await ch.select(role, r, {"block_keys": keys[r % len(keys)], "num_tokens": PROMPT_TOKENS})
         except Exception:
             errors += 1
             return
-        rtts.append(time.perf_counter() - t_sched)
+        t_done = time.perf_counter()
+        rtts.append(t_done - t_sched)
+        wire_rtts.append(t_done - t_send)
         ch.finish(role, r)
 
     late = await _open_loop(one, rate, seconds, rid0)
     await ch.close()
     a = np.asarray(rtts) * 1e3
+    w = np.asarray(wire_rtts) * 1e3
     return {"rate": rate, "n": len(rtts), "p50_ms": float(np.percentile(a, 50)),
             "p90_ms": float(np.percentile(a, 90)), "p99_ms": float(np.percentile(a, 99)),
-            "max_ms": float(a.max()), "errors": errors, "late_sends": late}
+            "max_ms": float(a.max()), "wire_p50_ms": float(np.percentile(w, 50)),
+            "wire_p99_ms": float(np.percentile(w, 99)), "errors": errors, "late_sends": late}
 
 
 def _proc_cpu(pid: int) -> float:
