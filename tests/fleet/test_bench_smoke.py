@@ -34,3 +34,13 @@ def test_bench_fleet_metrics_smoke():
     assert "prometheus_client  (MmapedValue): median" in r.stdout
     assert "lean               (LeanMmapedValue): median" in r.stdout
     assert "lean / prometheus_client:" in r.stdout
+
+
+@pytest.mark.parametrize("policy", ["kv_cache_aware", "round_robin"])
+def test_bench_fleet_instructions_request_path(policy, tmp_path):
+    """bench/fleet_instructions.py's counted code path, without valgrind: its stubbed two-leg
+    request must answer 200 (the child exits non-zero otherwise) and repeat without suspending."""
+    env = {**clean_env(), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet_instructions.py"), "--child", str(ROOT),
+                        policy, "20"], capture_output=True, text=True, timeout=120, cwd=str(ROOT), env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
