@@ -8,7 +8,12 @@ from protocol.channel import KvChoice
 
 from .policy_base import Decision, Policy, _Lru, _healthy, _loads
 
-__all__ = ["KvCacheAwarePolicy", "explain"]
+__all__ = ["KvCacheAwarePolicy", "ROW_KEYS", "explain"]
+
+# The keys of an explanation row that `explain` writes for a healthy candidate, in their order
+# (the fleet's route header keeps a row as a copy less `load_tokens` when it has exactly these:
+# fleet/legs/plan.py).
+ROW_KEYS = ("server", "matched_tokens", "load_requests", "load_tokens", "score", "why")
 
 
 class KvCacheAwarePolicy(Policy):

@@ -20,7 +20,7 @@ from router.events import BlocksStored
 from router.kv_index import KvIndex
 from router.leases import LeaseTable
 from router.policies import Candidate, IndexLoadView, RoutingKey, make_policy
-from router.policy_kv import explain
+from router.policy_kv import ROW_KEYS, explain
 
 B = 16
 _ids = itertools.count(1)
@@ -119,6 +119,8 @@ def test_the_rebuilt_explanation_is_the_http_apis(state):
     assert got == http
     assert json.dumps(got) == json.dumps(http)      # same types and key order
     assert explain(d.choice) == d.explanation       # built again from the same numbers
+    # the row keys the fleet's route header relies on (router/policy_kv.py ROW_KEYS)
+    assert all(tuple(r) == ROW_KEYS for r in http["candidates"] if r["why"] != "unhealthy")
 
 
 def test_numbers_that_do_not_fit_the_schema_are_a_bad_answer():
