@@ -296,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     def on_term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     old = signal.signal(signal.SIGTERM, on_term)
+    # Ctrl-C raises here too: with the default handler asyncio.run turns it into a cancellation of
+    # its main task, which Python 3.11's wait_for can lose when the awaited future completes at the
+    # same moment; an interrupted run then went on and ended 0 (once, in a full run of
+    # tests/bench/test_disagg_e2e_smoke.py).
+    old_sigint = signal.signal(signal.SIGINT, on_term)
     try:
         result = run_all(args, reg, logdir)
     except BenchError as e:
@@ -306,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         # A second Ctrl-C must not cut the cleanup short and leave workers holding GPU memory.
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             reg.stop_all()
         finally:
-            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGINT, old_sigint)
             signal.signal(signal.SIGTERM, old)
     text = render(result)
     print("\n" + text, flush=True)
