@@ -82,10 +82,12 @@ def child(tree: str, policy: str, n: int) -> None:
         async def request(self, server, path, body, headers=b"", timeout=None):
             return Resp(answers[server])
 
+    from protocol.channel import KvChoice
+
     def leg(role, rid, pick):
         s = servers[role]
-        kv = [s, [176, 0], [(3, 800), (4, 900)], [1024.5, 1300.0], pick, [], [], False, [], [], 961,
-              None, None, 8]
+        kv = KvChoice(servers=s, matched=[176, 0], loads=[(3, 800), (4, 900)], costs=[1024.5, 1300.0],
+                      pick=pick, num_tokens=961)
         return {"server": s[pick], "req_id": rid, "info": {"kv": kv, "lease_ttl_s": 60.0}}
 
     chan = cc.ChannelClient("unix:///nonexistent")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import orjson
 
 from protocol.roles import Mode
-from router.policy_kv import ROW_KEYS as KV_ROW_KEYS
+from router.policy_kv import ROW_KEYS as _KV_ROW
 
 CHAT = "chat"
 PATHS = {CHAT: "/v1/chat/completions", "completion": "/v1/completions"}
@@ -35,7 +35,6 @@ _CANDIDATE_KEYS = ("server", "matched_tokens", "load_requests", "score", "why")
 # A `kv_cache_aware` row (router/policy_kv.py `ROW_KEYS`, in that order): its entry is the row less
 # `load_tokens`, a copy and a delete (two rows: 0.95 against 1.4 µs key by key, 2-core box; two
 # legs per request). Any other row goes key by key.
-_KV_ROW = KV_ROW_KEYS
 assert tuple(k for k in _KV_ROW if k != "load_tokens") == _CANDIDATE_KEYS
 TOP_CANDIDATES = 4
 
