@@ -258,24 +258,85 @@ def _total(windows: list[dict]) -> dict:
             "coord_cpu": sum(w["cpu_s"] for w in windows) / secs}
 
 
+class _TimerFd:
+    """A periodic kernel timer (Linux timerfd on CLOCK_MONOTONIC, the clock of `time.perf_counter`).
+
+    The open loop's sends are paced by it instead of `asyncio.sleep`: uvloop rounds every delay to
+    whole milliseconds (a 0.3 ms sleep fires at once, a 0.6 ms one after 1 ms) and the stdlib loop
+    rounds epoll's timeout up to the next millisecond, so sends left up to ~1.4 ms late at p99 and
+    that lateness was charged to the server's round trip. A timerfd fires within ~0.15 ms at p99 on
+    the 2-core box (bench/RESULTS.md, "coordinator · open-loop pacing"). Each read returns how many
+    periods have elapsed, so a late wake-up still starts every due send with its own scheduled time.
+    """
+
+    def __init__(self, start: float, interval: float):
+        if hasattr(os, "timerfd_create"):   # Python 3.13+
+            self.fd = os.timerfd_create(time.CLOCK_MONOTONIC, flags=os.TFD_NONBLOCK | os.TFD_CLOEXEC)
+            os.timerfd_settime_ns(self.fd, flags=os.TFD_TIMER_ABSTIME, initial=int(start * 1e9),
+                                  interval=int(interval * 1e9))
+            return
+        import ctypes
+
+        class _Ts(ctypes.Structure):
+            _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+        class _Its(ctypes.Structure):
+            _fields_ = [("interval", _Ts), ("value", _Ts)]
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.timerfd_create(time.CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_create failed")
+        ns, iv = int(start * 1e9), int(interval * 1e9)
+        spec = _Its(_Ts(iv // 10**9, iv % 10**9), _Ts(ns // 10**9, ns % 10**9))
+        if libc.timerfd_settime(self.fd, 1, ctypes.byref(spec), None) != 0:   # 1 = TFD_TIMER_ABSTIME
+            os.close(self.fd)
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+
+    def expirations(self) -> int:
+        try:
+            return int.from_bytes(os.read(self.fd, 8), sys.byteorder)
+        except BlockingIOError:
+            return 0
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 async def _open_loop(one, rate: float, seconds: float, rid0: int) -> int:
     """Start `one(request_id, scheduled_time)` at exact intervals for `seconds` and wait for all;
     returns how many starts were more than 1 ms late."""
+    loop = asyncio.get_running_loop()
     n = int(rate * seconds)
     interval = 1.0 / rate
     t0 = time.perf_counter() + 0.05
-    late = 0
     tasks: set = set()
-    for i in range(n):
-        t_sched = t0 + i * interval
+    timer = _TimerFd(t0, interval)
+    started = 0
+    late = 0
+    all_started = loop.create_future()
+
+    def due() -> None:
+        nonlocal started, late
+        k = min(timer.expirations(), n - started)
         now = time.perf_counter()
-        if t_sched > now:
-            await asyncio.sleep(t_sched - now)
-        elif now - t_sched > 0.001:
-            late += 1
-        t = asyncio.get_running_loop().create_task(one(rid0 + i + 1, t_sched))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
+        for _ in range(k):
+            t_sched = t0 + started * interval
+            started += 1
+            if now - t_sched > 0.001:
+                late += 1
+            t = loop.create_task(one(rid0 + started, t_sched))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        if started >= n and not all_started.done():
+            all_started.set_result(None)
+
+    loop.add_reader(timer.fd, due)
+    try:
+        await all_started
+    finally:
+        loop.remove_reader(timer.fd)
+        timer.close()
     if tasks:
         await asyncio.gather(*tasks)
     return late

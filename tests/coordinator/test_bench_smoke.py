@@ -31,3 +31,30 @@ def test_bench_quick_smoke(tmp_path):
     text = results.read_text()
     assert "keep me" in text and "and me" in text
     assert text.count("### coordinator · ") == 1 and "select round trip p50" in text
+
+
+def test_open_loop_starts_every_send_at_or_after_its_scheduled_time():
+    """bench/coordinator_load.py's open loop (timerfd-paced): every send starts once, in order,
+    with its own scheduled time on an exact grid, and never before it (uvloop's `asyncio.sleep`
+    pacing started sends up to 0.5 ms early: it rounds delays to whole milliseconds)."""
+    import asyncio
+    import time
+
+    import uvloop
+
+    sys.path.insert(0, str(ROOT))
+    from bench.coordinator_load import _open_loop
+
+    for run in (asyncio.run, uvloop.run):
+        starts: list[tuple[int, float, float]] = []
+
+        async def one(rid: int, t_sched: float) -> None:
+            starts.append((rid, t_sched, time.perf_counter()))
+            await asyncio.sleep(0.002)   # sends overlap, as round trips do
+
+        late = run(_open_loop(one, 1000.0, 0.25, 100))
+        assert [r for r, _, _ in starts] == list(range(101, 351))
+        gaps = [b[1] - a[1] for a, b in zip(starts, starts[1:])]
+        assert max(abs(g - 0.001) for g in gaps) < 1e-9
+        assert all(t >= t_sched for _, t_sched, t in starts)
+        assert 0 <= late <= len(starts)
