@@ -1,4 +1,5 @@
-"""Helpers the bench scripts share: the host's CPU name and RESULTS.md section upkeep.
+"""Helpers the bench scripts share: the host's CPU name, CPU pinning of the processes a bench
+starts, and RESULTS.md section upkeep.
 
 Imported as `from bench._common import ...`; each script puts the repository root first on
 sys.path before importing it (see the top of any bench script).
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import platform
 import re
+import sys
 from pathlib import Path
 
 
@@ -20,6 +22,16 @@ def cpu_model() -> str:
     except OSError:
         pass
     return cpu
+
+
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    """`argv` run on the CPUs of the list `cpus` ("0-7,12"; None: unpinned) and every thread and
+    child it starts, through an exec of the command (the pid stays the command's)."""
+    if not cpus:
+        return list(argv)
+    from coordinator.config_schema import cpu_list
+    return [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, %r); "
+            "os.execvp(sys.argv[1], sys.argv[1:])" % (set(cpu_list(cpus)),), *argv]
 
 
 def replace_section(path: Path, section: list[str]) -> None:

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # package: the repository root goes first and bench/ itself is dropped.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
+from bench._common import pinned  # noqa: E402
 from splitserve_testing import Proc, free_port, free_port_pair, wait_http  # noqa: E402
 from splitserve_testing.proctable import cpu_ticks, group_members  # noqa: E402
 PEERS = (ROOT / ".." / "shared" / "bench" / "peers").resolve()
@@ -131,9 +132,10 @@ def _sse() -> str:
     return "".join(ev) + "data: [DONE]\\n\\n"
 
 
-def mock_backends(work: Path, workers: int = 1) -> tuple[Group, dict[str, list[str]]]:
+def mock_backends(work: Path, workers: int = 1, cpus: str | None = None) -> tuple[Group, dict[str, list[str]]]:
     """nginx with context (JSON), generation (JSON) and SSE servers, two of each, on `workers`
-    worker processes (on a many-core host one worker would be the ceiling being measured)."""
+    worker processes (on a many-core host one worker would be the ceiling being measured), on the
+    CPUs `cpus` (None: anywhere)."""
     taken: set[int] = set()
 
     def fresh() -> int:       # free_port() may hand back a port it just returned: keep them distinct
@@ -177,7 +179,8 @@ http {{ access_log off; client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fa
 }}
 """
     (d / "nginx.conf").write_text(conf)
-    g = Group(["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")], work / "nginx.log")
+    g = Group(pinned(["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")], cpus),
+              work / "nginx.log")
     urls = {k: [f"http://127.0.0.1:{p}" for p in v] for k, v in ports.items()}
     for u in urls["ctx"] + urls["gen"]:
         wait_http(u + "/v1/completions", 20, g, body=BODY)
@@ -187,7 +190,7 @@ http {{ access_log off; client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fa
 # --------------------------------------------------------------------------- fleet
 
 def fleet_config(work: Path, name: str, port: int, gen: list[str], ctx: list[str], policy: str,
-                 num_workers: int, event_loop: str | None = None) -> Path:
+                 num_workers: int, event_loop: str | None = None, cpu_affinity: str | None = None) -> Path:
     import yaml
     doc = {"hostname": "127.0.0.1", "port": port, "num_workers": num_workers,
            "generation_servers": {"urls": [u.split("//")[1] for u in gen], "router": {"type": policy}},
@@ -197,8 +200,9 @@ def fleet_config(work: Path, name: str, port: int, gen: list[str], ctx: list[str
            "tokenizer": "tiny"}
     if num_workers > 1:
         doc["coordinator"] = {"port": port - 1}
-    if event_loop:
-        doc["fleet"] = {"event_loop": event_loop}
+    fleet = {k: v for k, v in (("event_loop", event_loop), ("cpu_affinity", cpu_affinity)) if v}
+    if fleet:
+        doc["fleet"] = fleet
     p = work / f"{name}.yaml"
     p.write_text(yaml.safe_dump(doc))
     return p
@@ -209,9 +213,9 @@ def start_fleet(work: Path, name: str, cfg: Path) -> Group:
                  cwd=str(ROOT))
 
 
-def wrk(url: str, script: Path, conns: int, duration: str, threads: int = 1) -> dict:
-    out = subprocess.run(["wrk", f"-t{threads}", f"-c{conns}", f"-d{duration}", "--latency", "-s", str(script), url],
-                         capture_output=True, text=True, timeout=600).stdout
+def wrk(url: str, script: Path, conns: int, duration: str, threads: int = 1, cpus: str | None = None) -> dict:
+    argv = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{duration}", "--latency", "-s", str(script), url]
+    out = subprocess.run(pinned(argv, cpus), capture_output=True, text=True, timeout=600).stdout
 
     def ms(v: str) -> float:
         for unit, f in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
@@ -237,25 +241,26 @@ def lua(work: Path, name: str, path: str, body: dict) -> Path:
 
 
 def measure(work: Path, name: str, cfg: Path, script: Path, path: str, body: dict, conns: int, duration: str,
-            warm: str, threads: int = 1) -> dict:
+            warm: str, threads: int = 1, cpus: str | None = None) -> dict:
     port = int(re.search(r"^port: (\d+)", cfg.read_text(), re.M).group(1))
     return measure_group(start_fleet(work, name, cfg), f"http://127.0.0.1:{port}", name, script, path, body,
-                         conns, duration, warm, threads)
+                         conns, duration, warm, threads, cpus)
 
 
 def measure_group(g: Group, url: str, name: str, script: Path, path: str, body: dict, conns: int,
-                  duration: str, warm: str, threads: int = 1) -> dict:
-    """wrk against `url` served by the process group `g` (stopped afterwards); CPU of the group."""
+                  duration: str, warm: str, threads: int = 1, cpus: str | None = None) -> dict:
+    """wrk (on the CPUs `cpus`) against `url` served by the process group `g` (stopped afterwards);
+    CPU of the group."""
     try:
         wait_http(url + path, 90, g, body=body)
-        wrk(url, script, conns, warm, threads)
+        wrk(url, script, conns, warm, threads, cpus)
         # The warm-up's connections close with requests in flight; wrk's next run reuses their
         # client ports at once (tcp_tw_reuse on loopback) while the fleet still holds them open,
         # and the new SYNs wait ~1 s for retransmission (TcpExtPAWSOldAck): a ~1.2 s p99 at 256
         # connections, none after a 0.5 s pause (issue 13). Measure the steady state.
         time.sleep(1.0)
         t0, c0 = time.monotonic(), g.ticks_split()
-        r = wrk(url, script, conns, duration, threads)
+        r = wrk(url, script, conns, duration, threads, cpus)
         el, c1 = time.monotonic() - t0, g.ticks_split()
     finally:
         g.stop()
@@ -278,7 +283,7 @@ def _show(r: dict) -> None:
           f"{split}  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}", flush=True)
 
 
-def nginx_proxy(work: Path, backends: list[str], workers: int) -> tuple[Group, str]:
+def nginx_proxy(work: Path, backends: list[str], workers: int, cpus: str | None = None) -> tuple[Group, str]:
     """nginx as a round-robin reverse proxy with upstream keep-alive (the peers' `nginx` config)."""
     port = free_port()
     d = work / "nginx-proxy"
@@ -296,29 +301,32 @@ http {{ access_log off; client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fa
     location / {{ proxy_pass http://backends; proxy_http_version 1.1; proxy_set_header Connection ""; }} }}
 }}
 """)
-    g = Group(["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")], work / "nginx-proxy.log")
+    g = Group(pinned(["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")], cpus),
+              work / "nginx-proxy.log")
     return g, f"http://127.0.0.1:{port}"
 
 
-def vllm_router(work: Path, cmd: str, backends: list[str]) -> tuple[Group, str]:
+def vllm_router(work: Path, cmd: str, backends: list[str], cpus: str | None = None) -> tuple[Group, str]:
     """vllm-router, round robin, over the same backends (`cmd` launches it: e.g. `vllm-router`
     or `python3 .device-carry/vr/vr_launch.py`)."""
     port = free_port()
     argv = [*shlex.split(cmd), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *backends,
             "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--log-level", "warning"]
-    return Group(argv, work / "vllm-router.log"), f"http://127.0.0.1:{port}"
+    return Group(pinned(argv, cpus), work / "vllm-router.log"), f"http://127.0.0.1:{port}"
 
 
 def part_scaling(work: Path, urls, args) -> list[dict]:
     """Peers and splitserve at every fleet size, same backends, same wrk load, one run."""
     script = lua(work, "completions", "/v1/completions", BODY)
     nws = [int(x) for x in args.num_workers.split(",")]
-    load = dict(conns=args.conns, duration=args.duration, warm=args.warmup, threads=args.wrk_threads)
+    load = dict(conns=args.conns, duration=args.duration, warm=args.warmup, threads=args.wrk_threads,
+                cpus=args.load_cpus)
     rows = []
-    peers = [("nginx proxy", lambda: nginx_proxy(work, urls["gen"], args.nginx_workers))] if args.nginx_workers else []
+    rc = args.router_cpus
+    peers = [("nginx proxy", lambda: nginx_proxy(work, urls["gen"], args.nginx_workers, rc))] if args.nginx_workers else []
     if args.vllm_router:
-        peers.append(("vllm-router round_robin", lambda: vllm_router(work, args.vllm_router, urls["gen"])))
+        peers.append(("vllm-router round_robin", lambda: vllm_router(work, args.vllm_router, urls["gen"], rc)))
     for name, start in peers:
         try:
             g, url = start()
@@ -339,7 +347,7 @@ def part_scaling(work: Path, urls, args) -> list[dict]:
             for attempt in range(3):
                 # free_port_pair() only probes: on a shared host another process may take the port first
                 cfg = fleet_config(work, tag, free_port_pair(), urls["gen"], ctx, policy, nw,
-                                   args.event_loop)
+                                   args.event_loop, rc)
                 try:
                     r = measure(work, tag, cfg, script, "/v1/completions", BODY, **load)
                     break
@@ -461,7 +469,9 @@ def header(args) -> str:
             "process(es)). CPU µs/req = CPU time of the router's whole process group divided by requests "
             "served; for splitserve split into its fleet processes and its coordinator process (one "
             "process: the coordinator runs inside it). `× 1 process` = req/s over the same path's "
-            "one-process req/s.")
+            "one-process req/s." + (f" Routers under test on CPUs {args.router_cpus} (splitserve: "
+            "`fleet.cpu_affinity`, one CPU per process), wrk and the mock backends on CPUs "
+            f"{args.load_cpus}." if args.router_cpus or args.load_cpus else ""))
 
 
 def report(args, peers_md: str, prow: list[dict], rows: list[dict], stream: dict | None) -> list[tuple[str, str]]:
@@ -502,6 +512,11 @@ def main() -> int:
                     help="worker processes of the nginx proxy peer (0: no nginx peer)")
     ap.add_argument("--event-loop", choices=("asyncio", "uvloop"), default=None,
                     help="fleet.event_loop of the splitserve fleets (default: the config's default)")
+    ap.add_argument("--router-cpus", default=None,
+                    help="CPU list (e.g. 0-9) for the routers under test: the peers run on these CPUs, the "
+                         "splitserve fleets get fleet.cpu_affinity = this list (one CPU per process)")
+    ap.add_argument("--load-cpus", default=None,
+                    help="CPU list (e.g. 10-15) for wrk and the mock backends (default: anywhere)")
     ap.add_argument("--paths", default=None,
                     help="splitserve paths to run (default all): aggregated-round_robin, "
                          "two-leg-round_robin, two-leg-kv_cache_aware, comma-separated")
@@ -551,7 +566,7 @@ def main() -> int:
     for r in prow:
         print(f"  {r['config']:18s} {r['workload']:7s} {r['rps']:8.0f} req/s  "
               f"{(r['us'] or 0):6.0f} µs CPU/req  p50 {r['p50']:.2f} ms", flush=True)
-    nginx, urls = mock_backends(work, args.backend_workers)
+    nginx, urls = mock_backends(work, args.backend_workers, args.load_cpus)
     stream = None
     try:
         print(f"scaling: wrk -t{args.wrk_threads} -c{args.conns}, fleet sizes {args.num_workers} ...", flush=True)

@@ -349,6 +349,31 @@ class FleetConfig(Section):
         "event loop of each fleet process. asyncio serves the connections of a saturated process "
         "in turn; uvloop costs ~10% less CPU per request but, once a process is saturated, leaves "
         "some connections unserved for over a second (docs/fleet.md, 'Event loop')")] = "asyncio"
+    cpu_affinity: Annotated[str, doc(
+        "pin each process to one CPU, as nginx's worker_cpu_affinity: none, auto (the CPUs the "
+        "launcher may use: the coordinator started here on the first, fleet processes on the "
+        "next in turn) or a CPU list like 0-7,12 (docs/fleet.md, 'CPU affinity')")] = "none"
+
+    def _check(self, path: str) -> None:
+        if self.cpu_affinity not in ("none", "auto"):
+            try:
+                cpu_list(self.cpu_affinity)
+            except ValueError as e:
+                raise ConfigError(join(path, "cpu_affinity"), str(e)) from None
+
+
+def cpu_list(text: str) -> list[int]:
+    """`"0-3,8"` → `[0, 1, 2, 3, 8]` (the Linux cpuset list format; order kept, repeats dropped)."""
+    if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", text):
+        raise ValueError(f"expected none, auto or a CPU list like '0-7,12', found {text!r}")
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        if b < a:
+            raise ValueError(f"expected a CPU range that ends after it starts, found {part!r}")
+        out.extend(c for c in range(a, b + 1) if c not in out)
+    return out
 
 
 class ClusterConfig(Section):

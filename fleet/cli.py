@@ -86,14 +86,24 @@ def run(args) -> int:
     setup_logging(cfg.log_level)
     from .server import run_process
     run = loop_runner(cfg.fleet.event_loop)
-    if args.child_index is not None:
+    if args.child_index is not None:   # pinned, if at all, by the launcher
         return run(run_process(cfg, coordinator_url=cfg.disagg_coordinator_url,
                                process_index=args.child_index, reuse_port=True,
                                ready_fd=args.ready_fd))
+    from . import affinity
+    try:
+        cpus = affinity.cpus_for(cfg.fleet.cpu_affinity)
+    except affinity.AffinityError as e:
+        print(f"splitserve serve: invalid configuration: {e}", file=sys.stderr)
+        return 2
     if cfg.num_workers == 1:
+        if cpus:
+            affinity.pin(0, cpus[0])
+            logging.getLogger("splitserve.fleet").info("fleet.cpu_affinity %s: pinned to CPU %d",
+                                                       cfg.fleet.cpu_affinity, cpus[0])
         return run(run_process(cfg, coordinator_url=cfg.disagg_coordinator_url))
     from .launcher import Launcher
-    return Launcher(cfg, _child_argv(args)).run()
+    return Launcher(cfg, _child_argv(args), cpus=cpus).run()
 
 
 def loop_runner(event_loop: str):

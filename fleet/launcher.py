@@ -35,6 +35,8 @@ import tempfile
 import time
 from urllib.parse import urlsplit
 
+from . import affinity
+
 log = logging.getLogger("splitserve.fleet.launcher")
 
 EXIT_COORDINATOR_UNREACHABLE = 3
@@ -74,8 +76,10 @@ def probe(url: str, path: str = "/cluster_info", timeout: float = 2.0) -> tuple[
 
 
 class _Child:
-    def __init__(self, name: str, argv: list[str], env: dict, index: int | None = None):
+    def __init__(self, name: str, argv: list[str], env: dict, index: int | None = None,
+                 cpu: int | None = None):
         self.name = name
+        self.cpu = cpu
         self.argv = argv
         self.env = env
         self.index = index
@@ -99,6 +103,7 @@ class _Child:
         # Fleet processes ignore SIGINT (a terminal's Ctrl-C reaches the whole group): the launcher turns
         # it into an ordered SIGTERM drain.
         self.proc = subprocess.Popen(argv, env=self.env, pass_fds=pass_fds)
+        affinity.pin(self.proc.pid, self.cpu)   # a restart lands on the same CPU
         if self.index is not None:
             os.close(pass_fds[0])
         self.ready = self.index is None
@@ -127,9 +132,12 @@ class _Child:
 
 
 class Launcher:
-    def __init__(self, config, child_argv: list[str], *, python: str = sys.executable):
-        """`child_argv`: the `splitserve serve` flags to repeat for each fleet process."""
+    def __init__(self, config, child_argv: list[str], *, python: str = sys.executable,
+                 cpus: list[int] | None = None):
+        """`child_argv`: the `splitserve serve` flags to repeat for each fleet process; `cpus`: those
+        to pin the processes to in turn (fleet/affinity.py; None = no pinning)."""
         self.config = config
+        self.cpus = cpus
         self.child_argv = child_argv
         self.python = python
         self.n = config.num_workers
@@ -186,6 +194,11 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         cfg = self.config
         env = dict(os.environ)
+        cpus = self.cpus
+        coordinator_cpu, fleet_cpus = affinity.plan(cpus, self.n, not cfg.disagg_coordinator_url)
+        if cpus:
+            log.info("launcher: fleet.cpu_affinity %s: coordinator on CPU %s, fleet processes on %s",
+                     cfg.fleet.cpu_affinity, coordinator_cpu, fleet_cpus)
         try:
             if cfg.disagg_coordinator_url:
                 fleet_url = cfg.disagg_coordinator_url
@@ -198,7 +211,7 @@ class Launcher:
                 uds = cfg.coordinator_uds_path
                 if uds:
                     argv += ["--uds", uds]   # the coordinator replaces a stale socket file, never a live one
-                self.coordinator = _Child("coordinator", argv, env)
+                self.coordinator = _Child("coordinator", argv, env, cpu=coordinator_cpu)
                 self.coordinator.start()
                 log.info("launcher: coordinator pid %d on %s%s", self.coordinator.proc.pid, tcp_url,
                          f" and unix://{uds}" if uds else "")
@@ -220,7 +233,7 @@ class Launcher:
         for i in range(self.n):
             argv = [self.python, "-m", "fleet.cli", *self.child_argv, "--port", str(port),
                     "--coordinator-url", fleet_url, "--child-index", str(i)]
-            self.fleet.append(_Child(f"fleet-{i}", argv, fenv, index=i))
+            self.fleet.append(_Child(f"fleet-{i}", argv, fenv, index=i, cpu=fleet_cpus[i]))
         for c in self.fleet:
             c.start()
         rc = self._supervise()
