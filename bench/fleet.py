@@ -70,9 +70,11 @@ class Group(Proc):
         return sum(cpu_ticks(f) for _, f in self.members())
 
     def ticks_split(self) -> dict[str, int]:
-        """CPU ticks of the group by part: the coordinator process, everything else ("fleet")."""
-        out = {"fleet": 0, "coordinator": 0}
+        """CPU ticks of the group by part: the coordinator process, everything else ("fleet"); and
+        "sys", the kernel-mode ticks of both."""
+        out = {"fleet": 0, "coordinator": 0, "sys": 0}
         for pid, fields in self.members():
+            out["sys"] += int(fields[12])     # stime: the kernel's share, counted in the two parts too
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv = f.read().split(b"\0")
@@ -266,7 +268,9 @@ def measure_group(g: Group, url: str, name: str, script: Path, path: str, body: 
         g.stop()
     n = max(1, r["n"])
     cpu = {k: (c1[k] - c0[k]) / CLK_TCK for k in c0}
+    sys_s = cpu.pop("sys")
     cpu_s = sum(cpu.values())
+    r["sys_share"] = sys_s / cpu_s if cpu_s else 0.0
     r["cpu_pct"] = cpu_s / el * 100
     r["us_per_req"] = cpu_s / n * 1e6
     r["fleet_us"] = cpu["fleet"] / n * 1e6
@@ -280,7 +284,8 @@ def measure_group(g: Group, url: str, name: str, script: Path, path: str, body: 
 def _show(r: dict) -> None:
     split = (f" (fleet {r['fleet_us']:.0f} + coordinator {r['coord_us']:.0f})" if r.get("coord_us") else "")
     print(f"  {r['config']:24s} n={r['num_workers']}: {r['rps']:9.0f} req/s  {r['us_per_req']:6.0f} µs CPU/req"
-          f"{split}  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}", flush=True)
+          f"{split}  kernel {r['sys_share']:.0%}  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  "
+          f"errors {r['errors']}", flush=True)
 
 
 def nginx_proxy(work: Path, backends: list[str], workers: int, cpus: str | None = None) -> tuple[Group, str]:
@@ -446,14 +451,14 @@ def scaling_md(args, rows: list[dict]) -> str:
     base = {r["num_workers"]: r["rps"] for r in rows if r["config"] == "two-leg kv_cache_aware"}
     rr1 = {r["num_workers"]: r["rps"] for r in rows if r["config"] == "aggregated round_robin"}
     out = ["| config | fleet processes | req/s | × 1 process | CPU µs/req | fleet µs/req | coordinator µs/req "
-           "| p50 ms | p99 ms | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| kernel share | p50 ms | p99 ms | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ref = base if r["config"] == "two-leg kv_cache_aware" else rr1 if r["config"] == "aggregated round_robin" else {}
         x = f"{r['rps'] / ref[1]:.2f}" if ref.get(1) and r["num_workers"] != 1 else "-"
         coord = f"{r['coord_us']:.0f}" if r.get("coord_us") is not None else "-"
         fleet = f"{r['fleet_us']:.0f}" if r.get("coord_us") is not None else "-"
         out.append(f"| {r['config']} | {r['num_workers']} | {r['rps']:,.0f} | {x} | {r['us_per_req']:.0f} | {fleet} | "
-                   f"{coord} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |")
+                   f"{coord} | {r['sys_share']:.0%} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |")
     return "\n".join(out)
 
 
@@ -468,8 +473,8 @@ def header(args) -> str:
             f"{args.warmup} warm-up and a 1 s pause; mock backends are nginx `return 200` ({args.backend_workers} worker "
             "process(es)). CPU µs/req = CPU time of the router's whole process group divided by requests "
             "served; for splitserve split into its fleet processes and its coordinator process (one "
-            "process: the coordinator runs inside it). `× 1 process` = req/s over the same path's "
-            "one-process req/s." + (f" Routers under test on CPUs {args.router_cpus} (splitserve: "
+            "process: the coordinator runs inside it); kernel share = the part of that CPU time spent in "
+            "the kernel (stime). `× 1 process` = req/s over the same path's one-process req/s." + (f" Routers under test on CPUs {args.router_cpus} (splitserve: "
             "`fleet.cpu_affinity`, one CPU per process), wrk and the mock backends on CPUs "
             f"{args.load_cpus}." if args.router_cpus or args.load_cpus else ""))
 
