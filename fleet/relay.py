@@ -256,7 +256,9 @@ class Relay:
     async def answer(self, request: FleetRequest, creq, scope, gen: Placement, resp: Response,
                      route: str):
         """Relay the answering leg `resp` (status < 400, headers read) to the client."""
-        t_leg = time.perf_counter()
+        # from when the leg was sent, as the context leg's: its headers (for a JSON answer, the
+        # whole decode) are already behind us here
+        t_leg = scope.sent_at.get(GEN) or time.perf_counter()
         if not creq.stream or not resp.content_type.startswith("text/event-stream"):
             data = await self.read(resp, scope, GEN, gen)
             self.leg_latency[GEN].observe(time.perf_counter() - t_leg)

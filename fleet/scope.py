@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from . import metrics as M
 from protocol.openai import ApiError
@@ -29,7 +30,7 @@ log = logging.getLogger("splitserve.fleet.flow")
 
 class RequestScope:
     __slots__ = ("flow", "placer", "rid", "t0", "alias", "mode", "route", "attempts", "bytes_sent",
-                 "failed", "placements", "open_resp", "touched")
+                 "failed", "placements", "open_resp", "touched", "sent_at")
 
     def __init__(self, flow, t0: float, alias: int | None = None):
         self.flow = flow                # spawn(), post_abort(), aliases, ids
@@ -40,6 +41,7 @@ class RequestScope:
         self.mode = "disaggregated"
         self.route: dict = {}
         self.attempts = {CTX: 0, GEN: 0}
+        self.sent_at: dict[str, float] = {}
         self.bytes_sent = False
         self.failed = False             # ended with an error event after the stream's headers went out
         self.placements: list[Placement] = []   # leases held (finished on exit)
@@ -103,6 +105,7 @@ class RequestScope:
     # ------------------------------------------------------------------ legs
     def sent(self, role: str, server: str) -> None:
         self.touched.append((role, server))
+        self.sent_at[role] = time.perf_counter()   # the leg's latency runs from its last attempt
 
     def unsent(self) -> None:
         """The last leg sent never reached its worker (connect failure): nothing to abort there."""

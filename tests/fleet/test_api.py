@@ -233,3 +233,34 @@ def test_auth_on(api):
 def test_auth_off_accepts_any_or_no_key(api):
     st, _, _ = http("POST", api["url"] + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1})
     assert st == 200
+
+
+def test_leg_latency_runs_from_each_legs_send(api):
+    """`splitserve_fleet_leg_latency_seconds` is "from sending it to its last byte" for both legs:
+    the generation worker (sim engine, 5 ms per decode step) answers a non-streamed request only
+    once it has decoded every token, so its leg takes at least those steps. (It was timed from the
+    answer's headers on, ~10 µs: a JSON answer's whole decode went uncounted.)"""
+    url = api["url"]
+
+    def sums():
+        _, _, m = http("GET", url + "/metrics")
+        m = m.decode() if isinstance(m, bytes) else m
+        return {role: (metric(m, "splitserve_fleet_leg_latency_seconds_sum", role=role),
+                       metric(m, "splitserve_fleet_leg_latency_seconds_count", role=role))
+                for role in ("context", "generation")}
+
+    before = sums()
+    n = 4
+    for stream in (False, True):
+        for _ in range(n // 2):
+            st, _, body = http("POST", url + "/v1/completions",
+                               {"model": "tiny", "prompt": "a leg timed from its send", "max_tokens": 8,
+                                "ignore_eos": True, "stream": stream})
+            assert st == 200, body
+    after = sums()
+    (g0, gn0), (g1, gn1) = before["generation"], after["generation"]
+    assert gn1 - gn0 == n
+    # 8 tokens: the context leg makes the first, the generation worker decodes >= 6 more steps
+    assert (g1 - g0) / n >= 6 * 0.005 * 0.8, (g1 - g0) / n
+    (c0, cn0), (c1, cn1) = before["context"], after["context"]
+    assert cn1 - cn0 == n and (c1 - c0) > 0
