@@ -27,6 +27,20 @@ def test_bench_fleet_smoke():
     assert "added p50" in out
 
 
+@pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("nginx") is None,
+                    reason="wrk and nginx are not installed (apt-get install wrk nginx)")
+def test_bench_fleet_wait_smoke():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet_wait.py"), "--num-workers", "2",
+                        "--wrk-threads", "1", "--conns", "16", "--backend-workers", "1", "--seconds", "1"],
+                       capture_output=True, text=True, timeout=240, cwd=str(ROOT), env=clean_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    rows = [l for l in out.splitlines() if l.startswith("| fleet-") or l.startswith("| coordinator |")]
+    assert len(rows) == 3, out               # the coordinator and both fleet processes did work
+    assert sum(int(l.split("|")[3]) for l in rows) == 16, out    # every client connection found
+    assert 'call="select_pair"' in out and 'role="generation"' in out and "batches per request" in out
+
+
 def test_bench_fleet_metrics_smoke():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet_metrics.py"), "--rounds", "1", "--n", "500"],
                        capture_output=True, text=True, timeout=120, cwd=str(ROOT), env=clean_env())
