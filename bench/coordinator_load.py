@@ -19,6 +19,7 @@ if str(ROOT) not in sys.path:
 
 # the prompts (and their sizes) are bench/placement.py's, which measures the same cluster in process
 from bench.placement import PROMPT_TOKENS, _prompts  # noqa: E402
+from coordinator.gc_tuning import settle_heap  # noqa: E402
 
 # ---------------------------------------------------------------------------- load generator
 
@@ -130,6 +131,7 @@ async def _client_main(base: dict, pipe) -> None:
         else:
             b = bodies[spec["json"]]
             conns = [await _connect(spec["target"]) for _ in range(spec["conns"])]
+        settle_heap()      # its own collections (30 ms full ones every ~0.3 s) stalled its connections
         pipe.send("armed")
         start_at = await recv()
         end_at = start_at + spec["seconds"]
@@ -306,6 +308,10 @@ class _TimerFd:
 async def _open_loop(one, rate: float, seconds: float, rid0: int) -> int:
     """Start `one(request_id, scheduled_time)` at exact intervals for `seconds` and wait for all;
     returns how many starts were more than 1 ms late."""
+    # The load generator's own collections would be charged to the server's round trip: its heap
+    # (prompts, the closed-loop phases' results) frozen and young collections rarer, as the
+    # coordinator's and fleet's (coordinator/gc_tuning.py).
+    settle_heap()
     loop = asyncio.get_running_loop()
     n = int(rate * seconds)
     interval = 1.0 / rate
