@@ -6,11 +6,13 @@
   the coordinator started here to the first, fleet process i to the next ones, in turn.
 - a CPU list such as `0-7,12`: the same over those CPUs, each of which must be in the mask.
 
-Why pin: a saturated fleet process moved between cores, or sharing one with the load balancer's
-other tenants (client load generators, co-located backends), pays for it in CPU per request
-(bench/RESULTS.md, "Scaling · 16 cores", pinned and unpinned rows). Pinning is a deployment
-choice: with fewer CPUs than processes they share CPUs in turn, which is worse than leaving the
-kernel free; the launcher refuses a list naming CPUs it may not use.
+Why pin: a process the kernel moves between cores, or places beside other busy tenants, pays for
+it in CPU per request. On the 16-core bench host one pinned fleet process ran at a steady 82-84
+µs per request against 95-126 unpinned; eight pinned ones, with wrk and the mock backends held to
+the other six cores, cost more (125-141 against 111-121) (bench/RESULTS.md, "Scaling · 16 cores",
+the pinning table). So it is a deployment choice, for nodes whose CPUs are the fleet's own; with
+fewer CPUs than processes they share CPUs in turn, which is worse than leaving the kernel free.
+The launcher refuses a list naming CPUs it may not use.
 """
 from __future__ import annotations
 
