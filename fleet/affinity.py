@@ -16,9 +16,12 @@ The launcher refuses a list naming CPUs it may not use.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 from coordinator.config_schema import cpu_list
+
+log = logging.getLogger("splitserve.fleet.affinity")
 
 
 class AffinityError(ValueError):
@@ -50,5 +53,10 @@ def plan(cpus: list[int] | None, workers: int, with_coordinator: bool) -> tuple[
 
 
 def pin(pid: int, cpu: int | None) -> None:
-    if cpu is not None:
+    """Pin `pid` (0: this process) to `cpu`; a CPU gone since start-up leaves it unpinned."""
+    if cpu is None:
+        return
+    try:
         os.sched_setaffinity(pid, {cpu})
+    except OSError as e:     # offline since the launcher read its mask, or the process has exited
+        log.warning("could not pin pid %d to CPU %d (%s): it runs unpinned", pid, cpu, e)
