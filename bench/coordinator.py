@@ -15,7 +15,7 @@ mix of KV-index states, which keep changing as routed blocks are added):
 5. the HTTP floor: two /finish of no lease per "pair" (the server's own per-request cost);
 6. open loop at a fixed offered rate (2,000 selects/s, each followed by its finish) over UDS:
    select round-trip p50/p99 from each send's scheduled time, the sends paced by a kernel timer
-   (timerfd: `asyncio.sleep` pacing started them up to ~1.4 ms late, bench/pacing.py);
+   (timerfd: `asyncio.sleep` pacing started them up to ~1.2 ms late, bench/pacing.py);
 7. the same closed loop and floor against the coordinator run with `--http aiohttp`;
 8. with `--baseline DIR`: fresh coordinators of this tree and of DIR started together (same core,
    cluster and prompts), channel windows alternating between the two, then the open loop on each.

@@ -265,10 +265,11 @@ class _TimerFd:
 
     The open loop's sends are paced by it instead of `asyncio.sleep`: uvloop rounds every delay to
     whole milliseconds (a 0.3 ms sleep fires at once, a 0.6 ms one after 1 ms) and the stdlib loop
-    rounds epoll's timeout up to the next millisecond, so sends left up to ~1.4 ms late at p99 and
-    that lateness was charged to the server's round trip. A timerfd fires within ~0.15 ms at p99 on
-    the 2-core box (bench/RESULTS.md, "coordinator · open-loop pacing"). Each read returns how many
-    periods have elapsed, so a late wake-up still starts every due send with its own scheduled time.
+    rounds epoll's timeout up to the next millisecond, so sends left up to ~1.2 ms late at p99 and
+    that lateness was charged to the server's round trip. A timerfd start is 0.13 ms late at p99 on
+    the 16-core host and 0.24-0.38 ms on the 2-core VM (bench/RESULTS.md, "coordinator · open-loop
+    pacing and the load generator's own pauses"). Each read returns how many periods have elapsed,
+    so a late wake-up still starts every due send with its own scheduled time.
     """
 
     def __init__(self, start: float, interval: float):

@@ -44,7 +44,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not
 
 from bench._common import pinned  # noqa: E402
 from splitserve_testing import Proc, free_port, free_port_pair, wait_http  # noqa: E402
-from splitserve_testing.proctable import cpu_ticks, group_members  # noqa: E402
+from splitserve_testing.proctable import cpu_ticks, group_members, splitserve_role  # noqa: E402
 PEERS = (ROOT / ".." / "shared" / "bench" / "peers").resolve()
 RESULTS = ROOT / "bench" / "RESULTS.md"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -75,13 +75,7 @@ class Group(Proc):
         out = {"fleet": 0, "coordinator": 0, "sys": 0}
         for pid, fields in self.members():
             out["sys"] += int(fields[12])     # stime: the kernel's share, counted in the two parts too
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            part = "coordinator" if b"splitserve_cli" in argv and b"coordinator" in argv else "fleet"
-            out[part] += cpu_ticks(fields)
+            out["coordinator" if splitserve_role(pid) == "coordinator" else "fleet"] += cpu_ticks(fields)
         return out
 
     def stop(self, grace: float = 20.0):

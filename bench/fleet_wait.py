@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -29,18 +28,25 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not
 import bench.fleet as F  # noqa: E402
 from bench.fleet_ab import _batches  # noqa: E402
 from splitserve_testing import free_port, free_port_pair  # noqa: E402
+from splitserve_testing.proctable import connections_on, splitserve_role  # noqa: E402
 
 HISTOGRAMS = ("coordinator_rtt_seconds", "leg_latency_seconds", "e2e_request_latency_seconds")
 
 
 def _histograms(url: str) -> dict[tuple[str, str, str], float]:
     """{(histogram, labels, "sum" | "count"): value} of the fleet's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     out: dict[tuple[str, str, str], float] = {}
-    for name in HISTOGRAMS:
-        for m in re.finditer(rf"^splitserve_fleet_{name}_(sum|count)\{{([^}}]*)\}} (\S+)", text, re.M):
-            k = (name, m.group(2), m.group(1))
-            out[k] = out.get(k, 0.0) + float(m.group(3))
+    for fam in text_string_to_metric_families(text):
+        name = fam.name.removeprefix("splitserve_fleet_")
+        if name not in HISTOGRAMS:
+            continue
+        for smp in fam.samples:
+            part = smp.name.rsplit("_", 1)[1]
+            if part in ("sum", "count"):
+                k = (name, ",".join(f'{k}="{v}"' for k, v in sorted(smp.labels.items())), part)
+                out[k] = out.get(k, 0.0) + smp.value
     return out
 
 
@@ -48,42 +54,6 @@ def _host_ticks() -> tuple[int, int]:
     """(all, idle + iowait) jiffies of the host from /proc/stat."""
     v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
     return sum(v), v[3] + v[4]
-
-
-def _client_conns(pid: int, port: int) -> int:
-    """Established connections of `pid` on local port `port` (its accepted client sockets)."""
-    inodes = set()
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = open(path).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "01":
-                inodes.add(f[9])
-    n = 0
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return 0
-    for fd in fds:
-        try:
-            m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except OSError:
-            continue
-        n += bool(m and m.group(1) in inodes)
-    return n
-
-
-def _role(pid: int) -> str:
-    try:
-        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-    except OSError:
-        return "?"
-    if b"--child-index" in argv:
-        return f"fleet-{argv[argv.index(b'--child-index') + 1].decode()}"
-    return "coordinator" if b"coordinator" in argv else "launcher"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         run.start()
         time.sleep(1.5)
         pids = [pid for pid, _ in g.members()]
-        conns = {pid: _client_conns(pid, port) for pid in pids}
-        roles = {pid: _role(pid) for pid in pids}
+        conns = {pid: connections_on(pid, port) for pid in pids}
+        roles = {pid: splitserve_role(pid) or "?" for pid in pids}
         h0, b0, host0 = _histograms(url), _batches(coord) if coord else None, _host_ticks()
         c0, t0 = {pid: F.cpu_ticks(f) for pid, f in g.members()}, time.monotonic()
         time.sleep(a.seconds)

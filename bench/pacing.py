@@ -4,7 +4,7 @@ timerfd pacer of bench/coordinator_load.py, on the stdlib loop and on uvloop.
 
 bench/coordinator.py's open loop measures each select's round trip from its scheduled send time, so
 a send that starts late is charged to the coordinator. Paced by `asyncio.sleep`, sends start up to
-~1.4 ms late at p99 on an idle 2-core box (and under uvloop up to 0.5 ms early: it rounds delays to
+~1.2 ms late at p99 on an idle 2-core box (and under uvloop up to 0.5 ms early: it rounds delays to
 whole milliseconds), which is most of the ≤ 2 ms p99 target. This prints the lateness of each
 pacer's starts (start time minus scheduled time) with nothing else running.
 

@@ -194,9 +194,8 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         cfg = self.config
         env = dict(os.environ)
-        cpus = self.cpus
-        coordinator_cpu, fleet_cpus = affinity.plan(cpus, self.n, not cfg.disagg_coordinator_url)
-        if cpus:
+        coordinator_cpu, fleet_cpus = affinity.plan(self.cpus, self.n, not cfg.disagg_coordinator_url)
+        if self.cpus:
             log.info("launcher: fleet.cpu_affinity %s: coordinator on CPU %s, fleet processes on %s",
                      cfg.fleet.cpu_affinity, coordinator_cpu, fleet_cpus)
         try:

@@ -258,7 +258,7 @@ class Relay:
         """Relay the answering leg `resp` (status < 400, headers read) to the client."""
         # from when the leg was sent, as the context leg's: its headers (for a JSON answer, the
         # whole decode) are already behind us here
-        t_leg = scope.sent_at.get(GEN) or time.perf_counter()
+        t_leg = scope.gen_sent_at or time.perf_counter()
         if not creq.stream or not resp.content_type.startswith("text/event-stream"):
             data = await self.read(resp, scope, GEN, gen)
             self.leg_latency[GEN].observe(time.perf_counter() - t_leg)

@@ -30,7 +30,7 @@ log = logging.getLogger("splitserve.fleet.flow")
 
 class RequestScope:
     __slots__ = ("flow", "placer", "rid", "t0", "alias", "mode", "route", "attempts", "bytes_sent",
-                 "failed", "placements", "open_resp", "touched", "sent_at")
+                 "failed", "placements", "open_resp", "touched", "gen_sent_at")
 
     def __init__(self, flow, t0: float, alias: int | None = None):
         self.flow = flow                # spawn(), post_abort(), aliases, ids
@@ -41,7 +41,7 @@ class RequestScope:
         self.mode = "disaggregated"
         self.route: dict = {}
         self.attempts = {CTX: 0, GEN: 0}
-        self.sent_at: dict[str, float] = {}
+        self.gen_sent_at = 0.0          # when the generation leg's last attempt was sent (its latency)
         self.bytes_sent = False
         self.failed = False             # ended with an error event after the stream's headers went out
         self.placements: list[Placement] = []   # leases held (finished on exit)
@@ -105,7 +105,8 @@ class RequestScope:
     # ------------------------------------------------------------------ legs
     def sent(self, role: str, server: str) -> None:
         self.touched.append((role, server))
-        self.sent_at[role] = time.perf_counter()   # the leg's latency runs from its last attempt
+        if role == GEN:
+            self.gen_sent_at = time.perf_counter()
 
     def unsent(self) -> None:
         """The last leg sent never reached its worker (connect failure): nothing to abort there."""

@@ -77,15 +77,15 @@ def _hex_addr(h: str) -> tuple[str, int]:
 
 
 _TCP_LISTEN = "0A"
+_TCP_ESTABLISHED = "01"
 
 
-def listening_sockets(pid: int) -> list[tuple[str, str, int]]:
-    """Every TCP socket in LISTEN state and every bound UDP socket ``pid`` holds, as
-    ``(proto, address, port)``: the socket inodes of /proc/<pid>/fd matched against the process's
-    /proc/<pid>/net/{tcp,tcp6,udp,udp6} tables (its network namespace)."""
+def _own_sockets(pid: int, protos: tuple[str, ...]):
+    """``(proto, ip, port, state)`` of each socket ``pid`` holds: the socket inodes of
+    /proc/<pid>/fd matched against the process's /proc/<pid>/net/<proto> tables (its network
+    namespace)."""
     inodes = _socket_inodes(pid)
-    out = []
-    for proto in ("tcp", "tcp6", "udp", "udp6"):
+    for proto in protos:
         try:
             with open(f"/proc/{pid}/net/{proto}") as f:
                 rows = f.read().splitlines()[1:]
@@ -93,16 +93,40 @@ def listening_sockets(pid: int) -> list[tuple[str, str, int]]:
             continue
         for row in rows:
             cols = row.split()
-            local, state, inode = cols[1], cols[3], int(cols[9])
-            if inode not in inodes:
-                continue
-            ip, port = _hex_addr(local)
-            if proto.startswith("tcp") and state != _TCP_LISTEN:
-                continue
-            if proto.startswith("udp") and port == 0:
-                continue
-            out.append((proto, ip, port))
-    return out
+            if int(cols[9]) in inodes:
+                yield (proto, *_hex_addr(cols[1]), cols[3])
+
+
+def listening_sockets(pid: int) -> list[tuple[str, str, int]]:
+    """Every TCP socket in LISTEN state and every bound UDP socket ``pid`` holds, as
+    ``(proto, address, port)``."""
+    return [(proto, ip, port) for proto, ip, port, state in _own_sockets(pid, ("tcp", "tcp6", "udp", "udp6"))
+            if (state == _TCP_LISTEN if proto.startswith("tcp") else port != 0)]
+
+
+def connections_on(pid: int, port: int) -> int:
+    """Established TCP connections ``pid`` holds on its local ``port`` (e.g. the clients a server
+    process accepted there)."""
+    return sum(1 for _, _, p, state in _own_sockets(pid, ("tcp", "tcp6"))
+               if p == port and state == _TCP_ESTABLISHED)
+
+
+def splitserve_role(pid: int) -> str | None:
+    """What a splitserve process is, read from its command line: ``"fleet-<i>"`` (a launcher's
+    fleet process i), the ``splitserve_cli`` command (``"coordinator"``, ``"serve"``, ``"worker"``,
+    ...), or None (another program, or gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if "--child-index" in argv:
+        i = argv.index("--child-index")
+        return f"fleet-{argv[i + 1]}" if i + 1 < len(argv) else None
+    for i, a in enumerate(argv[:-1]):
+        if a.endswith(("splitserve_cli", "splitserve_cli.py")):   # python -m splitserve_cli <command>
+            return argv[i + 1]
+    return None
 
 
 def group_members(pgid: int) -> list[tuple[int, list[str]]]:

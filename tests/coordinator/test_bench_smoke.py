@@ -57,4 +57,5 @@ def test_open_loop_starts_every_send_at_or_after_its_scheduled_time():
         gaps = [b[1] - a[1] for a, b in zip(starts, starts[1:])]
         assert max(abs(g - 0.001) for g in gaps) < 1e-9
         assert all(t >= t_sched for _, t_sched, t in starts)
-        assert 0 <= late <= len(starts)
+        # a send counted late (its wake-up came > 1 ms after its scheduled time) started later still
+        assert late <= sum(t - t_sched > 0.001 for _, t_sched, t in starts)

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from splitserve_testing.proctable import group_members
+from splitserve_testing.proctable import group_members, splitserve_role
 
 from .conftest import PY, clean_env, free_port, free_port_pair, group, http, wait_for
 
@@ -20,18 +20,8 @@ MASK = sorted(os.sched_getaffinity(0))
 
 def _roles(leader: int) -> dict[str, int]:
     """{"coordinator" | "fleet-<i>": pid} of the launcher's children (by their command lines)."""
-    out = {}
-    for pid, _ in group_members(leader):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().decode().split("\0")
-        except OSError:
-            continue
-        if "coordinator" in argv and any(a.endswith("splitserve_cli") for a in argv):
-            out["coordinator"] = pid
-        elif "--child-index" in argv:
-            out[f"fleet-{argv[argv.index('--child-index') + 1]}"] = pid
-    return out
+    roles = {pid: splitserve_role(pid) for pid, _ in group_members(leader)}
+    return {r: pid for pid, r in roles.items() if r == "coordinator" or (r or "").startswith("fleet-")}
 
 
 def _serve(cluster, num_workers: int, affinity: str | None):
@@ -53,7 +43,7 @@ def test_auto_pins_the_coordinator_first_then_each_fleet_process_in_turn(cluster
     roles = _roles(fleet.pid)
     assert {r: sorted(os.sched_getaffinity(p)) for r, p in roles.items()} == \
         {r: [c] for r, c in want.items()}, fleet.tail()
-    for _ in range(6):   # every process serves (SO_REUSEPORT spreads the connections)
+    for _ in range(6):   # the pinned fleet serves
         status, _, body = http("POST", url + "/v1/completions", BODY)
         assert status == 200, body
 
