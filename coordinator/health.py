@@ -1,7 +1,11 @@
 """Active health: prepares servers (`GET /server_info`) and probes them (`GET /health`) on an interval.
 
 One tick probes every server concurrently, each call bounded by `timeout_s`, so a hung worker
-delays nothing but its own probe. The loop only reports results; every decision (eject, readmit,
+delays nothing but its own probe. Ticks start every `interval_s` (fixed rate), and a tick starts
+its checks spread evenly over the first `SPREAD` of the interval rather than all at once: each
+server is still checked once per interval, but the coordinator's event loop never takes every
+server's answer in one burst (32 probes at once held placements behind them; the first tick, at
+start-up, still prepares every server at once). The loop only reports results; every decision (eject, readmit,
 refuse) is the registry's, applied through the coordinator's `on_prepared` hook so that the KV
 side (subscribe, resync on restart) follows the same transition.
 """
@@ -20,6 +24,8 @@ from coordinator.registry import Registry, ServerEntry, ServerState
 log = logging.getLogger("splitserve.coordinator.health")
 
 PreparedHook = Callable[[ServerEntry, dict], None]
+
+SPREAD = 0.5     # part of the interval over which one tick's checks start
 
 
 class HealthMonitor:
@@ -105,23 +111,35 @@ class HealthMonitor:
                       exc_info=(type(exc), exc, exc.__traceback__))
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.interval_s
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            # fixed rate: a tick slowed by a hung server's probe does not push the later ones back,
+            # and ticks never overlap (one that overran its interval is followed at once)
+            due = max(due + self.interval_s, loop.time())
             try:
-                await self.tick()
+                await self.tick(self.interval_s * SPREAD)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug in one tick must not end health checking
                 log.exception("health tick failed")
 
-    async def tick(self) -> None:
+    async def tick(self, spread_s: float = 0.0) -> None:
+        """Check every server once; their starts spread evenly over `spread_s` seconds."""
         self.ticks += 1
         now = self.clock()
         self.registry.expire_registrations(now)
         urls = [u for u in list(self.registry.servers) if u not in self._inflight]
+        step = spread_s / len(urls) if spread_s > 0 and len(urls) > 1 else 0.0
+        loop = asyncio.get_running_loop()
         tasks = []
-        for u in urls:
-            t = asyncio.get_running_loop().create_task(self._check(u))
+        for i, u in enumerate(urls):
+            if step and i:
+                await asyncio.sleep(step)
+                if u in self._inflight or u not in self.registry.servers:
+                    continue      # kicked or removed while the tick was spreading its checks
+            t = loop.create_task(self._check(u))
             self._inflight[u] = t
             t.add_done_callback(lambda _t, uu=u: self._check_done(uu, _t))
             tasks.append(t)

@@ -253,3 +253,63 @@ async def test_a_check_that_raises_is_logged_with_the_server_not_swallowed(worke
     msgs = [r.getMessage() for r in caplog.records if "subscribing failed" in r.getMessage()]
     assert calls and msgs and w.url in msgs[0]
     assert len(msgs) == 1, "logged once per server per 30 s, counted every time"
+
+
+async def test_a_tick_spreads_its_probes_over_the_interval():
+    """Each server is checked once per interval, but a tick's checks start spread over half of it
+    (coordinator/health.py `SPREAD`): before, all of them left in one burst (their answers arrived
+    within a few ms of each other), and the coordinator took every answer in one event-loop stall."""
+    from aiohttp import web
+
+    from coordinator.health import HealthMonitor
+    from coordinator.registry import Registry
+    from splitserve_testing import free_port
+
+    loop = asyncio.get_running_loop()
+    hits: dict[str, list[float]] = {}
+    runners, urls = [], []
+    for _ in range(8):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        seen = hits.setdefault(url, [])
+
+        async def health(request, seen=seen):
+            seen.append(loop.time())
+            return web.Response(text="ok")
+
+        async def info(request, seen=seen):
+            seen.append(loop.time())
+            return web.json_response({})
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/server_info", info)
+        r = web.AppRunner(app)
+        await r.setup()
+        await web.TCPSite(r, "127.0.0.1", port).start()
+        runners.append(r)
+        urls.append(url)
+    reg = Registry(block_size=16, key_scheme="xxh3_chain_v1", failure_threshold=2,
+                   min_ejection_s=0.05, default_ttl_s=30.0)
+    for u in urls:
+        reg.add_static(u, "both", 0.0)
+    interval = 0.4
+    mon = HealthMonitor(reg, interval_s=interval, timeout_s=1.0, on_prepared=lambda e, i: None)
+    try:
+        await mon.start()             # the first tick prepares everyone at once
+        for u in urls:
+            hits[u].clear()
+        await asyncio.sleep(interval * 3.6)
+    finally:
+        await mon.stop()
+        for r in runners:
+            await r.cleanup()
+    counts = [len(hits[u]) for u in urls]   # checks (/health or /server_info) after start-up
+    assert min(counts) >= 2 and max(counts) - min(counts) <= 1, counts   # once per interval each
+    # the probes of one tick: the k-th of every server; their starts span the spread, in steps
+    for k in range(min(counts)):
+        starts = sorted(hits[u][k] for u in urls)
+        span = starts[-1] - starts[0]
+        # spread over 0.2 s in steps of 25 ms (a burst spans under a millisecond)
+        assert span > 0.1, (k, span)
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        assert min(gaps) > 0.002, (k, gaps)
