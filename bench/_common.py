@@ -1,5 +1,5 @@
-"""Helpers the bench scripts share: the host's CPU name, CPU pinning of the processes a bench
-starts, and RESULTS.md section upkeep.
+"""Helpers the bench scripts share: the host's CPU name and interpreter speed, CPU pinning of the
+processes a bench starts, and RESULTS.md section upkeep.
 
 Imported as `from bench._common import ...`; each script puts the repository root first on
 sys.path before importing it (see the top of any bench script).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import platform
 import re
 import sys
+import time
 from pathlib import Path
 
 
@@ -22,6 +23,25 @@ def cpu_model() -> str:
     except OSError:
         pass
     return cpu
+
+
+def python_speed(rounds: int = 5, calls: int = 2000) -> float:
+    """CPU µs per call of a fixed pure-Python workload, best of `rounds`: the routing key of
+    bench/fleet.py's prompt (`router.block_keys.block_keys_list` over 960 token ids, 60 blocks).
+
+    The 16-core bench host is a shared KVM guest whose speed for the same code swings about 2x
+    between runs minutes apart, with no steal time reported (bench/RESULTS.md, "The same table on
+    a slower host"): a table's absolute req/s compares with another table's only next to this
+    number, measured in the same run."""
+    from router.block_keys import block_keys_list
+    ids = list(range(1000, 1960))
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.thread_time()
+        for _ in range(calls):
+            block_keys_list(ids, 16)
+        best = min(best, (time.thread_time() - t0) / calls * 1e6)
+    return best
 
 
 def pinned(argv: list[str], cpus: str | None) -> list[str]:

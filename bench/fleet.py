@@ -468,7 +468,10 @@ def header(args) -> str:
             "process(es)). CPU µs/req = CPU time of the router's whole process group divided by requests "
             "served; for splitserve split into its fleet processes and its coordinator process (one "
             "process: the coordinator runs inside it); kernel share = the part of that CPU time spent in "
-            "the kernel (stime). `× 1 process` = req/s over the same path's one-process req/s." + (f" Routers under test on CPUs {args.router_cpus} (splitserve: "
+            "the kernel (stime). `× 1 process` = req/s over the same path's one-process req/s." + (
+                f" Interpreter speed probe (bench/_common.py `python_speed`, lower is faster): "
+                f"{args.speed[0]:.1f} µs at the start, {args.speed[1]:.1f} µs at the end."
+                if getattr(args, "speed", None) else "") + (f" Routers under test on CPUs {args.router_cpus} (splitserve: "
             "`fleet.cpu_affinity`, one CPU per process), wrk and the mock backends on CPUs "
             f"{args.load_cpus}." if args.router_cpus or args.load_cpus else ""))
 
@@ -557,6 +560,9 @@ def main() -> int:
             return 1
     work = Path(tempfile.mkdtemp(prefix="splitserve-bench-fleet-"))
     print(f"bench/fleet.py: work dir {work}", flush=True)
+    from bench._common import python_speed
+    speed0 = python_speed()
+    print(f"interpreter speed probe: {speed0:.1f} µs (bench/_common.py python_speed)", flush=True)
     peers_md, tsv = ("(not run: pass --peers)", None)
     if args.peers and not args.skip_peers:
         print("peers (shared harness, same run) ...", flush=True)
@@ -575,12 +581,15 @@ def main() -> int:
             stream = part_stream(work, urls, args.duration, args.warmup)
     finally:
         nginx.stop()
+    args.speed = (speed0, python_speed())
+    print(f"interpreter speed probe at the end: {args.speed[1]:.1f} µs", flush=True)
     subs = report(args, peers_md, prow, rows, stream)
     print("\n## fleet\n")
     for title, body in subs:
         print(title + "\n\n" + body + "\n")
     if args.json_out:
         args.json_out.write_text(json.dumps({"argv": args.argv, "cores": os.cpu_count(),
+                                             "python_speed_us": list(args.speed),
                                              "rows": [{k: v for k, v in r.items() if k != "raw"} for r in rows],
                                              "stream": stream}, indent=1))
     if not args.no_write:

@@ -25,6 +25,10 @@ def test_bench_fleet_smoke():
         assert float(cells[2].replace(",", "")) > 0, line    # req/s
         assert cells[-1] == "0", line                         # no errors
     assert "added p50" in out
+    # the header names the run's interpreter speed (bench/_common.py python_speed), start and end
+    import re
+    m = re.search(r"Interpreter speed probe \(.*?\): ([0-9.]+) µs at the start, ([0-9.]+) µs at the end", out)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, out[:3000]
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("nginx") is None,
