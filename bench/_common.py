@@ -31,8 +31,8 @@ def python_speed(rounds: int = 5, calls: int = 2000) -> float:
 
     The 16-core bench host is a shared KVM guest whose speed for the same code swings about 2x
     between runs minutes apart, with no steal time reported (bench/RESULTS.md, "The same table on
-    a slower host"): a table's absolute req/s compares with another table's only next to this
-    number, measured in the same run."""
+    a slower host"). Taken at a run's start and end, it shows when the host moved under a table;
+    it is one core at two moments, not a normaliser."""
     from router.block_keys import block_keys_list
     ids = list(range(1000, 1960))
     best = float("inf")
