@@ -304,7 +304,9 @@ class CoordinatorConfig(Section):
     uds: Annotated[bool, doc("also serve on a Unix socket when the coordinator is local")] = True
     uds_path: Annotated[Optional[str], doc(
         "Unix socket path (null = <tmpdir>/splitserve-coordinator-<coordinator port>.sock)")] = None
-    health_check_interval_s: Annotated[PosFloat, doc("period of server /health probes (each server once per period; a tick's probes start spread over its first half)")] = 2.0
+    health_check_interval_s: Annotated[PosFloat, doc(
+        "period of server /health probes (each server once per period; a tick's probes start "
+        "spread over its first half)")] = 2.0
     health_failure_threshold: Annotated[Annotated[int, Meta(ge=1)], doc(
         "consecutive failed probes before a server is unhealthy")] = 3
     server_info_timeout_s: Annotated[PosFloat, doc("timeout of one /server_info or /health "

@@ -1,13 +1,13 @@
 """Active health: prepares servers (`GET /server_info`) and probes them (`GET /health`) on an interval.
 
-One tick probes every server concurrently, each call bounded by `timeout_s`, so a hung worker
+One tick checks every server concurrently, each call bounded by `timeout_s`, so a hung worker
 delays nothing but its own probe. Ticks start every `interval_s` (fixed rate), and a tick starts
 its checks spread evenly over the first `SPREAD` of the interval rather than all at once: each
 server is still checked once per interval, but the coordinator's event loop never takes every
 server's answer in one burst (32 probes at once held placements behind them; the first tick, at
-start-up, still prepares every server at once). The loop only reports results; every decision (eject, readmit,
-refuse) is the registry's, applied through the coordinator's `on_prepared` hook so that the KV
-side (subscribe, resync on restart) follows the same transition.
+start-up, still prepares every server at once). The loop only reports results; every decision
+(eject, readmit, refuse) is the registry's, applied through the coordinator's `on_prepared` hook
+so that the KV side (subscribe, resync on restart) follows the same transition.
 """
 from __future__ import annotations
 
