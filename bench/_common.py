@@ -10,6 +10,7 @@ import platform
 import re
 import sys
 import time
+import timeit
 from pathlib import Path
 
 
@@ -30,18 +31,13 @@ def python_speed(rounds: int = 5, calls: int = 2000) -> float:
     bench/fleet.py's prompt (`router.block_keys.block_keys_list` over 960 token ids, 60 blocks).
 
     The 16-core bench host is a shared KVM guest whose speed for the same code swings about 2x
-    between runs minutes apart, with no steal time reported (bench/RESULTS.md, "The same table on
-    a slower host"). Taken at a run's start and end, it shows when the host moved under a table;
-    it is one core at two moments, not a normaliser."""
+    between runs minutes apart, with no steal time reported (bench/RESULTS.md, "coordinator ·
+    health probes spread over the interval"). Taken at a run's start and end, it shows when the
+    host moved under a table; it is one core at two moments, not a normaliser."""
     from router.block_keys import block_keys_list
     ids = list(range(1000, 1960))
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.thread_time()
-        for _ in range(calls):
-            block_keys_list(ids, 16)
-        best = min(best, (time.thread_time() - t0) / calls * 1e6)
-    return best
+    return min(timeit.repeat(lambda: block_keys_list(ids, 16), timer=time.thread_time,
+                             repeat=rounds, number=calls)) / calls * 1e6
 
 
 def pinned(argv: list[str], cpus: str | None) -> list[str]:

@@ -468,10 +468,9 @@ def header(args) -> str:
             "process(es)). CPU µs/req = CPU time of the router's whole process group divided by requests "
             "served; for splitserve split into its fleet processes and its coordinator process (one "
             "process: the coordinator runs inside it); kernel share = the part of that CPU time spent in "
-            "the kernel (stime). `× 1 process` = req/s over the same path's one-process req/s." + (
-                f" Interpreter speed probe (bench/_common.py `python_speed`, lower is faster): "
-                f"{args.speed[0]:.1f} µs at the start, {args.speed[1]:.1f} µs at the end."
-                if getattr(args, "speed", None) else "") + (f" Routers under test on CPUs {args.router_cpus} (splitserve: "
+            "the kernel (stime). `× 1 process` = req/s over the same path's one-process req/s."
+            f" Interpreter speed probe (bench/_common.py `python_speed`, lower is faster): "
+            f"{args.speed[0]:.1f} µs at the start, {args.speed[1]:.1f} µs at the end." + (f" Routers under test on CPUs {args.router_cpus} (splitserve: "
             "`fleet.cpu_affinity`, one CPU per process), wrk and the mock backends on CPUs "
             f"{args.load_cpus}." if args.router_cpus or args.load_cpus else ""))
 

@@ -4,10 +4,10 @@ One tick checks every server concurrently, each call bounded by `timeout_s`, so 
 delays nothing but its own probe. Ticks start every `interval_s` (fixed rate), and a tick starts
 its checks spread evenly over the first `SPREAD` of the interval rather than all at once: each
 server is still checked once per interval, but the coordinator's event loop never takes every
-server's answer in one burst (32 probes at once held placements behind them; the first tick, at
-start-up, still prepares every server at once). The loop only reports results; every decision
-(eject, readmit, refuse) is the registry's, applied through the coordinator's `on_prepared` hook
-so that the KV side (subscribe, resync on restart) follows the same transition.
+server's answer in one burst (32 answers at once can hold placements behind them; the first
+tick, at start-up, still prepares every server at once). The loop only reports results; every
+decision (eject, readmit, refuse) is the registry's, applied through the coordinator's
+`on_prepared` hook so that the KV side (subscribe, resync on restart) follows the same transition.
 """
 from __future__ import annotations
 
@@ -137,8 +137,9 @@ class HealthMonitor:
         for i, u in enumerate(urls):
             if step and i:
                 await asyncio.sleep(step)
-                if u in self._inflight or u not in self.registry.servers:
-                    continue      # kicked or removed while the tick was spreading its checks
+                if u in self._inflight:
+                    continue      # kicked while the tick was spreading its checks (`_check`
+                                  # itself skips a server removed meanwhile)
             t = loop.create_task(self._check(u))
             self._inflight[u] = t
             t.add_done_callback(lambda _t, uu=u: self._check_done(uu, _t))
