@@ -12,13 +12,11 @@ ones inline: a thread hop costs more than tokenizing a few hundred characters.
 """
 from __future__ import annotations
 
-import array
 import asyncio
-import sys
 
 from protocol.prompt import (TokenizerUnavailable, load_tokenizer, request_token_ids,
                                       routing_tokenizer_name)
-from router.block_keys import block_keys_list, salt_seed
+from router.block_keys import block_keys_bytes, salt_seed
 from protocol.tokenizer import Tokenizer
 
 from .validate import CHAT, ClientRequest
@@ -26,7 +24,6 @@ from .validate import CHAT, ClientRequest
 __all__ = ["KeyBuilder", "TokenizerUnavailable", "load_tokenizer", "make_key_builder"]
 
 _INLINE_CHARS = 8192
-_BIG_ENDIAN = sys.byteorder == "big"
 
 
 class KeyBuilder:
@@ -49,12 +46,7 @@ class KeyBuilder:
 
     def _keys(self, creq: ClientRequest, block_size: int, ns_seed: int) -> tuple[bytes, int]:
         ids = self.token_ids(creq)
-        # ints straight into a u64 array: the numpy round trip (ndarray of keys, then its bytes)
-        # cost ~5 us more for a 60-block prompt (block_keys_list hashes over a bytes view)
-        keys = array.array("Q", block_keys_list(ids, block_size, ns_seed))
-        if _BIG_ENDIAN:   # pragma: no cover - every host we run on is little-endian
-            keys.byteswap()
-        return keys.tobytes(), len(ids)
+        return block_keys_bytes(ids, block_size, ns_seed), len(ids)
 
     def _params(self, routing: dict) -> tuple[int, int]:
         bs = int(routing.get("block_size") or 16)

@@ -43,8 +43,12 @@ def test_matches_reference_for_every_path(block_size, monkeypatch):
     rng = np.random.default_rng(block_size)
     toks = rng.integers(0, 2**32, size=block_size * 40 + 3, dtype=np.uint64).tolist()
     expect = _reference_keys(toks, block_size, ns_seed=12345)
-    for threshold in (0, 10**9):  # force the numpy path, then the per-block path
+    # the native module (where built), then the numpy path, then the per-block path
+    for native, threshold in ((bk._native, 0), (None, 0), (None, 10**9)):
+        monkeypatch.setattr(bk, "_native", native)
         monkeypatch.setattr(bk, "_NUMPY_MIN_BLOCKS", threshold)
+        assert bk.block_keys_bytes(toks, block_size, ns_seed=12345) == np.array(
+            expect, dtype="<u8").tobytes()
         assert block_keys(toks, block_size, ns_seed=12345).tolist() == expect
         assert block_keys(np.array(toks, dtype=np.uint32), block_size, ns_seed=12345).tolist() == expect
         assert block_keys_list(toks, block_size, ns_seed=12345) == expect
