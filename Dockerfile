@@ -18,6 +18,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/splitserve/bin:$PATH
 RUN python -m venv /opt/splitserve
+# A C compiler for the one native module (router/_chain.c, the block-key recipe); build stage only.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 # nixl's meta package would resolve its own torch; the plain wheels work with the pinned one.
 RUN set -eu; \
     case "$VARIANT" in \
@@ -35,7 +39,9 @@ COPY fleet/ fleet/
 COPY worker/ worker/
 COPY transfer/ transfer/
 # The pinned torch already satisfies the project's torch range, so pip keeps it.
-RUN pip install . && python -c "import torch, splitserve_cli; print('torch', torch.__version__)"
+COPY setup.py ./
+RUN pip install . && python -c "import torch, splitserve_cli, router.block_keys as bk; \
+    assert bk.NATIVE, 'router/_chain.c did not build'; print('torch', torch.__version__)"
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 ARG VARIANT=cpu
