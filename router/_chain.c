@@ -39,37 +39,19 @@ static const uint8_t kSecret[192] = {
 #define PRIME_MX2 0x9FB21C651E98DF25ULL
 #define MAX_BYTES 240
 
-static inline uint64_t rd64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
+/* Little-endian loads and stores (the recipe's byte order) on any host. */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap64(v);
+#define LE32(v) __builtin_bswap32(v)
+#define LE64(v) __builtin_bswap64(v)
+#else
+#define LE32(v) (v)
+#define LE64(v) (v)
 #endif
-    return v;
-}
 
-static inline uint32_t rd32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap32(v);
-#endif
-    return v;
-}
-
-static inline void wr32(uint8_t *p, uint32_t v) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap32(v);
-#endif
-    memcpy(p, &v, 4);
-}
-
-static inline void wr64(uint8_t *p, uint64_t v) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap64(v);
-#endif
-    memcpy(p, &v, 8);
-}
+static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return LE64(v); }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return LE32(v); }
+static inline void wr32(uint8_t *p, uint32_t v) { v = LE32(v); memcpy(p, &v, 4); }
+static inline void wr64(uint8_t *p, uint64_t v) { v = LE64(v); memcpy(p, &v, 8); }
 
 static inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
@@ -154,7 +136,7 @@ static uint64_t xxh3_64(const uint8_t *in, size_t len, uint64_t seed) {
     return avalanche(acc + acc_end);
 }
 
-/* Token id `i` of `seq` (a list or tuple) as u32; -1 with an exception set when it is not one. */
+/* A token id (an item of a list or tuple) as u32; -1 with ValueError set when it is not one. */
 static int token_u32(PyObject *item, uint32_t *out) {
     /* the common case first, without the generic conversion: an int of one machine word */
 #if PY_VERSION_HEX >= 0x030C0000

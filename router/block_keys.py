@@ -18,8 +18,8 @@ Invariants:
   ``block_keys(t[m*B:], parent=block_keys(t)[m-1]) == block_keys(t)[m:]`` (resumable chains).
 
 Speed: for block sizes of 1..60 tokens the whole recipe runs in one call of the native module
-router/_chain.c (built by ``pip install``; ``NATIVE`` says whether it loaded), ~20x faster than
-the Python path for a 60-block prompt. Without it, and for larger blocks, the per-block local
+router/_chain.c (built by ``pip install``; ``NATIVE`` says whether it loaded), 14-24x the
+Python path's tokens per second (bench/RESULTS.md, "router core"). Without it, and for larger blocks, the per-block local
 hashes are computed for all blocks at once with a numpy re-implementation of XXH3's 17..240-byte
 paths (block sizes 5..60 tokens) or one library call per block, and the chain, which is
 inherently sequential, runs one C ``xxh3_64`` call per block. Every path is checked bit for bit
@@ -312,8 +312,6 @@ def block_keys_bytes(token_ids, block_size: int = 16, ns_seed: int = 0,
                      parent: int | None = None) -> bytes:
     """Same keys as :func:`block_keys`, as little-endian u64 bytes (the routing key's wire form,
     protocol/channel.py `wire_key`)."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, found {block_size}")
     got = _native_keys(token_ids, block_size, ns_seed, parent, False)
     if got is not None:
         return got

@@ -14,10 +14,11 @@ import xxhash
 
 import router.block_keys as bk
 
-native = pytest.importorskip("router._chain") if not os.environ.get("CI") else None
-if native is None:
-    # CI installs with a C compiler: a build that silently fell back to Python is a failure there
-    import router._chain as native  # noqa: E402
+# CI installs with a C compiler: there a build that silently fell back to Python is a failure
+if os.environ.get("CI"):
+    import router._chain as native
+else:
+    native = pytest.importorskip("router._chain")
 
 
 def test_native_module_is_what_block_keys_uses():
