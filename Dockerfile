@@ -18,7 +18,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/splitserve/bin:$PATH
 RUN python -m venv /opt/splitserve
-# A C compiler for the one native module (router/_chain.c, the block-key recipe); build stage only.
+# A C compiler for the native modules (router/_chain.c, the block-key recipe; router/_kv_cost.c, the
+# kv_cache_aware placement core); build stage only.
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -40,8 +41,9 @@ COPY worker/ worker/
 COPY transfer/ transfer/
 # The pinned torch already satisfies the project's torch range, so pip keeps it.
 COPY setup.py ./
-RUN pip install . && python -c "import torch, splitserve_cli, router.block_keys as bk; \
-    assert bk.NATIVE, 'router/_chain.c did not build'; print('torch', torch.__version__)"
+RUN pip install . && python -c "import torch, splitserve_cli, router.block_keys as bk, \
+    router.policy_kv as pk; assert bk.NATIVE, 'router/_chain.c did not build'; \
+    assert pk.NATIVE, 'router/_kv_cost.c did not build'; print('torch', torch.__version__)"
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 ARG VARIANT=cpu

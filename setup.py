@@ -1,11 +1,18 @@
-"""The one native module: router/_chain.c (canonical block keys in one call).
+"""The native modules: router/_chain.c (canonical block keys in one call) and router/_kv_cost.c
+(the numeric core of kv_cache_aware placement).
 
-Everything else is in pyproject.toml. The extension is optional: without a C compiler the build
-goes on and router/block_keys.py uses its pure-Python recipe (same keys, 14-24x fewer tokens per second,
-bench/RESULTS.md "router core";
-`router.block_keys.NATIVE` says which one runs).
+Everything else is in pyproject.toml. The extensions are optional: without a C compiler the build
+goes on and the pure-Python recipes run instead (the same keys and decisions; block keys 14-24x
+fewer tokens per second, bench/RESULTS.md "router core"). `router.block_keys.NATIVE` and
+`router.policy_kv.NATIVE` say which ones run.
 """
 from setuptools import Extension, setup
 
+# -ffp-contract=off: the placement core's costs must be the same doubles as its Python recipe's
+# (router/_kv_cost.c), so no multiply-add may be fused.
+_FLAGS = ["-O2", "-ffp-contract=off"]
+
 setup(ext_modules=[Extension("router._chain", ["router/_chain.c"], optional=True,
-                             extra_compile_args=["-O2"])])
+                             extra_compile_args=_FLAGS),
+                   Extension("router._kv_cost", ["router/_kv_cost.c"], optional=True,
+                             extra_compile_args=_FLAGS)])

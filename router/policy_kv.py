@@ -8,7 +8,14 @@ from protocol.channel import KvChoice
 
 from .policy_base import Decision, Policy, _Lru, _healthy, _loads
 
-__all__ = ["KvCacheAwarePolicy", "ROW_KEYS", "explain"]
+try:    # router/_kv_cost.c, built by setup.py; `_core` below is the same recipe in Python
+    from ._kv_cost import core as _native_core
+except ImportError:     # no C compiler at install time
+    _native_core = None
+
+NATIVE = _native_core is not None
+
+__all__ = ["KvCacheAwarePolicy", "NATIVE", "ROW_KEYS", "explain"]
 
 # The keys of an explanation row that `explain` writes for a healthy candidate, in their order
 # (the fleet's route header keeps a row as a copy less `load_tokens` when it has exactly these:
@@ -61,6 +68,10 @@ class KvCacheAwarePolicy(Policy):
         self._cursor = 0
         self._cands: tuple | None = None
         self._bulk: tuple | None = None     # (view, its bulk `loads` or None)
+        # The native core gives float costs: it stands in for `_core` only where the Python
+        # expression gives floats too (an int weight keeps int scores in the explanation).
+        self._native = NATIVE and all(type(w) is float for w in (
+            prefill_weight, load_tokens_weight, load_requests_weight, affinity_bonus))
 
     @property
     def needs_block_keys(self) -> bool:
@@ -79,8 +90,8 @@ class KvCacheAwarePolicy(Policy):
         self._pins.remove_server(server)
 
     def select(self, candidates, key, view) -> Decision:
-        # Written for speed (it runs once per leg of every request over every candidate): list
-        # comprehensions instead of per-candidate branches; rows are built in one pass.
+        # Written for speed (it runs once per leg of every request over every candidate): the
+        # numbers come from one native call (router/_kv_cost.c; `_core` where it does not apply).
         # The candidate list is the coordinator's cached one until membership changes: what
         # depends on it alone (healthy subset, server names, unknown-match servers) is kept.
         memo = self._cands
@@ -105,52 +116,33 @@ class KvCacheAwarePolicy(Policy):
         if bulk is None or bulk[0] is not view:
             bulk = self._bulk = (view, getattr(view, "loads", None))
         loads = bulk[1](servers) if bulk[1] is not None else _loads(view, servers)
-        B = self.block_size
         cap = num_tokens - 1 if num_tokens > 0 else 0
-        mget = None
-        if not nk:
-            matched = est = [0] * n
-        elif all_unknown:
-            # Every match is unknown: reported 0, estimated as the mean of no verified one (0),
-            # so the index walk would decide nothing (`_unknown_matches`).
-            matched = est = [0] * n
+        # Every match unknown: reported 0, estimated as the mean of no verified one (0), so the
+        # index walk would decide nothing (`_unknown_matches`).
+        md = None if not nk or all_unknown else view.matched_blocks(keys)
+        pin = servers.index(pinned) if pinned is not None and pinned in servers else -1
+        hf = self.hotspot_factor or 0.0
+        mbs = self.max_batch_size if self.max_batch_size and self.load_cap is not None else 0
+        args = (servers, md, loads, self.block_size, cap, num_tokens, self.prefill_weight,
+                self.load_tokens_weight, self.load_requests_weight, pin, self.affinity_bonus, hf,
+                self.hotspot_slack, mbs, self.load_cap if mbs else 0.0)
+        # the Python recipe for int weights, unknown matches to estimate, and what the native
+        # core does not take (a view answering a Mapping or numpy ints: TypeError)
+        res = None
+        if self._native and (md is None or not unknown):
+            try:
+                res = _native_core(*args)
+            except TypeError:
+                pass
+        matched, costs, tied, hs, lc, limit = res or _core(*args, unknown)
+        if hs or lc:
+            hot = {i: f"hot: {loads[i][0]} in-flight requests > cap {limit:.1f}" for i in hs}
+            for i in lc:
+                hot[i] = f"hot: {loads[i][0]}/{mbs} requests >= load_cap {self.load_cap}"
+            skip_hot = len(hot) != n
         else:
-            mget = view.matched_blocks(keys).get
-            matched = [mt if (mt := mget(s, 0) * B) < cap else cap for s in servers]
-            est = matched
-            if unknown:
-                matched, est = _unknown_matches(matched, unknown)
-        pw, tw, rw = self.prefill_weight, self.load_tokens_weight, self.load_requests_weight
-        costs = [pw * (num_tokens - mt) + tw * tok + rw * req
-                 for mt, (req, tok) in zip(est, loads)]
-        if pinned is not None and pinned in servers:
-            costs[servers.index(pinned)] -= self.affinity_bonus * num_tokens
-        hot: dict[int, str] = {}
-        if self.hotspot_factor or (self.max_batch_size and self.load_cap is not None):
-            reqs = [l[0] for l in loads]
-            if self.hotspot_factor:
-                limit = self.hotspot_factor * sum(reqs) / n + self.hotspot_slack
-                if max(reqs) > limit:
-                    hot = {i: f"hot: {r} in-flight requests > cap {limit:.1f}"
-                           for i, r in enumerate(reqs) if r > limit}
-            if self.max_batch_size and self.load_cap is not None:
-                mbs, lcap = self.max_batch_size, self.load_cap
-                for i, r in enumerate(reqs):
-                    if i not in hot and r / mbs >= lcap:
-                        hot[i] = f"hot: {r}/{mbs} requests >= load_cap {lcap}"
-        all_hot = len(hot) == n
-        skip_hot = bool(hot) and not all_hot
-        if skip_hot:
-            best = min([c for i, c in enumerate(costs) if i not in hot])
-        else:
-            best = min(costs)
-        tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
-        if skip_hot:
-            tied = [i for i, c in enumerate(costs) if c <= tol and i not in hot]
-        else:
-            tied = [i for i, c in enumerate(costs) if c <= tol]
-        tie = len(tied) > 1
-        if tie:
+            hot, skip_hot = _NO_HOT, False
+        if len(tied) > 1:
             pick = tied[self._cursor % len(tied)]
             self._cursor += 1
         else:
@@ -164,7 +156,7 @@ class KvCacheAwarePolicy(Policy):
                           list(hot.items()) if hot else _NONE, skip_hot, unknown, unhealthy,
                           num_tokens, conv, pinned, self.explain_rows)
         return Decision(server, None, None if unknown and ok[pick].kv_unknown
-                        else mget(server, 0) if mget is not None else 0, choice, explain)
+                        else md.get(server, 0) if md is not None else 0, choice, explain)
 
 
 _NONE: list = []    # shared empty list of a KvChoice (never changed: explain only reads it)
@@ -222,6 +214,57 @@ def explain(c: KvChoice) -> dict:
             "num_tokens": c.num_tokens, "matched_tokens": c.matched_tokens,
             "conversation": c.conversation, "pinned": pinned, "candidates_total": n + n_unhealthy,
             "hot": len(hot)}
+
+
+def _core(servers: list, md: dict | None, loads: list, block_size: int, cap: int, num_tokens: int,
+          pw, tw, rw, pin: int, bonus, hf, slack, mbs: int, lcap, unknown: list | None = None):
+    """The numbers of a decision, ``(matched, costs, tied, hotspot, load_capped, limit)``
+    (router/_kv_cost.c computes the same ones):
+
+    - ``matched``: each server's reported match in tokens, ``md[server] * block_size`` capped at
+      ``cap``, 0 for servers in ``unknown`` (``_unknown_matches``) or when ``md`` is None;
+    - ``costs``: ``pw * (num_tokens - estimated match) + tw * tokens + rw * requests`` in
+      flight, less ``bonus * num_tokens`` at index ``pin`` (-1: none);
+    - ``hotspot``: indices whose in-flight requests exceed ``limit = hf * mean + slack`` (``hf``
+      0: off); ``load_capped``: the others with ``requests / mbs >= lcap`` (``mbs`` 0: off);
+    - ``tied``: the indices within 1e-9 (relative) of the lowest cost, the hot ones left out
+      unless every server is hot.
+    """
+    n = len(servers)
+    if md is None:
+        matched = est = [0] * n
+    else:
+        mget = md.get
+        matched = [mt if (mt := mget(s, 0) * block_size) < cap else cap for s in servers]
+        est = matched
+        if unknown:
+            matched, est = _unknown_matches(matched, unknown)
+    costs = [pw * (num_tokens - mt) + tw * tok + rw * req for mt, (req, tok) in zip(est, loads)]
+    if pin >= 0:
+        costs[pin] -= bonus * num_tokens
+    hs: list = []
+    lc: list = []
+    limit = 0.0
+    hot: set = set()
+    if hf or mbs:
+        reqs = [l[0] for l in loads]
+        if hf:
+            limit = hf * sum(reqs) / n + slack
+            if max(reqs) > limit:
+                hs = [i for i, r in enumerate(reqs) if r > limit]
+                hot.update(hs)
+        if mbs:
+            lc = [i for i, r in enumerate(reqs) if i not in hot and r / mbs >= lcap]
+            hot.update(lc)
+    if hot and len(hot) != n:
+        best = min([c for i, c in enumerate(costs) if i not in hot])
+        tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
+        tied = [i for i, c in enumerate(costs) if c <= tol and i not in hot]
+    else:
+        best = min(costs)
+        tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
+        tied = [i for i, c in enumerate(costs) if c <= tol]
+    return matched, costs, tied, hs, lc, limit
 
 
 def _unknown_matches(matched: list[int], unknown: list[int]) -> tuple[list[int], list[int]]:

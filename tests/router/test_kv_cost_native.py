@@ -1,0 +1,170 @@
+"""router/_kv_cost.c, the native numeric core of kv_cache_aware placement, against its Python
+recipe (router/policy_kv.py `_core`): the same matched tokens, the same costs to the bit, the
+same ties and hot servers on random inputs; and whole decisions of `KvCacheAwarePolicy` over a real
+KvIndex + LeaseTable identical with the native core and without it, including where it must not
+run (int weights, servers of unknown match) and where it cannot (a view answering numpy ints)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import router.policy_kv as pk
+from router.block_keys import block_keys_list
+from router.events import BlocksStored
+from router.kv_index import KvIndex
+from router.leases import LeaseTable
+from router.policies import Candidate, IndexLoadView, KvCacheAwarePolicy, RoutingKey
+
+# CI installs with a C compiler: there a build that silently fell back to Python is a failure
+if os.environ.get("CI"):
+    import router._kv_cost as native
+else:
+    native = pytest.importorskip("router._kv_cost")
+
+B = 16
+
+
+def test_native_core_is_what_the_policy_uses():
+    assert pk.NATIVE and pk._native_core is native.core
+    assert KvCacheAwarePolicy(B)._native
+    # int weights keep int scores in the explanation: the Python recipe runs for them
+    assert not KvCacheAwarePolicy(B, prefill_weight=1)._native
+
+
+def _bits(xs):
+    return [x.hex() if isinstance(x, float) else x for x in xs]
+
+
+_weight = st.floats(0.0, 1e4, allow_nan=False) | st.sampled_from([0.0, 1.0, 32.0, 0.25, 1e-9])
+
+
+@st.composite
+def core_args(draw):
+    n = draw(st.integers(1, 40))
+    servers = [f"http://s{i}" for i in range(n)]
+    bs = draw(st.sampled_from([1, 16, 32, 64]))
+    num_tokens = draw(st.integers(0, 20_000))
+    cap = num_tokens - 1 if num_tokens > 0 else 0
+    md = draw(st.none() | st.dictionaries(st.sampled_from(servers + ["http://gone"]),
+                                          st.integers(0, num_tokens // bs + 2)))
+    # few distinct loads, so ties and hot servers are common
+    req = st.integers(0, 6) | st.integers(0, 500)
+    loads = [(draw(req), draw(st.integers(0, 200_000))) for _ in range(n)]
+    pin = draw(st.integers(-1, n - 1))
+    hf = draw(st.sampled_from([0.0, 2.0, 1.0]) | st.floats(0.01, 10))
+    slack = draw(st.sampled_from([2.0, 0.0]) | st.floats(0, 50))
+    mbs = draw(st.sampled_from([0, 1, 8, 256]))
+    lcap = draw(st.sampled_from([0.0, 0.5, 1.0, 0.9]))
+    return (servers, md, loads, bs, cap, num_tokens, draw(_weight), draw(_weight), draw(_weight),
+            pin, draw(_weight), hf, slack, mbs, lcap)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(core_args())
+def test_native_core_matches_the_python_recipe(args):
+    m1, c1, t1, hs1, lc1, lim1 = native.core(*args)
+    m2, c2, t2, hs2, lc2, lim2 = pk._core(*args)
+    assert m1 == m2 and all(type(x) is int for x in m1)
+    assert _bits(c1) == _bits(c2)
+    assert (t1, hs1, lc1) == (t2, hs2, lc2)
+    assert lim1.hex() == float(lim2).hex()
+
+
+def test_equal_costs_tie_and_hot_servers_are_skipped():
+    servers = ["a", "b", "c", "d"]
+    loads = [(0, 0), (0, 0), (9, 0), (0, 0)]
+    args = (servers, {"a": 2, "b": 2, "c": 4}, loads, 16, 63, 64, 1.0, 1.0, 32.0, -1, 0.25,
+            2.0, 2.0, 0, 0.0)
+    matched, costs, tied, hs, lc, limit = native.core(*args)
+    assert matched == [32, 32, 63, 0]
+    assert hs == [2] and lc == [] and limit == 2.0 * 9 / 4 + 2.0
+    assert tied == [0, 1]                   # c is cheapest but hot, d has no match
+    assert pk._core(*args) == (matched, costs, tied, hs, lc, limit)
+
+
+def test_bad_arguments_raise_type_or_value_errors():
+    ok = (["a"], None, [(0, 0)], 16, 0, 0, 1.0, 1.0, 1.0, -1, 0.0, 0.0, 0.0, 0, 0.0)
+    native.core(*ok)
+    with pytest.raises(TypeError):
+        native.core(*ok[:-1])
+    with pytest.raises(ValueError, match="one load per server"):
+        native.core(["a", "b"], *ok[1:])
+    with pytest.raises(TypeError, match="pair"):
+        native.core(ok[0], None, [(0, 0, 0)], *ok[3:])
+    with pytest.raises(TypeError, match="int"):
+        native.core(ok[0], {"a": np.int64(1)}, *ok[2:])
+    with pytest.raises(TypeError, match="dict or None"):
+        native.core(ok[0], [1], *ok[2:])
+
+
+# ---- whole decisions, native and Python ------------------------------------------------------
+
+def _cluster(seed: int, n: int):
+    rng = np.random.default_rng(seed)
+    idx, leases = KvIndex(B), LeaseTable()
+    servers = [f"http://w{i}" for i in range(n)]
+    docs = [rng.integers(0, 50_000, 512).tolist() for _ in range(4)]
+    for i, s in enumerate(servers):
+        for d in docs[i % 3:]:
+            k = int(rng.integers(1, 33)) * B
+            idx.apply(s, BlocksStored(block_keys_list(d[:k], B), None, d[:k], B))
+        for r in range(int(rng.integers(0, 12))):
+            leases.acquire("ctx", seed * 1000 + i * 100 + r, s, 0.0, 60.0, int(rng.integers(0, 900)))
+    return idx, leases, servers, docs
+
+
+def _decide(policy, cands, keys, view):
+    d = policy.select(cands, keys, view)
+    c = d.choice
+    return (d.server, d.matched_blocks, c.servers, c.matched, c.loads, _bits(c.costs), c.pick,
+            c.tied, c.hot, c.skip_hot, c.unknown, d.explanation)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("kw", [{}, {"hotspot_factor": 1.0, "hotspot_slack": 0.0},
+                                {"max_batch_size": 4, "load_cap": 0.5, "hotspot_factor": None},
+                                {"load_requests_weight": 0.0, "load_tokens_weight": 0.0}])
+def test_policy_decisions_are_the_same_with_the_native_core(seed, kw):
+    idx, leases, servers, docs = _cluster(seed, 3 + seed % 6)
+    view = IndexLoadView(idx, leases)
+    unknown = {servers[0]} if seed % 4 == 3 else set()
+    cands = [Candidate(s, kv_unknown=s in unknown) for s in servers]
+    fast, slow = KvCacheAwarePolicy(B, **kw), KvCacheAwarePolicy(B, **kw)
+    assert fast._native
+    slow._native = False
+    rng = np.random.default_rng(seed)
+    for i in range(40):
+        d = docs[i % 4]
+        toks = d[:int(rng.integers(1, 512))] + rng.integers(0, 50_000, int(rng.integers(0, 64))).tolist()
+        key = RoutingKey(np.array(block_keys_list(toks, B), dtype=np.uint64), len(toks),
+                         f"conv{i % 5}" if i % 3 else None)
+        a, b = _decide(fast, cands, key, view), _decide(slow, cands, key, view)
+        assert a == b
+        leases.acquire("ctx", 10**9 + seed * 100 + i, a[0], 0.0, 60.0, len(toks))
+
+
+class _NumpyView(IndexLoadView):
+    """A LoadView whose matches are numpy ints (a valid LoadView; the native core takes only
+    Python ints, so the policy falls back to the Python recipe)."""
+
+    def matched_blocks(self, keys):
+        return {s: np.int64(v) for s, v in super().matched_blocks(keys).items()}
+
+
+def test_int_weights_and_numpy_matches_take_the_python_recipe():
+    idx, leases, servers, docs = _cluster(3, 4)
+    key = RoutingKey(np.array(block_keys_list(docs[0][:300], B), dtype=np.uint64), 300, None)
+    cands = [Candidate(s) for s in servers]
+    ints = KvCacheAwarePolicy(B, prefill_weight=1, load_tokens_weight=1, load_requests_weight=32,
+                              affinity_bonus=0)
+    d = ints.select(cands, key, IndexLoadView(idx, leases))
+    assert all(type(c) is int for c in d.choice.costs)      # int scores, as before
+    floats = KvCacheAwarePolicy(B)
+    want = _decide(floats, cands, key, IndexLoadView(idx, leases))
+    got = _decide(KvCacheAwarePolicy(B), cands, key, _NumpyView(idx, leases))
+    assert got[0] == want[0] and got[5] == want[5]
