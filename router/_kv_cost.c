@@ -40,6 +40,16 @@ static int as_d(PyObject *o, double *out, const char *what) {
     return 0;
 }
 
+/* list.append(i); -1 with an exception set on failure. */
+static int append_index(PyObject *list, Py_ssize_t i) {
+    PyObject *x = PyLong_FromSsize_t(i);
+    if (x == NULL)
+        return -1;
+    int rc = PyList_Append(list, x);
+    Py_DECREF(x);
+    return rc;
+}
+
 PyDoc_STRVAR(core_doc,
 "core(servers, matched, loads, block_size, cap, num_tokens, prefill_weight, load_tokens_weight,\n"
 "     load_requests_weight, pinned, affinity_bonus, hotspot_factor, hotspot_slack,\n"
@@ -154,12 +164,8 @@ static PyObject *core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         if ((double)maxr > limit) {
             for (Py_ssize_t i = 0; i < n; i++) {
                 if ((double)req[i] > limit) {
-                    PyObject *x = PyLong_FromSsize_t(i);
-                    if (x == NULL || PyList_Append(hs, x) < 0) {
-                        Py_XDECREF(x);
+                    if (append_index(hs, i) < 0)
                         goto fail;
-                    }
-                    Py_DECREF(x);
                     hot[i] = 1;
                     n_hot++;
                 }
@@ -169,12 +175,8 @@ static PyObject *core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (mbs != 0) {
         for (Py_ssize_t i = 0; i < n; i++) {
             if (!hot[i] && (double)req[i] / (double)mbs >= lcap) {
-                PyObject *x = PyLong_FromSsize_t(i);
-                if (x == NULL || PyList_Append(lc, x) < 0) {
-                    Py_XDECREF(x);
+                if (append_index(lc, i) < 0)
                     goto fail;
-                }
-                Py_DECREF(x);
                 hot[i] = 1;
                 n_hot++;
             }
@@ -202,12 +204,8 @@ static PyObject *core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             goto fail;
         PyList_SET_ITEM(costs, i, f);
         if (cv[i] <= tol && !(skip && hot[i])) {
-            PyObject *x = PyLong_FromSsize_t(i);
-            if (x == NULL || PyList_Append(tied, x) < 0) {
-                Py_XDECREF(x);
+            if (append_index(tied, i) < 0)
                 goto fail;
-            }
-            Py_DECREF(x);
         }
     }
     PyObject *lim = PyFloat_FromDouble(limit);
