@@ -1,10 +1,11 @@
-"""The native modules: router/_chain.c (canonical block keys in one call) and router/_kv_cost.c
-(the numeric core of kv_cache_aware placement).
+"""The native modules: router/_chain.c (canonical block keys in one call), router/_kv_cost.c
+(the numeric core of kv_cache_aware placement) and router/_kv_spec.c (the KV index's speculative
+entries, added and expired).
 
 Everything else is in pyproject.toml. The extensions are optional: without a C compiler the build
 goes on and the pure-Python recipes run instead (the same keys and decisions; block keys 14-24x
-fewer tokens per second, bench/RESULTS.md "router core"). `router.block_keys.NATIVE` and
-`router.policy_kv.NATIVE` say which ones run.
+fewer tokens per second, bench/RESULTS.md "router core"). `router.block_keys.NATIVE`,
+`router.policy_kv.NATIVE` and `router.kv_speculation.NATIVE` say which ones run.
 """
 from setuptools import Extension, setup
 
@@ -15,4 +16,6 @@ _FLAGS = ["-O2", "-ffp-contract=off"]
 setup(ext_modules=[Extension("router._chain", ["router/_chain.c"], optional=True,
                              extra_compile_args=_FLAGS),
                    Extension("router._kv_cost", ["router/_kv_cost.c"], optional=True,
+                             extra_compile_args=_FLAGS),
+                   Extension("router._kv_spec", ["router/_kv_spec.c"], optional=True,
                              extra_compile_args=_FLAGS)])

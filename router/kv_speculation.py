@@ -13,6 +13,13 @@ import numpy as np
 
 from .kv_types import _Slot
 
+try:    # router/_kv_spec.c, built by setup.py: the two per-key loops below in one call each
+    from . import _kv_spec as _native
+except ImportError:     # no C compiler at install time: the Python loops
+    _native = None
+
+NATIVE = _native is not None
+
 
 class SpeculationMixin:
     """`KvIndex` methods for speculative entries (see `router/kv_index.py` for the layout)."""
@@ -47,20 +54,23 @@ class SpeculationMixin:
             keys = keys.tolist()
         deadline = now + ttl
         spec, owned, owners, bit = s.spec, s.owned, self._owners, s.bit
-        oget = owners.get
-        added = []
         n_before = len(spec)
-        # One probe of the owner map decides most keys: the slot's bit is set iff it holds the
-        # key or already predicts it (the invariants).
-        for ck in keys:
-            o = oget(ck, 0)
-            if o & bit:
-                if ck in owned:
-                    continue
-            else:
-                owners[ck] = o | bit
-            spec[ck] = deadline
-            added.append(ck)
+        if _native is not None and type(keys) is list:
+            added = _native.add(keys, owners, owned, spec, bit, deadline)
+        else:
+            oget = owners.get
+            added = []
+            # One probe of the owner map decides most keys: the slot's bit is set iff it holds
+            # the key or already predicts it (the invariants). router/_kv_spec.c `add` is this loop.
+            for ck in keys:
+                o = oget(ck, 0)
+                if o & bit:
+                    if ck in owned:
+                        continue
+                else:
+                    owners[ck] = o | bit
+                spec[ck] = deadline
+                added.append(ck)
         self._n_spec += len(spec) - n_before
         if added:
             log = self._log
@@ -102,8 +112,12 @@ class SpeculationMixin:
             if s is None:
                 continue  # slot removed since (a new slot's entries carry their own deadlines)
             # _drop_spec inlined: this loop runs for every key of every routed prompt
+            # (router/_kv_spec.c `expire` is the same loop)
             spec, nb, owners, log = s.spec, ~s.bit, self._owners, self._log
             self._losses[s.idx] += 1
+            if _native is not None and type(keys) is tuple:
+                n += _native.expire(keys, spec, owners, log, nb, now)
+                continue
             for ck in keys:
                 d = spec.get(ck)
                 if d is not None and d <= now:
