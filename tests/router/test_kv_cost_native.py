@@ -64,7 +64,7 @@ def core_args(draw):
             pin, draw(_weight), hf, slack, mbs, lcap)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(core_args())
 def test_native_core_matches_the_python_recipe(args):
     m1, c1, t1, hs1, lc1, lim1 = native.core(*args)
