@@ -256,14 +256,10 @@ def _core(servers: list, md: dict | None, loads: list, block_size: int, cap: int
         if mbs:
             lc = [i for i, r in enumerate(reqs) if i not in hot and r / mbs >= lcap]
             hot.update(lc)
-    if hot and len(hot) != n:
-        best = min([c for i, c in enumerate(costs) if i not in hot])
-        tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
-        tied = [i for i, c in enumerate(costs) if c <= tol and i not in hot]
-    else:
-        best = min(costs)
-        tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
-        tied = [i for i, c in enumerate(costs) if c <= tol]
+    skip = hot if hot and len(hot) != n else ()      # every server hot: none is skipped
+    best = min([c for i, c in enumerate(costs) if i not in skip])
+    tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
+    tied = [i for i, c in enumerate(costs) if c <= tol and i not in skip]
     return matched, costs, tied, hs, lc, limit
 
 
