@@ -45,7 +45,7 @@ SCALES: dict[str, Scale] = {
                  long_count=6, long_prompt=(4096, 16384), long_max_tokens=32,
                  transfer_sizes=(1024, 4096, 16384, 65536), transfer_repeats=3, warmup_burst=16),
     # CPU smoke run with the tiny model (CI): every code path, seconds.
-    "tiny": Scale("tiny", duration_s=3.0, short_rate=2.0, short_prompt=(24, 48), short_max_tokens=6,
+    "tiny": Scale("tiny", duration_s=1.5, short_rate=4.0, short_prompt=(24, 48), short_max_tokens=6,
                   long_count=2, long_prompt=(192, 384), long_max_tokens=4,
                   transfer_sizes=(64, 256), transfer_repeats=2, warmup_burst=2),
 }

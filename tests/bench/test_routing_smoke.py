@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_trace_replay_kv_aware_beats_round_robin(tmp_path):
     out = tmp_path / "routing.json"
     cmd = [sys.executable, "bench/routing.py", "--workers", "4", "--sample", "8", "--limit", "240",
-           "--max-output", "4", "--tokens-per-block", "16", "--compress", "300", "--dilation", "1",
+           "--max-output", "4", "--tokens-per-block", "16", "--compress", "300", "--dilation", "0.5",
            "--no-per-worker-load", "--policies", "round_robin,kv_cache_aware", "--quick",
            "--no-write", "--json", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)

@@ -13,10 +13,11 @@ import json
 import re
 import signal
 
+import openai
 import pytest
 
 from splitserve_testing import free_port_pair
-from splitserve_testing.proctable import listening_sockets, tree
+from splitserve_testing.proctable import alive, children, listening_sockets, tree
 
 from .conftest import PY, clean_env, http, wait_for
 
@@ -92,6 +93,17 @@ def test_every_listener_is_on_the_configured_host(cluster, engine, host):
                 # UCX cannot bind 127.0.0.2 (no interface has it): auto falls back, saying why
                 assert agent["kind"] == "tcp" and "no interface has 127.0.0.2" in agent["fallback"]
 
+    # Also `make serve`'s cluster on this engine (tests/fleet/test_local.py runs the sim one):
+    # the OpenAI client gets an answer, and SIGTERM stops every process it started, cleanly.
+    r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+    kids = children(p.pid)
+    assert len(kids) == 3          # context worker, generation worker, fleet launcher
     p.kill(signal.SIGTERM)
     p.p.wait(60)
     assert re.search(r"stopping", p.log())
+    assert p.p.returncode == 0, p.log()[-2000:]
+    assert not [k for k in kids if alive(k)]
+    with pytest.raises(OSError):
+        http("GET", url + "/health", timeout=1)

@@ -29,14 +29,6 @@ def test_bench_worker_quick(tmp_path):
     assert results.read_text().count("### tiny · cpu · float32") == 1
 
 
-def test_bench_worker_no_write_leaves_results_alone(tmp_path):
-    results = tmp_path / "RESULTS.md"
-    out = subprocess.run([sys.executable, "bench/worker.py", "--quick", "--no-write", "--batch", "1",
-                          "--results", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "% of roofline" in out.stdout and not results.exists()
-
-
 def test_bench_worker_mixed_decode(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = subprocess.run([sys.executable, "bench/worker.py", "--mixed-decode", "--quick", "--long-len", "2000",
@@ -51,14 +43,16 @@ def test_bench_worker_mixed_decode(tmp_path):
     assert "### mixed decode · tiny · cpu · float32" in results.read_text()
 
 
-def test_bench_worker_clips_contexts_to_the_model_limit():
-    """A decode context past ``max_position_embeddings`` (tiny: 8192) is one no worker serves
+def test_bench_worker_clips_contexts_to_the_model_limit(tmp_path):
+    """With ``--no-write`` the results file is left alone. A decode context past ``max_position_embeddings`` (tiny: 8192) is one no worker serves
     (worker/engine.py caps requests there, and the runner's CUDA-graph tables end there): the bench
     runs the longest servable one instead and says so."""
+    results = tmp_path / "RESULTS.md"
     out = subprocess.run([sys.executable, "bench/worker.py", "--quick", "--no-write", "--batch", "1",
-                          "--context", "100", "--context", "9000"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+                          "--context", "100", "--context", "9000", "--results", str(results)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    assert "% of roofline" in out.stdout and not results.exists()
     ctx = re.findall(r"^\| decode \| 1 \| [\d,]+ \| [\d,]+ \| [\d.]+% \| \w+ \| (\d+) \|", out.stdout, re.M)
     limit = 8192 - 2 * 4 - 2  # --quick: 4 decode steps, each context also runs a warm-up past it
     assert ctx == ["100", str(limit)]

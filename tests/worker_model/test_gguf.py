@@ -377,17 +377,6 @@ def _text(r: dict) -> str:
     return r["choices"][0]["message"]["content"]
 
 
-def test_one_worker_answers_like_the_model(cluster, cache, smol, reference_answer):
-    port = free_port()
-    p = cluster.spawn("worker", [PY, "-m", "splitserve_cli", "worker", "--role", "both", "--engine", "torch",
-                                 "--model", "smollm2-135m", "--cache-dir", str(cache), "--host", "127.0.0.1",
-                                 "--port", str(port), "--device", "cpu"])
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: healthy(url), 120, "the smollm2 worker", p)
-    r = _chat(url)
-    assert _text(r) == reference_answer and r["model"] == "smollm2-135m"
-
-
 def _local(cluster: Cluster, cache, *extra) -> str:
     port = free_port_pair()
     p = cluster.spawn("local", [PY, "-m", "splitserve_cli", "local", "--num-workers", "1", "--port", str(port),
@@ -411,8 +400,8 @@ def test_local_aggregated_answers_like_the_model(cluster, cache, smol, reference
     assert metric(m, "splitserve_fleet_e2e_request_latency_seconds_count", mode="aggregated") >= 2
 
 
-def test_kv_aware_routing_matches_the_workers_blocks(cluster, cache, smol):
-    """kv_cache_aware fleet + a smollm2 worker, matching only blocks the worker announced in its KV
+def test_kv_aware_routing_matches_the_workers_blocks(cluster, cache, smol, reference_answer):
+    """One smollm2 worker answers like the model when asked directly; then a kv_cache_aware fleet + a smollm2 worker, matching only blocks the worker announced in its KV
     events (no speculative entries for routed blocks, which would match a repeat whatever the
     tokenizer): a repeated chat and a repeated text prompt are predicted cached — the fleet's block
     keys, from its own tokenizer, equal the worker's — and the worker really reused that many tokens.
@@ -421,6 +410,8 @@ def test_kv_aware_routing_matches_the_workers_blocks(cluster, cache, smol):
     w, wurl = cluster.worker("generation", engine="torch", port=port, wait=False,
                              extra=("--model", "smollm2-135m", "--cache-dir", cache))
     wait_for(lambda: healthy(wurl), 180, "the smollm2 worker", w)
+    r = _chat(wurl)
+    assert _text(r) == reference_answer and r["model"] == "smollm2-135m"
     url, curl, _, _ = coordinator_and_fleet(cluster, gen_urls=[wurl], model="smollm2-135m",
                                             router_args={"track_routed_blocks": False})
     system = "You answer questions about European geography in one short sentence. " * 3
