@@ -1,11 +1,12 @@
 """The native modules: router/_chain.c (canonical block keys in one call), router/_kv_cost.c
-(the numeric core of kv_cache_aware placement) and router/_kv_spec.c (the KV index's speculative
-entries, added and expired).
+(the numeric core of kv_cache_aware placement), router/_kv_spec.c (the KV index's speculative
+entries, added and expired) and router/_kv_walk.c (the KV index's prefix walk).
 
 Everything else is in pyproject.toml. The extensions are optional: without a C compiler the build
 goes on and the pure-Python recipes run instead (the same keys and decisions; block keys 14-24x
 fewer tokens per second, bench/RESULTS.md "router core"). `router.block_keys.NATIVE`,
-`router.policy_kv.NATIVE` and `router.kv_speculation.NATIVE` say which ones run.
+`router.policy_kv.NATIVE`, `router.kv_speculation.NATIVE` and `router.kv_query.NATIVE` say which
+ones run.
 """
 from setuptools import Extension, setup
 
@@ -18,4 +19,6 @@ setup(ext_modules=[Extension("router._chain", ["router/_chain.c"], optional=True
                    Extension("router._kv_cost", ["router/_kv_cost.c"], optional=True,
                              extra_compile_args=_FLAGS),
                    Extension("router._kv_spec", ["router/_kv_spec.c"], optional=True,
+                             extra_compile_args=_FLAGS),
+                   Extension("router._kv_walk", ["router/_kv_walk.c"], optional=True,
                              extra_compile_args=_FLAGS)])

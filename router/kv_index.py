@@ -86,9 +86,11 @@ class KvIndex(SpeculationMixin, QueryMixin):
         self._all_bits = 0
         self._streams: dict[tuple[str, int], int] = {}
         self._mask_cache: dict[int, tuple[str, ...]] = {}
-        # the walk memo's validation (router/kv_query.py): keys whose owner mask changed, and an
-        # epoch for changes not logged key by key
+        # the walk memo's validation (router/kv_query.py): keys whose owner mask changed (log
+        # position ``_log_base + i`` for ``_log[i]``: trimming drops the list, not the count), and
+        # an epoch for changes not logged key by key
         self._log: list[int] = []
+        self._log_base = 0
         self._epoch = 0
         self._memo = None                       # the latest walk
         self._pmemo: dict[int, object] = {}     # registered key -> memo

@@ -15,7 +15,7 @@ never a heuristic:
 - any memo is reused for the leading keys a prompt shares with it (found by its keys at every
   ``_memo_stride``-th position and its last key, then compared byte for byte), in the same
   ``_epoch`` (bumped by changes the log does not describe key by key: a slot cleared, created or
-  freed, a snapshot loaded, the log trimmed), when none of the slots that matched part of that
+  freed, a snapshot loaded), when none of the slots that matched part of that
   prefix lost a key since (``_losses``, per slot): a slot that lost nothing still holds what it held,
   and its match can only have grown at the key that ended it, which is probed again (one probe
   per group of the walk). From the first group that grew, the walk goes on from that depth for
@@ -35,10 +35,17 @@ import numpy as np
 
 from .kv_types import _COUNT
 
+try:    # router/_kv_walk.c, built by setup.py: `QueryMixin._walk`'s loop in one call
+    from ._kv_walk import walk as _native_walk
+except ImportError:     # no C compiler at install time: the Python loop
+    _native_walk = None
+
+NATIVE = _native_walk is not None
+
 # A memo with more keys logged since it was taken than this many times the keys its walk read is
 # dropped: checking them would cost about as much as walking again.
 _MEMO_CHECK_RATIO = 2
-LOG_TRIM = 1 << 16      # mutation-log length that trims it (and bumps the epoch)
+LOG_TRIM = 1 << 16      # mutation-log length that trims it (its positions go on counting)
 MEMO_STRIDE = 32        # memos are found by their keys at every 32nd position (and their last)
 MEMO_CAP = 1024         # memos kept, least recently used dropped first (~2 KiB each at 256 keys)
 _MEMO_SCORE_MIN = 0.25 # below this share of memos found still exact, look up 1 in 16 only
@@ -130,9 +137,12 @@ class QueryMixin:
         One dict lookup and one AND per key; the list grows only when the active set shrinks
         (at most once per slot). A plain loop measured ~17% faster here than the equivalent
         ``takewhile(accumulate(map(...)))`` chain, whose per-key cost is three C-level calls.
+        router/_kv_walk.c is this loop, native.
         """
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
+        if _native_walk is not None and type(keys) is list:
+            return _native_walk(keys, self._owners, active)
         get = self._owners.get
         out = []
         m = active
@@ -162,17 +172,18 @@ class QueryMixin:
         epoch = self._epoch
         memo = self._memo
         if memo is not None and memo.epoch == epoch and memo.raw == raw:
-            pos, end = memo.pos, len(log)
+            base = self._log_base
+            pos, end = memo.pos, base + len(log)
             if pos == end:
                 return memo.groups
             r = memo.read()
-            if end - pos <= _MEMO_CHECK_RATIO * r and \
-                    set(np.frombuffer(raw, np.uint64, r).tolist()).isdisjoint(log[pos:]):
+            # pos < base: entries it would need were trimmed away
+            if base <= pos and end - pos <= _MEMO_CHECK_RATIO * r and \
+                    set(np.frombuffer(raw, np.uint64, r).tolist()).isdisjoint(log[pos - base:]):
                 memo.pos = end
                 return memo.groups
         if len(log) > LOG_TRIM:
             self._trim_log()
-            epoch = self._epoch
         qa = keys if isinstance(keys, np.ndarray) else np.frombuffer(raw, _U64)
         n = len(qa)
         groups = None
@@ -192,7 +203,7 @@ class QueryMixin:
             if groups is not None:
                 if z.raw == raw:
                     # the same prompt: the memo itself is exact again, at this log position
-                    z.pos = len(log)
+                    z.pos = self._log_base + len(log)
                     z.groups = groups
                     self._snapshot_losses(z)
                     order = self._memo_order
@@ -202,7 +213,7 @@ class QueryMixin:
                     return groups
         if groups is None:
             groups = self._walk(qa.tolist(), self._all_bits)
-        memo = WalkMemo(raw, groups, epoch, len(log))
+        memo = WalkMemo(raw, groups, epoch, self._log_base + len(log))
         if marks is None:
             self._memo = memo       # the latest walk only (select_pair's second leg, tail insert)
         else:
@@ -319,16 +330,21 @@ class QueryMixin:
         self._memo_order.clear()
 
     def _trim_log(self) -> None:
-        if len(self._log) > LOG_TRIM:
-            self._log.clear()
-            self._epoch += 1
+        """Drop the log's entries, keeping its positions: only the latest memo reads the log (and
+        finds its own position trimmed away); the registered memos are checked by loss counts
+        and stay reusable. A trim used to bump the epoch, dropping every memo once per ~65k
+        owner-mask changes: twice a second under 1k-token tails routed at 1,000/s."""
+        log = self._log
+        if len(log) > LOG_TRIM:
+            self._log_base += len(log)
+            log.clear()
 
     def _memo_tail(self, keys, bit: int) -> None:
         """Called by a speculative insert of ``keys`` for slot ``bit`` *before* it logs its
         changes: when ``keys`` is the unmatched tail of the latest walk and nothing was logged
         since that walk, that memo takes the insert in (see ``WalkMemo.deepen``); else no-op."""
         memo = self._memo
-        if memo is None or memo.epoch != self._epoch or memo.pos != len(self._log):
+        if memo is None or memo.epoch != self._epoch or memo.pos != self._log_base + len(self._log):
             return
         tail = _u64_bytes(keys)
         if tail is None:
@@ -342,7 +358,7 @@ class QueryMixin:
     def _memo_logged(self) -> None:
         memo = self._memo
         if memo is not None and memo.pos == -1:
-            memo.pos = len(self._log)
+            memo.pos = self._log_base + len(self._log)
 
     def _workers_of(self, bits: int) -> tuple[str, ...]:
         """Worker names of the slots in ``bits`` (memoised: the same groups of workers keep
@@ -363,9 +379,9 @@ class QueryMixin:
         return ws
 
     def walk_version(self) -> tuple[int, int]:
-        """Changes whenever the answer of a walk may: the epoch and the log's length (every
+        """Changes whenever the answer of a walk may: the epoch and the log's position (every
         owner-mask change is logged or bumps the epoch, the memos' own test)."""
-        return self._epoch, len(self._log)
+        return self._epoch, self._log_base + len(self._log)
 
     def longest_prefix(self, keys, workers: Iterable[str] | None = None) -> dict[str, int]:
         """Matched leading blocks per worker (best dp rank), in one walk over ``keys``.

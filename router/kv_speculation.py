@@ -75,7 +75,7 @@ class SpeculationMixin:
         if added:
             log = self._log
             memo = self._memo
-            if memo is not None and memo.pos == len(log):
+            if memo is not None and memo.pos == self._log_base + len(log):
                 self._memo_tail(given, s.bit)
                 log.extend(added)
                 self._memo_logged()
@@ -114,21 +114,25 @@ class SpeculationMixin:
             # _drop_spec inlined: this loop runs for every key of every routed prompt
             # (router/_kv_spec.c `expire` is the same loop)
             spec, nb, owners, log = s.spec, ~s.bit, self._owners, self._log
-            self._losses[s.idx] += 1
+            n0 = n
             if _native is not None and type(keys) is tuple:
                 n += _native.expire(keys, spec, owners, log, nb, now)
-                continue
-            for ck in keys:
-                d = spec.get(ck)
-                if d is not None and d <= now:
-                    del spec[ck]
-                    log.append(ck)
-                    m = owners[ck] & nb
-                    if m:
-                        owners[ck] = m
-                    else:
-                        del owners[ck]
-                    n += 1
+            else:
+                for ck in keys:
+                    d = spec.get(ck)
+                    if d is not None and d <= now:
+                        del spec[ck]
+                        log.append(ck)
+                        m = owners[ck] & nb
+                        if m:
+                            owners[ck] = m
+                        else:
+                            del owners[ck]
+                        n += 1
+            # An entry whose keys were all confirmed, re-predicted later or already gone took
+            # nothing from the slot: its memos stay exact (router/kv_query.py, `_losses`).
+            if n != n0:
+                self._losses[s.idx] += 1
         self.stats.speculative_expired += n
         self._n_spec -= n
         return n

@@ -19,6 +19,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import router.kv_index as kv_index_mod
+import router.kv_query as kv_query_mod
 from router.block_keys import block_keys_list, salt_seed
 from router.events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, Tier
 from router.kv_index import KvIndex
@@ -132,6 +134,17 @@ def _store(data, idx, w, rank, hashes_of, counter):
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_walk_memo_and_policy_match_references(data):
+    # the change log trimmed often (memos outliving trims), or at its real length
+    trim = data.draw(st.sampled_from([kv_query_mod.LOG_TRIM, 3, 40]))
+    saved = kv_query_mod.LOG_TRIM
+    kv_query_mod.LOG_TRIM = kv_index_mod.LOG_TRIM = trim
+    try:
+        _walk_memo_and_policy_match_references(data)
+    finally:
+        kv_query_mod.LOG_TRIM = kv_index_mod.LOG_TRIM = saved
+
+
+def _walk_memo_and_policy_match_references(data):
     # small memo strides (reuse between the prompts, which share leading blocks) and memo caps
     idx = KvIndex(B, namespace=NS, memo_stride=data.draw(st.sampled_from([1, 2, 32])),
                   memo_cap=data.draw(st.sampled_from([1, 3, 1024])))
@@ -245,6 +258,60 @@ def test_memo_survives_unrelated_changes_and_sees_related_ones():
     assert idx.longest_prefix(a) == {"http://a": 1} and idx._memo is not memo
     idx.expire_speculative(10.0)
     assert idx.longest_prefix(a) == {"http://a": 1}
+    idx.check_invariants()
+
+
+def test_an_expiry_that_takes_nothing_keeps_the_slots_memos():
+    """A due entry whose keys were predicted again since (a later deadline) removes nothing: the
+    slot's loss count stays, so memos of prompts it matched are still reused."""
+    idx = KvIndex(B, memo_stride=1)
+    a = block_keys_list(TOKS[0], B)
+    idx.load_snapshot("http://a", a[:2])
+    idx.add_speculative("http://a", a[2:], now=0.0, ttl=1.0)
+    idx.add_speculative("http://a", a[2:], now=0.5, ttl=1.0)      # re-predicted: due at 1.5
+    idx.load_snapshot("http://b", [])
+    assert idx.longest_prefix(a) == {"http://a": len(a)}
+    memo, losses = idx._pmemo[a[-1]], list(idx._losses)
+    assert idx.expire_speculative(1.2) == 0                      # the first entry: nothing left
+    assert idx._losses == losses
+    assert idx.longest_prefix(a[:-1]) == {"http://a": len(a) - 1}   # another latest walk
+    assert idx.longest_prefix(a) == {"http://a": len(a)} and idx._memo is memo   # found again
+    assert idx.expire_speculative(1.6) == len(a) - 2             # the second: the slot loses
+    assert idx._losses != losses
+    assert idx.longest_prefix(a) == {"http://a": 2}
+    idx.check_invariants()
+
+
+def test_memos_outlive_a_log_trim_and_still_see_every_change(monkeypatch):
+    """A trim drops the change log's entries but not its positions: the latest memo, which reads
+    the log, sees what changed before and after the trim (its entries gone: it walks again); the
+    registered memos, checked by loss counts, are reused across the trim."""
+    monkeypatch.setattr(kv_query_mod, "LOG_TRIM", 4)
+    monkeypatch.setattr(kv_index_mod, "LOG_TRIM", 4)
+    idx = KvIndex(B, memo_stride=1)
+    a, b = block_keys_list(TOKS[0], B), block_keys_list(TOKS[2], B)[1:]    # b shares no key with a
+    idx.load_snapshot("http://a", a[:3])
+    idx.load_snapshot("http://b", [])
+    assert idx.longest_prefix(a) == {"http://a": 3}
+    pos = idx.walk_version()
+    idx.add_speculative("http://b", b, now=0.0, ttl=5.0)       # other keys, past the trim length
+    idx.apply("http://a", BlocksRemoved([a[2]]))               # a walked key: logged...
+    idx.add_speculative("http://b", b, now=1.0, ttl=5.0)       # ... then more, then a trim
+    assert idx.longest_prefix(b) == {"http://b": len(b)}       # trims: the log held > 4 entries
+    assert idx.walk_version() > pos and len(idx._log) <= 4 + len(b)
+    assert idx.longest_prefix(a) == {"http://a": 2}            # the removal is seen
+    # a registered memo is reused after trims when its slots lost nothing
+    memo_a = idx._pmemo[a[1]]
+    before = idx.walk_version()[1]
+    idx.add_speculative("http://b", b, now=2.0, ttl=0.5)       # re-predicted: logged again
+    idx.longest_prefix(b)
+    for i in range(3):
+        idx.add_speculative("http://b", b, now=3.0 + i, ttl=0.5)   # re-predicted: logged again
+        idx.longest_prefix(b)
+    idx.apply("http://b", BlocksRemoved([b[0]]))   # the event trims the log first
+    assert idx.walk_version()[1] - before > 3 * 4 and len(idx._log) <= 1
+    assert idx.longest_prefix(a) == {"http://a": 2}
+    assert idx._pmemo[a[1]] is memo_a
     idx.check_invariants()
 
 
