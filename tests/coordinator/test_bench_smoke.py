@@ -59,3 +59,17 @@ def test_open_loop_starts_every_send_at_or_after_its_scheduled_time():
         assert all(t >= t_sched for _, t_sched, t in starts)
         # a send counted late (its wake-up came > 1 ms after its scheduled time) started later still
         assert late <= sum(t - t_sched > 0.001 for _, t_sched, t in starts)
+
+
+def test_aging_bench_smoke(tmp_path):
+    """bench/coordinator_aging.py: windows on one coordinator and on a baseline tree (this tree again),
+    each a CPU cost per pair, with their ratio."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "coordinator_aging.py"), "--seconds", "0.5", "--window", "0.3",
+         "--ttl", "0.5", "--baseline", str(ROOT), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    rows = json.loads(out.read_text())
+    assert rows and all(r["this tree"] > 0 and r["baseline"] > 0 and r["baseline / this tree"] > 0 for r in rows)

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""The coordinator's cost per pair over time: channel windows back to back, past the speculative TTL.
+
+`bench/coordinator.py`'s fresh coordinators live ~10 s; a coordinator that has served longer than
+`speculative_ttl_s` (default 30 s) meets the steady state of routed tails, where they expire as
+fast as they are added (bench/RESULTS.md, "coordinator · native prefix walk"). This runs one
+coordinator (and with `--baseline DIR` another tree's, started together on the same core and
+cluster, windows alternating) under `bench/coordinator.py`'s setup (32 stand-in workers, 4k-token
+prompts, the fleet channel) and prints the CPU µs per select+finish pair of every window.
+
+    python bench/coordinator_aging.py [--seconds 70] [--window 2.5] [--ttl 30] [--baseline DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
+
+from bench import coordinator as bc  # noqa: E402
+from bench.coordinator_load import ClientPool  # noqa: E402
+
+
+def _us(w: dict) -> float:
+    return w["cpu_s"] / w["pairs"] * 1e6 if w["pairs"] else float("nan")
+
+
+def run(a) -> list[dict]:
+    cpus = sorted(os.sched_getaffinity(0))
+    coord_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
+    tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-aging-"))
+    port_file = tmp / "workers.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    helper = subprocess.Popen([sys.executable, str(ROOT / "bench" / "coordinator.py"), "--_workers", "32",
+                               "--_docs", "64", "--_port-file", str(port_file)], env=env, cwd=ROOT,
+                              preexec_fn=bc._pin(client_cpu))
+    procs = []
+    rows = []
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if helper.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("stand-in workers did not start")
+            time.sleep(0.05)
+        urls = json.loads(port_file.read_text())
+        router = {"type": "kv_cache_aware", "speculative_ttl_s": a.ttl}
+        conf = tmp / "cluster.yaml"
+        conf.write_text(json.dumps({"context_servers": {"urls": urls, "router": router},
+                                    "generation_servers": {"urls": urls, "router": router},
+                                    "leases": {"ttl_s": 60.0}, "log_level": "warning"}))
+        if client_cpu is not None:
+            os.sched_setaffinity(0, {client_cpu})
+        args = argparse.Namespace(servers=32, docs=64, prompts=512, conns=16, client_procs=2, seed=0)
+        pool = ClientPool(args, client_cpu)
+        try:
+            trees = [("this tree", ROOT)] + ([("baseline", Path(a.baseline).resolve())] if a.baseline else [])
+            targets = []
+            for i, (name, root) in enumerate(trees):
+                uds = str(tmp / f"coord-{i}.sock")
+                p, t, _ = bc._start_coordinator(conf, uds, "fast", env, coord_cpu, 32, root=root)
+                procs.append(p)
+                targets.append((name, t, "unix://" + uds))
+            t0 = time.monotonic()
+            for _, t, _ in targets:       # fill the indexes with routed blocks first
+                pool.window("select", t, min(1.0, a.window))
+            while not rows or time.monotonic() - t0 < a.seconds:     # at least one window
+                row = {"t_s": round(time.monotonic() - t0, 1)}
+                for name, t, url in targets:
+                    row[name] = round(_us(pool.window("channel", t, a.window, url=url)), 1)
+                if a.baseline:
+                    row["baseline / this tree"] = round(row["baseline"] / row["this tree"], 2)
+                rows.append(row)
+                print("  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        finally:
+            pool.close()
+    finally:
+        for p in procs:
+            bc._stop(p)
+        bc._stop(helper)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=70.0, help="run length")
+    ap.add_argument("--window", type=float, default=2.5, help="seconds per channel window")
+    ap.add_argument("--ttl", type=float, default=30.0, help="the policies' speculative_ttl_s")
+    ap.add_argument("--baseline", default=None, help="another checkout's root, windows alternating")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    a = ap.parse_args(argv)
+    rows = run(a)
+    if a.json:
+        a.json.write_text(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
