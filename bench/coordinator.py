@@ -225,34 +225,49 @@ def _ab(args, pool, conf: Path, env: dict, cpu, tmp: Path, bodies) -> dict:
         _stop(this)
 
 
+def bench_env() -> dict:
+    """ROOT first, and whatever PYTHONPATH the caller set (staged wheels on the GPU host) after it."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                                        if p)}
+
+
+def start_workers(n: int, docs: int, env: dict, cpu: int | None, tmp: Path):
+    """(process, urls): the helper process serving ``n`` stand-in workers, once they listen."""
+    port_file = tmp / "workers.json"
+    helper = subprocess.Popen([sys.executable, __file__, "--_workers", str(n), "--_docs", str(docs),
+                               "--_port-file", str(port_file)], env=env, cwd=ROOT, preexec_fn=_pin(cpu))
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if helper.poll() is not None or time.monotonic() > deadline:
+            _stop(helper)
+            raise RuntimeError("stand-in workers did not start")
+        time.sleep(0.05)
+    return helper, json.loads(port_file.read_text())
+
+
+def cluster_conf(tmp: Path, urls: list[str], router: dict) -> Path:
+    """The coordinator's config: every stand-in worker in both roles under ``router``."""
+    conf = tmp / "cluster.yaml"
+    conf.write_text(json.dumps({
+        "context_servers": {"urls": urls, "router": router},
+        "generation_servers": {"urls": urls, "router": router},
+        "leases": {"ttl_s": 60.0},
+        "log_level": "warning",
+    }))
+    return conf
+
+
 def run(args) -> dict:
     import uvloop
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     coord_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-coord-"))
-    port_file = tmp / "workers.json"
-    # ROOT first, and whatever PYTHONPATH the caller set (staged wheels on the GPU host) after it.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    helper = subprocess.Popen([sys.executable, __file__, "--_workers", str(args.servers), "--_docs",
-                               str(args.docs), "--_port-file", str(port_file)], env=env, cwd=ROOT,
-                              preexec_fn=_pin(client_cpu))
+    env = bench_env()
+    helper, urls = start_workers(args.servers, args.docs, env, client_cpu, tmp)
     coord = None
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if helper.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("stand-in workers did not start")
-            time.sleep(0.05)
-        urls = json.loads(port_file.read_text())
-        conf = tmp / "cluster.yaml"
-        router = {"type": "kv_cache_aware"}
-        conf.write_text(json.dumps({
-            "context_servers": {"urls": urls, "router": router},
-            "generation_servers": {"urls": urls, "router": router},
-            "leases": {"ttl_s": 60.0},
-            "log_level": "warning",
-        }))
+        conf = cluster_conf(tmp, urls, {"type": "kv_cache_aware"})
         if client_cpu is not None:
             os.sched_setaffinity(0, {client_cpu})
         res: dict = {}

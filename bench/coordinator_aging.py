@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,25 +35,12 @@ def run(a) -> list[dict]:
     cpus = sorted(os.sched_getaffinity(0))
     coord_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-aging-"))
-    port_file = tmp / "workers.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    helper = subprocess.Popen([sys.executable, str(ROOT / "bench" / "coordinator.py"), "--_workers", "32",
-                               "--_docs", "64", "--_port-file", str(port_file)], env=env, cwd=ROOT,
-                              preexec_fn=bc._pin(client_cpu))
+    env = bc.bench_env()
+    helper, urls = bc.start_workers(32, 64, env, client_cpu, tmp)
     procs = []
     rows = []
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if helper.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("stand-in workers did not start")
-            time.sleep(0.05)
-        urls = json.loads(port_file.read_text())
-        router = {"type": "kv_cache_aware", "speculative_ttl_s": a.ttl}
-        conf = tmp / "cluster.yaml"
-        conf.write_text(json.dumps({"context_servers": {"urls": urls, "router": router},
-                                    "generation_servers": {"urls": urls, "router": router},
-                                    "leases": {"ttl_s": 60.0}, "log_level": "warning"}))
+        conf = bc.cluster_conf(tmp, urls, {"type": "kv_cache_aware", "speculative_ttl_s": a.ttl})
         if client_cpu is not None:
             os.sched_setaffinity(0, {client_cpu})
         args = argparse.Namespace(servers=32, docs=64, prompts=512, conns=16, client_procs=2, seed=0)
