@@ -4,7 +4,7 @@
  * Why native: once routed tails expire as fast as they are added (the steady state of distinct
  * tails, from `speculative_ttl_s` on), every expiry bumps a slot's loss count, the memos of the
  * prompts that slot matched stop being exact, and nearly every placement walks its whole prompt:
- * 36% of the coordinator's samples were that loop, and its cost per pair rose ~2x at the TTL
+ * 36% of the coordinator's samples were that loop, and its cost per pair rose ~2.5x at the TTL
  * (bench/RESULTS.md, "coordinator · native prefix walk"). The dict probes stay (their cache misses
  * are the floor); the interpreter's share of each key goes. The Python loop is the same recipe
  * and runs where this module did not build; tests/router/test_kv_walk_native.py checks both.
@@ -120,23 +120,15 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *out = PyList_New(0);
     if (out == NULL)
         return NULL;
-    int overflow = 0;
-    long long as_ll = PyLong_AsLongLongAndOverflow(active, &overflow);
     int rc;
-    if (as_ll == -1 && PyErr_Occurred()) {
-        rc = -1;
-    } else if (overflow == 0 && as_ll >= 0) {
-        rc = walk_u64(keys, owners, (unsigned long long)as_ll, out);
-    } else if (overflow > 0) {
-        unsigned long long u = PyLong_AsUnsignedLongLong(active);   /* bits 63 and below only? */
-        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();      /* more than 64 slots */
-            rc = walk_big(keys, owners, active, out);
-        } else {
-            rc = walk_u64(keys, owners, u, out);
-        }
-    } else {
+    unsigned long long u = PyLong_AsUnsignedLongLong(active);
+    if (u != (unsigned long long)-1 || !PyErr_Occurred()) {
+        rc = walk_u64(keys, owners, u, out);
+    } else if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        PyErr_Clear();      /* more than 64 slots (or negative): Python ints */
         rc = walk_big(keys, owners, active, out);
+    } else {
+        rc = -1;
     }
     if (rc < 0) {
         Py_DECREF(out);

@@ -47,7 +47,7 @@ import numpy as np
 
 from .block_keys import block_keys_list, salt_seed
 from .events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, EventBatch, Tier
-from .kv_query import LOG_TRIM, MEMO_CAP, MEMO_STRIDE, QueryMixin
+from .kv_query import MEMO_CAP, MEMO_STRIDE, QueryMixin
 from .kv_speculation import SpeculationMixin
 from .kv_types import _COUNT, _GPU, _IDENT, IndexStats, StreamVerdict, _Entry, _Slot
 
@@ -244,8 +244,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
     def apply(self, worker: str, event, dp_rank: int = 0) -> None:
         """Apply one canonical event for ``worker``/``dp_rank`` (in stream order)."""
         s = self._slot(worker, dp_rank or 0)
-        if len(self._log) > LOG_TRIM:
-            self._trim_log()
+        self._trim_log()
         t = type(event)
         if t is BlocksStored:
             self._store(s, event)

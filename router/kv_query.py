@@ -182,8 +182,7 @@ class QueryMixin:
                     set(np.frombuffer(raw, np.uint64, r).tolist()).isdisjoint(log[pos - base:]):
                 memo.pos = end
                 return memo.groups
-        if len(log) > LOG_TRIM:
-            self._trim_log()
+        self._trim_log()
         qa = keys if isinstance(keys, np.ndarray) else np.frombuffer(raw, _U64)
         n = len(qa)
         groups = None
@@ -203,7 +202,7 @@ class QueryMixin:
             if groups is not None:
                 if z.raw == raw:
                     # the same prompt: the memo itself is exact again, at this log position
-                    z.pos = self._log_base + len(log)
+                    z.pos = self._log_end()
                     z.groups = groups
                     self._snapshot_losses(z)
                     order = self._memo_order
@@ -213,7 +212,7 @@ class QueryMixin:
                     return groups
         if groups is None:
             groups = self._walk(qa.tolist(), self._all_bits)
-        memo = WalkMemo(raw, groups, epoch, self._log_base + len(log))
+        memo = WalkMemo(raw, groups, epoch, self._log_end())
         if marks is None:
             self._memo = memo       # the latest walk only (select_pair's second leg, tail insert)
         else:
@@ -329,11 +328,16 @@ class QueryMixin:
         self._pmemo.clear()
         self._memo_order.clear()
 
+    def _log_end(self) -> int:
+        """The log's position after its last entry (positions go on counting past a trim)."""
+        return self._log_base + len(self._log)
+
     def _trim_log(self) -> None:
-        """Drop the log's entries, keeping its positions: only the latest memo reads the log (and
-        finds its own position trimmed away); the registered memos are checked by loss counts
-        and stay reusable. A trim used to bump the epoch, dropping every memo once per ~65k
-        owner-mask changes: twice a second under 1k-token tails routed at 1,000/s."""
+        """Past LOG_TRIM entries, drop the log's entries, keeping its positions: only the latest
+        memo reads the log (and finds its own position trimmed away); the registered memos are
+        checked by loss counts and stay reusable. A trim used to bump the epoch, dropping every
+        memo once per ~65k owner-mask changes: twice a second under 1k-token tails routed at
+        1,000/s."""
         log = self._log
         if len(log) > LOG_TRIM:
             self._log_base += len(log)
@@ -344,7 +348,7 @@ class QueryMixin:
         changes: when ``keys`` is the unmatched tail of the latest walk and nothing was logged
         since that walk, that memo takes the insert in (see ``WalkMemo.deepen``); else no-op."""
         memo = self._memo
-        if memo is None or memo.epoch != self._epoch or memo.pos != self._log_base + len(self._log):
+        if memo is None or memo.epoch != self._epoch or memo.pos != self._log_end():
             return
         tail = _u64_bytes(keys)
         if tail is None:
@@ -358,7 +362,7 @@ class QueryMixin:
     def _memo_logged(self) -> None:
         memo = self._memo
         if memo is not None and memo.pos == -1:
-            memo.pos = self._log_base + len(self._log)
+            memo.pos = self._log_end()
 
     def _workers_of(self, bits: int) -> tuple[str, ...]:
         """Worker names of the slots in ``bits`` (memoised: the same groups of workers keep
@@ -381,7 +385,7 @@ class QueryMixin:
     def walk_version(self) -> tuple[int, int]:
         """Changes whenever the answer of a walk may: the epoch and the log's position (every
         owner-mask change is logged or bumps the epoch, the memos' own test)."""
-        return self._epoch, self._log_base + len(self._log)
+        return self._epoch, self._log_end()
 
     def longest_prefix(self, keys, workers: Iterable[str] | None = None) -> dict[str, int]:
         """Matched leading blocks per worker (best dp rank), in one walk over ``keys``.

@@ -75,7 +75,7 @@ class SpeculationMixin:
         if added:
             log = self._log
             memo = self._memo
-            if memo is not None and memo.pos == self._log_base + len(log):
+            if memo is not None and memo.pos == self._log_end():
                 self._memo_tail(given, s.bit)
                 log.extend(added)
                 self._memo_logged()

@@ -2,6 +2,7 @@
 subsection of the results file's coordinator section."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,5 @@ def test_aging_bench_smoke(tmp_path):
          "--ttl", "0.5", "--baseline", str(ROOT), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
     rows = json.loads(out.read_text())
     assert rows and all(r["this tree"] > 0 and r["baseline"] > 0 and r["baseline / this tree"] > 0 for r in rows)

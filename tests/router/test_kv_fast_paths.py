@@ -19,7 +19,6 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import router.kv_index as kv_index_mod
 import router.kv_query as kv_query_mod
 from router.block_keys import block_keys_list, salt_seed
 from router.events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, Tier
@@ -137,11 +136,11 @@ def test_walk_memo_and_policy_match_references(data):
     # the change log trimmed often (memos outliving trims), or at its real length
     trim = data.draw(st.sampled_from([kv_query_mod.LOG_TRIM, 3, 40]))
     saved = kv_query_mod.LOG_TRIM
-    kv_query_mod.LOG_TRIM = kv_index_mod.LOG_TRIM = trim
+    kv_query_mod.LOG_TRIM = trim
     try:
         _walk_memo_and_policy_match_references(data)
     finally:
-        kv_query_mod.LOG_TRIM = kv_index_mod.LOG_TRIM = saved
+        kv_query_mod.LOG_TRIM = saved
 
 
 def _walk_memo_and_policy_match_references(data):
@@ -287,7 +286,6 @@ def test_memos_outlive_a_log_trim_and_still_see_every_change(monkeypatch):
     the log, sees what changed before and after the trim (its entries gone: it walks again); the
     registered memos, checked by loss counts, are reused across the trim."""
     monkeypatch.setattr(kv_query_mod, "LOG_TRIM", 4)
-    monkeypatch.setattr(kv_index_mod, "LOG_TRIM", 4)
     idx = KvIndex(B, memo_stride=1)
     a, b = block_keys_list(TOKS[0], B), block_keys_list(TOKS[2], B)[1:]    # b shares no key with a
     idx.load_snapshot("http://a", a[:3])
