@@ -19,8 +19,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/splitserve/bin:$PATH
 RUN python -m venv /opt/splitserve
 # A C compiler for the native modules (router/_chain.c, the block-key recipe; router/_kv_cost.c, the
-# kv_cache_aware placement core; router/_kv_spec.c, the index's speculative entries; router/_kv_walk.c,
-# the index's prefix walk); build stage only.
+# kv_cache_aware placement core; router/_owner_map.c, the KV index's owner masks with its prefix
+# walk and speculative entries); build stage only.
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -43,9 +43,9 @@ COPY transfer/ transfer/
 # The pinned torch already satisfies the project's torch range, so pip keeps it.
 COPY setup.py ./
 RUN pip install . && python -c "import torch, splitserve_cli, router.block_keys as bk, \
-    router.policy_kv as pk, router.kv_speculation as ks, router.kv_query as kq; \
+    router.policy_kv as pk, router.kv_query as kq; \
     assert bk.NATIVE, 'router/_chain.c did not build'; assert pk.NATIVE, 'router/_kv_cost.c did not build'; \
-    assert ks.NATIVE, 'router/_kv_spec.c did not build'; assert kq.NATIVE, 'router/_kv_walk.c did not build'; \
+    assert kq.NATIVE, 'router/_owner_map.c did not build'; \
     print('torch', torch.__version__)"
 
 FROM python:${PYTHON_VERSION}-slim-bookworm

@@ -1,6 +1,6 @@
 """The native modules: router/_chain.c (canonical block keys in one call), router/_kv_cost.c
-(the numeric core of kv_cache_aware placement), router/_kv_spec.c (the KV index's speculative
-entries, added and expired) and router/_kv_walk.c (the KV index's prefix walk).
+(the numeric core of kv_cache_aware placement) and router/_owner_map.c (the KV index's owner masks
+as a native table, with its prefix walk and speculative inserts and expiries).
 
 Everything else is in pyproject.toml. The extensions are optional: without a C compiler the build
 goes on and the pure-Python recipes run instead (the same keys and decisions; block keys 14-24x
@@ -18,7 +18,5 @@ setup(ext_modules=[Extension("router._chain", ["router/_chain.c"], optional=True
                              extra_compile_args=_FLAGS),
                    Extension("router._kv_cost", ["router/_kv_cost.c"], optional=True,
                              extra_compile_args=_FLAGS),
-                   Extension("router._kv_spec", ["router/_kv_spec.c"], optional=True,
-                             extra_compile_args=_FLAGS),
-                   Extension("router._kv_walk", ["router/_kv_walk.c"], optional=True,
+                   Extension("router._owner_map", ["router/_owner_map.c"], optional=True,
                              extra_compile_args=_FLAGS)])

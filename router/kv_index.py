@@ -2,10 +2,11 @@
 
 Layout (docs/kv-events.md "How the coordinator applies them"; built for one-walk prefix matching):
 
-- ``_owners: dict[key, int]`` maps a canonical key to a bitmask of *slots*; a slot is one
+- ``_owners`` maps a canonical key to a bitmask of *slots* (a `router/_owner_map.c` table of
+  u64 key and mask where it built, else a dict); a slot is one
   ``(worker, dp_rank)`` pair and owns one bit. A slot's bit is set when it holds the key or
   holds it speculatively (the slot's own ``spec`` map says which), so
-  ``longest_prefix`` does one dict lookup per key: it walks the request's keys once and narrows
+  ``longest_prefix`` does one lookup per key: it walks the request's keys once and narrows
   the active bitmask, so its cost is O(matched depth), independent of the number of workers
   (TensorRT-LLM's router scans one ``set`` per server instead: O(workers x depth)).
 - per slot, ``owned: dict[key, refcount]`` says how many engine entries hold the key (the same
@@ -49,7 +50,7 @@ from .block_keys import block_keys_list, salt_seed
 from .events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, EventBatch, Tier
 from .kv_query import MEMO_CAP, MEMO_STRIDE, QueryMixin
 from .kv_speculation import SpeculationMixin
-from .kv_types import _COUNT, _GPU, _IDENT, IndexStats, StreamVerdict, _Entry, _Slot
+from .kv_types import _COUNT, _GPU, _IDENT, IndexStats, StreamVerdict, _Entry, _Slot, new_owner_map
 
 __all__ = ["KvIndex", "IndexStats", "StreamVerdict"]
 
@@ -74,7 +75,7 @@ class KvIndex(SpeculationMixin, QueryMixin):
         # the namespace seed that bare int entries (and identity entries) stand for
         self._ns = salt_seed(self.namespace, None)
         self.stats = IndexStats()
-        self._owners: dict[int, int] = {}       # confirmed | speculative bits
+        self._owners = new_owner_map()          # key -> confirmed | speculative bits
         self._n_spec = 0                        # speculative entries, all slots
         self._n_keys = 0                        # keys with a confirmed owner
         self._spec_heap: list = []

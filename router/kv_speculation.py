@@ -11,14 +11,11 @@ import heapq
 
 import numpy as np
 
-from .kv_types import _Slot
+from .kv_types import OwnerMap, _Slot
 
-try:    # router/_kv_spec.c, built by setup.py: the two per-key loops below in one call each
-    from . import _kv_spec as _native
-except ImportError:     # no C compiler at install time: the Python loops
-    _native = None
-
-NATIVE = _native is not None
+# router/_owner_map.c: the owner masks as a native table whose `spec_add` and `spec_expire` are
+# the two per-key loops below (without a C compiler, a dict and these loops)
+NATIVE = OwnerMap is not None
 
 
 class SpeculationMixin:
@@ -53,15 +50,26 @@ class SpeculationMixin:
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
         deadline = now + ttl
-        spec, owned, owners, bit = s.spec, s.owned, self._owners, s.bit
+        spec, owned, owners, bit, log = s.spec, s.owned, self._owners, s.bit, self._log
         n_before = len(spec)
-        if _native is not None and type(keys) is list:
-            added = _native.add(keys, owners, owned, spec, bit, deadline)
+        # The latest walk takes this insert in when it is the walk's unmatched tail with nothing
+        # logged since (router/kv_query.py `_memo_tail`); after the call the slot holds or
+        # predicts every key given, which is what the memo is told.
+        memo = self._memo
+        track = memo is not None and memo.pos == self._log_end()
+        if track:
+            self._memo_tail(given, bit)
+        if type(owners) is not dict and type(keys) is list:
+            added = owners.spec_add(keys, owned, spec, bit, deadline, log)
         else:
             oget = owners.get
+            logged = log.append
             added = []
             # One probe of the owner map decides most keys: the slot's bit is set iff it holds
-            # the key or already predicts it (the invariants). router/_kv_spec.c `add` is this loop.
+            # the key or already predicts it (the invariants). A key it predicts already only
+            # gets the new deadline: its owner mask does not change, so it is not logged (the
+            # log holds owner-mask changes, and every entry in it costs the latest memo).
+            # router/_owner_map.c `spec_add` is this loop.
             for ck in keys:
                 o = oget(ck, 0)
                 if o & bit:
@@ -69,18 +77,13 @@ class SpeculationMixin:
                         continue
                 else:
                     owners[ck] = o | bit
+                    logged(ck)
                 spec[ck] = deadline
                 added.append(ck)
+        if track:
+            self._memo_logged()
         self._n_spec += len(spec) - n_before
         if added:
-            log = self._log
-            memo = self._memo
-            if memo is not None and memo.pos == self._log_end():
-                self._memo_tail(given, s.bit)
-                log.extend(added)
-                self._memo_logged()
-            else:
-                log.extend(added)
             # Only atomic values in the entry (no slot object): the collector untracks such tuples,
             # so a heap of 30 s of routed prompts adds nothing to its full scans (issue 13).
             heapq.heappush(self._spec_heap, (deadline, next(self._spec_seq), s.worker, s.dp_rank,
@@ -112,11 +115,11 @@ class SpeculationMixin:
             if s is None:
                 continue  # slot removed since (a new slot's entries carry their own deadlines)
             # _drop_spec inlined: this loop runs for every key of every routed prompt
-            # (router/_kv_spec.c `expire` is the same loop)
+            # (router/_owner_map.c `spec_expire` is the same loop)
             spec, nb, owners, log = s.spec, ~s.bit, self._owners, self._log
             n0 = n
-            if _native is not None and type(keys) is tuple:
-                n += _native.expire(keys, spec, owners, log, nb, now)
+            if type(owners) is not dict and type(keys) is tuple:
+                n += owners.spec_expire(keys, spec, log, s.bit, now)
             else:
                 for ck in keys:
                     d = spec.get(ck)

@@ -10,7 +10,19 @@ from dataclasses import dataclass
 
 from .events import Tier
 
+try:    # router/_owner_map.c, built by setup.py: the owner masks as a native table
+    from ._owner_map import OwnerMap
+except ImportError:     # no C compiler at install time: a dict, and the Python loops over it
+    OwnerMap = None
+
 __all__ = ["IndexStats", "StreamVerdict"]
+
+
+def new_owner_map():
+    """The index's owner masks: a `router._owner_map.OwnerMap` where it built, else a dict (read
+    here at each call, so a test can build an index on the Python recipes by patching
+    ``OwnerMap``). The index's per-key loops dispatch on which one they hold."""
+    return OwnerMap() if OwnerMap is not None else {}
 
 
 _GPU = Tier.GPU
