@@ -22,7 +22,12 @@ import numpy as np
 from protocol.failures import NoServerAvailable
 
 
-@dataclass(frozen=True, slots=True)
+# eq=False: a candidate equals only itself. kv_cache_aware keeps what it derived from the last
+# candidate list while the list's elements are the same (router/policy_kv.py); compared by value,
+# a rebuilt list of equal candidates (the coordinator rebuilds them when a server's state changes)
+# cost a field-by-field compare, `info` dicts included, of every candidate on every placement from
+# then on: 22% of the coordinator's samples (bench/RESULTS.md "coordinator · owner table").
+@dataclass(frozen=True, slots=True, eq=False)
 class Candidate:
     server: str
     healthy: bool = True
