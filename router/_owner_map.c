@@ -473,6 +473,19 @@ static inline uint64_t u64_at(const char *p, Py_ssize_t i) {
     return k;
 }
 
+/* One key of the word walk: narrow the active slots `*a` by the key's mask `x`, appending the
+ * group of slots that matched exactly `i` keys when some dropped out. 0: go on; 1: no slot is
+ * left (the walk ends); -1: error. */
+static inline int narrow(PyObject *out, uint64_t *a, uint64_t x, Py_ssize_t i) {
+    x &= *a;
+    if (x == *a)
+        return 0;
+    if (group(out, PyLong_FromUnsignedLongLong(*a ^ x), i) == NULL)
+        return -1;
+    *a = x;
+    return x ? 0 : 1;
+}
+
 static int walk_buf(OwnerMap *m, const char *keys, Py_ssize_t n, uint64_t a, PyObject *out) {
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
         PREFETCH(&m->tab[slot_of(u64_at(keys, i), m->cap)]);
@@ -480,14 +493,9 @@ static int walk_buf(OwnerMap *m, const char *keys, Py_ssize_t n, uint64_t a, PyO
         if (i + AHEAD < n)
             PREFETCH(&m->tab[slot_of(u64_at(keys, i + AHEAD), m->cap)]);
         Entry *e = find(m, u64_at(keys, i));
-        uint64_t x = e ? e->low & a : 0;
-        if (x != a) {
-            if (group(out, PyLong_FromUnsignedLongLong(a ^ x), i) == NULL)
-                return -1;
-            if (!x)
-                return 0;
-            a = x;
-        }
+        int r = narrow(out, &a, e ? e->low : 0, i);
+        if (r)
+            return r < 0 ? -1 : 0;
     }
     return group(out, PyLong_FromUnsignedLongLong(a), n) == NULL ? -1 : 0;
 }
@@ -518,14 +526,9 @@ static int walk_list(OwnerMap *m, PyObject *keys, uint64_t a, PyObject *out) {
         uint64_t x;
         if (list_low(m, PyList_GET_ITEM(keys, i), &x) < 0)
             return -1;
-        x &= a;
-        if (x != a) {
-            if (group(out, PyLong_FromUnsignedLongLong(a ^ x), i) == NULL)
-                return -1;
-            if (!x)
-                return 0;
-            a = x;
-        }
+        int r = narrow(out, &a, x, i);
+        if (r)
+            return r < 0 ? -1 : 0;
     }
     return group(out, PyLong_FromUnsignedLongLong(a), n) == NULL ? -1 : 0;
 }
