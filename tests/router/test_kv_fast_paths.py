@@ -362,3 +362,26 @@ def test_memo_reuse_walks_only_what_may_have_changed():
     assert idx.longest_prefix(p) == {"http://a": 10, "http://b": 1}
     assert walked == [10]
     idx.check_invariants()
+
+
+def test_worker_names_of_wide_masks_follow_slots_freed_and_reused():
+    """Masks over 20 slots, named through the index's mask -> names cache (router/kv_query.py
+    `_workers_of`): a freed slot's bit reused by a new worker must name the new worker."""
+    idx = KvIndex(B)
+    keys = block_keys_list(list(range(40 * B)), B)
+    workers = [f"http://w{i}" for i in range(20)]
+    for i, w in enumerate(workers):      # worker i holds the first i + 1 keys
+        idx.load_snapshot(w, keys[:i + 1])
+    want = {w: i + 1 for i, w in enumerate(workers)}
+    assert idx.longest_prefix(keys) == want
+    for w in workers[3:17:2]:           # every byte of the mask loses some bits, then regains them
+        idx.remove_worker(w)
+        del want[w]
+    assert idx.longest_prefix(keys) == want
+    for j in range(7):                  # the freed bits, reused by new workers deeper than all
+        w = f"http://new{j}"
+        idx.load_snapshot(w, keys[:30 + j])
+        want[w] = 30 + j
+    assert idx.longest_prefix(keys) == want
+    assert idx.longest_prefix(keys[:2]) == {w: min(d, 2) for w, d in want.items()}
+    idx.check_invariants()
