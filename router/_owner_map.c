@@ -64,9 +64,9 @@ static inline size_t slot_of(uint64_t key, size_t cap) {
     return (size_t)h & (cap - 1);
 }
 
-/* 1: `k` is an int in [0, 2^64) (stored in *out); 0: it is not (another type, negative, wider);
- * -1: an error other than those. */
-static int key_of(PyObject *k, uint64_t *out) {
+/* 1: `k` is an int in [0, 2^64) (stored in *out): a table key, or a mask or slot bit that fits a
+ * machine word; 0: it is not (another type, negative, wider); -1: an error other than those. */
+static int u64_of(PyObject *k, uint64_t *out) {
     if (!PyLong_Check(k))
         return 0;
     unsigned long long v = PyLong_AsUnsignedLongLong(k);
@@ -247,7 +247,7 @@ static Py_ssize_t om_len(OwnerMap *m) {
 /* The mask of `k` (new reference), NULL with no error set when absent. */
 static PyObject *lookup(OwnerMap *m, PyObject *k) {
     uint64_t key;
-    int r = key_of(k, &key);
+    int r = u64_of(k, &key);
     if (r < 0)
         return NULL;
     if (r == 0) {
@@ -270,7 +270,7 @@ static PyObject *om_subscript(OwnerMap *m, PyObject *k) {
 
 static int om_ass(OwnerMap *m, PyObject *k, PyObject *v) {
     uint64_t key;
-    int r = key_of(k, &key);
+    int r = u64_of(k, &key);
     if (r < 0)
         return -1;
     if (r == 0) {
@@ -503,7 +503,7 @@ static int walk_buf(OwnerMap *m, const char *keys, Py_ssize_t n, uint64_t a, PyO
 /* The mask of the i-th key of a list as a word (0: absent). */
 static int list_low(OwnerMap *m, PyObject *k, uint64_t *x) {
     uint64_t key;
-    int r = key_of(k, &key);
+    int r = u64_of(k, &key);
     if (r < 0)
         return -1;
     if (r) {
@@ -602,15 +602,15 @@ static PyObject *om_walk(OwnerMap *m, PyObject *const *args, Py_ssize_t nargs) {
     if (out == NULL)
         return NULL;
     int rc;
-    unsigned long long a = PyLong_AsUnsignedLongLong(active);
-    if (a != (unsigned long long)-1 || !PyErr_Occurred()) {
+    uint64_t a;
+    int w = u64_of(active, &a);     /* 1: a machine word; 0: more than 64 slots (or negative) */
+    if (w > 0) {
         if (is_bytes) {
             rc = walk_buf(m, PyBytes_AS_STRING(keys), PyBytes_GET_SIZE(keys) / 8, a, out);
         } else {
             rc = walk_list(m, keys, a, out);
         }
-    } else if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
-        PyErr_Clear();      /* more than 64 slots (or negative): Python ints */
+    } else if (w == 0) {    /* Python ints */
         PyObject *lst = is_bytes ? NULL : (Py_INCREF(keys), keys);
         if (is_bytes) {
             Py_ssize_t n = PyBytes_GET_SIZE(keys) / 8;
@@ -656,6 +656,26 @@ static int generic_add(OwnerMap *m, PyObject *ck, PyObject *bit) {
     return has;
 }
 
+/* Clear `bit` in self[ck] (the entry deleted at 0); a KeyError when ck has no entry (the index's
+ * invariant: a predicted key has owners). 0 on success. */
+static int generic_clear(OwnerMap *m, PyObject *ck, PyObject *bit) {
+    PyObject *o = lookup(m, ck);
+    if (o == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, ck);
+        return -1;
+    }
+    PyObject *inv = PyNumber_Invert(bit), *nm = inv ? PyNumber_And(o, inv) : NULL;
+    Py_DECREF(o);
+    Py_XDECREF(inv);
+    if (nm == NULL)
+        return -1;
+    int nz = PyObject_IsTrue(nm);
+    int rc = nz < 0 ? -1 : om_ass(m, ck, nz ? nm : NULL);
+    Py_DECREF(nm);
+    return rc;
+}
+
 PyDoc_STRVAR(spec_add_doc,
 "spec_add(keys, owned, spec, bit, deadline, log) -> list of the keys given the deadline\n\n"
 "For each key: skip it when the slot holds it (`bit` set in `self[key]` and the key in\n"
@@ -675,13 +695,10 @@ static PyObject *om_spec_add(OwnerMap *m, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "spec_add(list, dict, dict, int, deadline, list) expected");
         return NULL;
     }
-    unsigned long long b = PyLong_AsUnsignedLongLong(bit);
-    int word = !(b == (unsigned long long)-1 && PyErr_Occurred());
-    if (!word) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return NULL;
-        PyErr_Clear();
-    }
+    uint64_t b;
+    int word = u64_of(bit, &b);     /* 0: a slot bit past 63 (Python ints below) */
+    if (word < 0)
+        return NULL;
     PyObject *added = PyList_New(0);
     if (added == NULL)
         return NULL;
@@ -689,7 +706,7 @@ static PyObject *om_spec_add(OwnerMap *m, PyObject *const *args, Py_ssize_t narg
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *ck = PyList_GET_ITEM(keys, i);
         uint64_t key;
-        int r = key_of(ck, &key);
+        int r = u64_of(ck, &key);
         if (r < 0)
             goto fail;
         int has_bit, held;
@@ -743,13 +760,10 @@ static PyObject *om_spec_expire(OwnerMap *m, PyObject *const *args, Py_ssize_t n
     double now = PyFloat_AsDouble(now_o);
     if (now == -1.0 && PyErr_Occurred())
         return NULL;
-    unsigned long long b = PyLong_AsUnsignedLongLong(bit);
-    int word = !(b == (unsigned long long)-1 && PyErr_Occurred());
-    if (!word) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return NULL;
-        PyErr_Clear();
-    }
+    uint64_t b;
+    int word = u64_of(bit, &b);     /* 0: a slot bit past 63 (Python ints below) */
+    if (word < 0)
+        return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(keys), done = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *ck = PyTuple_GET_ITEM(keys, i);
@@ -767,46 +781,17 @@ static PyObject *om_spec_expire(OwnerMap *m, PyObject *const *args, Py_ssize_t n
         if (PyDict_DelItem(spec, ck) < 0 || PyList_Append(log, ck) < 0)
             return NULL;
         uint64_t key;
-        int r = key_of(ck, &key);
+        int r = u64_of(ck, &key);
         if (r < 0)
             return NULL;
-        if (r && word) {
-            Entry *e = find(m, key);
-            if (e == NULL) {
-                PyErr_SetObject(PyExc_KeyError, ck);   /* the invariant: a predicted key has owners */
-                return NULL;
-            }
-            if (e->wide != NULL) {
-                PyObject *nb = PyLong_FromUnsignedLongLong(b), *inv = nb ? PyNumber_Invert(nb) : NULL;
-                PyObject *nm = inv ? PyNumber_And(e->wide, inv) : NULL;
-                Py_XDECREF(nb);
-                Py_XDECREF(inv);
-                int rc = nm == NULL ? -1 : om_ass(m, ck, nm);     /* stays positive: wide bits */
-                Py_XDECREF(nm);
-                if (rc < 0)
-                    return NULL;
-            } else if (e->low & ~b) {
+        Entry *e = r && word ? find(m, key) : NULL;
+        if (e != NULL && e->wide == NULL) {
+            if (e->low & ~b)
                 e->low &= ~b;
-            } else {
+            else
                 drop(m, e);
-            }
-        } else {
-            PyObject *o = lookup(m, ck);
-            if (o == NULL) {
-                if (!PyErr_Occurred())
-                    PyErr_SetObject(PyExc_KeyError, ck);
-                return NULL;
-            }
-            PyObject *inv = PyNumber_Invert(bit), *nm = inv ? PyNumber_And(o, inv) : NULL;
-            Py_DECREF(o);
-            Py_XDECREF(inv);
-            if (nm == NULL)
-                return NULL;
-            int nz = PyObject_IsTrue(nm);
-            int rc = nz < 0 ? -1 : nz ? om_ass(m, ck, nm) : om_ass(m, ck, NULL);
-            Py_DECREF(nm);
-            if (rc < 0)
-                return NULL;
+        } else if (generic_clear(m, ck, bit) < 0) {
+            return NULL;
         }
         done++;
     }

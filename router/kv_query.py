@@ -33,11 +33,7 @@ from operator import itemgetter
 
 import numpy as np
 
-from .kv_types import _COUNT, OwnerMap
-
-# router/_owner_map.c: the owner masks as a native table whose `walk` is `QueryMixin._walk`'s
-# loop (without a C compiler, a dict and the Python loop)
-NATIVE = OwnerMap is not None
+from .kv_types import _COUNT, NATIVE  # noqa: F401  (NATIVE: router/_owner_map.c's walk runs)
 
 # A memo with more keys logged since it was taken than this many times the keys its walk read is
 # dropped: checking them would cost about as much as walking again.

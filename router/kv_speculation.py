@@ -11,11 +11,7 @@ import heapq
 
 import numpy as np
 
-from .kv_types import OwnerMap, _Slot
-
-# router/_owner_map.c: the owner masks as a native table whose `spec_add` and `spec_expire` are
-# the two per-key loops below (without a C compiler, a dict and these loops)
-NATIVE = OwnerMap is not None
+from .kv_types import NATIVE, _Slot  # noqa: F401  (NATIVE: router/_owner_map.c's loops run)
 
 
 class SpeculationMixin:
@@ -116,11 +112,12 @@ class SpeculationMixin:
                 continue  # slot removed since (a new slot's entries carry their own deadlines)
             # _drop_spec inlined: this loop runs for every key of every routed prompt
             # (router/_owner_map.c `spec_expire` is the same loop)
-            spec, nb, owners, log = s.spec, ~s.bit, self._owners, self._log
+            spec, owners, log = s.spec, self._owners, self._log
             n0 = n
             if type(owners) is not dict and type(keys) is tuple:
                 n += owners.spec_expire(keys, spec, log, s.bit, now)
             else:
+                nb = ~s.bit
                 for ck in keys:
                     d = spec.get(ck)
                     if d is not None and d <= now:

@@ -15,6 +15,10 @@ try:    # router/_owner_map.c, built by setup.py: the owner masks as a native ta
 except ImportError:     # no C compiler at install time: a dict, and the Python loops over it
     OwnerMap = None
 
+# Whether it loaded: its `walk`, `spec_add` and `spec_expire` are the index's per-key loops
+# (router/kv_query.py and router/kv_speculation.py re-export this as their NATIVE).
+NATIVE = OwnerMap is not None
+
 __all__ = ["IndexStats", "StreamVerdict"]
 
 

@@ -51,7 +51,7 @@ def python_index(monkeypatch, *a, **kw) -> KvIndex:
 
 
 def test_the_table_is_what_the_index_uses():
-    assert kq.NATIVE and ks.NATIVE and kt.OwnerMap is native.OwnerMap
+    assert kt.NATIVE and kq.NATIVE and ks.NATIVE and kt.OwnerMap is native.OwnerMap
     assert type(KvIndex(B)._owners) is native.OwnerMap
 
 
@@ -265,4 +265,5 @@ def test_a_refreshed_prediction_is_not_logged(native_owners, monkeypatch):
 
 def test_speculation_model_on_the_python_loops(monkeypatch):
     monkeypatch.setattr(kt, "OwnerMap", None)
+    assert type(KvIndex(B)._owners) is dict
     test_kv_index.test_speculation_mixed_with_events_matches_a_model()
