@@ -66,7 +66,9 @@ def test_past_saturation_clients_get_200_or_shed_and_no_lease_is_left(cluster, w
     results = asyncio.run(_blast(url, 300, body))
     statuses = [r[0] for r in results]
     assert set(statuses) <= {200, 429, 503}, sorted(set(statuses))
-    assert statuses.count(200) > 0
+    # No count of 200s inside the blast: with a 2 ms queue bound, a busy 2-core CI box may
+    # legitimately shed all 300 (it did once, 2026-12-06). What must hold is that the cluster
+    # serves again once the load is gone, with every lease ended.
     shed = [r for r in results if r[0] != 200]
     assert shed, "300 concurrent requests against 4 pending coordinator calls shed nothing"
     for status, headers, raw in shed:
@@ -77,6 +79,9 @@ def test_past_saturation_clients_get_200_or_shed_and_no_lease_is_left(cluster, w
     assert any("unanswered" in json.loads(r[2])["error"]["message"] for r in shed)
     # every lease that was taken was finished (exactly once: nothing left, nothing expired)
     wait_for(lambda: _leases(curl) == 0, 10, "no lease left on the coordinator")
+    st, _, raw = http("POST", url + "/v1/completions", {**body, "prompt": "after the blast"})
+    assert st == 200, raw
+    wait_for(lambda: _leases(curl) == 0, 10, "no lease left after the request that followed")
     st, _, raw = http("GET", curl + "/cluster_info")
     assert json.loads(raw)["leases"]["expired_total"] == {"context": 0, "generation": 0}
     st, _, text = http("GET", curl + "/metrics")
