@@ -407,7 +407,9 @@ class ClusterConfig(Section):
     server_keep_alive_timeout: Annotated[PosFloat, doc("idle keep-alive of client connections",
                                                        upstream=True)] = 10.0
     perf_metrics_max_requests: Annotated[NonNegInt, doc(
-        "per-request timing records kept for /perf_metrics (0 = off)", upstream=True)] = 0
+        "must be 0: splitserve serves no /perf_metrics (upstream's join of the engines' per-request "
+        "timings); per-request timings are in traces (`otlp_config`) and /metrics",
+        upstream=True)] = 0
     allow_request_chat_template: Annotated[bool, doc("accept a per-request `chat_template`",
                                                      upstream=True)] = False
     gen_strip_message_history: Annotated[bool, doc(
@@ -555,6 +557,13 @@ class ClusterConfig(Section):
         return json.dumps(self.to_public_dict(), sort_keys=True)
 
     def _check(self, path: str) -> None:
+        if self.perf_metrics_max_requests:
+            # Refused rather than accepted and ignored: nothing here would keep those records.
+            raise ConfigError("perf_metrics_max_requests", "expected 0: splitserve serves no "
+                              "/perf_metrics (TensorRT-LLM's join of the engines' per-request "
+                              "timings); per-request timings are in the traces (`otlp_config`) "
+                              "and in /metrics. Remove the key or set it to 0, found "
+                              f"{self.perf_metrics_max_requests}")
         if self.disagg_coordinator_url is not None:
             u = self.disagg_coordinator_url
             if not re.match(r"^(https?://[^/]+|unix://?/.+)", u):

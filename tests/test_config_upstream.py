@@ -34,10 +34,27 @@ def test_fixtures_present_and_cited():
         assert f.name in sources, f"{f.name} has no upstream path/commit in SOURCES.md"
 
 
+# The one upstream key splitserve refuses rather than ignores (no /perf_metrics here).
+PERF_METRICS_FILES = {"disagg_config_gen_only_kv_cache_aware.yaml"}
+
+
 @pytest.mark.parametrize("path", UPSTREAM_FILES, ids=lambda p: p.name)
 def test_upstream_file_loads(path):
+    if path.name in PERF_METRICS_FILES:
+        with pytest.raises(ConfigError) as ei:
+            load_config(path)
+        assert ei.value.path == "perf_metrics_max_requests"
+        assert "/perf_metrics" in ei.value.message and "found 1000" in ei.value.message
+        path = yaml_without(path, "perf_metrics_max_requests")
     cfg = load_config(path)
     assert cfg.served_model
+
+
+def yaml_without(path, key):
+    import yaml
+    doc = yaml.safe_load(path.read_text())
+    del doc[key]
+    return doc
 
 
 @pytest.mark.parametrize("path", sorted((FIXTURES / "llm_api").glob("*.yaml")), ids=lambda p: p.name)
@@ -49,9 +66,10 @@ def test_upstream_llm_api_options_load_as_a_server_section(path):
 
 
 def test_keys_the_old_allow_list_rejected_are_kept():
-    cfg = load_config(FIXTURES / "disagg_config_gen_only_kv_cache_aware.yaml")
-    # a disaggregated-server key at the top level, an LLM arg inside the sections
-    assert cfg.perf_metrics_max_requests == 1000
+    cfg = load_config(yaml_without(FIXTURES / "disagg_config_gen_only_kv_cache_aware.yaml",
+                                   "perf_metrics_max_requests"))
+    # an LLM arg inside the sections (the engines' own setting) is kept for them
+    assert cfg.perf_metrics_max_requests == 0
     assert cfg.context_servers.engine_args["perf_metrics_max_requests"] == 1000
     assert cfg.generation_servers.engine_args["return_perf_metrics"] is True
     cfg = load_config(FIXTURES / "disagg_config_mamba_bs1_concurrency2.yaml")
