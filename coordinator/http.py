@@ -20,17 +20,15 @@ Semantics (invariants):
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import socket
 import time
-from email.utils import formatdate
-from http import HTTPStatus
 
 import httptools
 import orjson
 
 from coordinator.api import Api, Reply
+from http1.conn import Connection, Server
+from http1.wire import CLOCK, CONTINUE, status_line
 from protocol.channel import PATH as CHANNEL_PATH
 from protocol.channel import PROTOCOL, UPGRADE_ANSWER
 
@@ -38,39 +36,16 @@ CHANNEL_TOKEN = PROTOCOL.encode()
 
 log = logging.getLogger("splitserve.coordinator.http")
 
-_REASONS = {s.value: s.phrase for s in HTTPStatus}
 
+class _Conn(Connection):
+    """One connection: each request is answered synchronously when its body is complete, so
+    pipelined answers are written in request order without a task."""
 
-def _status_line(status: int) -> bytes:
-    return f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n".encode()
-
-
-class _Clock:
-    """The `Date` header, rendered once per second."""
-
-    __slots__ = ("_sec", "header")
-
-    def __init__(self):
-        self._sec = -1
-        self.header = b""
-
-    def get(self) -> bytes:
-        now = int(time.time())
-        if now != self._sec:
-            self._sec = now
-            self.header = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-        return self.header
-
-
-class _Conn(asyncio.Protocol):
-    __slots__ = ("srv", "api", "transport", "parser", "url", "ctype", "accept", "expect", "body",
-                 "size", "busy", "last", "closing", "upgrade", "handoff")
+    __slots__ = ("api", "url", "ctype", "accept", "expect", "body", "size", "busy", "upgrade", "handoff")
 
     def __init__(self, srv: "HttpServer"):
-        self.srv = srv
+        super().__init__(srv)
         self.api = srv.api
-        self.transport = None
-        self.parser = httptools.HttpRequestParser(self)
         self.url = b""
         self.ctype = None
         self.accept = None
@@ -78,26 +53,16 @@ class _Conn(asyncio.Protocol):
         self.body: list[bytes] = []
         self.size = 0
         self.busy = False        # a request is partially received
-        self.last = time.monotonic()
-        self.closing = False
         self.upgrade = None
         self.handoff = None      # the channel protocol this connection was upgraded to
 
+    def idle(self) -> bool:
+        return not self.busy
+
+    def in_flight(self) -> bool:
+        return self.busy
+
     # ---- asyncio.Protocol ---------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.srv.conns.add(self)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-
-    def connection_lost(self, exc) -> None:
-        self.srv.conns.discard(self)
-        self.transport = None
-
     def data_received(self, data: bytes) -> None:
         self.last = time.monotonic()
         try:
@@ -116,14 +81,6 @@ class _Conn(asyncio.Protocol):
                 self._fail(413, f"request body over {self.srv.max_body} bytes")
             else:
                 self._fail(400, f"malformed HTTP request: {exc}")
-
-    def pause_writing(self) -> None:
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.transport is not None and not self.closing:
-            self.transport.resume_reading()
 
     # ---- httptools callbacks ------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -158,7 +115,7 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         if self.expect and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.transport.write(CONTINUE)
 
     def on_body(self, chunk: bytes) -> None:
         self.size += len(chunk)
@@ -211,9 +168,9 @@ class _Conn(asyncio.Protocol):
         key = (r.status, r.content_type)
         prefix = srv.prefixes.get(key)
         if prefix is None:
-            prefix = srv.prefixes[key] = (_status_line(r.status) + b"Content-Type: " +
+            prefix = srv.prefixes[key] = (status_line(r.status) + b"Content-Type: " +
                                           r.content_type.encode("latin-1") + b"\r\nContent-Length: ")
-        head_ = prefix + str(len(r.body)).encode() + b"\r\n" + srv.clock.get()
+        head_ = prefix + str(len(r.body)).encode() + b"\r\n" + CLOCK.get()
         for k, v in r.headers:
             head_ += k.encode("latin-1") + b": " + v.encode("latin-1") + b"\r\n"
         if not keep:
@@ -232,67 +189,22 @@ class _TooLarge(Exception):
     pass
 
 
-class HttpServer:
+class HttpServer(Server):
     """Serves an `Api` on listening sockets (TCP and/or Unix) with `_Conn` protocols."""
 
     def __init__(self, api: Api, *, max_body: int = 32 * 1024 * 1024, keepalive_s: float = 75.0,
                  channel=None):
+        super().__init__(keepalive_s=keepalive_s)
         self.api = api
         self.channel = channel      # a coordinator.channel.ChannelServer, or None (not offered)
         self.max_body = max_body
-        self.keepalive_s = keepalive_s
-        self.clock = _Clock()
         self.prefixes: dict[tuple[int, str], bytes] = {}   # status line + content type, rendered once
-        self.conns: set[_Conn] = set()
-        self.servers: list[asyncio.base_events.Server] = []
-        self.stopping = False
-        self._sweeper: asyncio.Task | None = None
 
-    def _protocol(self) -> _Conn:
+    def protocol(self) -> _Conn:
         return _Conn(self)
 
-    async def serve(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        if sock.family == socket.AF_UNIX:
-            srv = await loop.create_unix_server(self._protocol, sock=sock, backlog=4096)
-        else:
-            srv = await loop.create_server(self._protocol, sock=sock, backlog=4096)
-        self.servers.append(srv)
-        if self._sweeper is None:
-            self._sweeper = loop.create_task(self._sweep())
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(min(5.0, self.keepalive_s / 2))
-            cutoff = time.monotonic() - self.keepalive_s
-            for c in list(self.conns):
-                if not c.busy and c.last < cutoff and c.transport is not None:
-                    c.closing = True
-                    c.transport.close()
-
-    async def close(self, timeout: float = 5.0) -> None:
-        """Stop accepting; close idle connections now and busy ones once answered (bounded)."""
-        self.stopping = True
-        for s in self.servers:
-            s.close()
-        for c in list(self.conns):
-            if not c.busy and c.transport is not None:
-                c.closing = True
-                c.transport.close()
+    async def _stopping(self) -> None:
         if self.channel is not None:
             # Every channel batch is answered within the data_received that read it, so nothing is
             # half-done: the fleet fails its pending calls over and re-sends unacknowledged finishes.
             self.channel.close()
-        deadline = time.monotonic() + timeout
-        while any(c.busy for c in self.conns) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        for c in list(self.conns):
-            if c.transport is not None:
-                c.transport.close()
-        for s in self.servers:
-            await s.wait_closed()
-        self.servers.clear()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
-            self._sweeper = None

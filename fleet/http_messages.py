@@ -9,46 +9,14 @@ the cheap complete answer of the hot routes, and `reply_bytes` also renders the 
 from __future__ import annotations
 
 import asyncio
-import time
-from email.utils import formatdate
-from http import HTTPStatus
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
+from http1.wire import CLOCK, LAST_CHUNK, answer_bytes, status_line
+from http1.wire import chunk as chunk_frame
+
 if TYPE_CHECKING:
     from .http_server import _Conn
-
-_REASONS = {s.value: s.phrase for s in HTTPStatus}
-_STATUS_LINES: dict[int, bytes] = {}
-
-
-def status_line(status: int, reason: str | None = None) -> bytes:
-    if reason is None:
-        line = _STATUS_LINES.get(status)
-        if line is None:
-            line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n".encode()
-        return line
-    return f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1", "replace")
-
-
-class _Clock:
-    """The `Date` header line, rendered once per second."""
-
-    __slots__ = ("_sec", "line")
-
-    def __init__(self):
-        self._sec = -1
-        self.line = b""
-
-    def get(self) -> bytes:
-        now = int(time.time())
-        if now != self._sec:
-            self._sec = now
-            self.line = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-        return self.line
-
-
-CLOCK = _Clock()
 
 
 class BodyTooLarge(Exception):
@@ -219,7 +187,7 @@ class FleetStream:
         conn = self._conn
         if conn is None:
             raise RuntimeError("write before prepare")
-        conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        conn.write(chunk_frame(data) if self._chunked else data)
         await conn.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
@@ -229,7 +197,7 @@ class FleetStream:
             await self.write(data)
         self.eof = True
         if self._chunked:
-            self._conn.write(b"0\r\n\r\n")
+            self._conn.write(LAST_CHUNK)
             await self._conn.drain()
 
 
@@ -250,26 +218,9 @@ class Reply:
         self.keep_alive = False
 
 
-_SKIP = frozenset(("content-length", "transfer-encoding", "connection"))
-
-
 def reply_bytes(resp, keep: bool, head_only: bool = False) -> bytes:
     """The bytes of a complete answer: a `Reply` or an aiohttp `web.Response` as the routes build
     it (status, headers, bytes body); `Connection: close` unless `keep`."""
     body = resp.body
-    if body is None:
-        body = b""
-    reason = getattr(resp, "reason", None)
-    parts = [status_line(resp.status, None if reason is None or reason == _REASONS.get(resp.status) else reason),
-             CLOCK.get()]
-    for k, v in resp.headers.items():
-        if k.lower() in _SKIP:
-            continue
-        parts.append(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1")))
-    parts.append(b"Content-Length: %d\r\n" % len(body))
-    if not keep:
-        parts.append(b"Connection: close\r\n")
-    parts.append(b"\r\n")
-    if not head_only:
-        parts.append(body)
-    return b"".join(parts)
+    return answer_bytes(resp.status, resp.headers.items(), b"" if body is None else body, keep, head_only,
+                        getattr(resp, "reason", None))

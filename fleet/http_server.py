@@ -29,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import socket
 import time
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from http1.conn import Connection, Server
+from http1.wire import CONTINUE
 from protocol.openai import ApiError
 
 from .http_messages import BadBody, FleetRequest, Reply, reply_bytes
@@ -53,18 +54,14 @@ class _Limit(Exception):
         self.err = err
 
 
-class _Conn(asyncio.Protocol):
+class _Conn(Connection):
     """One client connection: parse, queue, serve one request at a time, write answers."""
 
-    __slots__ = ("srv", "loop", "transport", "parser", "_url", "_hdrs", "_nhdr", "cur", "queue", "task",
-                 "serving", "closing", "last", "_hdr_timer", "_paused_w", "_drain", "_paused_r",
+    __slots__ = ("_url", "_hdrs", "_nhdr", "cur", "queue", "task", "serving", "_hdr_timer", "_paused_r",
                  "_upgrade", "_pending_error", "_in_head")
 
     def __init__(self, srv: "FleetHttpServer"):
-        self.srv = srv
-        self.loop = srv.loop
-        self.transport = None
-        self.parser = httptools.HttpRequestParser(self)
+        super().__init__(srv)
         self._url = b""
         self._hdrs: list = []
         self._nhdr = 0
@@ -72,56 +69,32 @@ class _Conn(asyncio.Protocol):
         self.queue: collections.deque[FleetRequest] = collections.deque()
         self.task: asyncio.Task | None = None
         self.serving: FleetRequest | None = None
-        self.closing = False
-        self.last = time.monotonic()
         self._hdr_timer: asyncio.TimerHandle | None = None
-        self._paused_w = False
-        self._drain: asyncio.Future | None = None
         self._paused_r = False
         self._upgrade = False
         self._pending_error: ApiError | None = None
         self._in_head = False      # bytes of a request head arrived, the head is not complete
 
-    # ---- asyncio.Protocol ------------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.srv.conns.add(self)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+    def idle(self) -> bool:
+        return self.task is None and self.cur is None
 
+    def in_flight(self) -> bool:
+        return self.task is not None
+
+    def may_read(self) -> bool:
+        return not self._paused_r
+
+    # ---- asyncio.Protocol ------------------------------------------------------------------------
     def connection_lost(self, exc) -> None:
-        self.srv.conns.discard(self)
-        self.transport = None
-        self.closing = True
+        super().connection_lost(exc)
         if self._hdr_timer is not None:
             self._hdr_timer.cancel()
             self._hdr_timer = None
         if self.cur is not None:
             self.cur._fail(ConnectionResetError("the client closed the connection"))
         self.queue.clear()
-        d = self._drain
-        if d is not None and not d.done():
-            d.set_exception(ConnectionResetError("the client closed the connection"))
         if self.task is not None:
             self.task.cancel()       # the client hung up: its request ends here (scopes clean up)
-
-    def pause_writing(self) -> None:
-        # a client that does not read its answers: stop reading its requests too
-        self._paused_w = True
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        self._paused_w = False
-        if self.transport is not None and not self._paused_r and not self.closing:
-            self.transport.resume_reading()
-        d = self._drain
-        if d is not None and not d.done():
-            d.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -205,7 +178,7 @@ class _Conn(asyncio.Protocol):
         if not req._done and req.version == "1.1" and self.transport is not None \
                 and req.headers.get("Expect", "").lower() == "100-continue":
             # its turn has come and its body is still to be sent: ask for it
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.transport.write(CONTINUE)
         self.serving = req
         self.task = self.loop.create_task(self._serve(req))
 
@@ -227,7 +200,7 @@ class _Conn(asyncio.Protocol):
         self.serving = None
         self.last = time.monotonic()
         if not keep:
-            self._close()
+            self.close()
             return
         if self._pending_error is not None:
             self._send_error(self._pending_error)
@@ -256,23 +229,6 @@ class _Conn(asyncio.Protocol):
             self.closing = True     # nothing more is read from this connection
         self.transport.write(reply_bytes(resp, keep, req.method == "HEAD"))
         return keep
-
-    def write(self, data: bytes) -> None:
-        t = self.transport
-        if t is None or t.is_closing():
-            raise ConnectionResetError("Cannot write to closing transport")
-        t.write(data)
-
-    async def drain(self) -> None:
-        if not self._paused_w:
-            return
-        if self.transport is None:
-            raise ConnectionResetError("the client closed the connection")
-        self._drain = self.loop.create_future()
-        try:
-            await self._drain
-        finally:
-            self._drain = None
 
     # ---- errors ----------------------------------------------------------------------------------
     def _parse_failed(self, exc: BaseException) -> None:
@@ -314,63 +270,26 @@ class _Conn(asyncio.Protocol):
                                        f"within {self.srv.header_timeout:g}s (fleet.header_timeout_s)",
                                   code="request_timeout"))
 
-    def _close(self) -> None:
-        self.closing = True
-        if self.transport is not None:
-            self.transport.close()
 
-
-class FleetHttpServer:
+class FleetHttpServer(Server):
     """Serves `dispatch(request) -> response` on a listening socket with `_Conn` protocols."""
 
     def __init__(self, dispatch, *, max_body: int, keepalive_s: float, header_timeout_s: float | None):
+        super().__init__(keepalive_s=keepalive_s)
         self.dispatch = dispatch
         self.max_body = max_body
-        self.keepalive_s = keepalive_s
         self.header_timeout = header_timeout_s
-        self.conns: set[_Conn] = set()
-        self.server: asyncio.base_events.Server | None = None
-        self.stopping = False
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._sweeper: asyncio.Task | None = None
 
-    async def serve(self, sock: socket.socket, backlog: int) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.server = await self.loop.create_server(lambda: _Conn(self), sock=sock, backlog=backlog)
-        self._sweeper = self.loop.create_task(self._sweep())
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(min(5.0, max(0.05, self.keepalive_s / 2)))
-            cutoff = time.monotonic() - self.keepalive_s
-            for c in list(self.conns):
-                if c.task is None and c.cur is None and c.last < cutoff and c.transport is not None:
-                    c._close()
+    def protocol(self) -> _Conn:
+        return _Conn(self)
 
     def inflight(self) -> int:
         return sum(1 for c in self.conns if c.task is not None)
 
-    async def close(self, timeout: float) -> None:
-        """Stop accepting; close idle connections; wait for requests in flight (bounded), cancel the rest."""
-        self.stopping = True
-        if self.server is not None:
-            self.server.close()
-        for c in list(self.conns):
-            if c.task is None:
-                c._close()
-        deadline = time.monotonic() + timeout
-        while any(c.task is not None for c in self.conns) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+    async def _abandon(self) -> None:
+        # the requests still running past the shutdown's bound are cancelled (their scopes clean up)
         tasks = [c.task for c in self.conns if c.task is not None]
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        for c in list(self.conns):
-            c._close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
-            self._sweeper = None
-        if self.server is not None:
-            await self.server.wait_closed()
