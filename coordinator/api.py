@@ -86,7 +86,7 @@ class Api:
             "/cluster_info": lambda mp: _encode(c.cluster_info(), mp),
             "/health": self._health,
             "/metrics": lambda mp: Reply(200, metrics_mod.CONTENT_TYPE, c.metrics_text()),
-            "/version": lambda mp: _encode({"version": c.version}, mp),
+            "/version": lambda mp: _encode({"version": c.version, "cluster_id": c.cluster_id}, mp),
         }
         self.routes = [("POST", p) for p in self.post] + [("GET", p) for p in self.get]
 

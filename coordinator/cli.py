@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
 import sys
 
 ENV = "SPLITSERVE_"
+# Exit status when a listener's address is taken: restarting cannot help (fleet/launcher.py stops).
+EXIT_ADDRESS_IN_USE = 4
 
 
 def _env(name: str, default=None):
@@ -39,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http", default=_env("HTTP", "fast"), choices=["fast", "aiohttp"],
                    help="HTTP server: fast (the API's own HTTP/1.1 protocol on httptools, default) "
                         "or aiohttp (its low-level server; same API)")
+    p.add_argument("--cluster-id", default=_env("CLUSTER_ID"),
+                   help="the cluster's id, reported by /cluster_info and /version so fleet processes can "
+                        "tell their coordinator from another cluster's (default: a random one; the "
+                        "launcher of `splitserve serve` mints one per cluster)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL"),
                    choices=["debug", "info", "warning", "error"],
                    help="log level (default: the config's log_level, info)")
@@ -71,7 +78,8 @@ def _configure(args):
     return cfg, cfg.coordinator.host, port, uds
 
 
-async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast") -> int:
+async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast",
+                 cluster_id: str | None = None) -> int:
     from coordinator.gc_tuning import settle_heap
     from coordinator.listeners import CoordinatorServer
     from coordinator.service import Coordinator
@@ -80,12 +88,18 @@ async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    coord = Coordinator(cfg)
+    coord = Coordinator(cfg, cluster_id=cluster_id)
     server = CoordinatorServer(coord, host=host, port=port, uds_path=uds, http=http)
     try:
         urls = await server.start()
     except OSError as exc:
         await coord.stop()
+        if exc.errno == errno.EADDRINUSE:
+            print(f"splitserve coordinator: {exc.strerror}: another process (another splitserve "
+                  f"cluster?) listens there; stop it or pick another coordinator port or socket "
+                  f"(coordinator.port, coordinator.uds_path, or the cluster's port)",
+                  file=sys.stderr, flush=True)
+            return EXIT_ADDRESS_IN_USE
         print(f"splitserve coordinator: {exc}", file=sys.stderr, flush=True)
         return 2
     settle_heap()   # coordinator/gc_tuning.py: the collector's pauses were a select's p99 stall
@@ -107,5 +121,5 @@ def run(args) -> int:
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; plain asyncio still works without it
-        return asyncio.run(_serve(cfg, host, port, uds, args.http))
-    return uvloop.run(_serve(cfg, host, port, uds, args.http))
+        return asyncio.run(_serve(cfg, host, port, uds, args.http, args.cluster_id))
+    return uvloop.run(_serve(cfg, host, port, uds, args.http, args.cluster_id))

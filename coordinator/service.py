@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -113,9 +114,13 @@ class Coordinator:
     """All cluster state. Build, `await start()`, use, `await stop()`."""
 
     def __init__(self, config: ClusterConfig | dict | str | os.PathLike | None = None, *,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, cluster_id: str | None = None):
+        """`cluster_id`: the name the launcher minted for its cluster, so that its fleet processes
+        can tell their own coordinator from another cluster's on a shared port or socket (issue
+        39); a random one when not given."""
         cfg = config if isinstance(config, ClusterConfig) else load_config(config)
         self.config = cfg
+        self.cluster_id = cluster_id or secrets.token_hex(8)
         self.clock = clock
         self.block_size = cfg.routing.block_size
         self.key_scheme = cfg.routing.key_scheme

@@ -105,6 +105,7 @@ class ClusterSnapshot:
                                  "p99_le": st.select_latency.quantile(0.99)},
             "identities": {"held": len(c.identities), "ttl_s": c.identities.ttl_s},
             "version": c.version,
+            "cluster_id": c.cluster_id,
             "uptime_s": round(self.now - c.started_at, 3),
         }
 

@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Internal: set by the launcher for its fleet processes.
     p.add_argument("--child-index", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cluster-id", default=None, help=argparse.SUPPRESS)
 
 
 def load(args) -> "object":
@@ -89,7 +90,7 @@ def run(args) -> int:
     if args.child_index is not None:   # pinned, if at all, by the launcher
         return run(run_process(cfg, coordinator_url=cfg.disagg_coordinator_url,
                                process_index=args.child_index, reuse_port=True,
-                               ready_fd=args.ready_fd))
+                               ready_fd=args.ready_fd, cluster_id=args.cluster_id))
     from . import affinity
     try:
         cpus = affinity.cpus_for(cfg.fleet.cpu_affinity)

@@ -9,10 +9,17 @@ Guarantees:
 - fail fast: the coordinator (started here or external) is probed with bounded retries up to
   `server_start_timeout`; if it never answers the launcher exits non-zero with a clear message and
   starts no fleet process;
+- no merging with another cluster (issue 39): the public port must be free when the launcher starts
+  (a bind without SO_REUSEPORT, which any listener on it refuses), and the launcher then holds it
+  for its whole life with a bound, non-listening SO_REUSEPORT socket (it receives no connections),
+  so a second cluster's check fails while this one runs; the coordinator it starts gets a cluster
+  id minted here, and the launcher and every fleet process check that the coordinator which
+  answers reports it (a foreign coordinator on a shared port or socket is an error, not a peer);
 - a fleet process joins the port group only once it is ready (it binds after its start-up), and the
-  launcher never binds a *listening* socket itself — for `port: 0` it reserves the port with a bound,
-  non-listening socket that receives no connections and is closed once the children listen;
+  launcher never binds a *listening* socket itself;
 - a crashed fleet process (or coordinator) is restarted, with a backoff that grows on crash loops;
+  a coordinator whose address is taken (exit EXIT_ADDRESS_IN_USE) is not: the launcher stops the
+  cluster and exits non-zero, since no restart can succeed;
 - SIGTERM / SIGINT are forwarded: fleet processes stop listening and drain in-flight requests
   (bounded by `fleet.drain_timeout_s`), then the coordinator stops; leftovers are killed after a grace
   period, so the launcher always exits.
@@ -22,9 +29,12 @@ and signals processes.
 """
 from __future__ import annotations
 
+import errno
 import http.client
+import json
 import logging
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -40,6 +50,8 @@ from . import affinity
 log = logging.getLogger("splitserve.fleet.launcher")
 
 EXIT_COORDINATOR_UNREACHABLE = 3
+EXIT_ADDRESS_IN_USE = 4           # coordinator/cli.py: a listener's address is taken
+EXIT_FOREIGN_COORDINATOR = 5      # fleet/server.py: the coordinator belongs to another cluster
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -54,8 +66,8 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = s
 
 
-def probe(url: str, path: str = "/cluster_info", timeout: float = 2.0) -> tuple[bool, str]:
-    """One GET against the coordinator; → (answered 200, detail)."""
+def probe(url: str, path: str = "/cluster_info", timeout: float = 2.0) -> tuple[bool, str, dict]:
+    """One GET against the coordinator; → (answered 200, detail, the JSON body or {})."""
     try:
         if url.startswith("unix:"):
             sock_path = url[len("unix:"):].lstrip("/")
@@ -67,12 +79,42 @@ def probe(url: str, path: str = "/cluster_info", timeout: float = 2.0) -> tuple[
         try:
             conn.request("GET", path, headers={"Accept": "application/json"})
             r = conn.getresponse()
-            r.read()
-            return r.status == 200, f"HTTP {r.status}"
+            raw = r.read()
+            try:
+                body = json.loads(raw) if r.status == 200 else {}
+            except ValueError:
+                body = {}
+            return r.status == 200, f"HTTP {r.status}", body if isinstance(body, dict) else {}
         finally:
             conn.close()
     except (OSError, http.client.HTTPException) as e:
-        return False, f"{type(e).__name__}: {e}"
+        return False, f"{type(e).__name__}: {e}", {}
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A bound, non-listening SO_REUSEPORT socket on `port` (0: a free one), after checking that
+    nothing else is bound there: the check binds without SO_REUSEPORT, which every listener on the
+    port refuses, SO_REUSEPORT groups included. OSError(EADDRINUSE) with a clear message if taken."""
+    family, _, _, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                               flags=socket.AI_PASSIVE)[0]
+    if port:
+        with socket.socket(family, socket.SOCK_STREAM) as check:
+            check.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT leftovers do not count
+            try:
+                check.bind(addr)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror} (another "
+                                       f"process, perhaps another splitserve cluster, listens there; "
+                                       f"stop it or pick another port)") from None
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        s.bind(addr)
+    except OSError as e:
+        s.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return s
 
 
 class _Child:
@@ -146,6 +188,8 @@ class Launcher:
         self.fleet: list[_Child] = []
         self.metrics_dir: str | None = None
         self._reservation: socket.socket | None = None
+        # Minted per run: the coordinator started here reports it, the fleet processes check it.
+        self.cluster_id: str | None = None
 
     # ------------------------------------------------------------------ helpers
     def _on_signal(self, signum, frame) -> None:
@@ -159,11 +203,24 @@ class Launcher:
         delay = 0.1
         while True:
             attempts += 1
-            ok, detail = probe(url, timeout=min(2.0, self.config.fleet.coordinator_timeout_s))
+            ok, detail, body = probe(url, timeout=min(2.0, self.config.fleet.coordinator_timeout_s))
+            if ok and self.cluster_id is not None and body.get("cluster_id") != self.cluster_id:
+                # Another cluster's coordinator holds the port: ours is about to fail to bind it.
+                raise SystemExit(self._fail(
+                    f"the coordinator answering at {url} belongs to another cluster (cluster_id "
+                    f"{body.get('cluster_id')!r}, not {self.cluster_id!r}): another splitserve cluster "
+                    f"uses this coordinator port; stop it or pick another port (coordinator.port)",
+                    EXIT_ADDRESS_IN_USE))
             if ok:
                 return
             if child is not None and not child.alive():
-                raise SystemExit(self._fail(f"the coordinator process exited with code {child.proc.returncode} "
+                rc = child.proc.returncode
+                if rc == EXIT_ADDRESS_IN_USE:
+                    raise SystemExit(self._fail(
+                        f"the coordinator cannot listen: its port or socket is in use ({url}"
+                        f"{' or ' + self.config.coordinator_uds_path if self.config.coordinator_uds_path else ''}); "
+                        f"another splitserve cluster? stop it or pick another port", EXIT_ADDRESS_IN_USE))
+                raise SystemExit(self._fail(f"the coordinator process exited with code {rc} "
                                             f"before answering at {url}"))
             if self.stopping:
                 raise SystemExit(self._fail("stopped while waiting for the coordinator"))
@@ -175,11 +232,11 @@ class Launcher:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _fail(self, msg: str) -> int:
+    def _fail(self, msg: str, code: int = EXIT_COORDINATOR_UNREACHABLE) -> int:
         log.error("%s", msg)
         print(f"splitserve serve: error: {msg}", file=sys.stderr, flush=True)
         self._shutdown()
-        return EXIT_COORDINATOR_UNREACHABLE
+        return code
 
     def _coordinator_urls(self) -> tuple[str, str]:
         """(URL the fleet processes use, URL the launcher probes)."""
@@ -199,14 +256,21 @@ class Launcher:
             log.info("launcher: fleet.cpu_affinity %s: coordinator on CPU %s, fleet processes on %s",
                      cfg.fleet.cpu_affinity, coordinator_cpu, fleet_cpus)
         try:
+            self._reservation = reserve_port(cfg.effective_bind_host, cfg.port)
+        except OSError as e:
+            return self._fail(str(e.strerror or e), EXIT_ADDRESS_IN_USE)
+        self.port = self._reservation.getsockname()[1]
+        try:
             if cfg.disagg_coordinator_url:
                 fleet_url = cfg.disagg_coordinator_url
                 self._wait_coordinator(fleet_url, None)
             else:
                 fleet_url, tcp_url = self._coordinator_urls()
                 cport = cfg.coordinator_port
+                self.cluster_id = secrets.token_hex(8)
                 argv = [self.python, "-m", "splitserve_cli", "coordinator", *self._config_args(),
-                        "--host", cfg.coordinator.host, "--port", str(cport)]
+                        "--host", cfg.coordinator.host, "--port", str(cport),
+                        "--cluster-id", self.cluster_id]
                 uds = cfg.coordinator_uds_path
                 if uds:
                     argv += ["--uds", uds]   # the coordinator replaces a stale socket file, never a live one
@@ -220,18 +284,11 @@ class Launcher:
         self.metrics_dir = tempfile.mkdtemp(prefix="splitserve-fleet-metrics-")
         fenv = dict(env)
         fenv["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
-        port = cfg.port
-        if port == 0:
-            # Reserve a port with a bound, never-listening socket (it gets no connections).
-            self._reservation = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self._reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            self._reservation.bind((cfg.effective_bind_host, 0))
-            port = self._reservation.getsockname()[1]
-        self.port = port
+        port = self.port
+        ident = ["--cluster-id", self.cluster_id] if self.cluster_id else []
         for i in range(self.n):
             argv = [self.python, "-m", "fleet.cli", *self.child_argv, "--port", str(port),
-                    "--coordinator-url", fleet_url, "--child-index", str(i)]
+                    "--coordinator-url", fleet_url, "--child-index", str(i), *ident]
             self.fleet.append(_Child(f"fleet-{i}", argv, fenv, index=i, cpu=fleet_cpus[i]))
         for c in self.fleet:
             c.start()
@@ -268,6 +325,13 @@ class Launcher:
                     if not announced and rc == EXIT_COORDINATOR_UNREACHABLE:
                         log.error("launcher: %s could not reach the coordinator at start-up; giving up", c.name)
                         return EXIT_COORDINATOR_UNREACHABLE
+                    if rc == EXIT_FOREIGN_COORDINATOR:
+                        msg = (f"{c.name} reached another cluster's coordinator (its cluster id is not "
+                               f"{self.cluster_id!r}); another splitserve cluster took this cluster's "
+                               f"coordinator port or socket; stopping")
+                        log.error("launcher: %s", msg)
+                        print(f"splitserve serve: error: {msg}", file=sys.stderr, flush=True)
+                        return EXIT_FOREIGN_COORDINATOR
                     if now - c.started_at > 30:
                         c.backoff = 0.5   # it ran fine for a while: not a crash loop
                     log.warning("launcher: %s (pid %d) exited with code %s; restarting in %.1fs",
@@ -282,6 +346,13 @@ class Launcher:
             co = self.coordinator
             if co is not None and co.proc is not None and co.proc.poll() is not None:
                 # The fleet keeps serving from its last-known server list meanwhile.
+                if co.proc.returncode == EXIT_ADDRESS_IN_USE:
+                    # Its port or socket was taken while it was down: no restart can bind it.
+                    msg = (f"the coordinator (pid {co.proc.pid}) cannot listen again: its port or "
+                           f"socket is taken by another process; not restarting it, stopping the cluster")
+                    log.error("launcher: %s", msg)
+                    print(f"splitserve serve: error: {msg}", file=sys.stderr, flush=True)
+                    return EXIT_ADDRESS_IN_USE
                 if now - co.started_at > 30:
                     co.backoff = 0.5
                 log.warning("launcher: coordinator (pid %d) exited with code %s; restarting in %.1fs",
@@ -294,9 +365,6 @@ class Launcher:
                 co.start()
             if not announced and all(c.ready for c in self.fleet):
                 announced = True
-                if self._reservation is not None:
-                    self._reservation.close()
-                    self._reservation = None
                 log.info("launcher: %d fleet processes listening on %s:%d", self.n,
                          cfg.effective_bind_host, self.port)
                 print(f"splitserve: fleet of {self.n} processes ready on http://{cfg.hostname}:{self.port}",

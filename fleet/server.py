@@ -41,6 +41,7 @@ log = logging.getLogger("splitserve.fleet")
 
 EXIT_COORDINATOR_UNREACHABLE = 3
 EXIT_CONFIG = 2
+EXIT_FOREIGN_COORDINATOR = 5   # the coordinator that answered belongs to another cluster
 
 
 def _is_json(mimetype: str) -> bool:
@@ -79,8 +80,11 @@ class FleetServer:
     """One fleet process: the app, its coordinator client, placement, the upstream pool."""
 
     def __init__(self, config, coordinator, *, holder: str, process_index: int = 0,
-                 coordinator_label: str = "in-process"):
+                 coordinator_label: str = "in-process", cluster_id: str | None = None):
+        """`cluster_id`: the id the launcher gave its coordinator; the coordinator that answers
+        must report it, or this process joined another cluster (a busy port or socket)."""
         self.config = config
+        self.cluster_id = cluster_id
         self.coord = coordinator
         self.holder = holder
         self.process_index = process_index
@@ -140,6 +144,13 @@ class FleetServer:
 
     async def start(self) -> None:
         ci = await self.probe_coordinator()
+        theirs = ci.get("cluster_id") if isinstance(ci, dict) else None
+        if self.cluster_id is not None and theirs != self.cluster_id:
+            raise StartupError(
+                f"the coordinator at {self.coordinator_label} belongs to another cluster (its "
+                f"cluster_id is {theirs!r}, this fleet's launcher started {self.cluster_id!r}): "
+                f"another splitserve cluster uses this coordinator port or socket",
+                EXIT_FOREIGN_COORDINATOR)
         self.placer.apply_cluster_info(ci)
         try:
             self.keys = make_key_builder(self.config, self.placer.models())
@@ -404,7 +415,8 @@ async def _watch_parent(ppid: int, stop: asyncio.Event) -> None:
 
 
 async def run_process(config, *, coordinator_url: str | None, process_index: int = 0,
-                      reuse_port: bool = False, ready_fd: int | None = None) -> int:
+                      reuse_port: bool = False, ready_fd: int | None = None,
+                      cluster_id: str | None = None) -> int:
     """One fleet process, start to exit. With no `coordinator_url` the coordinator runs in-process."""
     from coordinator.client import InProcessCoordinatorClient
 
@@ -421,7 +433,11 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
         # A launcher's child: if the launcher dies (even SIGKILL), stop instead of lingering as an orphan.
         watchdog = asyncio.get_running_loop().create_task(_watch_parent(os.getppid(), stop))
     if coordinator_url is None:
-        client = await InProcessCoordinatorClient.start(config)
+        try:
+            client = await InProcessCoordinatorClient.start(config)
+        except OSError as e:   # its API's port or socket (dynamic membership) is taken
+            log.error("cannot start the in-process coordinator: %s", e)
+            return 1
         label = "in-process"
     else:
         client = FleetCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s,
@@ -429,7 +445,8 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
                                         max_pending=config.fleet.coordinator_max_pending)
         label = coordinator_url
     holder = f"{socket.gethostname()}:{config.port}:{os.getpid()}"
-    server = FleetServer(config, client, holder=holder, process_index=process_index, coordinator_label=label)
+    server = FleetServer(config, client, holder=holder, process_index=process_index, coordinator_label=label,
+                         cluster_id=cluster_id)
     try:
         try:
             await server.start()

@@ -310,6 +310,7 @@ class ClusterInfo(msgspec.Struct):
     select_latency_s: dict[str, Any] = {}
     identities: dict[str, Any] = {}
     version: str = ""
+    cluster_id: str = ""        # minted by the launcher: a fleet process checks it is its own
     uptime_s: float = 0.0
 
 

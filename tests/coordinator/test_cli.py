@@ -80,5 +80,5 @@ def test_port_in_use_is_reported(tmp_path):
         port = s.getsockname()[1]
         proc = _start(["--port", str(port), "--no-uds"])
         out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 2
+    assert proc.returncode == 4   # EXIT_ADDRESS_IN_USE: the launcher does not restart it
     assert f"cannot listen on 127.0.0.1:{port}" in err
