@@ -32,9 +32,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python bench/router_core.py
+	$(BIN)/python bench/routing/router_core.py
 
-# Regenerate docs/configuration.md's key table from the schema (tests/test_config.py checks it).
+# Regenerate docs/configuration.md's key table from the schema (tests/coordinator/test_config.py checks it).
 docs: $(STAMP)
 	$(BIN)/python -m coordinator.config_doc
 

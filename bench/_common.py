@@ -28,7 +28,7 @@ def cpu_model() -> str:
 
 def python_speed(rounds: int = 5, calls: int = 2000) -> float:
     """CPU µs per call of a fixed pure-Python workload, best of `rounds`: the routing key of
-    bench/fleet.py's prompt (`router.block_keys.block_keys_list` over 960 token ids, 60 blocks).
+    bench/fleet/fleet.py's prompt (`router.block_keys.block_keys_list` over 960 token ids, 60 blocks).
 
     The 16-core bench host is a shared KVM guest whose speed for the same code swings about 2x
     between runs minutes apart, with no steal time reported (bench/RESULTS.md, "coordinator ·

@@ -2,7 +2,7 @@
 
 `python -m coordinator.config_doc` rewrites the table between the two markers of
 docs/configuration.md (the prose around it is written by hand); `--check` exits 1 when the file is
-stale. tests/test_config.py runs the check, so a new key without its doc fails the suite.
+stale. tests/coordinator/test_config.py runs the check, so a new key without its doc fails the suite.
 `generation_servers` has exactly the keys of `context_servers`; the table lists them once.
 """
 from __future__ import annotations

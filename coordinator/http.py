@@ -3,7 +3,7 @@
 Why not aiohttp here: every endpoint is a synchronous state operation (`coordinator.api.Api`),
 so a request needs no task, no stream reader and no response object — only parse, call, write.
 Measured on this project's 2-core box, a `/finish` costs ~50 µs of coordinator CPU through
-aiohttp's low-level server and ~11-17 µs through this protocol (bench/coordinator.py, "HTTP floor").
+aiohttp's low-level server and ~11-17 µs through this protocol (bench/coordinator/coordinator.py, "HTTP floor").
 aiohttp remains available (`CoordinatorServer(http="aiohttp")`, `api.make_app`).
 
 Semantics (invariants):

@@ -106,7 +106,7 @@ class _Histogram(Histogram):
     """prometheus_client's Histogram with a cheaper hot path, same samples: children looked up once
     per label tuple (`labels()` validates and locks on every call; no fleet histogram child is ever
     removed, so the cache cannot go stale), and the bucket found by bisection instead of a linear
-    scan (5 observations per two-leg request, `bench/fleet_metrics.py`)."""
+    scan (5 observations per two-leg request, `bench/fleet/fleet_metrics.py`)."""
 
     def _metric_init(self) -> None:
         super()._metric_init()

@@ -261,7 +261,7 @@ class QueryMixin:
         p = cut
         groups = z.groups
         # the key after each group's depth, as ints: a few `item` calls, where fancy indexing with
-        # a list of two or three positions costs ~4x (bench/placement.py `select`: 2.8 groups)
+        # a list of two or three positions costs ~4x (bench/routing/placement.py `select`: 2.8 groups)
         key_at = qa.item
         ends = [key_at(d) for _, d in groups if d < cut]
         for (bits, d), k in zip(groups, ends):

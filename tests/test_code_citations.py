@@ -154,7 +154,7 @@ def test_the_checker_sees_each_kind_of_stale_citation():
     here = ROOT / "fleet" / "flow.py"
     text = ("See transfer/engine_link.py, worker/kv_connector.py and fleet/legs/plan.py:99999; "
             "fleet/relay.py's `Relay`, `no_such_function` in fleet/relay.py, "
-            "tests/test_harness.py::test_gone; vllm/v1/core/"
+            "tests/splitserve_testing/test_harness.py::test_gone; vllm/v1/core/"
             "kv_cache_utils.py, tests/v1/kv_connector/toy_proxy_server.py, ../shared/x/y.sh, "
             "tests/fleet/peers/fixtures/vllm_router.json and legs/nowhere.py.")
     found = stale_citations(here, [(1, text)])
@@ -162,7 +162,7 @@ def test_the_checker_sees_each_kind_of_stale_citation():
                      "fleet/flow.py:1: fleet/legs/plan.py:99999 (the file has fewer lines)",
                      "fleet/flow.py:1: tests/fleet/peers/fixtures/vllm_router.json (no such file)",
                      "fleet/flow.py:1: legs/nowhere.py (no such file)",
-                     "fleet/flow.py:1: test_gone is not defined in tests/test_harness.py",
+                     "fleet/flow.py:1: test_gone is not defined in tests/splitserve_testing/test_harness.py",
                      "fleet/flow.py:1: no_such_function is not defined in fleet/relay.py"], found
     text = ("docs/INTERFACES.md §8, [INTERFACES.md](INTERFACES.md) §42, "
             "docs/reference/kv_events.md §9.1, kv_events.md §9.9")

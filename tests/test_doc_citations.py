@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP = {".venv", ".git", "node_modules", "splitserve.egg-info", ".bench_out", "build",
-        ".aiperf-venv"}  # bench/routing_aiperf.py's own virtualenv (gitignored)
+        ".aiperf-venv"}  # bench/routing/routing_aiperf.py's own virtualenv (gitignored)
 MD_PATH = re.compile(r"(?<![\w./-])((?:\.\./|\./)?[\w-]+(?:/[\w.-]+)*\.md)\b")
 DESIGN_SECTION = re.compile(r"docs/design\.md ?§ ?(\d+)")
 MD_LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")

@@ -5,7 +5,7 @@ A step takes ``prefill_us_per_token`` per uncached prompt token it feeds (plus
 grows with the position) and, when it carries any decode, ``decode_us_per_step`` +
 ``decode_us_per_seq`` per decoding sequence + ``decode_us_per_ctx_token`` per context token those
 sequences attend to (a batch of decodes costs one step, as on a GPU; the KV read grows with
-batch and context), slept on the event loop. bench/routing.py calibrates these to the H200 ``1b``
+batch and context), slept on the event loop. bench/routing/routing.py calibrates these to the H200 ``1b``
 numbers in bench/RESULTS.md. ``prefix_reuse=False`` publishes every stored block as usual but
 never reuses one (an engine whose events claim a cache it does not use: the coordinator's
 predicted-vs-actual check must notice). Tokens are a pure function of (prompt, seed, position), drawn from

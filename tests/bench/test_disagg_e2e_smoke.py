@@ -1,4 +1,4 @@
-"""bench/disagg_e2e.py end to end on the CPU with the tiny model: real coordinator, fleet and worker
+"""bench/transfer/disagg_e2e.py end to end on the CPU with the tiny model: real coordinator, fleet and worker
 processes, real KV transfer between two processes, streaming requests through the fleet.
 
 One smoke run (module fixture) feeds the section checks; the interrupt test starts its own run and
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from bench import disagg_e2e as bench
-from bench.disagg import report, workload
+from bench.transfer import disagg_e2e as bench
+from bench.transfer.disagg import report, workload
 from splitserve_testing import clean_env
 from splitserve_testing.proctable import alive
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "disagg_e2e.py"
+SCRIPT = ROOT / "bench" / "transfer" / "disagg_e2e.py"
 # tcp: the NIXL agent (UCX) takes seconds to start per process on a busy 2-core CI machine.
 SMOKE = ["--device", "cpu", "--model", "tiny", "--scale", "tiny", "--transfer-agent", "tcp"]
 SCALE = workload.SCALES["tiny"]
@@ -71,7 +71,7 @@ def test_meta_and_logs(smoke):
     r = smoke["result"]
     m = r["meta"]
     assert (m["model"], m["device"], m["dtype"], m["scale"], m["gpus"]) == ("tiny", "cpu", "float32", "tiny", "")
-    assert m["command"].startswith("python bench/disagg_e2e.py --device cpu")
+    assert m["command"].startswith("python bench/transfer/disagg_e2e.py --device cpu")
     assert m["dry_run"] and "CPU" in m["dry_run"]
     logs = smoke["logs"]
     assert m["logs"] == str(logs)
@@ -158,7 +158,7 @@ def test_report_table_and_results_file(smoke):
     text = smoke["results"].read_text()
     assert text.startswith("# Benchmark results\n\n## worker\n\nkept as is\n")
     assert text.count("## disagg_e2e") == 1 and "### tiny · CPU smoke run · scale tiny" in text
-    assert "`python bench/disagg_e2e.py --device cpu" in text and r["targets_line"] in text
+    assert "`python bench/transfer/disagg_e2e.py --device cpu" in text and r["targets_line"] in text
 
 
 def test_write_results_replaces_only_its_subsection(tmp_path):

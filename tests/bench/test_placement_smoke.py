@@ -1,4 +1,4 @@
-"""`bench/placement.py` runs end to end, against a baseline tree too (small sizes, same code paths)."""
+"""`bench/routing/placement.py` runs end to end, against a baseline tree too (small sizes, same code paths)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_placement_bench_against_a_baseline_tree(tmp_path):
     out = tmp_path / "placement.json"
     # the tree itself as its own baseline: the subprocess path that imports another checkout
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "placement.py"), "--baseline", str(ROOT),
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "routing" / "placement.py"), "--baseline", str(ROOT),
                         "--rounds", "1", "--calls", "256", "--scenarios", "select,fleet-like pair",
                         "--json-out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]

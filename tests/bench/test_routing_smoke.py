@@ -1,4 +1,4 @@
-"""CI smoke of bench/routing.py: a few hundred Mooncake-trace requests on 4 sim workers through a
+"""CI smoke of bench/routing/routing.py: a few hundred Mooncake-trace requests on 4 sim workers through a
 real fleet and coordinator, asserting behaviour only (no timings): kv_cache_aware's
 worker-reported prefix-hit ratio above round_robin's, no errors, and every lease, running request
 and pinned block back to zero afterwards."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench._trace import DEFAULT_TRACE
+from bench.routing._trace import DEFAULT_TRACE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
                            "never copied into it), absent here")
 def test_trace_replay_kv_aware_beats_round_robin(tmp_path):
     out = tmp_path / "routing.json"
-    cmd = [sys.executable, "bench/routing.py", "--workers", "4", "--sample", "8", "--limit", "240",
+    cmd = [sys.executable, "bench/routing/routing.py", "--workers", "4", "--sample", "8", "--limit", "240",
            "--max-output", "4", "--tokens-per-block", "16", "--compress", "300", "--dilation", "0.5",
            "--no-per-worker-load", "--policies", "round_robin,kv_cache_aware", "--quick",
            "--no-write", "--json", str(out)]

@@ -1,4 +1,4 @@
-"""`bench/coordinator.py --quick` runs end to end (small sizes, same code paths) and writes only its own
+"""`bench/coordinator/coordinator.py --quick` runs end to end (small sizes, same code paths) and writes only its own
 subsection of the results file's coordinator section."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def test_bench_quick_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     results.write_text("# r\n\n## coordinator\n\n### another run\n\nkeep me\n\n## fleet\n\nand me\n")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "coordinator.py"), "--quick",
+        [sys.executable, str(ROOT / "bench" / "coordinator" / "coordinator.py"), "--quick",
          "--servers", "4", "--docs", "4", "--seconds", "0.3", "--rate", "200", "--rate-seconds", "0.3",
          "--client-procs", "1",
          "--results", str(results)],
@@ -35,7 +35,7 @@ def test_bench_quick_smoke(tmp_path):
 
 
 def test_open_loop_starts_every_send_at_or_after_its_scheduled_time():
-    """bench/coordinator_load.py's open loop (timerfd-paced): every send starts once, in order,
+    """bench/coordinator/coordinator_load.py's open loop (timerfd-paced): every send starts once, in order,
     with its own scheduled time on an exact grid, and never before it (uvloop's `asyncio.sleep`
     pacing started sends up to 0.5 ms early: it rounds delays to whole milliseconds)."""
     import asyncio
@@ -44,7 +44,7 @@ def test_open_loop_starts_every_send_at_or_after_its_scheduled_time():
     import uvloop
 
     sys.path.insert(0, str(ROOT))
-    from bench.coordinator_load import _open_loop
+    from bench.coordinator.coordinator_load import _open_loop
 
     for run in (asyncio.run, uvloop.run):
         starts: list[tuple[int, float, float]] = []
@@ -63,11 +63,11 @@ def test_open_loop_starts_every_send_at_or_after_its_scheduled_time():
 
 
 def test_aging_bench_smoke(tmp_path):
-    """bench/coordinator_aging.py: windows on one coordinator and on a baseline tree (this tree again),
+    """bench/coordinator/coordinator_aging.py: windows on one coordinator and on a baseline tree (this tree again),
     each a CPU cost per pair, with their ratio."""
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "coordinator_aging.py"), "--seconds", "0.5", "--window", "0.3",
+        [sys.executable, str(ROOT / "bench" / "coordinator" / "coordinator_aging.py"), "--seconds", "0.5", "--window", "0.3",
          "--ttl", "0.5", "--baseline", str(ROOT), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

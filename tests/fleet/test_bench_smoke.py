@@ -1,4 +1,4 @@
-"""Smoke test of bench/fleet.py: a one-second run of the splitserve paths against nginx mocks."""
+"""Smoke test of bench/fleet/fleet.py: a one-second run of the splitserve paths against nginx mocks."""
 from __future__ import annotations
 
 import shutil
@@ -13,7 +13,7 @@ from .conftest import ROOT, clean_env
 @pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("nginx") is None,
                     reason="wrk and nginx are not installed (apt-get install wrk nginx)")
 def test_bench_fleet_smoke():
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet.py"), "--no-write", "--num-workers", "1,2",
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet" / "fleet.py"), "--no-write", "--num-workers", "1,2",
                         "--duration", "1s", "--warmup", "1s"], capture_output=True, text=True, timeout=240,
                        cwd=str(ROOT), env=clean_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -34,7 +34,7 @@ def test_bench_fleet_smoke():
 @pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("nginx") is None,
                     reason="wrk and nginx are not installed (apt-get install wrk nginx)")
 def test_bench_fleet_wait_smoke():
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet_wait.py"), "--num-workers", "2",
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet" / "fleet_wait.py"), "--num-workers", "2",
                         "--wrk-threads", "1", "--conns", "16", "--backend-workers", "1", "--seconds", "1"],
                        capture_output=True, text=True, timeout=240, cwd=str(ROOT), env=clean_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -46,7 +46,7 @@ def test_bench_fleet_wait_smoke():
 
 
 def test_bench_fleet_metrics_smoke():
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet_metrics.py"), "--rounds", "1", "--n", "500"],
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet" / "fleet_metrics.py"), "--rounds", "1", "--n", "500"],
                        capture_output=True, text=True, timeout=120, cwd=str(ROOT), env=clean_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "prometheus_client  (MmapedValue): median" in r.stdout
@@ -56,9 +56,9 @@ def test_bench_fleet_metrics_smoke():
 
 @pytest.mark.parametrize("policy", ["kv_cache_aware", "round_robin"])
 def test_bench_fleet_instructions_request_path(policy, tmp_path):
-    """bench/fleet_instructions.py's counted code path, without valgrind: its stubbed two-leg
+    """bench/fleet/fleet_instructions.py's counted code path, without valgrind: its stubbed two-leg
     request must answer 200 (the child exits non-zero otherwise) and repeat without suspending."""
     env = {**clean_env(), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet_instructions.py"), "--child", str(ROOT),
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet" / "fleet_instructions.py"), "--child", str(ROOT),
                         policy, "20"], capture_output=True, text=True, timeout=120, cwd=str(ROOT), env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_quick_runs_and_reports_every_measure(tmp_path):
     results = tmp_path / "RESULTS.md"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "router_core.py"), "--quick", "--no-write",
+        [sys.executable, str(ROOT / "bench" / "routing" / "router_core.py"), "--quick", "--no-write",
          "--results", str(results)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

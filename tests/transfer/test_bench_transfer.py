@@ -1,4 +1,4 @@
-"""`bench/transfer.py --quick --no-write` runs end to end (small sizes, the same code paths)."""
+"""`bench/transfer/transfer.py --quick --no-write` runs end to end (small sizes, the same code paths)."""
 from __future__ import annotations
 
 import subprocess
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_quick_bench_runs_and_does_not_write(tmp_path):
     results = tmp_path / "RESULTS.md"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer.py"), "--quick",
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer" / "transfer.py"), "--quick",
                         "--no-write", "--results", str(results)],
                        cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]

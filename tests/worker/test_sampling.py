@@ -72,7 +72,7 @@ def test_greedy_and_top_k_1_are_argmax_and_the_reference_agrees_on_them():
 
 
 def test_reference_sampler_follows_the_same_distribution():
-    """sample_reference (one multinomial per row) is what bench/worker.py --sampling compares against:
+    """sample_reference (one multinomial per row) is what bench/worker/worker.py --sampling compares against:
     it draws from the same distribution (frequencies agree with the exact one)."""
     logits = torch.tensor([[0.3, 1.2, -0.4, 2.0, 0.0]])
     p = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)

@@ -1,4 +1,4 @@
-"""bench/worker.py runs end to end (tiny, CPU, quick) and prints its roofline table."""
+"""bench/worker/worker.py runs end to end (tiny, CPU, quick) and prints its roofline table."""
 from __future__ import annotations
 
 import re
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_worker_quick(tmp_path):
     results = tmp_path / "RESULTS.md"
     results.write_text("# Benchmark results\n\n## router\n\nkeep me\n")
-    out = subprocess.run([sys.executable, "bench/worker.py", "--quick", "--batch", "1", "--batch", "4",
+    out = subprocess.run([sys.executable, "bench/worker/worker.py", "--quick", "--batch", "1", "--batch", "4",
                           "--results", str(results)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -28,7 +28,7 @@ def test_bench_worker_quick(tmp_path):
 
 def test_bench_worker_mixed_decode(tmp_path):
     results = tmp_path / "RESULTS.md"
-    out = subprocess.run([sys.executable, "bench/worker.py", "--mixed-decode", "--quick", "--long-len", "2000",
+    out = subprocess.run([sys.executable, "bench/worker/worker.py", "--mixed-decode", "--quick", "--long-len", "2000",
                           "--short-len", "20", "--short-rows", "10", "--results", str(results)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -45,7 +45,7 @@ def test_bench_worker_clips_contexts_to_the_model_limit(tmp_path):
     (worker/engine.py caps requests there, and the runner's CUDA-graph tables end there): the bench
     runs the longest servable one instead and says so."""
     results = tmp_path / "RESULTS.md"
-    out = subprocess.run([sys.executable, "bench/worker.py", "--quick", "--no-write", "--batch", "1",
+    out = subprocess.run([sys.executable, "bench/worker/worker.py", "--quick", "--no-write", "--batch", "1",
                           "--context", "100", "--context", "9000", "--results", str(results)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -57,7 +57,7 @@ def test_bench_worker_clips_contexts_to_the_model_limit(tmp_path):
 
 
 def test_bench_worker_sampling_table():
-    out = subprocess.run([sys.executable, "bench/worker.py", "--sampling", "--vocab", "1000", "--batch", "1",
+    out = subprocess.run([sys.executable, "bench/worker/worker.py", "--sampling", "--vocab", "1000", "--batch", "1",
                           "--batch", "4", "--sampling-repeats", "2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

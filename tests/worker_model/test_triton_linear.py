@@ -181,17 +181,17 @@ def test_embed_rms_norm_matches_embedding_then_norm(mode):
 @pytest.mark.slow
 @pytest.mark.skipif(not INTERP, reason="set SPLITSERVE_TRITON_INTERPRET=1 (with triton installed) to run kernels on the CPU")
 def test_decode_kernels_bench_runs_under_the_interpreter():
-    """bench/decode_kernels.py (the sweep behind the launchers' constants) runs end to end on tiny."""
+    """bench/worker/decode_kernels.py (the sweep behind the launchers' constants) runs end to end on tiny."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "bench/decode_kernels.py", "--model", "tiny", "--device", "cpu"], cwd=root,
+    out = subprocess.run([sys.executable, "bench/worker/decode_kernels.py", "--model", "tiny", "--device", "cpu"], cwd=root,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("| 1 | ") == 4 and "| b1_200 |" in out.stdout and "| b4_100 |" in out.stdout
-    out = subprocess.run([sys.executable, "bench/decode_kernels.py", "--model", "tiny", "--device", "cpu",
+    out = subprocess.run([sys.executable, "bench/worker/decode_kernels.py", "--model", "tiny", "--device", "cpu",
                           "--part", "m1"], cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| lm_head | cuBLAS |" in out.stdout and "| gate_up | launcher |" in out.stdout

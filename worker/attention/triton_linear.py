@@ -36,7 +36,7 @@ from worker.attention import _interp  # noqa: F401  (Triton interpreter fix-up, 
 __all__ = ["MAX_M", "use_small_m", "linear_partials", "gate_up_silu", "choose_splits", "merges_units",
            "merged_linear_partials", "linear_m1"]
 
-#: Rows up to which decode steps use these kernels (bench/worker.py measures batch 1/8/32).
+#: Rows up to which decode steps use these kernels (bench/worker/worker.py measures batch 1/8/32).
 MAX_M = 32
 #: K elements per tile; every split's K range is a multiple of it.
 BLOCK_K = 128
@@ -61,7 +61,7 @@ M1_STAGES = 4
 #: launches, by the caller's ``role`` ("qkv", "o", "down"), in place of :data:`M1_TILE` + :data:`M1_STAGES`.
 #: ``GEMV`` picks :func:`_gemv_kernel` (multiply-add in registers, one reduction after the loop) over
 #: :func:`_small_m_kernel`'s 16-row ``tl.dot`` tile. Swept on the H200 (bench/RESULTS.md, "issue 17,
-#: seventh pass"; ``bench/decode_kernels.py --part m1``, µs per layer): qkv 5.87 (M1_TILE) → 5.32 with
+#: seventh pass"; ``bench/worker/decode_kernels.py --part m1``, µs per layer): qkv 5.87 (M1_TILE) → 5.32 with
 #: 64-column four-warp GEMV programs at 128-wide K (8 splits), down_proj 10.57 → 10.35 with five stages;
 #: o_proj's best (4.57) matched its 4.58. End to end (one process, variants alternating, ms per step at
 #: 1k / 8k): qkv 1.0172–1.0173 / 1.0837–1.0887, down 1.0225–1.0231 / 1.0891–1.0904, neither

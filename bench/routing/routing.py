@@ -1,0 +1,397 @@
+#!/usr/bin/env python3
+"""Routing quality on a real trace: Mooncake-format replay through the fleet and coordinator.
+
+`--engine sim` workers (aggregated: generation servers only, so routing is the one variable) with
+a finite KV pool and the H200 `1b` latency model (bench/routing/_trace.py), one external coordinator
+process and one fleet process per policy; the trace is replayed open-loop at its own arrival
+times divided by `--compress`, streaming, and every number comes from what the workers reported
+(`usage.prompt_tokens_details.cached_tokens`) and what the client saw (first token, last token).
+
+Policies: round_robin, load_balancing (requests; tokens), kv_cache_aware (defaults and each
+`--kv-grid` setting), conversation (implicit sessions), and `oracle` — outside the product: the
+harness subscribes to every worker's KV events (its true cache) and knows every request's state
+(its true load), places each request on the worker with the least queued prefill work including
+its own uncached tokens, and sends it to that worker directly.
+
+Scaling, all stated in the report: root sampling (`--sample K`: the requests whose first block
+id is 0 mod K, whole prefix trees kept), `--tokens-per-block T` synthetic tokens per 512-token
+trace block (per-token costs scaled by 512/T), `--dilation D` (every latency x D on the wall
+clock; numbers are reported divided by D, so the 2-core host's own overhead counts D x less).
+
+Usage: python bench/routing/routing.py [--trace FILE] [--workers 8,32] [--quick] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Run as `python bench/<subject>/<script>.py`, sys.path[0] is bench/<subject>/, whose fleet.py, worker.py,
+# coordinator.py... would shadow the packages of those names: the repository root goes first and
+# bench/ and this folder are dropped.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench", Path(__file__).resolve().parent)]
+
+import aiohttp  # noqa: E402
+import yaml  # noqa: E402
+
+from bench.routing import _trace as T  # noqa: E402
+from bench._common import cpu_model, replace_section  # noqa: E402
+from bench.routing._routing_oracle import Oracle  # noqa: E402
+from splitserve_testing import Proc, free_port, wait_http  # noqa: E402
+
+RESULTS = ROOT / "bench" / "RESULTS.md"
+OUTDIR = ROOT / "bench" / "results"
+PY = sys.executable
+BLOCK = 16
+KV_DEFAULTS: dict = {}
+KV_GRID = [  # the search: load weight against cache weight, and the hot-spot cap
+    {"load_requests_weight": 0.0, "load_tokens_weight": 1.0},
+    {"load_requests_weight": 256.0},
+    {"load_tokens_weight": 0.5, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
+    {"load_tokens_weight": 2.0, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
+    {"load_tokens_weight": 0.5, "hotspot_factor": 1.2, "hotspot_slack": 0.5},
+    {"load_tokens_weight": 0.25, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
+]
+
+
+def get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def post(url: str, body: dict, timeout: float = 10.0) -> bytes:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+class Procs:
+    """Child processes (splitserve_testing.Proc), each in its own session, stopped by pid."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        self.procs: list[Proc] = []
+
+    def spawn(self, name: str, argv: list[str]) -> Proc:
+        p = Proc(name, argv, self.work / f"{name}.log")
+        self.procs.append(p)
+        return p
+
+    def wait_http(self, url: str, p: Proc, timeout: float = 90) -> None:
+        wait_http(url, timeout, p)
+
+    def stop(self, p: Proc) -> None:
+        p.stop(15)
+        if p in self.procs:
+            self.procs.remove(p)
+
+    def stop_all(self) -> None:
+        for p in reversed(list(self.procs)):
+            self.stop(p)
+
+
+def start_workers(procs: Procs, n: int, num_blocks: int, args, model: str = "1b") -> list[str]:
+    flags = T.sim_flags(args.tokens_per_block, args.dilation)
+
+    def spawn(k: int, attempt: int) -> tuple[str, Proc]:
+        port = free_port()
+        argv = [PY, "-m", "splitserve_cli", "worker", "--engine", "sim", "--role", "both",
+                "--model", model, "--host", "127.0.0.1", "--port", str(port),
+                "--block-size", str(BLOCK), "--num-blocks", str(num_blocks),
+                "--max-batch-size", str(args.max_batch_size), "--log-level", "WARNING", *flags]
+        if args.no_reuse_worker and k == 0:
+            argv += ["--sim-prefix-reuse", "off"]
+        return f"http://127.0.0.1:{port}", procs.spawn(f"worker-{n}-{k}-{attempt}", argv)
+
+    started = [spawn(k, 0) for k in range(n)]
+    urls = []
+    for k, (u, p) in enumerate(started):
+        for attempt in range(1, 4):
+            try:
+                procs.wait_http(u + "/health", p)
+                break
+            except RuntimeError as e:
+                # a port picked free can be taken by another worker's KV-event socket meanwhile
+                if "Address already in use" not in str(e) or attempt == 3:
+                    raise
+                u, p = spawn(k, attempt)
+        urls.append(u)
+    return urls
+
+
+def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: dict,
+                model: str = "1b"):
+    """An external coordinator and one fleet process for `policy` → (fleet url, coord url, procs)."""
+    doc = {"hostname": "127.0.0.1", "model": model, "request_timeout": 600,
+           "generation_servers": {"urls": [u.removeprefix("http://") for u in urls],
+                                  "router": {"type": policy, **rargs}},
+           "routing": {"block_size": BLOCK}}
+    cport, fport = free_port(), free_port()
+    ccfg = work / f"coord-{cport}.yaml"
+    ccfg.write_text(yaml.safe_dump(dict(doc, port=cport + 1,
+                                        coordinator={"health_check_interval_s": 1.0})))
+    coord = procs.spawn(f"coord-{policy}-{cport}", [PY, "-m", "splitserve_cli", "coordinator",
+                                                    "-c", str(ccfg), "--host", "127.0.0.1",
+                                                    "--port", str(cport)])
+    curl = f"http://127.0.0.1:{cport}"
+    procs.wait_http(curl + "/health", coord)
+    fcfg = work / f"fleet-{fport}.yaml"
+    fcfg.write_text(yaml.safe_dump(dict(doc, port=fport, fleet={"max_body_bytes": 16 << 20})))
+    fleet = procs.spawn(f"fleet-{policy}-{fport}", [PY, "-m", "splitserve_cli", "serve", "-c",
+                                                    str(fcfg), "--coordinator-url", curl])
+    furl = f"http://127.0.0.1:{fport}"
+    procs.wait_http(furl + "/health", fleet)
+    return furl, curl, (fleet, coord)
+
+
+async def _one(session, url: str, r: T.Req, ids: list[int], at: float, oracle: Oracle | None,
+               res: T.Result, model: str) -> None:
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, at - loop.time()))
+    body = {"model": model, "prompt": ids, "max_tokens": r.output_length, "stream": True,
+            "stream_options": {"include_usage": True}}
+    target = url
+    if oracle is not None:
+        res.server, res.matched_tokens = oracle.place(res.i, ids)
+        target = res.server
+    res.t_send = time.perf_counter()
+    try:
+        async with session.post(target + "/v1/completions", json=body) as resp:
+            res.status = resp.status
+            route = resp.headers.get("x-splitserve-route")
+            if route:
+                g = json.loads(route).get("generation") or {}
+                res.server, res.matched_tokens = g.get("server"), g.get("matched_tokens", 0)
+            if resp.status != 200:
+                res.error = (await resp.read())[:200].decode(errors="replace")
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("error"):
+                    res.error = str(ev["error"])[:200]
+                if ev.get("choices") and res.t_first is None:
+                    res.t_first = time.perf_counter()
+                    if oracle is not None:
+                        oracle.first_token(res.i)
+                u = ev.get("usage")
+                if u:
+                    res.completion_tokens = u.get("completion_tokens", 0)
+                    res.prompt_tokens = u.get("prompt_tokens", 0)
+                    res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            res.t_end = time.perf_counter()
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        if oracle is not None:
+            oracle.done(res.i)
+
+
+async def replay(url: str, reqs: list[T.Req], tokens: T.Tokens, args,
+                 oracle: Oracle | None = None, model: str = "1b") -> list[T.Result]:
+    prompts = [tokens.prompt(r) for r in reqs]
+    results = [T.Result(i=k) for k in range(len(reqs))]
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as s:
+        t0 = asyncio.get_running_loop().time() + 0.5
+        scale = args.dilation / args.compress
+        await asyncio.gather(*(_one(s, url, r, ids, t0 + r.t_s * scale, oracle, res, model)
+                               for r, ids, res in zip(reqs, prompts, results)))
+    return results
+
+
+def worker_state(urls: list[str]) -> dict:
+    """Requests running and blocks pinned/used on every worker (all must be 0 when idle)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {"running": 0, "pinned": 0, "used": 0}
+    for u in urls:
+        for fam in text_string_to_metric_families(get(u + "/metrics").decode()):
+            for smp in fam.samples:
+                if smp.name == "splitserve_worker_num_requests_running":
+                    out["running"] += int(smp.value)
+                elif smp.name == "splitserve_worker_kv_blocks" and smp.labels.get("state") in ("pinned", "used"):
+                    out[smp.labels["state"]] += int(smp.value)
+    return out
+
+
+def reset_workers(urls: list[str]) -> None:
+    for u in urls:
+        post(u + "/reset_prefix_cache", {"reason": "bench"})
+
+
+def run_policy(procs: Procs, work: Path, urls: list[str], name: str, policy: str, rargs: dict,
+               reqs, tokens, args) -> dict:
+    reset_workers(urls)
+    t = time.time()
+    if policy == "oracle":
+        oracle = Oracle(urls, BLOCK, rargs.get("cache_weight", args.oracle_cache_weight))
+        asyncio.run(_with_oracle(oracle, reqs, tokens, args))
+        results, diag, leases = oracle.results, None, {"context": 0, "generation": 0}
+    else:
+        furl, curl, front = start_front(procs, work, urls, policy, rargs)
+        results = asyncio.run(replay(furl, reqs, tokens, args))
+        time.sleep(1.2)   # one diagnostics check period
+        ci = json.loads(get(curl + "/cluster_info"))
+        leases = ci["leases"]["in_flight"]
+        diag = {s["url"]: s.get("routing_prediction") for s in ci["servers"]["generation"]}
+        for p in front:
+            procs.stop(p)
+    s = T.summarize(results, urls, args.dilation)
+    s.update(name=name, policy=policy, args=rargs, wall_s=round(time.time() - t, 1),
+             leases_in_flight=leases, workers_after=worker_state(urls), coordinator_prediction=diag)
+    print(f"  {name:<34} hit {s['hit_ratio']:.3f}  TTFT p50 {s['ttft_p50_ms']:8.1f} ms  "
+          f"p99 {s['ttft_p99_ms']:9.1f}  TPOT p50 {s['tpot_p50_ms']:6.2f} p99 {s['tpot_p99_ms']:6.2f}"
+          f"  hotspot {s['hotspot']:.2f}  err {s['errors']}  ({s['wall_s']} s)", flush=True)
+    return s
+
+
+async def _with_oracle(oracle: Oracle, reqs, tokens, args) -> None:
+    await oracle.start()
+    try:
+        oracle.results = await replay("", reqs, tokens, args, oracle=oracle)
+    finally:
+        await oracle.stop()
+
+
+def policies(args) -> list[tuple[str, str, dict]]:
+    out = [("round_robin", "round_robin", {}),
+           ("load_balancing (requests)", "load_balancing", {}),
+           ("load_balancing (tokens)", "load_balancing", {"use_tokens": True}),
+           ("kv_cache_aware (defaults)", "kv_cache_aware", dict(KV_DEFAULTS))]
+    if not args.quick:
+        out += [(f"kv_cache_aware {json.dumps(g, separators=(',', ':'))}", "kv_cache_aware", g)
+                for g in KV_GRID]
+    out += [("conversation", "conversation", {}), ("oracle (outside the product)", "oracle", {})]
+    if args.policies:   # types or row names, ';'-separated (row names hold commas)
+        keep = set(args.policies.split(";" if ";" in args.policies else ","))
+        out = [p for p in out if p[1] in keep or p[0] in keep]
+    return out
+
+
+def run_size(n: int, args, reqs, tokens, work: Path) -> dict:
+    if args.per_worker_load:
+        # the same requests at the same load per worker: arrivals and the latency model both
+        # n/8 x faster/slower, so every size costs the host the same CPU per wall second
+        args = argparse.Namespace(**{**vars(args), "compress": args.compress * n / 8,
+                                     "dilation": args.dilation * n / 8})
+    ws = T.working_set_blocks(reqs, args.tokens_per_block, BLOCK)
+    # at least twice the longest prompt, so every request fits a worker's pool
+    longest = max(len(tokens.prompt(r)) for r in reqs) // BLOCK + 1
+    per_worker = max(2 * longest, int(ws * args.kv_ratio / n))
+    procs = Procs(work)
+    try:
+        urls = start_workers(procs, n, per_worker, args)
+        print(f"{n} workers, {len(reqs)} requests, working set {ws} blocks, "
+              f"{per_worker} blocks per worker", flush=True)
+        rows = [run_policy(procs, work, urls, name, pol, ra, reqs, tokens, args)
+                for name, pol, ra in policies(args)]
+    finally:
+        procs.stop_all()
+    return {"workers": n, "requests": len(reqs), "working_set_blocks": ws,
+            "kv_ratio_effective": per_worker * n / ws,
+            "compress": args.compress, "dilation": args.dilation,
+            "blocks_per_worker": per_worker, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", type=Path, default=T.DEFAULT_TRACE)
+    ap.add_argument("--workers", default="8,32", help="cluster sizes, comma-separated")
+    ap.add_argument("--sample", type=int, default=8, help="keep 1/K of the prefix trees")
+    ap.add_argument("--per-worker-load", action=argparse.BooleanOptionalAction, default=True,
+                    help="scale --compress and --dilation by workers/8 (same load per worker)")
+    ap.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    ap.add_argument("--compress", type=float, default=120.0,
+                    help="arrival-time compression factor (at 8 workers, see --per-worker-load)")
+    ap.add_argument("--dilation", type=float, default=4.0,
+                    help="wall time per model time (at 8 workers, see --per-worker-load)")
+    ap.add_argument("--tokens-per-block", type=int, default=32)
+    ap.add_argument("--kv-ratio", type=float, default=0.5,
+                    help="KV capacity of the whole cluster as a fraction of the working set")
+    ap.add_argument("--max-batch-size", type=int, default=128)
+    ap.add_argument("--max-output", type=int, default=None,
+                    help="cap every request's output length (CI smoke: fewer streamed chunks)")
+    ap.add_argument("--policies", default=None, help="only these (policy types or row names)")
+    ap.add_argument("--oracle-cache-weight", type=float, default=2.0,
+                    help="oracle cost: queued prefill + this x uncached tokens")
+    ap.add_argument("--no-reuse-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="no kv_cache_aware search")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--work", type=Path, default=None, help="keep the processes' logs here")
+    ap.add_argument("--from-json", type=Path, nargs="+", default=None,
+                    help="write the report from earlier --json runs (their runs concatenated)")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        parts = [json.loads(p.read_text()) for p in args.from_json]
+        runs: dict[int, dict] = {}
+        for part in parts:   # a later file's rows replace the same-named rows of that size
+            for r in part["runs"]:
+                have = runs.setdefault(r["workers"], r)
+                if have is not r:
+                    names = [x["name"] for x in have["rows"]]
+                    for row in r["rows"]:
+                        if row["name"] in names:
+                            have["rows"][names.index(row["name"])] = row
+                        else:
+                            have["rows"].append(row)
+        out = {"meta": parts[0]["meta"], "runs": sorted(runs.values(), key=lambda r: r["workers"])}
+        out["meta"]["command"] = " ; ".join(p["meta"]["command"] for p in parts)
+        return _write(out, OUTDIR / "routing.json")
+    sizes = [int(x) for x in args.workers.split(",")]
+    tokens = T.Tokens(args.tokens_per_block)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        if args.work:
+            tmp = str(args.work)
+            args.work.mkdir(parents=True, exist_ok=True)
+        for n in sizes:
+            k = args.sample
+            reqs = T.load(args.trace, sample=k, limit=args.limit)
+            if args.max_output:
+                for r in reqs:
+                    r.output_length = min(r.output_length, args.max_output)
+            r = run_size(n, args, reqs, tokens, Path(tmp))
+            r["sample"] = k
+            runs.append(r)
+    meta = {"trace": str(args.trace), "compress": args.compress, "dilation": args.dilation,
+            "tokens_per_block": args.tokens_per_block, "kv_ratio": args.kv_ratio,
+            "max_batch_size": args.max_batch_size, "latency_model": T.H200_1B,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({platform.machine()})",
+            "command": "python bench/routing/routing.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    out = json.loads(json.dumps({"meta": meta, "runs": runs}, default=str))
+    if args.json:
+        args.json.write_text(json.dumps(out))
+    if not args.no_write:
+        return _write(out, OUTDIR / "routing.json")
+    return 0
+
+
+def _write(out: dict, path: Path) -> int:
+    """bench/results/routing.json (without the TTFT samples), the PNG, the bench/RESULTS.md section."""
+    from bench.routing._routing_report import plot, section
+    OUTDIR.mkdir(exist_ok=True)
+    slim = json.loads(json.dumps(out))
+    for r in slim["runs"]:
+        for row in r["rows"]:
+            row.pop("ttft_ms_sorted", None)
+    path.write_text(json.dumps(slim, indent=1))
+    plot(out, OUTDIR / "routing.png")
+    replace_section(RESULTS, section(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
