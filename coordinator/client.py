@@ -305,12 +305,15 @@ class InProcessCoordinatorClient(CoordinatorClient):
 
     @classmethod
     async def start(cls, config) -> "InProcessCoordinatorClient":
-        """A started coordinator for `config`. With dynamic membership (`disagg_cluster`) workers
-        must reach it to register, so it also serves its API (loopback by default) on its port
+        """A started coordinator for `config`. With dynamic membership through the coordinator
+        (`disagg_cluster.cluster_uri: http://…`) workers must reach it to register, so it also
+        serves its API (loopback by default) on its port
         (the fleet's port - 1) and its Unix socket."""
         from coordinator.service import Coordinator
         coord = Coordinator(config)
-        if config.disagg_cluster is None:
+        dc = config.disagg_cluster
+        if dc is None or dc.cluster_uri.startswith("etcd://"):
+            # etcd: workers register in etcd, which the coordinator watches; no API to serve.
             await coord.start()
             return cls(coord, stop=coord.stop)
         from coordinator.listeners import CoordinatorServer

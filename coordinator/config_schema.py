@@ -31,6 +31,7 @@ from msgspec import Meta
 from coordinator.config_base import (SOURCE_KEY, ConfigError, NonNegFloat, NonNegInt, Port,
                                      PosFloat, PosInt, Section, doc, field_specs, join, public, thaw)
 from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS
+from protocol.cluster_store import etcd_endpoints
 
 
 # ----------------------------------------------------------------------------- sections
@@ -240,8 +241,9 @@ class MinimalInstances(Section):
 
 class DisaggClusterConfig(Section):
     """Dynamic membership: servers register themselves instead of (or beside) static `urls`."""
-    cluster_uri: Annotated[str, doc("registration store: the coordinator URL (http://…) or "
-                                    "etcd://…", upstream=True)]
+    cluster_uri: Annotated[str, doc("registration store: the coordinator URL (http://…: workers "
+                                    "register with it) or etcd://host:port[,etcd://…] (workers put "
+                                    "leased keys the coordinator watches)", upstream=True)]
     cluster_name: Annotated[str, doc("namespace of this cluster in the store", upstream=True)] = ""
     minimal_instances: Annotated[MinimalInstances, doc("readiness minimums", upstream=True)] = \
         msgspec.field(default_factory=MinimalInstances)
@@ -250,6 +252,16 @@ class DisaggClusterConfig(Section):
                                                   upstream=True)] = 10.0
 
     def _check(self, path: str) -> None:
+        uri = self.cluster_uri
+        if uri.startswith("etcd://"):
+            try:
+                etcd_endpoints(uri)
+            except ValueError as e:
+                raise ConfigError(join(path, "cluster_uri"), str(e)) from None
+        elif not re.match(r"^https?://[^/]+", uri):
+            raise ConfigError(join(path, "cluster_uri"), "expected 'etcd://host:port[,…]' (workers "
+                              "register in etcd) or 'http://host:port' (workers register with the "
+                              f"coordinator), found {uri!r}")
         if self.inactive_timeout_sec <= self.heartbeat_interval_sec:
             raise ConfigError(join(path, "inactive_timeout_sec"),
                               f"expected > heartbeat_interval_sec ({self.heartbeat_interval_sec}),"

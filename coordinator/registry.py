@@ -77,7 +77,7 @@ def roles_of(role: str | None, field_name: str = "role") -> tuple[str, ...]:
 class ServerEntry:
     url: str
     roles: tuple[str, ...]
-    source: str                      # "static" | "registered"
+    source: str                      # "static" | "registered" | "etcd"
     state: ServerState = ServerState.PENDING
     reason: str = "not prepared yet"
     server_info: dict | None = None
@@ -194,11 +194,16 @@ class Registry:
         return e
 
     def register(self, url: str, role: str | None, ttl_s: float | None, now: float,
-                 worker_id: str | None = None) -> tuple[ServerEntry, bool]:
-        """Add or refresh a registered server; returns (entry, created)."""
+                 worker_id: str | None = None, source: str = "registered"
+                 ) -> tuple[ServerEntry, bool]:
+        """Add or refresh a registered server; returns (entry, created). `source="etcd"`: the
+        store's lease decides its life (it never expires here; etcd_membership removes it)."""
         url = normalize_url(url)
         roles = roles_of(role)
-        ttl = self.default_ttl_s if ttl_s is None else min(float(ttl_s), self.max_ttl_s)
+        if source == "etcd":
+            ttl = None
+        else:
+            ttl = self.default_ttl_s if ttl_s is None else min(float(ttl_s), self.max_ttl_s)
         e = self.servers.get(url)
         if e is not None:
             if e.source == "static":
@@ -209,16 +214,18 @@ class Registry:
                 e.roles = roles
                 self.version += 1
             e.ttl_s = ttl
-            e.expires_at = now + ttl
+            e.expires_at = None if ttl is None else now + ttl
             if worker_id is not None and e.worker_id not in (None, worker_id):
                 # A different process behind the same url: prepare it afresh.
                 self._set(e, ServerState.PENDING, f"worker id changed to {worker_id}", now)
             return e, False
-        e = self.servers[url] = ServerEntry(url=url, roles=roles, source="registered", since=now,
-                                            ttl_s=ttl, expires_at=now + ttl)
+        e = self.servers[url] = ServerEntry(url=url, roles=roles, source=source, since=now,
+                                            ttl_s=ttl,
+                                            expires_at=None if ttl is None else now + ttl)
         self.registrations_total += 1
         self.version += 1
-        log.info("registered %s as %s (ttl %.1fs)", url, "+".join(roles), ttl)
+        log.info("registered %s as %s (%s)", url, "+".join(roles),
+                 "etcd lease" if ttl is None else f"ttl {ttl:.1f}s")
         return e, True
 
     def heartbeat(self, url: str, now: float, role: str | None = None, ttl_s: float | None = None,

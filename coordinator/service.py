@@ -187,6 +187,11 @@ class Coordinator:
         self.version = VERSION
         self._maint: asyncio.Task | None = None
         self._started = False
+        self.membership = None
+        if dc is not None and dc.cluster_uri.startswith("etcd://"):
+            from coordinator.etcd_membership import EtcdMembership
+            self.membership = EtcdMembership(self, dc.cluster_uri, dc.cluster_name,
+                                             start_timeout_s=cfg.server_start_timeout)
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -194,6 +199,12 @@ class Coordinator:
             return
         self._started = True
         self.started_at = self.clock()
+        if self.membership is not None:
+            try:
+                await self.membership.start()   # raises when etcd does not answer in time
+            except BaseException:
+                self._started = False
+                raise
         await self.kv.start()
         await self.health.start()
         self._maint = asyncio.create_task(self._maintenance(), name="coordinator-maintenance")
@@ -209,6 +220,8 @@ class Coordinator:
             self._maint.cancel()
             await asyncio.gather(self._maint, return_exceptions=True)
             self._maint = None
+        if self.membership is not None:
+            await self.membership.stop()
         await self.diag.stop()
         await self.kv.stop()       # first: its rebuilds use the health monitor's HTTP session
         await self.health.stop()
@@ -494,8 +507,8 @@ class Coordinator:
 
     # ---- membership -------------------------------------------------------------------------
     def register(self, url: str, role: str | None = None, ttl_s: float | None = None,
-                 worker_id: str | None = None) -> dict:
-        e, created = self.registry.register(url, role, ttl_s, self.clock(), worker_id)
+                 worker_id: str | None = None, source: str = "registered") -> dict:
+        e, created = self.registry.register(url, role, ttl_s, self.clock(), worker_id, source)
         if created or e.state is ServerState.PENDING:
             self.health.kick(e.url)
         return self._registration(e)

@@ -86,6 +86,7 @@ class ClusterSnapshot:
             "servers": servers,
             "minimal_instances": {"context_servers": self.minimal[CONTEXT],
                                   "generation_servers": self.minimal[GENERATION]},
+            "membership": c.membership.describe() if c.membership is not None else None,
             "routing": c.routing_info(),
             "routing_key_configs": {role: {"tokens_per_block": c.block_size,
                                            "key_scheme": c.key_scheme} for role in ROLES},

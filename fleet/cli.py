@@ -102,7 +102,11 @@ def run(args) -> int:
             affinity.pin(0, cpus[0])
             logging.getLogger("splitserve.fleet").info("fleet.cpu_affinity %s: pinned to CPU %d",
                                                        cfg.fleet.cpu_affinity, cpus[0])
-        return run(run_process(cfg, coordinator_url=cfg.disagg_coordinator_url))
+        try:
+            return run(run_process(cfg, coordinator_url=cfg.disagg_coordinator_url))
+        except ConnectionError as e:   # the in-process coordinator's etcd never answered
+            print(f"splitserve serve: {e}", file=sys.stderr)
+            return 1
     from .launcher import Launcher
     return Launcher(cfg, _child_argv(args), cpus=cpus).run()
 

@@ -5,6 +5,7 @@
   process group), ``stop_all``, ``wait_for`` / ``wait_http`` (poll until ready, failing with the
   log of a child that died), ``clean_env``.
 - ``proctable``: what /proc says about a process tree (children, listening sockets, CPU ticks).
+- ``etcd``: a real etcd on loopback (``EtcdServer``, ``ETCD_MISSING``), imported by its users.
 
 Imports nothing of ours (tests/test_layering.py), so any test or benchmark can use it.
 """

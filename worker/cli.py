@@ -70,7 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--kv-replay-port", 0, type=int, help="ZMQ ROUTER replay port (0 = pick free)")
     add("--advertise-host", None, help="host name put in URLs this worker advertises")
     add("--coordinator-url", None, help="register with this coordinator (TTL heartbeats)")
-    add("--register-ttl", 30.0, type=float, help="registration TTL in seconds")
+    add("--cluster-uri", None, help="register in etcd instead: etcd://host:port[,etcd://…] "
+        "(a key on a lease, as TensorRT-LLM workers do; the coordinator watches it)")
+    add("--cluster-name", "", help="disagg_cluster.cluster_name of the cluster to join in etcd")
+    add("--register-ttl", 30.0, type=float, help="registration TTL in seconds (etcd: the lease, "
+        "upstream's inactive_timeout_sec)")
     add("--transfer-agent", "auto", choices=["auto", "nixl", "shm", "tcp"],
         help="KV transfer agent for disaggregated requests")
     add("--transfer-port", 0, type=int, help="KV transfer control port (0 = pick free)")
@@ -225,6 +229,13 @@ def build_server(args):
     from worker.kv_events import KvEventPublisher
     from worker.server import WorkerServer
 
+    if args.cluster_uri:
+        if args.coordinator_url:
+            raise ValueError("give --coordinator-url (register with the coordinator) or "
+                             "--cluster-uri (register in etcd), not both")
+        from protocol.cluster_store import etcd_endpoints
+        etcd_endpoints(args.cluster_uri)   # ValueError says what was expected
+
     # argparse checks choices on the command line only; values from the environment land here.
     for name, choices in (("role", ("context", "generation", "both")), ("engine", ("torch", "sim")),
                           ("device", ("cpu", "cuda", None)), ("dtype", ("float32", "bfloat16", None)),
@@ -262,6 +273,7 @@ def build_server(args):
     return WorkerServer(engine, model_name=name, role=args.role, host=args.host, port=args.port,
                         advertise_host=advertise, publisher=publisher,
                         coordinator_url=args.coordinator_url, register_ttl_s=args.register_ttl,
+                        cluster_uri=args.cluster_uri, cluster_name=args.cluster_name,
                         transfer_info=conn.server_info() if conn else None,
                         ctx_info_endpoint=conn.endpoint if conn else None,
                         disagg_protocol=args.disagg_protocol, bootstrap_port=args.bootstrap_port)

@@ -100,3 +100,79 @@ class CoordinatorRegistration:
                     log.info("deregistration from %s failed: %s", self.coordinator_url, e)
             self.registered = False
             await self._session.close()
+
+
+class EtcdRegistration:
+    """Registration in etcd (`--cluster-uri etcd://…`), as TensorRT-LLM's `DisaggClusterWorker`
+    does it (protocol/cluster_store.py): one key per served role on a lease of `ttl_s`, refreshed
+    every `ttl_s / 3`. A lease that ran out (etcd unreachable for longer than the TTL) is replaced
+    and the keys written again; on stop the lease is revoked, which deletes the keys at once. As
+    with the coordinator, the worker never fails because of etcd."""
+
+    def __init__(self, cluster_uri: str, cluster_name: str, *, host: str, port: int, role: str,
+                 worker_id: str, ttl_s: float = 10.0):
+        from protocol.cluster_store import WorkerRecord, encode_worker, worker_key
+        from protocol.etcd_store import EtcdStore
+        if ttl_s <= 0:
+            raise ValueError(f"register ttl must be > 0 s, got {ttl_s}")
+        roles = ("context", "generation") if role == "both" else (role,)
+        self.keys = {
+            worker_key(cluster_name, worker_id if len(roles) == 1 else f"{worker_id}/{r}"):
+            encode_worker(WorkerRecord(worker_id=worker_id, host=host, port=port, role=r))
+            for r in roles}
+        self.ttl_s = float(ttl_s)
+        self.store = EtcdStore(cluster_uri, timeout_s=min(5.0, self.ttl_s / 3))
+        self.lease_id: int | None = None
+        self.registered = False
+        self.heartbeats = 0
+        self._down = False
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="etcd-registration")
+
+    async def _register(self) -> None:
+        self.lease_id = await self.store.grant(self.ttl_s)
+        for k, v in self.keys.items():
+            await self.store.put(k, v, lease_id=self.lease_id)
+        self.registered = True
+        log.info("registered in etcd %s as %s (lease %x, ttl %.0fs)", self.store.endpoint,
+                 ", ".join(self.keys), self.lease_id, self.ttl_s)
+
+    async def _run(self) -> None:
+        from protocol.etcd_store import EtcdUnavailable
+        period = self.ttl_s / 3
+        while True:
+            try:
+                if not self.registered:
+                    await self._register()
+                elif await self.store.keepalive(self.lease_id) <= 0:
+                    log.warning("etcd lease %x expired; registering again", self.lease_id)
+                    self.registered = False
+                    continue
+                else:
+                    self.heartbeats += 1
+                if self._down:
+                    log.info("etcd %s reachable again", self.store.endpoint)
+                    self._down = False
+            except asyncio.CancelledError:
+                raise
+            except EtcdUnavailable as e:
+                if not self._down:
+                    log.warning("%s; retrying every %.1fs", e, period)
+                    self._down = True
+            await asyncio.sleep(period)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.registered and self.lease_id is not None:
+            try:
+                await self.store.revoke(self.lease_id)
+                log.info("deregistered from etcd (lease %x revoked)", self.lease_id)
+            except Exception as e:  # the lease runs out by itself anyway
+                log.info("etcd deregistration failed (%s); the lease expires in %.0fs", e,
+                         self.ttl_s)
+        self.registered = False
+        await self.store.close()

@@ -64,7 +64,8 @@ class WorkerServer:
                  coordinator_url: str | None = None, register_ttl_s: float = 30.0,
                  max_body_bytes: int = 32 << 20, worker_id: str | None = None,
                  transfer_info: dict | None = None, ctx_info_endpoint: str | None = None,
-                 disagg_protocol: str = "trtllm", bootstrap_port: int | None = None):
+                 disagg_protocol: str = "trtllm", bootstrap_port: int | None = None,
+                 cluster_uri: str | None = None, cluster_name: str = ""):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if disagg_protocol not in pd_protocols.PROTOCOLS:
@@ -83,6 +84,8 @@ class WorkerServer:
             socket.gethostname() if host in ("0.0.0.0", "::", "") else host)
         self.publisher = publisher
         self.coordinator_url = coordinator_url
+        self.cluster_uri = cluster_uri
+        self.cluster_name = cluster_name
         self.register_ttl_s = register_ttl_s
         self.max_body_bytes = max_body_bytes
         self.worker_id = worker_id
@@ -144,6 +147,12 @@ class WorkerServer:
             self._registration = CoordinatorRegistration(
                 self.coordinator_url, url=self.url, role=self.role, ttl_s=self.register_ttl_s,
                 worker_id=self.worker_id)
+            await self._registration.start()
+        elif self.cluster_uri:
+            from worker.registration import EtcdRegistration
+            self._registration = EtcdRegistration(
+                self.cluster_uri, self.cluster_name, host=h, port=self.port, role=self.role,
+                worker_id=self.worker_id, ttl_s=self.register_ttl_s)
             await self._registration.start()
         return self.url
 
