@@ -13,8 +13,10 @@ import msgspec
 import msgspec.inspect as mi
 from msgspec import Meta
 
+from router.pairing import POLICY_TYPES
+
 ENV_PREFIX = "SPLITSERVE_"
-ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware", "conversation")
+ROUTER_TYPES = POLICY_TYPES     # router/pairing.py `PolicyKind`: the types and their traits
 REDACTED = "<redacted>"
 # `ClusterConfig._source` (the document it was loaded from, for `apply_overrides`) is renamed to a
 # key no config file can use: it is never an input key (coordinator/config_upstream.py rejects it).

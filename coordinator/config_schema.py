@@ -28,10 +28,11 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 import msgspec
 from msgspec import Meta
 
-from coordinator.config_base import (SOURCE_KEY, ConfigError, NonNegFloat, NonNegInt, Port,
+from coordinator.config_base import (ROUTER_TYPES, SOURCE_KEY, ConfigError, NonNegFloat, NonNegInt, Port,
                                      PosFloat, PosInt, Section, doc, field_specs, join, public, thaw)
 from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS, UPSTREAM_KV_CACHE_ARGS
 from protocol.cluster_store import etcd_endpoints
+from router.block_keys import salt_seed
 
 
 # ----------------------------------------------------------------------------- sections
@@ -41,7 +42,7 @@ class RouterConfig(Section):
     form) and `router: {type, args: {k: v}}` normalise to the same object
     (coordinator/config_upstream.py); the argument schema is checked by
     `router.policies.make_policy`, not here."""
-    type: Annotated[Literal["round_robin", "load_balancing", "kv_cache_aware", "conversation"],
+    type: Annotated[Literal[ROUTER_TYPES],
                     doc("routing policy for this role", upstream=True)] = "round_robin"
     args: Annotated[Mapping[str, Any], doc("policy arguments (flat keys or nested `args:`)",
                                            upstream=True)] = msgspec.field(default_factory=dict)
@@ -275,6 +276,12 @@ class RoutingConfig(Section):
         "block-key recipe (kv_events §9.1); published in /cluster_info")] = "xxh3_chain_v1"
     namespace: Annotated[Optional[str], doc("cache namespace salted into every key (null = the "
                                             "default namespace)")] = None
+
+    @property
+    def ns_seed(self) -> int:
+        """The namespace's salt of every routing key (0 for the default namespace): the one value
+        the coordinator's index, its key parity probe and the fleet's keys are built with."""
+        return salt_seed(self.namespace)
 
 
 class LeaseConfig(Section):

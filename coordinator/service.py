@@ -31,7 +31,6 @@ from coordinator import checks
 from coordinator import metrics as metrics_mod
 from coordinator import snapshot
 from protocol import coord as wire
-from protocol.roles import Mode
 from coordinator.api import make_app
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
@@ -42,9 +41,9 @@ from coordinator.kv_ingest import FeedSource, KvIngest
 from coordinator.kv_sources import advertised_source, static_source
 from coordinator.metrics import LatencyHistogram
 from coordinator.registry import CONTEXT, GENERATION, Registry, ServerEntry, ServerState, normalize_url
-from router.block_keys import salt_seed
 from router.kv_index import KvIndex
 from router.leases import LeaseTable
+from router.pairing import PairRules, PolicyKind, pair
 from router.policies import Candidate, RoutingKey, make_policy
 
 log = logging.getLogger("splitserve.coordinator")
@@ -81,6 +80,14 @@ class Stats:
     def leases_replaced(self) -> int:
         """Selects that replaced a live lease of the same key (a leg re-placed)."""
         return self.leases.replaced if self.leases is not None else 0
+
+
+def _matched_tokens(answer: dict) -> int:
+    """The prompt tokens a placement answer says its server caches (the channel's `KvChoice`, or
+    the explanation's `matched_tokens`)."""
+    info = answer["info"]
+    kv = info.get("kv")
+    return kv.matched_tokens if kv is not None else int(info.get("matched_tokens") or 0)
 
 
 class _LoadView:
@@ -124,7 +131,7 @@ class Coordinator:
         self.clock = clock
         self.block_size = cfg.routing.block_size
         self.key_scheme = cfg.routing.key_scheme
-        self.ns_seed = salt_seed(cfg.routing.namespace) if cfg.routing.namespace else 0
+        self.ns_seed = cfg.routing.ns_seed
         self.lease_ttl_s = cfg.leases.ttl_s
         co = cfg.coordinator
         dc = cfg.disagg_cluster
@@ -146,7 +153,8 @@ class Coordinator:
         self.router_args = {role: dict(groups[role].router.args) for role in ROLES}
         self.policies = {role: make_policy(self.router_types[role], self.router_args[role],
                                            block_size=self.block_size) for role in ROLES}
-        self._kv_aware = {role: self.router_types[role] == "kv_cache_aware" for role in ROLES}
+        self._kv_aware = {role: self.router_types[role] == PolicyKind.KV_CACHE_AWARE for role in ROLES}
+        self.pair_rules = PairRules.of(cfg)
         # Routed-but-unconfirmed blocks count for the chosen server until a BlockStored confirms
         # them or they expire (covers the window between placement and the engine's event).
         self._spec_ttl = {role: (getattr(self.policies[role], "speculative_ttl_s", None)
@@ -418,38 +426,20 @@ class Coordinator:
 
     def place_pair(self, req_id: int, key: RoutingKey | None, ex_ctx: set[str],
                    ex_gen: set[str], *, server_info: bool = True) -> dict:
-        """Both legs in one call: `{"context": answer|None, "generation": answer, "mode", "reason"}`.
-
-        The generation leg is placed first so conditional disaggregation can use its cache match:
-        when the chosen generation server would prefill at most `max_local_prefill_length`
-        uncached tokens, no context leg is placed (`mode` "generation_only"). With no healthy
-        context server, `no_context_fallback: aggregate` serves on the generation server alone.
-        """
+        """Both legs in one call: `{"context": answer|None, "generation": answer, "mode", "reason"}`,
+        placed by the pairing rules (router/pairing.py `pair`: the generation leg first, so
+        conditional disaggregation can use its cache match; `no_context_fallback` when no context
+        server fits, the generation lease ended before a rejection is raised)."""
         t0 = time.perf_counter()
-        gen = self._select(GENERATION, req_id, key, ex_gen, server_info)
-        ctx = None
-        mode, reason = Mode.DISAGGREGATED, None
-        cond = self.config.conditional_disagg_config
-        if cond is not None and key is not None and key.num_tokens:
-            info = gen["info"]
-            kv = info.get("kv")
-            matched = kv.matched_tokens if kv is not None else int(info.get("matched_tokens") or 0)
-            uncached = key.num_tokens - matched
-            if matched > 0 and uncached <= cond.max_local_prefill_length:
-                mode = Mode.GENERATION_ONLY
-                reason = (f"generation server caches {matched} of {key.num_tokens} tokens; "
-                          f"{uncached} <= max_local_prefill_length {cond.max_local_prefill_length}")
-        if mode is Mode.DISAGGREGATED:
-            try:
-                ctx = self._select(CONTEXT, req_id, key, ex_ctx, server_info)
-            except NoServerAvailable as exc:
-                if self.config.no_context_fallback != "aggregate":
-                    self.leases.finish(GENERATION, req_id)
-                    raise
-                mode, reason = Mode.AGGREGATE_FALLBACK, f"{exc}; serving on the generation server alone"
+        p = pair(self.pair_rules, key.num_tokens if key is not None else 0,
+                 lambda: self._select(GENERATION, req_id, key, ex_gen, server_info),
+                 _matched_tokens,
+                 lambda: self._select(CONTEXT, req_id, key, ex_ctx, server_info),
+                 lambda gen: self.leases.finish(GENERATION, req_id))
+        mode = p.mode
         self.stats.pair_modes[mode] = self.stats.pair_modes.get(mode, 0) + 1
         self.stats.select_latency.observe(time.perf_counter() - t0)
-        return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}
+        return {"context": p.context, "generation": p.generation, "mode": mode, "reason": p.reason}
 
     def end_lease(self, role: str, req_id: int, success: bool,
                   usage: tuple[int, int, int] | None = None) -> bool:

@@ -4,8 +4,9 @@ One request = one snowflake id, minted by its `RequestScope` (fleet/scope.py), u
 the coordinator and in the logs (a client's own `disagg_request_id` is only an alias). Steps:
 
 1. routing key (token ids → block keys) only when a delegated policy needs it;
-2. placement (`Placer`); conditional disaggregation comes back from the coordinator as "no context
-   leg"; no healthy context server → `no_context_fallback` (aggregate on a generation server, or 503);
+2. placement (`Placer`) by the pairing rules (router/pairing.py): conditional disaggregation ("no
+   context leg"), and `no_context_fallback` when no context server fits (aggregate on a generation
+   server, or 503);
 3. context leg, then a generation leg only if the context answer asks for one; the bodies are
    TensorRT-LLM's (fleet/legs/trtllm.py), the mode and route receipt fleet/legs/plan.py's;
 4. the generation answer is relayed (fleet/relay.py: SSE events as they arrive).
@@ -32,6 +33,7 @@ import time
 
 import orjson
 from protocol.coord import NoServerAvailable
+from router.pairing import NoContextServer, settle
 
 from . import metrics as M
 from . import pd_flow
@@ -63,7 +65,7 @@ class Flow:
         self.timeout = config.request_timeout
         self.backoff = config.fleet.retry_backoff_s
         self.schedule = config.schedule_style
-        self.fallback = config.no_context_fallback
+        self.rules = placer.rules           # the pairing rules (router/pairing.py)
         self.hmac_key = config.internal_request_auth_key
         self.relay = Relay(placer, self.timeout, config.leases.effective_renew_interval_s)
         self._bg: set[asyncio.Task] = set()
@@ -164,11 +166,18 @@ class Flow:
         if self.aggregated_only:
             scope.mode = plan.AGGREGATED
             return None, await self.place_gen(scope, key)
-        if p.delegated(CTX) and p.delegated(GEN):
+        if p.delegated(CTX) == p.delegated(GEN):
+            # one call places both legs: the coordinator's, or the same rules over the local list
             try:
                 ctx, gen, scope.mode = await p.place_pair(scope.rid, key, set(), set())
+            except NoContextServer as e:
+                raise _no_context(e) from None
             except NoServerAvailable as e:
-                code = "no_context_server" if self.fallback == "reject" else "no_server_available"
+                if not p.delegated(GEN):
+                    raise ApiError(503, f"no generation server available: {e}", code="no_server_available",
+                                   retry_after=1) from None
+                # the coordinator's refusal over a wire does not say which leg found no server
+                code = "no_context_server" if self.rules.rejects else "no_server_available"
                 raise ApiError(503, f"no server available: {e}", code=code, retry_after=1) from None
             scope.hold(gen)
         else:
@@ -189,17 +198,18 @@ class Flow:
         return gen
 
     async def _place_ctx(self, scope: RequestScope, key: dict | None, gen: Placement) -> Placement | None:
-        cd = self.config.conditional_disagg_config
-        if cd is not None and key and plan.local_prefill(key.get("num_tokens"), gen.predicted_tokens,
-                                                         cd.max_local_prefill_length):
+        """The context leg when the two roles are placed one by one (one round robin, one delegated),
+        by the pairing rules `pairing.pair` applies to a pair."""
+        if key and self.rules.local_prefill(key.get("num_tokens"), gen.predicted_tokens) is not None:
             scope.mode = plan.LOCAL_PREFILL
             return None
         try:
             return await self.placer.place(CTX, scope.rid, key, set())
         except NoServerAvailable as e:
-            if self.fallback == "reject":
-                raise ApiError(503, f"no healthy context server ({e}) and no_context_fallback is 'reject'",
-                               code="no_context_server", retry_after=1) from None
+            try:
+                self.rules.without_context(e)
+            except NoContextServer as rejected:
+                raise _no_context(rejected) from None
             scope.mode = plan.AGGREGATED_FALLBACK
             return None
 
@@ -281,7 +291,8 @@ class Flow:
 
     def falls_back(self, e: ApiError) -> bool:
         """No context server reachable and the config says serve aggregated."""
-        return plan.falls_back_to_aggregate(e.status, e.code, self.fallback, self.placer.healthy_count(CTX))
+        return (plan.context_unreachable(e.status, e.code)
+                and self.rules.aggregates_after_context_loss(self.placer.healthy_count(CTX)))
 
     # ------------------------------------------------------------------ the flow
     async def _run(self, request: FleetRequest, creq: ClientRequest, scope: RequestScope,
@@ -297,7 +308,7 @@ class Flow:
         proto = pd_flow.request_protocol(self, ctx, gen)
         if proto != "trtllm":
             return await pd_flow.run(self, request, creq, scope, ctx, gen, key, proto)
-        scope.mode, keep = plan.placed(scope.mode, ctx is not None, gen.server not in self.no_transfer)
+        scope.mode, keep = settle(scope.mode, ctx is not None, gen.server not in self.no_transfer)
         if ctx is not None and not keep:
             scope.release(ctx, True)
             ctx = None
@@ -436,3 +447,9 @@ class _NoKvTransfer(Exception):
     def __init__(self, placement: Placement):
         super().__init__(placement.server)
         self.placement = placement
+
+
+def _no_context(e: NoContextServer) -> ApiError:
+    """The client's 503 when no context server fits and `no_context_fallback` is `reject`."""
+    return ApiError(503, f"no healthy context server ({e}) and no_context_fallback is 'reject'",
+                    code="no_context_server", retry_after=1)

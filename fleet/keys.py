@@ -16,7 +16,8 @@ import asyncio
 
 from protocol.prompt import (TokenizerUnavailable, load_tokenizer, request_token_ids,
                                       routing_tokenizer_name)
-from router.block_keys import block_keys_bytes, salt_seed
+from router.block_keys import block_keys_bytes
+from router.pairing import PolicyKind
 from protocol.tokenizer import Tokenizer
 
 from .validate import CHAT, ClientRequest
@@ -29,9 +30,9 @@ _INLINE_CHARS = 8192
 class KeyBuilder:
     """Block keys of a request's prompt, computed with the workers' tokenizer."""
 
-    def __init__(self, tokenizer: Tokenizer, namespace: str | None = None):
+    def __init__(self, tokenizer: Tokenizer, ns_seed: int = 0):
         self.tok = tokenizer
-        self.ns_seed = salt_seed(namespace) if namespace else 0
+        self.ns_seed = ns_seed      # until the coordinator's routing config says otherwise
 
     def token_ids(self, creq: ClientRequest) -> list[int]:
         return request_token_ids(self.tok, creq.body, creq.kind == CHAT)
@@ -76,11 +77,10 @@ def make_key_builder(config, reported_models: list[str] = ()) -> KeyBuilder | No
     section), else its `model`, else the model the servers report in `/server_info`. It must be the workers' own: with another tokenizer the block keys never match the
     index and KV-aware routing silently degrades to load balancing — so failing to build it is an error.
     """
-    types = {config.context_servers.router.type, config.generation_servers.router.type}
-    if not types & {"kv_cache_aware", "conversation"}:
+    if not any(PolicyKind(g.router.type).keyed for g in (config.context_servers, config.generation_servers)):
         return None
     model = routing_tokenizer_name(config, reported_models)
     if model is None:
         raise TokenizerUnavailable("KV-aware routing needs the workers' tokenizer, but neither the config's "
                                    "`model` nor any server's /server_info names a model")
-    return KeyBuilder(load_tokenizer(model), config.routing.namespace)
+    return KeyBuilder(load_tokenizer(model), config.routing.ns_seed)

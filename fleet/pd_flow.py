@@ -23,6 +23,7 @@ import msgspec
 import orjson
 
 from protocol.coord import NoServerAvailable
+from router.pairing import settle
 
 from . import legs
 from . import metrics as M
@@ -65,7 +66,7 @@ async def run(flow, request, creq, scope, ctx: Placement | None, gen: Placement,
         # The KV cannot move between two engine families: serve it on the decode server alone.
         log.warning("request %d: context server %s does not speak %s like generation server %s; "
                     "serving it without a context leg", scope.rid, ctx.server, proto, gen.server)
-    scope.mode, keep = plan.placed(scope.mode, ctx is not None, same)
+    scope.mode, keep = settle(scope.mode, ctx is not None, same)
     if ctx is not None and not keep:
         scope.release(ctx, True)
         ctx = None

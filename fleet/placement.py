@@ -1,14 +1,17 @@
 """Where each leg of a request goes: local round robin, or the coordinator, or a local fallback.
 
 - `round_robin` is placed here, per role, from the last-known server list: no coordinator call, no
-  lease (the coordinator does not count round-robin load).
+  lease (the coordinator does not count round-robin load). The turn is router/policy_load.py's.
 - `load_balancing`, `kv_cache_aware`, `conversation` are delegated to the coordinator (`select` /
   `select_pair`), so every fleet process sees one consistent placement. Each answer is a lease:
   `Placer.finish()` sends exactly one `/finish` for it, whatever path the request took.
 - When the coordinator cannot be reached, placement falls back to this process's last-known server
-  list (least local in-flight, round-robin tie-break), logged once per outage and counted in
+  list (least local in-flight, ties in turn: router/policy_load.py's `load_balancing`), logged once
+  per outage and counted in
   `splitserve_fleet_coordinator_fallback_total`; a background probe returns to delegated placement
   as soon as the coordinator answers again.
+- A pair of legs placed here (both round robin, or the coordinator unreachable) follows the same
+  pairing rules as the coordinator's `/select_pair`: router/pairing.py `pair`.
 
 Local ejection: a server that failed at connect level (or dropped a connection mid-request) is kept
 out of placement for `eject_s` (doubling on repeated failures, capped), and sent as `exclude` to the
@@ -25,11 +28,13 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from protocol.coord import (ClusterInfo, CoordinatorRequestError, CoordinatorUnavailable,
                             NoServerAvailable, SelectAnswer, SelectPairAnswer, as_answer)
 from protocol.roles import Mode, Role
-from router.block_keys import salt_seed
+from router.pairing import PairRules, PolicyKind, pair
+from router.policy_load import LoadBalancingPolicy, RoundRobinPolicy
 
 from . import metrics as M
 
@@ -37,8 +42,6 @@ log = logging.getLogger("splitserve.fleet.placement")
 
 CTX = Role.CONTEXT.value
 GEN = Role.GENERATION.value
-DELEGATED = frozenset({"load_balancing", "kv_cache_aware", "conversation"})
-KEYED = frozenset({"kv_cache_aware", "conversation"})
 
 
 @dataclass(slots=True)
@@ -60,6 +63,9 @@ class Placement:
         return int(self.explanation.get("matched_tokens") or 0)
 
 
+_PREDICTED = attrgetter("predicted_tokens")
+
+
 @dataclass(slots=True)
 class _ServerState:
     url: str
@@ -79,11 +85,16 @@ def parse_cluster_info(ci: ClusterInfo) -> dict[str, list[_ServerState]]:
 
 
 class Placer:
+    """`turn`: where the local turns (round robin, and least-loaded ties) start; None, a random
+    one, so that the fleet's processes do not all begin on the same server."""
+
     def __init__(self, config, coordinator, *, refresh_s: float = 1.0, eject_s: float = 2.0,
-                 eject_max_s: float = 30.0, fail_threshold: int = 1):
+                 eject_max_s: float = 30.0, fail_threshold: int = 1, turn: int | None = None):
         self.config = config
         self.coord = coordinator
         self.policy = {CTX: config.context_servers.router.type, GEN: config.generation_servers.router.type}
+        self._kind = {role: PolicyKind(t) for role, t in self.policy.items()}
+        self.rules = PairRules.of(config)
         self.refresh_s = refresh_s
         self.eject_s = eject_s
         self.eject_max_s = eject_max_s
@@ -94,7 +105,12 @@ class Placer:
         }
         self._by_url: dict[str, _ServerState] = {}
         self._reindex()
-        self._rr = {CTX: random.randrange(1 << 16), GEN: random.randrange(1 << 16)}
+        # The local choices are the router's own policies over this process's list: the turn of
+        # `round_robin`, and least in-flight while the coordinator is unreachable.
+        self._rr = {role: RoundRobinPolicy(start=random.randrange(1 << 16) if turn is None else turn)
+                    for role in (CTX, GEN)}
+        self._least = {role: LoadBalancingPolicy(start=random.randrange(1 << 16) if turn is None else turn)
+                       for role in (CTX, GEN)}
         self._ejected: dict[str, float] = {}      # url -> monotonic deadline
         self._fails: dict[str, int] = {}
         self._eject_len: dict[str, float] = {}
@@ -103,7 +119,7 @@ class Placer:
         self.cluster_info: dict = {}
         self.cluster_info_at = 0.0
         self.routing = {"block_size": config.routing.block_size, "key_scheme": config.routing.key_scheme,
-                        "ns_seed": salt_seed(config.routing.namespace) if config.routing.namespace else 0}
+                        "ns_seed": config.routing.ns_seed}
         self._task: asyncio.Task | None = None
         self._bg: set[asyncio.Task] = set()
         # An in-process coordinator answers without suspending and applies /finish at once; the
@@ -131,10 +147,10 @@ class Placer:
                          for role in (CTX, GEN)}
 
     def delegated(self, role: str) -> bool:
-        return self.policy[role] in DELEGATED
+        return self._kind[role].delegated
 
     def needs_key(self, role: str) -> bool:
-        return self.policy[role] in KEYED
+        return self._kind[role].keyed
 
     def apply_cluster_info(self, raw: dict) -> None:
         """Adopt a `/cluster_info` answer (decoded as `protocol.coord.ClusterInfo`; the raw body is
@@ -271,7 +287,9 @@ class Placer:
         return s.info if s is not None else {}
 
     # ------------------------------------------------------------------ local placement
-    def _local(self, role: str, req_id: int, exclude: set[str], why: str) -> Placement:
+    def _local(self, role: str, req_id: int, exclude: set[str]) -> Placement:
+        """A server from this process's list: the next in turn for `round_robin`; for a delegated
+        policy (the coordinator unreachable) the least local in-flight."""
         hc = self._healthy[role] if not exclude and not self._ejected else None
         if hc is not None and hc[0] is self.servers[role]:
             cands = hc[1]          # what the scan below finds when nothing is excluded or ejected
@@ -284,12 +302,12 @@ class Placer:
         if not cands:
             raise NoServerAvailable(f"no healthy {role} server (known: {len(self.servers[role])}, "
                                     f"excluded: {len(exclude)})")
-        self._rr[role] += 1
-        if why == "round_robin":
-            s = cands[self._rr[role] % len(cands)]
+        if self._kind[role].delegated:
+            why = "local_fallback"
+            s = cands[self._least[role].pick([c.inflight for c in cands])]
         else:
-            k = self._rr[role]
-            s = min(cands, key=lambda c: (c.inflight, (hash(c.url) + k) % len(cands)))
+            why = "round_robin"
+            s = cands[self._rr[role].pick(len(cands))]
         return Placement(role, s.url, req_id, False, why, {"policy": why, "chosen": s.url,
                                                             "candidates": len(cands)})
 
@@ -305,7 +323,7 @@ class Placer:
 
     async def place(self, role: str, req_id: int, routing_key: dict | None, exclude: set[str]) -> Placement:
         if not self.delegated(role):
-            return self._local(role, req_id, exclude, "round_robin")
+            return self._local(role, req_id, exclude)
         if self.coord_ok:
             ej = self.ejected()
             excl = sorted(exclude.union(ej)) if exclude or ej else None
@@ -326,14 +344,20 @@ class Placer:
                 self._rtt["select"].observe(time.perf_counter() - t0)
                 return self._answer(role, req_id, as_answer(SelectAnswer, ans, "/select"))
         M.COORD_FALLBACK.labels(role).inc()
-        return self._local(role, req_id, exclude, "local_fallback")
+        return self._local(role, req_id, exclude)
 
     async def place_pair(self, req_id: int, routing_key: dict | None, exclude_ctx: set[str],
                          exclude_gen: set[str]) -> tuple[Placement | None, Placement, Mode]:
-        """Both legs in one coordinator call → (context or None, generation, mode).
+        """Both legs → (context or None, generation, mode): in one coordinator call when both roles
+        are delegated and it answers, else placed here by the same pairing rules (both round
+        robin, or the coordinator unreachable). Both roles' policies are delegated, or neither.
 
         mode: DISAGGREGATED; GENERATION_ONLY (conditional disaggregation: the generation server
-        caches nearly all of the prompt); AGGREGATE_FALLBACK (no healthy context server)."""
+        caches nearly all of the prompt); AGGREGATE_FALLBACK (no healthy context server). Raises
+        `NoServerAvailable` (`pairing.NoContextServer` when the context leg found none under
+        `no_context_fallback: reject`)."""
+        if not self.delegated(GEN):
+            return self._local_pair(req_id, routing_key, exclude_ctx, exclude_gen)
         if self.coord_ok:
             ej = self.ejected()
             ec = sorted(exclude_ctx.union(ej)) if exclude_ctx or ej else None
@@ -357,14 +381,14 @@ class Placer:
                 return (self._answer(CTX, req_id, ctx) if ctx else None), gen, pair.mode
         M.COORD_FALLBACK.labels(CTX).inc()
         M.COORD_FALLBACK.labels(GEN).inc()
-        gen = self._local(GEN, req_id, exclude_gen, "local_fallback")
-        try:
-            ctx = self._local(CTX, req_id, exclude_ctx, "local_fallback")
-        except NoServerAvailable:
-            if self.config.no_context_fallback == "reject":
-                raise
-            return None, gen, Mode.AGGREGATE_FALLBACK
-        return ctx, gen, Mode.DISAGGREGATED
+        return self._local_pair(req_id, routing_key, exclude_ctx, exclude_gen)
+
+    def _local_pair(self, req_id: int, routing_key: dict | None, exclude_ctx: set[str],
+                    exclude_gen: set[str]) -> tuple[Placement | None, Placement, Mode]:
+        p = pair(self.rules, routing_key.get("num_tokens") if routing_key else 0,
+                 lambda: self._local(GEN, req_id, exclude_gen), _PREDICTED,
+                 lambda: self._local(CTX, req_id, exclude_ctx))
+        return p.context, p.generation, p.mode
 
     async def _leased(self, call, roles: tuple[str, ...], req_id: int) -> dict:
         """Await a coordinator placement so that a cancelled caller never leaks the lease it creates.

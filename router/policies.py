@@ -26,6 +26,7 @@ from protocol.failures import NoServerAvailable
 from .policy_base import Candidate, Decision, IndexLoadView, LoadView, Policy, RoutingKey
 from .policy_conversation import ConversationPolicy
 from .policy_kv import KvCacheAwarePolicy
+from .pairing import POLICY_TYPES
 from .policy_load import LoadBalancingPolicy, RoundRobinPolicy
 
 __all__ = [
@@ -90,7 +91,8 @@ _SPECS: dict[str, dict[str, Any]] = {
         "use_token_ids": bool, "hash_skip_count": int,
     },
 }
-POLICY_TYPES = tuple(_SPECS)
+# The types and their traits are pairing's table (router/pairing.py `PolicyKind`).
+assert tuple(_SPECS) == POLICY_TYPES, "router/pairing.py PolicyKind and _SPECS list other types"
 
 
 def _positive(ptype: str, name: str, v, allow_zero: bool = False):

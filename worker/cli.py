@@ -161,7 +161,7 @@ def _ns_seed(args) -> int:
     from router.block_keys import salt_seed
 
     ns = getattr(args, "kv_namespace", None)
-    return salt_seed(ns) if ns else 0
+    return salt_seed(ns)
 
 
 def _build_engine(args, kv_connector=None):

@@ -1,6 +1,7 @@
-"""What a request's legs look like, decided without I/O: the answering leg's body, the placement
-mode, the fallback rule, and the `x-splitserve-route` receipt. Every engine family's flow
-(fleet/flow.py, fleet/pd_flow.py) uses these; the per-protocol bodies are in the sibling modules.
+"""What a request's legs look like, decided without I/O: the answering leg's body and the
+`x-splitserve-route` receipt. Every engine family's flow (fleet/flow.py, fleet/pd_flow.py) uses
+these; the per-protocol bodies are in the sibling modules. Which mode a request is placed in, and
+the context-fallback rule, are pairing's (router/pairing.py), shared with the coordinator.
 
 Modes (the route header's `mode`, the `splitserve_fleet_placements_total` label; the values are
 `protocol.roles.Mode`'s, the coordinator's spelling):
@@ -58,27 +59,11 @@ def with_params(body: dict, params: dict) -> dict:
     return out
 
 
-def local_prefill(num_tokens: int | None, matched_tokens: int, max_local_prefill_length: int) -> bool:
-    """Conditional disaggregation, when the fleet places the legs one by one: skip the context leg
-    when the generation server already caches all but `max_local_prefill_length` prompt tokens."""
-    return bool(num_tokens) and matched_tokens > 0 and num_tokens - matched_tokens <= max_local_prefill_length
-
-
-def placed(mode: str, has_context: bool, receives_kv: bool) -> tuple[str, bool]:
-    """(mode, whether the context leg runs) once the legs are placed: a generation server known
-    not to receive KV (or of another engine family) serves the request alone, so the context leg
-    would be wasted work."""
-    if has_context and not receives_kv:
-        return NO_KV_TRANSFER, False
-    return mode, has_context
-
-
-def falls_back_to_aggregate(status: int, code: str | None, no_context_fallback: str,
-                            healthy_context_servers: int) -> bool:
-    """A context leg that found no reachable server (every retry spent) is served aggregated on the
-    generation server when the config says `aggregate` and no context server is usable any more."""
-    return (status in (502, 503) and code == "upstream_unavailable" and no_context_fallback == "aggregate"
-            and not healthy_context_servers)
+def context_unreachable(status: int, code: str | None) -> bool:
+    """The context leg's error says no context server could be reached (every retry spent), rather
+    than a server that answered with an error: the case `no_context_fallback` may serve aggregated
+    (router/pairing.py `PairRules.aggregates_after_context_loss`)."""
+    return status in (502, 503) and code == "upstream_unavailable"
 
 
 def route_of(server: str, policy: str, explanation: dict) -> dict:

@@ -98,15 +98,6 @@ def test_bad_context_answers_are_typed():
     trt.check_generation_params(ctx_answer("stop", dp={}))     # a finished request needs none
 
 
-def test_placed_mode():
-    for mode in (plan.DISAGGREGATED, plan.LOCAL_PREFILL, plan.AGGREGATED_FALLBACK, plan.AGGREGATED):
-        has_ctx = mode == plan.DISAGGREGATED
-        assert plan.placed(mode, has_ctx, True) == (mode, has_ctx)
-    # the generation server cannot receive KV (a 501 before, or another engine family)
-    assert plan.placed(plan.DISAGGREGATED, True, False) == (plan.NO_KV_TRANSFER, False)
-    assert plan.placed(plan.LOCAL_PREFILL, False, False) == (plan.LOCAL_PREFILL, False)
-
-
 def test_vllm_mode_after_the_prefill_answer():
     from fleet.legs import vllm
     assert vllm.mode_of({"do_remote_prefill": True, "remote_engine_id": "e"}) == plan.DISAGGREGATED
@@ -115,16 +106,13 @@ def test_vllm_mode_after_the_prefill_answer():
     assert vllm.mode_of({"do_remote_prefill": False}) == plan.NO_KV_TRANSFER
 
 
-def test_local_prefill_and_fallback_rules():
-    # conditional disaggregation: 100 prompt tokens, 90 cached on the generation server
-    assert plan.local_prefill(100, 90, 16) and not plan.local_prefill(100, 80, 16)
-    assert not plan.local_prefill(100, 0, 1000) and not plan.local_prefill(None, 50, 16)
-    # aggregated fallback only when every context server is gone and the config allows it
-    assert plan.falls_back_to_aggregate(502, "upstream_unavailable", "aggregate", 0)
-    assert plan.falls_back_to_aggregate(503, "upstream_unavailable", "aggregate", 0)
-    assert not plan.falls_back_to_aggregate(502, "upstream_unavailable", "reject", 0)
-    assert not plan.falls_back_to_aggregate(502, "upstream_unavailable", "aggregate", 1)
-    assert not plan.falls_back_to_aggregate(502, "upstream_error", "aggregate", 0)
+def test_context_unreachable():
+    # only a context leg that reached no server may be served aggregated (router/pairing.py decides
+    # whether it is: tests/router/test_pairing.py)
+    assert plan.context_unreachable(502, "upstream_unavailable")
+    assert plan.context_unreachable(503, "upstream_unavailable")
+    assert not plan.context_unreachable(502, "upstream_error")
+    assert not plan.context_unreachable(504, "upstream_unavailable")
 
 
 # --------------------------------------------------------------------------- route receipt
