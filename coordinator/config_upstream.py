@@ -20,13 +20,13 @@ import difflib
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec.inspect as mi
 
 from coordinator.config_base import (SOURCE_KEY, ConfigError, field_specs, join, non_null, show,
                                      struct_of)
 from coordinator.config_schema import ClusterConfig, RouterConfig, ServerGroupConfig
+from coordinator.registry import canonical_url
 from coordinator.upstream_args import UPSTREAM_ENGINE_ARGS
 
 GROUPS = ("context_servers", "generation_servers")
@@ -174,34 +174,24 @@ def _router(data: dict, path: str) -> dict:
 
 def _server_group(data: dict, path: str) -> dict:
     if isinstance(data.get("urls"), (list, tuple)):
-        data["urls"] = [normalise_url(u, f"{join(path, 'urls')}[{i}]")
+        data["urls"] = [_url(u, f"{join(path, 'urls')}[{i}]")
                         for i, u in enumerate(data["urls"])]
     if isinstance(data.get("kv_events"), (list, tuple)):
         evs = []
         for i, ev in enumerate(data["kv_events"]):
             if isinstance(ev, Mapping) and "server" in ev:
-                ev = {**ev, "server": normalise_url(
+                ev = {**ev, "server": _url(
                     ev["server"], f"{join(path, 'kv_events')}[{i}].server")}
             evs.append(ev)
         data["kv_events"] = evs
     return data
 
 
-def normalise_url(u: Any, path: str) -> Any:
-    """`host:port` or `http(s)://host:port` → `http(s)://host:port` (ConfigError otherwise)."""
+def _url(u: Any, path: str) -> Any:
+    """A listed server url in its one spelling (coordinator/registry.py `canonical_url`)."""
     if not isinstance(u, str):
         return u  # the type check reports it
-    raw = u.strip()
-    s = raw if "://" in raw else f"http://{raw}"
     try:
-        parts = urlsplit(s)
-        port = parts.port
+        return canonical_url(u, origin=True)
     except ValueError as e:
-        raise ConfigError(path, f"expected host:port or http(s)://host:port, found {u!r} ({e})")
-    if parts.scheme not in ("http", "https") or not parts.hostname or port is None \
-            or parts.path not in ("", "/") or parts.query or parts.fragment or port == 0:
-        raise ConfigError(path, f"expected host:port or http(s)://host:port, found {u!r}")
-    host = parts.hostname
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{parts.scheme}://{host}:{port}"
+        raise ConfigError(path, str(e)) from None

@@ -38,28 +38,37 @@ class ServerState(str, enum.Enum):
     REFUSED = "refused"
 
 
-def normalize_url(url: str, field_name: str = "url") -> str:
-    """`host:port`, `http://host:port/` → `http://host:port` (scheme and host lower-cased)."""
+def canonical_url(url: object, *, origin: bool = False) -> str:
+    """A server's one spelling: `host:port`, `http://host:port/` → `http://host:port` (scheme and
+    host lower-cased, a trailing slash dropped, a path prefix kept). `origin`: nothing but scheme,
+    host and a non-zero port (the config's server lists). The one normaliser of server urls: the
+    config's lists, registrations and exclusions all go through it, so one server is one entry.
+    Raises ValueError saying what was expected and what was found."""
+    want = "host:port or http(s)://host:port" + ("" if origin else "[/path]")
     if not isinstance(url, str) or not url.strip():
-        raise BadRequest(f"server url must be a non-empty string, got {url!r}", field_name)
+        raise ValueError(f"expected a server url ({want}), found {url!r}")
     raw = url.strip()
-    if "://" not in raw:
-        raw = "http://" + raw
-    parts = urlsplit(raw)
-    if parts.scheme not in ("http", "https"):
-        raise BadRequest(f"server url {url!r} must use http or https", field_name)
     try:
+        parts = urlsplit(raw if "://" in raw else "http://" + raw)
         port = parts.port
-    except ValueError:
-        raise BadRequest(f"server url {url!r} has an invalid port", field_name) from None
+    except ValueError as e:
+        raise ValueError(f"expected {want}, found {url!r} ({e})") from None
     host = parts.hostname
-    if not host:
-        raise BadRequest(f"server url {url!r} has no host", field_name)
+    if parts.scheme not in ("http", "https") or not host or (origin and (
+            not port or parts.path not in ("", "/") or parts.query or parts.fragment)):
+        raise ValueError(f"expected {want}, found {url!r}")
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
     netloc = f"{host}:{port}" if port is not None else host
-    path = parts.path.rstrip("/")
-    return f"{parts.scheme}://{netloc}{path}"
+    return f"{parts.scheme}://{netloc}{parts.path.rstrip('/')}"
+
+
+def normalize_url(url: str, field_name: str = "url") -> str:
+    """`canonical_url` for an API request: BadRequest naming `field_name` otherwise."""
+    try:
+        return canonical_url(url)
+    except ValueError as e:
+        raise BadRequest(str(e), field_name) from None
 
 
 def roles_of(role: str | None, field_name: str = "role") -> tuple[str, ...]:
