@@ -229,8 +229,9 @@ class ConditionalDisaggConfig(Section):
 
 
 class OtlpConfig(Section):
-    otlp_traces_endpoint: Annotated[Optional[str], doc("OTLP/HTTP traces endpoint",
-                                                       upstream=True)] = None
+    otlp_traces_endpoint: Annotated[Optional[str], doc(
+        "OTLP/HTTP (protobuf) traces URL, e.g. http://collector:4318/v1/traces: one trace per "
+        "request, traceparent sent on each leg (docs/fleet.md, 'Tracing')", upstream=True)] = None
 
 
 class MinimalInstances(Section):

@@ -78,6 +78,7 @@ class Flow:
         self.aggregated_only = config.aggregated_only   # a plain aggregated deployment
         self._key_roles: list[str] | None = None   # roles whose policy needs a routing key
         self._conv_only = False
+        self.tracing = None                 # fleet/tracing.py's FleetTracing (otlp_config), or None
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: FleetRequest, creq: ClientRequest, alias: int | None,
@@ -86,10 +87,23 @@ class Flow:
         route header only (never sent to a worker, never an abort or transfer key), and unique among
         this process's requests in flight."""
         with RequestScope(self, t0, alias) as scope:
-            resp = await self._run(request, creq, scope, client_params)
-            if isinstance(resp, ReplayStream):
-                resp = await resp.send(request)
+            if self.tracing is None:
+                return await self._serve(request, creq, scope, client_params)
+            scope.trace = tr = self.tracing.start(request, scope)
+            try:
+                resp = await self._serve(request, creq, scope, client_params)
+            except BaseException as e:
+                tr.end(scope, e)
+                raise
+            tr.end(scope, None, getattr(resp, "status", None))
             return resp
+
+    async def _serve(self, request: FleetRequest, creq: ClientRequest, scope: RequestScope,
+                     client_params: dict | None):
+        resp = await self._run(request, creq, scope, client_params)
+        if isinstance(resp, ReplayStream):
+            resp = await resp.send(request)
+        return resp
 
     # ------------------------------------------------------------------ background aborts
     def spawn(self, coro) -> None:
@@ -214,9 +228,12 @@ class Flow:
             return None
 
     # ------------------------------------------------------------------ one leg, with retries
-    def _headers(self, scope: RequestScope, role: str) -> bytes:
-        return b"X-Request-Id: %d\r\nX-Splitserve-Attempt: %d\r\nX-Splitserve-Role: %s\r\n" % (
+    def _headers(self, scope: RequestScope, role: str, server: str) -> bytes:
+        h = b"X-Request-Id: %d\r\nX-Splitserve-Attempt: %d\r\nX-Splitserve-Role: %s\r\n" % (
             scope.rid, scope.attempts[role], role.encode())
+        if scope.trace is not None:
+            h += scope.trace.leg(role, server, scope.attempts[role])
+        return h
 
     async def send(self, scope: RequestScope, role: str, p: Placement, path: str, body: bytes,
                    key: dict | None, extra: bytes = b"", gen_only: bool = False,
@@ -235,7 +252,7 @@ class Flow:
             err: str
             shedding: bool           # the typed cause of a retryable failure: worker 503, else unreachable
             try:
-                resp = await self.pool.request(p.server, path, body, self._headers(scope, role) + extra,
+                resp = await self.pool.request(p.server, path, body, self._headers(scope, role, p.server) + extra,
                                                timeout=self.timeout)
             except UpstreamConnectError as e:
                 scope.unsent()            # it never reached the worker: nothing to abort there
@@ -304,7 +321,10 @@ class Flow:
             scope.mode = plan.AGGREGATED
             body = plan.with_params(self.answer_base(creq), client_params)
             return await self.final_leg(request, creq, scope, p, orjson.dumps(body), key, self._sig(client_params))
-        ctx, gen = await self._place(scope, key)
+        if scope.trace is None:
+            ctx, gen = await self._place(scope, key)
+        else:
+            ctx, gen = await scope.trace.placement(scope, self._place(scope, key))
         proto = pd_flow.request_protocol(self, ctx, gen)
         if proto != "trtllm":
             return await pd_flow.run(self, request, creq, scope, ctx, gen, key, proto)
@@ -367,6 +387,8 @@ class Flow:
             raise
         raw = await self.relay.read(resp, scope, CTX, ctx)
         self.relay.leg_latency[CTX].observe(time.perf_counter() - t)
+        if scope.trace is not None:
+            scope.trace.leg_done(CTX)
         try:
             ans = trt.decode_context_answer(raw)
             self.relay.observe_usage(CTX, ctx, ans.usage)

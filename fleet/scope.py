@@ -30,7 +30,7 @@ log = logging.getLogger("splitserve.fleet.flow")
 
 class RequestScope:
     __slots__ = ("flow", "placer", "rid", "t0", "alias", "mode", "route", "attempts", "bytes_sent",
-                 "failed", "placements", "open_resp", "touched", "gen_sent_at")
+                 "failed", "placements", "open_resp", "touched", "gen_sent_at", "trace")
 
     def __init__(self, flow, t0: float, alias: int | None = None):
         self.flow = flow                # spawn(), post_abort(), aliases, ids
@@ -47,6 +47,7 @@ class RequestScope:
         self.placements: list[Placement] = []   # leases held (finished on exit)
         self.open_resp: list = []       # upstream responses not yet read to their end
         self.touched: list = []         # (role, server) that received this request (aborted on exit)
+        self.trace = None               # fleet/tracing.py's RequestTrace when tracing is on
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "RequestScope":

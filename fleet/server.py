@@ -166,6 +166,11 @@ class FleetServer:
                                f"{self.coordinator_label}: {e}", EXIT_COORDINATOR_UNREACHABLE) from None
         self.ids = SnowflakeGenerator(*self.identity)
         self.flow = Flow(self.config, self.placer, self.pool, self.ids, self.keys)
+        from .tracing import FleetTracing
+        try:
+            self.flow.tracing = FleetTracing.from_config(self.config)
+        except ValueError as e:
+            raise StartupError(f"otlp_config: {e}", EXIT_CONFIG) from None
         self.placer.start()
         self._identity_task = asyncio.get_running_loop().create_task(self._renew_identity())
         self.started = True
@@ -201,6 +206,8 @@ class FleetServer:
             await asyncio.gather(self._identity_task, return_exceptions=True)
         if self.flow is not None:
             await self.flow.drain(5.0)
+            if self.flow.tracing is not None:   # exports what is still batched
+                await asyncio.get_running_loop().run_in_executor(None, self.flow.tracing.shutdown)
         await self.placer.stop()
         await self.pool.close()
         if self.identity is not None:

@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--coordinator-url", None, help="register with this coordinator (TTL heartbeats)")
     add("--cluster-uri", None, help="register in etcd instead: etcd://host:port[,etcd://…] "
         "(a key on a lease, as TensorRT-LLM workers do; the coordinator watches it)")
+    add("--otlp-traces-endpoint", None, help="export OpenTelemetry traces over OTLP/HTTP to this "
+        "URL (e.g. http://otel-collector:4318/v1/traces); each request continues the caller's "
+        "W3C traceparent")
     add("--cluster-name", "", help="disagg_cluster.cluster_name of the cluster to join in etcd")
     add("--register-ttl", 30.0, type=float, help="registration TTL in seconds (etcd: the lease, "
         "upstream's inactive_timeout_sec)")
@@ -274,6 +277,7 @@ def build_server(args):
                         advertise_host=advertise, publisher=publisher,
                         coordinator_url=args.coordinator_url, register_ttl_s=args.register_ttl,
                         cluster_uri=args.cluster_uri, cluster_name=args.cluster_name,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint,
                         transfer_info=conn.server_info() if conn else None,
                         ctx_info_endpoint=conn.endpoint if conn else None,
                         disagg_protocol=args.disagg_protocol, bootstrap_port=args.bootstrap_port)

@@ -65,7 +65,8 @@ class WorkerServer:
                  max_body_bytes: int = 32 << 20, worker_id: str | None = None,
                  transfer_info: dict | None = None, ctx_info_endpoint: str | None = None,
                  disagg_protocol: str = "trtllm", bootstrap_port: int | None = None,
-                 cluster_uri: str | None = None, cluster_name: str = ""):
+                 cluster_uri: str | None = None, cluster_name: str = "",
+                 otlp_traces_endpoint: str | None = None):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if disagg_protocol not in pd_protocols.PROTOCOLS:
@@ -85,6 +86,9 @@ class WorkerServer:
         self.publisher = publisher
         self.coordinator_url = coordinator_url
         self.cluster_uri = cluster_uri
+        from protocol.tracing import make_tracer
+        # None unless --otlp-traces-endpoint: the request path then only tests it against None.
+        self.tracing = make_tracer(otlp_traces_endpoint, "splitserve-worker")
         self.cluster_name = cluster_name
         self.register_ttl_s = register_ttl_s
         self.max_body_bytes = max_body_bytes
@@ -187,6 +191,8 @@ class WorkerServer:
             await self._bootstrap_runner.cleanup()
         if self.publisher is not None:
             self.publisher.close()
+        if self.tracing is not None:   # exports what is still batched
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 
     async def _start_bootstrap(self) -> None:
         """The SGLang prefill side's bootstrap server: where a decode leg waits for its room's
@@ -388,6 +394,34 @@ class WorkerServer:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        if self.tracing is None:
+            return await self._generate_untraced(request, kind)
+        return await self._generate_traced(request, kind)
+
+    async def _generate_traced(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """The request under a SERVER span continuing the caller's trace (`traceparent`, sent by
+        the fleet with each leg), ended when the answer (a stream: its last byte) is written."""
+        from opentelemetry.trace import SpanKind, StatusCode
+        from protocol.tracing import parent_context
+        span = self.tracing.tracer.start_span(
+            f"worker {request.path}", kind=SpanKind.SERVER, context=parent_context(request.headers))
+        span.set_attribute("splitserve.role", self.role)
+        span.set_attribute("splitserve.worker_id", self.worker_id or "")
+        xrid = request.headers.get("X-Request-Id")
+        if xrid:
+            span.set_attribute("splitserve.request_id", xrid)
+        try:
+            resp = await self._generate_untraced(request, kind, span)
+        except BaseException as e:
+            span.set_status(StatusCode.ERROR, getattr(e, "message", None) or type(e).__name__)
+            span.end()
+            raise
+        span.set_attribute("http.response.status_code", resp.status)
+        span.end()
+        return resp
+
+    async def _generate_untraced(self, request: web.Request, kind: str,
+                                 span=None) -> web.StreamResponse:
         if self.draining:
             raise EngineStopped("the worker is draining for shutdown; retry on another worker")
         body = await self._body(request)
@@ -431,6 +465,9 @@ class WorkerServer:
             sampling=parsed.sampling, request_type=rt, aliases=aliases, ctx_request_id=ctx_id,
             disaggregated_params=dp if rt == GENERATION_ONLY else None,
             first_gen_tokens=parsed.first_gen_tokens)
+        if span is not None:
+            span.set_attribute("splitserve.request_type", str(getattr(rt, "value", rt)))
+            span.set_attribute("gen_ai.usage.prompt_tokens", len(parsed.prompt_token_ids))
         try:
             stream = await eng.submit(ereq)
         except InvalidRequest as e:
