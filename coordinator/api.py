@@ -73,6 +73,8 @@ class Api:
             "/finish": ("finish", wire.FinishBody, self._finish),
             "/renew": ("renew", wire.RenewBody, lambda b: {"renewed": c.renew_lease(
                 wire.parse_role(b.role), wire.check_req_id(b.req_id))}),
+            "/first_token": ("first_token", wire.FirstTokenBody, lambda b: {"applied": c.lease_first_token(
+                wire.parse_role(b.role), wire.check_req_id(b.req_id))}),
             "/register": ("register", wire.RegisterBody,
                           lambda b: c.register(b.url, b.role, b.ttl_s, b.worker_id)),
             "/heartbeat": ("heartbeat", wire.RegisterBody, self._heartbeat),

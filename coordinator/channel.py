@@ -123,6 +123,13 @@ class ChannelServer:
                 log.warning("finish on the channel: %s; ending the lease without its usage", exc)
                 usage = None
             coord.end_lease(f.role, f.req_id, f.success, usage)
+        started = b.started
+        if started:
+            if type(b) is not cw.DecodedBatch:
+                started = self._started(started)
+            first_token = coord.lease_first_token
+            for s in started:
+                first_token(s.role, s.req_id)
         for call in calls:
             t = type(call)
             if t is cw.Renew:
@@ -160,6 +167,16 @@ class ChannelServer:
                 coord.stats.bad_requests[name] = coord.stats.bad_requests.get(name, 0) + 1
                 results.append(cw.Result(call.id, cw.BAD_REQUEST, exc.to_body()))
         return cw.Replies(b.seq, results)
+
+    def _started(self, raws: list) -> list:
+        out = []
+        for raw in raws:
+            try:
+                out.append(cw.decode_started(raw))
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                self.stats.bad_calls += 1
+                log.warning("ignored a malformed first-token report on the channel: %s", exc)
+        return out
 
     def _items(self, b: cw.DecodedBatch | cw.Batch) -> tuple[list, list, list]:
         """(finishes, calls, answers to malformed calls) of a batch: as decoded with the frame

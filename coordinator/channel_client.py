@@ -14,6 +14,10 @@ with every lease end queued since the last flush; the coordinator answers each b
   per batch and stays owned by the client until its batch is acknowledged. When the connection drops first, the unacknowledged
   ones are re-sent on the next connection, or handed to `fallback_finish` (the HTTP API) when the
   coordinator cannot be reached over the channel; a repeated finish is idempotent there.
+- First-token reports (`first_token`: the leg's first token arrived, a context leg answered) are
+  queued like finishes and ride the same batches, each sent once; one queued when the connection
+  drops is dropped (the coordinator then ends the lease's prefill phase at its prefill TTL or the
+  finish), never re-sent late.
 - Not offered (an older coordinator, `--http aiohttp`, `coordinator.channel: false`): `usable()`
   turns False and the caller uses HTTP; the offer is re-checked every `retry_s`.
 """
@@ -128,6 +132,7 @@ class ChannelClient:
         self._seq = 0
         self._calls: list = []
         self._fins: list[cw.Finish] = []
+        self._started: list[cw.FirstToken] = []
         self._fin_waiters: list[asyncio.Future] = []   # `await finish()` callers of queued finishes
         self._scheduled = False
         # Timers re-armed, never cancelled (a call_later + cancel costs ~2.3 µs, and under load
@@ -148,7 +153,7 @@ class ChannelClient:
         self.offered: bool | None = None     # None: not asked yet
         self.stats = {"batches": 0, "calls": 0, "finishes": 0, "resent_finishes": 0,
                       "http_finishes": 0, "abandoned_leases_finished": 0, "shed_pending": 0,
-                      "reconnects": 0}
+                      "reconnects": 0, "first_tokens": 0, "first_tokens_dropped": 0}
 
     # ---- connection ---------------------------------------------------------------------------
     @property
@@ -249,6 +254,9 @@ class ChannelClient:
                 fut.set_exception(err)
         self._waiting.clear()
         self._calls = []
+        if self._started:     # not re-sent: the coordinator's prefill TTL or the finish acts
+            self.stats["first_tokens_dropped"] += len(self._started)
+            self._started = []
         if resend:
             self.stats["resent_finishes"] += len(resend)
             self._fins = resend + self._fins
@@ -298,7 +306,7 @@ class ChannelClient:
     def _finishes_due(self) -> None:
         self._fin_timer = None
         since = self._fins_since
-        if since is None or not self._fins or self._proto is None:
+        if since is None or not (self._fins or self._started) or self._proto is None:
             return      # flushed meanwhile, or the connection is gone (_lost owns them)
         due = since + self.finish_delay_s
         if self._loop.time() < due - 1e-4:      # newer finishes than those this timer was set for
@@ -309,12 +317,15 @@ class ChannelClient:
     def _flush(self) -> None:
         self._scheduled = False
         proto = self._proto
-        if proto is None or proto.transport is None or not (self._calls or self._fins):
+        if proto is None or proto.transport is None or not (self._calls or self._fins or self._started):
             return
         self._seq += 1
         seq = self._seq
-        calls, fins, fw = self._calls, self._fins, self._fin_waiters
+        calls, fins, fw, started = self._calls, self._fins, self._fin_waiters, self._started
         self._calls, self._fins, self._fin_waiters = [], [], []
+        if started:
+            self._started = []
+            self.stats["first_tokens"] += len(started)
         self._fins_since = None
         ids = [c.id for c in calls]
         if ids:
@@ -326,7 +337,7 @@ class ChannelClient:
         self.stats["batches"] += 1
         self.stats["calls"] += len(calls)
         self.stats["finishes"] += len(fins)
-        proto.transport.write(cw.batch_frame(seq, time.monotonic(), calls, fins))
+        proto.transport.write(cw.batch_frame(seq, time.monotonic(), calls, fins, started))
 
     def _expire_due(self) -> None:
         """The batches whose calls are past `timeout_s` unanswered (acknowledged ones leave the
@@ -504,6 +515,18 @@ class ChannelClient:
         self._fins.append(cw.Finish(canon, req_id, success, usage))
         if self._proto is not None:
             self._schedule_finishes()
+        return True
+
+    def first_token(self, role: str, req_id: int) -> bool:
+        """Queue a first-token report (no answer; idempotent at the coordinator); False when the
+        channel is not connected (the caller may use the HTTP API, or let the prefill TTL act)."""
+        if self._closed or self._proto is None:
+            return False
+        canon = wire.ROLES.get(role) if isinstance(role, str) else None
+        if canon is None or type(req_id) is not int or not 0 <= req_id <= wire.U64_MAX:
+            return False
+        self._started.append(cw.FirstToken(canon, req_id))
+        self._schedule_finishes()
         return True
 
     async def finish_acked(self, role: str, req_id: int, success: bool = True,

@@ -147,6 +147,7 @@ class InProcessTransport:
             codec.SELECT_PAIR: lambda b: c.select_pair(b.req_id, b.routing_key, b.exclude_ctx, b.exclude_gen),
             codec.FINISH: lambda b: c.finish(b.role, b.req_id, b.success, b.usage),
             codec.RENEW: lambda b: {"renewed": c.renew(b.role, b.req_id)},
+            codec.FIRST_TOKEN: lambda b: {"applied": c.first_token(b.role, b.req_id)},
             codec.CLUSTER_INFO: lambda b: c.cluster_info(),
             codec.HEALTH: lambda b: c.is_ready(),
             codec.IDENTITY: lambda b: c.lease_identity(b.holder, b.node_id, b.process_id),
@@ -228,6 +229,21 @@ class CoordinatorClient:
             return True
         ch = self._chan
         return ch is not None and ch.finish(role, req_id, success, usage)
+
+    def first_token_nowait(self, role: str, req_id: int) -> bool:
+        """Report a leg's first token without awaiting: applied at once (in-process) or queued on
+        the channel (True); False: the caller awaits `first_token` instead (no channel)."""
+        if self.inline:
+            self.transport.call_now(codec.FIRST_TOKEN, codec.first_token_body(role, req_id))
+            return True
+        ch = self._chan
+        return ch is not None and ch.first_token(role, req_id)
+
+    async def first_token(self, role: str, req_id: int) -> bool:
+        """Report a leg's first token over the HTTP API (`POST /first_token`); True when it
+        applied (the lease was live and in prefill)."""
+        ans = await self._call("POST", codec.FIRST_TOKEN, codec.first_token_body(role, req_id))
+        return bool(ans.get("applied")) if isinstance(ans, dict) else False
 
     async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
         """Returns once the coordinator applied it (on the channel: its batch was acknowledged)."""

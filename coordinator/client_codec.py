@@ -16,19 +16,20 @@ from typing import Any
 from protocol.channel import wire_key
 from protocol.failures import Cause
 from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
-                            CoordinatorUnavailable, FinishBody, IdentityBody, IdentityReleaseBody,
+                            CoordinatorUnavailable, FinishBody, FirstTokenBody, IdentityBody, IdentityReleaseBody,
                             NoServerAvailable, RenewBody, SelectBody, SelectPairBody, encode_msgpack)
 
 SELECT = "/select"
 SELECT_PAIR = "/select_pair"
 FINISH = "/finish"
 RENEW = "/renew"
+FIRST_TOKEN = "/first_token"
 CLUSTER_INFO = "/cluster_info"
 HEALTH = "/health"
 IDENTITY = "/identity"
 IDENTITY_RELEASE = "/identity/release"
 PLACEMENTS = frozenset({SELECT, SELECT_PAIR})
-HOT = frozenset({SELECT, SELECT_PAIR, FINISH, RENEW})     # per request: the fast transports' calls
+HOT = frozenset({SELECT, SELECT_PAIR, FINISH, RENEW, FIRST_TOKEN})     # per request: the fast transports' calls
 
 
 def _excl(v: Any) -> Any:
@@ -60,6 +61,10 @@ def finish_body(role: str, req_id: int, success: bool = True, usage: dict | None
 
 def renew_body(role: str, req_id: int) -> RenewBody:
     return RenewBody(role, req_id)
+
+
+def first_token_body(role: str, req_id: int) -> FirstTokenBody:
+    return FirstTokenBody(role, req_id)
 
 
 def identity_body(holder: str, node_id: int | None = None, process_id: int | None = None) -> IdentityBody:

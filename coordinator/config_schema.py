@@ -290,6 +290,9 @@ class LeaseConfig(Section):
                                    "expired (its load released)")] = 300.0
     renew_interval_s: Annotated[Optional[PosFloat], doc(
         "how often long streams renew their lease (null = ttl_s / 3)")] = None
+    prefill_ttl_s: Annotated[PosFloat, doc(
+        "a lease whose first token was not reported within this counts as decoding, no longer "
+        "as queued prefill (a lost or never-sent report)")] = 60.0
 
     @property
     def effective_renew_interval_s(self) -> float:

@@ -69,6 +69,7 @@ class Stats:
     pair_modes: dict = field(default_factory=dict)          # mode -> n
     finishes: dict = field(default_factory=dict)            # (role, success) -> n
     finish_unknown: int = 0
+    first_token_unknown: int = 0    # first-token reports of leases not live or already past prefill
     renewed: int = 0
     renew_unknown: int = 0
     leases_expired: dict = field(default_factory=lambda: {CONTEXT: 0, GENERATION: 0})
@@ -94,12 +95,13 @@ class _LoadView:
     """The policies' window on load and cache state (router.policies.LoadView). The load methods
     are the table's own bound methods: no extra call layer per candidate."""
 
-    __slots__ = ("requests", "tokens", "loads", "_index", "_walk")
+    __slots__ = ("requests", "tokens", "loads", "phases", "_index", "_walk")
 
     def __init__(self, leases: LeaseTable, index: KvIndex):
         self.requests = leases.requests
         self.tokens = leases.tokens
         self.loads = leases.loads_for
+        self.phases = leases.phases_for
         self._index = index
         self._walk: tuple | None = None     # (keys, the index's walk version, answer)
 
@@ -139,7 +141,7 @@ class Coordinator:
         self.minimal = {CONTEXT: mins.context_servers, GENERATION: mins.generation_servers}
         # The index keys event tokens under the same namespace salt the fleet keys prompts with.
         self.index = KvIndex(block_size=self.block_size, namespace=cfg.routing.namespace)
-        self.leases = LeaseTable()
+        self.leases = LeaseTable(prefill_ttl=cfg.leases.prefill_ttl_s)
         self.identities = IdentityTable(co.identity_ttl_s)
         self.stats = Stats(leases=self.leases)
         self.registry = Registry(
@@ -390,9 +392,11 @@ class Coordinator:
         decision = self._place(role, key, excluded)
         server = decision.server
         now = self.clock()
-        # a live lease of the same key (a retry re-placing its leg) is replaced, its load moved
+        # a live lease of the same key (a retry re-placing its leg) is replaced, its load moved;
+        # it is in prefill with the tokens the server must compute until its first token
         self.leases.acquire(role, req_id, server, now, self.lease_ttl_s,
-                            key.num_tokens if key is not None else 0)
+                            key.num_tokens if key is not None else 0, decision.uncached,
+                            decision.predicted_s)
         self.stats.selects[role] += 1
         if self._kv_aware[role] and key is not None:
             keys = key.block_keys
@@ -462,6 +466,20 @@ class Coordinator:
             self.registry.report(lease.server, False, self.clock())
         return True
 
+    def lease_first_token(self, role: str, req_id: int) -> bool:
+        """The fleet saw the leg's first token (a context leg: its answer, the KV ready): the
+        lease leaves the prefill phase (idempotent; False when it was not live or already past
+        it). Its time since placement is the policy's actual against the placement's estimate."""
+        lease = self.leases.first_token(role, req_id)
+        if lease is None:
+            self.stats.first_token_unknown += 1
+            return False
+        if lease.predicted_s:
+            observe = getattr(self.policies[role], "observe_ttft", None)
+            if observe is not None:
+                observe(lease.server, lease.predicted_s, self.clock() - lease.acquired_at)
+        return True
+
     def renew_lease(self, role: str, req_id: int) -> bool:
         ok = self.leases.renew(role, req_id, self.clock(), self.lease_ttl_s)
         if ok:
@@ -491,6 +509,10 @@ class Coordinator:
         if type(success) is not bool:
             raise BadRequest(f"success must be a boolean, got {success!r}", "success")
         return self.end_lease(role, req_id, success, wire.finish_usage(usage))
+
+    def first_token(self, role: str, req_id: int) -> bool:
+        """`lease_first_token` with plain Python values, checked (BadRequest naming the field)."""
+        return self.lease_first_token(wire.parse_role(role), wire.check_req_id(req_id))
 
     def renew(self, role: str, req_id: int) -> bool:
         return self.renew_lease(wire.parse_role(role), wire.check_req_id(req_id))

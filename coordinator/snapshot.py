@@ -30,6 +30,7 @@ class ServerRow:
     entry: "ServerEntry"
     requests: int                  # in-flight leases on it
     tokens: int                    # their leased prompt tokens
+    phase: tuple                   # (queued prefill tokens, leases in prefill, their tokens)
     index_blocks: int              # confirmed KV-index entries
     kv_ready: bool
     empty_under_traffic: bool
@@ -67,7 +68,10 @@ class ClusterSnapshot:
         for row in self.rows:
             e = row.entry
             d = e.describe(self.now)
-            d["load"] = {"requests": row.requests, "tokens": row.tokens}
+            q, npf, tpf = row.phase
+            d["load"] = {"requests": row.requests, "tokens": row.tokens,
+                         "queued_prefill_tokens": q, "prefilling": npf,
+                         "decoding": row.requests - npf, "decoding_tokens": row.tokens - tpf}
             d["kv_index_blocks"] = row.index_blocks
             d["kv_ready"] = row.kv_ready
             d["kv_index_empty_under_traffic"] = row.empty_under_traffic
@@ -94,7 +98,11 @@ class ClusterSnapshot:
                         for role in ROLES},
             "leases": {"in_flight": dict(self.in_flight), "ttl_s": c.lease_ttl_s,
                        "expired_total": dict(st.leases_expired),
-                       "replaced_total": st.leases_replaced},
+                       "replaced_total": st.leases_replaced,
+                       "prefill_ttl_s": c.leases.prefill_ttl,
+                       "first_tokens_total": c.leases.first_tokens,
+                       "prefill_timeouts_total": c.leases.prefill_timeouts,
+                       "first_token_unknown_total": st.first_token_unknown},
             "kv_index": {"size": self.index_size, "bind_endpoint": c.kv.bound_endpoint,
                          "bound_reader_restarts": c.kv.bound_reader_restarts},
             "routing_diagnostics": {
@@ -118,7 +126,7 @@ def take(coord: "Coordinator") -> ClusterSnapshot:
     rows = []
     for e in coord.registry.servers.values():
         r, t = leases.load(e.url)
-        rows.append(ServerRow(entry=e, requests=int(r), tokens=int(t),
+        rows.append(ServerRow(entry=e, requests=int(r), tokens=int(t), phase=leases.phase(e.url),
                               index_blocks=int(index.worker_size(e.url)), kv_ready=kv.kv_ready(e.url),
                               empty_under_traffic=e.url in empty, feed=kv.feeds.get(e.url)))
     return ClusterSnapshot(

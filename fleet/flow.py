@@ -386,6 +386,7 @@ class Flow:
                 return None, b"", ctx
             raise
         raw = await self.relay.read(resp, scope, CTX, ctx)
+        self.placer.first_token(ctx)     # prefill done, the KV ready: no longer queued prefill
         self.relay.leg_latency[CTX].observe(time.perf_counter() - t)
         if scope.trace is not None:
             scope.trace.leg_done(CTX)

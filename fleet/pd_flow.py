@@ -103,6 +103,7 @@ async def _vllm(flow, request, creq, scope, ctx, gen, key):
         scope.mode = scope.route["mode"] = plan.AGGREGATED_FALLBACK
         return await flow.plain_leg(request, creq, scope, gen, key)
     raw = await flow.relay.read(resp, scope, CTX, ctx)
+    flow.placer.first_token(ctx)     # prefill done, the KV ready: no longer queued prefill
     flow.relay.leg_latency[CTX].observe(time.perf_counter() - t)
     try:
         ans = orjson.loads(raw)
@@ -191,6 +192,7 @@ async def _sglang(flow, request, creq, scope, ctx, gen, key):
 async def _drain_prefill(flow, scope, ctx, resp, gen, gen_resp, t0: float) -> None:
     try:
         raw = await flow.relay.read(resp, scope, CTX, ctx)
+        flow.placer.first_token(ctx)
     except ApiError as e:
         # The prefill died after answering: its KV will never reach the decode server.
         log.warning("request %d: prefill leg on %s failed after its headers (%s); aborting the decode leg",

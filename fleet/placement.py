@@ -57,6 +57,7 @@ class Placement:
     last_renew: float = 0.0
     failed: bool = False     # the server failed this leg (its /finish says success=false)
     usage: tuple | None = None   # (prompt_tokens, cached_tokens) the worker reported
+    started: bool = False    # its first token (a context leg: its answer) was reported
 
     @property
     def predicted_tokens(self) -> int:
@@ -133,6 +134,9 @@ class Placer:
             self._chan.on_abandoned = M.ORPHANED_LEASES.inc
             if not self._inline:
                 self._nowait = self._chan.finish   # what `finish_nowait` calls, one layer less
+        self._first_nowait = getattr(coordinator, "first_token_nowait", None)
+        if self._chan is not None and not self._inline:
+            self._first_nowait = self._chan.first_token
         self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
         M.COORD_UP.set(1)
@@ -467,6 +471,34 @@ class Placer:
                 await asyncio.sleep(delay * (1 + random.random()))
                 delay *= 2
         M.FINISH_DROPPED.inc()
+
+    def first_token(self, p: Placement) -> None:
+        """The leg's first token arrived (a context leg: its answer): told to the coordinator once,
+        so its lease leaves the prefill phase (queued prefill load). Never blocks; a report that
+        cannot go is dropped (the coordinator's prefill TTL or the finish stands in)."""
+        if p.started or not p.lease or p.finished:
+            return
+        p.started = True
+        nowait = self._first_nowait
+        try:
+            if nowait is not None and nowait(p.role, p.req_id):
+                return
+        except Exception as e:   # a report must never fail the request
+            log.debug("first-token report of %s %d failed: %s", p.role, p.req_id, e)
+            return
+        send = getattr(self.coord, "first_token", None)
+        if send is None:
+            return
+        t = asyncio.get_running_loop().create_task(self._first_token(send, p))
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    @staticmethod
+    async def _first_token(send, p: Placement) -> None:
+        try:
+            await send(p.role, p.req_id)
+        except Exception as e:
+            log.debug("first-token report of %s %d failed: %s", p.role, p.req_id, e)
 
     def renew_due(self, p: Placement, interval: float) -> bool:
         return p.lease and not p.finished and time.monotonic() - p.last_renew >= interval

@@ -309,6 +309,7 @@ class Relay:
                 now = time.perf_counter()
                 if first:
                     M.TTFT.labels(scope.mode).observe(now - scope.t0)
+                    placer.first_token(gen)
                     first = False
                 elif last is not None:
                     itl.observe(now - last)

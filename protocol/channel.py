@@ -13,7 +13,10 @@ call a fleet process made since its last flush (one event-loop turn) and every l
 queued: finishes carry no call id and get no result of their own; the `Replies` with the same
 `seq` acknowledges all of them at once (applied exactly once: a finish of a lease already ended
 is counted and ignored, so re-sending an unacknowledged batch's finishes after a reconnect is
-safe). Results carry the HTTP API's answer bodies (same shapes as `/select`, `/select_pair`,
+safe). First-token reports (`FirstToken`: a leg's first token arrived, a context leg answered)
+ride the same way after the finishes, sent once each and idempotent at the coordinator; one lost
+with a dropped connection is not re-sent (the lease leaves prefill at `leases.prefill_ttl_s` or
+its finish instead). A batch without them is the 5-element frame older coordinators read. Results carry the HTTP API's answer bodies (same shapes as `/select`, `/select_pair`,
 `/renew`) with the HTTP status they would have had, less `info.server_info`: the fleet keeps each
 server's `/server_info` from its own view of the cluster, and an SGLang worker's is kilobytes of
 server arguments that would be encoded and decoded for every leg. A `kv_cache_aware` leg's
@@ -77,6 +80,11 @@ class Finish(msgspec.Struct, array_like=True, omit_defaults=True):
     usage: coord.FinishUsage | None = None   # the worker's report against the prediction (/finish's)
 
 
+class FirstToken(msgspec.Struct, array_like=True):
+    role: Role
+    req_id: U64
+
+
 Call = Union[Select, SelectPair, Renew]
 
 
@@ -87,6 +95,7 @@ class Batch(msgspec.Struct, tag="b", array_like=True):
     # does not fit the schema costs its own 400, not the whole batch or the connection.
     calls: list[msgspec.Raw] = []
     finishes: list[msgspec.Raw] = []
+    started: list[msgspec.Raw] = []    # FirstToken reports
 
 
 class DecodedBatch(msgspec.Struct, tag="b", array_like=True):
@@ -96,6 +105,7 @@ class DecodedBatch(msgspec.Struct, tag="b", array_like=True):
     sent: float | None = None
     calls: list[Call] = []
     finishes: list[Finish] = []
+    started: list[FirstToken] = []
 
 
 class KvChoice(msgspec.Struct, array_like=True):
@@ -143,6 +153,7 @@ _decoded_dec = msgspec.msgpack.Decoder(DecodedBatch)
 _replies_dec = msgspec.msgpack.Decoder(Replies)
 _call_dec = msgspec.msgpack.Decoder(Call)
 _finish_dec = msgspec.msgpack.Decoder(Finish)
+_started_dec = msgspec.msgpack.Decoder(FirstToken)
 _any_dec = msgspec.msgpack.Decoder()
 
 
@@ -152,9 +163,11 @@ def frame(obj: Batch | Replies) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-def batch_frame(seq: int, sent: float, calls: list, finishes: list) -> bytes:
-    """A client's `Batch` frame from call and finish structs (encoded in place of the Raw items)."""
-    payload = _enc.encode(("b", seq, sent, calls, finishes))
+def batch_frame(seq: int, sent: float, calls: list, finishes: list, started: list | None = None) -> bytes:
+    """A client's `Batch` frame from call, finish and first-token structs (encoded in place of
+    the Raw items)."""
+    payload = _enc.encode(("b", seq, sent, calls, finishes, started) if started else
+                          ("b", seq, sent, calls, finishes))
     return HEADER.pack(len(payload)) + payload
 
 
@@ -179,6 +192,10 @@ def decode_call(raw: msgspec.Raw) -> Call:
 
 def decode_finish(raw: msgspec.Raw) -> Finish:
     return _finish_dec.decode(raw)
+
+
+def decode_started(raw: msgspec.Raw) -> FirstToken:
+    return _started_dec.decode(raw)
 
 
 def call_id(raw: msgspec.Raw) -> int | None:

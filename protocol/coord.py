@@ -31,7 +31,7 @@ from protocol.roles import PAIR_MODES, ROLE_ALIASES, Mode, Role
 __all__ = [
     "BadRequest", "CoordinatorError", "CoordinatorOverloaded", "CoordinatorRequestError",
     "CoordinatorUnavailable", "NoServerAvailable", "UnsupportedMediaType",
-    "SelectBody", "SelectPairBody", "FinishBody", "RenewBody", "RegisterBody", "DeregisterBody",
+    "SelectBody", "SelectPairBody", "FinishBody", "FirstTokenBody", "RenewBody", "RegisterBody", "DeregisterBody",
     "IdentityBody", "IdentityReleaseBody", "RoutingKeyBody", "FinishUsage",
     "SelectAnswer", "SelectPairAnswer", "RenewAnswer", "ClusterInfo", "ServerView",
     "decode", "decode_answer", "as_answer", "encode_msgpack", "encode_json",
@@ -172,6 +172,12 @@ def finish_usage(u) -> tuple[int, int, int] | None:
 
 
 class RenewBody(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    req_id: int
+
+
+class FirstTokenBody(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /first_token`: the leg's first token arrived (a context leg: its answer)."""
     role: str
     req_id: int
 

@@ -1,5 +1,6 @@
-/* The numeric core of `kv_cache_aware` placement in one native call: router/policy_kv.py's
- * `_core`, the same numbers in the same order.
+/* The numeric cores of `kv_cache_aware` placement, each in one native call: router/policy_kv.py's
+ * `_time_core` (`time_core`, the default cost: estimated time to first token) and `_core`
+ * (`core`, the token-weight cost), the same numbers in the same order.
  *
  * Why native: the core runs twice per two-leg request in the coordinator (once per leg) over
  * every candidate, and in Python it is five list comprehensions, a sum, a max and a min: most of
@@ -12,6 +13,7 @@
  * no multiply-add is fused), so the pick, the ties and the explanation's scores are identical.
  * The caller uses it only where that holds: float weights, no candidate of unknown match
  * (router/policy_kv.py). tests/router/test_kv_cost_native.py compares both on random inputs.
+ * Both end in `decide` (hot servers, ties, the answer tuple): one rule, one place.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -50,120 +52,70 @@ static int append_index(PyObject *list, Py_ssize_t i) {
     return rc;
 }
 
-PyDoc_STRVAR(core_doc,
-"core(servers, matched, loads, block_size, cap, num_tokens, prefill_weight, load_tokens_weight,\n"
-"     load_requests_weight, pinned, affinity_bonus, hotspot_factor, hotspot_slack,\n"
-"     max_batch_size, load_cap) -> (matched_tokens, costs, tied, hotspot, load_capped, limit)\n\n"
-"router/policy_kv.py `_core` (its docstring has the arguments and the answer).");
+static int as_pair(PyObject *ld, long long *a, long long *b, const char *what) {
+    PyObject *x, *y;
+    if (PyTuple_Check(ld) && PyTuple_GET_SIZE(ld) == 2) {
+        x = PyTuple_GET_ITEM(ld, 0);
+        y = PyTuple_GET_ITEM(ld, 1);
+    } else if (PyList_Check(ld) && PyList_GET_SIZE(ld) == 2) {
+        x = PyList_GET_ITEM(ld, 0);
+        y = PyList_GET_ITEM(ld, 1);
+    } else {
+        PyErr_Format(PyExc_TypeError, "%s must be a (requests, tokens) pair", what);
+        return -1;
+    }
+    return (as_ll(x, a, "a load's requests") || as_ll(y, b, "a load's tokens")) ? -1 : 0;
+}
 
-enum { A_SERVERS, A_MATCHED, A_LOADS, A_BS, A_CAP, A_NT, A_PW, A_TW, A_RW, A_PIN, A_BONUS,
-       A_HF, A_SLACK, A_MBS, A_LCAP, N_ARGS };
+/* A server's reported match in tokens: md[server] * B capped at cap (0 when absent or md None). */
+static int match_of(PyObject *mdict, PyObject *server, long long B, long long cap, long long *out) {
+    long long mt = 0;
+    if (mdict != Py_None) {
+        PyObject *v = PyDict_GetItemWithError(mdict, server);
+        if (v == NULL && PyErr_Occurred())
+            return -1;
+        if (v != NULL) {
+            if (as_ll(v, &mt, "a matched block count"))
+                return -1;
+            mt *= B;
+        }
+    }
+    if (!(mt < cap))    /* `mt if mt < cap else cap` */
+        mt = cap;
+    *out = mt;
+    return 0;
+}
 
-static PyObject *core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != N_ARGS) {
-        PyErr_Format(PyExc_TypeError, "core() takes %d arguments, found %zd", N_ARGS, nargs);
-        return NULL;
-    }
-    PyObject *servers = args[A_SERVERS], *mdict = args[A_MATCHED], *loads = args[A_LOADS];
-    if (!PyList_Check(servers) || !PyList_Check(loads)) {
-        PyErr_SetString(PyExc_TypeError, "servers and loads must be lists");
-        return NULL;
-    }
-    if (mdict != Py_None && !PyDict_Check(mdict)) {
-        PyErr_SetString(PyExc_TypeError, "matched must be a dict or None");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(servers);
-    if (n < 1 || PyList_GET_SIZE(loads) != n) {
-        PyErr_Format(PyExc_ValueError, "expected one load per server and at least one server, "
-                     "found %zd servers and %zd loads", n, PyList_GET_SIZE(loads));
-        return NULL;
-    }
-    long long B, cap, nt, pin, mbs;
-    double pw, tw, rw, bonus, hf, slack, lcap;
-    if (as_ll(args[A_BS], &B, "block_size") || as_ll(args[A_CAP], &cap, "cap") ||
-        as_ll(args[A_NT], &nt, "num_tokens") || as_ll(args[A_PIN], &pin, "pinned") ||
-        as_ll(args[A_MBS], &mbs, "max_batch_size") ||
-        as_d(args[A_PW], &pw, "prefill_weight") || as_d(args[A_TW], &tw, "load_tokens_weight") ||
-        as_d(args[A_RW], &rw, "load_requests_weight") || as_d(args[A_BONUS], &bonus, "affinity_bonus") ||
-        as_d(args[A_HF], &hf, "hotspot_factor") || as_d(args[A_SLACK], &slack, "hotspot_slack") ||
-        as_d(args[A_LCAP], &lcap, "load_cap"))
-        return NULL;
-
-    PyObject *matched = NULL, *costs = NULL, *tied = NULL, *hs = NULL, *lc = NULL, *ans = NULL;
-    double *cv = NULL;
-    long long *req = NULL;
-    char *hot = NULL;
-    cv = PyMem_Malloc(n * sizeof(double));
-    req = PyMem_Malloc(n * sizeof(long long));
-    hot = PyMem_Calloc(n, 1);
-    matched = PyList_New(n);
-    costs = PyList_New(n);
-    if (cv == NULL || req == NULL || hot == NULL) {
+/* Hot servers, ties and the answer tuple from the costs `cv`, each server's hot-spot load `hv`
+ * (in-flight requests for `core`, estimated wait for `time_core`) and requests `req`; steals
+ * `matched`. The Python side: the end of `_core` / `_time_core`. */
+static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const double *hv,
+                        const long long *req, double hf, double slack, long long mbs, double lcap) {
+    PyObject *costs = NULL, *tied = NULL, *hs = NULL, *lc = NULL, *ans = NULL;
+    char *hot = PyMem_Calloc(n, 1);
+    if (hot == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
-    if (matched == NULL || costs == NULL)
+    costs = PyList_New(n);
+    hs = PyList_New(0);
+    lc = PyList_New(0);
+    if (costs == NULL || hs == NULL || lc == NULL)
         goto fail;
-
-    long long sum = 0, maxr = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long mt = 0;
-        if (mdict != Py_None) {
-            PyObject *v = PyDict_GetItemWithError(mdict, PyList_GET_ITEM(servers, i));
-            if (v == NULL && PyErr_Occurred())
-                goto fail;
-            if (v != NULL) {
-                if (as_ll(v, &mt, "a matched block count"))
-                    goto fail;
-                mt *= B;
-            }
-        }
-        if (!(mt < cap))    /* `mt if mt < cap else cap` */
-            mt = cap;
-        PyObject *ld = PyList_GET_ITEM(loads, i), *r_o, *t_o;
-        if (PyTuple_Check(ld) && PyTuple_GET_SIZE(ld) == 2) {
-            r_o = PyTuple_GET_ITEM(ld, 0);
-            t_o = PyTuple_GET_ITEM(ld, 1);
-        } else if (PyList_Check(ld) && PyList_GET_SIZE(ld) == 2) {
-            r_o = PyList_GET_ITEM(ld, 0);
-            t_o = PyList_GET_ITEM(ld, 1);
-        } else {
-            PyErr_SetString(PyExc_TypeError, "a load must be a (requests, tokens) pair");
-            goto fail;
-        }
-        long long r, tok;
-        if (as_ll(r_o, &r, "a load's requests") || as_ll(t_o, &tok, "a load's tokens"))
-            goto fail;
-        PyObject *m = PyLong_FromLongLong(mt);
-        if (m == NULL)
-            goto fail;
-        PyList_SET_ITEM(matched, i, m);
-        /* pw * (num_tokens - mt) + tw * tok + rw * req, left to right */
-        double c = pw * (double)(nt - mt);
-        c = c + tw * (double)tok;
-        cv[i] = c + rw * (double)r;
-        req[i] = r;
-        sum += r;
-        if (i == 0 || r > maxr)
-            maxr = r;
-    }
-    if (pin >= 0 && pin < n)
-        cv[pin] -= bonus * (double)nt;
-
     /* hot: the hotspot rule first, then the load cap for the others (the Python dict's order) */
     Py_ssize_t n_hot = 0;
     double limit = 0.0;
-    hs = PyList_New(0);
-    lc = PyList_New(0);
-    if (hs == NULL || lc == NULL)
-        goto fail;
     if (hf != 0.0) {
-        limit = hf * (double)sum / (double)n + slack;
-        if ((double)maxr > limit) {
+        double sum = 0.0, maxh = 0.0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            sum += hv[i];
+            if (i == 0 || hv[i] > maxh)
+                maxh = hv[i];
+        }
+        limit = hf * sum / (double)n + slack;
+        if (maxh > limit) {
             for (Py_ssize_t i = 0; i < n; i++) {
-                if ((double)req[i] > limit) {
+                if (hv[i] > limit) {
                     if (append_index(hs, i) < 0)
                         goto fail;
                     hot[i] = 1;
@@ -226,20 +178,213 @@ fail:
     Py_XDECREF(tied);
     Py_XDECREF(hs);
     Py_XDECREF(lc);
-    PyMem_Free(cv);
-    PyMem_Free(req);
     PyMem_Free(hot);
+    return ans;
+}
+
+static int check_lists(PyObject *servers, PyObject *mdict, PyObject *loads, Py_ssize_t *n) {
+    if (!PyList_Check(servers) || !PyList_Check(loads)) {
+        PyErr_SetString(PyExc_TypeError, "servers and loads must be lists");
+        return -1;
+    }
+    if (mdict != Py_None && !PyDict_Check(mdict)) {
+        PyErr_SetString(PyExc_TypeError, "matched must be a dict or None");
+        return -1;
+    }
+    *n = PyList_GET_SIZE(servers);
+    if (*n < 1 || PyList_GET_SIZE(loads) != *n) {
+        PyErr_Format(PyExc_ValueError, "expected one load per server and at least one server, "
+                     "found %zd servers and %zd loads", *n, PyList_GET_SIZE(loads));
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(core_doc,
+"core(servers, matched, loads, block_size, cap, num_tokens, prefill_weight, load_tokens_weight,\n"
+"     load_requests_weight, pinned, affinity_bonus, hotspot_factor, hotspot_slack,\n"
+"     max_batch_size, load_cap) -> (matched_tokens, costs, tied, hotspot, load_capped, limit)\n\n"
+"router/policy_kv.py `_core` (its docstring has the arguments and the answer).");
+
+enum { A_SERVERS, A_MATCHED, A_LOADS, A_BS, A_CAP, A_NT, A_PW, A_TW, A_RW, A_PIN, A_BONUS,
+       A_HF, A_SLACK, A_MBS, A_LCAP, N_ARGS };
+
+static PyObject *core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != N_ARGS) {
+        PyErr_Format(PyExc_TypeError, "core() takes %d arguments, found %zd", N_ARGS, nargs);
+        return NULL;
+    }
+    PyObject *servers = args[A_SERVERS], *mdict = args[A_MATCHED], *loads = args[A_LOADS];
+    Py_ssize_t n;
+    if (check_lists(servers, mdict, loads, &n))
+        return NULL;
+    long long B, cap, nt, pin, mbs;
+    double pw, tw, rw, bonus, hf, slack, lcap;
+    if (as_ll(args[A_BS], &B, "block_size") || as_ll(args[A_CAP], &cap, "cap") ||
+        as_ll(args[A_NT], &nt, "num_tokens") || as_ll(args[A_PIN], &pin, "pinned") ||
+        as_ll(args[A_MBS], &mbs, "max_batch_size") ||
+        as_d(args[A_PW], &pw, "prefill_weight") || as_d(args[A_TW], &tw, "load_tokens_weight") ||
+        as_d(args[A_RW], &rw, "load_requests_weight") || as_d(args[A_BONUS], &bonus, "affinity_bonus") ||
+        as_d(args[A_HF], &hf, "hotspot_factor") || as_d(args[A_SLACK], &slack, "hotspot_slack") ||
+        as_d(args[A_LCAP], &lcap, "load_cap"))
+        return NULL;
+
+    PyObject *matched = NULL, *ans = NULL;
+    double *cv = PyMem_Malloc(n * sizeof(double)), *hv = PyMem_Malloc(n * sizeof(double));
+    long long *req = PyMem_Malloc(n * sizeof(long long));
+    if (cv == NULL || hv == NULL || req == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if ((matched = PyList_New(n)) == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long mt, r, tok;
+        if (match_of(mdict, PyList_GET_ITEM(servers, i), B, cap, &mt) ||
+            as_pair(PyList_GET_ITEM(loads, i), &r, &tok, "a load"))
+            goto fail;
+        PyObject *m = PyLong_FromLongLong(mt);
+        if (m == NULL)
+            goto fail;
+        PyList_SET_ITEM(matched, i, m);
+        /* pw * (num_tokens - mt) + tw * tok + rw * req, left to right */
+        double c = pw * (double)(nt - mt);
+        c = c + tw * (double)tok;
+        cv[i] = c + rw * (double)r;
+        req[i] = r;
+        hv[i] = (double)r;
+    }
+    if (pin >= 0 && pin < n)
+        cv[pin] -= bonus * (double)nt;
+    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap);
+    matched = NULL;
+fail:
+    Py_XDECREF(matched);
+    PyMem_Free(cv);
+    PyMem_Free(hv);
+    PyMem_Free(req);
+    return ans;
+}
+
+PyDoc_STRVAR(time_core_doc,
+"time_core(servers, matched, loads, phases, models, scales, block_size, cap, num_tokens,\n"
+"          uncached_weight, decode_weight, pinned, affinity_bonus, hotspot_factor,\n"
+"          hotspot_slack_s, max_batch_size, load_cap)\n"
+"    -> (matched_tokens, costs, tied, hotspot, load_capped, limit)\n\n"
+"router/policy_kv.py `_time_core` (its docstring has the arguments and the answer).");
+
+enum { T_SERVERS, T_MATCHED, T_LOADS, T_PHASES, T_MODELS, T_SCALES, T_BS, T_CAP, T_NT, T_UW,
+       T_DW, T_PIN, T_BONUS, T_HF, T_SLACK, T_MBS, T_LCAP, T_N_ARGS };
+
+/* A sequence item of exactly `k` elements (a tuple or a list); NULL with TypeError otherwise. */
+static PyObject *const *items_of(PyObject *o, Py_ssize_t k, const char *what) {
+    if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == k)
+        return &PyTuple_GET_ITEM(o, 0);
+    if (PyList_Check(o) && PyList_GET_SIZE(o) == k)
+        return &PyList_GET_ITEM(o, 0);
+    PyErr_Format(PyExc_TypeError, "%s must be a sequence of %zd", what, k);
+    return NULL;
+}
+
+static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != T_N_ARGS) {
+        PyErr_Format(PyExc_TypeError, "time_core() takes %d arguments, found %zd", T_N_ARGS, nargs);
+        return NULL;
+    }
+    PyObject *servers = args[T_SERVERS], *mdict = args[T_MATCHED], *loads = args[T_LOADS];
+    PyObject *phases = args[T_PHASES], *models = args[T_MODELS], *scales = args[T_SCALES];
+    Py_ssize_t n;
+    if (check_lists(servers, mdict, loads, &n))
+        return NULL;
+    if (!PyList_Check(phases) || !PyList_Check(models) || !PyList_Check(scales) ||
+        PyList_GET_SIZE(phases) != n || PyList_GET_SIZE(models) != n || PyList_GET_SIZE(scales) != n) {
+        PyErr_SetString(PyExc_ValueError, "phases, models and scales must be lists of one item per server");
+        return NULL;
+    }
+    long long B, cap, nt, pin, mbs;
+    double uw, dw, bonus, hf, slack, lcap;
+    if (as_ll(args[T_BS], &B, "block_size") || as_ll(args[T_CAP], &cap, "cap") ||
+        as_ll(args[T_NT], &nt, "num_tokens") || as_ll(args[T_PIN], &pin, "pinned") ||
+        as_ll(args[T_MBS], &mbs, "max_batch_size") ||
+        as_d(args[T_UW], &uw, "uncached_weight") || as_d(args[T_DW], &dw, "decode_weight") ||
+        as_d(args[T_BONUS], &bonus, "affinity_bonus") || as_d(args[T_HF], &hf, "hotspot_factor") ||
+        as_d(args[T_SLACK], &slack, "hotspot_slack_s") || as_d(args[T_LCAP], &lcap, "load_cap"))
+        return NULL;
+
+    PyObject *matched = NULL, *ans = NULL;
+    double *cv = PyMem_Malloc(n * sizeof(double)), *hv = PyMem_Malloc(n * sizeof(double));
+    double *av = PyMem_Malloc(n * sizeof(double));
+    long long *req = PyMem_Malloc(n * sizeof(long long));
+    if (cv == NULL || hv == NULL || av == NULL || req == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if ((matched = PyList_New(n)) == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long mt, r, tok, q, npf, tpf;
+        PyObject *const *ph, *const *md;
+        double a, chunk, s0, s1, s2, k;
+        if (match_of(mdict, PyList_GET_ITEM(servers, i), B, cap, &mt) ||
+            as_pair(PyList_GET_ITEM(loads, i), &r, &tok, "a load") ||
+            (ph = items_of(PyList_GET_ITEM(phases, i), 3, "a phase")) == NULL ||
+            as_ll(ph[0], &q, "queued prefill tokens") || as_ll(ph[1], &npf, "leases in prefill") ||
+            as_ll(ph[2], &tpf, "their tokens") ||
+            (md = items_of(PyList_GET_ITEM(models, i), 5, "a model")) == NULL ||
+            as_d(md[0], &a, "prefill seconds per token") || as_d(md[1], &chunk, "chunk tokens") ||
+            as_d(md[2], &s0, "decode step seconds") || as_d(md[3], &s1, "decode seconds per request") ||
+            as_d(md[4], &s2, "decode seconds per context token") ||
+            as_d(PyList_GET_ITEM(scales, i), &k, "a scale"))
+            goto fail;
+        PyObject *m = PyLong_FromLongLong(mt);
+        if (m == NULL)
+            goto fail;
+        PyList_SET_ITEM(matched, i, m);
+        long long p = nt - mt, d = r - npf;
+        /* step = dw * (s0 + s1 * d + s2 * (tok - tpf)) if d > 0 else 0.0 */
+        double step = 0.0;
+        if (d > 0) {
+            double x = s0 + s1 * (double)d;
+            x = x + s2 * (double)(tok - tpf);
+            step = dw * x;
+        }
+        /* k * ((q + uw * p) * a + (q + p) / chunk * step) */
+        double c = (double)q + uw * (double)p;
+        c = c * a;
+        c = c + (double)(q + p) / chunk * step;
+        cv[i] = k * c;
+        /* k * (q * a + q / chunk * step + step) */
+        double h = (double)q * a;
+        h = h + (double)q / chunk * step;
+        h = h + step;
+        hv[i] = k * h;
+        av[i] = a * k;
+        req[i] = r;
+    }
+    if (pin >= 0 && pin < n)    /* bonus * num_tokens * a * k */
+        cv[pin] -= bonus * (double)nt * av[pin];
+    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap);
+    matched = NULL;
+fail:
+    Py_XDECREF(matched);
+    PyMem_Free(cv);
+    PyMem_Free(hv);
+    PyMem_Free(av);
+    PyMem_Free(req);
     return ans;
 }
 
 static PyMethodDef methods[] = {
     {"core", (PyCFunction)(void (*)(void))core, METH_FASTCALL, core_doc},
+    {"time_core", (PyCFunction)(void (*)(void))time_core, METH_FASTCALL, time_core_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "router._kv_cost",
-    "Native numeric core of kv_cache_aware placement (router/policy_kv.py `_core`); see router/_kv_cost.c.",
+    "Native numeric cores of kv_cache_aware placement (router/policy_kv.py `_time_core`, `_core`); see router/_kv_cost.c.",
     -1, methods,
 };
 

@@ -8,9 +8,19 @@ go to a FIFO (an append, where a heap push cost ~1 µs of every placement at tho
 leases); a deadline earlier than the FIFO's last (another ttl, a clock that went back) goes to a
 heap, and expiry drains both in deadline order.
 
+Phase: a lease starts *in prefill* with its ``prefill`` tokens (the prompt tokens its server must
+compute: uncached ones) queued, and leaves that phase once, at the first of ``first_token`` (the
+fleet saw the leg's first token; a context leg: its answer, the KV ready), its end, or
+``prefill_ttl`` after it was acquired (a lost or never-sent report: the lease then counts as
+decoding, never as queued prefill forever). ``phases_for`` gives per server the queued prefill
+tokens and the leases still in prefill (with their prompt tokens), so a policy can tell queued
+prefill work from decoding requests and their context tokens.
+
 Invariants:
 - per-server ``requests``/``tokens`` equal the sums over live leases: never negative, and zero
-  (with the server gone from ``loads()``) once every lease finished or expired;
+  (with the server gone from ``loads()``) once every lease finished or expired; the same for
+  ``phases_for``'s sums over the live leases in prefill;
+- a lease leaves the prefill phase at most once (``first_token`` is idempotent);
 - ``finish`` is idempotent; ``acquire`` on a live key replaces that lease (load moves with it);
 - a lease is reported by ``expire`` at most once, and never after ``finish``;
 - ``count(role)`` equals the number of live leases of that role.
@@ -34,10 +44,23 @@ class Lease:
     tokens: int
     acquired_at: float
     deadline: float
+    prefill: int = 0            # uncached tokens queued while in prefill
+    in_prefill: bool = False
+    predicted_s: float = 0.0    # the placement's estimated time to first token (0: none)
 
 
 class LeaseTable:
-    def __init__(self):
+    def __init__(self, prefill_ttl: float = 60.0):
+        if not prefill_ttl > 0:
+            raise ValueError(f"prefill_ttl must be positive seconds, found {prefill_ttl!r}")
+        self.prefill_ttl = prefill_ttl
+        # (queued prefill tokens, leases in prefill, their prompt tokens) per server; absent: 0s
+        self._phase: dict[str, tuple[int, int, int]] = {}
+        # (acquired_at + prefill_ttl, lease) in acquisition order: a monotonic clock keeps it
+        # sorted (an entry out of order is only handled late, which counts it as queued longer)
+        self._prefill_q: deque[tuple[float, Lease]] = deque()
+        self.first_tokens = 0       # leases that left prefill by a report
+        self.prefill_timeouts = 0   # ... by prefill_ttl (no report in time)
         self._leases: dict[tuple[str, int], Lease] = {}
         self._fifo: deque[tuple[float, Lease]] = deque()    # deadlines in non-decreasing order
         self._heap: list[tuple[float, int, Lease]] = []     # the ones that came out of order
@@ -73,16 +96,33 @@ class LeaseTable:
         self._unload(lease)
 
     def _unload(self, lease: Lease) -> None:
+        if lease.in_prefill:
+            self._unphase(lease)
         r, t = self._load[lease.server]
         if r == 1:
             del self._load[lease.server]
         else:
             self._load[lease.server] = (r - 1, t - lease.tokens)
 
+    def _unphase(self, lease: Lease) -> None:
+        lease.in_prefill = False
+        q, n, t = self._phase[lease.server]
+        if n == 1:
+            del self._phase[lease.server]
+        else:
+            self._phase[lease.server] = (q - lease.prefill, n - 1, t - lease.tokens)
+
     def acquire(self, role: str, req_id: int, server: str, now: float, ttl: float,
-                tokens: int = 0) -> Lease:
+                tokens: int = 0, prefill: int | None = None, predicted_s: float = 0.0) -> Lease:
+        """``prefill``: the uncached tokens the server must compute (None: all ``tokens``);
+        ``predicted_s``: the placement's estimated time to first token, for ``first_token``'s
+        caller to compare (0: none)."""
         if not ttl > 0 or type(tokens) is not int or tokens < 0:
             self._check(ttl, tokens)
+        if prefill is None or prefill > tokens:
+            prefill = tokens
+        elif prefill < 0:
+            prefill = 0
         key = (role, req_id)
         old = self._leases.pop(key, None)
         if old is not None:
@@ -90,11 +130,29 @@ class LeaseTable:
             self.replaced += 1
         else:
             self._per_role[role] = self._per_role.get(role, 0) + 1
-        lease = Lease(role, req_id, server, tokens, now, now + ttl)
+        lease = Lease(role, req_id, server, tokens, now, now + ttl, prefill, True, predicted_s)
         self._leases[key] = lease
         load = self._load.get(server)
         self._load[server] = (1, tokens) if load is None else (load[0] + 1, load[1] + tokens)
+        ph = self._phase.get(server)
+        self._phase[server] = (prefill, 1, tokens) if ph is None else (
+            ph[0] + prefill, ph[1] + 1, ph[2] + tokens)
+        pq = self._prefill_q
+        pq.append((now + self.prefill_ttl, lease))
+        if len(pq) > 2 * len(self._leases) + 1024:     # ended or reported leases' entries
+            self._prefill_q = deque(e for e in pq if e[1].in_prefill and
+                                    self._leases.get((e[1].role, e[1].req_id)) is e[1])
         self._push(lease)
+        return lease
+
+    def first_token(self, role: str, req_id: int) -> Lease | None:
+        """The leg's first token arrived (a context leg: its answer): the lease leaves prefill.
+        Returns it, or None when it is not live or already past prefill (idempotent)."""
+        lease = self._leases.get((role, req_id))
+        if lease is None or not lease.in_prefill:
+            return None
+        self._unphase(lease)
+        self.first_tokens += 1
         return lease
 
     def finish(self, role: str, req_id: int) -> Lease | None:
@@ -115,7 +173,14 @@ class LeaseTable:
         return True
 
     def expire(self, now: float) -> list[Lease]:
-        """Remove and return every live lease whose deadline is ``<= now``."""
+        """Remove and return every live lease whose deadline is ``<= now``; leases in prefill
+        past ``prefill_ttl`` leave that phase (counted in ``prefill_timeouts``)."""
+        pq = self._prefill_q
+        while pq and pq[0][0] <= now:
+            lease = pq.popleft()[1]
+            if lease.in_prefill and self._leases.get((lease.role, lease.req_id)) is lease:
+                self._unphase(lease)
+                self.prefill_timeouts += 1
         out = []
         heap, fifo = self._heap, self._fifo
         leases = self._leases
@@ -159,6 +224,16 @@ class LeaseTable:
         get = self._load.get
         zero = (0, 0)
         return [get(s, zero) for s in servers]
+
+    def phases_for(self, servers) -> list[tuple[int, int, int]]:
+        """(queued prefill tokens, leases in prefill, their prompt tokens) for each of
+        ``servers``, in order: the rest of ``loads_for``'s requests and tokens are decoding."""
+        get = self._phase.get
+        zero = (0, 0, 0)
+        return [get(s, zero) for s in servers]
+
+    def phase(self, server: str) -> tuple[int, int, int]:
+        return self._phase.get(server, (0, 0, 0))
 
     def loads(self) -> dict[str, tuple[int, int]]:
         return dict(self._load)

@@ -76,6 +76,9 @@ _SPECS: dict[str, dict[str, Any]] = {
     "round_robin": {},
     "load_balancing": {"use_tokens": bool, "power_of_two_choices": bool, "seed": "int?"},
     "kv_cache_aware": {
+        "cost": "str?", "uncached_weight": "num", "decode_weight": "num",
+        "prefill_tokens_per_s": "num?", "decode_step_s": "num?", "learn_rates": bool,
+        "hotspot_slack_s": "num",
         "prefill_weight": "num", "load_tokens_weight": "num", "load_requests_weight": "num",
         "affinity_bonus": "num", "hotspot_factor": "num?", "hotspot_slack": "num",
         "max_conversations": int, "track_routed_blocks": bool, "speculative_ttl_s": "num",
@@ -117,8 +120,10 @@ def make_policy(type: str, args: dict | None = None, *, block_size: int = 16,
                              f"{', '.join(sorted(spec)) or '(none)'}")
         _check_type(ptype, name, value, spec[name])
     for name in ("prefill_weight", "load_tokens_weight", "load_requests_weight", "affinity_bonus",
-                 "hotspot_slack", "load_weight", "hotspot_factor", "load_cap"):
+                 "hotspot_slack", "load_weight", "hotspot_factor", "load_cap", "uncached_weight",
+                 "decode_weight", "hotspot_slack_s", "decode_step_s"):
         _positive(ptype, name, args.get(name), allow_zero=True)
+    _positive(ptype, "prefill_tokens_per_s", args.get("prefill_tokens_per_s"))
     for name in ("max_conversations", "max_sessions", "speculative_ttl_s", "max_batch_size",
                  "explain_rows",
                  "tokens_per_block", "max_num_tokens"):
@@ -144,7 +149,13 @@ def make_policy(type: str, args: dict | None = None, *, block_size: int = 16,
         use_tokens = args.pop("use_tokens", None)
         if use_tokens is False and "load_tokens_weight" not in args:
             args["load_tokens_weight"] = 0.0
-        policy = KvCacheAwarePolicy(block_size, **args)
+        if args.get("cost") not in (None, "time", "tokens"):
+            raise ValueError(f"router {ptype!r}: argument 'cost' must be 'time' or 'tokens', "
+                             f"found {args['cost']!r}")
+        try:
+            policy = KvCacheAwarePolicy(block_size, **args)
+        except ValueError as e:
+            raise ValueError(f"router {ptype!r}: {e}") from None
     else:
         skip = args.pop("hash_skip_count", 0)
         if skip:

@@ -59,9 +59,12 @@ class Decision:
     the inputs and its client builds the record (coordinator/channel_client.py).
     ``matched_blocks``: leading prompt blocks the KV index holds for the chosen server
     (speculation included), uncapped: what the coordinator's speculative insert skips. None when
-    the policy did not read the index or the server's match is unknown (`Candidate.kv_unknown`)."""
+    the policy did not read the index or the server's match is unknown (`Candidate.kv_unknown`).
+    ``predicted_s``: the chosen server's estimated time to first token (0.0: the policy has no
+    estimate), ``uncached``: the prompt tokens it must compute (None: unknown, all of them)."""
 
-    __slots__ = ("server", "_explanation", "matched_blocks", "choice", "_explain")
+    __slots__ = ("server", "_explanation", "matched_blocks", "choice", "_explain", "predicted_s",
+                 "uncached")
 
     def __init__(self, server: str, explanation: dict | None = None, matched_blocks: int | None = None,
                  choice: Any = None, explain: Any = None):
@@ -70,6 +73,8 @@ class Decision:
         self.matched_blocks = matched_blocks
         self.choice = choice
         self._explain = explain
+        self.predicted_s = 0.0
+        self.uncached: int | None = None
 
     @property
     def explanation(self) -> dict:
@@ -101,6 +106,10 @@ class IndexLoadView:
     def loads(self, servers: Sequence[str]) -> list[tuple[int, int]]:
         """(requests, tokens) per server in one call (the hot path of every select)."""
         return self.leases.loads_for(servers)
+
+    def phases(self, servers: Sequence[str]) -> list[tuple[int, int, int]]:
+        """(queued prefill tokens, leases in prefill, their tokens) per server."""
+        return self.leases.phases_for(servers)
 
 
 def _loads(view, servers: Sequence[str]) -> list[tuple[int, int]]:

@@ -1,5 +1,6 @@
-"""``kv_cache_aware``: the lowest estimated prefill + load cost wins (router/policy_base.py has the
-records and the interface)."""
+"""``kv_cache_aware``: the lowest estimated cost wins — by default the estimated time to first
+token, else (``cost: tokens``) token weights (router/policy_base.py has the records and the
+interface)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,50 @@ from protocol.channel import KvChoice
 
 from .policy_base import Decision, Policy, _Lru, _healthy, _loads
 
-try:    # router/_kv_cost.c, built by setup.py; `_core` below is the same recipe in Python
-    from ._kv_cost import core as _native_core
+try:    # router/_kv_cost.c, built by setup.py; `_core`, `_time_core` below: the same in Python
+    from ._kv_cost import core as _native_core, time_core as _native_time_core
 except ImportError:     # no C compiler at install time
-    _native_core = None
+    _native_core = _native_time_core = None
 
 NATIVE = _native_core is not None
 
-__all__ = ["KvCacheAwarePolicy", "NATIVE", "ROW_KEYS", "explain"]
+__all__ = ["KvCacheAwarePolicy", "NATIVE", "ROW_KEYS", "explain", "model_of", "PRIOR_MODEL"]
+
+# What a server that publishes no `routing_model` in /server_info is assumed to do until its
+# first-token reports correct it (`KvCacheAwarePolicy.observe_ttft`): 20k prefill tokens/s,
+# 8192-token prefill chunks, 10 ms decode steps. Only the ratios between servers and against the
+# time-valued arguments (hotspot_slack_s) matter, and the online scale corrects both.
+PRIOR_MODEL = {"prefill_s_per_token": 5e-5, "chunk_tokens": 8192, "decode_s_per_step": 0.01,
+               "decode_s_per_request": 0.0, "decode_s_per_context_token": 0.0}
+_MODEL_KEYS = tuple(PRIOR_MODEL)
+# the tokens cost's weights: giving any of them (or cost: tokens) selects that cost
+TOKEN_WEIGHTS = ("prefill_weight", "load_tokens_weight", "load_requests_weight")
+
+
+def model_of(info: dict | None, prefill_tokens_per_s: float | None = None,
+             decode_step_s: float | None = None) -> tuple[float, float, float, float, float]:
+    """A server's latency model ``(prefill s/token, chunk tokens, decode s/step, decode
+    s/request, decode s/context token)`` from its ``/server_info`` (``routing_model``, which our
+    worker publishes; ``max_num_tokens`` for the chunk), the policy's overrides, else
+    ``PRIOR_MODEL``. Malformed fields are ignored (the prior stands)."""
+    info = info if isinstance(info, dict) else {}
+    rm = info.get("routing_model")
+    m = dict(PRIOR_MODEL)
+    mnt = info.get("max_num_tokens")
+    if type(mnt) is int and mnt > 0:
+        m["chunk_tokens"] = mnt
+    if isinstance(rm, dict):
+        for k in _MODEL_KEYS:
+            v = rm.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and v == v \
+                    and v != float("inf") and (k != "chunk_tokens" or v > 0) \
+                    and (k != "prefill_s_per_token" or v > 0):
+                m[k] = v
+    if prefill_tokens_per_s:
+        m["prefill_s_per_token"] = 1.0 / prefill_tokens_per_s
+    if decode_step_s is not None:
+        m["decode_s_per_step"] = decode_step_s
+    return tuple(float(m[k]) for k in _MODEL_KEYS)
 
 # The keys of an explanation row that `explain` writes for a healthy candidate, in their order
 # (the fleet's route header keeps a row as a copy less `load_tokens` when it has exactly these:
@@ -24,17 +61,36 @@ ROW_KEYS = ("server", "matched_tokens", "load_requests", "load_tokens", "score",
 
 
 class KvCacheAwarePolicy(Policy):
-    """Lowest estimated cost wins:
+    """Lowest estimated cost wins. The default cost (``cost="time"``) is in seconds, per server:
+
+        step  = decode_weight * (s_step + s_req * decoding + s_ctx * their_context_tokens)
+                (0 when nothing decodes there)
+        cost  = k * ((queued + uncached_weight * uncached) * s_tok + (queued + uncached) / chunk * step)
+              - affinity_bonus * prompt_tokens * s_tok * k      (only on the conversation's pinned server)
+
+    ``queued``: the prefill tokens of the server's leases not yet past their first token (the
+    lease table's phase, router/leases.py); ``decoding``/``their_context_tokens``: its other
+    leases and their prompt tokens; ``uncached``: this prompt's tokens the server must compute.
+    With ``uncached_weight`` 1 the cost is the estimated time to first token: the prefill queue
+    and this prompt at ``s_tok`` per token, in chunks of ``chunk`` tokens each sharing a step with
+    the decoding requests. The model ``(s_tok, chunk, s_step, s_req, s_ctx)`` is each server's
+    ``routing_model`` from ``/server_info`` (``model_of``), and ``k`` a per-server scale learned
+    from the fleet's first-token reports (``observe_ttft``: actual against predicted). A server is
+    hot when its estimated wait (queued prefill plus one decode step, seconds) exceeds
+    ``hotspot_factor * mean + hotspot_slack_s``.
+
+    ``cost="tokens"`` (or giving any of ``prefill_weight``, ``load_tokens_weight``,
+    ``load_requests_weight``) keeps the token-weight cost:
 
         cost = prefill_weight * uncached_prompt_tokens
              + load_tokens_weight * in_flight_tokens + load_requests_weight * in_flight_requests
              - affinity_bonus * prompt_tokens        (only on the conversation's pinned server)
 
+    with hot = in-flight requests > ``hotspot_factor * mean + hotspot_slack``.
+
     ``uncached = num_tokens - min(matched_blocks * block_size, num_tokens - 1)`` (the last prompt
-    token is always recomputed). A server is *hot* when its in-flight requests exceed
-    ``hotspot_factor * mean + hotspot_slack`` over the candidates (or ``requests /
-    max_batch_size >= load_cap``); hot servers are skipped unless every candidate is hot. Equal
-    costs are broken in turn.
+    token is always recomputed). ``requests / max_batch_size >= load_cap`` also marks a server
+    hot; hot servers are skipped unless every candidate is hot. Equal costs are broken in turn.
 
     The explanation's ``candidates`` rows: unhealthy candidates first, then the chosen server,
     then the next-lowest costs, ``explain_rows`` healthy rows at most; ``candidates_total``
@@ -43,20 +99,42 @@ class KvCacheAwarePolicy(Policy):
 
     name = "kv_cache_aware"
 
-    def __init__(self, block_size: int = 16, *, prefill_weight: float = 1.0,
-                 load_tokens_weight: float = 1.0, load_requests_weight: float = 32.0,
+    def __init__(self, block_size: int = 16, *, cost: str | None = None,
+                 prefill_weight: float | None = None, load_tokens_weight: float | None = None,
+                 load_requests_weight: float | None = None, uncached_weight: float = 1.0,
+                 decode_weight: float = 1.0, prefill_tokens_per_s: float | None = None,
+                 decode_step_s: float | None = None, learn_rates: bool = True,
                  affinity_bonus: float = 0.25, hotspot_factor: float | None = 2.0,
-                 hotspot_slack: float = 2.0, max_batch_size: int | None = None,
+                 hotspot_slack: float = 2.0, hotspot_slack_s: float = 0.05,
+                 max_batch_size: int | None = None,
                  load_cap: float | None = None, max_conversations: int = 100_000,
                  track_routed_blocks: bool = True, speculative_ttl_s: float = 30.0,
                  explain_rows: int = 8):
         super().__init__(block_size)
         if type(explain_rows) is not int or explain_rows < 1:
             raise ValueError(f"explain_rows must be a positive int, found {explain_rows!r}")
+        given = [n for n, v in zip(TOKEN_WEIGHTS, (prefill_weight, load_tokens_weight,
+                                                   load_requests_weight)) if v is not None]
+        if cost is None:
+            cost = "tokens" if given else "time"
+        if cost not in ("time", "tokens"):
+            raise ValueError(f"cost must be 'time' or 'tokens', found {cost!r}")
+        if cost == "time" and given:
+            raise ValueError(f"{', '.join(given)} weigh the tokens cost: give cost: tokens with "
+                             "them, or leave them out for the time cost")
+        self.cost = cost
         self.explain_rows = explain_rows
-        self.prefill_weight = prefill_weight
-        self.load_tokens_weight = load_tokens_weight
-        self.load_requests_weight = load_requests_weight
+        self.prefill_weight = 1.0 if prefill_weight is None else prefill_weight
+        self.load_tokens_weight = 1.0 if load_tokens_weight is None else load_tokens_weight
+        self.load_requests_weight = 32.0 if load_requests_weight is None else load_requests_weight
+        self.uncached_weight = float(uncached_weight)
+        self.decode_weight = float(decode_weight)
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.decode_step_s = decode_step_s
+        self.learn_rates = learn_rates
+        self.hotspot_slack_s = float(hotspot_slack_s)
+        # per-server scale of the time model, learned from first-token reports (observe_ttft)
+        self._scale: dict[str, float] = {}
         self.affinity_bonus = affinity_bonus
         self.hotspot_factor = hotspot_factor
         self.hotspot_slack = hotspot_slack
@@ -70,24 +148,61 @@ class KvCacheAwarePolicy(Policy):
         self._bulk: tuple | None = None     # (view, its bulk `loads` or None)
         # The native core gives float costs: it stands in for `_core` only where the Python
         # expression gives floats too (an int weight keeps int scores in the explanation).
-        self._native = NATIVE and all(type(w) is float for w in (
-            prefill_weight, load_tokens_weight, load_requests_weight, affinity_bonus))
+        self._native = NATIVE and (cost == "time" or all(type(w) is float for w in (
+            self.prefill_weight, self.load_tokens_weight, self.load_requests_weight,
+            affinity_bonus)))
 
     @property
     def needs_block_keys(self) -> bool:
         return True
 
     def describe(self) -> dict:
-        return {"type": self.name, "prefill_weight": self.prefill_weight,
-                "load_tokens_weight": self.load_tokens_weight,
-                "load_requests_weight": self.load_requests_weight,
+        if self.cost == "time":
+            weights = {"uncached_weight": self.uncached_weight, "decode_weight": self.decode_weight,
+                       "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                       "decode_step_s": self.decode_step_s, "learn_rates": self.learn_rates,
+                       "hotspot_slack_s": self.hotspot_slack_s}
+        else:
+            weights = {"prefill_weight": self.prefill_weight,
+                       "load_tokens_weight": self.load_tokens_weight,
+                       "load_requests_weight": self.load_requests_weight,
+                       "hotspot_slack": self.hotspot_slack}
+        return {"type": self.name, "cost": self.cost, **weights,
                 "affinity_bonus": self.affinity_bonus, "hotspot_factor": self.hotspot_factor,
-                "hotspot_slack": self.hotspot_slack, "max_batch_size": self.max_batch_size,
+                "max_batch_size": self.max_batch_size,
                 "load_cap": self.load_cap, "track_routed_blocks": self.track_routed_blocks,
                 "speculative_ttl_s": self.speculative_ttl_s, "explain_rows": self.explain_rows}
 
     def remove_server(self, server: str) -> None:
         self._pins.remove_server(server)
+        self._scale.pop(server, None)
+        self._cands = None
+
+    # A report's actual/predicted moves the server's scale by this power of it (a geometric
+    # moving average over ~1/_LEARN reports), each report's ratio clamped to [1/4, 4] and the
+    # scale to [1/20, 20]; reports predicting less than _LEARN_MIN_S are left out (there the
+    # fleet hop and step granularity, not the queue, make the time).
+    _LEARN = 0.1
+    _LEARN_MIN_S = 0.02
+
+    def observe_ttft(self, server: str, predicted_s: float, actual_s: float) -> None:
+        """The fleet reported a leg's first token ``actual_s`` after its placement, which had
+        estimated ``predicted_s`` (the scale at the time included): the server's scale follows."""
+        if not self.learn_rates or self.cost != "time" or not predicted_s >= self._LEARN_MIN_S \
+                or not actual_s > 0:
+            return
+        r = min(4.0, max(0.25, actual_s / predicted_s))
+        k = self._scale.get(server, 1.0) * r ** self._LEARN
+        self._scale[server] = min(20.0, max(0.05, k))
+        memo = self._cands
+        if memo is not None:
+            i = memo[3].index(server) if server in memo[7] else -1
+            if i >= 0:
+                memo[6][i] = self._scale[server]
+
+    def scale(self, server: str) -> float:
+        """The server's learned scale of the time model (1.0: none learned)."""
+        return self._scale.get(server, 1.0)
 
     def select(self, candidates, key, view) -> Decision:
         # Written for speed (it runs once per leg of every request over every candidate): the
@@ -96,13 +211,16 @@ class KvCacheAwarePolicy(Policy):
         # depends on it alone (healthy subset, server names, unknown-match servers) is kept.
         memo = self._cands
         if memo is not None and memo[0] == candidates:
-            _, ok, unhealthy, servers, unknown, all_unknown = memo
+            _, ok, unhealthy, servers, unknown, all_unknown, scales, _, models = memo
         else:
             ok, unhealthy = _healthy(self.name, candidates)
             servers = [c.server for c in ok]
             unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
             all_unknown = len(unknown) == len(ok)
-            self._cands = (list(candidates), ok, unhealthy, servers, unknown, all_unknown)
+            scales = [self._scale.get(s, 1.0) for s in servers]
+            models = [model_of(c.info, self.prefill_tokens_per_s, self.decode_step_s) for c in ok]
+            self._cands = (list(candidates), ok, unhealthy, servers, unknown, all_unknown, scales,
+                           frozenset(servers), models)
         n = len(servers)
         if key is not None:
             keys = key.block_keys
@@ -114,7 +232,7 @@ class KvCacheAwarePolicy(Policy):
         pinned = self._pins.get(conv) if conv else None
         bulk = self._bulk
         if bulk is None or bulk[0] is not view:
-            bulk = self._bulk = (view, getattr(view, "loads", None))
+            bulk = self._bulk = (view, getattr(view, "loads", None), getattr(view, "phases", None))
         loads = bulk[1](servers) if bulk[1] is not None else _loads(view, servers)
         cap = num_tokens - 1 if num_tokens > 0 else 0
         # Every match unknown: reported 0, estimated as the mean of no verified one (0), so the
@@ -123,20 +241,31 @@ class KvCacheAwarePolicy(Policy):
         pin = servers.index(pinned) if pinned is not None and pinned in servers else -1
         hf = self.hotspot_factor or 0.0
         mbs = self.max_batch_size if self.max_batch_size and self.load_cap is not None else 0
-        args = (servers, md, loads, self.block_size, cap, num_tokens, self.prefill_weight,
-                self.load_tokens_weight, self.load_requests_weight, pin, self.affinity_bonus, hf,
-                self.hotspot_slack, mbs, self.load_cap if mbs else 0.0)
+        timed = self.cost == "time"
+        if timed:
+            ph = bulk[2]
+            phases = ph(servers) if ph is not None else [(t, r, t) for r, t in loads]
+            args = (servers, md, loads, phases, models, scales, self.block_size, cap, num_tokens,
+                    self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
+                    self.hotspot_slack_s, mbs, self.load_cap if mbs else 0.0)
+            native, python = _native_time_core, _time_core
+        else:
+            args = (servers, md, loads, self.block_size, cap, num_tokens, self.prefill_weight,
+                    self.load_tokens_weight, self.load_requests_weight, pin, self.affinity_bonus,
+                    hf, self.hotspot_slack, mbs, self.load_cap if mbs else 0.0)
+            native, python = _native_core, _core
         # the Python recipe for int weights, unknown matches to estimate, and what the native
         # core does not take (a view answering a Mapping or numpy ints: TypeError)
         res = None
         if self._native and (md is None or not unknown):
             try:
-                res = _native_core(*args)
+                res = native(*args)
             except TypeError:
                 pass
-        matched, costs, tied, hs, lc, limit = res or _core(*args, unknown)
+        matched, costs, tied, hs, lc, limit = res or python(*args, unknown)
         if hs or lc:
-            hot = {i: f"hot: {loads[i][0]} in-flight requests > cap {limit:.1f}" for i in hs}
+            hot = {i: (f"hot: estimated wait > cap {limit:.3f}s" if timed else
+                       f"hot: {loads[i][0]} in-flight requests > cap {limit:.1f}") for i in hs}
             for i in lc:
                 hot[i] = f"hot: {loads[i][0]}/{mbs} requests >= load_cap {self.load_cap}"
             skip_hot = len(hot) != n
@@ -155,8 +284,19 @@ class KvCacheAwarePolicy(Policy):
         choice = KvChoice(servers, matched, loads, costs, pick, tied if len(tied) > 1 else _NONE,
                           list(hot.items()) if hot else _NONE, skip_hot, unknown, unhealthy,
                           num_tokens, conv, pinned, self.explain_rows)
-        return Decision(server, None, None if unknown and ok[pick].kv_unknown
-                        else md.get(server, 0) if md is not None else 0, choice, explain)
+        d = Decision(server, None, None if unknown and ok[pick].kv_unknown
+                     else md.get(server, 0) if md is not None else 0, choice, explain)
+        if timed:
+            # the chosen server's estimated time to first token (uncached_weight 1, no bonus):
+            # what its first-token report is compared with (observe_ttft)
+            q, npf, tpf = phases[pick]
+            r, t = loads[pick]
+            a, chunk, s0, s1, s2 = models[pick]
+            w = q + num_tokens - matched[pick]
+            step = self.decode_weight * (s0 + s1 * (r - npf) + s2 * (t - tpf)) if r > npf else 0.0
+            d.predicted_s = scales[pick] * (w * a + w / chunk * step)
+            d.uncached = num_tokens - matched[pick]
+        return d
 
 
 _NONE: list = []    # shared empty list of a KvChoice (never changed: explain only reads it)
@@ -242,16 +382,65 @@ def _core(servers: list, md: dict | None, loads: list, block_size: int, cap: int
     costs = [pw * (num_tokens - mt) + tw * tok + rw * req for mt, (req, tok) in zip(est, loads)]
     if pin >= 0:
         costs[pin] -= bonus * num_tokens
+    reqs = [l[0] for l in loads]
+    return (matched, costs) + _decide(costs, reqs, reqs, hf, slack, mbs, lcap)
+
+
+def _time_core(servers: list, md: dict | None, loads: list, phases: list, models: list,
+               scales: list, block_size: int, cap: int, num_tokens: int, uw, dw, pin: int, bonus,
+               hf, slack, mbs: int, lcap, unknown: list | None = None):
+    """The numbers of a time-cost decision, ``(matched, costs, tied, hotspot, load_capped,
+    limit)`` (router/_kv_cost.c `time_core` computes the same ones, operation for operation):
+
+    - ``matched``: as in ``_core``;
+    - ``costs`` (seconds): ``k * ((q + uw * p) * a + (q + p) / chunk * step)`` with ``p`` this
+      prompt's uncached tokens on the server, ``(q, in prefill, their tokens) = phases[i]``,
+      ``(a, chunk, s0, s1, s2) = models[i]``, ``k = scales[i]`` and ``step = dw * (s0 + s1 * d
+      + s2 * c)`` for its ``d`` decoding leases and their ``c`` prompt tokens (0.0 when ``d`` is
+      0); less ``bonus * num_tokens * (a * k)`` at index ``pin`` (-1: none);
+    - ``hotspot``: indices whose estimated wait ``k * (q * a + q / chunk * step + step)``
+      exceeds ``limit = hf * mean wait + slack`` (``hf`` 0: off); ``load_capped`` and ``tied``
+      as in ``_core``.
+    """
+    n = len(servers)
+    if md is None:
+        matched = est = [0] * n
+    else:
+        mget = md.get
+        matched = [mt if (mt := mget(s, 0) * block_size) < cap else cap for s in servers]
+        est = matched
+        if unknown:
+            matched, est = _unknown_matches(matched, unknown)
+    costs = []
+    waits = []
+    for mt, (req, tok), (q, npf, tpf), (a, chunk, s0, s1, s2), k in zip(est, loads, phases,
+                                                                        models, scales):
+        p = num_tokens - mt
+        d = req - npf
+        step = dw * (s0 + s1 * d + s2 * (tok - tpf)) if d > 0 else 0.0
+        costs.append(k * ((q + uw * p) * a + (q + p) / chunk * step))
+        waits.append(k * (q * a + q / chunk * step + step))
+    if pin >= 0:
+        costs[pin] -= bonus * num_tokens * (models[pin][0] * scales[pin])
+    return (matched, costs) + _decide(costs, waits, [l[0] for l in loads], hf, slack, mbs, lcap)
+
+
+def _decide(costs: list, hl: list, reqs: list, hf, slack, mbs: int, lcap) -> tuple:
+    """``(tied, hotspot, load_capped, limit)`` from the costs, each server's hot-spot load ``hl``
+    and in-flight requests (the end of both cores; router/_kv_cost.c `decide`)."""
+    n = len(costs)
     hs: list = []
     lc: list = []
     limit = 0.0
     hot: set = set()
     if hf or mbs:
-        reqs = [l[0] for l in loads]
         if hf:
-            limit = hf * sum(reqs) / n + slack
-            if max(reqs) > limit:
-                hs = [i for i, r in enumerate(reqs) if r > limit]
+            total = 0.0
+            for h in hl:
+                total += h
+            limit = hf * total / n + slack
+            if max(hl) > limit:
+                hs = [i for i, h in enumerate(hl) if h > limit]
                 hot.update(hs)
         if mbs:
             lc = [i for i, r in enumerate(reqs) if i not in hot and r / mbs >= lcap]
@@ -260,7 +449,7 @@ def _core(servers: list, md: dict | None, loads: list, block_size: int, cap: int
     best = min([c for i, c in enumerate(costs) if i not in skip])
     tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)
     tied = [i for i, c in enumerate(costs) if c <= tol and i not in skip]
-    return matched, costs, tied, hs, lc, limit
+    return tied, hs, lc, limit
 
 
 def _unknown_matches(matched: list[int], unknown: list[int]) -> tuple[list[int], list[int]]:

@@ -268,6 +268,10 @@ class WorkerServer:
             "worker_id": self.worker_id,
             "max_batch_size": self.engine.max_batch_size,
             "max_num_tokens": self.engine.max_num_tokens,
+            # KV capacity in blocks (the coordinator's index models eviction with it)
+            "kv_capacity_blocks": self.engine.pool.num_blocks,
+            # the latency model kv_cache_aware's time cost uses (null: it learns one online)
+            "routing_model": self.engine.routing_model() if hasattr(self.engine, "routing_model") else None,
             "kv_events": self._kv_events_info(),
             "transfer": self.transfer_info,
             "disaggregated_params": {"ctx_info_endpoint": self.ctx_info_endpoint},

@@ -183,6 +183,16 @@ class SimEngine(SchedulingEngine):
         self.decode_us_per_ctx_token = float(decode_us_per_ctx_token)
         self._alphabet = _alphabet(tokenizer, vocab, set(eos))
 
+    def routing_model(self) -> dict:
+        """The latency model in /server_info's `routing_model` (router/policy_kv.py `model_of`):
+        what kv_cache_aware's time cost estimates a time to first token from. The per-kctx
+        prefill term is left out (the policy's learned scale absorbs its mean)."""
+        return {"prefill_s_per_token": self.prefill_us_per_token / 1e6,
+                "chunk_tokens": self.max_num_tokens,
+                "decode_s_per_step": self.decode_us_per_step / 1e6,
+                "decode_s_per_request": self.decode_us_per_seq / 1e6,
+                "decode_s_per_context_token": self.decode_us_per_ctx_token / 1e6}
+
     def step_time_s(self, plan: Plan) -> float:
         us = plan.num_prefill_tokens * self.prefill_us_per_token
         kctx, dctx = self.prefill_us_per_token_per_kctx, self.decode_us_per_ctx_token

@@ -173,6 +173,35 @@ async def test_finish_usage_travels_on_the_channel(served):
         await cl.close()
 
 
+async def test_first_token_reports_end_the_prefill_phase_once(served):
+    """A leg's first-token report (batched like finishes on the channel, or POST /first_token)
+    moves its lease's tokens from queued prefill to decoding, once; a repeat, or a report for a
+    lease already ended, changes nothing; a bad role is the HTTP API's 400 naming the field."""
+    c, s, ctx, gen = await served()
+    cl = HttpCoordinatorClient(s.uds_url, timeout=5.0)
+    try:
+        key = {"block_keys": block_keys(list(range(64)), 16), "num_tokens": 64}
+        await cl.select("gen", 21, key)
+        await cl.select("gen", 22, {"block_keys": block_keys(list(range(64, 128)), 16),
+                                    "num_tokens": 64})
+        assert c.leases.phase(gen.url) == (128, 2, 128)
+        assert cl.first_token_nowait("gen", 21) and cl.first_token_nowait("gen", 21)
+        await wait_for(lambda: c.leases.phase(gen.url) == (64, 1, 64), what="report applied")
+        assert c.leases.load(gen.url) == (2, 128)           # still in flight: decoding
+        assert s.channel.stats.batches and cl.channel.stats["first_tokens"] == 2
+        assert await cl.first_token("gen", 22) is True       # over HTTP
+        assert await cl.first_token("gen", 22) is False      # idempotent
+        assert c.leases.phase(gen.url) == (0, 0, 0) and c.leases.first_tokens == 2
+        await cl.finish("gen", 21)
+        await cl.finish("gen", 22)
+        assert await cl.first_token("gen", 21) is False and _leases(c) == 0
+        with pytest.raises(CoordinatorRequestError) as ei:
+            await cl.first_token("decoder", 1)
+        assert ei.value.status == 400 and ei.value.field == "role"
+    finally:
+        await cl.close()
+
+
 @pytest.mark.parametrize("how", ["aiohttp", "disabled"])
 async def test_not_offered_falls_back_to_http(served, how):
     if how == "aiohttp":

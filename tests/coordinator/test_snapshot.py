@@ -64,7 +64,9 @@ async def test_cluster_info_and_metrics_agree(workers, coordinator):
         assert ci["is_ready"] and ci["leases"]["in_flight"] == {"context": 5, "generation": 4}
         assert ci["leases"]["in_flight"] == {r: c.leases.count(r) for r in ("context", "generation")}
         row = ci["servers"]["context"][0]
-        assert row["load"] == {"requests": 5, "tokens": sum(32 + i for i in range(5))}
+        tok = sum(32 + i for i in range(5))     # all in prefill: no first token reported
+        assert row["load"] == {"requests": 5, "tokens": tok, "queued_prefill_tokens": tok,
+                               "prefilling": 5, "decoding": 0, "decoding_tokens": 0}
         _agree(ci, m)
         # the worker goes away: both views drop readiness together
         await ctx.stop()

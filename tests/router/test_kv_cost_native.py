@@ -30,10 +30,11 @@ B = 16
 
 
 def test_native_core_is_what_the_policy_uses():
-    assert pk.NATIVE and pk._native_core is native.core
-    assert KvCacheAwarePolicy(B)._native
+    assert pk.NATIVE and pk._native_core is native.core and pk._native_time_core is native.time_core
+    assert KvCacheAwarePolicy(B)._native and KvCacheAwarePolicy(B).cost == "time"
     # int weights keep int scores in the explanation: the Python recipe runs for them
     assert not KvCacheAwarePolicy(B, prefill_weight=1)._native
+    assert KvCacheAwarePolicy(B, prefill_weight=1.0).cost == "tokens"
 
 
 def _bits(xs):
@@ -75,6 +76,54 @@ def test_native_core_matches_the_python_recipe(args):
     assert lim1.hex() == float(lim2).hex()
 
 
+@st.composite
+def time_core_args(draw):
+    base = draw(core_args())
+    servers, md, loads, bs, cap, num_tokens = base[:6]
+    n = len(servers)
+    phases = []
+    for req, tok in loads:
+        npf = draw(st.integers(0, req))
+        tpf = draw(st.integers(0, tok))
+        phases.append((draw(st.integers(0, tpf) | st.just(0)), npf, tpf))
+    secs = st.sampled_from([0.0, 5e-5, 0.01, 1e-6]) | st.floats(0, 1.0)
+    models = [(draw(st.sampled_from([5e-5, 3.2e-4]) | st.floats(1e-7, 1e-2)),
+               float(draw(st.sampled_from([512, 8192]) | st.integers(1, 100_000))),
+               draw(secs), draw(secs), draw(secs)) for _ in range(n)]
+    scales = [draw(st.sampled_from([1.0, 0.5]) | st.floats(0.05, 20)) for _ in range(n)]
+    hf, slack = base[11], draw(st.sampled_from([0.05, 0.0]) | st.floats(0, 5))
+    return (servers, md, loads, phases, models, scales, bs, cap, num_tokens, draw(_weight),
+            draw(_weight), base[9], draw(_weight), hf, slack, base[13], base[14])
+
+
+@settings(max_examples=500, deadline=None)
+@given(time_core_args())
+def test_native_time_core_matches_the_python_recipe(args):
+    m1, c1, t1, hs1, lc1, lim1 = native.time_core(*args)
+    m2, c2, t2, hs2, lc2, lim2 = pk._time_core(*args)
+    assert m1 == m2 and all(type(x) is int for x in m1)
+    assert _bits(c1) == _bits(c2)
+    assert (t1, hs1, lc1) == (t2, hs2, lc2)
+    assert lim1.hex() == float(lim2).hex()
+
+
+def test_time_cost_prefers_queued_prefill_over_decoding_load():
+    """Two servers with the same prefix cached; one has a long prefill queue, the other many
+    decoding requests with more tokens in flight: the time cost sends the request to the
+    decoding one (the tokens cost, blind to the phase, sends it to the queue)."""
+    servers = ["q", "d"]
+    md = {"q": 40, "d": 40}              # 640 of 700 tokens cached on both
+    loads = [(2, 4000), (6, 12000)]
+    phases = [(4000, 2, 4000), (0, 0, 0)]
+    model = (5e-5, 8192.0, 0.01, 1e-4, 1e-7)
+    args = (servers, md, loads, phases, [model, model], [1.0, 1.0], 16, 699, 700, 1.0, 1.0, -1,
+            0.25, 2.0, 0.05, 0, 0.0)
+    _, costs, tied, *_ = native.time_core(*args)
+    assert tied == [1] and costs[0] > costs[1]
+    assert pk._core(servers, md, loads, 16, 699, 700, 1.0, 1.0, 32.0, -1, 0.25, 2.0, 2.0, 0,
+                    0.0)[2] == [0]
+
+
 def test_equal_costs_tie_and_hot_servers_are_skipped():
     servers = ["a", "b", "c", "d"]
     loads = [(0, 0), (0, 0), (9, 0), (0, 0)]
@@ -114,7 +163,11 @@ def _cluster(seed: int, n: int):
             k = int(rng.integers(1, 33)) * B
             idx.apply(s, BlocksStored(block_keys_list(d[:k], B), None, d[:k], B))
         for r in range(int(rng.integers(0, 12))):
-            leases.acquire("ctx", seed * 1000 + i * 100 + r, s, 0.0, 60.0, int(rng.integers(0, 900)))
+            tok = int(rng.integers(0, 900))
+            leases.acquire("ctx", seed * 1000 + i * 100 + r, s, 0.0, 60.0, tok,
+                           int(rng.integers(0, tok + 1)))
+            if rng.integers(0, 2):      # past its first token: decoding
+                leases.first_token("ctx", seed * 1000 + i * 100 + r)
     return idx, leases, servers, docs
 
 
@@ -126,8 +179,10 @@ def _decide(policy, cands, keys, view):
 
 
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("kw", [{}, {"hotspot_factor": 1.0, "hotspot_slack": 0.0},
+@pytest.mark.parametrize("kw", [{}, {"hotspot_factor": 1.0, "hotspot_slack_s": 0.0},
                                 {"max_batch_size": 4, "load_cap": 0.5, "hotspot_factor": None},
+                                {"cost": "tokens"},
+                                {"hotspot_factor": 1.0, "hotspot_slack": 0.0, "cost": "tokens"},
                                 {"load_requests_weight": 0.0, "load_tokens_weight": 0.0}])
 def test_policy_decisions_are_the_same_with_the_native_core(seed, kw):
     idx, leases, servers, docs = _cluster(seed, 3 + seed % 6)

@@ -115,3 +115,79 @@ def test_loads_never_negative_and_return_to_zero(ops):
             assert tok == sum(v[1] for v in live.values() if v[0] == s)
     assert len(t.expire(now + 10.0)) == len(live)
     assert t.loads() == {} and t.total() == 0
+
+
+# ---- phases: queued prefill apart from decoding -------------------------------------------------
+
+def test_first_token_moves_a_lease_out_of_prefill_once():
+    t = LeaseTable(prefill_ttl=10.0)
+    t.acquire("gen", 1, "s", 0.0, 60.0, tokens=1000, prefill=300, predicted_s=0.2)
+    t.acquire("gen", 2, "s", 0.0, 60.0, tokens=500)        # no prefill given: all of it
+    assert t.phases_for(["s", "x"]) == [(800, 2, 1500), (0, 0, 0)]
+    lease = t.first_token("gen", 1)
+    assert lease is not None and lease.predicted_s == 0.2 and not lease.in_prefill
+    assert t.first_token("gen", 1) is None and t.first_token("gen", 9) is None   # idempotent
+    assert t.phase("s") == (500, 1, 500) and t.load("s") == (2, 1500)
+    t.finish("gen", 2)                       # a finish ends the phase too
+    assert t.phase("s") == (0, 0, 0) and t.first_token("gen", 2) is None
+    assert t.first_tokens == 1 and t.prefill_timeouts == 0
+
+
+def test_a_lost_report_ends_prefill_at_the_prefill_ttl():
+    t = LeaseTable(prefill_ttl=5.0)
+    t.acquire("ctx", 1, "s", 0.0, 60.0, tokens=100, prefill=100)
+    t.acquire("ctx", 2, "s", 1.0, 60.0, tokens=50, prefill=20)
+    assert t.expire(4.9) == [] and t.phase("s") == (120, 2, 150)
+    assert t.expire(5.0) == [] and t.phase("s") == (20, 1, 50)     # counted as decoding now
+    assert t.load("s") == (2, 150) and t.prefill_timeouts == 1
+    assert t.first_token("ctx", 1) is None                         # late report: ignored
+    t.acquire("ctx", 2, "b", 2.0, 60.0, tokens=50, prefill=0)      # re-placed: phase moves
+    assert t.phase("s") == (0, 0, 0) and t.phase("b") == (0, 1, 50)
+    assert t.expire(6.0) == [] and t.phase("b") == (0, 1, 50)      # its own ttl, from 2.0
+    t.expire(7.0)
+    assert t.phase("b") == (0, 0, 0) and t.prefill_timeouts == 2
+
+
+def test_prefill_queue_compacts():
+    t = LeaseTable(prefill_ttl=1e9)
+    for i in range(5000):
+        t.acquire("gen", i, "s", float(i), 1e9, tokens=10)
+        t.finish("gen", i)
+    assert len(t._prefill_q) < 2000 and t.phase("s") == (0, 0, 0)
+    with pytest.raises(ValueError, match="prefill_ttl"):
+        LeaseTable(prefill_ttl=0)
+
+
+_phase_ops = st.lists(st.tuples(
+    st.sampled_from(["acquire", "finish", "first", "expire"]), st.integers(0, 5),
+    st.sampled_from(["a", "b"]), st.floats(0.0, 3.0), st.integers(0, 100), st.integers(0, 120)),
+    max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_phase_ops)
+def test_phases_are_the_sums_over_leases_in_prefill(ops):
+    t = LeaseTable(prefill_ttl=4.0)
+    now = 0.0
+    live: dict[int, list] = {}  # rid -> [server, tokens, prefill, in_prefill, acquired]
+    for op, rid, server, dt, tokens, prefill in ops:
+        now += dt
+        if op == "acquire":
+            t.acquire("gen", rid, server, now, 100.0, tokens, prefill)
+            live[rid] = [server, tokens, min(prefill, tokens), True, now]
+        elif op == "finish":
+            t.finish("gen", rid)
+            live.pop(rid, None)
+        elif op == "first":
+            got = t.first_token("gen", rid)
+            assert (got is not None) == (rid in live and live[rid][3])
+            if rid in live:
+                live[rid][3] = False
+        else:
+            t.expire(now)
+            for v in live.values():
+                if v[4] + 4.0 <= now:
+                    v[3] = False
+        for s in ("a", "b"):
+            mine = [v for v in live.values() if v[0] == s and v[3]]
+            assert t.phase(s) == (sum(v[2] for v in mine), len(mine), sum(v[1] for v in mine))

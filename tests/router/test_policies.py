@@ -129,7 +129,8 @@ def test_kv_explanation_lists_the_chosen_server_then_the_cheapest(env):
         cache(idx, s, t[:16 * (i % 10)])     # s9 and s19 hold the most
     load(leases, "http://s9", 2)           # 2 x 32 tokens of load: now behind s8, s18, s7, s17
     cands = [Candidate(s) for s in servers] + [Candidate("http://down", healthy=False)]
-    d = make_policy("kv_cache_aware", {"explain_rows": 5}).select(cands, key_of(t), view)
+    d = make_policy("kv_cache_aware", {"explain_rows": 5, "cost": "tokens"}).select(
+        cands, key_of(t), view)
     ex = d.explanation
     assert d.server == "http://s19" and ex["candidates_total"] == 21 and ex["hot"] == 0
     rows = ex["candidates"]
@@ -223,10 +224,12 @@ def test_kv_conversation_affinity_is_a_bonus_not_an_override(env):
     assert p._pins.get("conv-1") is None
 
 
-def test_kv_without_routing_key_balances(env):
+@pytest.mark.parametrize("cost, tokens_each", [("tokens", 0), ("time", 32)])
+def test_kv_without_routing_key_balances(env, cost, tokens_each):
+    # tokens: a request weighs load_requests_weight; time: its queued prefill tokens
     _, leases, view = env
-    load(leases, "http://a", 1)
-    d = make_policy("kv_cache_aware", {}).select(CANDS, None, view)
+    load(leases, "http://a", 1, tokens_each)
+    d = make_policy("kv_cache_aware", {"cost": cost}).select(CANDS, None, view)
     assert d.server == "http://b" and d.explanation["num_tokens"] == 0
 
 

@@ -103,7 +103,12 @@ async def test_info_endpoints(servers, http):
     assert set(info) == {"role", "model", "engine", "block_size", "key_scheme", "ns_seed",
                          "worker_id", "max_batch_size", "max_num_tokens", "kv_events",
                          "transfer", "disaggregated_params", "disagg_protocol", "attention_backend",
-                         "async_scheduling"}
+                         "async_scheduling", "kv_capacity_blocks", "routing_model"}
+    # what kv_cache_aware's time cost reads (router/policy_kv.py model_of): the sim's own model
+    assert set(info["routing_model"]) == {"prefill_s_per_token", "chunk_tokens", "decode_s_per_step",
+                                          "decode_s_per_request", "decode_s_per_context_token"}
+    assert info["routing_model"]["chunk_tokens"] == info["max_num_tokens"]
+    assert info["kv_capacity_blocks"] > 0
     assert info["role"] == "context" and info["engine"] == "sim" and info["block_size"] == 4
     assert info["key_scheme"] == "xxh3_chain_v1" and info["ns_seed"] == 0
     assert set(info["kv_events"]) == {"publisher", "replay", "topic", "snapshot", "format"}
