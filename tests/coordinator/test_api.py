@@ -214,7 +214,9 @@ async def test_health_cluster_info_metrics(cluster):
     assert set(ci["server_lists"]["context"]) == {w.url for w in ctx}
     assert ci["routing"] == {"block_size": 16, "key_scheme": "xxh3_chain_v1", "namespace": None, "ns_seed": 0}
     row = ci["servers"]["generation"][0]
-    assert row["state"] == "healthy" and row["load"] == {"requests": 0, "tokens": 0}
+    assert row["state"] == "healthy" and row["load"] == {
+        "requests": 0, "tokens": 0, "queued_prefill_tokens": 0, "prefilling": 0, "decoding": 0,
+        "decoding_tokens": 0}
     assert row["kv_index_blocks"] == 0 and row["kv_ready"] is True and row["server_info"]["role"] == "generation"
     async with session.get(s.tcp_url + "/cluster_info", headers={"Accept": "application/msgpack"}) as r:
         assert msgpack.unpackb(await r.read())["is_ready"] is True
