@@ -10,7 +10,7 @@ with every lease end queued since the last flush; the coordinator answers each b
   up still took a lease: it is finished here when the late answer arrives, so no lease is lost.
 - Finishes are queued without awaiting and ride on the next batch of calls, or leave on their own
   after `finish_delay_s` (2 ms) when no call comes first: under load a lease end costs no frame,
-  write or reply of its own (bench/RESULTS.md, "fleet CPU per request"). Each leaves exactly once
+  write or reply of its own (bench/results/history/fleet.md, "fleet CPU per request"). Each leaves exactly once
   per batch and stays owned by the client until its batch is acknowledged. When the connection drops first, the unacknowledged
   ones are re-sent on the next connection, or handed to `fallback_finish` (the HTTP API) when the
   coordinator cannot be reached over the channel; a repeated finish is idempotent there.

@@ -3,7 +3,7 @@
 In multiprocess mode every `inc()`/`observe()` of prometheus_client's `MmapedValue` takes a global
 lock, calls `os.getpid()` (a system call) to notice a fork, and looks the sample's offset up in the
 file's key table: ~3× the cost of an in-memory value, on ~25 value writes per two-leg request
-(bench/RESULTS.md, "fleet CPU per request"). The fleet's metric updates all run on its one event-loop
+(bench/results/history/fleet.md, "fleet CPU per request"). The fleet's metric updates all run on its one event-loop
 thread, its processes are started by exec (never forked after import), and a sample's offset in its
 file never moves once allocated. So the lean value keeps prometheus_client's own `MmapedValue`
 for everything but the hot path — it opens and shares the per-process file, allocates the sample

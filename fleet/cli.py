@@ -117,7 +117,7 @@ def loop_runner(event_loop: str):
     asyncio is the default although uvloop is cheaper per request: a saturated uvloop process
     serves some of its connections more than a second late (p99 1.1-1.3 s and client timeouts
     with one process at 256 connections; asyncio: p99 44-162 ms, no errors), reproduced without
-    aiohttp and without any TCP loss (bench/RESULTS.md, 'fleet event loop').
+    aiohttp and without any TCP loss (bench/results/history/fleet.md, 'fleet event loop').
     """
     if event_loop == "uvloop":
         import uvloop

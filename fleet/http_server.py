@@ -3,7 +3,7 @@
 Why not aiohttp's server: on this project's 2-core box a route that reads a small JSON body and
 answers a fixed one costs ~48 µs of CPU per request through aiohttp (request/response objects,
 stream reader, URL parsing, writer) and ~13 µs through a bare httptools protocol — a fifth of the
-whole round-robin proxy path (bench/RESULTS.md, "fleet CPU per request · lean HTTP server").
+whole round-robin proxy path (bench/results/history/fleet.md, "fleet CPU per request · lean HTTP server").
 coordinator/http.py made the same move for the coordinator's API; this server also runs async
 handlers (one task per request), streams answers, and keeps the fleet's error contract.
 

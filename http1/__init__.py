@@ -3,7 +3,7 @@ coordinator's API server (coordinator/http.py): httptools (llhttp) parsing on as
 
 Why our own core and not aiohttp's server: on this project's 2-core box a route that reads a small
 JSON body and answers a fixed one costs ~48 µs of CPU through aiohttp and ~13 µs through a bare
-httptools protocol (bench/RESULTS.md, "fleet CPU per request · lean HTTP server"); the coordinator's
+httptools protocol (bench/results/history/fleet.md, "fleet CPU per request · lean HTTP server"); the coordinator's
 `/finish` ~50 µs against ~11-17 µs (bench/coordinator/coordinator.py, "HTTP floor").
 
 What the two servers share lives here, once: the answer's wire bytes (`wire`: status lines, the

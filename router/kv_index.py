@@ -20,7 +20,7 @@ Invariants (checked by the property tests):
   s.owned``); ``_n_spec`` is the number of speculative entries over all slots; refcounts are
   positive. Speculative bits have no map of their own: a key lives in two maps (``_owners`` and
   the slot's ``owned`` or ``spec``), so a routed prompt's insert and expiry touch two large maps
-  per key instead of three (each a cache miss at ~0.3 µs: bench/RESULTS.md, "coordinator ·
+  per key instead of three (each a cache miss at ~0.3 µs: bench/results/history/coordinator.md, "coordinator ·
   hot-path pass");
 - storing an engine hash that is already present changes nothing (idempotent stores);
 - removing what a store added restores the index exactly; ``AllCleared`` empties the slot;

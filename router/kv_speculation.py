@@ -95,7 +95,7 @@ class SpeculationMixin:
         counted per whole entry: an entry is never left half expired) bound the work of one call.
         A second's worth of routed prompts expiring at once cost tens of ms: 256 entries of a
         4k-token prompt are ~65,000 keys, a 15-40 ms stall of every select behind the maintenance
-        tick (bench/RESULTS.md, "coordinator · open-loop stall"); so the coordinator expires a
+        tick (bench/results/history/coordinator.md, "coordinator · open-loop stall"); so the coordinator expires a
         few entries per placement and the tick works through a backlog in key-bounded slices."""
         self._trim_log()
         heap = self._spec_heap

@@ -26,7 +26,7 @@ from protocol.failures import NoServerAvailable
 # candidate list while the list's elements are the same (router/policy_kv.py); compared by value,
 # a rebuilt list of equal candidates (the coordinator rebuilds them when a server's state changes)
 # cost a field-by-field compare, `info` dicts included, of every candidate on every placement from
-# then on: 22% of the coordinator's samples (bench/RESULTS.md "coordinator · owner table").
+# then on: 22% of the coordinator's samples (bench/results/history/coordinator.md "coordinator · owner table").
 @dataclass(frozen=True, slots=True, eq=False)
 class Candidate:
     server: str

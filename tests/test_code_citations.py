@@ -13,7 +13,7 @@ alone, and so are paths outside the checkout (`../shared/…`). A `:LINE` must b
 file; a name cited as `path's NAME`, `path (NAME)`, `path::NAME` or ``NAME` in path`` must be
 defined (or imported) in that file; a `<page>.md §N` must name a numbered heading of that page.
 The same rules hold for our Markdown, except docs/reference/ (other projects' notes) and
-bench/RESULTS.md (a dated record: each run cites the tree it ran on).
+bench/RESULTS.md and bench/results/ (dated records: each run cites the tree it ran on).
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def stale_sections(path: Path, items: list[tuple[int, str]]) -> list[str]:
 
 
 def _our_markdown() -> list[Path]:
-    skip = (("docs", "reference"), ("bench", "RESULTS.md"))
+    skip = (("docs", "reference"), ("bench", "RESULTS.md"), ("bench", "results"))
     return [p for p in _files(".md") if p.relative_to(ROOT).parts[:2] not in skip]
 
 

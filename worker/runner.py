@@ -342,7 +342,7 @@ class ModelRunner(CudaGraphsMixin):
                 f"chunk {i} covers positions up to {end - 1} but its {len(ids)} blocks of {bs} hold "
                 f"only {len(ids) * bs} positions")
         # Only the blocks this chunk touches are converted: converting a long table every decode step
-        # cost ~60 µs per 2k-entry list, most of a batch-32 step's host time (bench/RESULTS.md, "decode kernels
+        # cost ~60 µs per 2k-entry list, most of a batch-32 step's host time (bench/results/history/worker.md, "decode kernels
         # (issue 17, third pass)").
         used = np.asarray(ids[:need], dtype=np.int64).reshape(-1)
         if used.min() < 0 or used.max() >= self.num_blocks:

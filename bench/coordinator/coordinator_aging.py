@@ -3,7 +3,7 @@
 
 `bench/coordinator/coordinator.py`'s fresh coordinators live ~10 s; a coordinator that has served longer than
 `speculative_ttl_s` (default 30 s) meets the steady state of routed tails, where they expire as
-fast as they are added (bench/RESULTS.md, "coordinator · native prefix walk"). This runs one
+fast as they are added (bench/results/history/coordinator.md, "coordinator · native prefix walk"). This runs one
 coordinator (and with `--baseline DIR` another tree's, started together on the same core and
 cluster, windows alternating) under `bench/coordinator/coordinator.py`'s setup (32 stand-in workers, 4k-token
 prompts, the fleet channel) and prints the CPU µs per select+finish pair of every window.

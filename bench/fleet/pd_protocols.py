@@ -9,7 +9,7 @@ latency, for `trtllm` (the baseline, same run), `vllm` (sequential, `kv_transfer
 The load generator (aiohttp, in this process) keeps `--concurrency` requests in flight.
 
 Usage: `python bench/fleet/pd_protocols.py [--requests 1500] [--concurrency 16] [--no-write]`; results are
-printed and written as the "### leg protocols" subsection of "## fleet" in bench/RESULTS.md.
+printed and written as the "## leg protocols" section of bench/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if not a.no_write:
-        replace_subsection(RESULTS, "fleet", "### leg protocols (trtllm / vllm / sglang)", text)
+        replace_subsection(RESULTS, "leg protocols", "### leg protocols (trtllm / vllm / sglang)", text)
     return 1 if any(r["errors"] for r in rows) else 0
 
 

@@ -170,8 +170,11 @@ def test_write_results_replaces_only_its_subsection(tmp_path):
                              "### y\n\nold y\n\n## b\n\ntwo\n")
     report.write_results(p, "new y\n", "### y")
     report.write_results(p, "z\n", "### z")
-    assert p.read_text() == ("# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\n### x\n\nnew x\n\n"
-                             "### y\n\nnew y\n\n### z\n\nz\n\n## b\n\ntwo\n")
+    # newest first; the replaced runs went to bench/results/history/disagg_e2e.md's stand-in
+    assert p.read_text() == ("# Benchmark results\n\n## a\n\none\n\n## disagg_e2e\n\n### z\n\nz\n\n"
+                             "### y\n\nnew y\n\n### x\n\nnew x\n\n## b\n\ntwo\n")
+    hist = (tmp_path / "results" / "history" / "disagg_e2e.md").read_text()
+    assert hist.index("old y") < hist.index("old x") and "new x" not in hist and "new y" not in hist
     q = tmp_path / "missing.md"
     report.write_results(q, "first\n", "### t")
     assert q.read_text() == "# Benchmark results\n\n## disagg_e2e\n\n### t\n\nfirst\n"

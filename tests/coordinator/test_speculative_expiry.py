@@ -1,7 +1,7 @@
 """The coordinator's maintenance loop expires a backlog of due speculative entries in key-bounded
 slices between its ticks (coordinator/service.py `_maintenance`, router/kv_speculation.py), instead
 of up to 256 routed prompts in one call once a second: that call held the loop for 15-40 ms at a
-time (bench/RESULTS.md, "coordinator · open-loop stall")."""
+time (bench/results/history/coordinator.md, "coordinator · open-loop stall")."""
 from __future__ import annotations
 
 import asyncio

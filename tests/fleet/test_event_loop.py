@@ -1,7 +1,7 @@
 """`fleet.event_loop`: every fleet process runs the configured loop and serves on it.
 
 asyncio is the default (a saturated uvloop process leaves some connections unserved for over a
-second: bench/RESULTS.md, 'fleet event loop'); uvloop stays selectable. The loop a process really
+second: bench/results/history/fleet.md, 'fleet event loop'); uvloop stays selectable. The loop a process really
 runs is read from its own startup log line, which names the running loop's module.
 """
 from __future__ import annotations

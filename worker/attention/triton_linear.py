@@ -4,7 +4,7 @@ A decode step multiplies every weight matrix by a handful of rows (M = the batch
 product bound by reading the weights once. cuBLAS reaches 3.7–4.3 TB/s on the H200 for the wide
 matrices of ``1b`` (gate_up, LM head) but only 1.4–2.5 TB/s on the narrow ones (o_proj and down_proj
 with 2048 output columns, qkv with 3072), whose few column tiles leave most multiprocessors idle; its
-split-K answer adds a reduction kernel (bench/RESULTS.md, "decode kernels (issue 17, third pass)").
+split-K answer adds a reduction kernel (bench/results/history/worker.md, "decode kernels (issue 17, third pass)").
 
 The kernel here streams ``W [N, K]`` in ``[BLOCK_N, BLOCK_K]`` tiles, multiplying each tile with all
 ``M ≤ BLOCK_M`` rows of ``x`` in one ``tl.dot`` (fp32 accumulation), and splits K over ``S``
@@ -41,11 +41,11 @@ MAX_M = 32
 #: K elements per tile; every split's K range is a multiple of it.
 BLOCK_K = 128
 #: Programs per multiprocessor :func:`choose_splits` aims at. Swept on the H200 with ``1b`` at 1k context
-#: (bench/RESULTS.md, "decode kernels (issue 17, third pass)"): 2 gave 1.110 / 1.556 ms per step at batch 1 / 32,
+#: (bench/results/history/worker.md, "decode kernels (issue 17, third pass)"): 2 gave 1.110 / 1.556 ms per step at batch 1 / 32,
 #: 4 gave 1.141 / 1.625, 1 gave 1.127 / 1.561.
 SPLITK_PROGRAMS_PER_SM = 2
 #: Batch-1 decode (M = 1): ``(BLOCK_N, num_warps, BLOCK_K)`` and programs per multiprocessor of the split-K
-#: launch. Swept on the H200 (bench/RESULTS.md, "async scheduling and batch-1 linears (issue 17, fifth
+#: launch. Swept on the H200 (bench/results/history/worker.md, "async scheduling and batch-1 linears (issue 17, fifth
 #: pass)"): per matrix, narrow two-warp programs with 64-wide K tiles beat the M ≤ 32 tiles (qkv 6.85 →
 #: 5.51, o_proj 5.73 → 4.53, down_proj 12.92 → 10.48 µs per layer); end to end (one process, variants
 #: alternating) 2 programs per SM gave 1.042–1.049 ms per step at 1k context against 1.092–1.102 for the

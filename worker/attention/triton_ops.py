@@ -34,7 +34,7 @@ __all__ = ["rope_store", "paged_decode", "paged_decode_units", "paged_prefill", 
 
 _LOG2E = 1.4426950408889634
 #: Keys per tile. Shapes picked from ``ptxas -v`` and the TTGIR for sm_90 with the launcher's
-#: specialisation (16-aligned pointers and strides), then timed on the H200 (bench/RESULTS.md, "decode
+#: specialisation (16-aligned pointers and strides), then timed on the H200 (bench/results/history/worker.md, "decode
 #: kernels (issue 17, third pass)"): decode 128 keys × 16 query rows, 4 warps at head_dim ≤ 64 (64 keys,
 #: 8 warps at 128), K/V/table loads software-pipelined with cp.async, no spills — 128 keys were 1–16%
 #: faster than 64 at batch 1–32 × 1k, batch 1 × 32k and one 32k row + 30 short ones, 3–7% slower at
