@@ -392,7 +392,7 @@ class Flow:
             scope.trace.leg_done(CTX)
         try:
             ans = trt.decode_context_answer(raw)
-            self.relay.observe_usage(CTX, ctx, ans.usage)
+            self.relay.observe_context(scope, ctx, ans.usage)
             trt.check_generation_params(ans)
         except trt.BadContextAnswer as e:
             if e.malformed:

@@ -37,13 +37,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "wheel), path/to/file.gguf, preset (tiny for tests) or a Hugging Face model directory")
     p.add_argument("--cache-dir", default=env("SPLITSERVE_CACHE_DIR"),
                    help="where the workers keep GGUF models converted (default ~/.cache/splitserve)")
-    p.add_argument("--policy", default=env("SPLITSERVE_POLICY", "kv_cache_aware"),
-                   choices=("round_robin", "load_balancing", "kv_cache_aware", "conversation"),
-                   help="routing policy of both roles")
+    policies = ("round_robin", "load_balancing", "kv_cache_aware", "conversation")
+    p.add_argument("--policy", default=env("SPLITSERVE_POLICY", "kv_cache_aware"), choices=policies,
+                   help="routing policy of the context servers (of the one worker with --aggregated)")
+    p.add_argument("--generation-policy", default=env("SPLITSERVE_GENERATION_POLICY"), choices=policies,
+                   help="routing policy of the generation servers (default: load_balancing, as the Helm "
+                        "chart: their prompt KV arrives by transfer, so they never reuse a cached prefix "
+                        "that kv_cache_aware could aim at; with --aggregated: --policy)")
     p.add_argument("--aggregated", action="store_true", default=env("SPLITSERVE_AGGREGATED") == "1",
                    help="one worker serving both legs instead of a context + a generation worker")
     p.add_argument("--ready-timeout", type=float, default=float(env("SPLITSERVE_READY_TIMEOUT", "180")),
                    help="seconds to wait for the cluster to become healthy")
+
+
+PROGRESS_EVERY_S = 5.0
 
 
 def _free_port(host: str) -> int:
@@ -71,8 +78,9 @@ def _healthy(url: str) -> bool:
 
 
 class _Proc:
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict):
-        self.name, self.log = name, log
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict, url: str | None = None):
+        self.name, self.log, self.url = name, log, url
+        self.ready_at: float | None = None
         self._f = open(log, "ab")
         self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True)
@@ -119,26 +127,30 @@ def run(args) -> int:
                 "--model", args.model, "--host", host, "--port", str(port), "--device", "cpu"]
         if args.cache_dir:
             argv += ["--cache-dir", args.cache_dir]
-        procs.append(_Proc(f"{role} worker", argv, work / f"{role}.log", env))
         urls[role] = f"http://{host}:{port}"
+        procs.append(_Proc(f"{role} worker", argv, work / f"{role}.log", env, urls[role]))
     cfg = {"hostname": host, "port": args.port, "num_workers": args.num_workers, "model": args.model}
     if not args.aggregated:
         cfg["context_servers"] = {"urls": [urls["context"].split("//")[1]], "router": {"type": args.policy}}
     gen = urls["both" if args.aggregated else "generation"]
-    cfg["generation_servers"] = {"urls": [gen.split("//")[1]], "router": {"type": args.policy}}
+    gen_policy = args.generation_policy or (args.policy if args.aggregated else "load_balancing")
+    cfg["generation_servers"] = {"urls": [gen.split("//")[1]], "router": {"type": gen_policy}}
     cfg["server_start_timeout"] = args.ready_timeout
     cfg["coordinator"] = {"host": host}   # --host is every listener's address, the coordinator's too
     cfg_path = work / "cluster.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    fleet = _Proc("fleet", [py, "-m", "splitserve_cli", "serve", "-c", str(cfg_path)], work / "fleet.log", env)
-    procs.append(fleet)
     url = f"http://{host}:{args.port}"
+    fleet = _Proc("fleet", [py, "-m", "splitserve_cli", "serve", "-c", str(cfg_path)], work / "fleet.log", env,
+                  url)
+    procs.append(fleet)
+    t0 = time.monotonic()
     print(f"splitserve local: starting {'an aggregated' if args.aggregated else 'a context and a generation'} "
           f"{args.engine} worker ({args.model}) and a {args.num_workers}-process "
-          f"fleet; logs in {work}", flush=True)
+          f"fleet on {url}; config {cfg_path}, logs in {work}", flush=True)
     rc = 0
-    deadline = time.monotonic() + args.ready_timeout
+    deadline = t0 + args.ready_timeout
     ready = False
+    next_note = t0 + PROGRESS_EVERY_S
     try:
         while not stop["now"]:
             dead = [p for p in procs if p.p.poll() is not None]
@@ -149,10 +161,22 @@ def run(args) -> int:
                 rc = 1
                 break
             if not ready:
-                if _healthy(url):
+                now = time.monotonic()
+                for p in procs:
+                    if p.ready_at is None and _healthy(p.url):
+                        p.ready_at = now
+                        if p is not fleet:
+                            print(f"splitserve local: {p.name} ready on {p.url} ({now - t0:.1f}s)", flush=True)
+                if now >= next_note and fleet.ready_at is None:
+                    next_note = now + PROGRESS_EVERY_S
+                    waiting = [p.name for p in procs if p.ready_at is None]
+                    print(f"splitserve local: still starting ({now - t0:.0f}s): waiting for "
+                          f"{', '.join(waiting)}{' (the first run of a model converts it)' if args.engine == 'torch' else ''}",
+                          flush=True)
+                if fleet.ready_at is not None:
                     ready = True
-                    print(f"\nsplitserve is up: {url}  (OpenAI API at {url}/v1; /health, /cluster_info, "
-                          f"/metrics)\n\ntry:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: "
+                    print(f"\nsplitserve is up after {fleet.ready_at - t0:.1f}s: {url}  (OpenAI API at "
+                          f"{url}/v1; /health, /cluster_info, /metrics)\n\ntry:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: "
                           f"application/json' \\\n    -d '{{\"model\": \"{args.model}\", \"messages\": "
                           f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
                           f"\"max_tokens\": 32, \"temperature\": 0}}'\n\n"

@@ -112,7 +112,7 @@ async def _vllm(flow, request, creq, scope, ctx, gen, key):
         ctx.failed = True
         raise ApiError(502, f"prefill server {ctx.server} returned an invalid answer: {e}",
                        code="upstream_error") from None
-    flow.relay.observe_usage(CTX, ctx, ans.get("usage"))
+    flow.relay.observe_context(scope, ctx, ans.get("usage"))
     scope.route["context"] = flow.route_of(ctx)
     scope.mode = scope.route["mode"] = vl.mode_of(kv)
     flow.m_place[scope.mode].inc()

@@ -8,7 +8,9 @@
   failure after the headers went out ends the stream with an error event and `[DONE]`;
 - a streaming request whose context leg already finished gets that answer replayed as SSE chunks;
 - usage: each leg's `prompt_tokens`/`cached_tokens` is kept on its placement (the `/finish` report
-  against the coordinator's prediction) and counted per role and server.
+  against the coordinator's prediction) and counted per role and server; a generation leg whose KV
+  arrived by transfer (`plan.kv_transferred`) reports nothing against the prediction, and the
+  client's `cached_tokens` are then the context leg's.
 
 The pure event/body transforms are module functions (unit-tested in tests/fleet/test_plan.py);
 `Relay` is the shell that reads upstream responses and writes the client's.
@@ -22,7 +24,7 @@ import msgspec
 import orjson
 from . import metrics as M
 from protocol.openai import ApiError
-from .legs.plan import CHAT
+from .legs.plan import CHAT, kv_transferred
 from .placement import CTX, GEN, Placement
 from .http_messages import FleetRequest, FleetStream, Reply
 from .upstream import Response, UpstreamError, UpstreamTimeout
@@ -107,9 +109,34 @@ def strip_stream_kv(events: bytes) -> bytes:
     return b"".join(e + b"\n\n" for e in out)
 
 
-def stream_usage(events: bytes, drop: bool) -> tuple[bytes, list[dict]]:
-    """(the events to relay, the usage objects they carried); with `drop`, the usage-only chunk
-    (`"choices": []`) is left out."""
+def with_cached(obj: dict, cached: int) -> bool:
+    """Set `usage.prompt_tokens_details.cached_tokens` of an answer or chunk `obj` (in place);
+    False when it carries no usage object or already says `cached`."""
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        return False
+    d = u.get("prompt_tokens_details")
+    if not isinstance(d, dict):
+        d = u["prompt_tokens_details"] = {}
+    if d.get("cached_tokens") == cached:
+        return False
+    d["cached_tokens"] = cached
+    return True
+
+
+def json_with_cached(data: bytes, cached: int) -> bytes:
+    """A JSON answer whose usage reports `cached` cached prompt tokens (unchanged if it does)."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data
+    return orjson.dumps(obj) if isinstance(obj, dict) and with_cached(obj, cached) else data
+
+
+def stream_usage(events: bytes, drop: bool, cached: int | None = None) -> tuple[bytes, list[dict]]:
+    """(the events to relay, the usage objects they carried, as the worker sent them); with `drop`,
+    the usage-only chunk (`"choices": []`) is left out; with `cached`, the relayed usage reports
+    that many cached prompt tokens."""
     keep, usages = [], []
     for ev in events.split(b"\n\n"):
         if not ev:
@@ -120,6 +147,8 @@ def stream_usage(events: bytes, drop: bool) -> tuple[bytes, list[dict]]:
                 usages.append(u)
                 if drop and (b'"choices":[]' in ev or b'"choices": []' in ev):
                     continue
+                if cached is not None:
+                    ev = b"data: " + json_with_cached(ev[6:], cached)
         keep.append(ev)
     return b"".join(e + b"\n\n" for e in keep), usages
 
@@ -200,11 +229,22 @@ class Relay:
         return m
 
     # ------------------------------------------------------------------ usage
-    def observe_usage(self, role: str, p: Placement, usage: dict | None) -> None:
+    def observe_context(self, scope, ctx: Placement, usage: dict | None) -> None:
+        """The context leg's usage: counted, and kept for the client's answer (`kv_transferred`)."""
+        self.observe_usage(CTX, ctx, usage)
+        scope.context_usage = ctx.usage
+
+    def observe_usage(self, role: str, p: Placement, usage: dict | None, transferred: bool = False) -> None:
+        """Count a leg's usage; keep it on `p` for the `/finish` report, unless the leg received its
+        KV by transfer (`plan.kv_transferred`): then its cached tokens say nothing about routing."""
         ct = cached_tokens(usage)
         if ct is None:
             return
         prompt, cached = ct
+        if transferred:
+            if prompt:
+                M.PROMPT_TOKENS.labels(role, p.server).inc(prompt)
+            return
         p.usage = (prompt, cached)
         k = (role, p.server)
         m = self._m_tokens.get(k)
@@ -259,11 +299,16 @@ class Relay:
         # from when the leg was sent, as the context leg's: its headers (for a JSON answer, the
         # whole decode) are already behind us here
         t_leg = scope.gen_sent_at or time.perf_counter()
+        transferred = kv_transferred(scope.mode)
+        # the prefix was reused (or not) on the context server: the client is told that
+        cached = scope.context_usage[1] if transferred and scope.context_usage is not None else None
         if not creq.stream or not resp.content_type.startswith("text/event-stream"):
             data = await self.read(resp, scope, GEN, gen)
             self.leg_latency[GEN].observe(time.perf_counter() - t_leg)
             data, usage = clean_json(data)
-            self.observe_usage(GEN, gen, usage)
+            self.observe_usage(GEN, gen, usage, transferred)
+            if cached is not None and usage is not None:
+                data = json_with_cached(data, cached)
             ttft, e2e = self._latency(scope.mode)
             took = time.perf_counter() - scope.t0
             ttft.observe(took)
@@ -273,7 +318,7 @@ class Relay:
         out = FleetStream(status=200, headers={**SSE_HEADERS, ROUTE_HEADER: route})
         await out.prepare(request)
         scope.bytes_sent = True
-        if await self._stream(out, creq, scope, gen, resp):
+        if await self._stream(out, creq, scope, gen, resp, transferred, cached):
             resp.release()
             scope.closed(resp)
             scope.settled()
@@ -282,7 +327,8 @@ class Relay:
             M.E2E.labels(scope.mode).observe(time.perf_counter() - scope.t0)
         return out
 
-    async def _stream(self, out: FleetStream, creq, scope, gen: Placement, resp: Response) -> bool:
+    async def _stream(self, out: FleetStream, creq, scope, gen: Placement, resp: Response,
+                      transferred: bool, cached: int | None) -> bool:
         """Copy the SSE events; False when the leg failed mid-stream (the error event was sent)."""
         buf = b""
         last = None
@@ -300,9 +346,9 @@ class Relay:
                 if b'"kv_transfer_params":{' in events or b'"kv_transfer_params": {' in events:
                     events = strip_stream_kv(events)
                 if b'"usage":{' in events or b'"usage": {' in events:
-                    events, usages = stream_usage(events, drop)
+                    events, usages = stream_usage(events, drop, cached)
                     for u in usages:
-                        self.observe_usage(GEN, gen, u)
+                        self.observe_usage(GEN, gen, u, transferred)
                     if not events:
                         continue
                 await out.write(events)

@@ -30,7 +30,8 @@ log = logging.getLogger("splitserve.fleet.flow")
 
 class RequestScope:
     __slots__ = ("flow", "placer", "rid", "t0", "alias", "mode", "route", "attempts", "bytes_sent",
-                 "failed", "placements", "open_resp", "touched", "gen_sent_at", "trace")
+                 "failed", "placements", "open_resp", "touched", "gen_sent_at", "trace",
+                 "context_usage")
 
     def __init__(self, flow, t0: float, alias: int | None = None):
         self.flow = flow                # spawn(), post_abort(), aliases, ids
@@ -44,6 +45,7 @@ class RequestScope:
         self.gen_sent_at = 0.0          # when the generation leg's last attempt was sent (its latency)
         self.bytes_sent = False
         self.failed = False             # ended with an error event after the stream's headers went out
+        self.context_usage: tuple | None = None   # (prompt, cached) the context leg reported
         self.placements: list[Placement] = []   # leases held (finished on exit)
         self.open_resp: list = []       # upstream responses not yet read to their end
         self.touched: list = []         # (role, server) that received this request (aborted on exit)

@@ -66,6 +66,14 @@ def context_unreachable(status: int, code: str | None) -> bool:
     return status in (502, 503) and code == "upstream_unavailable"
 
 
+def kv_transferred(mode: str) -> bool:
+    """The generation leg received its prompt's KV from the context leg (issue 39): its worker
+    computed no prefix, so it reports no cached tokens whatever the KV index predicted. The
+    client's `cached_tokens` are then the context leg's, and the generation leg's report is no
+    predicted-vs-actual signal (its alarm could never hold)."""
+    return mode == DISAGGREGATED
+
+
 def route_of(server: str, policy: str, explanation: dict) -> dict:
     """One leg's entry in the route header: its server and policy, and what the coordinator said
     about the choice (matched tokens, score, reason, load, the top candidates)."""

@@ -104,7 +104,7 @@ def test_example_files_load():
     assert cfg.context_servers.urls == ("http://127.0.0.1:8101",)
     assert cfg.generation_servers.urls == ("http://127.0.0.1:8102",)
     assert cfg.context_servers.router.type == "kv_cache_aware"
-    assert cfg.generation_servers.router.type == "kv_cache_aware"
+    assert cfg.generation_servers.router.type == "load_balancing"
     up = load_config(EXAMPLES / "upstream_trtllm.yaml", env={})
     assert up.context_servers.num_instances == 2 and len(up.context_servers.urls) == 2
     v = load_config(EXAMPLES / "vllm_pd.yaml", env={})
@@ -460,7 +460,9 @@ def test_readme_minimal_config_loads_as_described():
     cfg = load_config(blocks[0])
     assert cfg.topology == "implicit_coordinator" and cfg.coordinator_port == cfg.port - 1 == 7999
     assert cfg.context_servers.urls == ("http://127.0.0.1:8101",)
-    assert {cfg.context_servers.router.type, cfg.generation_servers.router.type} == {"kv_cache_aware"}
+    # generation KV arrives by transfer: routed by load, as in the Helm chart and `splitserve local`
+    assert (cfg.context_servers.router.type, cfg.generation_servers.router.type) == \
+        ("kv_cache_aware", "load_balancing")
     assert len(readme.splitlines()) <= 250
 
 
