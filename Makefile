@@ -34,9 +34,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/routing/router_core.py
 
-# Regenerate docs/configuration.md's key table from the schema (tests/coordinator/test_config.py checks it).
+# Regenerate docs/configuration.md's key table from the schema (tests/coordinator/test_config.py checks it)
+# and docs/package-map.md from the modules' docstrings (tests/tools/test_package_map.py checks it).
 docs: $(STAMP)
 	$(BIN)/python -m coordinator.config_doc
+	$(BIN)/python -m tools.package_map
 
 # The peers' routers (tests/fleet/test_peer_parity.py re-captures their leg requests when present).
 peers-venv:

@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 server for the coordinator API: httptools (llhttp) parsing on uvloop transports.
+"""A lean HTTP/1.1 server for the coordinator API on the shared core of http1/ (httptools parsing).
 
 Why not aiohttp here: every endpoint is a synchronous state operation (`coordinator.api.Api`),
 so a request needs no task, no stream reader and no response object — only parse, call, write.

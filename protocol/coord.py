@@ -216,8 +216,8 @@ UNSET = msgspec.UNSET
 
 
 class SelectAnswer(msgspec.Struct):
-    """`/select`: the leased server. `info` is the policy's explanation (docs/INTERFACES.md §1
-    `Decision.explanation`) plus `server_info` and `lease_ttl_s`."""
+    """`/select`: the leased server. `info` is the policy's explanation (router/policy_base.py's
+    `Decision`, its `explanation`) plus `server_info` and `lease_ttl_s`."""
     server: str
     req_id: int
     info: dict[str, Any] = {}

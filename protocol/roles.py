@@ -23,7 +23,7 @@ class Role(StrEnum):
         return None if v is None else cls(v)
 
 
-# The names the coordinator API accepts for a role (docs/INTERFACES.md §2) → the canonical name,
+# The names the coordinator API accepts for a role (docs/coordinator-api.md) → the canonical name,
 # as a plain `str` (the Role's value): state tables and answers keyed by role hold plain strings,
 # which msgspec and every JSON/msgpack codec treat as such.
 ROLE_ALIASES: dict[str, str] = {

@@ -33,7 +33,7 @@ PATH = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)+[\w.-]*\w"
                   r"\.(?:py|yaml|yml|sh|json|toml|txt|jinja|tpl))(?::(\d+))?\b")
 PATH_NAME = re.compile(r"(?<![\w./-])((?:[A-Za-z_]\w*/)+\w+\.py)(?:(?:'s | \()`{1,2}|::)"
                        r"([A-Za-z_]\w*)")
-# `docs/INTERFACES.md §7`, a Markdown link then `§8`, `docs/reference/kv_events.md §9.1`
+# `docs/design.md §7`, a Markdown link then `§8`, `docs/reference/kv_events.md §9.1`
 MD_SECTION = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.md)(?:\]\([^)]*\))?\)? ?§ ?"
                         r"(\d+(?:\.\d+)?)")
 NAME_IN_PATH = re.compile(r"`{1,2}([A-Za-z_]\w*)(?:\(\))?`{1,2} in "
@@ -164,8 +164,8 @@ def test_the_checker_sees_each_kind_of_stale_citation():
                      "fleet/flow.py:1: legs/nowhere.py (no such file)",
                      "fleet/flow.py:1: test_gone is not defined in tests/splitserve_testing/test_harness.py",
                      "fleet/flow.py:1: no_such_function is not defined in fleet/relay.py"], found
-    text = ("docs/INTERFACES.md §8, [INTERFACES.md](INTERFACES.md) §42, "
+    text = ("docs/design.md §8, [design.md](design.md) §42, "
             "docs/reference/kv_events.md §9.1, kv_events.md §9.9")
     sections = stale_sections(here, [(2, text)])
     assert sections == [f"fleet/flow.py:2: {page} (no such section)"
-                        for page in ("INTERFACES.md §42", "kv_events.md §9.9")], sections
+                        for page in ("design.md §42", "kv_events.md §9.9")], sections

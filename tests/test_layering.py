@@ -1,4 +1,4 @@
-"""Dependency direction between our packages (docs/design.md §1, docs/INTERFACES.md).
+"""Dependency direction between our packages (docs/design.md §1, docs/package-map.md).
 
 `protocol` is at the bottom: it imports no other package of ours, and every package may import it.
 Above it `fleet → coordinator → router`, `worker → router`, `worker → transfer`; `router` and

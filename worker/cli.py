@@ -1,6 +1,6 @@
 """``splitserve worker``: run one reference worker (torch model or sim engine).
 
-Flags are those of docs/INTERFACES.md §4 (the Helm chart renders them); each also reads
+Flags are those of docs/worker.md, "Command lines the Helm chart renders"; each also reads
 ``SPLITSERVE_<FLAG_UPPER_SNAKE>`` from the environment (the flag wins). When the worker is ready
 it prints one line holding its URL; SIGTERM/SIGINT drain it: deregister, refuse new requests,
 let running ones and pending KV transfers finish for up to ``--drain-timeout`` seconds, abort
@@ -189,7 +189,7 @@ def _build_engine(args, kv_connector=None):
         if args.async_scheduling == "on":
             raise ValueError("--async-scheduling on needs a single-rank worker (its tokens are fed on the "
                              f"device); found --tp-size {args.tp_size} --pp-size {args.pp_size}")
-        # One process per rank; this one is rank 0 (worker/parallel/engine.py, INTERFACES §7).
+        # One process per rank; this one is rank 0 (worker/parallel/engine.py; docs/worker.md, "Multi-rank internals").
         from worker.parallel.engine import build_parallel_engine
 
         return build_parallel_engine(

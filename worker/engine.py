@@ -14,7 +14,7 @@ prompt blocks stay pinned (``pinned_transfer(ctx_request_id)``) until ``release(
 reason)`` (or an abort, or the ``pin_timeout_s`` sweep — each reported to ``pin_released``);
 ``pool.pin/unpin``; ``page_table()`` (torch) describes the K/V memory to register. Without a
 connector ``generation_only`` requests are refused with ``TransferUnavailable`` (HTTP 501).
-See docs/INTERFACES.md §5/§6.
+See docs/worker.md, "Engine, scheduler and KV connector", and docs/kv-transfer.md, "The transfer package's API".
 """
 from __future__ import annotations
 

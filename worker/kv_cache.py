@@ -201,7 +201,7 @@ class BlockPool:
             return False
         self._key[b] = key
         self._by_key[key] = b
-        # Our engine hash *is* the canonical key (docs/INTERFACES.md §3); group 0 as vLLM's
+        # Our engine hash *is* the canonical key (docs/worker.md, "HTTP contract"); group 0 as vLLM's
         # single-group models publish.
         self._events.append(BlocksStored(
             engine_hashes=[key], parent_engine_hash=None if parent_key is None else int(parent_key),

@@ -1,6 +1,6 @@
 """KV-cache event publisher: ZMQ PUB in vLLM's framing plus a ROUTER replay socket.
 
-Wire format (docs/kv-events.md "What our worker publishes", docs/INTERFACES.md §3):
+Wire format (docs/kv-events.md "What our worker publishes", docs/worker.md, "HTTP contract"):
 
 * live: PUB frames ``[topic, seq_be8, payload]``; ``payload`` is ``router.events.encode_vllm_batch``
   (vLLM 0.33 map-format events); ``seq`` counts batches from 0, one per ``publish`` call;

@@ -1,4 +1,4 @@
-"""The worker's OpenAI-compatible HTTP server (aiohttp), contract in docs/INTERFACES.md §3.
+"""The worker's OpenAI-compatible HTTP server (aiohttp), contract in docs/worker.md, "HTTP contract".
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON and SSE), ``GET /v1/models``,
 ``GET /health``, ``GET /server_info``, ``GET /kv_snapshot`` (msgpack), ``POST /v1/abort``,

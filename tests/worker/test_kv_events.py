@@ -83,7 +83,7 @@ async def test_publisher_framing_seq_and_replay(actx):
         assert [decode_zmq(m).events for m in msgs[:-1]] == [b.events for b in dec[2:]]
         # every batch carries data_parallel_rank 0, as vLLM's publisher stamps it
         assert [msgpack.unpackb(f[2])[2] for f in live] == [0] * 5
-        # the bare [seq_be8] request of docs/INTERFACES.md §3 gets the same frames minus the delimiter
+        # the bare [seq_be8] request of docs/worker.md's HTTP contract gets the same frames minus the delimiter
         msgs = await replay(actx, pub.replay_endpoint, 4, delimiter=False)
         assert msgs == [[b"kv-events", (4).to_bytes(8, "big"), live[4][2]], [b"", END_MARKER_SEQ, b""]]
         # a malformed request gets just the end marker

@@ -157,7 +157,7 @@ class RankLayout:
                                       f"layers")
 
     def describe(self, cfg) -> dict[str, Any]:
-        """The rank fields every per-rank page table carries (docs/INTERFACES.md §7)."""
+        """The rank fields every per-rank page table carries (docs/worker.md, "Multi-rank internals")."""
         ls, le = self.layer_range(cfg.num_hidden_layers)
         hs, nh = self.head_range(cfg.num_key_value_heads)
         return {"rank": self.rank, "world_size": self.world_size, "tp_rank": self.tp_rank,

@@ -5,7 +5,7 @@ on rank 0 — whose runner is a :class:`worker.parallel.rank_group.ParallelRunne
 
 * ``rank_group``: the :class:`~worker.parallel.rank_group.RankGroup` (``call_all`` for the transfer layer,
   ``pids()``, ``rank_page_tables()``);
-* ``rank_page_tables()``: every rank's page table, rank order (docs/INTERFACES.md §7);
+* ``rank_page_tables()``: every rank's page table, rank order (docs/worker.md, "Multi-rank internals");
 * health: ``alive`` is False once any rank died; the engine then fails every request still
   running, refuses new ones (503), and calls ``on_fatal`` (the CLI uses it to drain and exit
   with ``exit_code`` = 1);

@@ -70,7 +70,7 @@ class RankContext:
                 log.exception("rank %d exit hook %r", self.rank, fn)
 
     def page_table(self) -> dict:
-        """The runner's page table plus this rank's coordinates (docs/INTERFACES.md §7)."""
+        """The runner's page table plus this rank's coordinates (docs/worker.md, "Multi-rank internals")."""
         pt = self.runner.page_table()
         pt.update(self.layout.describe(self.model_config))
         pt["pid"] = os.getpid()
