@@ -5,7 +5,8 @@ computes the whole answer; both servers use this: the lean HTTP/1.1 protocol in
 `coordinator.http` (the default) and aiohttp (`make_app`, and `CoordinatorServer(http="aiohttp")`).
 
 Bodies are msgpack or JSON and answered in kind; GET answers are JSON unless `Accept` names
-msgpack. Errors: 400 `{error, field}`, 415, 404, 405 (with `Allow`), 503 `{error}`; a placement
+msgpack. Errors: 400 `{error, field}`, 415, 404, 405 (with `Allow`), 421 `{error, serving}` (a
+replica that is not the serving one: docs/failover.md), 503 `{error}`; a placement
 that found the event loop saturated (its timers late by more than `max_queue_delay_s`, twice in a
 row) is shed with 429 `{error, retry_after}` + `Retry-After`, no lease taken.
 """
@@ -18,7 +19,7 @@ from typing import Any, Callable
 from coordinator import metrics as metrics_mod
 from coordinator import checks
 from protocol import coord as wire
-from protocol.coord import BadRequest, NoServerAvailable
+from protocol.coord import BadRequest, NoServerAvailable, NotServing
 from coordinator.identity import IdentityExhausted
 
 __all__ = ["Api", "Reply", "make_app"]
@@ -82,13 +83,15 @@ class Api:
             "/identity": ("identity", wire.IdentityBody,
                           lambda b: c.lease_identity(b.holder, b.node_id, b.process_id)),
             "/identity/release": ("identity_release", wire.IdentityReleaseBody,
-                                  lambda b: {"released": c.release_identity(b.holder)}),
+                                  lambda b: {"released": c.release_identity(b.holder, b.end_leases)}),
+            "/leases": ("leases", wire.LeasesBody, lambda b: c.register_leases(b.leases)),
         }
         self.get: dict[str, Callable[[bool], Reply]] = {
             "/cluster_info": lambda mp: _encode(c.cluster_info(), mp),
             "/health": self._health,
             "/metrics": lambda mp: Reply(200, metrics_mod.CONTENT_TYPE, c.metrics_text()),
             "/version": lambda mp: _encode({"version": c.version, "cluster_id": c.cluster_id}, mp),
+            "/replica": lambda mp: _encode(c.replica_info(), mp),
         }
         self.routes = [("POST", p) for p in self.post] + [("GET", p) for p in self.get]
 
@@ -158,6 +161,8 @@ class Api:
             ans = fn(wire.decode(schema, body, mp))
         except BadRequest as exc:
             return self._bad(name, exc, mp)
+        except NotServing as exc:
+            return _encode(exc.to_body(), mp, 421)
         except NoServerAvailable as exc:
             return _encode({"error": _reason(exc)}, mp, 503)
         except IdentityExhausted as exc:

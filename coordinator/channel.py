@@ -26,7 +26,7 @@ import msgspec
 from protocol import channel as cw
 from coordinator import checks
 from protocol import coord as wire
-from protocol.coord import BadRequest, NoServerAvailable
+from protocol.coord import BadRequest, NoServerAvailable, NotServing
 
 log = logging.getLogger("splitserve.coordinator.channel")
 
@@ -158,6 +158,8 @@ class ChannelServer:
                                            _NONE if eg is None else checks.exclusions(eg, "exclude_gen"),
                                            server_info=False)
                 results.append(cw.Result(call.id, cw.OK, ans))
+            except NotServing as exc:
+                results.append(cw.Result(call.id, cw.NOT_SERVING, exc.to_body()))
             except NoServerAvailable as exc:
                 r = getattr(exc, "reason", None)
                 results.append(cw.Result(call.id, cw.UNAVAILABLE,

@@ -19,13 +19,16 @@ u64) or a list; over a wire they travel as one binary blob (8 bytes per key), wh
 reads without a copy.
 
 `HttpCoordinatorClient(url)` and `InProcessCoordinatorClient(coordinator)` build the two usual
-stacks; `make_client(target)` picks one.
+stacks; `make_client(target)` picks one. `ReplicaClient(clients)` is one client over several
+coordinator replicas (docs/failover.md): it walks them in order, follows a replica's `NotServing`
+answer to the one that serves, and re-registers the leases it holds with a replica it moves to.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol, runtime_checkable
+import time
+from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
 
 import aiohttp
 import msgpack
@@ -35,8 +38,9 @@ from coordinator import client_codec as codec
 from coordinator.channel_client import ChannelClient, Fallback
 from coordinator.client_codec import answer_or_raise
 from protocol.failures import Cause
-from protocol.coord import BadRequest, CoordinatorUnavailable
+from protocol.coord import BadRequest, CoordinatorUnavailable, NotServing
 from coordinator.identity import IdentityExhausted
+from protocol import coord as wire
 
 __all__ = [
     "CoordinatorClient",
@@ -44,6 +48,7 @@ __all__ = [
     "HttpTransport",
     "InProcessCoordinatorClient",
     "InProcessTransport",
+    "ReplicaClient",
     "Transport",
     "make_client",
 ]
@@ -291,8 +296,13 @@ class CoordinatorClient:
         return codec.identity(await self._call("POST", codec.IDENTITY,
                                                codec.identity_body(holder, node_id, process_id)))
 
-    async def release_identity(self, holder: str) -> bool:
-        return codec.released(await self._call("POST", codec.IDENTITY_RELEASE, codec.identity_release_body(holder)))
+    async def release_identity(self, holder: str, end_leases: bool = False) -> bool:
+        return codec.released(await self._call("POST", codec.IDENTITY_RELEASE,
+                                               codec.identity_release_body(holder, end_leases)))
+
+    async def register_leases(self, leases) -> dict:
+        """`POST /leases`: `(role, req_id, server, tokens)` tuples this process holds."""
+        return await self._call("POST", codec.LEASES, codec.leases_body(leases))
 
 
 class HttpCoordinatorClient(CoordinatorClient):
@@ -351,3 +361,179 @@ def make_client(target: Any, *, timeout_s: float = 5.0) -> CoordinatorClient:
     if isinstance(target, str):
         return HttpCoordinatorClient(target, timeout_s=timeout_s)
     return InProcessCoordinatorClient(target)
+
+
+class ReplicaClient:
+    """Several coordinator replicas as one client (docs/failover.md), the fleet's only view of them.
+
+    - Calls go to the current replica. One that cannot be reached is marked down for `down_s` and
+      the walk moves on to the first replica in list order not marked down; one that answers
+      `NotServing` is left for the replica it names (when that one is not marked down), else
+      asked again `retry_s` later (it re-checks the replicas ahead of it when it refuses).
+    - A placement waits at most `failover_wait_s` for a replica that serves; then the last error
+      is raised (`CoordinatorUnavailable`: the fleet places locally, blind).
+    - It knows the leases it holds (each placement's answer until its finish) and re-registers
+      them with a replica before its first call there (`POST /leases`, idempotent by `(role,
+      req_id)`), once per move however many callers are waiting, so that replica's load counters
+      include the requests in flight before it places anything.
+    - `channel` is None: the fleet then runs each placement to its end when its caller is
+      cancelled (fleet/placement.py `_leased`), and its lease end comes back through `finish`.
+    """
+    inline = False
+    channel = None
+
+    def __init__(self, clients: list[CoordinatorClient], *, failover_wait_s: float = 1.0,
+                 down_s: float = 1.0, retry_s: float = 0.02,
+                 on_move: Callable[[str, str, int], None] | None = None):
+        if not clients:
+            raise ValueError("ReplicaClient needs at least one coordinator client")
+        self.clients = clients
+        self.urls = [c.url for c in clients]
+        self.url = self.urls[0]
+        self.failover_wait_s = failover_wait_s
+        self.down_s = down_s
+        self.retry_s = retry_s
+        self.on_move = on_move     # (from url, to url, leases re-registered)
+        self.current = 0
+        self._registered = 0       # the replica that has our leases
+        self._down_until = [0.0] * len(clients)
+        self._leases: dict[tuple[str, int], tuple[str, int]] = {}   # (role, req_id) -> (server, tokens)
+        self._moving: tuple[int, asyncio.Future] | None = None
+        self.stats = {"moves": 0, "leases_reregistered": 0, "not_serving": 0, "unreachable": 0,
+                      "gave_up": 0}
+
+    @property
+    def leases(self) -> int:
+        return len(self._leases)
+
+    # ---- the walk -----------------------------------------------------------------------------
+    def _next(self, now: float) -> int | None:
+        for i, until in enumerate(self._down_until):
+            if until <= now:
+                return i
+        return None
+
+    async def _on(self, i: int) -> CoordinatorClient:
+        """Replica `i`, holding our leases (re-registered once per move)."""
+        if self._registered != i:
+            mv = self._moving
+            if mv is None or mv[0] != i:
+                fut = asyncio.get_running_loop().create_future()
+                self._moving = (i, fut)
+                try:
+                    leases = [(role, rid, srv, tok) for (role, rid), (srv, tok) in self._leases.items()]
+                    if leases:
+                        await self.clients[i].register_leases(leases)
+                    old = self.urls[self._registered]
+                    self._registered = i
+                    self.stats["moves"] += 1
+                    self.stats["leases_reregistered"] += len(leases)
+                    log.warning("coordinator: moved from %s to %s (%d lease(s) re-registered)",
+                                old, self.urls[i], len(leases))
+                    if self.on_move is not None:
+                        self.on_move(old, self.urls[i], len(leases))
+                    fut.set_result(None)
+                except BaseException as exc:
+                    fut.set_exception(exc)
+                    fut.exception()        # retrieved here: the waiters get it from `await`
+                    raise
+                finally:
+                    if self._moving is not None and self._moving[1] is fut:
+                        self._moving = None
+            else:
+                await asyncio.shield(mv[1])
+        return self.clients[i]
+
+    async def _run(self, call: Callable[[CoordinatorClient], Awaitable[Any]]) -> Any:
+        deadline = None
+        while True:
+            i = self.current
+            try:
+                return await call(await self._on(i))
+            except NotServing as exc:
+                self.stats["not_serving"] += 1
+                err: CoordinatorUnavailable = exc
+                j = self.urls.index(exc.serving.rstrip("/")) if exc.serving and \
+                    exc.serving.rstrip("/") in self.urls else None
+                now = time.monotonic()
+                if j is not None and j != i and self._down_until[j] <= now:
+                    self.current = j
+                    continue
+            except CoordinatorUnavailable as exc:
+                self.stats["unreachable"] += 1
+                err = exc
+                now = time.monotonic()
+                self._down_until[i] = now + self.down_s
+                j = self._next(now)
+                if j is not None:
+                    self.current = j
+                    continue
+                # every replica failed just now: walk the list again from the start
+                self._down_until = [0.0] * len(self.clients)
+                self.current = 0
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.failover_wait_s
+            if now >= deadline:
+                self.stats["gave_up"] += 1
+                raise err
+            await asyncio.sleep(min(self.retry_s, deadline - now))
+
+    # ---- the client API -----------------------------------------------------------------------
+    def _held(self, role: str, req_id: int, ans: Any, routing_key: Any) -> None:
+        if isinstance(ans, dict) and isinstance(ans.get("server"), str):
+            tokens = routing_key.get("num_tokens") if isinstance(routing_key, dict) else None
+            self._leases[(role, req_id)] = (ans["server"], tokens if type(tokens) is int else 0)
+
+    async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
+        ans = await self._run(lambda c: c.select(role, req_id, routing_key, exclude))
+        self._held(wire.parse_role(role), req_id, ans, routing_key)
+        return ans
+
+    async def select_pair(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
+                          exclude_gen: Any = None) -> dict:
+        ans = await self._run(lambda c: c.select_pair(req_id, routing_key, exclude_ctx, exclude_gen))
+        if isinstance(ans, dict):
+            for role in ("context", "generation"):
+                self._held(role, req_id, ans.get(role), routing_key)
+        return ans
+
+    def finish_nowait(self, role: str, req_id: int, success: bool = True,
+                      usage: dict | None = None) -> bool:
+        self._drop(role, req_id)
+        if self._registered != self.current:
+            return False          # the move is under way: `finish` waits for it
+        return self.clients[self.current].finish_nowait(role, req_id, success, usage)
+
+    def _drop(self, role: str, req_id: int) -> None:
+        canon = wire.ROLES.get(role) if isinstance(role, str) else None
+        self._leases.pop((canon or role, req_id), None)
+
+    async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
+        self._drop(role, req_id)
+        await self._run(lambda c: c.finish(role, req_id, success, usage))
+
+    async def renew(self, role: str, req_id: int) -> bool:
+        return await self._run(lambda c: c.renew(role, req_id))
+
+    async def cluster_info(self) -> dict:
+        return await self._run(lambda c: c.cluster_info())
+
+    async def health(self) -> bool:
+        return await self.clients[self.current].health()
+
+    async def lease_identity(self, holder: str, node_id: int | None = None,
+                             process_id: int | None = None) -> tuple[int, int]:
+        return await self._run(lambda c: c.lease_identity(holder, node_id, process_id))
+
+    async def release_identity(self, holder: str, end_leases: bool = False) -> bool:
+        return await self._run(lambda c: c.release_identity(holder, end_leases))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+    async def __aenter__(self) -> "ReplicaClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

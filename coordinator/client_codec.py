@@ -7,7 +7,8 @@ Errors (protocol/coord.py):
 - `NoServerAvailable` — a placement (`/select`, `/select_pair`) answered 503: no server fits;
 - `CoordinatorOverloaded` — 429: the coordinator shed the call, `retry_after` seconds;
 - `CoordinatorRequestError` — it rejected the call (400/404/415), with `.field` when known;
-- `CoordinatorUnavailable` — it could not be reached, timed out, or failed (other 5xx).
+- `CoordinatorUnavailable` — it could not be reached, timed out, or failed (other 5xx);
+- `NotServing` (a `CoordinatorUnavailable`) — 421: this replica defers to another (`.serving`).
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from typing import Any
 from protocol.channel import wire_key
 from protocol.failures import Cause
 from protocol.coord import (BadRequest, CoordinatorOverloaded, CoordinatorRequestError,
-                            CoordinatorUnavailable, FinishBody, FirstTokenBody, IdentityBody, IdentityReleaseBody,
-                            NoServerAvailable, RenewBody, SelectBody, SelectPairBody, encode_msgpack)
+                            CoordinatorUnavailable, FinishBody, FirstTokenBody, IdentityBody,
+                            IdentityReleaseBody, LeaseRecord, LeasesBody, NoServerAvailable,
+                            NotServing, RenewBody, SelectBody, SelectPairBody, encode_msgpack)
 
 SELECT = "/select"
 SELECT_PAIR = "/select_pair"
@@ -28,6 +30,8 @@ CLUSTER_INFO = "/cluster_info"
 HEALTH = "/health"
 IDENTITY = "/identity"
 IDENTITY_RELEASE = "/identity/release"
+LEASES = "/leases"
+REPLICA = "/replica"
 PLACEMENTS = frozenset({SELECT, SELECT_PAIR})
 HOT = frozenset({SELECT, SELECT_PAIR, FINISH, RENEW, FIRST_TOKEN})     # per request: the fast transports' calls
 
@@ -73,8 +77,13 @@ def identity_body(holder: str, node_id: int | None = None, process_id: int | Non
     return IdentityBody(holder, node_id, process_id)
 
 
-def identity_release_body(holder: str) -> IdentityReleaseBody:
-    return IdentityReleaseBody(holder)
+def identity_release_body(holder: str, end_leases: bool = False) -> IdentityReleaseBody:
+    return IdentityReleaseBody(holder, end_leases)
+
+
+def leases_body(leases) -> LeasesBody:
+    """`leases`: `(role, req_id, server, tokens)` tuples."""
+    return LeasesBody([LeaseRecord(*rec) for rec in leases])
 
 
 def encode(body: Any) -> bytes:
@@ -113,6 +122,9 @@ def error_of(url: str, path: str, status: int, obj: Any, raw: bytes) -> Exceptio
     msg = msg if isinstance(msg, str) else raw[:200].decode("utf-8", "replace")
     if status == 503 and path in PLACEMENTS:
         return NoServerAvailable(msg)
+    if status == 421:
+        serving = obj.get("serving") if isinstance(obj, dict) else None
+        return NotServing(msg, serving if isinstance(serving, str) else None)
     if status == 429:
         ra = obj.get("retry_after") if isinstance(obj, dict) else None
         return CoordinatorOverloaded(msg, float(ra) if isinstance(ra, (int, float)) else 1.0)

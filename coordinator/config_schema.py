@@ -344,6 +344,20 @@ class CoordinatorConfig(Section):
     max_queue_delay_s: Annotated[PosFloat, doc(
         "placements that waited longer than this behind a saturated event loop are shed: 429 + "
         "Retry-After, no lease")] = 0.1
+    replicas: Annotated[tuple[str, ...], doc(
+        "the coordinator replicas, in order (http://h:p each; docs/failover.md): the fleet walks "
+        "them and uses the first that serves; a replica serves while none ahead of it is up and "
+        "warm. Empty = one coordinator")] = ()
+    replica_index: Annotated[Optional[NonNegInt], doc(
+        "this coordinator's position in `replicas` (env SPLITSERVE_COORDINATOR__REPLICA_INDEX; "
+        "null with replicas set = 0)")] = None
+    replica_probe_interval_s: Annotated[PosFloat, doc(
+        "how often a replica probes the replicas ahead of it (GET /replica)")] = 0.05
+    replica_probe_timeout_s: Annotated[PosFloat, doc(
+        "a replica ahead that does not answer within this is down")] = 0.25
+    failback_s: Annotated[NonNegFloat, doc(
+        "a replica ahead must be up and warm this long before a serving replica defers to it "
+        "again")] = 1.0
 
 
 class FleetConfig(Section):
@@ -356,6 +370,9 @@ class FleetConfig(Section):
     retry_backoff_s: Annotated[NonNegFloat, doc("pause before retrying a connect failure on "
                                                 "another server")] = 0.05
     coordinator_timeout_s: Annotated[PosFloat, doc("timeout of one coordinator call")] = 5.0
+    failover_wait_s: Annotated[NonNegFloat, doc(
+        "with several coordinator replicas: how long a placement waits for one of them to serve "
+        "(the serving one died, a standby is taking over) before it is placed locally, blind")] = 1.0
     coordinator_channel: Annotated[bool, doc(
         "use the coordinator's persistent channel when it offers one (else one HTTP exchange per "
         "call)")] = True
@@ -505,8 +522,9 @@ class ClusterConfig(Section):
 
     @property
     def topology(self) -> Literal["single", "implicit_coordinator", "external_coordinator"]:
-        """docs/design.md §2: which of the three process topologies this config selects."""
-        if self.disagg_coordinator_url:
+        """docs/design.md §2: which of the three process topologies this config selects
+        (`coordinator.replicas` names external coordinators, as `disagg_coordinator_url` does)."""
+        if self.disagg_coordinator_url or self.coordinator.replicas:
             return "external_coordinator"
         return "single" if self.num_workers == 1 else "implicit_coordinator"
 
@@ -515,6 +533,8 @@ class ClusterConfig(Section):
         """The URL fleet workers use for the coordinator (None in the one-process topology)."""
         if self.disagg_coordinator_url:
             return self.disagg_coordinator_url
+        if self.coordinator.replicas:
+            return self.coordinator.replicas[0]
         if self.num_workers == 1:
             return None
         host = self.coordinator.host
@@ -579,6 +599,15 @@ class ClusterConfig(Section):
     def __str__(self) -> str:  # a readable JSON form
         return json.dumps(self.to_public_dict(), sort_keys=True)
 
+    @property
+    def coordinator_replicas(self) -> tuple[str, ...]:
+        """Every coordinator URL the fleet may use, in walking order: `coordinator.replicas`, else
+        the one coordinator URL (empty in the one-process topology)."""
+        if self.coordinator.replicas:
+            return self.coordinator.replicas
+        url = self.coordinator_url
+        return (url,) if url else ()
+
     def _check(self, path: str) -> None:
         if self.perf_metrics_max_requests:
             # Refused rather than accepted and ignored: nothing here would keep those records.
@@ -587,6 +616,21 @@ class ClusterConfig(Section):
                               "timings); per-request timings are in the traces (`otlp_config`) "
                               "and in /metrics. Remove the key or set it to 0, found "
                               f"{self.perf_metrics_max_requests}")
+        reps = self.coordinator.replicas
+        for i, u in enumerate(reps):
+            if not re.match(r"^(https?://[^/]+|unix://?/.+)", u):
+                raise ConfigError(f"coordinator.replicas[{i}]", "expected 'http://host:port' or "
+                                  f"'unix:///path', found {u!r}")
+        if len(set(u.rstrip("/") for u in reps)) != len(reps):
+            raise ConfigError("coordinator.replicas", f"expected distinct URLs, found {list(reps)}")
+        ri = self.coordinator.replica_index
+        if ri is not None and ri >= max(1, len(reps)):
+            raise ConfigError("coordinator.replica_index", f"expected an index into "
+                              f"coordinator.replicas (< {max(1, len(reps))}), found {ri}")
+        if reps and self.disagg_coordinator_url:
+            raise ConfigError("disagg_coordinator_url", "expected it unset when "
+                              "coordinator.replicas lists the coordinators (the fleet walks the "
+                              f"list), found {self.disagg_coordinator_url!r}")
         if self.disagg_coordinator_url is not None:
             u = self.disagg_coordinator_url
             if not re.match(r"^(https?://[^/]+|unix://?/.+)", u):

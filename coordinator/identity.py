@@ -101,6 +101,9 @@ class IdentityTable:
         self.granted_total += 1
         return lease
 
+    def get(self, holder: str) -> IdentityLease | None:
+        return self._by_holder.get(holder)
+
     def release(self, holder: str) -> bool:
         lease = self._by_holder.pop(holder, None)
         if lease is None:

@@ -34,7 +34,8 @@ from protocol import coord as wire
 from coordinator.api import make_app
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
-from protocol.coord import BadRequest, NoServerAvailable
+from protocol.coord import BadRequest, NoServerAvailable, NotServing, identity_slot
+from coordinator.election import Election, OrderedReplicas, Solo
 from coordinator.health import HealthMonitor
 from coordinator.identity import IdentityTable
 from coordinator.kv_ingest import FeedSource, KvIngest
@@ -48,7 +49,7 @@ from router.policies import Candidate, RoutingKey, make_policy
 
 log = logging.getLogger("splitserve.coordinator")
 
-__all__ = ["Coordinator", "make_app"]
+__all__ = ["Coordinator", "make_app", "make_election"]
 
 VERSION = "0.1.0"
 ROLES = (CONTEXT, GENERATION)
@@ -59,6 +60,17 @@ EMPTY_INDEX_WARN_EVERY_S = 60.0
 # (router/kv_speculation.py); 1,024-key slices (~1.2 ms) were the open loop's p99 after a burst.
 SPEC_EXPIRE_KEYS_PER_SLICE = 256
 SPEC_EXPIRE_SLICE_S = 0.002
+
+
+def make_election(cfg: ClusterConfig) -> Election:
+    """The replica election the config names: the ordered replica list when `coordinator.replicas`
+    has more than one entry, else none (this coordinator always serves)."""
+    co = cfg.coordinator
+    if len(co.replicas) < 2:
+        return Solo()
+    return OrderedReplicas(list(co.replicas), co.replica_index or 0,
+                           interval_s=co.replica_probe_interval_s,
+                           timeout_s=co.replica_probe_timeout_s, failback_s=co.failback_s)
 
 
 @dataclass(slots=True)
@@ -74,6 +86,7 @@ class Stats:
     renew_unknown: int = 0
     leases_expired: dict = field(default_factory=lambda: {CONTEXT: 0, GENERATION: 0})
     empty_index_warnings: int = 0
+    not_serving: int = 0            # calls refused: another replica serves
     select_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     leases: LeaseTable | None = None      # the coordinator's: what it counts is read from it
 
@@ -195,6 +208,9 @@ class Coordinator:
         self.empty_index_check_s = 1.0
         self.started_at = now
         self.version = VERSION
+        self.election: Election = make_election(cfg)
+        self.leases_reregistered = 0
+        self.leases_ended_by_announcement = 0
         self._maint: asyncio.Task | None = None
         self._started = False
         self.membership = None
@@ -217,6 +233,7 @@ class Coordinator:
                 raise
         await self.kv.start()
         await self.health.start()
+        await self.election.start()
         self._maint = asyncio.create_task(self._maintenance(), name="coordinator-maintenance")
         log.info("coordinator started: %d context / %d generation servers known, ready=%s",
                  len(self.registry.in_role(CONTEXT)), len(self.registry.in_role(GENERATION)),
@@ -230,6 +247,7 @@ class Coordinator:
             self._maint.cancel()
             await asyncio.gather(self._maint, return_exceptions=True)
             self._maint = None
+        await self.election.stop()
         if self.membership is not None:
             await self.membership.stop()
         await self.diag.stop()
@@ -382,10 +400,21 @@ class Coordinator:
         copy, and an SGLang worker's is kilobytes of server arguments, encoded and decoded per
         leg), and a `kv_cache_aware` explanation travels as the numbers it is built from
         (`info["kv"]`, protocol/channel.py `KvChoice`), which the channel's client expands."""
+        if not self.election.serving:
+            self._not_serving()
         t0 = time.perf_counter()
         ans = self._select(role, req_id, key, excluded, server_info)
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return ans
+
+    def _not_serving(self) -> None:
+        """Refuse a call only the serving replica answers; the backend re-checks at once (the
+        caller may have just seen the serving replica die)."""
+        el = self.election
+        el.kick()
+        self.stats.not_serving += 1
+        raise NotServing(f"this coordinator replica is not serving placements"
+                         + (f"; {el.serving_url} is" if el.serving_url else ""), el.serving_url)
 
     def _select(self, role: str, req_id: int, key: RoutingKey | None, excluded: set[str],
                 server_info: bool = True) -> dict:
@@ -434,6 +463,8 @@ class Coordinator:
         placed by the pairing rules (router/pairing.py `pair`: the generation leg first, so
         conditional disaggregation can use its cache match; `no_context_fallback` when no context
         server fits, the generation lease ended before a rejection is raised)."""
+        if not self.election.serving:
+            self._not_serving()
         t0 = time.perf_counter()
         p = pair(self.pair_rules, key.num_tokens if key is not None else 0,
                  lambda: self._select(GENERATION, req_id, key, ex_gen, server_info),
@@ -546,6 +577,8 @@ class Coordinator:
                        process_id: int | None = None) -> dict:
         if not isinstance(holder, str) or not holder:
             raise BadRequest("holder must be a non-empty string", "holder")
+        if not self.election.serving:
+            self._not_serving()     # pairs are unique only within the serving replica's table
         try:
             lease = self.identities.lease(holder, self.clock(), node_id, process_id)
         except ValueError as exc:
@@ -553,8 +586,48 @@ class Coordinator:
         return {"node_id": lease.node_id, "process_id": lease.process_id,
                 "ttl_s": self.identities.ttl_s}
 
-    def release_identity(self, holder: str) -> bool:
-        return self.identities.release(holder)
+    def release_identity(self, holder: str, end_leases: bool = False) -> bool:
+        """Free `holder`'s pair. `end_leases`: its process is gone (the fleet's restart
+        announcement), so every lease whose request id carries its pair ends now, not at
+        `leases.ttl_s`. Answered by every replica: a standby holds no lease of it, a serving one
+        releases them."""
+        lease = self.identities.get(holder)
+        released = self.identities.release(holder)
+        if end_leases and lease is not None:
+            slot = lease.slot
+            gone = self.leases.drop_if(lambda l: identity_slot(l.req_id) == slot)
+            if gone:
+                self.leases_ended_by_announcement += len(gone)
+                log.warning("fleet process %s is gone: ended its %d lease(s)", holder, len(gone))
+        return released
+
+    def register_leases(self, leases) -> dict:
+        """`POST /leases`: the leases a fleet process holds, re-registered after it moved to this
+        replica (`protocol.coord.LeasesBody`). Idempotent by `(role, req_id)`; a lease on a
+        server this replica does not know is skipped (it left the cluster meanwhile)."""
+        if not self.election.serving:
+            self._not_serving()
+        now = self.clock()
+        n = skipped = 0
+        known = self.registry.servers
+        for rec in leases:
+            role = wire.parse_role(rec.role, "leases.role")
+            req_id = wire.check_req_id(rec.req_id, "leases.req_id")
+            server = normalize_url(rec.server, "leases.server")
+            if server not in known:
+                skipped += 1
+                continue
+            self.leases.acquire(role, req_id, server, now, self.lease_ttl_s, rec.tokens)
+            n += 1
+        self.leases_reregistered += n
+        return {"registered": n, "skipped": skipped}
+
+    def replica_info(self) -> dict:
+        """`GET /replica`: this replica's part in the election, and whether it is warm (every
+        healthy server's KV index rebuilt, or given up on): what a replica behind it reads."""
+        ready = self._started and all(self.kv.kv_ready(e.url) for role in ROLES
+                                      for e in self.registry.healthy(role))
+        return {"ready": ready, **self.election.describe()}
 
     # ---- views ------------------------------------------------------------------------------
     def is_ready(self) -> bool:

@@ -20,6 +20,9 @@ Guarantees:
 - a crashed fleet process (or coordinator) is restarted, with a backoff that grows on crash loops;
   a coordinator whose address is taken (exit EXIT_ADDRESS_IN_USE) is not: the launcher stops the
   cluster and exits non-zero, since no restart can succeed;
+  a fleet process that exits unasked is announced to every coordinator at once (`POST
+  /identity/release` with `end_leases`), which ends the leases of its requests: they died with it,
+  and their load must not count until `leases.ttl_s` (docs/failover.md);
 - SIGTERM / SIGINT are forwarded: fleet processes stop listening and drain in-flight requests
   (bounded by `fleet.drain_timeout_s`), then the coordinator stops; leftovers are killed after a grace
   period, so the launcher always exits.
@@ -42,6 +45,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -66,8 +70,16 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = s
 
 
-def probe(url: str, path: str = "/cluster_info", timeout: float = 2.0) -> tuple[bool, str, dict]:
-    """One GET against the coordinator; → (answered 200, detail, the JSON body or {})."""
+def holder_name(port: int, pid: int) -> str:
+    """The name a fleet process leases its request-id identity under (fleet/server.py): what its
+    launcher names it by when it announces the process gone."""
+    return f"{socket.gethostname()}:{port}:{pid}"
+
+
+def probe(url: str, path: str = "/cluster_info", timeout: float = 2.0,
+          body: bytes | None = None) -> tuple[bool, str, dict]:
+    """One GET (or, with `body`, a JSON POST) against the coordinator; → (answered 200, detail,
+    the JSON body or {})."""
     try:
         if url.startswith("unix:"):
             sock_path = url[len("unix:"):].lstrip("/")
@@ -77,7 +89,11 @@ def probe(url: str, path: str = "/cluster_info", timeout: float = 2.0) -> tuple[
             cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
             conn = cls(u.hostname, u.port or (443 if u.scheme == "https" else 80), timeout=timeout)
         try:
-            conn.request("GET", path, headers={"Accept": "application/json"})
+            if body is None:
+                conn.request("GET", path, headers={"Accept": "application/json"})
+            else:
+                conn.request("POST", path, body=body, headers={"Accept": "application/json",
+                                                              "Content-Type": "application/json"})
             r = conn.getresponse()
             raw = r.read()
             try:
@@ -190,6 +206,7 @@ class Launcher:
         self._reservation: socket.socket | None = None
         # Minted per run: the coordinator started here reports it, the fleet processes check it.
         self.cluster_id: str | None = None
+        self.coordinator_urls: list[str] = []
 
     # ------------------------------------------------------------------ helpers
     def _on_signal(self, signum, frame) -> None:
@@ -197,13 +214,19 @@ class Launcher:
             log.info("launcher: %s received, draining fleet processes", signal.Signals(signum).name)
         self.stopping = True
 
-    def _wait_coordinator(self, url: str, child: _Child | None) -> None:
+    def _wait_coordinator(self, urls: list[str], child: _Child | None) -> None:
+        """Until one of `urls` (the coordinator, or any of its replicas) answers."""
         deadline = time.monotonic() + self.config.server_start_timeout
         attempts, detail = 0, ""
         delay = 0.1
         while True:
             attempts += 1
-            ok, detail, body = probe(url, timeout=min(2.0, self.config.fleet.coordinator_timeout_s))
+            for url in urls:
+                ok, detail, body = probe(url, timeout=min(2.0, self.config.fleet.coordinator_timeout_s))
+                if ok:
+                    break
+            else:
+                url = " or ".join(urls)
             if ok and self.cluster_id is not None and body.get("cluster_id") != self.cluster_id:
                 # Another cluster's coordinator holds the port: ours is about to fail to bind it.
                 raise SystemExit(self._fail(
@@ -232,6 +255,19 @@ class Launcher:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
+    def _announce_gone(self, pid: int) -> None:
+        """A fleet process died: every coordinator (replica) ends its leases now (a background
+        thread: the supervision loop does not wait for the answers)."""
+        holder = holder_name(self.port, pid)
+        body = json.dumps({"holder": holder, "end_leases": True}).encode()
+
+        def send() -> None:
+            for url in self.coordinator_urls:
+                ok, detail, _ = probe(url, "/identity/release", timeout=1.0, body=body)
+                if not ok:
+                    log.warning("launcher: could not announce %s gone to %s: %s", holder, url, detail)
+        threading.Thread(target=send, name="announce-gone", daemon=True).start()
+
     def _fail(self, msg: str, code: int = EXIT_COORDINATOR_UNREACHABLE) -> int:
         log.error("%s", msg)
         print(f"splitserve serve: error: {msg}", file=sys.stderr, flush=True)
@@ -251,7 +287,8 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         cfg = self.config
         env = dict(os.environ)
-        coordinator_cpu, fleet_cpus = affinity.plan(self.cpus, self.n, not cfg.disagg_coordinator_url)
+        coordinator_cpu, fleet_cpus = affinity.plan(self.cpus, self.n,
+                                                     cfg.topology != "external_coordinator")
         if self.cpus:
             log.info("launcher: fleet.cpu_affinity %s: coordinator on CPU %s, fleet processes on %s",
                      cfg.fleet.cpu_affinity, coordinator_cpu, fleet_cpus)
@@ -261,9 +298,14 @@ class Launcher:
             return self._fail(str(e.strerror or e), EXIT_ADDRESS_IN_USE)
         self.port = self._reservation.getsockname()[1]
         try:
-            if cfg.disagg_coordinator_url:
+            if cfg.coordinator.replicas:
+                fleet_url = None      # each fleet process reads the replica list from the config
+                self.coordinator_urls = list(cfg.coordinator.replicas)
+                self._wait_coordinator(self.coordinator_urls, None)
+            elif cfg.disagg_coordinator_url:
                 fleet_url = cfg.disagg_coordinator_url
-                self._wait_coordinator(fleet_url, None)
+                self.coordinator_urls = [fleet_url]
+                self._wait_coordinator([fleet_url], None)
             else:
                 fleet_url, tcp_url = self._coordinator_urls()
                 cport = cfg.coordinator_port
@@ -278,7 +320,8 @@ class Launcher:
                 self.coordinator.start()
                 log.info("launcher: coordinator pid %d on %s%s", self.coordinator.proc.pid, tcp_url,
                          f" and unix://{uds}" if uds else "")
-                self._wait_coordinator(tcp_url, self.coordinator)
+                self.coordinator_urls = [tcp_url]
+                self._wait_coordinator([tcp_url], self.coordinator)
         except SystemExit as e:
             return int(e.code or EXIT_COORDINATOR_UNREACHABLE)
         self.metrics_dir = tempfile.mkdtemp(prefix="splitserve-fleet-metrics-")
@@ -288,7 +331,8 @@ class Launcher:
         ident = ["--cluster-id", self.cluster_id] if self.cluster_id else []
         for i in range(self.n):
             argv = [self.python, "-m", "fleet.cli", *self.child_argv, "--port", str(port),
-                    "--coordinator-url", fleet_url, "--child-index", str(i), *ident]
+                    *(("--coordinator-url", fleet_url) if fleet_url else ()), "--child-index", str(i),
+                    *ident]
             self.fleet.append(_Child(f"fleet-{i}", argv, fenv, index=i, cpu=fleet_cpus[i]))
         for c in self.fleet:
             c.start()
@@ -336,6 +380,7 @@ class Launcher:
                         c.backoff = 0.5   # it ran fine for a while: not a crash loop
                     log.warning("launcher: %s (pid %d) exited with code %s; restarting in %.1fs",
                                 c.name, c.proc.pid, rc, c.backoff)
+                    self._announce_gone(c.proc.pid)
                     c.proc = None
                     c.ready = False
                     c.next_start = now + c.backoff

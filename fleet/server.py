@@ -31,6 +31,7 @@ from protocol.openai import ApiError
 from .flow import Flow
 from .http_messages import BadBody, BodyTooLarge, FleetRequest
 from .http_server import FleetHttpServer
+from .launcher import holder_name
 from .keys import TokenizerUnavailable, make_key_builder
 from .placement import CTX, GEN, Placer
 from .snowflake import SnowflakeGenerator
@@ -137,7 +138,9 @@ class FleetServer:
             delay = min(delay * 2, 2.0)
 
     async def _lease_identity(self) -> tuple[int, int]:
-        node, proc = await self.coord.lease_identity(self.holder)
+        # The pair in use is asked for again: a replica that took over (docs/failover.md) has no
+        # lease of ours and gives it back when free.
+        node, proc = await self.coord.lease_identity(self.holder, *(self.identity or (None, None)))
         if self.config.node_id is not None:
             node = self.config.node_id
         return int(node), int(proc)
@@ -425,7 +428,7 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
                       reuse_port: bool = False, ready_fd: int | None = None,
                       cluster_id: str | None = None) -> int:
     """One fleet process, start to exit. With no `coordinator_url` the coordinator runs in-process."""
-    from coordinator.client import InProcessCoordinatorClient
+    from coordinator.client import InProcessCoordinatorClient, ReplicaClient
 
     from .coord_client import FleetCoordinatorClient
 
@@ -439,7 +442,8 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
     if process_index is not None and reuse_port:
         # A launcher's child: if the launcher dies (even SIGKILL), stop instead of lingering as an orphan.
         watchdog = asyncio.get_running_loop().create_task(_watch_parent(os.getppid(), stop))
-    if coordinator_url is None:
+    replicas = config.coordinator.replicas
+    if coordinator_url is None and not replicas:
         try:
             client = await InProcessCoordinatorClient.start(config)
         except OSError as e:   # its API's port or socket (dynamic membership) is taken
@@ -447,11 +451,18 @@ async def run_process(config, *, coordinator_url: str | None, process_index: int
             return 1
         label = "in-process"
     else:
-        client = FleetCoordinatorClient(coordinator_url, timeout=config.fleet.coordinator_timeout_s,
-                                        channel=config.fleet.coordinator_channel,
-                                        max_pending=config.fleet.coordinator_max_pending)
-        label = coordinator_url
-    holder = f"{socket.gethostname()}:{config.port}:{os.getpid()}"
+        def one(url: str) -> FleetCoordinatorClient:
+            return FleetCoordinatorClient(url, timeout=config.fleet.coordinator_timeout_s,
+                                          channel=config.fleet.coordinator_channel,
+                                          max_pending=config.fleet.coordinator_max_pending)
+        if len(replicas) > 1:
+            client = ReplicaClient([one(u) for u in replicas],
+                                   failover_wait_s=config.fleet.failover_wait_s)
+            label = "replicas " + ", ".join(replicas)
+        else:
+            label = replicas[0] if replicas else coordinator_url
+            client = one(label)
+    holder = holder_name(config.port, os.getpid())
     server = FleetServer(config, client, holder=holder, process_index=process_index, coordinator_label=label,
                          cluster_id=cluster_id)
     try:

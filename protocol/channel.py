@@ -47,6 +47,7 @@ OK = 200
 BAD_REQUEST = 400
 UNAVAILABLE = 503            # no server fits the placement
 OVERLOADED = 429             # the coordinator shed the call: it waited too long in its queue
+NOT_SERVING = 421            # this replica is not the serving one (body: {error, serving})
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]    # msgpack ints stop at u64 by themselves
 

@@ -10,7 +10,9 @@ where an int belongs, a float block key) with the key path; `decode` turns that 
 `bin` of little-endian u64 (8 bytes per key; JSON: base64 string) — the binary form is decoded
 into numpy without a copy.
 
-Errors (HTTP mapping): `BadRequest` → 400, `UnsupportedMediaType` → 415, `NoServerAvailable` →
+Errors (HTTP mapping): `BadRequest` → 400, `UnsupportedMediaType` → 415, `NotServing` → 421
+(a coordinator replica that is not the serving one; `serving` names the one it defers to, when it
+knows it: docs/failover.md), `NoServerAvailable` →
 503, `CoordinatorOverloaded` → 429 (a placement shed by a saturated coordinator, or by a fleet
 process whose calls to it are already at their bound; a subclass of `NoServerAvailable`, so every
 caller that answers "no server" with 503 + Retry-After sheds it the same way, and none falls back
@@ -30,7 +32,8 @@ from protocol.roles import PAIR_MODES, ROLE_ALIASES, Mode, Role
 
 __all__ = [
     "BadRequest", "CoordinatorError", "CoordinatorOverloaded", "CoordinatorRequestError",
-    "CoordinatorUnavailable", "NoServerAvailable", "UnsupportedMediaType",
+    "CoordinatorUnavailable", "NoServerAvailable", "NotServing", "UnsupportedMediaType",
+    "LeaseRecord", "LeasesBody", "identity_slot",
     "SelectBody", "SelectPairBody", "FinishBody", "FirstTokenBody", "RenewBody", "RegisterBody", "DeregisterBody",
     "IdentityBody", "IdentityReleaseBody", "RoutingKeyBody", "FinishUsage",
     "SelectAnswer", "SelectPairAnswer", "RenewAnswer", "ClusterInfo", "ServerView",
@@ -79,6 +82,21 @@ class CoordinatorUnavailable(CoordinatorError, ConnectionError):
     def __init__(self, message: str, cause: Cause = Cause.CONNECT_REFUSED):
         super().__init__(message)
         self.cause = cause
+
+
+class NotServing(CoordinatorUnavailable):
+    """A coordinator replica refused a call only the serving replica answers (placements, leases,
+    identities): a replica ahead of it in the ordered list is up, or the election backend says
+    another one leads. `serving` is that replica's URL when known. A client that knows no other
+    replica treats it as an unreachable coordinator (local placement), so a fleet pointed at a
+    standby alone still serves."""
+
+    def __init__(self, message: str, serving: str | None = None):
+        super().__init__(message, Cause.NOT_SERVING)
+        self.serving = serving
+
+    def to_body(self) -> dict:
+        return {"error": str(self), "serving": self.serving}
 
 
 class CoordinatorOverloaded(NoServerAvailable):
@@ -202,6 +220,39 @@ class IdentityBody(msgspec.Struct, forbid_unknown_fields=True):
 
 class IdentityReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
     holder: str
+    # The holder's process is gone (its launcher saw it exit): end every lease its request ids
+    # carry (`identity_slot`) now instead of at `leases.ttl_s` (the fleet's restart announcement).
+    end_leases: bool = False
+
+
+class LeaseRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One lease a fleet process holds: `[role, req_id, server, tokens]`."""
+    role: str
+    req_id: int
+    server: str
+    tokens: NonNeg = 0
+
+
+class LeasesBody(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /leases`: a fleet process re-registers the leases it holds with a replica that just
+    became its serving coordinator. Idempotent by `(role, req_id)`: a lease already there is
+    replaced by the same one (its load counted once)."""
+    leases: list[LeaseRecord]
+
+
+# The snowflake layout's identity bits (docs/design.md §3; the generator is fleet/snowflake.py):
+# [0 | timestamp_ms 39 | node_id 8 | process_id 6 | counter 10], rotated by + 2**40.
+_ID_OFFSET = 1 << 40
+_ID_END = (1 << 63) - 1
+
+
+def identity_slot(req_id: int) -> int | None:
+    """`node_id * 64 + process_id` of a fleet-minted request id (coordinator/identity.py's slot;
+    decoded as `fleet.snowflake.decode` does), or None outside the global range `[2**40,
+    2**63 - 1)` (a worker-local or client-chosen id)."""
+    if not _ID_OFFSET <= req_id < _ID_END:
+        return None
+    return ((req_id - _ID_OFFSET) >> 10) & 0x3FFF
 
 
 # ============================================================================== answers

@@ -31,6 +31,7 @@ class Cause(StrEnum):
     OVERLOADED = "overloaded"
     BAD_ANSWER = "bad_answer"
     FAILED = "failed"
+    NOT_SERVING = "not_serving"     # a coordinator replica that defers to another (docs/failover.md)
 
 
 class Failure(Exception):

@@ -249,8 +249,14 @@ class LeaseTable:
         return len(self._leases)
 
     def drop_server(self, server: str) -> list[Lease]:
-        """Remove every lease on ``server`` (it left the cluster); returns them."""
-        gone = [l for l in self._leases.values() if l.server == server]
+        """Remove every lease on ``server`` (it left the cluster, or restarted: its requests died
+        with it); returns them."""
+        return self.drop_if(lambda l: l.server == server)
+
+    def drop_if(self, pred) -> list[Lease]:
+        """Remove every live lease for which ``pred(lease)`` is true (a scan: for rare events
+        such as a fleet process's death); returns them."""
+        gone = [l for l in self._leases.values() if pred(l)]
         for lease in gone:
             del self._leases[(lease.role, lease.req_id)]
             self._drop(lease)

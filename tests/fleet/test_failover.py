@@ -1,0 +1,186 @@
+"""Coordinator replicas and process deaths, with real processes on loopback (docs/failover.md):
+
+- the serving coordinator killed (-9) under kv_cache_aware load: no client request fails, every
+  placement after the kill comes from the standby (none placed blind), and the standby's load
+  counters hold the requests that were in flight at the kill (re-registered by the fleet), and
+  return to zero when they end;
+- a standby refuses placements with the typed 421 (`NotServing`) naming the serving replica;
+- a fleet process killed (-9) with requests in flight: its launcher's announcement ends their
+  leases at once, not at `leases.ttl_s`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import msgpack
+
+from .conftest import free_port, group, healthy, http, wait_for
+
+SLOW = {"model": "tiny", "prompt": "a long answer that outlives the coordinator", "max_tokens": 300}
+FAST = {"model": "tiny", "prompt": "shared prefix for kv aware placement " * 8, "max_tokens": 2}
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return sorted(out)
+
+
+def route(h) -> dict:
+    return json.loads(h["x-splitserve-route"])
+
+
+def in_flight(curl: str) -> dict:
+    st, _, raw = http("GET", curl + "/cluster_info")
+    assert st == 200, raw[:200]
+    return json.loads(raw)["leases"]["in_flight"]
+
+
+class Timeline:
+    """Background completions; each outcome recorded with its send time and placement policy."""
+
+    def __init__(self, url: str, body: dict, threads: int = 2):
+        self.url, self.body = url, body
+        self.rows: list[tuple[float, int, str | None]] = []
+        self._stop = threading.Event()
+        self._ts = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self):
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                st, h, _ = http("POST", self.url + "/v1/completions", self.body, timeout=20)
+            except OSError as e:
+                self.rows.append((t, 0, repr(e)))
+                continue
+            pol = route(h)["generation"]["policy"] if st == 200 else None
+            self.rows.append((t, st, pol))
+
+    def __enter__(self):
+        for t in self._ts:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._ts:
+            t.join(30)
+
+
+def _replicas(cluster, ctx, gen, n=2):
+    ports = [free_port() for _ in range(n)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    servers = dict(context_servers=group([ctx], "kv_cache_aware"),
+                   generation_servers=group([gen], "kv_cache_aware"))
+    procs = []
+    for i, p in enumerate(ports):
+        cfg = cluster.config(f"coord{i}.yaml", port=p + 1, coordinator={"replicas": urls, "replica_index": i},
+                             **servers)
+        procs.append(cluster.coordinator(cfg, p, name=f"coordinator-{i}"))
+    for u, c in zip(urls, procs):
+        wait_for(lambda u=u: http("GET", u + "/health")[0] == 200, 60, u, c)
+    # Started together, a standby may serve until the first replica is warm (and failback_s more).
+    wait_for(lambda: not any(json.loads(http("GET", u + "/replica")[2])["serving"] for u in urls[1:]),
+             10, "the standbys to defer", procs)
+    return urls, procs, servers
+
+
+def test_standby_refuses_placements_with_a_typed_answer(cluster):
+    _, ctx = cluster.worker("context", name="r-ctx")
+    _, gen = cluster.worker("generation", name="r-gen")
+    urls, _, _ = _replicas(cluster, ctx, gen)
+    rep = json.loads(http("GET", urls[1] + "/replica")[2])
+    assert rep["serving"] is False and rep["serving_url"] == urls[0] and rep["index"] == 1
+    body = msgpack.packb({"role": "generation", "req_id": 1 << 41})
+    st, _, raw = http("POST", urls[1] + "/select", body, headers={"Content-Type": "application/msgpack"})
+    ans = msgpack.unpackb(raw)
+    assert st == 421 and ans["serving"] == urls[0], (st, ans)
+    st, _, raw = http("POST", urls[0] + "/select", body, headers={"Content-Type": "application/msgpack"})
+    assert st == 200, raw[:200]
+
+
+def test_serving_coordinator_killed_standby_takes_over(cluster):
+    _, ctx = cluster.worker("context", name="f-ctx")
+    _, gen = cluster.worker("generation", name="f-gen")
+    urls, coords, servers = _replicas(cluster, ctx, gen)
+    port = free_port()
+    fcfg = cluster.config("fleet.yaml", port=port, coordinator={"replicas": urls},
+                          fleet={"coordinator_timeout_s": 2}, **servers)
+    f = cluster.fleet(fcfg)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url), 60, "fleet", f)
+
+    slow_done: list[int] = []
+    slow = [threading.Thread(target=lambda: slow_done.append(
+        http("POST", url + "/v1/completions", SLOW, timeout=60)[0]), daemon=True) for _ in range(3)]
+    for t in slow:
+        t.start()
+    wait_for(lambda: in_flight(urls[0])["generation"] == 3, 20, "three long requests in flight")
+    before = json.loads(http("GET", urls[1] + "/replica")[2])["takeovers"]
+    with Timeline(url, FAST) as tl:
+        time.sleep(0.5)
+        coords[0].kill(signal.SIGKILL)
+        killed = time.monotonic()
+        coords[0].p.wait(10)
+        # The standby holds the three long requests (re-registered) before they end.
+        wait_for(lambda: in_flight(urls[1])["generation"] >= 3, 1.0 + 2.0, "the standby's load")
+        took = time.monotonic() - killed
+        time.sleep(1.0)
+    for t in slow:
+        t.join(60)
+    assert slow_done == [200, 200, 200]
+    failed = [r for r in tl.rows if r[1] != 200]
+    assert failed == [], failed[:5]
+    after = [r for r in tl.rows if r[0] > killed]
+    assert after, "no request was sent after the kill"
+    assert {r[2] for r in after} == {"kv_cache_aware"}, "a placement after the kill was made blind"
+    assert took < 3.0
+    # Every lease ended on the replica that serves now: its counters are exact again.
+    wait_for(lambda: sum(in_flight(urls[1]).values()) == 0, 5, "the standby's leases to end")
+    rep = json.loads(http("GET", urls[1] + "/replica")[2])
+    assert rep["serving"] is True and rep["takeovers"] == before + 1
+    assert "re-registered" in f.log()
+
+
+def test_killed_fleet_process_leases_end_at_its_announcement(cluster):
+    _, ctx = cluster.worker("context", name="k-ctx")
+    _, gen = cluster.worker("generation", name="k-gen")
+    cport = free_port()
+    curl = f"http://127.0.0.1:{cport}"
+    servers = dict(context_servers=group([ctx], "kv_cache_aware"),
+                   generation_servers=group([gen], "kv_cache_aware"))
+    coord = cluster.coordinator(cluster.config("coord.yaml", port=cport + 1, **servers), cport)
+    wait_for(lambda: http("GET", curl + "/health")[0] == 200, 60, "coordinator", coord)
+    port = free_port()
+    fcfg = cluster.config("fleet.yaml", port=port, num_workers=2, disagg_coordinator_url=curl,
+                          leases={"ttl_s": 300}, **servers)
+    launcher = cluster.fleet(fcfg, name="launcher")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url), 90, "fleet of 2", launcher)
+    def slow_request():
+        try:
+            http("POST", url + "/v1/completions", SLOW, timeout=60)
+        except OSError:
+            pass     # those of the killed process
+    for _ in range(6):
+        threading.Thread(target=slow_request, daemon=True).start()
+    wait_for(lambda: in_flight(curl)["generation"] == 6, 20, "six long requests in flight")
+    # One fleet process with requests in flight dies; the other keeps its own.
+    children = _children(launcher.p.pid)
+    assert len(children) == 2, children
+    os.kill(children[0], signal.SIGKILL)
+    dead = time.monotonic()
+    wait_for(lambda: in_flight(curl)["generation"] < 6, 2.0, "the dead process's leases to end")
+    assert time.monotonic() - dead < 2.0
+    assert "is gone: ended its" in coord.log()
