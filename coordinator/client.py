@@ -301,7 +301,7 @@ class CoordinatorClient:
                                                codec.identity_release_body(holder, end_leases)))
 
     async def register_leases(self, leases) -> dict:
-        """`POST /leases`: `(role, req_id, server, tokens)` tuples this process holds."""
+        """`POST /leases`: `(role, req_id, server, tokens, started)` tuples this process holds."""
         return await self._call("POST", codec.LEASES, codec.leases_body(leases))
 
 
@@ -397,7 +397,8 @@ class ReplicaClient:
         self.current = 0
         self._registered = 0       # the replica that has our leases
         self._down_until = [0.0] * len(clients)
-        self._leases: dict[tuple[str, int], tuple[str, int]] = {}   # (role, req_id) -> (server, tokens)
+        # (role, req_id) -> [server, tokens, its first token reported]
+        self._leases: dict[tuple[str, int], list] = {}
         self._moving: tuple[int, asyncio.Future] | None = None
         self.stats = {"moves": 0, "leases_reregistered": 0, "not_serving": 0, "unreachable": 0,
                       "gave_up": 0}
@@ -421,7 +422,7 @@ class ReplicaClient:
                 fut = asyncio.get_running_loop().create_future()
                 self._moving = (i, fut)
                 try:
-                    leases = [(role, rid, srv, tok) for (role, rid), (srv, tok) in self._leases.items()]
+                    leases = [(role, rid, *rec) for (role, rid), rec in self._leases.items()]
                     if leases:
                         await self.clients[i].register_leases(leases)
                     old = self.urls[self._registered]
@@ -483,7 +484,7 @@ class ReplicaClient:
     def _held(self, role: str, req_id: int, ans: Any, routing_key: Any) -> None:
         if isinstance(ans, dict) and isinstance(ans.get("server"), str):
             tokens = routing_key.get("num_tokens") if isinstance(routing_key, dict) else None
-            self._leases[(role, req_id)] = (ans["server"], tokens if type(tokens) is int else 0)
+            self._leases[(role, req_id)] = [ans["server"], tokens if type(tokens) is int else 0, False]
 
     async def select(self, role: str, req_id: int, routing_key: Any = None, exclude: Any = None) -> dict:
         ans = await self._run(lambda c: c.select(role, req_id, routing_key, exclude))
@@ -508,6 +509,22 @@ class ReplicaClient:
     def _drop(self, role: str, req_id: int) -> None:
         canon = wire.ROLES.get(role) if isinstance(role, str) else None
         self._leases.pop((canon or role, req_id), None)
+
+    def _started(self, role: str, req_id: int) -> None:
+        canon = wire.ROLES.get(role) if isinstance(role, str) else None
+        rec = self._leases.get((canon or role, req_id))
+        if rec is not None:
+            rec[2] = True
+
+    def first_token_nowait(self, role: str, req_id: int) -> bool:
+        self._started(role, req_id)
+        if self._registered != self.current:
+            return False
+        return self.clients[self.current].first_token_nowait(role, req_id)
+
+    async def first_token(self, role: str, req_id: int) -> bool:
+        self._started(role, req_id)
+        return await self._run(lambda c: c.first_token(role, req_id))
 
     async def finish(self, role: str, req_id: int, success: bool = True, usage: dict | None = None) -> None:
         self._drop(role, req_id)

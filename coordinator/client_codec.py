@@ -82,7 +82,7 @@ def identity_release_body(holder: str, end_leases: bool = False) -> IdentityRele
 
 
 def leases_body(leases) -> LeasesBody:
-    """`leases`: `(role, req_id, server, tokens)` tuples."""
+    """`leases`: `(role, req_id, server, tokens, started)` tuples."""
     return LeasesBody([LeaseRecord(*rec) for rec in leases])
 
 

@@ -617,7 +617,11 @@ class Coordinator:
             if server not in known:
                 skipped += 1
                 continue
+            # Not started: its whole prompt counts as queued prefill (the placement's cache match,
+            # which would lower it, is not known here).
             self.leases.acquire(role, req_id, server, now, self.lease_ttl_s, rec.tokens)
+            if rec.started:
+                self.leases.first_token(role, req_id)
             n += 1
         self.leases_reregistered += n
         return {"registered": n, "skipped": skipped}

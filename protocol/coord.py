@@ -226,11 +226,13 @@ class IdentityReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class LeaseRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One lease a fleet process holds: `[role, req_id, server, tokens]`."""
+    """One lease a fleet process holds: `[role, req_id, server, tokens, started]` (`started`: its
+    first token was reported, so it no longer counts as queued prefill)."""
     role: str
     req_id: int
     server: str
     tokens: NonNeg = 0
+    started: bool = False
 
 
 class LeasesBody(msgspec.Struct, forbid_unknown_fields=True):

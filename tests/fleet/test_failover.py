@@ -190,7 +190,7 @@ def test_killed_fleet_process_leases_end_at_its_announcement(cluster):
             time.sleep(0.02)
         if "cut" in outcome:
             break
-    # The target is 2 s (bench/fleet/failover.py measures it); the bound here leaves room for a
+    # The target is 2 s (measured by the failover benchmark); the bound here leaves room for a
     # busy CI box. Without the announcement they would last leases.ttl_s (300 s).
     wait_for(lambda: in_flight(curl)["generation"] == sum(t.is_alive() for t in threads), 5.0,
              "the dead process's leases to end")
