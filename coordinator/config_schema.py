@@ -360,6 +360,35 @@ class CoordinatorConfig(Section):
         "again")] = 1.0
 
 
+class CircuitBreakerConfig(Section):
+    failure_threshold: Annotated[Annotated[int, Meta(ge=1)], doc(
+        "consecutive failures of a server (connect errors, dropped connections, retried 5xx) that "
+        "open its breaker in a fleet process: no traffic to it from that process")] = 1
+    open_s: Annotated[PosFloat, doc(
+        "how long a breaker stays open the first time; then half-open: traffic is let through, "
+        "a success closes it, a failure opens it again for twice as long")] = 2.0
+    max_open_s: Annotated[PosFloat, doc("cap of the doubling open time")] = 30.0
+
+    def _check(self, path: str) -> None:
+        if self.max_open_s < self.open_s:
+            raise ConfigError(join(path, "max_open_s"), f"expected >= open_s ({self.open_s}), "
+                              f"found {self.max_open_s}")
+
+
+class RateLimitConfig(Section):
+    requests_per_s: Annotated[Optional[PosFloat], doc(
+        "token-bucket rate of admitted requests for the whole fleet (each of the num_workers "
+        "processes admits its share); null = no rate limit")] = None
+    burst: Annotated[Optional[Annotated[int, Meta(ge=1)]], doc(
+        "bucket size: requests admitted at once after a quiet period (null = one second's worth, "
+        "at least 1), split across processes like the rate")] = None
+    max_queue: Annotated[NonNegInt, doc(
+        "requests per fleet process that wait (FIFO) for a token when the bucket is empty; "
+        "beyond it 429 + Retry-After at once")] = 0
+    queue_timeout_s: Annotated[PosFloat, doc(
+        "longest wait in that queue; then 429 + Retry-After")] = 1.0
+
+
 class FleetConfig(Section):
     max_body_bytes: Annotated[PosInt, doc("largest accepted request body (413 beyond); an int or "
                                           "'4MiB'", parse="bytes")] = 4 * 1024 * 1024
@@ -367,8 +396,21 @@ class FleetConfig(Section):
         "requests served per client connection before it is closed (null = unlimited)")] = None
     drain_timeout_s: Annotated[NonNegFloat, doc("on shutdown, wait this long for in-flight "
                                                 "requests")] = 30.0
-    retry_backoff_s: Annotated[NonNegFloat, doc("pause before retrying a connect failure on "
-                                                "another server")] = 0.05
+    retry_on_status: Annotated[tuple[Annotated[int, Meta(ge=400, le=599)], ...], doc(
+        "worker answers retried on another server (with max_retries and the backoff), besides "
+        "connect failures, while nothing was sent to the client yet: any of 408, 429, 500-599. "
+        "429 and 503 count as shedding, the others as failures of the server")] = (503,)
+    retry_backoff_s: Annotated[NonNegFloat, doc("pause before the first retry on another server "
+                                                "(jittered: x0.5-1.5)")] = 0.05
+    retry_backoff_multiplier: Annotated[Annotated[float, Meta(ge=1.0)], doc(
+        "each further retry of a request waits this much longer")] = 2.0
+    retry_backoff_max_s: Annotated[NonNegFloat, doc("cap of the retry pause before jitter")] = 1.0
+    circuit_breaker: Annotated[CircuitBreakerConfig, doc(
+        "per-server circuit breaker of each fleet process")] = \
+        msgspec.field(default_factory=CircuitBreakerConfig)
+    rate_limit: Annotated[RateLimitConfig, doc(
+        "token-bucket admission with a bounded FIFO queue")] = \
+        msgspec.field(default_factory=RateLimitConfig)
     coordinator_timeout_s: Annotated[PosFloat, doc("timeout of one coordinator call")] = 5.0
     failover_wait_s: Annotated[NonNegFloat, doc(
         "with several coordinator replicas: how long a placement waits for one of them to serve "
@@ -397,6 +439,10 @@ class FleetConfig(Section):
         "next in turn) or a CPU list like 0-7,12 (docs/fleet.md, 'CPU affinity')")] = "none"
 
     def _check(self, path: str) -> None:
+        for i, st in enumerate(self.retry_on_status):
+            if st != 408 and st != 429 and st < 500:
+                raise ConfigError(f"{join(path, 'retry_on_status')}[{i}]", "expected 408, 429 or "
+                                  f"a 5xx status (a 4xx answer is the client's), found {st}")
         if self.cpu_affinity not in ("none", "auto"):
             try:
                 cpu_list(self.cpu_affinity)

@@ -60,6 +60,35 @@ class LatencyHistogram:
         return float("inf")
 
 
+def _scaling_signal(snap, gauge) -> Iterable[Metric]:
+    """Per role, what an autoscaler (HPA/KEDA, Dynamo's planner, llm-d's) acts on: the prefill work
+    queued on the role (the per-server `queued_prefill_tokens` of /cluster_info, summed), and how
+    full its KV caches are (helm/splitserve/examples/)."""
+    tokens = {"context": 0, "generation": 0}
+    blocks = {"context": 0, "generation": 0}
+    capacity = {"context": 0, "generation": 0}
+    for row in snap.rows:
+        e = row.entry
+        if not e.healthy:
+            continue
+        cap = (e.server_info or {}).get("kv_capacity_blocks")
+        for role in e.roles:
+            tokens[role] += row.phase[0]
+            if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+                blocks[role] += row.index_blocks
+                capacity[role] += cap
+    q = gauge("role_queued_prefill_tokens", "prompt tokens still to prefill on a role's healthy "
+              "servers: leases placed whose first token is not reported yet", ["role"])
+    occ = gauge("role_kv_occupancy", "KV-index blocks over the KV capacity (/server_info "
+                "kv_capacity_blocks) of a role's healthy servers that report one", ["role"])
+    for role in ("context", "generation"):
+        q.add_metric([role], tokens[role])
+        if capacity[role]:
+            occ.add_metric([role], blocks[role] / capacity[role])
+    yield q
+    yield occ
+
+
 class CoordinatorCollector:
     """The families of one scrape, from one `coordinator.snapshot.ClusterSnapshot` (the object
     `/cluster_info` is built from too)."""
@@ -193,6 +222,7 @@ class CoordinatorCollector:
             rr.add_metric([s], sum(f.reader_restarts for f in fs))
         yield from (up, load_r, load_t, ej, idx, lag, age, ev, bl, gaps, rp, cl, de, cf, rr, rdy,
                     empty)
+        yield from _scaling_signal(snap, gauge)
 
         total = gauge("kv_index_size", "KV-index entries over all servers")
         total.add_metric([], snap.index_size)

@@ -15,11 +15,14 @@ That is TensorRT-LLM's protocol; servers speaking vLLM's or SGLang's are handed 
 once placed (docs/protocols.md).
 
 Failure rules (beating upstream, reference §7):
-- a connect-level failure (`UpstreamConnectError`) or a worker 503 is retried on a *different*
-  server (`exclude`), after a jittered backoff, at most `max_retries` times; the id stays the same
-  and the attempt number goes up (header `X-Splitserve-Attempt`);
-- a 4xx from a worker is relayed as is, never retried; a failure after a request reached a worker
-  (disconnect, timeout, 5xx) is not retried; nothing is retried after bytes went to the client;
+- a connect-level failure (`UpstreamConnectError`) or a worker answer in `fleet.retry_on_status`
+  (default 503; 408, 429 and any 5xx can be added) is retried on a *different* server (`exclude`),
+  after a jittered exponential backoff (`retry_backoff_s` × `retry_backoff_multiplier`^n, capped at
+  `retry_backoff_max_s`), at most `max_retries` times; the id stays the same and the attempt number
+  goes up (header `X-Splitserve-Attempt`);
+- another 4xx from a worker is relayed as is, never retried; a disconnect or timeout after a request
+  reached a worker, or a 5xx not listed, is not retried; nothing is retried after bytes went to the
+  client;
 - every lease gets exactly one `/finish`, and a client that hangs up (the handler task is cancelled
   by fleet/http_server.py) has every leg still open aborted at once: both by leaving the request's scope
   (fleet/scope.py); no further leg is started.
@@ -63,7 +66,11 @@ class Flow:
         self.keys = keys                    # routing-key builder (None: no policy needs one)
         self.max_retries = config.max_retries
         self.timeout = config.request_timeout
-        self.backoff = config.fleet.retry_backoff_s
+        fc = config.fleet
+        self.backoff = fc.retry_backoff_s
+        self.backoff_mult = fc.retry_backoff_multiplier
+        self.backoff_max = fc.retry_backoff_max_s
+        self.retry_statuses = frozenset(fc.retry_on_status)
         self.schedule = config.schedule_style
         self.rules = placer.rules           # the pairing rules (router/pairing.py)
         self.hmac_key = config.internal_request_auth_key
@@ -277,15 +284,22 @@ class Flow:
                     scope.opened(resp)
                     return resp, p
                 data = await self.relay.read(resp, scope, role, p)
-                if resp.status == 501 and gen_only:
+                st = resp.status
+                if st == 501 and gen_only:
                     raise _NoKvTransfer(p)
-                if resp.status != 503:
-                    p.failed = resp.status >= 500
-                    M.LEG_ERRORS.labels(role, f"http_{resp.status // 100}xx").inc()
-                    raise worker_error(role, p.server, resp.status, data)
-                M.LEG_ERRORS.labels(role, "http_503").inc()
-                err = f"{role} server {p.server} is shedding load (503)"
-                shedding = True
+                M.LEG_ERRORS.labels(role, "http_503" if st == 503 else f"http_{st // 100}xx").inc()
+                if st not in self.retry_statuses:
+                    p.failed = st >= 500
+                    raise worker_error(role, p.server, st, data)
+                # fleet.retry_on_status: 429 and 503 say "busy, try elsewhere"; the others are
+                # failures of this server (its breaker counts them).
+                shedding = st in (429, 503)
+                if shedding:
+                    err = f"{role} server {p.server} is shedding load ({st})"
+                else:
+                    p.failed = True
+                    self.placer.report_failure(role, p.server)
+                    err = f"{role} server {p.server} answered {st}"
             # retryable failure: end this lease (a shedding server is not a failed one), pick another
             scope.release(p)
             if scope.attempts[role] >= max_retries:
@@ -294,7 +308,7 @@ class Flow:
                                code="upstream_unavailable", retry_after=1 if shedding else None)
             scope.attempts[role] += 1
             self.m_retry[role].inc()
-            await self.backoff_sleep()
+            await self.backoff_sleep(scope.attempts[role])
             try:
                 p = await self.placer.place(role, scope.rid, key, tried)
             except NoServerAvailable:
@@ -302,9 +316,11 @@ class Flow:
                                retry_after=1) from None
             scope.hold(p)
 
-    async def backoff_sleep(self) -> None:
+    async def backoff_sleep(self, attempt: int = 1) -> None:
+        """The pause before retry number `attempt` (1 = the first): exponential, capped, jittered."""
         if self.backoff:
-            await asyncio.sleep(self.backoff * (0.5 + random.random()))
+            pause = min(self.backoff_max, self.backoff * self.backoff_mult ** (attempt - 1))
+            await asyncio.sleep(pause * (0.5 + random.random()))
 
     def falls_back(self, e: ApiError) -> bool:
         """No context server reachable and the config says serve aggregated."""

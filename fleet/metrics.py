@@ -98,8 +98,12 @@ LEG_REQUESTS = _Counter(f"{NS}_leg_requests_total", "Upstream legs sent to worke
                        ["role"])
 LEG_ERRORS = _Counter(f"{NS}_leg_errors_total", "Upstream legs that failed, by role and reason.",
                      ["role", "reason"])
+RATE_LIMITED = _Counter(f"{NS}_rate_limited_total",
+                       "Requests answered 429 by the rate limit (fleet.rate_limit), by reason "
+                       "(queue_full, queue_timeout).", ["reason"])
 LEG_RETRIES = _Counter(f"{NS}_leg_retries_total",
-                      "Upstream legs retried on another server after a connect-level failure, by role.", ["role"])
+                      "Upstream legs retried on another server after a connect-level failure or an answer in "
+                      "fleet.retry_on_status, by role.", ["role"])
 
 
 class _Histogram(Histogram):

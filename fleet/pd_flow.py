@@ -165,7 +165,7 @@ async def _sglang(flow, request, creq, scope, ctx, gen, key):
         for role in retry:
             scope.attempts[role] += 1
             flow.m_retry[role].inc()
-        await flow.backoff_sleep()
+        await flow.backoff_sleep(max(scope.attempts[r] for r in retry))
         for role in retry:
             old = ctx if role == CTX else gen
             try:

@@ -6,17 +6,19 @@
   `select_pair`), so every fleet process sees one consistent placement. Each answer is a lease:
   `Placer.finish()` sends exactly one `/finish` for it, whatever path the request took.
 - When the coordinator cannot be reached, placement falls back to this process's last-known server
-  list (least local in-flight, ties in turn: router/policy_load.py's `load_balancing`), logged once
+  list (least local in-flight, ties in turn: router/policy_load.py's `LoadBalancingPolicy`), logged once
   per outage and counted in
   `splitserve_fleet_coordinator_fallback_total`; a background probe returns to delegated placement
   as soon as the coordinator answers again.
 - A pair of legs placed here (both round robin, or the coordinator unreachable) follows the same
   pairing rules as the coordinator's `/select_pair`: router/pairing.py `pair`.
 
-Local ejection: a server that failed at connect level (or dropped a connection mid-request) is kept
-out of placement for `eject_s` (doubling on repeated failures, capped), and sent as `exclude` to the
-coordinator meanwhile, so a dead worker stops receiving traffic before the coordinator's own health
-probes notice it.
+Local ejection, the per-server circuit breaker (`fleet.circuit_breaker`): a server that failed
+`failure_threshold` times in a row (connect level, a connection dropped mid-request, or a retried
+5xx) is kept out of placement for `open_s` (doubling on repeated failures, up to `max_open_s`), and
+sent as `exclude` to the coordinator meanwhile, so a dead worker stops receiving traffic before the
+coordinator's own health probes notice it. Once the time is up the server is half-open: traffic
+goes to it again, a success closes the breaker and a failure reopens it for twice as long.
 
 The only routing state held here is the round-robin cursors, the last-known server list and the
 local ejection table (docs/design.md §1: the fleet holds no other routing state).
@@ -89,17 +91,17 @@ class Placer:
     """`turn`: where the local turns (round robin, and least-loaded ties) start; None, a random
     one, so that the fleet's processes do not all begin on the same server."""
 
-    def __init__(self, config, coordinator, *, refresh_s: float = 1.0, eject_s: float = 2.0,
-                 eject_max_s: float = 30.0, fail_threshold: int = 1, turn: int | None = None):
+    def __init__(self, config, coordinator, *, refresh_s: float = 1.0, turn: int | None = None):
         self.config = config
         self.coord = coordinator
         self.policy = {CTX: config.context_servers.router.type, GEN: config.generation_servers.router.type}
         self._kind = {role: PolicyKind(t) for role, t in self.policy.items()}
         self.rules = PairRules.of(config)
         self.refresh_s = refresh_s
-        self.eject_s = eject_s
-        self.eject_max_s = eject_max_s
-        self.fail_threshold = fail_threshold
+        cb = config.fleet.circuit_breaker   # the local ejection is the per-server circuit breaker
+        self.eject_s = cb.open_s
+        self.eject_max_s = cb.max_open_s
+        self.fail_threshold = cb.failure_threshold
         self.servers: dict[str, list[_ServerState]] = {
             CTX: [_ServerState(u) for u in config.context_servers.urls],
             GEN: [_ServerState(u) for u in config.generation_servers.urls],

@@ -100,6 +100,8 @@ class FleetServer:
         self.api_keys = ApiKeys(config.api_keys)
         self.max_body = config.fleet.max_body_bytes
         self.max_inflight = config.fleet.max_inflight_requests
+        from .admission import RateLimiter
+        self.rate_limit = RateLimiter.from_config(config)   # None: fleet.rate_limit off
         self.body_timeout = config.fleet.body_timeout_s
         self.keepalive_requests = config.fleet.keepalive_requests
         self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -277,6 +279,8 @@ class FleetServer:
         try:
             self._auth(request)
             raw = await self._read_body(request)
+            if self.rate_limit is not None:
+                await self.rate_limit.admit()
             # Only now does the request take a slot: a client that stalls its body holds no capacity.
             M.INFLIGHT.inc()
             flow.inflight += 1

@@ -74,3 +74,36 @@ async def test_cluster_info_and_metrics_agree(workers, coordinator):
         ci, m = await _views(session, url)
         assert not ci["is_ready"]
         _agree(ci, m)
+
+
+async def test_the_scaling_signal_per_role(workers, coordinator):
+    """`role_queued_prefill_tokens` sums the servers' queued prefill of a role (what /cluster_info
+    shows per server); `role_kv_occupancy` is index blocks over the capacity the servers report."""
+    ctx_a, ctx_b = await workers("context"), await workers("context")
+    gen = await workers("generation")
+    for w in (ctx_a, ctx_b):
+        w.info["kv_capacity_blocks"] = 100
+    c, s = await coordinator(cfg([ctx_a.url, ctx_b.url], [gen.url], ctx_router="load_balancing",
+                                 gen_router="load_balancing"))
+    p = "splitserve_coordinator_"
+    async with aiohttp.ClientSession() as session:
+        url = s.tcp_url
+        await wait_for(c.is_ready, what="cluster ready")
+        for i in range(4):
+            body = {"req_id": 200 + i, "routing_key": {"num_tokens": 40 + i}}
+            async with session.post(url + "/select_pair", data=msgpack.packb(body), headers=MP) as r:
+                assert r.status == 200
+        ci, m = await _views(session, url)
+        queued = sum(row["load"]["queued_prefill_tokens"] for row in ci["servers"]["context"])
+        assert queued == sum(40 + i for i in range(4))
+        assert m[(p + "role_queued_prefill_tokens", (("role", "context"),))] == queued
+        # both context servers report a capacity and hold no index entries yet; the generation
+        # server reports none, so its role has no occupancy sample
+        assert m[(p + "role_kv_occupancy", (("role", "context"),))] == 0.0
+        assert (p + "role_kv_occupancy", (("role", "generation"),)) not in m
+        # a finished lease is no longer queued prefill
+        async with session.post(url + "/finish", data=msgpack.packb(
+                {"role": "ctx", "req_id": 200}), headers=MP) as r:
+            assert r.status == 200
+        ci, m = await _views(session, url)
+        assert m[(p + "role_queued_prefill_tokens", (("role", "context"),))] == queued - 40
