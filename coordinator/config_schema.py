@@ -433,6 +433,11 @@ class FleetConfig(Section):
         "event loop of each fleet process. asyncio serves the connections of a saturated process "
         "in turn; uvloop costs ~10% less CPU per request but, once a process is saturated, leaves "
         "some connections unserved for over a second (docs/fleet.md, 'Event loop')")] = "asyncio"
+    route_header: Annotated[Literal["off", "short", "full"], doc(
+        "the x-splitserve-route receipt on answers: off (default: public clients learn nothing of "
+        "the cluster), short (request id, mode, retries, each leg's policy and predicted cached "
+        "tokens: no server URLs, loads or scores) or full (servers, scores, loads, candidates: "
+        "for debugging and tests)")] = "off"
     cpu_affinity: Annotated[str, doc(
         "pin each process to one CPU, as nginx's worker_cpu_affinity: none, auto (the CPUs the "
         "launcher may use: the coordinator started here on the first, fleet processes on the "

@@ -43,6 +43,7 @@ from coordinator.kv_sources import advertised_source, static_source
 from coordinator.metrics import LatencyHistogram
 from coordinator.registry import CONTEXT, GENERATION, Registry, ServerEntry, ServerState, normalize_url
 from router.kv_index import KvIndex
+from protocol.version import VERSION
 from router.leases import LeaseTable
 from router.pairing import PairRules, PolicyKind, pair
 from router.policies import Candidate, RoutingKey, make_policy
@@ -51,7 +52,6 @@ log = logging.getLogger("splitserve.coordinator")
 
 __all__ = ["Coordinator", "make_app", "make_election"]
 
-VERSION = "0.1.0"
 ROLES = (CONTEXT, GENERATION)
 EMPTY_INDEX_GRACE_S = 10.0      # kv-aware traffic this long with an empty index raises the warning
 EMPTY_INDEX_WARN_EVERY_S = 60.0

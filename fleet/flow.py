@@ -74,6 +74,7 @@ class Flow:
         self.schedule = config.schedule_style
         self.rules = placer.rules           # the pairing rules (router/pairing.py)
         self.hmac_key = config.internal_request_auth_key
+        self.route_detail = config.fleet.route_header    # off | short | full
         self.relay = Relay(placer, self.timeout, config.leases.effective_renew_interval_s)
         self._bg: set[asyncio.Task] = set()
         self.inflight = 0
@@ -89,11 +90,11 @@ class Flow:
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: FleetRequest, creq: ClientRequest, alias: int | None,
-                     client_params: dict | None, t0: float):
+                     client_params: dict | None, t0: float, rid: int = 0, request_id: str | None = None):
         """Serve one request. `alias` is the client's own `disagg_request_id`, kept for logs and the
         route header only (never sent to a worker, never an abort or transfer key), and unique among
         this process's requests in flight."""
-        with RequestScope(self, t0, alias) as scope:
+        with RequestScope(self, t0, alias, rid, request_id) as scope:
             if self.tracing is None:
                 return await self._serve(request, creq, scope, client_params)
             scope.trace = tr = self.tracing.start(request, scope)
@@ -466,13 +467,15 @@ class Flow:
     async def answer(self, request, creq: ClientRequest, scope: RequestScope, gen: Placement,
                      resp: Response):
         route = plan.route_header(scope.route, rid=scope.rid, alias=scope.alias, mode=scope.mode,
-                                  generation=self.route_of(gen), attempts=scope.attempts)
+                                  generation=self.route_of(gen), attempts=scope.attempts,
+                                  detail=self.route_detail)
         return await self.relay.answer(request, creq, scope, gen, resp, route)
 
     def _context_only(self, creq: ClientRequest, scope: RequestScope, raw: bytes):
         scope.mode = plan.CONTEXT_ONLY
         self.m_place[plan.CONTEXT_ONLY].inc()
-        route = plan.route_header(scope.route, rid=scope.rid, alias=scope.alias, mode=plan.CONTEXT_ONLY)
+        route = plan.route_header(scope.route, rid=scope.rid, alias=scope.alias, mode=plan.CONTEXT_ONLY,
+                                  detail=self.route_detail)
         return self.relay.context_answer(creq, scope, raw, route)
 
     @staticmethod

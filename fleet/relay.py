@@ -30,6 +30,16 @@ from .http_messages import FleetRequest, FleetStream, Reply
 from .upstream import Response, UpstreamError, UpstreamTimeout
 
 ROUTE_HEADER = "x-splitserve-route"
+JSON_TYPE = {"Content-Type": "application/json"}
+
+
+def answer_headers(base: dict, scope, route: str | None) -> dict:
+    """An answer's headers: `base`, the request's X-Request-Id and, unless `fleet.route_header` is
+    off (`route` None), the route receipt."""
+    h = {**base, "X-Request-Id": scope.request_id}
+    if route is not None:
+        h[ROUTE_HEADER] = route
+    return h
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _INTERNAL = ("prompt_token_ids", "prompt_token_ids_b64", "kv_transfer_params")
 
@@ -198,11 +208,11 @@ class ReplayStream:
     """A complete answer replayed as SSE chunks (a streaming request the context leg finished);
     sent by the handler once the flow returns it."""
 
-    def __init__(self, obj: dict, chat: bool, include_usage: bool, route: str):
-        self.obj, self.chat, self.include_usage, self.route = obj, chat, include_usage, route
+    def __init__(self, obj: dict, chat: bool, include_usage: bool, headers: dict):
+        self.obj, self.chat, self.include_usage, self.headers = obj, chat, include_usage, headers
 
     async def send(self, request: FleetRequest) -> FleetStream:
-        out = FleetStream(status=200, headers={**SSE_HEADERS, ROUTE_HEADER: self.route})
+        out = FleetStream(status=200, headers=self.headers)
         await out.prepare(request)
         for ev in replay_events(self.obj, self.chat, self.include_usage):
             await out.write(ev)
@@ -282,7 +292,7 @@ class Relay:
         return data
 
     # ------------------------------------------------------------------ answers
-    def context_answer(self, creq, scope, raw: bytes, route: str):
+    def context_answer(self, creq, scope, raw: bytes, route: str | None):
         """The context leg already finished the request (e.g. EOS on the first token)."""
         obj = clean_answer(orjson.loads(raw))
         scope.settled()
@@ -290,11 +300,11 @@ class Relay:
         M.TTFT.labels(scope.mode).observe(now - scope.t0)
         M.E2E.labels(scope.mode).observe(now - scope.t0)
         if not creq.stream:
-            return Reply(200, orjson.dumps(obj), {"Content-Type": "application/json", ROUTE_HEADER: route})
-        return ReplayStream(obj, creq.kind == CHAT, creq.include_usage, route)
+            return Reply(200, orjson.dumps(obj), answer_headers(JSON_TYPE, scope, route))
+        return ReplayStream(obj, creq.kind == CHAT, creq.include_usage, answer_headers(SSE_HEADERS, scope, route))
 
     async def answer(self, request: FleetRequest, creq, scope, gen: Placement, resp: Response,
-                     route: str):
+                     route: str | None):
         """Relay the answering leg `resp` (status < 400, headers read) to the client."""
         # from when the leg was sent, as the context leg's: its headers (for a JSON answer, the
         # whole decode) are already behind us here
@@ -314,8 +324,8 @@ class Relay:
             ttft.observe(took)
             e2e.observe(took)
             scope.settled()
-            return Reply(200, data, {"Content-Type": "application/json", ROUTE_HEADER: route})
-        out = FleetStream(status=200, headers={**SSE_HEADERS, ROUTE_HEADER: route})
+            return Reply(200, data, answer_headers(JSON_TYPE, scope, route))
+        out = FleetStream(status=200, headers=answer_headers(SSE_HEADERS, scope, route))
         await out.prepare(request)
         scope.bytes_sent = True
         if await self._stream(out, creq, scope, gen, resp, transferred, cached):
@@ -366,7 +376,7 @@ class Relay:
             resp.abort()
             gen.failed = True
             M.LEG_ERRORS.labels(GEN, "timeout").inc()
-            await _stream_error(out, ApiError(504, f"generation stream exceeded request_timeout "
+            await _stream_error(out, scope, ApiError(504, f"generation stream exceeded request_timeout "
                                                    f"({self.timeout:g}s)", code="upstream_timeout"))
             scope.failed = True
             return False
@@ -375,7 +385,7 @@ class Relay:
             gen.failed = True
             placer.report_failure(GEN, gen.server)
             M.LEG_ERRORS.labels(GEN, "disconnect").inc()
-            await _stream_error(out, ApiError(502, f"generation server {gen.server} failed mid-stream: "
+            await _stream_error(out, scope, ApiError(502, f"generation server {gen.server} failed mid-stream: "
                                                    f"{e.detail}", code="upstream_error"))
             scope.failed = True
             return False
@@ -387,7 +397,8 @@ class Relay:
         return True
 
 
-async def _stream_error(out: FleetStream, err: ApiError) -> None:
+async def _stream_error(out: FleetStream, scope, err: ApiError) -> None:
+    err.request_id = scope.request_id
     try:
         await out.write(err.sse_event() + b"data: [DONE]\n\n")
         await out.write_eof()

@@ -31,12 +31,14 @@ log = logging.getLogger("splitserve.fleet.flow")
 class RequestScope:
     __slots__ = ("flow", "placer", "rid", "t0", "alias", "mode", "route", "attempts", "bytes_sent",
                  "failed", "placements", "open_resp", "touched", "gen_sent_at", "trace",
-                 "context_usage")
+                 "context_usage", "request_id")
 
-    def __init__(self, flow, t0: float, alias: int | None = None):
+    def __init__(self, flow, t0: float, alias: int | None = None, rid: int = 0,
+                 request_id: str | None = None):
         self.flow = flow                # spawn(), post_abort(), aliases, ids
         self.placer = flow.placer
-        self.rid = 0                    # minted on entry: the id every worker and lease sees
+        self.rid = rid                  # minted on entry unless given: the id every worker and lease sees
+        self.request_id = request_id    # the answer's X-Request-Id: the client's (sanitised), else rid
         self.t0 = t0
         self.alias = alias              # the client's disagg_request_id (logs and route header only)
         self.mode = "disaggregated"
@@ -61,7 +63,10 @@ class RequestScope:
                                     f"request in flight; use a unique id per concurrent request",
                                param="disaggregated_params.disagg_request_id", code="duplicate_request_id")
             self.flow.aliases.add(alias)
-        self.rid = self.flow.ids.next_id()
+        if not self.rid:
+            self.rid = self.flow.ids.next_id()
+        if self.request_id is None:
+            self.request_id = str(self.rid)
         if alias is not None:
             log.debug("request %d: client request id %d", self.rid, alias)
         return self

@@ -23,6 +23,7 @@ import weakref
 from aiohttp import web
 
 from protocol.coord import CoordinatorError
+from protocol.version import VERSION
 from coordinator.gc_tuning import settle_heap
 
 from . import metrics as M
@@ -36,7 +37,7 @@ from .keys import TokenizerUnavailable, make_key_builder
 from .placement import CTX, GEN, Placer
 from .snowflake import SnowflakeGenerator
 from .upstream import UpstreamPool
-from .validate import CHAT, COMPLETION, parse_request, too_large
+from .validate import CHAT, COMPLETION, client_request_id, parse_request, too_large
 
 log = logging.getLogger("splitserve.fleet")
 
@@ -114,6 +115,7 @@ class FleetServer:
         self._routes = {("POST", "/v1/completions"): lambda r: self._generate(r, COMPLETION),
                         ("POST", "/v1/chat/completions"): lambda r: self._generate(r, CHAT),
                         ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
+                        ("GET", "/ready"): self.ready, ("GET", "/version"): self.version,
                         ("GET", "/cluster_info"): self.cluster_info, ("GET", "/metrics"): self.metrics}
         self.started = False
 
@@ -276,6 +278,9 @@ class FleetServer:
         flow = self.flow
         status = 500
         counted = False
+        # The request's id from its first byte: errors before the flow carry it too.
+        rid = flow.ids.next_id()
+        request_id = client_request_id(request.headers.get("X-Request-Id")) or str(rid)
         try:
             self._auth(request)
             raw = await self._read_body(request)
@@ -302,19 +307,21 @@ class FleetServer:
             if stripped:
                 M.STRIPPED.inc()
                 log.info("stripped client-supplied disaggregated_params without a valid HMAC")
-            resp = await flow.handle(request, creq, alias, params, t0)
+            resp = await flow.handle(request, creq, alias, params, t0, rid, request_id)
             status = resp.status
             self._keepalive_cap(request, resp)
             return resp
         except ApiError as e:
             status = e.status
+            e.request_id = request_id
             return e.response()
         except asyncio.CancelledError:
             status = 499
             raise
         except Exception as e:
-            log.exception("internal error on %s", request.path)
+            log.exception("request %s: internal error on %s", request_id, request.path)
             err = ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+            err.request_id = request_id
             status = 500
             return err.response()
         finally:
@@ -345,17 +352,47 @@ class FleetServer:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "splitserve"} for m in self.placer.models()]
         return web.json_response({"object": "list", "data": data})
 
+    def _counts(self) -> dict:
+        return {"context_servers": self.placer.healthy_count(CTX),
+                "generation_servers": self.placer.healthy_count(GEN), "min_context_servers": self.min_ctx,
+                "min_generation_servers": self.min_gen, "coordinator_reachable": self.placer.coord_ok}
+
     def _health(self) -> tuple[bool, dict]:
-        n_ctx = self.placer.healthy_count(CTX)
-        n_gen = self.placer.healthy_count(GEN)
-        ok = self.started and n_ctx >= self.min_ctx and n_gen >= self.min_gen
-        return ok, {"status": "ok" if ok else "unavailable", "context_servers": n_ctx,
-                    "generation_servers": n_gen, "min_context_servers": self.min_ctx,
-                    "min_generation_servers": self.min_gen, "coordinator_reachable": self.placer.coord_ok}
+        """Cluster readiness, the coordinator's rule and wording (every role at its minimum)."""
+        c = self._counts()
+        n_ctx, n_gen = c["context_servers"], c["generation_servers"]
+        if not self.started:
+            reason = "starting"
+        elif n_ctx < self.min_ctx:
+            reason = f"need {n_ctx}/{self.min_ctx} healthy context servers"
+        elif n_gen < self.min_gen:
+            reason = f"need {n_gen}/{self.min_gen} healthy generation servers"
+        else:
+            return True, {"status": "ready", **c}
+        return False, {"status": "not_ready", "error": reason, **c}
 
     async def health(self, request: FleetRequest) -> web.Response:
         ok, body = self._health()
         return web.json_response(body, status=200 if ok else 503)
+
+    async def ready(self, request: FleetRequest) -> web.Response:
+        """Whether this process serves requests now (the chart's readiness probe): unlike `/health`,
+        200 while context servers are short and `no_context_fallback: aggregate` serves requests
+        on a generation server alone (`mode: aggregate_fallback`)."""
+        c = self._counts()
+        mode = self.placer.rules.serving_mode(c["context_servers"], c["generation_servers"],
+                                              self.min_ctx, self.min_gen) if self.started else None
+        if mode is not None:
+            return web.json_response({"status": "ready", "mode": mode, **c})
+        reason = "starting" if not self.started else (
+            f"cannot serve: {c['context_servers']}/{self.min_ctx} healthy context servers "
+            f"(no_context_fallback: {self.config.no_context_fallback}), {c['generation_servers']}/"
+            f"{self.min_gen} healthy generation servers")
+        return web.json_response({"status": "not_ready", "error": reason, **c}, status=503)
+
+    async def version(self, request: FleetRequest) -> web.Response:
+        return web.json_response({"version": VERSION, "process_index": self.process_index,
+                                  "cluster_id": self.cluster_id})
 
     async def cluster_info(self, request: FleetRequest) -> web.Response:
         try:
@@ -383,7 +420,8 @@ class FleetServer:
 
     async def not_found(self, request: FleetRequest) -> web.Response:
         known = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET",
-                 "/health": "GET", "/cluster_info": "GET", "/metrics": "GET"}
+                 "/health": "GET", "/ready": "GET", "/version": "GET", "/cluster_info": "GET",
+                 "/metrics": "GET"}
         # a CONNECT's target is a host:port (authority form), never one of these paths
         m = known.get(request.path) if request.method != "CONNECT" else None
         if m is not None:

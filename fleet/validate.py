@@ -13,6 +13,7 @@ Invariants of a returned `ClientRequest`:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import orjson
@@ -178,3 +179,18 @@ def parse_request(raw: bytes, kind: str) -> ClientRequest:
 def too_large(limit: int, got: int | None) -> ApiError:
     what = f"{got} bytes" if got is not None else "more"
     return ApiError(413, f"request body too large: limit is {limit} bytes, got {what}", code="request_too_large")
+
+
+REQUEST_ID_MAX = 128
+_RID_OK = re.compile(r"[A-Za-z0-9._:/@+=-]{1,%d}" % REQUEST_ID_MAX)
+_RID_BAD = re.compile(r"[^A-Za-z0-9._:/@+=-]+")
+
+
+def client_request_id(header: str | None) -> str | None:
+    """A client's `X-Request-Id`, made safe to echo and log: characters outside
+    `[A-Za-z0-9._:/@+=-]` dropped (no header or log injection, no quotes), at most
+    `REQUEST_ID_MAX` kept; None when nothing is left."""
+    if not header:
+        return None
+    s = header if _RID_OK.fullmatch(header) else _RID_BAD.sub("", header)
+    return s[:REQUEST_ID_MAX] or None

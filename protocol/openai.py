@@ -53,10 +53,12 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
-               type_: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message,
-                                   "type": type_ or ERROR_TYPES.get(status, "api_error"),
-                                   "param": param, "code": code}})
+               type_: str | None = None, request_id: str | None = None) -> bytes:
+    err = {"message": message, "type": type_ or ERROR_TYPES.get(status, "api_error"), "param": param,
+           "code": code}
+    if request_id is not None:
+        err["request_id"] = request_id   # what the answer's X-Request-Id says: quote it in a report
+    return orjson.dumps({"error": err})
 
 
 class ApiError(Exception):
@@ -72,12 +74,15 @@ class ApiError(Exception):
         self.type = type_ or ERROR_TYPES.get(status, "api_error")
         self.retry_after = retry_after
         self.close = close      # the connection cannot be reused (e.g. part of the body is unread)
+        self.request_id: str | None = None   # set by a server that names its requests
 
     def body(self) -> bytes:
-        return error_body(self.status, self.message, self.param, self.code, self.type)
+        return error_body(self.status, self.message, self.param, self.code, self.type, self.request_id)
 
     def headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
+        if self.request_id is not None:
+            h["X-Request-Id"] = self.request_id
         if self.retry_after is not None:
             h["Retry-After"] = str(max(1, int(round(self.retry_after))))
         return h

@@ -97,6 +97,19 @@ class PairRules:
             raise NoContextServer(exc.reason)
         return f"{exc}; serving on the generation server alone"
 
+    def serving_mode(self, ctx: int, gen: int, min_ctx: int, min_gen: int) -> str | None:
+        """How requests are served with `ctx` / `gen` healthy servers against the readiness
+        minimums (`ClusterConfig.health_minimums`), or None when they cannot be: the fleet's
+        `/ready` (issue 39). Context servers short of their minimum still serve under `aggregate`
+        (`aggregate_fallback` on a generation server), so readiness must not fail there."""
+        if gen < min_gen:
+            return None
+        if ctx >= min_ctx:
+            return Mode.DISAGGREGATED if ctx else Mode.AGGREGATED
+        if self.rejects or not gen:
+            return None
+        return Mode.AGGREGATE_FALLBACK
+
     def aggregates_after_context_loss(self, healthy_context_servers: int) -> bool:
         """A context leg that found no reachable server (every retry spent) is served on the
         generation server alone under `aggregate`, once no context server is usable any more."""

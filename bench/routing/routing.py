@@ -146,7 +146,8 @@ def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: d
     curl = f"http://127.0.0.1:{cport}"
     procs.wait_http(curl + "/health", coord)
     fcfg = work / f"fleet-{fport}.yaml"
-    fcfg.write_text(yaml.safe_dump(dict(doc, port=fport, fleet={"max_body_bytes": 16 << 20})))
+    fcfg.write_text(yaml.safe_dump(dict(doc, port=fport, fleet={"max_body_bytes": 16 << 20,
+                                                                "route_header": "full"})))
     fleet = procs.spawn(f"fleet-{policy}-{fport}", [PY, "-m", "splitserve_cli", "serve", "-c",
                                                     str(fcfg), "--coordinator-url", curl])
     furl = f"http://127.0.0.1:{fport}"

@@ -106,10 +106,17 @@ def route_start(rid: int, mode: str, alias: int | None, protocol: str | None = N
     return r
 
 
+# `fleet.route_header: short` keeps of each leg only what names no server and no load
+_SHORT_LEG_KEYS = ("policy", "matched_tokens")
+
+
 def route_header(route: dict, *, rid: int, alias: int | None, mode: str, generation: dict | None = None,
-                 attempts: dict | None = None) -> str:
+                 attempts: dict | None = None, detail: str = "full") -> str | None:
     """The `x-splitserve-route` value of an answer: `route` (as the flow built it; not modified) with
-    the final mode, the answering leg, and the retries per role when there were any."""
+    the final mode, the answering leg, and the retries per role when there were any. `detail` is
+    `fleet.route_header`: None for off; short drops server URLs, loads, scores and candidates."""
+    if detail == "off":
+        return None
     r = dict(route) if route else {"id": rid, "mode": mode}
     if alias is not None:
         r["client_request_id"] = alias
@@ -118,4 +125,9 @@ def route_header(route: dict, *, rid: int, alias: int | None, mode: str, generat
         r["generation"] = generation
     if attempts and any(attempts.values()):
         r["retries"] = dict(attempts)
+    if detail == "short":
+        for k, v in list(r.items()):
+            if isinstance(v, dict):
+                r[k] = {f: v[f] for f in _SHORT_LEG_KEYS if f in v}
     return orjson.dumps(r).decode()
+

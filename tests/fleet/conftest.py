@@ -96,6 +96,8 @@ class Cluster:
     def config(self, name: str = "cluster.yaml", **doc) -> Path:
         doc.setdefault("hostname", "127.0.0.1")
         doc.setdefault("model", "tiny")
+        # the tests read the whole route receipt (its default, off, is for public clients)
+        doc["fleet"] = {"route_header": "full", **(doc.get("fleet") or {})}
         p = self.tmp / name
         p.write_text(yaml.safe_dump(doc))
         return p

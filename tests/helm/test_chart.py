@@ -346,6 +346,14 @@ def test_hpa_and_pdb(helm):
     assert not C.by_kind(C.render_set(helm, "cpu-demo"), "HorizontalPodAutoscaler")
 
 
+def test_fleet_readiness_probe_follows_the_context_fallback(helm):
+    """Issue 39, item 5: the fleet's readiness is `/ready` (200 while requests are served, in
+    aggregate_fallback too), not `/health` (cluster readiness, 503 without a context worker)."""
+    fleet = C.component(C.render_set(helm, "cpu-demo"), "fleet")
+    (cont,) = fleet["spec"]["template"]["spec"]["containers"]
+    assert cont["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
 def test_network_policy_keeps_internal_ports_internal(helm):
     docs = C.render_set(helm, "xpyd-multinode")
     nps = C.by_kind(docs, "NetworkPolicy")

@@ -132,6 +132,7 @@ class Cluster:
                "server_start_timeout": timeout, "request_timeout": a.request_timeout,
                "log_level": a.log_level.lower(),
                "coordinator": {"host": HOST, "port": cport, "uds": False, "health_check_interval_s": 0.5},
+               "fleet": {"route_header": "full"},   # the client reads each answer's placement
                "context_servers": {"urls": [u.split("//", 1)[1] for u in ctx],
                                    "router": {"type": self.ctx_router or "round_robin"}},
                "generation_servers": {"urls": [u.split("//", 1)[1] for u in gen],
