@@ -5,8 +5,7 @@ as a native table, with its prefix walk and speculative inserts and expiries).
 Everything else is in pyproject.toml. The extensions are optional: without a C compiler the build
 goes on and the pure-Python recipes run instead (the same keys and decisions; block keys 14-24x
 fewer tokens per second, bench/RESULTS.md "router core"). `router.block_keys.NATIVE`,
-`router.policy_kv.NATIVE` and `router.kv_query.NATIVE` (the same as `router.kv_speculation.NATIVE`)
-say which ones run.
+`router.policy_kv.NATIVE` and `router.kv_owners.NATIVE` say which ones run.
 """
 from setuptools import Extension, setup
 

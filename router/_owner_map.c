@@ -1,7 +1,7 @@
-/* The KV index's owner masks (router/kv_index.py `_owners`): canonical block key -> bitmask of
+/* The KV index's owner masks (router/kv_owners.py `OwnerTable.masks`): canonical block key -> bitmask of
  * slots, as an open-addressing table of (u64 key, mask) entries, with the index's per-key loops
- * over it: the prefix walk (router/kv_query.py `QueryMixin._walk`) and the speculative inserts
- * and expiries (router/kv_speculation.py).
+ * over it: the prefix walk (`OwnerTable.walk`) and the speculative inserts and expiries
+ * (`OwnerTable.predict` and `unpredict`, for router/kv_speculation.py).
  *
  * Why a table of its own: once routed tails expire as fast as they are added (the steady state
  * from `speculative_ttl_s` on, bench/RESULTS.md "coordinator · owner table"), nearly every
@@ -10,13 +10,13 @@
  * key and the mask's low 64 bits inline: one miss, and the walk prefetches the entries of the keys
  * ahead of it. Masks wider than 64 bits (more than 64 slots) keep their Python int beside the low
  * word; keys that are not u64 ints live in a plain dict, so the type behaves as the dict it
- * replaces for every key. The Python loops in router/kv_query.py and router/kv_speculation.py are
+ * replaces for every key. The Python loops in router/kv_owners.py are
  * the same recipes over a dict and run where this module did not build;
  * tests/router/test_owner_map.py checks the table against a dict and both recipes against each
  * other.
  *
  * Masks are positive: an entry is empty iff its low word is 0 and it has no wide mask (the index
- * never stores a 0 mask: router/kv_index.py's invariants), so storing 0 or a negative int is a
+ * never stores a 0 mask: router/kv_owners.py's invariants), so storing 0 or a negative int is a
  * ValueError. Deletion shifts later entries back (no tombstones: expiry deletes all the time).
  * Keys are mixed with a per-process random seed, so clients choosing block keys cannot make the
  * probes collide. The map holds ints only (and its dict of other keys), so it is not tracked by

@@ -1,104 +1,95 @@
-"""Speculative (routing-time) entries of the KV index: predicted, unconfirmed ownership.
+"""The KV index's speculative entries: predicted, unconfirmed ownership of a routed prompt's keys.
 
-A mixin of `router.kv_index.KvIndex` (same single-writer state): a routed prompt's keys count
-for the chosen slot until a store confirms them, they expire, or the slot is cleared. Expiry is a
-heap of one entry per routed prompt, drained in bounded slices (issue 13).
+A routed prompt's unmatched keys count for the chosen slot until a store confirms them, they
+expire, or the slot is cleared. An entry is the slot's ``spec[key] = deadline`` plus the slot's
+bit in the key's owner mask (router/kv_owners.py); expiry is a heap of one record per routed
+prompt, drained in bounded slices (issue 13). What limits predictions (a deadline today; a
+server's KV capacity would be a second bound) is decided here, in one place.
+
+Invariants (`SpeculativeEntries.check_invariants`, with the index's cross-object checks):
+- ``size`` is the number of speculative entries over all slots;
+- a slot never predicts a key it holds (``key in spec`` excludes ``key in owned``), and its bit
+  is set in the mask of every key it predicts;
+- every entry's deadline is that of a heap record holding its key (a record whose keys were all
+  confirmed, re-predicted later or cleared takes nothing when it comes due).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import numpy as np
 
-from .kv_types import NATIVE, _Slot  # noqa: F401  (NATIVE: router/_owner_map.c's loops run)
+from .kv_owners import OwnerTable
+from .kv_slots import Slot, SlotTable
+
+__all__ = ["SpeculativeEntries"]
 
 
-class SpeculationMixin:
-    """`KvIndex` methods for speculative entries (see `router/kv_index.py` for the layout)."""
+class SpeculativeEntries:
+    """Every slot's predicted keys, with their deadlines. Single writer, no I/O.
 
-    __slots__ = ()
+    ``stats`` is the index's `IndexStats` (router/kv_ledger.py): its ``speculative_*`` counters
+    are this object's."""
 
-    def _drop_spec(self, s: _Slot, ck: int) -> None:
-        """Forget the slot's speculative entry for ``ck`` (the key keeps its confirmed owners)."""
-        del s.spec[ck]
-        self._n_spec -= 1
-        self._log.append(ck)
-        self._losses[s.idx] += 1
-        nb = ~s.bit
-        m = self._owners[ck] & nb
-        if m:
-            self._owners[ck] = m
-        else:
-            del self._owners[ck]
+    def __init__(self, owners: OwnerTable, slots: SlotTable, stats) -> None:
+        self._owners = owners
+        self._slots = slots
+        self._stats = stats
+        self.size = 0
+        # (deadline, seq, worker, dp_rank, keys): only atomic values (no slot object), so the
+        # collector untracks the tuples and 30 s of routed prompts add nothing to its full scans
+        self._heap: list = []
+        self._seq = itertools.count()
 
-    def add_speculative(self, worker: str, keys, now: float, ttl: float,
-                        dp_rank: int = 0) -> int:
-        """Predict that ``worker`` will hold ``keys`` until ``now + ttl`` (routing-time insert).
-
-        Keys it already holds are skipped; re-adding refreshes the deadline. Returns how many
-        keys are speculative for the slot after the call among ``keys``.
-        """
-        if ttl <= 0:
-            raise ValueError(f"ttl must be positive, found {ttl}")
-        s = self._slot(worker, dp_rank)
-        given = keys
+    def add(self, s: Slot, keys, deadline: float) -> int:
+        """Predict that slot ``s`` holds ``keys`` until ``deadline``. Keys it holds are skipped;
+        predicting again moves the deadline. Returns how many of ``keys`` it predicts now."""
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
-        deadline = now + ttl
-        spec, owned, owners, bit, log = s.spec, s.owned, self._owners, s.bit, self._log
+        spec = s.spec
         n_before = len(spec)
-        # The latest walk takes this insert in when it is the walk's unmatched tail with nothing
-        # logged since (router/kv_query.py `_memo_tail`); after the call the slot holds or
-        # predicts every key given, which is what the memo is told.
-        memo = self._memo
-        track = memo is not None and memo.pos == self._log_end()
-        if track:
-            self._memo_tail(given, bit)
-        if type(owners) is not dict and type(keys) is list:
-            added = owners.spec_add(keys, owned, spec, bit, deadline, log)
-        else:
-            oget = owners.get
-            logged = log.append
-            added = []
-            # One probe of the owner map decides most keys: the slot's bit is set iff it holds
-            # the key or already predicts it (the invariants). A key it predicts already only
-            # gets the new deadline: its owner mask does not change, so it is not logged (the
-            # log holds owner-mask changes, and every entry in it costs the latest memo).
-            # router/_owner_map.c `spec_add` is this loop.
-            for ck in keys:
-                o = oget(ck, 0)
-                if o & bit:
-                    if ck in owned:
-                        continue
-                else:
-                    owners[ck] = o | bit
-                    logged(ck)
-                spec[ck] = deadline
-                added.append(ck)
-        if track:
-            self._memo_logged()
-        self._n_spec += len(spec) - n_before
+        added = self._owners.predict(keys, s.owned, spec, s.bit, deadline)
+        self.size += len(spec) - n_before
         if added:
-            # Only atomic values in the entry (no slot object): the collector untracks such tuples,
-            # so a heap of 30 s of routed prompts adds nothing to its full scans (issue 13).
-            heapq.heappush(self._spec_heap, (deadline, next(self._spec_seq), s.worker, s.dp_rank,
-                                             tuple(added)))
-            self.stats.speculative_added += len(added)
+            heapq.heappush(self._heap, (deadline, next(self._seq), s.worker, s.dp_rank,
+                                        tuple(added)))
+            self._stats.speculative_added += len(added)
         return len(added)
 
-    def expire_speculative(self, now: float, max_entries: int | None = None,
-                           max_keys: int | None = None) -> int:
-        """Drop speculative entries whose deadline is ``<= now``; returns how many keys expired.
+    def confirm(self, s: Slot, ck: int) -> None:
+        """A store made the predicted ``ck`` held by ``s``: the entry goes, the bit stays."""
+        del s.spec[ck]
+        self.size -= 1
+        self._stats.speculative_confirmed += 1
 
-        ``max_entries`` (heap entries, one per routed prompt) and ``max_keys`` (keys looked at,
-        counted per whole entry: an entry is never left half expired) bound the work of one call.
-        A second's worth of routed prompts expiring at once cost tens of ms: 256 entries of a
-        4k-token prompt are ~65,000 keys, a 15-40 ms stall of every select behind the maintenance
-        tick (bench/results/history/coordinator.md, "coordinator · open-loop stall"); so the coordinator expires a
-        few entries per placement and the tick works through a backlog in key-bounded slices."""
-        self._trim_log()
-        heap = self._spec_heap
+    def drop_slot(self, s: Slot) -> None:
+        """Forget every entry of slot ``s`` (it is being cleared)."""
+        if not s.spec:
+            return
+        clear_bit = self._owners.clear_bit
+        for ck in s.spec:
+            clear_bit(ck, s.bit)
+        self.size -= len(s.spec)
+        s.spec.clear()
+        self._slots.losses[s.idx] += 1
+
+    def expire(self, now: float, max_entries: int | None = None,
+               max_keys: int | None = None) -> int:
+        """Drop the entries whose deadline is ``<= now``; returns how many keys expired.
+
+        ``max_entries`` (heap records, one per routed prompt) and ``max_keys`` (keys looked at,
+        counted per whole record: a record is never left half expired) bound the work of one
+        call. A second's worth of routed prompts expiring at once cost tens of ms: 256 records of
+        a 4k-token prompt are ~65,000 keys, a 15-40 ms stall of every select behind the
+        maintenance tick (bench/results/history/coordinator.md, "coordinator · open-loop stall"); so the coordinator
+        expires a few records per placement and its tick works through a backlog in key-bounded
+        slices."""
+        heap = self._heap
+        slots = self._slots
+        losses = slots.losses
+        unpredict = self._owners.unpredict
         n = 0
         budget = -1 if max_entries is None else max_entries
         keys_left = -1 if max_keys is None else max_keys
@@ -107,37 +98,33 @@ class SpeculationMixin:
             _, _, worker, rank, keys = heapq.heappop(heap)
             if keys_left > 0:
                 keys_left = max(0, keys_left - len(keys))
-            s = self._slots.get((worker, rank))
+            s = slots.get(worker, rank)
             if s is None:
                 continue  # slot removed since (a new slot's entries carry their own deadlines)
-            # _drop_spec inlined: this loop runs for every key of every routed prompt
-            # (router/_owner_map.c `spec_expire` is the same loop)
-            spec, owners, log = s.spec, self._owners, self._log
-            n0 = n
-            if type(owners) is not dict and type(keys) is tuple:
-                n += owners.spec_expire(keys, spec, log, s.bit, now)
-            else:
-                nb = ~s.bit
-                for ck in keys:
-                    d = spec.get(ck)
-                    if d is not None and d <= now:
-                        del spec[ck]
-                        log.append(ck)
-                        m = owners[ck] & nb
-                        if m:
-                            owners[ck] = m
-                        else:
-                            del owners[ck]
-                        n += 1
-            # An entry whose keys were all confirmed, re-predicted later or already gone took
-            # nothing from the slot: its memos stay exact (router/kv_query.py, `_losses`).
-            if n != n0:
-                self._losses[s.idx] += 1
-        self.stats.speculative_expired += n
-        self._n_spec -= n
+            k = unpredict(keys, s.spec, s.bit, now)
+            # a record that took nothing from the slot leaves its walk memos exact
+            if k:
+                losses[s.idx] += 1
+                n += k
+        self._stats.speculative_expired += n
+        self.size -= n
         return n
 
-    def speculative_due(self, now: float) -> bool:
-        """Whether a speculative entry's deadline has passed (a backlog for the next slice)."""
-        heap = self._spec_heap
+    def due(self, now: float) -> bool:
+        """Whether an entry's deadline has passed (a backlog for the next slice)."""
+        heap = self._heap
         return bool(heap) and heap[0][0] <= now
+
+    def check_invariants(self) -> None:
+        masks = self._owners.masks
+        n = 0
+        for s in self._slots:
+            n += len(s.spec)
+            for ck in s.spec:
+                assert ck not in s.owned, ("predicted and held", s.worker, ck)
+                assert masks.get(ck, 0) & s.bit, ("predicted without its bit", s.worker, ck)
+        assert self.size == n, ("speculative entry count", self.size, n)
+        records = {(w, r, ck, deadline) for deadline, _, w, r, keys in self._heap for ck in keys}
+        for s in self._slots:
+            for ck, d in s.spec.items():
+                assert (s.worker, s.dp_rank, ck, d) in records, ("no heap record", ck, d)

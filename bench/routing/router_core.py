@@ -405,7 +405,7 @@ def render(cfg: dict, keys: dict, apply: dict, selects: list[dict]) -> list[str]
             f"({s['walk_cpu_p50_us']:.0f} vs {s['scan_cpu_p50_us']:.0f} µs: "
             f"{s['scan_cpu_p50_us'] / s['walk_cpu_p50_us']:.1f}x) | (info) | |",
             f"| select p50, {sc}: ours, the same prompt again (walk memo, "
-            "router/kv_query.py) | "
+            "router/kv_memo.py) | "
             f"({s['again_cpu_p50_us']:.0f} µs) | (info) | |",
             f"| block keys + select p50 / p99, {sc}: ours | "
             f"{s['keys_select_p50_us']:.0f} / {s['keys_select_p99_us']:.0f} µs | (info) | |",

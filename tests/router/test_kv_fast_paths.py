@@ -1,6 +1,6 @@
 """The placement fast paths decide exactly what a straightforward reference decides.
 
-`KvIndex` memoises its prefix walks (router/kv_query.py) and `KvCacheAwarePolicy` keeps what
+`KvIndex` memoises its prefix walks (router/kv_memo.py) and `KvCacheAwarePolicy` keeps what
 depends only on the candidate list between calls (router/policies.py). These properties drive
 random streams of events (stored with and without cache salts, removed, moved, cleared, snapshots),
 speculative inserts made the way the coordinator makes them (walk, pick, insert the chosen slot's
@@ -19,7 +19,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import router.kv_query as kv_query_mod
+import router.kv_owners as kv_owners_mod
 from router.block_keys import block_keys_list, salt_seed
 from router.events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, Tier
 from router.kv_index import KvIndex
@@ -44,7 +44,7 @@ PROMPTS = {(ns, i): block_keys_list(t, B, seed) for ns, seed in NSEEDS.items()
 def reference_ranks(idx: KvIndex, keys: list[int]) -> dict[tuple[str, int], int]:
     """Matched leading keys per slot from what each slot holds, one slot at a time."""
     out = {}
-    for (w, r), s in idx._slots.items():
+    for (w, r), s in idx.slots.by_key.items():
         held = set(s.owned) | set(s.spec)
         d = 0
         while d < len(keys) and keys[d] in held:
@@ -134,13 +134,13 @@ def _store(data, idx, w, rank, hashes_of, counter):
 @given(st.data())
 def test_walk_memo_and_policy_match_references(data):
     # the change log trimmed often (memos outliving trims), or at its real length
-    trim = data.draw(st.sampled_from([kv_query_mod.LOG_TRIM, 3, 40]))
-    saved = kv_query_mod.LOG_TRIM
-    kv_query_mod.LOG_TRIM = trim
+    trim = data.draw(st.sampled_from([kv_owners_mod.LOG_TRIM, 3, 40]))
+    saved = kv_owners_mod.LOG_TRIM
+    kv_owners_mod.LOG_TRIM = trim
     try:
         _walk_memo_and_policy_match_references(data)
     finally:
-        kv_query_mod.LOG_TRIM = saved
+        kv_owners_mod.LOG_TRIM = saved
 
 
 def _walk_memo_and_policy_match_references(data):
@@ -148,7 +148,7 @@ def _walk_memo_and_policy_match_references(data):
     idx = KvIndex(B, namespace=NS, memo_stride=data.draw(st.sampled_from([1, 2, 32])),
                   memo_cap=data.draw(st.sampled_from([1, 3, 1024])))
     # the memo's cost control: lookups on every placement, or on 1 in 16 (as after many stale ones)
-    idx._memo_score = data.draw(st.sampled_from([1.0, 0.0]))
+    idx.memo.score = data.draw(st.sampled_from([1.0, 0.0]))
     leases = LeaseTable()
     view = IndexLoadView(idx, leases)
     kw = data.draw(st.fixed_dictionaries({
@@ -247,14 +247,14 @@ def test_memo_survives_unrelated_changes_and_sees_related_ones():
     idx.load_snapshot("http://a", a[:3])
     idx.load_snapshot("http://b", [])       # slots exist before the walk (a new slot re-walks)
     assert idx.longest_prefix(a) == {"http://a": 3}
-    memo = idx._memo
+    memo = idx.memo.latest
     idx.add_speculative("http://b", b[1:3], now=0.0, ttl=5.0)       # other keys: memo kept
-    assert idx.longest_prefix(a) == {"http://a": 3} and idx._memo is memo
+    assert idx.longest_prefix(a) == {"http://a": 3} and idx.memo.latest is memo
     # the chosen server's tail insert right after the walk is folded in
     idx.add_speculative("http://a", a[3:], now=0.0, ttl=5.0)
-    assert idx.longest_prefix(a) == {"http://a": len(a)} and idx._memo is memo
+    assert idx.longest_prefix(a) == {"http://a": len(a)} and idx.memo.latest is memo
     idx.apply("http://a", BlocksRemoved([a[1]]))                    # a walked key: re-walk
-    assert idx.longest_prefix(a) == {"http://a": 1} and idx._memo is not memo
+    assert idx.longest_prefix(a) == {"http://a": 1} and idx.memo.latest is not memo
     idx.expire_speculative(10.0)
     assert idx.longest_prefix(a) == {"http://a": 1}
     idx.check_invariants()
@@ -270,13 +270,13 @@ def test_an_expiry_that_takes_nothing_keeps_the_slots_memos():
     idx.add_speculative("http://a", a[2:], now=0.5, ttl=1.0)      # re-predicted: due at 1.5
     idx.load_snapshot("http://b", [])
     assert idx.longest_prefix(a) == {"http://a": len(a)}
-    memo, losses = idx._pmemo[a[-1]], list(idx._losses)
+    memo, losses = idx.memo.registered(a[-1]), list(idx.slots.losses)
     assert idx.expire_speculative(1.2) == 0                      # the first entry: nothing left
-    assert idx._losses == losses
+    assert idx.slots.losses == losses
     assert idx.longest_prefix(a[:-1]) == {"http://a": len(a) - 1}   # another latest walk
-    assert idx.longest_prefix(a) == {"http://a": len(a)} and idx._memo is memo   # found again
+    assert idx.longest_prefix(a) == {"http://a": len(a)} and idx.memo.latest is memo   # found again
     assert idx.expire_speculative(1.6) == len(a) - 2             # the second: the slot loses
-    assert idx._losses != losses
+    assert idx.slots.losses != losses
     assert idx.longest_prefix(a) == {"http://a": 2}
     idx.check_invariants()
 
@@ -285,7 +285,7 @@ def test_memos_outlive_a_log_trim_and_still_see_every_change(monkeypatch):
     """A trim drops the change log's entries but not its positions: the latest memo, which reads
     the log, sees what changed before and after the trim (its entries gone: it walks again); the
     registered memos, checked by loss counts, are reused across the trim."""
-    monkeypatch.setattr(kv_query_mod, "LOG_TRIM", 4)
+    monkeypatch.setattr(kv_owners_mod, "LOG_TRIM", 4)
     idx = KvIndex(B, memo_stride=1)
     a, b = block_keys_list(TOKS[0], B), block_keys_list(TOKS[2], B)[1:]    # b shares no key with a
     idx.load_snapshot("http://a", a[:3])
@@ -297,18 +297,18 @@ def test_memos_outlive_a_log_trim_and_still_see_every_change(monkeypatch):
     idx.apply("http://a", BlocksRemoved([a[2]]))               # a walked key: logged...
     idx.add_speculative("http://b", b, now=1.0, ttl=5.0)       # ... then more, then a trim
     assert idx.longest_prefix(b) == {"http://b": len(b)}       # trims: the log held > 4 entries
-    assert idx.walk_version() > pos and len(idx._log) <= 4 + len(b)
+    assert idx.walk_version() > pos and len(idx.owners.log) <= 4 + len(b)
     assert idx.longest_prefix(a) == {"http://a": 2}            # the removal is seen
     # a registered memo is reused after trims when its slots lost nothing
-    memo_a = idx._pmemo[a[1]]
+    memo_a = idx.memo.registered(a[1])
     before = idx.walk_version()[1]
     for i in range(4):      # predicted for other slots: logged, past the trim length
         idx.add_speculative(f"http://c{i}", b, now=2.0 + i, ttl=0.5)
         idx.longest_prefix(b)
     idx.apply("http://b", BlocksRemoved([b[0]]))   # the event trims the log first
-    assert idx.walk_version()[1] - before > 3 * 4 and len(idx._log) <= 1
+    assert idx.walk_version()[1] - before > 3 * 4 and len(idx.owners.log) <= 1
     assert idx.longest_prefix(a) == {"http://a": 2}
-    assert idx._pmemo[a[1]] is memo_a
+    assert idx.memo.registered(a[1]) is memo_a
     idx.check_invariants()
 
 
@@ -340,8 +340,8 @@ def test_memo_reuse_walks_only_what_may_have_changed():
     idx.load_snapshot("http://a", p[:6])
     idx.load_snapshot("http://b", p[:2])
     walked = []
-    walk = idx._walk
-    idx._walk = lambda keys, active: walked.append(_n_keys(keys)) or walk(keys, active)
+    walk = idx.owners.walk
+    idx.owners.walk = lambda keys, active: walked.append(_n_keys(keys)) or walk(keys, active)
     assert idx.longest_prefix(p[:8]) == {"http://a": 6, "http://b": 2}
     assert walked == [8]
     # the next turn: the same leading keys, nothing changed on them: no probe beyond the ends
@@ -365,8 +365,8 @@ def test_memo_reuse_walks_only_what_may_have_changed():
 
 
 def test_worker_names_of_wide_masks_follow_slots_freed_and_reused():
-    """Masks over 20 slots, named through the index's mask -> names cache (router/kv_query.py
-    `_workers_of`): a freed slot's bit reused by a new worker must name the new worker."""
+    """Masks over 20 slots, named through the index's mask -> names cache (router/kv_slots.py
+    `SlotTable.names`): a freed slot's bit reused by a new worker must name the new worker."""
     idx = KvIndex(B)
     keys = block_keys_list(list(range(40 * B)), B)
     workers = [f"http://w{i}" for i in range(20)]

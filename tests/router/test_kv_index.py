@@ -25,9 +25,9 @@ def stored(hashes, parent, tokens, bs=B, **kw):
 
 def state(idx: KvIndex):
     """Everything observable about the index (for restore/equality properties)."""
-    return (copy.deepcopy(idx._owners),
-            {k: dict(s.owned) for k, s in idx._slots.items() if s.owned},
-            {k: {e: dict(m) for e, m in s.emaps.items() if m} for k, s in idx._slots.items()
+    return (copy.deepcopy(idx.owners.masks),
+            {k: dict(s.owned) for k, s in idx.slots.by_key.items() if s.owned},
+            {k: {e: dict(m) for e, m in s.emaps.items() if m} for k, s in idx.slots.by_key.items()
              if any(s.emaps.values())})
 
 
@@ -208,7 +208,7 @@ def test_cluster_namespace_keys_events_like_the_fleet_keys_prompts():
     idx.apply("w", stored(ns_keys[:3], None, TOKS[:48]))          # our worker, same namespace
     idx.apply("w", stored(ns_keys[3:4], ns_keys[2], TOKS[48:64]))
     assert idx.longest_prefix(ns_keys) == {"w": 4}
-    assert not idx._slots[("w", 0)].emaps.get((Tier.GPU, 0))      # identity entries
+    assert not idx.slots.get("w", 0).emaps.get((Tier.GPU, 0))      # identity entries
     idx.apply("v", stored([1], None, TOKS[:16], cache_salt="tenant"))  # own salt wins
     assert idx.longest_prefix(block_keys_list(TOKS, B, salt_seed("tenant", None))) == {"v": 1}
     idx.apply("u", stored([1], None, TOKS[:16], lora_name="l"))
@@ -221,7 +221,7 @@ def test_identity_entries_of_our_workers():
     idx.apply("w", stored(KEYS[:4], None, TOKS[:64]))           # engine hash == key
     idx.apply("w", stored(KEYS[4:6], KEYS[3], TOKS[64:96]))
     assert idx.longest_prefix(KEYS) == {"w": 6}
-    assert not idx._slots[("w", 0)].emaps.get((Tier.GPU, 0))    # no emap entries needed
+    assert not idx.slots.get("w", 0).emaps.get((Tier.GPU, 0))    # no emap entries needed
     idx.apply("w", stored(KEYS[:2], None, TOKS[:32]))           # duplicate
     assert idx.stats.duplicate_stores == 2
     idx.apply("w", BlocksMoved([KEYS[5]], Tier.GPU, Tier.HOST))
@@ -399,11 +399,11 @@ def test_clear_empties_and_prefix_matches_model(ops):
         idx.apply(w, ev)
     idx.check_invariants()
     # model: a worker holds the canonical keys of every chain it stored
-    for w, s in idx._worker_slots.items():
-        model[w] = set().union(*(x.owned for x in s))
+    for w in idx.workers():
+        model[w] = set().union(*(x.owned for x in idx.slots.of_worker(w)))
     for w in model:
         for key in model[w]:
-            assert idx._owners[key] & idx._slots[(w, 0)].bit
+            assert idx.owners.masks[key] & idx.slots.get(w, 0).bit
     for w in list(model):
         idx.apply(w, AllCleared())
     assert idx.size == 0 and all(idx.worker_size(w) == 0 for w in model)

@@ -3,10 +3,10 @@
 - the table behaves as a dict of its keys (u64 ints inline; negative, wider and non-int keys, and
   masks past one machine word, through its other paths) under random sets, deletes, lookups,
   copies and clears, growing and shrinking;
-- its `walk` gives the Python loop's groups (router/kv_query.py `QueryMixin._walk`) for keys as a
+- its `walk` gives the Python loop's groups (router/kv_owners.py `OwnerTable.walk`) for keys as a
   list or as u64 bytes, over up to 70 slots and at the 64-bit boundary;
 - two indexes fed the same stores, removals, speculative inserts and expiries, one on the table
-  and its native loops, one on a dict and the Python loops (`router.kv_types.OwnerMap` patched
+  and its native loops, one on a dict and the Python loops (`router.kv_owners.OwnerMap` patched
   away when it is built), hold the same owner masks, slot maps, change log and counters after
   every step and answer every prefix query alike, over more than 64 slots;
 - the index's model test of speculation passes on the Python loops too.
@@ -23,9 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import router.kv_query as kq
-import router.kv_speculation as ks
-import router.kv_types as kt
+import router.kv_owners as kt
 from router.block_keys import block_keys_list
 from router.events import BlocksRemoved, BlocksStored
 from router.kv_index import KvIndex
@@ -46,13 +44,13 @@ def python_index(monkeypatch, *a, **kw) -> KvIndex:
     with monkeypatch.context() as m:
         m.setattr(kt, "OwnerMap", None)
         idx = KvIndex(*a, **kw)
-    assert type(idx._owners) is dict
+    assert type(idx.owners.masks) is dict
     return idx
 
 
 def test_the_table_is_what_the_index_uses():
-    assert kt.NATIVE and kq.NATIVE and ks.NATIVE and kt.OwnerMap is native.OwnerMap
-    assert type(KvIndex(B)._owners) is native.OwnerMap
+    assert kt.NATIVE and kt.OwnerMap is native.OwnerMap
+    assert type(KvIndex(B).owners.masks) is native.OwnerMap
 
 
 def _python_walk(keys, owners: dict, active: int) -> list:
@@ -189,9 +187,9 @@ def test_bad_arguments_are_clear_errors():
 
 
 def _state(idx: KvIndex):
-    slots = {k: (s.bit, dict(s.owned), dict(s.spec)) for k, s in idx._slots.items()}
-    return (dict(idx._owners.items()), slots, list(idx._log), idx._log_base, idx._n_spec,
-            list(idx._losses), idx.stats.speculative_added, idx.stats.speculative_expired,
+    slots = {k: (s.bit, dict(s.owned), dict(s.spec)) for k, s in idx.slots.by_key.items()}
+    return (dict(idx.owners.masks.items()), slots, list(idx.owners.log), idx.owners.log_base,
+            idx.spec.size, list(idx.slots.losses), idx.stats.speculative_added, idx.stats.speculative_expired,
             idx.speculative_size())
 
 
@@ -247,13 +245,13 @@ def test_a_refreshed_prediction_is_not_logged(native_owners, monkeypatch):
     idx.apply("a", BlocksStored(keys[:3], None, list(range(3 * B)), B))
     assert idx.longest_prefix(keys) == {"a": 3}
     idx.add_speculative("b", keys, 0.0, 1.0)
-    logged = idx._log_end()
+    logged = idx.owners.log_end()
     version = idx.walk_version()
     assert idx.longest_prefix(keys) == {"a": 3, "b": 8}
     idx.add_speculative("b", keys, 0.5, 1.0)      # a refresh: deadlines move to 1.5
-    assert idx._log_end() == logged and idx.walk_version() == version
+    assert idx.owners.log_end() == logged and idx.walk_version() == version
     walks = []
-    monkeypatch.setattr(idx, "_walk", lambda *a: walks.append(a) or [])
+    monkeypatch.setattr(idx.owners, "walk", lambda *a: walks.append(a) or [])
     assert idx.longest_prefix(keys) == {"a": 3, "b": 8} and not walks
     monkeypatch.undo()
     assert idx.expire_speculative(1.2) == 0      # the first entry's keys were refreshed
@@ -265,5 +263,5 @@ def test_a_refreshed_prediction_is_not_logged(native_owners, monkeypatch):
 
 def test_speculation_model_on_the_python_loops(monkeypatch):
     monkeypatch.setattr(kt, "OwnerMap", None)
-    assert type(KvIndex(B)._owners) is dict
+    assert type(KvIndex(B).owners.masks) is dict
     test_kv_index.test_speculation_mixed_with_events_matches_a_model()
