@@ -1,12 +1,32 @@
 """The data of KV-event feeds: where a server's events come from (`FeedSource`) and one stream's
-state and counters (`WorkerFeed`, one per data-parallel rank). Owned by `coordinator.kv_ingest`."""
+state and counters (`WorkerFeed`, one per data-parallel rank). Owned by `coordinator.kv_ingest`;
+written by its parts (`coordinator.kv_sync.FeedSync`, `coordinator.kv_poll.HttpPoller`)."""
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq.asyncio
+
+log = logging.getLogger("splitserve.coordinator.kv_ingest")
+
+
+class RateLimitedLog:
+    """``log.log`` at most once per ``period_s`` per key (a feed that keeps failing)."""
+
+    def __init__(self, period_s: float = 10.0):
+        self.period_s = period_s
+        self._last: dict = {}
+
+    def __call__(self, level: int, key, msg: str, *args, **kw) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) >= self.period_s:
+            self._last[key] = now
+            log.log(level, msg, *args, **kw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,3 +162,11 @@ class WorkerFeed:
             "decode_errors": self.decode_errors,
             "apply_errors": self.apply_errors,
         }
+
+
+def spawn(feed: WorkerFeed, coro) -> asyncio.Task:
+    """Run ``coro`` as one of the feed's tasks (cancelled when the feed is detached)."""
+    t = asyncio.get_running_loop().create_task(coro)
+    feed.tasks.add(t)
+    t.add_done_callback(feed.tasks.discard)
+    return t

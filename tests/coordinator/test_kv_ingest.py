@@ -181,10 +181,10 @@ async def test_initial_rebuild_from_snapshot_then_live(workers, coordinator, zct
 
 async def test_large_snapshot_loads_in_slices_with_the_loop_served_between(
         workers, coordinator, zctx, monkeypatch):
-    from coordinator import kv_repair
+    from coordinator import kv_sync
     from router.kv_index import KvIndex
 
-    monkeypatch.setattr(kv_repair, "SNAPSHOT_SLICE", 16)
+    monkeypatch.setattr(kv_sync, "SNAPSHOT_SLICE", 16)
     ticks = 0
     calls = []   # (append, ticks of the loop so far)
     real = KvIndex.load_snapshot
