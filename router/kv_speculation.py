@@ -83,9 +83,9 @@ class SpeculativeEntries:
         counted per whole record: a record is never left half expired) bound the work of one
         call. A second's worth of routed prompts expiring at once cost tens of ms: 256 records of
         a 4k-token prompt are ~65,000 keys, a 15-40 ms stall of every select behind the
-        maintenance tick (bench/results/history/coordinator.md, "coordinator · open-loop stall"); so the coordinator
-        expires a few records per placement and its tick works through a backlog in key-bounded
-        slices."""
+        maintenance tick (bench/results/history/coordinator.md, "coordinator · open-loop
+        stall"); so the coordinator expires a few records per placement and its tick works
+        through a backlog in key-bounded slices."""
         heap = self._heap
         slots = self._slots
         losses = slots.losses
