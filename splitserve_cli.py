@@ -16,8 +16,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": ("coordinator.cli", "run the coordinator: registry, health, KV index, leases"),
     "worker": ("worker.cli", "run a reference inference worker (torch model or sim engine)"),
     "local": ("fleet.local", "start a complete local cluster (coordinator, fleet, ctx + gen workers)"),
-    "check-config": ("coordinator.check_config", "validate a cluster config file and print it "
-                     "normalised, secrets redacted (exit 0 valid, 1 invalid)"),
+    "check-config": ("coordinator.check_config", "validate a cluster config file and the environment's "
+                     "SPLITSERVE_* overrides, print it normalised, secrets redacted (exit 0 valid, "
+                     "1 invalid: every error listed)"),
 }
 
 
@@ -58,7 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     sp = argparse.ArgumentParser(prog=f"splitserve {name}", description=avail[name][1])
     mod.add_arguments(sp)
     args = sp.parse_args(argv[1:])
+    if getattr(mod, "NEEDS_FLAG_ENV", False):
+        args.flag_env_names = flag_env_names(avail)
     return int(mod.run(args) or 0)
+
+
+def flag_env_names(avail: dict[str, tuple[str, str]] | None = None) -> set[str]:
+    """SPLITSERVE_<FLAG> for every flag of every command: each one reads its variable (the
+    `check-config` check for variables that nothing reads)."""
+    out = set()
+    for mod_name, _help in (avail or _available()).values():
+        p = argparse.ArgumentParser()
+        importlib.import_module(mod_name).add_arguments(p)
+        out.update("SPLITSERVE_" + a.dest.upper() for a in p._actions
+                   if a.option_strings and a.dest != "help")
+    return out
 
 
 def entry() -> None:

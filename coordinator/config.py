@@ -12,6 +12,7 @@ table: coordinator/config_doc.py.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import re
 from pathlib import Path
@@ -35,7 +36,7 @@ __all__ = [
     "KvEventSource", "RoutingConfig", "LeaseConfig", "CoordinatorConfig", "EventIngestConfig",
     "FleetConfig", "ConditionalDisaggConfig", "OtlpConfig", "DisaggClusterConfig",
     "MinimalInstances", "ROUTER_TYPES", "UPSTREAM_ENGINE_ARGS", "ENV_PREFIX", "load_config",
-    "apply_overrides", "env_var_name",
+    "read_document", "apply_overrides", "env_var_name",
 ]
 
 
@@ -82,6 +83,12 @@ def _parse_document(text: str, origin: str, where: str) -> dict:
         raise ConfigError("", f"{where}expected the config document to be a mapping, found "
                           f"{show(doc)}")
     return doc
+
+
+def read_document(src: Any) -> dict:
+    """The config document of `src` (a path, YAML text or a mapping), parsed but not validated:
+    a copy the caller may change (`splitserve check-config` sets bad keys aside in it)."""
+    return _read_source(src)
 
 
 def _read_source(src: Any) -> dict:
@@ -187,7 +194,12 @@ def _restate(exc: msgspec.ValidationError, doc: dict) -> ConfigError:
         return ConfigError(path, _bound_message(t, value))
     if struct_of(t) is not None:
         return ConfigError(path, f"expected a mapping, found {show(value, secret)}")
-    return ConfigError(path, f"expected {type_name(t)}, found {show(value, secret)}", kind="type")
+    hint = ""
+    lit = non_null(t)
+    if isinstance(lit, mi.LiteralType) and isinstance(value, str) and not secret:
+        close = difflib.get_close_matches(value, [str(v) for v in lit.values], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(path, f"expected {type_name(t)}, found {show(value, secret)}{hint}", kind="type")
 
 
 def _check_all(obj: Section, path: str) -> None:

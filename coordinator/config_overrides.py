@@ -22,12 +22,30 @@ _ALIASES = {
     "coordinator_url": "disagg_coordinator_url",
 }
 _ENV_ALIASES = {f"{ENV_PREFIX}COORDINATOR_URL": "disagg_coordinator_url"}
+# Variables read by a process directly, neither a config key nor a command's flag (the flags read
+# SPLITSERVE_<FLAG>: splitserve_cli.py `flag_env_names`). `check-config` reports any other
+# SPLITSERVE_* name as unknown; tests/coordinator/test_check_config.py keeps this list complete.
+PROCESS_ENV = (
+    f"{ENV_PREFIX}INTERNAL_REQUEST_AUTH_KEY",    # coordinator/config.py: the HMAC key, a secret
+    f"{ENV_PREFIX}CPU_THREADS",                  # worker: torch threads on the CPU
+    f"{ENV_PREFIX}CUDA_GRAPHS",                  # worker: CUDA graph capture on/off
+    f"{ENV_PREFIX}TRITON_INTERPRET",             # worker: Triton kernels in the interpreter
+    f"{ENV_PREFIX}RANK_TIMEOUT_S",               # worker: tensor-parallel rank start-up bound
+    f"{ENV_PREFIX}RANK_CALLABLE_PACKAGES",       # worker: what a rank may import by name
+)
 _SCALARS = (mi.IntType, mi.FloatType, mi.StrType, mi.BoolType, mi.LiteralType)
 
 
 def env_var_name(path: str) -> str:
     """`coordinator.port` → `SPLITSERVE_COORDINATOR__PORT` (nesting uses a double underscore)."""
     return ENV_PREFIX + path.upper().replace(".", "__")
+
+
+def override_env_names() -> dict[str, str]:
+    """Every `SPLITSERVE_*` override name → the key path it sets (aliases included)."""
+    out = {env_var_name(p): p for p in _scalar_paths(ClusterConfig)}
+    out.update(_ENV_ALIASES)
+    return out
 
 
 def _scalar_paths(cls: type, prefix: str = "") -> dict[str, FieldSpec]:
@@ -108,8 +126,7 @@ def apply_overrides(cfg: ClusterConfig, *, env: Optional[Mapping[str, str]] = No
     env = os.environ if env is None else env
     paths = _scalar_paths(ClusterConfig)
     doc = thaw(cfg.source)
-    env_map = {env_var_name(p): p for p in paths}
-    env_map.update(_ENV_ALIASES)
+    env_map = override_env_names()
     applied: dict[str, tuple[str, Any]] = {}
     for name in sorted(env_map):
         if name not in env:

@@ -27,9 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
     p.add_argument("--engine", choices=("torch", "sim"), default=env("SPLITSERVE_ENGINE", "torch"),
                    help="worker engine: the torch model on the CPU, or the simulated engine")
-    p.add_argument("--num-workers", type=int, default=int(env("SPLITSERVE_NUM_WORKERS", "2")),
+    p.add_argument("--num-workers", type=int, default=env("SPLITSERVE_NUM_WORKERS", "2"),
                    help="fleet processes sharing the public port")
-    p.add_argument("--port", type=int, default=int(env("SPLITSERVE_PORT", "8000")),
+    p.add_argument("--port", type=int, default=env("SPLITSERVE_PORT", "8000"),
                    help="public port (the coordinator takes port - 1)")
     p.add_argument("--host", default=env("SPLITSERVE_HOST", "127.0.0.1"), help="bind address")
     p.add_argument("--model", default=env("SPLITSERVE_MODEL", "smollm2-135m"),
@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that kv_cache_aware could aim at; with --aggregated: --policy)")
     p.add_argument("--aggregated", action="store_true", default=env("SPLITSERVE_AGGREGATED") == "1",
                    help="one worker serving both legs instead of a context + a generation worker")
-    p.add_argument("--ready-timeout", type=float, default=float(env("SPLITSERVE_READY_TIMEOUT", "180")),
+    p.add_argument("--ready-timeout", type=float, default=env("SPLITSERVE_READY_TIMEOUT", "180"),
                    help="seconds to wait for the cluster to become healthy")
 
 

@@ -19,6 +19,7 @@ where callers import all of them from.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from protocol.failures import NoServerAvailable
@@ -109,14 +110,18 @@ def make_policy(type: str, args: dict | None = None, *, block_size: int = 16,
     """Build a policy; unknown or mistyped arguments raise ValueError naming the argument."""
     ptype = type
     if ptype not in _SPECS:
-        raise ValueError(f"unknown router type {ptype!r}; expected one of {', '.join(POLICY_TYPES)}")
+        close = difflib.get_close_matches(str(ptype), list(POLICY_TYPES), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown router type {ptype!r}{hint}; expected one of {', '.join(POLICY_TYPES)}")
     args = dict(args or {})
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, found {block_size!r}")
     spec = {**_COMMON_UPSTREAM, **_SPECS[ptype]}
     for name, value in args.items():
         if name not in spec:
-            raise ValueError(f"router {ptype!r}: unknown argument {name!r}; expected one of "
+            close = difflib.get_close_matches(str(name), sorted(spec), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"router {ptype!r}: unknown argument {name!r}{hint}; expected one of "
                              f"{', '.join(sorted(spec)) or '(none)'}")
         _check_type(ptype, name, value, spec[name])
     for name in ("prefill_weight", "load_tokens_weight", "load_requests_weight", "affinity_bonus",
