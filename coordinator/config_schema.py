@@ -501,14 +501,15 @@ class ClusterConfig(Section):
         "must be 0: splitserve serves no /perf_metrics (upstream's join of the engines' per-request "
         "timings); per-request timings are in traces (`otlp_config`) and /metrics",
         upstream=True)] = 0
-    allow_request_chat_template: Annotated[bool, doc("accept a per-request `chat_template`",
-                                                     upstream=True)] = False
+    allow_request_chat_template: Annotated[bool, doc(
+        "accept a request's own `chat_template` (forwarded to the workers); false: such a request is "
+        "a 400 naming the field", upstream=True)] = False
     gen_strip_message_history: Annotated[bool, doc(
-        "send only the last turn's messages on the generation leg (it has prompt_token_ids)",
-        upstream=True)] = False
+        "send only the last message of a chat on the generation leg when it carries the prompt as "
+        "token ids (TensorRT-LLM context answers; the worker reads the ids)", upstream=True)] = False
     gen_tokids_ctxbytes: Annotated[bool, doc(
-        "accepted for compatibility; splitserve always carries prompt ids as JSON ints",
-        upstream=True)] = False
+        "must be false: splitserve relays the context answer's prompt ids as JSON ints, never as "
+        "upstream's base64 bytes", upstream=True)] = False
     internal_request_auth_key: Annotated[Optional[str], doc(
         "HMAC key for disaggregated fields sent to workers (env "
         "SPLITSERVE_INTERNAL_REQUEST_AUTH_KEY)", upstream=True, secret=True)] = None
@@ -660,6 +661,12 @@ class ClusterConfig(Section):
         return (url,) if url else ()
 
     def _check(self, path: str) -> None:
+        if self.gen_tokids_ctxbytes:
+            # Refused rather than accepted and ignored (issue 39): the context leg is never asked for
+            # base64 ids, so the setting could not take effect.
+            raise ConfigError("gen_tokids_ctxbytes", "expected false: splitserve relays the context "
+                              "answer's prompt token ids as JSON ints and never asks for upstream's "
+                              "base64 bytes; remove the key or set it to false, found true")
         if self.perf_metrics_max_requests:
             # Refused rather than accepted and ignored: nothing here would keep those records.
             raise ConfigError("perf_metrics_max_requests", "expected 0: splitserve serves no "

@@ -567,8 +567,12 @@ class Coordinator:
 
     def _registration(self, e: ServerEntry) -> dict:
         ttl = e.ttl_s if e.ttl_s is not None else self.registry.default_ttl_s
+        every = ttl / 3
+        dc = self.config.disagg_cluster
+        if dc is not None:   # upstream's worker heartbeat period: workers follow the answer
+            every = min(every, dc.heartbeat_interval_sec)
         return {"url": e.url, "roles": list(e.roles), "state": e.state.value, "source": e.source,
-                "ttl_s": ttl, "heartbeat_interval_s": round(ttl / 3, 3)}
+                "ttl_s": ttl, "heartbeat_interval_s": round(every, 3)}
 
     def deregister(self, url: str) -> bool:
         return self.registry.deregister(url) is not None

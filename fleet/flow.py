@@ -363,7 +363,7 @@ class Flow:
             return self._context_only(creq, scope, ctx_raw)
         self.m_place[plan.DISAGGREGATED].inc()
         body, dp = trt.generation_body(self.answer_base(creq), creq.kind == CHAT, ctx_ans, scope.rid,
-                                       self.schedule)
+                                       self.schedule, self.config.gen_strip_message_history)
         try:
             return await self.final_leg(request, creq, scope, gen, orjson.dumps(body), key, self._sig(dp),
                                         gen_only=True)

@@ -295,6 +295,11 @@ class FleetServer:
                                     f"(fleet.max_inflight_requests); retry shortly", code="overloaded",
                                retry_after=1)
             creq = parse_request(raw, kind)
+            if "chat_template" in creq.body and not self.config.allow_request_chat_template:
+                # upstream's guard: a client's own template is code the worker would render
+                raise ApiError(400, "a request's own chat_template is not accepted here "
+                                    "(allow_request_chat_template is false); remove it",
+                               param="chat_template", code="chat_template_not_allowed")
             models = self.placer.models()
             if models and creq.model not in models:
                 raise ApiError(404, f"model {creq.model!r} does not exist; this server serves "

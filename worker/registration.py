@@ -1,7 +1,8 @@
 """Self-registration with a coordinator (``--coordinator-url``), TTL-based.
 
 ``POST /register {url, role, ttl_s, worker_id}`` at start, ``POST /heartbeat`` with the same body every
-``ttl_s / 3``, ``POST /deregister {url, role}`` on shutdown. The coordinator may be down or
+``ttl_s / 3`` or the answer's ``heartbeat_interval_s`` when shorter (the cluster's
+``disagg_cluster.heartbeat_interval_sec``), ``POST /deregister {url, role}`` on shutdown. The coordinator may be down or
 restart at any time: failures are logged (once per outage), retried on the next tick, and a
 heartbeat the coordinator does not recognise (404/410) re-registers. The worker never fails
 because of the coordinator.
@@ -9,6 +10,7 @@ because of the coordinator.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import aiohttp
@@ -34,6 +36,7 @@ class CoordinatorRegistration:
         self.registered = False
         self.heartbeats = 0
         self._down = False
+        self.period = self.ttl_s / 3
 
     def _body(self) -> dict:
         body = {"url": self.url, "role": self.role, "ttl_s": self.ttl_s}
@@ -43,7 +46,14 @@ class CoordinatorRegistration:
 
     async def _post(self, path: str, body: dict) -> int:
         async with self._session.post(self.coordinator_url + path, json=body) as r:
-            await r.read()
+            raw = await r.read()
+            if path in ("/register", "/heartbeat") and 200 <= r.status < 300:
+                try:
+                    every = float(json.loads(raw).get("heartbeat_interval_s") or 0)
+                except (ValueError, TypeError, AttributeError):
+                    every = 0.0
+                if 0 < every < self.ttl_s / 3:
+                    self.period = every
             return r.status
 
     async def start(self) -> None:
@@ -51,7 +61,6 @@ class CoordinatorRegistration:
         self._task = asyncio.create_task(self._run(), name="coordinator-registration")
 
     async def _run(self) -> None:
-        period = self.ttl_s / 3
         while True:
             try:
                 if not self.registered:
@@ -80,10 +89,10 @@ class CoordinatorRegistration:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 if not self._down:
                     log.warning("coordinator %s unreachable (%s); retrying every %.1fs",
-                                self.coordinator_url, e or type(e).__name__, period)
+                                self.coordinator_url, e or type(e).__name__, self.period)
                     self._down = True
                 self.registered = False
-            await asyncio.sleep(period)
+            await asyncio.sleep(self.period)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -95,9 +95,11 @@ def context_body(body: dict, rid: int, schedule: str) -> tuple[dict, dict]:
 
 
 def generation_body(base: dict, chat: bool, ans: ContextAnswer, rid: int,
-                    schedule: str) -> tuple[dict, dict]:
+                    schedule: str, strip_history: bool = False) -> tuple[dict, dict]:
     """(generation leg body after a context answer, its disaggregated_params). `base` is the
-    answering leg's body (fleet/legs/plan.py `answer_body`); it is not modified."""
+    answering leg's body (fleet/legs/plan.py `answer_body`); it is not modified. `strip_history`
+    (`gen_strip_message_history`, as upstream) keeps only the last message of a chat whose prompt
+    goes as token ids: the generation worker reads the ids, the history is bytes on the wire."""
     body = dict(base)
     dp = dict(ans.choices[0].disaggregated_params)
     dp["request_type"] = RequestType.GENERATION_ONLY
@@ -111,6 +113,9 @@ def generation_body(base: dict, chat: bool, ans: ContextAnswer, rid: int,
         frag = orjson.Fragment(ids)
         if chat:
             body["prompt_token_ids"] = frag
+            msgs = body.get("messages")
+            if strip_history and isinstance(msgs, list) and len(msgs) > 1:
+                body["messages"] = msgs[-1:]
         else:
             body["prompt"] = frag
             body.pop("prompt_token_ids", None)

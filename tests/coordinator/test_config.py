@@ -476,3 +476,12 @@ def test_config_doc_check_detects_a_stale_table(tmp_path):
     assert config_doc.main([str(stale)]) == 0 and stale.read_text() == text
     assert config_doc.main(["--check", str(stale)]) == 0
 
+
+
+def test_keys_that_could_not_take_effect_are_refused():
+    """Issue 39, item 3: gen_tokids_ctxbytes: true would be accepted and ignored (the context leg
+    is never asked for base64 ids), so it is an error naming the key; false (the default) loads."""
+    with pytest.raises(ConfigError) as ei:
+        load_config({"gen_tokids_ctxbytes": True})
+    assert ei.value.path == "gen_tokids_ctxbytes" and "expected false" in ei.value.message
+    assert load_config({"gen_tokids_ctxbytes": False}).gen_tokids_ctxbytes is False

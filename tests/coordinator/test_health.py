@@ -131,7 +131,8 @@ async def test_registration_ttl_heartbeat_and_deregistration(workers, coordinato
         async with session.post(s.tcp_url + "/register",
                                 json={"url": dyn.url, "role": "context", "ttl_s": 0.6}) as r:
             reg = await r.json()
-        assert r.status == 200 and reg["ttl_s"] == 0.6 and reg["heartbeat_interval_s"] == 0.2
+        # the cluster's disagg_cluster.heartbeat_interval_sec (0.1) when below ttl / 3 (0.2)
+        assert r.status == 200 and reg["ttl_s"] == 0.6 and reg["heartbeat_interval_s"] == 0.1
         await wait_for(c.is_ready, what="registered server prepared")
         assert state(c, dyn.url) == "healthy" and c.registry.get(dyn.url).source == "registered"
         # heartbeats keep it
@@ -313,3 +314,18 @@ async def test_a_tick_spreads_its_probes_over_the_interval():
         assert span > 0.1, (k, span)
         gaps = [b - a for a, b in zip(starts, starts[1:])]
         assert min(gaps) > 0.002, (k, gaps)
+
+
+async def test_workers_heartbeat_at_the_clusters_interval(workers, coordinator):
+    """disagg_cluster.heartbeat_interval_sec is not accepted and ignored (issue 39): a worker
+    registering with a long TTL heartbeats at the period the coordinator's answer names."""
+    from worker.registration import CoordinatorRegistration
+    dyn = await workers("context")
+    c, s = await coordinator(cfg([], [], minimal=(1, 0)))
+    reg = CoordinatorRegistration(s.tcp_url, url=dyn.url, role="context", ttl_s=30.0)
+    await reg.start()
+    try:
+        await wait_for(lambda: reg.heartbeats >= 3, timeout=5, what="heartbeats every 0.1 s, not 10 s")
+        assert reg.period == 0.1
+    finally:
+        await reg.stop()

@@ -301,3 +301,18 @@ async def test_duplicate_alias_in_flight_is_409():
         assert e.value.status == 409 and e.value.code == "duplicate_request_id"
     async with RequestScope(flow, 0.0, alias=3):     # free again once the first ended
         pass
+
+
+def test_generation_leg_strips_the_chat_history_when_asked():
+    """gen_strip_message_history (upstream's key): with the prompt as token ids, only the last
+    message goes on the generation leg."""
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}]
+    base = plan.answer_body({**CLIENT, "messages": msgs}, False, False)
+    b, _ = trt.generation_body(base, True, ctx_answer(ids=b"[1,2]"), RID, "context_first", True)
+    assert b["messages"] == msgs[-1:] and base["messages"] == msgs
+    b, _ = trt.generation_body(base, True, ctx_answer(ids=b"[1,2]"), RID, "context_first")
+    assert b["messages"] == msgs
+    # no ids to read: the worker needs the whole conversation
+    b, _ = trt.generation_body(base, True, ctx_answer(ids=b"null"), RID, "context_first", True)
+    assert b["messages"] == msgs

@@ -101,3 +101,12 @@ def test_full_route_names_the_servers(fleets):
     route = json.loads(h["x-splitserve-route"])
     assert st == 200 and route["context"]["server"].startswith("http://127.0.0.1:")
     assert route["generation"]["server"].startswith("http://127.0.0.1:")
+
+
+def test_a_request_chat_template_is_refused_unless_allowed(fleets):
+    """allow_request_chat_template (upstream's key, default false) is enforced, not ignored."""
+    st, h, raw = http("POST", fleets["default"] + "/v1/chat/completions",
+                      {**BODY, "chat_template": "{{ messages }}"}, {"X-Request-Id": "t-1"})
+    err = json.loads(raw)["error"]
+    assert st == 400 and err["param"] == "chat_template" and err["code"] == "chat_template_not_allowed"
+    assert err["request_id"] == "t-1"
