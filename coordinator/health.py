@@ -87,6 +87,12 @@ class HealthMonitor:
             raise RuntimeError("HealthMonitor.start() has not been called")
         return self._session
 
+    def reread(self, url: str) -> None:
+        """Re-read the server's `/server_info` at its next check (a restart may have replaced
+        it), and check it now."""
+        self._info_at.pop(url, None)
+        self.kick(url)
+
     def kick(self, url: str) -> None:
         """Check one server now (registration, readmission), unless a check is already running."""
         if self._session is None or url in self._inflight:

@@ -99,6 +99,12 @@ class WorkerFeed:
     decode_errors: int = 0
     apply_errors: int = 0
     stale_dropped: int = 0
+    # The publisher's incarnation (rank 0's feed holds it for the server): from /server_info or
+    # the stream's batches; batches and snapshots of a retired one are rejected.
+    epoch: str | None = None
+    retired_epochs: set = field(default_factory=set)
+    stale_epoch_dropped: int = 0
+    epoch_changes: int = 0
     last_ts: float | None = None                 # publisher wall time of the last applied batch
     lag_s: float | None = None                   # apply time - publish time of that batch
     last_applied_mono: float | None = None
@@ -158,6 +164,9 @@ class WorkerFeed:
             "replays": {"ok": self.replays_ok, "failed": self.replays_failed},
             "snapshots": self.snapshots,
             "resets": self.resets,
+            "epoch": self.epoch,
+            "epoch_changes": self.epoch_changes,
+            "stale_epoch_dropped": self.stale_epoch_dropped,
             "clears": dict(self.clears),
             "decode_errors": self.decode_errors,
             "apply_errors": self.apply_errors,

@@ -10,6 +10,10 @@ entries) and runs `HttpPoller` (coordinator/kv_poll.py) for HTTP sources. Invari
 - A feed that cannot connect is not ready (`kv_ready` false, `error` says why, shown in
   /cluster_info); the failure is logged once per endpoint, counted, and retried with backoff
   (ZMQ's reconnect interval, doubling to `RECONNECT_MAX_MS`; HTTP polls back off the same way).
+- Epochs (docs/failover.md "Worker restarts"): `fence` retires a server's publisher epoch,
+  adopts the new one and rebuilds; `FeedSync` rejects what a retired epoch still sends and calls
+  `on_epoch` for a new one seen on the stream. A feed that disconnects calls `on_disconnect` (the
+  coordinator re-reads the server's `/server_info` at once: a restart?).
 - Transports: `zmq` (SUB per data-parallel rank: port base + rank, as vLLM and SGLang bind), or
   `http_poll` (TensorRT-LLM's destructive `POST /kv_cache_events`, `seq` = `event_id` per
   attention-DP rank). Both go through the same ordering, gap and clear rules.
@@ -46,15 +50,20 @@ class KvIngest:
     def __init__(self, index, *, block_size: int, key_scheme: str, replay_timeout_s: float,
                  rebuild_timeout_s: float, bind_endpoint: str | None = None,
                  http: Callable[[], aiohttp.ClientSession] | None = None,
-                 on_ready: Callable[[str], None] | None = None):
+                 on_ready: Callable[[str], None] | None = None,
+                 on_restart: Callable[[str, str], None] | None = None,
+                 on_disconnect: Callable[[str], None] | None = None):
         self.index = index
         self._on_ready = on_ready
+        self.on_restart = on_restart
+        self.on_disconnect = on_disconnect
         self.bind_endpoint = bind_endpoint
         self.ctx: zmq.asyncio.Context | None = None
         self.feeds: dict[str, WorkerFeed] = {}
         self._sync = FeedSync(index, self.feeds, block_size=block_size, key_scheme=key_scheme,
                               replay_timeout_s=replay_timeout_s,
-                              rebuild_timeout_s=rebuild_timeout_s, http=http, on_ready=on_ready)
+                              rebuild_timeout_s=rebuild_timeout_s, http=http, on_ready=on_ready,
+                              on_epoch=self._new_epoch, on_restart=on_restart)
         self._poller = HttpPoller(http, self._sync, replay_timeout_s) if http is not None else None
         self._by_topic: dict[bytes, WorkerFeed] = {}
         self._bound: zmq.asyncio.Socket | None = None
@@ -228,6 +237,35 @@ class KvIngest:
             for f in (feed, *feed.ranks):
                 self._sync.start_rebuild(f, cause)
 
+    def epoch(self, server: str) -> str | None:
+        feed = self.feeds.get(server)
+        return feed.epoch if feed is not None else None
+
+    def set_epoch(self, server: str, epoch: str | None) -> None:
+        """The epoch the server advertises (`/server_info`), adopted when the feed knows none."""
+        feed = self.feeds.get(server)
+        if feed is not None and epoch and feed.epoch is None:
+            feed.epoch = epoch
+
+    def fence(self, server: str, epoch: str | None, cause: str) -> None:
+        """The server's process was replaced: retire its previous epoch (what it still sends is
+        dropped), adopt `epoch`, forget its entries and rebuild them."""
+        feed = self.feeds.get(server)
+        if feed is None:
+            self.index.clear_worker(server)
+            return
+        if feed.epoch is not None and feed.epoch != epoch:
+            feed.retired_epochs.add(feed.epoch)
+        feed.epoch = epoch
+        feed.epoch_changes += 1
+        self.resync(server, cause)
+
+    def _new_epoch(self, server: str, epoch: str) -> None:
+        """A new publisher epoch on the stream, before `/server_info` said so."""
+        if self.on_restart is not None:
+            self.on_restart(server, "epoch_change")
+        self.fence(server, epoch, "epoch_change")
+
     def kv_ready(self, server: str) -> bool:
         feed = self.feeds.get(server)
         return True if feed is None else feed.usable and all(r.usable for r in feed.ranks)
@@ -294,6 +332,8 @@ class KvIngest:
                     self._sync.changed(feed)
                     self._rl(logging.WARNING, ("disconnect", feed.server),
                              "KV events of %s: disconnected from %s", feed.server, feed.endpoint)
+                    if self.on_disconnect is not None:
+                        self.on_disconnect(feed.server)
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
         finally:

@@ -22,9 +22,10 @@ log = logging.getLogger("splitserve.coordinator.kv_ingest")
 
 
 async def replay(ctx: zmq.asyncio.Context, feed: WorkerFeed, start: int,
-                 timeout_s: float) -> list | None:
+                 timeout_s: float, retired: frozenset | set = frozenset()) -> list | None:
     """Batches with seq >= start from the feed's replay endpoint, or None if it did not answer
-    completely within ``timeout_s`` (counted on the feed)."""
+    completely within ``timeout_s`` (counted on the feed); those of a ``retired`` publisher epoch
+    are left out."""
     feed.replays += 1
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -49,20 +50,25 @@ async def replay(ctx: zmq.asyncio.Context, feed: WorkerFeed, start: int,
             if seq_b == kv_replay.END_SEQ and not payload:
                 return out
             try:
-                out.append(decode_zmq([seq_b, payload], engine=feed.source.engine))
+                b = decode_zmq([seq_b, payload], engine=feed.source.engine)
             except (EventDecodeError, ValueError) as exc:
                 feed.decode_errors += 1
                 log.warning("undecodable replay batch from %s: %s", feed.server, exc)
                 return None
+            if b.epoch is not None and b.epoch in retired:
+                feed.stale_epoch_dropped += 1      # a process that is gone
+                continue
+            out.append(b)
     finally:
         sock.close(linger=0)
 
 
 async def fetch_snapshot(http: Callable[[], aiohttp.ClientSession], feed: WorkerFeed,
-                         timeout_s: float, block_size: int, key_scheme: str
-                         ) -> tuple[np.ndarray, int | None] | None:
+                         timeout_s: float, block_size: int, key_scheme: str,
+                         epoch: str | None = None) -> tuple[np.ndarray, int | None] | None:
     """The worker's `/kv_snapshot` as (block keys, seq), or None (logged) when it cannot be
-    fetched or is not keyed as routing keys prompts."""
+    fetched, is not keyed as routing keys prompts, or is of another publisher epoch than
+    ``epoch`` (when both are known)."""
     url = feed.source.snapshot_url
     try:
         async with http().get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
@@ -78,6 +84,10 @@ async def fetch_snapshot(http: Callable[[], aiohttp.ClientSession], feed: Worker
         snap = kv_replay.decode_snapshot(body)
     except kv_replay.SnapshotError as exc:
         log.warning("snapshot of %s from %s unusable: %s", feed.server, url, exc)
+        return None
+    if snap.epoch is not None and epoch is not None and snap.epoch != epoch:
+        log.warning("snapshot of %s is of publisher epoch %s, the feed's is %s; not usable",
+                    feed.server, snap.epoch, epoch)
         return None
     bs, ks = snap.block_size, snap.key_scheme
     if bs != block_size or ks != key_scheme:

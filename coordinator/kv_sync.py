@@ -12,7 +12,9 @@ and `coordinator.kv_poll.HttpPoller` (HTTP) hand their decoded batches to. Invar
 - A gap is repaired by replay from `last + 1`; if replay is unavailable, times out, or starts
   after the requested seq (the publisher's buffer moved on), the server's entries are cleared
   (and rebuilt from `/kv_snapshot` when the server offers one). A live seq at or below the last
-  applied one means the publisher restarted: clear, then rebuild.
+  applied one means the publisher restarted: clear, then rebuild (`on_restart` is told).
+- A batch of a retired publisher epoch (a process that is gone) is dropped; one of a new epoch
+  is handed to `on_epoch` (the ingest fences the server) and then buffered for the rebuild.
 - One bad batch never stops a feed: it is counted, logged (rate-limited) and handled as lost
   (entries cleared, rebuilt from a snapshot when there is one).
 - A feed counts as ready once its initial rebuild finished or gave up (bounded by the replay /
@@ -50,8 +52,12 @@ class FeedSync:
     def __init__(self, index, feeds: dict[str, WorkerFeed], *, block_size: int, key_scheme: str,
                  replay_timeout_s: float, rebuild_timeout_s: float,
                  http: Callable[[], aiohttp.ClientSession] | None,
-                 on_ready: Callable[[str], None] | None):
+                 on_ready: Callable[[str], None] | None,
+                 on_epoch: Callable[[str, str], None] | None = None,
+                 on_restart: Callable[[str, str], None] | None = None):
         self.index = index
+        self._on_epoch = on_epoch
+        self._on_restart = on_restart
         self._feeds = feeds
         self._on_ready = on_ready
         self._http = http
@@ -72,11 +78,29 @@ class FeedSync:
         if self._on_ready is not None and self.attached(feed):
             self._on_ready(feed.server)
 
+    def _retired(self, feed: WorkerFeed) -> set:
+        return (self._feeds.get(feed.server) or feed).retired_epochs
+
     # ---- live path --------------------------------------------------------------------------
     def ingest(self, feed: WorkerFeed, batch, front: bool = False) -> None:
         """Apply, buffer, or repair around one batch; the ordering is the index's
         (`KvIndex.apply_batch`). `front` marks a batch drained from the repair buffer (it goes
         back to the front if another repair starts)."""
+        ep = batch.epoch
+        if ep is not None:
+            primary = self._feeds.get(feed.server) or feed
+            if ep != primary.epoch:
+                if ep in primary.retired_epochs:
+                    feed.stale_epoch_dropped += 1     # sent by a process that is gone
+                    return
+                if primary.epoch is None or self._on_epoch is None:
+                    primary.epoch = ep
+                else:
+                    log.warning("KV events of %s: publisher epoch %s -> %s: a new process; its "
+                                "entries are dropped and rebuilt", feed.server, primary.epoch, ep)
+                    self._on_epoch(feed.server, ep)
+                    self._buffer(feed, batch, False)
+                    return
         if feed.repairing:
             self._buffer(feed, batch, front)
             return
@@ -93,6 +117,8 @@ class FeedSync:
             feed.resets += 1
             log.warning("KV-event seq of %s went from %d to %d: publisher restarted; rebuilding",
                         feed.server, last, batch.seq)
+            if self._on_restart is not None:
+                self._on_restart(feed.server, "seq_reset")
             self.clear(feed, feed.server, "seq_reset")
             feed.last_seq = None
             self._buffer(feed, batch, front)
@@ -192,7 +218,7 @@ class FeedSync:
             if feed.source.snapshot_url and await self._load_snapshot(feed):
                 outcome = "snapshot"
             elif feed.replay_endpoint:
-                batches = await replay(self.ctx, feed, 0, self.replay_timeout_s)
+                batches = await replay(self.ctx, feed, 0, self.replay_timeout_s, self._retired(feed))
                 if batches is None:
                     outcome = "replay unavailable"
                 else:
@@ -231,7 +257,8 @@ class FeedSync:
         try:
             batches = None
             if feed.replay_endpoint and feed.repairs_in_a_row <= MAX_REPAIRS_IN_A_ROW:
-                batches = await replay(self.ctx, feed, start, self.replay_timeout_s)
+                batches = await replay(self.ctx, feed, start, self.replay_timeout_s,
+                                      self._retired(feed))
             if batches is not None:
                 wanted = [b for b in batches if b.seq >= start]
                 if wanted and wanted[0].seq == start:
@@ -264,7 +291,7 @@ class FeedSync:
         if self._http is None:
             return False
         got = await fetch_snapshot(self._http, feed, self.rebuild_timeout_s, self.block_size,
-                                   self.key_scheme)
+                                   self.key_scheme, (self._feeds.get(feed.server) or feed).epoch)
         if got is None:
             return False
         keys, seq = got

@@ -62,6 +62,22 @@ SPEC_EXPIRE_KEYS_PER_SLICE = 256
 SPEC_EXPIRE_SLICE_S = 0.002
 
 
+def _incarnation(info: dict | None) -> str | None:
+    """What names one process behind a server's url: our worker's `start_id`, else a
+    `worker_id` (ours before start ids, and registered workers)."""
+    if not info:
+        return None
+    v = info.get("start_id") or info.get("worker_id")
+    return str(v) if v is not None else None
+
+
+def _epoch(info: dict | None) -> str | None:
+    """The KV-event publisher's epoch the server advertises (our worker: its start id)."""
+    kv = (info or {}).get("kv_events")
+    ep = kv.get("epoch") if isinstance(kv, dict) else None
+    return ep if isinstance(ep, str) and ep else None
+
+
 def make_election(cfg: ClusterConfig) -> Election:
     """The replica election the config names: the ordered replica list when `coordinator.replicas`
     has more than one entry, else none (this coordinator always serves)."""
@@ -87,6 +103,8 @@ class Stats:
     leases_expired: dict = field(default_factory=lambda: {CONTEXT: 0, GENERATION: 0})
     empty_index_warnings: int = 0
     not_serving: int = 0            # calls refused: another replica serves
+    restarts: dict = field(default_factory=dict)    # cause -> servers seen restarting
+    leases_fenced: int = 0          # leases dropped with the process they were on
     select_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     leases: LeaseTable | None = None      # the coordinator's: what it counts is read from it
 
@@ -187,7 +205,8 @@ class Coordinator:
                            replay_timeout_s=co.event_ingest.replay_timeout_s,
                            rebuild_timeout_s=co.event_ingest.rebuild_timeout_s,
                            bind_endpoint=co.event_ingest.bind_endpoint,
-                           http=lambda: self.health.session, on_ready=self._on_kv_ready)
+                           http=lambda: self.health.session, on_ready=self._on_kv_ready,
+                           on_restart=self._drop_leases, on_disconnect=self._on_feed_lost)
         self.health = HealthMonitor(self.registry, interval_s=co.health_check_interval_s,
                                     timeout_s=co.server_info_timeout_s, on_prepared=self._on_prepared,
                                     clock=clock)
@@ -294,24 +313,47 @@ class Coordinator:
 
     # ---- registry hooks ---------------------------------------------------------------------
     def _on_prepared(self, entry: ServerEntry, info: dict) -> None:
-        old_wid = entry.worker_id
+        old_inc = _incarnation(entry.server_info)
         old_info = entry.server_info
+        old_state = entry.state
         now = self.clock()
         self.registry.prepared(entry.url, info, now)
         if entry.state is not ServerState.HEALTHY:
             return
-        new_wid = entry.worker_id
-        self.diag.admitted(entry.url, entry.server_info, new_wid)
+        new_inc = _incarnation(entry.server_info)
+        self.diag.admitted(entry.url, entry.server_info, entry.worker_id)
+        # A restart behind the url (docs/failover.md "Worker restarts"): a new start id or worker
+        # id; for an engine that names no incarnation, a health flap (it was ejected and answers
+        # again) counts as one, since its cache may be gone.
+        restarted = old_info is not None and (
+            (old_inc is not None and new_inc is not None and old_inc != new_inc)
+            or (new_inc is None and old_state is ServerState.UNHEALTHY))
         src = self._feed_source(entry)
         if src is not None:
-            feed = self.kv.feeds.get(entry.url)
             self.kv.attach(entry.url, src)
-            if feed is not None and self.kv.feeds.get(entry.url) is feed and old_info is not None \
-                    and old_wid is not None and new_wid is not None and old_wid != new_wid:
-                log.warning("server %s restarted (worker id %s -> %s); rebuilding its KV index",
-                            entry.url, old_wid, new_wid)
-                self.kv.resync(entry.url, "worker_restart")
+        if restarted:
+            log.warning("server %s restarted (%s -> %s); its leases are dropped and its KV index "
+                        "rebuilt", entry.url, old_inc or "ejected", new_inc or "readmitted")
+            self._drop_leases(entry.url, "worker_restart")
+            self.kv.fence(entry.url, _epoch(entry.server_info), "worker_restart")
+        else:
+            self.kv.set_epoch(entry.url, _epoch(entry.server_info))
         self._bump()
+
+    def _drop_leases(self, server: str, cause: str) -> None:
+        """The server's process was replaced: the requests it held died with it, so their load
+        stops counting now (their fleet's finishes find nothing and are no-ops)."""
+        gone = self.leases.drop_server(server)
+        self.stats.restarts[cause] = self.stats.restarts.get(cause, 0) + 1
+        if gone:
+            self.stats.leases_fenced += len(gone)
+            log.warning("server %s restarted (%s): dropped its %d lease(s)", server, cause, len(gone))
+        self._bump()
+
+    def _on_feed_lost(self, server: str) -> None:
+        """Its KV-event connection dropped: if the process was replaced, its new `/server_info`
+        (a new start id) says so at the next health check, not at the periodic re-read."""
+        self.health.reread(server)
 
     def _feed_source(self, entry: ServerEntry) -> FeedSource | None:
         """An explicit static `kv_events` entry wins; else what `/server_info` advertises, read

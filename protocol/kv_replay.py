@@ -70,6 +70,9 @@ class KvSnapshot(msgspec.Struct):
     # resident block keys (engine hash == canonical key), u64: an array, or one bin of
     # little-endian u64 (8 bytes per key)
     block_keys: list[int] | bytes | None = None
+    # the publisher's incarnation (start id) the snapshot belongs to: its resume point is `seq + 1`
+    # of that publisher only (the recovery contract of vLLM PR #57789: epoch + snapshot + resume seq)
+    epoch: str | None = None
 
 
 class SnapshotError(ValueError):
@@ -80,9 +83,10 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(KvSnapshot)
 
 
-def encode_snapshot(seq: int, block_size: int, key_scheme: str, block_keys) -> bytes:
+def encode_snapshot(seq: int, block_size: int, key_scheme: str, block_keys,
+                    epoch: str | None = None) -> bytes:
     return _enc.encode(KvSnapshot(seq=int(seq), block_size=int(block_size), key_scheme=key_scheme,
-                                  block_keys=[int(k) for k in block_keys]))
+                                  block_keys=[int(k) for k in block_keys], epoch=epoch))
 
 
 def decode_snapshot(body: bytes) -> KvSnapshot:

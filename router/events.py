@@ -142,6 +142,10 @@ class EventBatch:
     dp_rank: int | None
     events: list = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # event types we do not model
+    # The publisher's incarnation (its start id), when it sends one: a 4th element of the batch
+    # array, after dp_rank (docs/kv-events.md "What our worker publishes"). vLLM's own decoder
+    # skips it (msgspec array_like structs ignore trailing elements unless forbid_unknown_fields).
+    epoch: str | None = None
 
     @property
     def is_replay_end(self) -> bool:
@@ -379,7 +383,8 @@ def _batch_from_obj(obj: Any, seq: int, engine: str) -> EventBatch:
     if not isinstance(evs, list):
         raise EventDecodeError(f"batch.events: expected an array, found {type(evs).__name__}")
     dp_rank = _opt_int(obj[2] if len(obj) > 2 else None, "batch.dp_rank")
-    batch = EventBatch(seq=seq, ts=float(ts), dp_rank=dp_rank)
+    epoch = obj[3] if len(obj) > 3 and isinstance(obj[3], str) and obj[3] else None
+    batch = EventBatch(seq=seq, ts=float(ts), dp_rank=dp_rank, epoch=epoch)
     for ev in evs:
         out = _event_from_map(_as_map(ev, engine), engine)
         if out is None:
@@ -580,6 +585,14 @@ class _VBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: Any = None
 
 
+class _VBatchEpoch(msgspec.Struct, array_like=True, gc=False):
+    """`_VBatch` plus the publisher's epoch as a trailing element (dp_rank always written)."""
+    ts: float
+    events: list
+    data_parallel_rank: Any
+    publisher_epoch: str
+
+
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -587,8 +600,10 @@ def _wire_hash(h: Any) -> Any:
     return h & _M64 if isinstance(h, int) else bytes(h)
 
 
-def encode_vllm_batch(ts: float, events: list, dp_rank: int | None = None) -> bytes:
-    """Encode canonical events as a vLLM 0.33 ``KVEventBatch`` payload (map-form events)."""
+def encode_vllm_batch(ts: float, events: list, dp_rank: int | None = None,
+                      epoch: str | None = None) -> bytes:
+    """Encode canonical events as a vLLM 0.33 ``KVEventBatch`` payload (map-form events);
+    ``epoch``: the publisher's start id as a trailing element (vLLM's decoder skips it)."""
     out = []
     for ev in events:
         if isinstance(ev, BlocksStored):
@@ -608,4 +623,6 @@ def encode_vllm_batch(ts: float, events: list, dp_rank: int | None = None) -> by
             out.append(_VAllBlocksCleared())
         else:
             raise TypeError(f"cannot encode {type(ev).__name__} in vLLM's format")
+    if epoch is not None:
+        return _encoder.encode(_VBatchEpoch(float(ts), out, dp_rank, epoch))
     return _encoder.encode(_VBatch(float(ts), out, dp_rank))

@@ -10,6 +10,12 @@ Wire format (docs/kv-events.md "What our worker publishes", docs/worker.md, "HTT
   one means the ring buffer already dropped the gap (resync from ``/kv_snapshot``).
 * ``data_parallel_rank`` is 0 unless given, as vLLM's publisher stamps every batch (a worker is
   one DP rank).
+* recovery (the shape of vLLM PR #57789 and SGLang RFC #33394, docs/kv-events.md): every batch
+  carries the publisher's ``epoch`` (its start id, also in ``/server_info`` and ``/kv_snapshot``)
+  as a trailing element of the batch array, which vLLM's decoder skips; ``heartbeat`` publishes an
+  empty batch (it takes a seq, like any batch) when nothing was published for ``heartbeat_s``, so a
+  subscriber learns the epoch and the resume seq of an idle publisher, and a silent one is dead;
+  ``/kv_snapshot`` answers the resident keys with the last seq they include (resume at ``seq+1``).
 
 Threads: ``publish`` is called from the engine's event-loop thread, which alone owns the PUB socket
 (a PUB send never blocks; past the high-water mark ZMQ drops, which subscribers see as a seq gap).
@@ -51,11 +57,16 @@ class KvEventPublisher:
 
     def __init__(self, *, host: str = "127.0.0.1", pub_port: int = 0, replay_port: int = 0,
                  advertise_host: str | None = None, topic: str = DEFAULT_TOPIC,
-                 buffer_steps: int = 10_000, hwm: int = 100_000, dp_rank: int = 0):
+                 buffer_steps: int = 10_000, hwm: int = 100_000, dp_rank: int = 0,
+                 epoch: str | None = None, heartbeat_s: float = 1.0):
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
         self.topic = topic
         self._topic_b = topic.encode()
+        self.epoch = epoch
+        self.heartbeat_s = heartbeat_s
+        self._last_sent = time.monotonic()
+        self.heartbeats = 0
         self.dp_rank = dp_rank
         self._host = host
         self._advertise = advertise_host or host
@@ -103,7 +114,8 @@ class KvEventPublisher:
         """Encode and send one batch; returns its seq. Called from the engine's loop thread."""
         if self._closed:
             raise RuntimeError("publisher is closed")
-        payload = encode_vllm_batch(time.time(), events, self.dp_rank)
+        payload = encode_vllm_batch(time.time(), events, self.dp_rank, self.epoch)
+        self._last_sent = time.monotonic()
         seq = self._next_seq
         seq_b = kv_replay.seq_bytes(seq)
         with self._lock:
@@ -116,6 +128,14 @@ class KvEventPublisher:
         self.batches_published += 1
         self.events_published += len(events)
         return seq
+
+    def heartbeat(self) -> int | None:
+        """Publish an empty batch if nothing went out for ``heartbeat_s``; its seq, or None.
+        Called from the same thread as ``publish`` (the worker's event loop)."""
+        if self._closed or time.monotonic() - self._last_sent < self.heartbeat_s:
+            return None
+        self.heartbeats += 1
+        return self.publish([])
 
     # ------------------------------------------------------------------ replay
     def _serve_replay(self) -> None:

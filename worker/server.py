@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import random
+import secrets
 import os
 import socket
 import time
@@ -102,7 +103,14 @@ class WorkerServer:
         self.draining = False
         self.registry = make_registry(engine, publisher)
         self.app = self._make_app()
+        # This process's incarnation: in /server_info, on every KV-event batch and in /kv_snapshot,
+        # so the coordinator drops what it knew of a previous process at this url at once
+        # (docs/failover.md "Worker restarts").
+        self.start_id = secrets.token_hex(8)
+        self._heartbeat_task: asyncio.Task | None = None
         if publisher is not None:
+            if publisher.epoch is None:
+                publisher.epoch = self.start_id
             engine.event_sink = publisher.publish
 
     # ------------------------------------------------------------------ lifecycle
@@ -144,6 +152,8 @@ class WorkerServer:
             self.worker_id = f"{self.role}-{h}:{self.port}-{os.getpid()}"
         self.engine.worker_id = self.worker_id
         self.engine.worker_url = self.url
+        if self.publisher is not None and self.publisher.heartbeat_s > 0:
+            self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeats())
         if self.bootstrap_port is not None:
             await self._start_bootstrap()
         if self.coordinator_url:
@@ -180,8 +190,21 @@ class WorkerServer:
                 return False
             await asyncio.sleep(0.05)
 
+    async def _heartbeats(self) -> None:
+        """An idle publisher's heartbeat (worker/kv_events.py), on the loop that publishes."""
+        pub = self.publisher
+        while True:
+            await asyncio.sleep(pub.heartbeat_s / 2)
+            try:
+                pub.heartbeat()
+            except Exception as e:   # never the worker's end: a missed heartbeat is only late
+                log.warning("KV-event heartbeat failed: %s", e)
+
     async def stop(self) -> None:
         """Deregister, stop accepting, abort in-flight requests, stop the engine."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
         if self._registration is not None:
             await self._registration.stop()
         await self.engine.stop()
@@ -266,6 +289,7 @@ class WorkerServer:
             "key_scheme": KEY_SCHEME,
             "ns_seed": self.engine.pool.ns_seed,
             "worker_id": self.worker_id,
+            "start_id": self.start_id,
             "max_batch_size": self.engine.max_batch_size,
             "max_num_tokens": self.engine.max_num_tokens,
             # KV capacity in blocks (the coordinator's index models eviction with it)
@@ -292,7 +316,8 @@ class WorkerServer:
             return {"publisher": "zmq", "endpoint_host": host.strip("[]"), "endpoint_port_base": int(port),
                     "topic": pub.topic, "block_size": self.engine.block_size, "dp_size": 1}
         return {"publisher": pub.publisher_endpoint, "replay": pub.replay_endpoint,
-                "topic": pub.topic, "snapshot": "/kv_snapshot", "format": "vllm"}
+                "topic": pub.topic, "snapshot": "/kv_snapshot", "format": "vllm",
+                "epoch": pub.epoch, "heartbeat_s": pub.heartbeat_s}
 
     async def server_info(self, request: web.Request) -> web.Response:
         if self.disagg_protocol == "vllm":
@@ -307,7 +332,8 @@ class WorkerServer:
         self.engine.flush_events()
         body = kv_replay.encode_snapshot(self.publisher.last_seq if self.publisher is not None else -1,
                                          self.engine.block_size, KEY_SCHEME,
-                                         self.engine.pool.resident_keys())
+                                         self.engine.pool.resident_keys(),
+                                         self.publisher.epoch if self.publisher is not None else None)
         return web.Response(body=body, content_type="application/msgpack")
 
     async def kv_keys(self, request: web.Request) -> web.Response:

@@ -154,6 +154,7 @@ class FakePublisher:
             self._task = asyncio.get_running_loop().create_task(self._serve())
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
+        self.epoch: str | None = None      # sent as the batch's trailing element when set
 
     def kv_events(self, snapshot: bool = False) -> dict:
         d = {"publisher": self.endpoint, "replay": self.replay_endpoint,
@@ -165,7 +166,7 @@ class FakePublisher:
     def encode(self, events: list) -> bytes:
         if self.legacy:
             return legacy_payload(time.time(), events, self.dp_rank)
-        return encode_vllm_batch(time.time(), events, self.dp_rank)
+        return encode_vllm_batch(time.time(), events, self.dp_rank, self.epoch)
 
     async def send_raw(self, payload: bytes) -> int:
         """Send arbitrary payload bytes as the next live batch (not kept for replay)."""

@@ -145,6 +145,31 @@ async def test_publisher_restart_with_seq_zero_clears_and_rebuilds(workers, coor
     pub.close()
 
 
+async def test_new_publisher_epoch_fences_the_old_one(workers, coordinator, zctx):
+    """Epochs (docs/failover.md "Worker restarts"): a batch of a new epoch drops the server's
+    entries and leases at once; a later batch of the retired epoch is rejected."""
+    pub = FakePublisher(zctx)
+    pub.epoch = "epoch-a"
+    w, c, s = await kv_cluster(workers, coordinator, pub)
+    url = w.url
+    await publish_until_seen(pub, c, url, [stored(TOK_A, chain(TOK_A))], TOK_A, 4)
+    feed = c.kv.feeds[url]
+    assert feed.epoch == "epoch-a"
+    c.select("generation", 1 << 41, {"block_keys": keys_of(TOK_A), "num_tokens": 64})
+    assert c.leases.requests(url) == 1
+    pub.restart()               # a new process: empty cache, seq from 0, a new epoch
+    pub.epoch = "epoch-b"
+    await pub.publish([stored(TOK_B, chain(TOK_B, base=500))])
+    await wait_for(lambda: feed.epoch == "epoch-b" and matched(c, url, TOK_B) == 2, what="epoch b")
+    assert matched(c, url, TOK_A) == 0 and c.leases.requests(url) == 0
+    assert feed.clears.get("epoch_change") == 1 and c.stats.restarts == {"epoch_change": 1}
+    pub.epoch = "epoch-a"       # a straggler of the dead process
+    await pub.publish([stored(TOK_A, chain(TOK_A))])
+    await wait_for(lambda: feed.stale_epoch_dropped == 1, what="the old epoch's batch dropped")
+    assert matched(c, url, TOK_A) == 0
+    pub.close()
+
+
 async def test_initial_rebuild_from_replay_before_ready(workers, coordinator, zctx):
     pub = FakePublisher(zctx)
     # history published before the coordinator exists (nobody subscribed: only the buffer has it)

@@ -196,3 +196,51 @@ def test_killed_fleet_process_leases_end_at_its_announcement(cluster):
              "the dead process's leases to end")
     assert outcome.count("cut") >= 1 and outcome.count("done") == 0, outcome
     assert "is gone: ended its" in coord.log()
+
+
+def test_restarted_worker_is_fenced(cluster):
+    """kill -9 a generation worker and start it again at the same url and KV-event ports: the
+    coordinator sees the new process (its start id, on its event stream or in /server_info),
+    drops its previous cache and leases at once, and credits no placement to that cache."""
+    _, ctx = cluster.worker("context", name="w-ctx")
+    gport, eport, rport = free_port(), free_port(), free_port()
+    extra = ("--kv-events-port", eport, "--kv-replay-port", rport)
+    gproc, gen = cluster.worker("generation", name="w-gen", port=gport, extra=extra)
+    cport = free_port()
+    curl = f"http://127.0.0.1:{cport}"
+    servers = dict(context_servers=group([ctx], "kv_cache_aware"),
+                   generation_servers=group([gen], "kv_cache_aware"))
+    coord = cluster.coordinator(cluster.config("coord.yaml", port=cport + 1, **servers), cport)
+    wait_for(lambda: http("GET", curl + "/health")[0] == 200, 60, "coordinator", coord)
+    port = free_port()
+    f = cluster.fleet(cluster.config("fleet.yaml", port=port, disagg_coordinator_url=curl, **servers))
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url), 60, "fleet", f)
+
+    def gen_view():
+        ci = json.loads(http("GET", curl + "/cluster_info")[2])
+        return next(s for s in ci["servers"]["generation"] if s["url"] == gen)
+
+    def matched() -> int:
+        st, h, _ = http("POST", url + "/v1/completions", FAST)
+        assert st == 200
+        return int(route(h)["generation"].get("matched_tokens") or 0)
+
+    matched()
+    wait_for(lambda: matched() > 0, 10, "the generation server's cache to be credited")
+    old_start = gen_view()["server_info"]["start_id"]
+    gproc.kill(signal.SIGKILL)
+    gproc.p.wait(10)
+    gproc.start()
+    wait_for(lambda: healthy(gen), 60, "the restarted worker", gproc)
+    # Visible: the coordinator names the new process.
+    wait_for(lambda: (gen_view().get("server_info") or {}).get("start_id") not in (None, old_start)
+             or (gen_view().get("kv_events") or {}).get("epoch") not in (None, old_start),
+             10, "the coordinator to see the new process")
+    wait_for(lambda: gen_view().get("healthy"), 10, "the restarted server to be readmitted")
+    v = gen_view()
+    assert v["kv_events"]["epoch"] != old_start and v.get("kv_index_blocks", 0) == 0, v
+    # The first placement after the restart is visible credits nothing to the old cache.
+    assert matched() == 0
+    log = coord.log()
+    assert "restarted" in log, log[-2000:]

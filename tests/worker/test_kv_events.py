@@ -149,3 +149,33 @@ async def test_worker_events_rebuild_its_resident_set_in_the_router_index(actx, 
         assert fresh.keys_of("w") == index.keys_of("w") == set(engine.pool.resident_keys()) == set()
     finally:
         await srv.stop()
+
+
+async def test_publisher_epoch_and_idle_heartbeat(actx):
+    """The recovery shape (vLLM PR #57789, SGLang RFC #33394): every batch carries the publisher's
+    epoch after dp_rank; an idle publisher sends empty, numbered heartbeat batches. vLLM's own
+    batch struct (vllm 0.33 `vllm/distributed/kv_events.py` `EventBatch`: array_like,
+    omit_defaults, no forbid_unknown_fields; restated in docs/reference/kv_events.md §2.1) decodes
+    the payload and skips the epoch."""
+    import msgspec
+
+    class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list
+        data_parallel_rank: int | None = None
+
+    pub = KvEventPublisher(host="127.0.0.1", epoch="start-1", heartbeat_s=0.05)
+    try:
+        sub = await subscribe(actx, pub.publisher_endpoint)
+        pub.publish([AllCleared(None)])
+        assert pub.heartbeat() is None          # something went out just now
+        await asyncio.sleep(0.06)
+        assert pub.heartbeat() == 1             # idle: an empty batch, seq 1
+        msgs = await drain(sub)
+        batches = [decode_zmq(m) for m in msgs]
+        assert [b.seq for b in batches] == [0, 1] and [b.epoch for b in batches] == ["start-1"] * 2
+        assert batches[1].events == []
+        v = msgspec.msgpack.decode(msgs[0][2], type=VllmEventBatch)
+        assert v.data_parallel_rank == 0 and len(v.events) == 1
+    finally:
+        pub.close()

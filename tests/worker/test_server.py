@@ -101,7 +101,7 @@ async def test_info_endpoints(servers, http):
     async with http.get(url + "/server_info") as r:
         info = await r.json()
     assert set(info) == {"role", "model", "engine", "block_size", "key_scheme", "ns_seed",
-                         "worker_id", "max_batch_size", "max_num_tokens", "kv_events",
+                         "worker_id", "start_id", "max_batch_size", "max_num_tokens", "kv_events",
                          "transfer", "disaggregated_params", "disagg_protocol", "attention_backend",
                          "async_scheduling", "kv_capacity_blocks", "routing_model"}
     # what kv_cache_aware's time cost reads (router/policy_kv.py model_of): the sim's own model
@@ -109,9 +109,12 @@ async def test_info_endpoints(servers, http):
                                           "decode_s_per_request", "decode_s_per_context_token"}
     assert info["routing_model"]["chunk_tokens"] == info["max_num_tokens"]
     assert info["kv_capacity_blocks"] > 0
+    # this process's incarnation: the same id on its KV-event stream (docs/failover.md)
+    assert info["start_id"] and info["kv_events"]["epoch"] == info["start_id"]
     assert info["role"] == "context" and info["engine"] == "sim" and info["block_size"] == 4
     assert info["key_scheme"] == "xxh3_chain_v1" and info["ns_seed"] == 0
-    assert set(info["kv_events"]) == {"publisher", "replay", "topic", "snapshot", "format"}
+    assert set(info["kv_events"]) == {"publisher", "replay", "topic", "snapshot", "format",
+                                     "epoch", "heartbeat_s"}
     assert info["kv_events"]["publisher"].startswith("tcp://127.0.0.1:")
     assert info["transfer"] is None and info["disaggregated_params"] == {"ctx_info_endpoint": None}
     assert info["disagg_protocol"] == "trtllm"   # fleet/legs/__init__.py `infer` reads it
