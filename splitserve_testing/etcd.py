@@ -1,5 +1,5 @@
 """A real etcd on loopback for the tests (Debian's `etcd-server`: `apt-get install etcd-server`,
-which .ci/run does). `EtcdServer.start(tmp_path)` runs one member on two free ports with its data in
+which .ci/run does). `EtcdServer.start_in(tmp_path)` runs one member on two free ports with its data in
 `tmp_path`; `stop()` / `start()` again restart it on the same ports and data (an outage);
 `ETCD_MISSING` is the reason to skip with when the binary is not installed.
 """
