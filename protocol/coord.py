@@ -305,8 +305,14 @@ class RenewAnswer(msgspec.Struct):
 
 
 class Load(msgspec.Struct):
+    """A server's leased load, by phase (router/leases.py): legs not yet past their first token
+    are prefilling (their uncached tokens queued), the rest decoding."""
     requests: int
     tokens: int
+    queued_prefill_tokens: int = 0
+    prefilling: int = 0
+    decoding: int = 0
+    decoding_tokens: int = 0
 
 
 class ServerView(msgspec.Struct):
@@ -368,6 +374,7 @@ class ClusterInfo(msgspec.Struct):
     routing_diagnostics: dict[str, Any] = {}
     select_latency_s: dict[str, Any] = {}
     identities: dict[str, Any] = {}
+    membership: dict[str, Any] | None = None   # etcd membership (store, prefix, revision, workers), or null
     version: str = ""
     cluster_id: str = ""        # minted by the launcher: a fleet process checks it is its own
     uptime_s: float = 0.0
