@@ -112,18 +112,22 @@ class IndexLoadView:
         return self.leases.phases_for(servers)
 
 
-def _loads(view, servers: Sequence[str]) -> list[tuple[int, int]]:
+def server_loads(view, servers: Sequence[str]) -> list[tuple[int, int]]:
+    """(requests, tokens) per server: the view's bulk call where it has one (one call per
+    select), else two calls per server (a LoadView of its own)."""
     bulk = getattr(view, "loads", None)
     if bulk is not None:
         return bulk(servers)
     return [(view.requests(s), view.tokens(s)) for s in servers]
 
 
-def _n_keys(keys) -> int:
+def key_count(keys) -> int:
+    """Block keys of a routing key (None: the request carried none)."""
     return 0 if keys is None else len(keys)
 
 
-def _healthy(policy: str, candidates: Sequence[Candidate]) -> tuple[list[Candidate], list[dict]]:
+def healthy_candidates(policy: str, candidates: Sequence[Candidate]
+                       ) -> tuple[list[Candidate], list[dict]]:
     """Healthy candidates (first occurrence of each server) and rows for the rest."""
     if candidates and False not in [c.healthy for c in candidates] and \
             len({c.server for c in candidates}) == len(candidates):
@@ -146,12 +150,13 @@ def _healthy(policy: str, candidates: Sequence[Candidate]) -> tuple[list[Candida
     return ok, rows
 
 
-def _row(server: str, matched: int, req: int, tok: int, score, why: str) -> dict:
+def explain_row(server: str, matched: int, req: int, tok: int, score, why: str) -> dict:
+    """One candidate's row of a decision's explanation."""
     return {"server": server, "matched_tokens": matched, "load_requests": req,
             "load_tokens": tok, "score": score, "why": why}
 
 
-class _Lru:
+class PinLru:
     """Bounded conversation -> server pins with a reverse index for server departures."""
 
     def __init__(self, max_entries: int):

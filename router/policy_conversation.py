@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 
 
-from .policy_base import Decision, Policy, _Lru, _healthy, _n_keys, _row
+from .policy_base import Decision, PinLru, Policy, explain_row, healthy_candidates, key_count
 from .policy_load import LoadBalancingPolicy
 
 __all__ = ["ConversationPolicy"]
@@ -96,7 +96,7 @@ class ConversationPolicy(Policy):
         self.match_threshold = match_threshold
         self.implicit_sessions = implicit_sessions
         self.use_tokens = use_tokens
-        self._pins = _Lru(max_sessions)
+        self._pins = PinLru(max_sessions)
         self._implicit = _PrefixSessions(max(1, tokens_per_block // block_size), max_sessions)
         self._lb = LoadBalancingPolicy(block_size, use_tokens=use_tokens)
         self._counter = 0
@@ -115,13 +115,13 @@ class ConversationPolicy(Policy):
         self._implicit.remove_server(server)
 
     def select(self, candidates, key, view) -> Decision:
-        ok, rows = _healthy(self.name, candidates)
+        ok, rows = healthy_candidates(self.name, candidates)
         by_server = {c.server: c for c in ok}
         conv = key.conversation_id if key is not None else None
         keys = key.block_keys if key is not None else None
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
-        nk = _n_keys(keys)
+        nk = key_count(keys)
         num_tokens = key.num_tokens if key is not None and key.num_tokens else nk * self.block_size
         session, chosen, reason, matched = conv, None, "", 0
         if conv:
@@ -152,9 +152,9 @@ class ConversationPolicy(Policy):
         elif session and nk:
             self._implicit.register(session, chosen.server, keys)
         for c in ok:
-            rows.append(_row(c.server, matched if c is chosen else 0, view.requests(c.server),
-                             view.tokens(c.server), None,
-                             "chosen" if c is chosen else "not the session's server"))
+            rows.append(explain_row(c.server, matched if c is chosen else 0,
+                                    view.requests(c.server), view.tokens(c.server), None,
+                                    "chosen" if c is chosen else "not the session's server"))
         return Decision(chosen.server, {
             "policy": self.name, "candidates": rows, "chosen": chosen.server, "reason": reason,
             "num_tokens": num_tokens, "matched_tokens": matched, "conversation": session})

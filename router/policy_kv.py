@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from protocol.channel import KvChoice
 
-from .policy_base import Decision, Policy, _Lru, _healthy, _loads
+from .policy_base import Decision, PinLru, Policy, healthy_candidates, server_loads
 
 try:    # router/_kv_cost.c, built by setup.py; `_core`, `_time_core` below: the same in Python
     from ._kv_cost import core as _native_core, time_core as _native_time_core
@@ -142,7 +142,7 @@ class KvCacheAwarePolicy(Policy):
         self.load_cap = load_cap
         self.track_routed_blocks = track_routed_blocks
         self.speculative_ttl_s = speculative_ttl_s
-        self._pins = _Lru(max_conversations)
+        self._pins = PinLru(max_conversations)
         self._cursor = 0
         self._cands: tuple | None = None
         self._bulk: tuple | None = None     # (view, its bulk `loads` or None)
@@ -213,7 +213,7 @@ class KvCacheAwarePolicy(Policy):
         if memo is not None and memo[0] == candidates:
             _, ok, unhealthy, servers, unknown, all_unknown, scales, _, models = memo
         else:
-            ok, unhealthy = _healthy(self.name, candidates)
+            ok, unhealthy = healthy_candidates(self.name, candidates)
             servers = [c.server for c in ok]
             unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
             all_unknown = len(unknown) == len(ok)
@@ -233,7 +233,7 @@ class KvCacheAwarePolicy(Policy):
         bulk = self._bulk
         if bulk is None or bulk[0] is not view:
             bulk = self._bulk = (view, getattr(view, "loads", None), getattr(view, "phases", None))
-        loads = bulk[1](servers) if bulk[1] is not None else _loads(view, servers)
+        loads = bulk[1](servers) if bulk[1] is not None else server_loads(view, servers)
         cap = num_tokens - 1 if num_tokens > 0 else 0
         # Every match unknown: reported 0, estimated as the mean of no verified one (0), so the
         # index walk would decide nothing (`_unknown_matches`).

@@ -10,7 +10,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from .policy_base import Candidate, Decision, Policy, _healthy, _loads, _row
+from .policy_base import (Candidate, Decision, Policy, explain_row, healthy_candidates,
+                          server_loads)
 
 __all__ = ["RoundRobinPolicy", "LoadBalancingPolicy"]
 
@@ -29,11 +30,11 @@ class RoundRobinPolicy(Policy):
         return i
 
     def select(self, candidates, key, view) -> Decision:
-        ok, rows = _healthy(self.name, candidates)
+        ok, rows = healthy_candidates(self.name, candidates)
         chosen = ok[self.pick(len(ok))]
         for c in ok:
-            rows.append(_row(c.server, 0, view.requests(c.server), view.tokens(c.server), None,
-                             "chosen: next in turn" if c is chosen else "not its turn"))
+            rows.append(explain_row(c.server, 0, view.requests(c.server), view.tokens(c.server),
+                                    None, "chosen: next in turn" if c is chosen else "not its turn"))
         return Decision(chosen.server, {
             "policy": self.name, "candidates": rows, "chosen": chosen.server,
             "reason": "round robin", "num_tokens": key.num_tokens if key else 0,
@@ -75,7 +76,7 @@ class LoadBalancingPolicy(Policy):
         return i, None, len(tied)
 
     def _pick(self, ok: list[Candidate], view) -> tuple[Candidate, dict, str]:
-        loads = dict(zip((c.server for c in ok), _loads(view, [c.server for c in ok])))
+        loads = dict(zip((c.server for c in ok), server_loads(view, [c.server for c in ok])))
         m = 1 if self.use_tokens else 0
         unit = "tokens" if self.use_tokens else "requests"
         i, sampled, tied = self._choose([loads[c.server][m] for c in ok])
@@ -86,12 +87,12 @@ class LoadBalancingPolicy(Policy):
         return ok[i], loads, reason
 
     def select(self, candidates, key, view) -> Decision:
-        ok, rows = _healthy(self.name, candidates)
+        ok, rows = healthy_candidates(self.name, candidates)
         chosen, loads, reason = self._pick(ok, view)
         for c in ok:
             req, tok = loads[c.server]
-            rows.append(_row(c.server, 0, req, tok, tok if self.use_tokens else req,
-                             "chosen" if c is chosen else "more loaded or not sampled"))
+            rows.append(explain_row(c.server, 0, req, tok, tok if self.use_tokens else req,
+                                    "chosen" if c is chosen else "more loaded or not sampled"))
         return Decision(chosen.server, {
             "policy": self.name, "candidates": rows, "chosen": chosen.server, "reason": reason,
             "num_tokens": key.num_tokens if key else 0, "matched_tokens": 0})
