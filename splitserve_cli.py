@@ -36,8 +36,14 @@ def _available() -> dict[str, tuple[str, str]]:
     return out
 
 
+def version_line() -> str:
+    from protocol.version import VERSION
+    return f"splitserve {VERSION}"
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     avail = _available()
     for name, (mod, help_) in avail.items():
@@ -52,11 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
+    if argv[0] in ("-V", "--version"):
+        print(version_line())
+        return 0
     name = argv[0]
     if name not in avail:
         parser.error(f"unknown command {name!r}; expected one of: {', '.join(avail) or '(none installed)'}")
     mod = importlib.import_module(avail[name][0])
-    sp = argparse.ArgumentParser(prog=f"splitserve {name}", description=avail[name][1])
+    # every flag's default in its help: what runs when it is not given
+    sp = argparse.ArgumentParser(prog=f"splitserve {name}", description=avail[name][1],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sp.add_argument("--version", action="version", version=version_line())
     mod.add_arguments(sp)
     args = sp.parse_args(argv[1:])
     if getattr(mod, "NEEDS_FLAG_ENV", False):

@@ -116,8 +116,8 @@ async def _serve(cfg, host: str, port: int, uds: str | None, http: str = "fast",
 
 def run(args) -> int:
     cfg, host, port, uds = _configure(args)
-    logging.basicConfig(level=getattr(logging, cfg.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from protocol import logs
+    logs.setup(cfg.log_level, cfg.log_format)
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; plain asyncio still works without it

@@ -433,6 +433,9 @@ class FleetConfig(Section):
         "event loop of each fleet process. asyncio serves the connections of a saturated process "
         "in turn; uvloop costs ~10% less CPU per request but, once a process is saturated, leaves "
         "some connections unserved for over a second (docs/fleet.md, 'Event loop')")] = "asyncio"
+    access_log: Annotated[bool, doc(
+        "one INFO line per API request on logger splitserve.fleet.access (method, path, status, "
+        "duration, request id; with log_format json, as fields)")] = False
     route_header: Annotated[Literal["off", "short", "full"], doc(
         "the x-splitserve-route receipt on answers: off (default: public clients learn nothing of "
         "the cluster), short (request id, mode, retries, each leg's policy and predicted cached "
@@ -538,6 +541,9 @@ class ClusterConfig(Section):
         "name of an env var holding more API keys, comma separated; it must be set when named")] \
         = None
     log_level: Annotated[Literal["debug", "info", "warning", "error"], doc("log level")] = "info"
+    log_format: Annotated[Literal["text", "json"], doc(
+        "log lines of the coordinator, launcher and fleet processes: text (`time LEVEL [pid N] "
+        "logger: message`) or json (one object per line: ts, level, pid, logger, msg)")] = "text"
     coordinator: Annotated[CoordinatorConfig, doc("coordinator process settings")] = \
         msgspec.field(default_factory=CoordinatorConfig)
     fleet: Annotated[FleetConfig, doc("front-door tuning")] = msgspec.field(default_factory=FleetConfig)

@@ -124,7 +124,7 @@ class Diagnostics:
                       "matches as unknown and places on it by load until it is fixed and restarted",
                       url, res.field, res.detail)
         elif old is not None and old.status == kv_parity.MISMATCH:
-            log.warning("server %s: KV keys match again (worker %s)", url, worker_id)
+            log.info("server %s: KV keys match again (worker %s)", url, worker_id)   # a recovery
         elif res.status == kv_parity.UNVERIFIED:
             log.info("server %s: KV key parity unverified: %s", url, res.detail)
         if old is None or old.status != res.status or old.field != res.field:
@@ -174,7 +174,7 @@ class Diagnostics:
                 p.alarms += 1
             elif not low and p.alarm:
                 p.alarm, p.alarm_since = False, None
-                log.warning("server %s: reported cached tokens back to %.2f of predicted", server,
+                log.info("server %s: reported cached tokens back to %.2f of predicted", server,
                             ac / pr if pr else 1.0)
             if p.alarm and now - p.warned_at >= ALARM_WARN_EVERY_S:
                 p.warned_at = now

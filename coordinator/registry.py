@@ -257,6 +257,7 @@ class Registry:
         e = self.servers.get(url)
         if e is None or e.source == "static":
             return None
+        log.info("server %s (%s) deregistered", e.url, "+".join(e.roles))
         self._remove(e, "deregistered")
         return e
 
@@ -298,7 +299,7 @@ class Registry:
         if e.state is not ServerState.HEALTHY:
             if e.state is ServerState.UNHEALTHY:
                 e.readmissions += 1
-                log.warning("server %s recovered; readmitted", url)
+                log.info("server %s recovered; readmitted", url)
             else:
                 log.info("server %s ready (%s)", url, "+".join(e.roles))
             self._set(e, ServerState.HEALTHY, "ok", now)

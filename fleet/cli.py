@@ -68,9 +68,9 @@ def _child_argv(args) -> list[str]:
     return out
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format=f"%(asctime)s %(levelname)s [pid {os.getpid()}] %(name)s: %(message)s")
+def setup_logging(level: str, fmt: str = "text") -> None:
+    from protocol import logs
+    logs.setup(level, fmt)
 
 
 def run(args) -> int:
@@ -84,7 +84,7 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"splitserve serve: invalid configuration: {e}", file=sys.stderr)
         return 2
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, cfg.log_format)
     from .server import run_process
     run = loop_runner(cfg.fleet.event_loop)
     if args.child_index is not None:   # pinned, if at all, by the launcher

@@ -232,7 +232,7 @@ class Placer:
             self.coord_ok = True
             self.coord_down_since = None
             M.COORD_UP.set(1)
-            log.warning("coordinator reachable again after %.1fs: back to delegated placement", down)
+            log.info("coordinator reachable again after %.1fs: back to delegated placement", down)
 
     # ------------------------------------------------------------------ health / ejection
     def usable(self, url: str, now: float | None = None) -> bool:

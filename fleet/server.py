@@ -40,6 +40,7 @@ from .upstream import UpstreamPool
 from .validate import CHAT, COMPLETION, client_request_id, parse_request, too_large
 
 log = logging.getLogger("splitserve.fleet")
+access_log = logging.getLogger("splitserve.fleet.access")
 
 EXIT_COORDINATOR_UNREACHABLE = 3
 EXIT_CONFIG = 2
@@ -105,6 +106,7 @@ class FleetServer:
         self.rate_limit = RateLimiter.from_config(config)   # None: fleet.rate_limit off
         self.body_timeout = config.fleet.body_timeout_s
         self.keepalive_requests = config.fleet.keepalive_requests
+        self.access_log = config.fleet.access_log
         self._conn_requests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         mins = config.health_minimums   # the coordinator's readiness rule (coordinator/config_schema.py)
         self.min_ctx, self.min_gen = mins.context_servers, mins.generation_servers
@@ -334,6 +336,12 @@ class FleetServer:
                 M.INFLIGHT.dec()
                 flow.inflight -= 1
             self._count(kind, status)
+            if self.access_log:
+                ms = (time.perf_counter() - t0) * 1000
+                access_log.info("%s %s %d %.1fms id=%s", request.method, request.path, status, ms, request_id,
+                                extra={"fields": {"method": request.method, "path": request.path,
+                                                  "status": status, "duration_ms": round(ms, 3),
+                                                  "request_id": request_id}})
 
     def _keepalive_cap(self, request: FleetRequest, resp) -> None:
         cap = self.keepalive_requests

@@ -120,6 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--bootstrap-port", 0, type=int,
         help="sglang protocol, context role: the bootstrap server's port (0 = pick a free one)")
     add("--log-level", "INFO", help="logging level")
+    add("--log-format", "text", choices=["text", "json"],
+        help="log lines as text or one JSON object per line (as the cluster's log_format)")
 
 
 # ---------------------------------------------------------------------------------- building
@@ -348,8 +350,8 @@ async def _serve(args) -> int:
 
 
 def run(args) -> int:
-    logging.basicConfig(level=str(args.log_level).upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from protocol import logs
+    logs.setup(args.log_level, args.log_format)
     try:
         import uvloop
         return uvloop.run(_serve(args))
