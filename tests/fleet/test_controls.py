@@ -21,12 +21,13 @@ BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 2}
 
 
 class StatusServer:
-    """Answers every POST with `status` (an OpenAI error body), `/health` with 200; records the
-    time of each POST."""
+    """Answers every completion with `status` (an OpenAI error body), `/health` with 200 and
+    `/v1/abort` with 200; records the time of each completion request."""
 
     def __init__(self, status: int):
         self.status = status
         self.hits: list[float] = []
+        self.aborts = 0
         srv = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -49,6 +50,9 @@ class StatusServer:
 
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v1/abort":    # the fleet aborts a failed request where it went
+                    srv.aborts += 1
+                    return self._send(200, b"{}")
                 srv.hits.append(time.monotonic())
                 self._send(srv.status, json.dumps({"error": {
                     "message": f"stand-in answers {srv.status}", "type": "server_error",
@@ -102,7 +106,7 @@ def test_listed_5xx_are_retried_elsewhere_with_a_growing_backoff(cluster, stand_
     assert st == 502, body
     assert "gave up after 4 attempt(s)" in json.loads(body)["error"]["message"]
     times = sorted(t for b in bad for t in b.hits)
-    assert len(times) == 4
+    assert len(times) == 4, [len(b.hits) for b in bad]
     gaps = [b - a for a, b in zip(times, times[1:])]
     # pauses are 0.2 * 2^n, jittered x0.5-1.5: at least 0.1, 0.2, 0.4 s
     assert gaps[0] >= 0.1 and gaps[1] >= 0.2 and gaps[2] >= 0.4, gaps
