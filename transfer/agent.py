@@ -214,6 +214,11 @@ class TransferAgent(abc.ABC):
     def progress(self) -> None:
         """Drive progress without consuming notifications (they are buffered)."""
 
+    def wait_any(self, handles) -> bool:
+        """Block, without holding the GIL, until one of `handles` (submitted, maybe PROC) has
+        made progress worth polling for; False when this agent cannot wait (poll instead)."""
+        return False
+
     # -- lifecycle -----------------------------------------------------------------------
     @abc.abstractmethod
     def shutdown(self) -> None: ...

@@ -19,6 +19,11 @@ Facts this wrapper is built around (nixl 1.5.1 with its bundled UCX 1.23.0, read
   modules find libcudart.
 - UCX's TCP transport listens on every interface unless told otherwise; the UCX backend is created
   with `engine_config` settings that pin it to the configured host (transfer/ucx_bind.py).
+- UCX's cuda_ipc posts one copy per descriptor (~8 µs each), so scattered KV blocks crawled at a
+  few % of a device copy. VRAM writes to a peer on the same host therefore go through
+  `DirectCopies` (transfer/direct.py): the peer's allocations are mapped by CUDA IPC when its
+  descriptor is loaded and one batched-copy kernel writes every block; NIXL still carries the
+  notification, and everything else (other hosts, DRAM, READs).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import importlib
 import logging
 import sys
 import threading
+import time
 
 import msgpack
 import numpy as np
@@ -40,6 +46,16 @@ from .errors import (AgentMismatch, AgentUnavailable, FailureCause, InvalidDescr
 log = logging.getLogger("splitserve.transfer.nixl")
 
 _NIXL = None
+PROGRESS_IDLE_S = 0.001
+
+
+class _Direct:
+    """The backend of a direct write: the event after its kernel, and the notification to send."""
+
+    __slots__ = ("event", "notif")
+
+    def __init__(self, event, notif: bytes) -> None:
+        self.event, self.notif = event, notif
 
 
 def import_nixl():
@@ -85,13 +101,24 @@ def _map_error(e: Exception, what: str) -> TransferError:
     return TransferError(msg)
 
 
+def _direct_copies():
+    """Direct same-host GPU writes, when this process uses CUDA (never imports torch itself)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    from .direct import DirectCopies
+
+    return DirectCopies()
+
+
 class NixlAgent(TransferAgent):
     kind = "nixl"
     mem_types = ("DRAM", "VRAM")
-    OPTIONS = ("progress_thread", "telemetry", "backends", "host")
+    OPTIONS = ("progress_thread", "telemetry", "backends", "host", "direct")
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", progress_thread: bool = False,
-                 telemetry: bool = False, backends: tuple[str, ...] = ("UCX",)):
+                 telemetry: bool = False, backends: tuple[str, ...] = ("UCX",),
+                 direct: bool = True):
         api = import_nixl()
         self._api = api
         self._errors = _nixl_errors(api)
@@ -124,6 +151,9 @@ class NixlAgent(TransferAgent):
         self._notifs: dict[str, list[bytes]] = {}
         self._preps: dict[int, PrepHandle] = {}
         self._closed = False
+        self._direct = _direct_copies() if direct else None
+        self._nixl_inflight: set[int] = set()   # ids of NIXL (not direct) writes still PROC
+        self._last_progress = 0.0
 
     # ------------------------------------------------------------------ memory
     def register_memory(self, regions, mem_type: str = "DRAM") -> RegHandle:
@@ -139,6 +169,8 @@ class NixlAgent(TransferAgent):
                 raise _map_error(e, "register_memory") from None
             h = RegHandle(regions=arr, mem_type=mem_type, backend=reg)
             self._regs[h.id] = h
+            if mem_type == "VRAM" and self._direct is not None:
+                self._direct.register(arr)
             self._local.add((a, n, d, mem_type) for a, n, d, _ in rows)
         return h
 
@@ -151,13 +183,18 @@ class NixlAgent(TransferAgent):
             except self._errors as e:
                 raise _map_error(e, "deregister_memory") from None
             self._local.remove([(a, n, d, handle.mem_type) for a, n, d in handle.regions.tolist()])
+            if handle.mem_type == "VRAM" and self._direct is not None:
+                self._direct.deregister(handle.regions)
 
     # ------------------------------------------------------------------ peers
     def get_local_agent_desc(self) -> bytes:
         with self._lock:
             md = self._agent.get_agent_metadata()
-        return msgpack.packb({"v": AGENT_DESC_VERSION, "kind": self.kind, "name": self.name,
-                              "md": bytes(md)})
+            direct = self._direct.describe() if self._direct is not None else None
+        env = {"v": AGENT_DESC_VERSION, "kind": self.kind, "name": self.name, "md": bytes(md)}
+        if direct:
+            env["direct"] = direct
+        return msgpack.packb(env)
 
     def load_remote_agent(self, desc: bytes) -> str:
         try:
@@ -177,6 +214,8 @@ class NixlAgent(TransferAgent):
                 raise _map_error(e, f"load_remote_agent({env.get('name')!r})") from None
             name = name.decode() if isinstance(name, bytes) else str(name)
             self._remotes.add(name)
+            if self._direct is not None:
+                self._direct.load(name, env.get("direct"))
         return name
 
     def invalidate_remote_agent(self, name: str) -> None:
@@ -184,6 +223,8 @@ class NixlAgent(TransferAgent):
             if name not in self._remotes:
                 return
             self._remotes.discard(name)
+            if self._direct is not None:
+                self._direct.drop(name)
             for p in [p for p in self._preps.values() if p.remote == name]:
                 self._release_prep_locked(p)
             try:
@@ -219,6 +260,8 @@ class NixlAgent(TransferAgent):
             self._release_backend(x)
             raise _map_error(e, what) from None
         x.state = {"DONE": DONE, "ERR": ERR}.get(st, PROC)
+        if x.state == PROC:
+            self._nixl_inflight.add(x.id)
         if x.state == ERR:
             x.error, x.cause = f"{what}: NIXL returned ERR at post", FailureCause.FAILED
         return x
@@ -235,6 +278,8 @@ class NixlAgent(TransferAgent):
                 if notif:
                     self.notify(remote, notif)
                 x.state = DONE
+                return x
+            if self._write_direct(x, local, remote_descs, notif):
                 return x
             try:
                 h = self._agent.initialize_xfer(
@@ -287,12 +332,27 @@ class NixlAgent(TransferAgent):
                     self.notify(remote, notif)
                 x.state = DONE
                 return x
+            if self._write_direct(x, Descs(la, local.descs.mem_type),
+                                  Descs(ra, remote_side.descs.mem_type), notif):
+                return x
             try:
                 h = self._agent.make_prepped_xfer(op, local.backend, li, remote_side.backend, ri,
                                                   bytes(notif))
             except self._errors as e:
                 raise _map_error(e, f"prepped {op} to {remote!r}") from None
             return self._start(x, h, f"prepped {op} to {remote!r}")
+
+    def _write_direct(self, x: XferHandle, local: Descs, remote_descs: Descs,
+                      notif: bytes) -> bool:
+        """(locked) Queue `x` as one kernel into the peer's mapped memory, when it can go so."""
+        if self._direct is None or x.op != "WRITE":
+            return False
+        mapped = self._direct.route(x.remote, local, remote_descs)
+        if mapped is None:
+            return False
+        x.backend = _Direct(self._direct.write(local, mapped), bytes(notif))
+        x.ndescs = int(merge_runs(local.arr[:, 0], remote_descs.arr[:, 0], local.arr[:, 1])[2].size)
+        return True
 
     def _release_prep_locked(self, p: PrepHandle) -> None:
         self._preps.pop(p.id, None)
@@ -310,6 +370,8 @@ class NixlAgent(TransferAgent):
     def poll(self, handle: XferHandle) -> str:
         if handle.state != PROC:
             return handle.state
+        if isinstance(handle.backend, _Direct):
+            return self._poll_direct(handle)
         with self._lock:
             try:
                 st = self._agent.check_xfer_state(handle.backend)
@@ -319,12 +381,39 @@ class NixlAgent(TransferAgent):
                 handle.cause = FailureCause.PEER_LOST if isinstance(err, PeerLost) \
                     else FailureCause.FAILED
                 return ERR
+        if st != "PROC":
+            self._nixl_inflight.discard(handle.id)
         if st == "DONE":
             handle.state = DONE
         elif st == "ERR":
             handle.state, handle.cause = ERR, FailureCause.FAILED
             handle.error = f"{handle.op} to {handle.remote!r}: NIXL reported ERR"
         return handle.state
+
+    def wait_any(self, handles) -> bool:
+        """A direct write's kernel runs on this agent's one stream, so the oldest one in flight
+        finishes first: wait for its event (torch releases the GIL while it waits), instead of
+        spinning in Python against the threads that launch the model's kernels."""
+        for h in handles:
+            if h.state == PROC and isinstance(h.backend, _Direct):
+                h.backend.event.synchronize()
+                return True
+        return False
+
+    def _poll_direct(self, handle: XferHandle) -> str:
+        d = handle.backend
+        if not d.event.query():
+            return PROC
+        if d.notif:   # every byte is in the peer's memory: now the notification may go
+            try:
+                self.notify(handle.remote, d.notif)
+            except TransferError as e:
+                handle.state, handle.error = ERR, str(e)
+                handle.cause = FailureCause.PEER_LOST if isinstance(e, (PeerLost, RemoteNotLoaded)) \
+                    else FailureCause.FAILED
+                return ERR
+        handle.state = DONE
+        return DONE
 
     def stats(self, handle: XferHandle) -> dict | None:
         if not self._telemetry or handle.backend is None:
@@ -338,6 +427,9 @@ class NixlAgent(TransferAgent):
                                             "xferDuration") if hasattr(t, k)}
 
     def _release_backend(self, handle: XferHandle) -> None:
+        if isinstance(handle.backend, _Direct):
+            handle.backend = None   # a finished kernel holds nothing; a running one its event
+            return
         if handle.backend is not None:
             try:
                 self._agent.release_xfer_handle(handle.backend)
@@ -347,6 +439,7 @@ class NixlAgent(TransferAgent):
 
     def release(self, handle: XferHandle) -> None:
         with self._lock:
+            self._nixl_inflight.discard(handle.id)
             self._release_backend(handle)
 
     # ------------------------------------------------------------------ notifications
@@ -360,6 +453,16 @@ class NixlAgent(TransferAgent):
                 raise _map_error(e, f"notify {remote!r}") from None
 
     def progress(self) -> None:
+        """Drive NIXL: at most every `PROGRESS_IDLE_S` while no NIXL write of ours is in flight
+        (each call is a UCX worker progress holding the GIL; a transfer thread spinning on a
+        direct write's event would otherwise call it thousands of times per transfer)."""
+        now = time.monotonic()
+        if not self._nixl_inflight and now - self._last_progress < PROGRESS_IDLE_S:
+            return
+        self._last_progress = now
+        self._progress()
+
+    def _progress(self) -> None:
         with self._lock:
             try:
                 new = self._agent.get_new_notifs()
@@ -371,7 +474,7 @@ class NixlAgent(TransferAgent):
                 self._notifs.setdefault(k, []).extend(bytes(m) for m in v)
 
     def get_notifications(self) -> dict[str, list[bytes]]:
-        self.progress()
+        self._progress()
         with self._lock:
             out, self._notifs = self._notifs, {}
         return out
@@ -390,6 +493,8 @@ class NixlAgent(TransferAgent):
                 except self._errors:
                     pass
             self._remotes.clear()
+            if self._direct is not None:
+                self._direct.close()
             for h in list(self._regs.values()):
                 try:
                     self._agent.deregister_memory(h.backend)
@@ -401,6 +506,9 @@ class NixlAgent(TransferAgent):
     def describe(self) -> dict:
         d = super().describe()
         d.update(backend="UCX", progress_thread=self.progress_thread, ucx=dict(self.ucx))
+        if self._direct is not None:
+            d["direct"] = {"peers": sorted(self._direct.peers), "exported": len(self._direct.exports),
+                           "not_direct": dict(self._direct.refused)}
         if self.ucx_overrides:
             d["ucx_env"] = dict(self.ucx_overrides)
         return d

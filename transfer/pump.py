@@ -101,6 +101,9 @@ class Pump:
             except Exception:
                 log.exception("kv-transfer step failed")
                 busy = False
+            if not busy and self.tasks and self.c.agent.wait_any(
+                    [h for t in self.tasks for h in t.handles]):
+                continue   # a write finished (or may have): poll it at once
             with c.lock:
                 if self.stop:
                     break

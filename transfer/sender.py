@@ -85,6 +85,7 @@ class SendSession:
     nbytes: int = 0
     ndescs: int = 0
     write_s: float = 0.0                    # time writes were in flight (submit → DONE)
+    slices_done: dict = field(default_factory=dict)   # slice id -> when its write finished
     on_end: Callable[[], None] | None = None   # called once (any thread) when quiescent
 
     def inflight(self) -> bool:
@@ -170,7 +171,8 @@ class Sender:
                 state = State(s.state)
             return Status(state=state, quiescent=s.quiescent, error=s.error, meta=s.meta,
                           timed_out=s.timed_out, bytes=s.nbytes, descriptors=s.ndescs,
-                          write_s=s.write_s, cause=s.cause)
+                          write_s=s.write_s, cause=s.cause,
+                          slices_done=tuple(s.slices_done[i] for i in sorted(s.slices_done)))
 
     def cancel(self, req_id: int) -> bool:
         with self.c.lock:
@@ -368,6 +370,9 @@ class Sender:
             return
         t.next_slice = task.s1
         covered = s.slices[task.s0:task.s1]
+        now = time.monotonic()
+        for sl in covered:
+            s.slices_done[sl.sid] = now
         last = bool(covered) and covered[-1].last
         if t.cancelled:
             if not t.final_sent:

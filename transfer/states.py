@@ -85,6 +85,8 @@ class Status:
     descriptors: int = 0
     write_s: float = 0.0
     cause: str | None = None   # a send session's `SendEnd` once it ended
+    # (send) per slice, when its write to the last receiving rank finished (time.monotonic)
+    slices_done: tuple[float, ...] = ()
 
     @property
     def code(self) -> int:

@@ -1,25 +1,35 @@
-"""KV-transfer benchmark: two rank processes, the `1b` KV shape, every available agent.
+"""KV-transfer benchmark: two rank processes, a worker-shaped KV pool, every available agent.
 
-A context process and a generation process each hold a KV pool shaped like the worker's for the
-`1b` preset (16 layers × K/V × 16 tokens × 8 KV heads × 64 dims per block, block-major, NHD) and a
-`KvTransceiver`. For 1k/4k/16k/64k-token prompts it measures, per agent (NIXL when importable,
-the TCP fallback, and the shared-memory fallback on CPU):
+A context process and a generation process each hold a KV pool shaped like the worker's
+(block-major, NHD: one block holds every layer's K and V for 16 tokens) and a `KvTransceiver`.
+Geometries: `1b` (16 layers × 8 KV heads × 64 dims, 32 KiB per token) and `70b` (80 layers × 8 KV
+heads × 128 dims, 320 KiB per token; its token counts stop at 32k so both pools and the ceiling's
+buffers fit one 80 GB GPU). For each prompt size and agent it measures (medians):
 
-- the transfer time of one whole prompt — from the generation side posting its receive (the
-  context side already finished) to the receive completing: control round trip, descriptor build,
-  the writes, the completion message — and its bandwidth, next to a same-process copy of the same
-  bytes in the same run (memcpy on CPU, a device-to-device copy on CUDA: the ceiling);
-- descriptor counts: one per (layer, K/V, block) without merging, after merging runs contiguous
-  on both sides (contiguous destination blocks), and for scattered destination blocks, with the
-  measured time of the scattered case;
-- TTFT of a 16k-token prompt (generation_first) with the transfer pipelined with prefill vs
-  monolithic after it. Prefill is simulated (a sleep per chunk at `--prefill-tok-s`, default the
-  1b H200 prefill rate measured by bench/worker/worker.py, 191k tok/s; 20k tok/s on CPU) so the numbers
-  isolate how much transfer time pipelining hides: `hidden = 1 − exposed_pipelined /
-  exposed_monolithic`, exposed = TTFT − prefill time.
+- *scattered* (the primary rows: a paged pool after minutes of serving): source and destination
+  blocks are fresh random permutations of each pool, so no two blocks merge;
+- *contiguous* (the best case): blocks 0..n-1 on both sides;
+- *e2e* = the generation side posting its receive (the context side already finished) → the
+  receive completing: control round trip, descriptor build, the writes, the completion message;
+- *write* = the writes alone, submit → done as the context side's transfer thread saw it;
+- *control* = the same protocol with every destination block id -1: nothing is written, so it is
+  the control round trip alone;
+- *× copy* = e2e over a same-process copy of the same bytes measured in the same run (a
+  device-to-device copy on CUDA, memcpy on CPU: the ceiling);
+- the bytes are checked block by block after the scattered transfer (per-block checksums).
 
-Usage: `python bench/transfer/transfer.py [--device cpu|cuda] [--quick] [--no-write]`. Appends (or
-replaces) this configuration's subsection under `## transfer` in bench/RESULTS.md.
+Then the TTFT of a 16k-token prompt (generation_first, `1b`) with the transfer pipelined with
+prefill vs monolithic after it. Prefill is simulated (a sleep per chunk at `--prefill-tok-s`,
+default the 1b H200 prefill rate measured by bench/worker/worker.py, 191k tok/s; 20k tok/s on CPU) so the
+numbers isolate how much transfer time pipelining hides: `hidden = 1 − exposed_pipelined /
+exposed_monolithic`, exposed = TTFT − prefill time. On CUDA (`--real-prefill`, the default there)
+the same TTFT again with the worker's own `1b` ModelRunner doing the chunked prefill on the context
+side (each chunk synchronised, then handed to the transfer, as the engine does), against the same
+prefill with nothing sent.
+
+Usage: `python bench/transfer/transfer.py [--device cpu|cuda] [--geometry 1b --geometry 70b] [--quick]
+[--no-write]`. Appends (or replaces) this configuration's subsection under `## transfer` in
+bench/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -41,8 +51,10 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path
 
 from bench._common import cpu_model, replace_subsection  # noqa: E402
 
-LAYERS, KV_HEADS, HEAD_DIM, TPB = 16, 8, 64, 16   # the 1b preset's KV geometry, block size 16
-SIZES = [1024, 4096, 16384, 65536]
+TPB = 16
+# name -> (layers, KV heads, head dim, prompt sizes): the 1b preset, and a 70b-shaped model
+GEOMETRIES = {"1b": (16, 8, 64, [1024, 4096, 16384, 65536]),
+              "70b": (80, 8, 128, [1024, 4096, 16384, 32768])}
 QUICK_SIZES = [1024, 4096]
 
 
@@ -50,13 +62,15 @@ def elt_bytes(dtype: str) -> int:
     return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
 
 
-def block_bytes(dtype: str) -> int:
-    return LAYERS * 2 * TPB * KV_HEADS * HEAD_DIM * elt_bytes(dtype)
+def block_bytes(dtype: str, geo: str = "1b") -> int:
+    layers, heads, dim, _ = GEOMETRIES[geo]
+    return layers * 2 * TPB * heads * dim * elt_bytes(dtype)
 
 
-def page_table(base: int, num_blocks: int, dtype: str, mem: str, dev: int):
+def page_table(base: int, num_blocks: int, dtype: str, mem: str, dev: int, geo: str = "1b"):
     from transfer.page_table import LayerGroup, PageTable, PhysicalPool, PoolView
 
+    LAYERS, KV_HEADS, HEAD_DIM, _ = GEOMETRIES[geo]
     entry = TPB * KV_HEADS * HEAD_DIM * elt_bytes(dtype)
     pool = PhysicalPool(base=base, layer_stride=2 * entry, slot_stride=LAYERS * 2 * entry,
                         slot_bytes=2 * entry, num_slots=num_blocks, layers=LAYERS, mem_type=mem,
@@ -70,14 +84,29 @@ def page_table(base: int, num_blocks: int, dtype: str, mem: str, dev: int):
 
 # ------------------------------------------------------------------------------ rank process
 def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: str,
-              pipeline: bool) -> None:
+              pipeline: bool, geo: str = "1b", real: str | None = None) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+    import numpy as np
     import torch
 
     from transfer.session import KvTransceiver, RankTopology, TransferConfig
 
-    nbytes = num_blocks * block_bytes(dtype)
-    if device == "cuda":
+    nbytes = num_blocks * block_bytes(dtype, geo)
+    LAYERS, KV_HEADS = GEOMETRIES[geo][:2]
+    runner = None
+    if real:   # the worker's own model runner: its KV pool is what moves
+        from transfer.page_table import PageTable
+        from worker.presets import build_preset
+        from worker.runner import ModelRunner
+
+        wdt = getattr(torch, dtype)
+        if device == "cuda":
+            torch.cuda.init()
+        runner = ModelRunner(build_preset(real, device=device, dtype=wdt), num_blocks,
+                             block_size=TPB, device=device, dtype=wdt)
+        pool = runner.kv_cache.view(-1).view(torch.uint8)
+        mem, dev = ("VRAM", torch.cuda.current_device()) if device == "cuda" else ("DRAM", 0)
+    elif device == "cuda":
         torch.cuda.init()
         pool = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         mem, dev = "VRAM", torch.cuda.current_device()
@@ -92,11 +121,14 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
         pool.random_(0, 256, generator=g)
     else:
         pool.zero_()
-    tx = KvTransceiver(page_table(pool.data_ptr(), num_blocks, dtype, mem, dev),
-                       RankTopology(role=role, num_layers=LAYERS, total_kv_heads=KV_HEADS, model="1b"),
+    pt = PageTable.from_runner_dict(runner.page_table()) if runner is not None else \
+        page_table(pool.data_ptr(), num_blocks, dtype, mem, dev, geo)
+    tx = KvTransceiver(pt,
+                       RankTopology(role=role, num_layers=LAYERS, total_kv_heads=KV_HEADS, model=geo),
                        TransferConfig(agent=kind, pipeline=pipeline, send_timeout_s=600,
                                       recv_timeout_s=600))
     conn.send(("ready", tx.endpoint, tx.agent.kind))
+    posted: dict[int, threading.Event] = {}
 
     def wait(fn, req):
         while True:
@@ -147,20 +179,48 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
                 st = tx.recv_status(req)
                 tx.release_receive(req)
                 out = (st.state, t1 - t0, st.error)
+            elif cmd == "real_prefill":   # (req, ntok, ids, chunk, send): the runner's prefill
+                from worker.runner import Chunk
+
+                req, ntok, ids, chunk, send = a
+                toks = [int(x) for x in np.random.default_rng(req).integers(
+                    0, runner.cfg.vocab_size, ntok)]
+                sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+                if send:
+                    tx.begin_send(req, ntok, ids)
+                sync()
+                t0 = time.monotonic()
+                done = 0
+                while done < ntok:
+                    n = min(chunk, ntok - done)
+                    runner.step([Chunk(token_ids=toks[done:done + n], start_pos=done,
+                                       block_ids=ids)])
+                    sync()   # as the engine does: a chunk is handed on once its K/V is written
+                    done += n
+                    if send and done < ntok:
+                        tx.progress_send(req, done)
+                if send:
+                    tx.finish_send(req, None)
+                out = (t0, time.monotonic() - t0)
             elif cmd == "post_recv":
                 req, ep, ntok, ids = a
-                tx.begin_receive(req, ep, ntok, ids)
+                posted[req] = threading.Event()
+                tx.begin_receive(req, ep, ntok, ids, on_done=posted[req].set)
                 out = None
             elif cmd == "wait_recv":   # -> monotonic time of completion (same host clock)
-                st = wait(tx.recv_status, a[0])
+                posted.pop(a[0]).wait(600)
                 t1 = time.monotonic()
+                st = tx.recv_status(a[0])
                 tx.release_receive(a[0])
                 out = (st.state, t1, st.error)
-            elif cmd == "digest":      # a cheap fingerprint of blocks, to check the bytes moved
-                idx = torch.as_tensor(a[0], device=pool.device)
-                blocks = pool.view(num_blocks, -1)[idx]
-                out = int(blocks.view(torch.int64).sum().item()) if blocks.numel() % 8 == 0 \
-                    else int(blocks.sum().item())
+            elif cmd == "digest":      # per-block checksums, in the order given
+                bstride = runner.block_stride if runner is not None else nbytes // num_blocks
+                blocks = pool[:num_blocks * bstride].view(num_blocks, -1).view(torch.int64)
+                sums = []
+                for i in range(0, len(a[0]), 256):
+                    idx = torch.as_tensor(a[0][i:i + 256], device=pool.device)
+                    sums += blocks[idx].sum(dim=1).tolist()
+                out = sums
             else:
                 raise ValueError(f"unknown command {cmd!r}")
             conn.send(("ok", out))
@@ -169,11 +229,11 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
 
 
 class Rank:
-    def __init__(self, role, device, kind, num_blocks, dtype, pipeline=True):
+    def __init__(self, role, device, kind, num_blocks, dtype, pipeline=True, geo="1b", real=None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=rank_main, args=(child, role, device, kind, num_blocks,
-                                                        dtype, pipeline), daemon=True)
+                                                        dtype, pipeline, geo, real), daemon=True)
         self.proc.start()
         if not self.conn.poll(300):
             raise RuntimeError(f"{role} rank did not start")
@@ -231,161 +291,219 @@ def copy_baseline(device: str, nbytes: int, repeats: int) -> float:
     return min(ts)
 
 
-def descriptor_counts(ntok: int, dtype: str) -> tuple[int, int]:
-    """(unmerged, merged) descriptor counts for contiguous ids, from the real mapper."""
-    from transfer.mappers import build_mapper
+def sizes_for(args, geo: str) -> list[int]:
+    return QUICK_SIZES if args.quick else GEOMETRIES[geo][3]
 
-    nblk = -(-ntok // TPB)
-    pt = page_table(1 << 40, nblk, dtype, "DRAM", 0)
-    pt2 = page_table(1 << 41, nblk, dtype, "DRAM", 0)
-    v, v2 = pt.groups[0].views[0], pt2.groups[0].views[0]
-    m = build_mapper(pt, 0, v, pt2, 0, v2, range(LAYERS))
-    src, dst, size = m.copies(list(range(nblk)), list(range(nblk)))
-    return nblk * LAYERS * 2, int(size.size)
+
+def measure(ctx: "Rank", gen: "Rank", ntok: int, src: list[int], dst: list[int], req) -> tuple:
+    """One context_first transfer: (e2e s, write s, bytes, descriptors)."""
+    r = next(req)
+    ctx("send", r, ntok, src)
+    state, dt, err = gen("recv", r, ctx.endpoint, ntok, dst)
+    assert state == "done", err
+    _, nbytes, ndesc, write_s = ctx("wait_send", r)
+    return dt, write_s, nbytes, ndesc
 
 
 def run(args) -> tuple[str, dict]:
     import numpy as np
 
     device, dtype = args.device, args.dtype
-    sizes = QUICK_SIZES if args.quick else SIZES
     repeats = 2 if args.quick else args.repeats
-    max_tok = max(sizes + [args.ttft_tokens])
-    num_blocks = -(-max_tok // TPB) + 8
     kinds = args.agent or (["tcp"] if args.quick else
                            (["nixl", "tcp"] + (["shm"] if device == "cpu" else [])))
     rate = args.prefill_tok_s or (191_000.0 if device == "cuda" else 20_000.0)
-    results: dict = {"bw": {}, "write": {}, "scatter": {}, "ttft": {}, "kinds": []}
-    base: dict[int, float] = {}
+    results: dict = {"rows": {}, "ttft": {}, "kinds": {}, "base": {}}
     req = iter(range(1, 1 << 30))
     rng = np.random.default_rng(0)
+    med = statistics.median
+    for geo in args.geometry:
+        sizes = sizes_for(args, geo)
+        ttft = geo == args.geometry[0]
+        max_tok = max(sizes + ([args.ttft_tokens] if ttft else []))
+        num_blocks = -(-max_tok // TPB) + 8
+        bb = block_bytes(dtype, geo)
+        results["kinds"][geo] = []
+        for kind in kinds:
+            try:
+                ctx = Rank("context", device, kind, num_blocks, dtype, geo=geo)
+                gen = Rank("generation", device, kind, num_blocks, dtype, geo=geo)
+            except RuntimeError as e:
+                print(f"agent {kind}: unavailable ({e})", file=sys.stderr)
+                continue
+            try:
+                actual = ctx.kind
+                results["kinds"][geo].append(actual)
+                # warm-up: connection wire-up, agent loading and kernel compilation happen on
+                # first contact
+                for ids in ([0, 1, 2, 3], [5, 1, 7, 3]):
+                    measure(ctx, gen, 64, ids, ids[::-1], req)
+                for ntok in sizes:
+                    nblk = -(-ntok // TPB)
+                    ids = list(range(nblk))
+                    key = (geo, ntok)
+                    # the ceiling, measured right next to the transfers it is compared with (the
+                    # machine may be shared); best over every agent's turn
+                    results["base"][key] = min(results["base"].get(key, float("inf")),
+                                               copy_baseline(device, nblk * bb, max(3, repeats)))
+                    row = results["rows"][(geo, actual, ntok)] = {}
+                    for case in ("scattered", "contiguous", "control"):
+                        vals = []
+                        for _ in range(repeats):
+                            if case == "scattered":
+                                src = [int(x) for x in rng.permutation(num_blocks)[:nblk]]
+                                dst = [int(x) for x in rng.permutation(num_blocks)[:nblk]]
+                            else:
+                                src, dst = ids, ids if case == "contiguous" else [-1] * nblk
+                            vals.append(measure(ctx, gen, ntok, src, dst, req))
+                        if case == "scattered":
+                            assert ctx("digest", src) == gen("digest", dst), \
+                                "bytes differ after a scattered transfer"
+                        row[case] = (med(v[0] for v in vals), med(v[1] for v in vals),
+                                     vals[-1][2], vals[-1][3])
+                    sc, co, cn = row["scattered"], row["contiguous"], row["control"]
+                    base = results["base"][key]
+                    print(f"{geo:4s} {actual:5s} {ntok:6d} tok: scattered {sc[0] * 1e3:8.3f} ms "
+                          f"({sc[0] / base:5.2f}x copy, write {sc[1] * 1e3:.3f}, {sc[3]} desc) "
+                          f"contiguous {co[0] * 1e3:8.3f} ms ({co[0] / base:5.2f}x) control "
+                          f"{cn[0] * 1e3:.3f} ms; copy {base * 1e3:.3f} ms", flush=True)
+                if ttft:
+                    # TTFT: generation_first, simulated prefill in chunks, pipelined or not
+                    ntok = args.ttft_tokens
+                    ids = list(range(-(-ntok // TPB)))
+                    for pipeline in (True, False):
+                        ctx("pipeline", pipeline)
+                        vals = []
+                        for _ in range(repeats):
+                            r = next(req)
+                            gen("post_recv", r, ctx.endpoint, ntok, ids)
+                            time.sleep(0.05)  # the receive is posted before prefill starts
+                            t0 = ctx("prefill", r, ntok, ids, args.chunk, rate)
+                            state, t1, err = gen("wait_recv", r)
+                            assert state == "done", err
+                            ctx("wait_send", r)
+                            vals.append(t1 - t0)
+                        results["ttft"][(actual, pipeline)] = med(vals)
+                    tp, tm = results["ttft"][(actual, True)], results["ttft"][(actual, False)]
+                    print(f"{actual:5s} TTFT {ntok} tok: pipelined {tp * 1e3:.1f} ms, monolithic "
+                          f"{tm * 1e3:.1f} ms (prefill {ntok / rate * 1e3:.1f} ms)", flush=True)
+            finally:
+                ctx.close()
+                gen.close()
+    if args.real_prefill:
+        real_ttft(args, kinds, results, req, rng)
+    return render(args, results, rate), results
+
+
+def real_ttft(args, kinds, results, req, rng) -> None:
+    """TTFT with the worker's own `1b` model runner doing the chunked prefill on the context side
+    (each chunk synchronised and handed on, as the engine does), pipelined vs monolithic, against
+    the same prefill with nothing sent. Blocks are scattered on both sides."""
+    med = statistics.median
+    ntok, chunk = args.ttft_tokens, args.chunk
+    nblk = -(-ntok // TPB)
+    nb = nblk + 64
+    results["ttft_real"] = {}
     for kind in kinds:
         try:
-            ctx = Rank("context", device, kind, num_blocks, dtype)
-            gen = Rank("generation", device, kind, num_blocks, dtype)
+            ctx = Rank("context", args.device, kind, nb, args.dtype, real=args.real_model)
+            gen = Rank("generation", args.device, kind, nb, args.dtype, real=args.real_model)
         except RuntimeError as e:
-            print(f"agent {kind}: unavailable ({e})", file=sys.stderr)
+            print(f"agent {kind}: unavailable for the real prefill ({e})", file=sys.stderr)
             continue
         try:
-            actual = ctx.kind
-            results["kinds"].append(actual)
-            # warm-up: connection wire-up and agent loading happen on first contact
-            for _ in range(2):
-                r = next(req)
-                ctx("send", r, 64, [0, 1, 2, 3])
-                gen("recv", r, ctx.endpoint, 64, [0, 1, 2, 3])
-                ctx("wait_send", r)
-            for ntok in sizes:
-                nblk = -(-ntok // TPB)
-                ids = list(range(nblk))
-                # the ceiling, measured right next to the transfers it is compared with (the
-                # machine may be shared); best over every agent's turn
-                base[ntok] = min(base.get(ntok, float("inf")),
-                                 copy_baseline(device, nblk * block_bytes(dtype), max(3, repeats)))
-                ts, ws = [], []
-                for _ in range(repeats):
-                    r = next(req)
-                    ctx("send", r, ntok, ids)
-                    state, dt, err = gen("recv", r, ctx.endpoint, ntok, ids)
-                    assert state == "done", err
-                    _, nbytes, ndesc, write_s = ctx("wait_send", r)
-                    ts.append(dt)
-                    ws.append(write_s)
-                assert ctx("digest", ids) == gen("digest", ids), "bytes differ after transfer"
-                results["bw"][(actual, ntok)] = (statistics.median(ts), nbytes, ndesc)
-                results["write"][(actual, ntok)] = statistics.median(ws)
-                # scattered destination blocks: nothing merges across blocks
-                perm = [int(x) for x in rng.permutation(num_blocks)[:nblk]]
-                r = next(req)
-                ctx("send", r, ntok, ids)
-                state, dt, err = gen("recv", r, ctx.endpoint, ntok, perm)
-                assert state == "done", err
-                _, _, ndesc_s, _ = ctx("wait_send", r)
-                results["scatter"][(actual, ntok)] = (dt, ndesc_s)
-                print(f"{actual:5s} {ntok:6d} tok: {statistics.median(ts) * 1e3:9.2f} ms "
-                      f"({nbytes / statistics.median(ts) / 1e9:7.2f} GB/s, {ndesc} desc) "
-                      f"scattered {dt * 1e3:9.2f} ms ({ndesc_s} desc)", flush=True)
-            # TTFT: generation_first, simulated prefill in chunks, transfer pipelined or not
-            ntok = args.ttft_tokens
-            ids = list(range(-(-ntok // TPB)))
+            src = [int(x) for x in rng.permutation(nb)[:nblk]]
+            dst = [int(x) for x in rng.permutation(nb)[:nblk]]
+            ctx("real_prefill", next(req), ntok, src, chunk, False)      # warm-up: kernels, graphs
+            measure(ctx, gen, 64, src[:4], dst[:4], req)
+            alone = med(ctx("real_prefill", next(req), ntok, src, chunk, False)[1]
+                        for _ in range(args.repeats))
+            out = {}
             for pipeline in (True, False):
                 ctx("pipeline", pipeline)
                 vals = []
-                for _ in range(repeats):
+                for _ in range(args.repeats):
                     r = next(req)
-                    gen("post_recv", r, ctx.endpoint, ntok, ids)
+                    gen("post_recv", r, ctx.endpoint, ntok, dst)
                     time.sleep(0.05)  # the receive is posted before prefill starts
-                    t0 = ctx("prefill", r, ntok, ids, args.chunk, rate)
+                    t0, _ = ctx("real_prefill", r, ntok, src, chunk, True)
                     state, t1, err = gen("wait_recv", r)
                     assert state == "done", err
                     ctx("wait_send", r)
                     vals.append(t1 - t0)
-                results["ttft"][(actual, pipeline)] = statistics.median(vals)
+                out[pipeline] = med(vals)
+            assert ctx("digest", src) == gen("digest", dst), "bytes differ after the real prefill"
+            results["ttft_real"][ctx.kind] = (alone, out[True], out[False])
+            print(f"{ctx.kind:5s} real-prefill TTFT {ntok} tok: prefill alone {alone * 1e3:.2f} ms, "
+                  f"pipelined {out[True] * 1e3:.2f} ms, monolithic {out[False] * 1e3:.2f} ms",
+                  flush=True)
         finally:
             ctx.close()
             gen.close()
-        prefill = ntok / rate
-        tp, tm = results["ttft"][(actual, True)], results["ttft"][(actual, False)]
-        print(f"{actual:5s} TTFT {ntok} tok: pipelined {tp * 1e3:.1f} ms, monolithic "
-              f"{tm * 1e3:.1f} ms (prefill {prefill * 1e3:.1f} ms)", flush=True)
-    return render(args, results, base, rate), results
 
 
-def render(args, results, base, rate) -> str:
-    sizes = QUICK_SIZES if args.quick else SIZES
-    kinds = results["kinds"]
+def render(args, results, rate) -> str:
     ceiling = "device-to-device copy" if args.device == "cuda" else "memcpy"
     lines = [
         f"- command: `python bench/transfer/transfer.py --device {args.device}"
-        f"{' --quick' if args.quick else ''}`",
+        + "".join(f" --geometry {g}" for g in args.geometry)
+        + "".join(f" --agent {k}" for k in (args.agent or []))
+        + f"{' --quick' if args.quick else ''}`",
         f"- machine: {machine(args.device)}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- KV shape: `1b` ({LAYERS} layers × K/V × {TPB} tokens × {KV_HEADS} heads × {HEAD_DIM} dims, "
-        f"{args.dtype}) = {block_bytes(args.dtype) // 1024} KiB per block, "
-        f"{block_bytes(args.dtype) // TPB // 1024} KiB per token; two processes. *e2e* = receive "
-        f"posted → receive complete (control round trip included); *write* = the writes alone, "
-        f"submit → done on the context side; medians of {2 if args.quick else args.repeats}",
-        "",
-        "| tokens | KV MiB | " + " | ".join(f"{k} e2e ms | {k} e2e GB/s | {k} write ms | "
-                                             f"{k} write GB/s | {k} write % of ceiling"
-                                             for k in kinds)
-        + f" | {ceiling} ms | {ceiling} GB/s |",
-        "|---:|---:|" + "---:|---:|---:|---:|---:|" * len(kinds) + "---:|---:|",
+        f"- two processes, block-major NHD pools, {TPB} tokens per block, {args.dtype}; *e2e* = "
+        f"receive posted → receive complete; *write* = submit → done on the context side; "
+        f"*control* = the same protocol with nothing to write; *× copy* = e2e ÷ a "
+        f"{ceiling} of the same bytes in the same run; *descs* = descriptors after merging runs "
+        f"contiguous on both sides; medians of {2 if args.quick else args.repeats}",
     ]
-    for ntok in sizes:
-        nb = -(-ntok // TPB) * block_bytes(args.dtype)
-        row = [f"{ntok:,}", f"{nb / 2**20:,.0f}"]
-        for k in kinds:
-            t, nbytes, _ = results["bw"].get((k, ntok), (float("nan"), nb, 0))
-            w = results["write"].get((k, ntok), float("nan")) or float("nan")
-            row += [f"{t * 1e3:,.2f}", f"{nbytes / t / 1e9:,.2f}", f"{w * 1e3:,.2f}",
-                    f"{nbytes / w / 1e9:,.2f}", f"{base[ntok] / w * 100:.0f}%"]
-        row += [f"{base[ntok] * 1e3:,.2f}", f"{nb / base[ntok] / 1e9:,.2f}"]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Descriptors per transfer (unmerged = one per layer × K/V × block; merged = runs "
-              "contiguous on both sides; scattered = destination blocks permuted):", "",
-              "| tokens | unmerged | merged, contiguous | " +
-              " | ".join(f"{k} scattered: descs | {k} scattered ms | {k} contiguous ms"
-                         for k in kinds) + " |",
-              "|---:|---:|---:|" + "---:|---:|---:|" * len(kinds)]
-    for ntok in sizes:
-        unmerged, merged = descriptor_counts(ntok, args.dtype)
-        row = [f"{ntok:,}", f"{unmerged:,}", f"{merged:,}"]
-        for k in kinds:
-            dt, nd = results["scatter"].get((k, ntok), (float("nan"), 0))
-            row += [f"{nd:,}", f"{dt * 1e3:,.2f}", f"{results['bw'][(k, ntok)][0] * 1e3:,.2f}"]
-        lines.append("| " + " | ".join(row) + " |")
-    prefill = args.ttft_tokens / rate
-    lines += ["", f"TTFT of a {args.ttft_tokens:,}-token prompt (generation_first; prefill "
-              f"simulated at {rate:,.0f} tok/s in {args.chunk}-token chunks = "
-              f"{prefill * 1e3:,.1f} ms):", "",
-              "| agent | pipelined ms | monolithic ms | exposed transfer pipelined ms | "
-              "exposed monolithic ms | transfer hidden |", "|---|---:|---:|---:|---:|---:|"]
-    for k in kinds:
-        tp, tm = results["ttft"][(k, True)], results["ttft"][(k, False)]
-        ep, em = max(0.0, tp - prefill), max(1e-9, tm - prefill)
-        lines.append(f"| {k} | {tp * 1e3:,.1f} | {tm * 1e3:,.1f} | {ep * 1e3:,.1f} | "
-                     f"{em * 1e3:,.1f} | {max(0.0, 1 - ep / em) * 100:.0f}% |")
+    for geo in args.geometry:
+        layers, heads, dim, _ = GEOMETRIES[geo]
+        bb = block_bytes(args.dtype, geo)
+        for k in results["kinds"].get(geo, []):
+            lines += ["", f"`{geo}` ({layers} layers × K/V × {heads} heads × {dim} dims = "
+                      f"{bb // TPB // 1024} KiB per token), agent `{k}`:", "",
+                      "| tokens | KV MiB | scattered e2e ms | scattered × copy | write ms | "
+                      "control ms | descs | contiguous e2e ms | contiguous × copy | "
+                      f"contiguous descs | {ceiling} ms |",
+                      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for ntok in sizes_for(args, geo):
+                row = results["rows"].get((geo, k, ntok))
+                if row is None:
+                    continue
+                base = results["base"][(geo, ntok)]
+                sc, co, cn = row["scattered"], row["contiguous"], row["control"]
+                nb = -(-ntok // TPB) * bb
+                lines.append(
+                    f"| {ntok:,} | {nb / 2**20:,.0f} | {sc[0] * 1e3:,.3f} | {sc[0] / base:,.2f}× | "
+                    f"{sc[1] * 1e3:,.3f} | {cn[0] * 1e3:,.3f} | {sc[3]:,} | {co[0] * 1e3:,.3f} | "
+                    f"{co[0] / base:,.2f}× | {co[3]:,} | {base * 1e3:,.3f} |")
+    if results["ttft"]:
+        prefill = args.ttft_tokens / rate
+        lines += ["", f"TTFT of a {args.ttft_tokens:,}-token prompt (`{args.geometry[0]}`, "
+                  f"generation_first; prefill simulated at {rate:,.0f} tok/s in {args.chunk}-token "
+                  f"chunks = {prefill * 1e3:,.1f} ms):", "",
+                  "| agent | pipelined ms | monolithic ms | exposed transfer pipelined ms | "
+                  "exposed monolithic ms | transfer hidden |", "|---|---:|---:|---:|---:|---:|"]
+        for k in results["kinds"][args.geometry[0]]:
+            tp, tm = results["ttft"][(k, True)], results["ttft"][(k, False)]
+            ep, em = max(0.0, tp - prefill), max(1e-9, tm - prefill)
+            lines.append(f"| {k} | {tp * 1e3:,.1f} | {tm * 1e3:,.1f} | {ep * 1e3:,.2f} | "
+                         f"{em * 1e3:,.2f} | {max(0.0, 1 - ep / em) * 100:.0f}% |")
+    if results.get("ttft_real"):
+        lines += ["", f"TTFT of a {args.ttft_tokens:,}-token prompt with the real prefill (the "
+                  f"worker's `{args.real_model}` ModelRunner, random weights, {args.dtype}, {args.chunk}-token "
+                  f"chunks, each synchronised and handed to the transfer as the engine does; "
+                  f"blocks scattered on both sides; *exposed* = TTFT − the same prefill with "
+                  f"nothing sent):", "",
+                  "| agent | prefill alone ms | pipelined ms | monolithic ms | exposed pipelined "
+                  "ms | exposed monolithic ms | transfer hidden |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for k, (alone, tp, tm) in results["ttft_real"].items():
+            ep, em = tp - alone, tm - alone
+            hidden = (1 - max(0.0, ep) / em) * 100 if em > 0 else float("nan")
+            lines.append(f"| {k} | {alone * 1e3:,.2f} | {tp * 1e3:,.2f} | {tm * 1e3:,.2f} | "
+                         f"{ep * 1e3:,.3f} | {em * 1e3:,.3f} | {hidden:.0f}% |")
     return "\n".join(lines)
 
 
@@ -406,6 +524,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--geometry", action="append", choices=sorted(GEOMETRIES),
+                   help="KV geometries (default: 1b; the first one also runs the TTFT case)")
     p.add_argument("--agent", action="append", choices=["nixl", "tcp", "shm"],
                    help="agents to measure (default: nixl, tcp, and shm on cpu; --quick: tcp)")
     p.add_argument("--repeats", type=int, default=5)
@@ -413,6 +533,10 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     p.add_argument("--prefill-tok-s", type=float, default=None)
     p.add_argument("--quick", action="store_true", help="small sizes, tcp only (smoke test)")
+    p.add_argument("--real-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="also the TTFT with the worker's 1b model doing the prefill (default: on "
+                        "cuda without --quick)")
+    p.add_argument("--real-model", default="1b", help="preset for --real-prefill")
     p.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md")
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     args = p.parse_args(argv)
@@ -420,8 +544,12 @@ def main(argv=None) -> int:
         args.ttft_tokens = 4096 if args.quick else 16384
     if args.quick:
         args.chunk = min(args.chunk, 1024)
+    args.geometry = args.geometry or ["1b"]
+    if args.real_prefill is None:
+        args.real_prefill = args.device == "cuda" and not args.quick
     body, _ = run(args)
-    title = f"### {args.device} · {args.dtype}" + (" · quick" if args.quick else "")
+    title = f"### {args.device} · {args.dtype} · {'+'.join(args.geometry)}" + (
+        " · quick" if args.quick else "")
     print(f"\n## transfer — {args.device}\n\n{body}")
     if not args.no_write:
         write_results(Path(args.results), body, title)

@@ -1,0 +1,181 @@
+"""Batched copies: many `(src, dst, size)` descriptors moved by one launch.
+
+A paged KV pool after minutes of serving hands the transfer layer hundreds to thousands of
+scattered blocks. Posted one descriptor at a time (UCX's cuda_ipc issues one copy per descriptor,
+~8 µs each on an H200, reference/nixl.md §5b), 1,024 scattered 512 KiB blocks ran at ~4% of a
+device copy. One kernel that walks a descriptor table moves them at the speed of one copy: each
+program copies one `TILE`-byte tile of one *row* (a descriptor, runs merged), so every program
+does the same amount of work whatever the block size, and the host builds a table of one entry per
+descriptor, not per tile.
+
+| where        | how                                                                    |
+|--------------|------------------------------------------------------------------------|
+| CUDA         | the Triton kernel `_copy_rows` on the caller's stream (16-byte words when every address and size is a multiple of 16, bytes otherwise) |
+| host memory  | `ctypes.memmove` per merged run (the same table, the same interface)   |
+
+Addresses are absolute; the kernel reads and writes `base + offset` with offsets relative to the
+first source and destination address, so descriptors may span several registered regions and,
+through CUDA IPC, another process's memory mapped into this one (transfer/cuda_ipc.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+from .descs import merge_runs
+from .errors import InvalidDescriptors
+
+TILE = 64 * 1024          # bytes per program: a 512 KiB KV block is 8 programs
+MAX_ROW = 8 << 20         # longer runs are cut: a row's tiles are one stretch of the grid
+WORD = 16                 # the wide path's unit: one 16-byte vector per lane
+BYTE_TILE = 2048          # rows of the byte path (addresses or sizes not multiples of 16)
+
+
+def split_rows(src: np.ndarray, dst: np.ndarray, size: np.ndarray, tile: int = TILE):
+    """Cut descriptors into rows of at most `tile` bytes (merging runs contiguous on both sides
+    first). Returns (src, dst, size) uint64 arrays, one entry per row, in descriptor order."""
+    src = np.asarray(src, np.uint64)
+    dst = np.asarray(dst, np.uint64)
+    size = np.asarray(size, np.uint64)
+    if not (src.shape == dst.shape == size.shape) or src.ndim != 1:
+        raise InvalidDescriptors(f"src, dst and size must be equal 1-D arrays; found "
+                                 f"{src.shape} {dst.shape} {size.shape}")
+    keep = size > 0
+    src, dst, size = merge_runs(src[keep], dst[keep], size[keep])
+    if not size.size:
+        z = np.zeros(0, np.uint64)
+        return z, z, z
+    n = (size + np.uint64(tile - 1)) // np.uint64(tile)
+    rows = int(n.sum())
+    if rows == size.size:
+        return src, dst, size
+    first = np.repeat(np.cumsum(n) - n, n.astype(np.int64))
+    k = (np.arange(rows, dtype=np.uint64) - first.astype(np.uint64)) * np.uint64(tile)
+    rep = n.astype(np.int64)
+    rsize = np.minimum(np.repeat(size, rep) - k, np.uint64(tile))
+    return np.repeat(src, rep) + k, np.repeat(dst, rep) + k, rsize
+
+
+def host_copy(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> int:
+    """Copy host-memory descriptors (runs merged); returns the bytes moved."""
+    s, d, n = merge_runs(np.asarray(src, np.uint64), np.asarray(dst, np.uint64),
+                         np.asarray(size, np.uint64))
+    for a, b, m in zip(s.tolist(), d.tolist(), n.tolist()):
+        if m:
+            ctypes.memmove(b, a, m)
+    return int(n.sum()) if n.size else 0
+
+
+# ---------------------------------------------------------------------------------- CUDA
+_KERNELS: dict = {}
+
+
+def _kernel():
+    """The Triton kernel, defined on first use (Triton reads TRITON_INTERPRET at definition).
+
+    Each program loads its whole row (at most `TILE` bytes) before storing any of it: loads then
+    have no store to wait behind (the compiler must assume `src` and `dst` may alias) and a
+    thread keeps 16 independent 16-byte loads in flight, which is what it takes to reach a device
+    copy's bandwidth. The base addresses come in as 64-bit integers cast to pointers in the
+    kernel: the launcher's fast path takes only tensors and integers, and the peer's memory
+    mapped by IPC is neither a tensor nor wanted as one."""
+    if "int" in _KERNELS:
+        return _KERNELS["int"]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy_rows_int(src_addr, dst_addr, table, nrows, tiles, VEC: tl.constexpr,
+                       TILE_E: tl.constexpr, ELT: tl.constexpr):
+        # table: [3, nrows] int64 = source offset, destination offset, length, in units of
+        # VEC elements (a 16-byte word on the wide path): multiplying by the constant VEC lets
+        # Triton prove 16-byte alignment and emit vector loads and stores. Program `pid` copies
+        # tile `pid % tiles` of row `pid // tiles` (nothing when the row is shorter).
+        src = src_addr.to(tl.pointer_type(ELT))
+        dst = dst_addr.to(tl.pointer_type(ELT))
+        pid = tl.program_id(0)
+        r = pid // tiles          # program = (row, tile of that row)
+        t = pid % tiles
+        so = tl.load(table + r) * VEC + t * TILE_E
+        do = tl.load(table + nrows + r) * VEC + t * TILE_E
+        n = tl.load(table + 2 * nrows + r) * VEC - t * TILE_E
+        idx = tl.arange(0, TILE_E)
+        m = idx < n
+        v = tl.load(src + so + idx, mask=m, cache_modifier=".cg")
+        tl.store(dst + do + idx, v, mask=m, cache_modifier=".cs")
+
+    _KERNELS["int"] = _copy_rows_int
+    return _copy_rows_int
+
+
+class DeviceCopier:
+    """Launches `_copy_rows` for descriptor lists in one device's memory (local, or another
+    process's mapped in). The table goes to the device through a pinned staging buffer."""
+
+    SLOTS = 8   # tables in flight: a slot is rewritten only after its copy to the device ran
+
+    def __init__(self, device: int = 0, tile: int = TILE) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cuda", device)
+        self.tile = tile
+        self._slots: list = []
+        self._next = 0
+        for _ in range(self.SLOTS):   # pinned memory is slow to allocate: never in a transfer
+            self._slots.append(self._slot(3 * 16384))
+
+    def _slot(self, cap: int):
+        torch = self.torch
+        return (torch.empty(cap, dtype=torch.int64, pin_memory=True),
+                torch.empty(cap, dtype=torch.int64, device=self.device), torch.cuda.Event())
+
+    def _upload(self, table: np.ndarray, stream):
+        torch = self.torch
+        n = table.size
+        i = self._next % len(self._slots)
+        self._next += 1
+        slot = self._slots[i]
+        slot[2].synchronize()   # its previous upload has left the pinned buffer
+        if slot[0].numel() < n:   # grown once, for every slot, to twice the need
+            self._slots = [self._slot(2 * n) for _ in self._slots]
+            slot = self._slots[i]
+        host, dev, ev = slot
+        host.numpy()[:n] = table.ravel()
+        with torch.cuda.stream(stream):
+            dev[:n].copy_(host[:n], non_blocking=True)
+            ev.record(stream)
+        return dev[:n]
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, size: np.ndarray, stream=None) -> int:
+        """Queue the copies on `stream` (default: the current stream); returns the rows launched.
+        The copies are ordered after the work already queued on `stream`."""
+        import triton.language as tl
+
+        torch = self.torch
+        src, dst, size = (np.asarray(x, np.uint64) for x in (src, dst, size))
+        live = size > 0
+        wide = not ((src[live] | dst[live] | size[live]) % np.uint64(WORD)).any()
+        unit, tile = (WORD, self.tile) if wide else (1, BYTE_TILE)
+        s, d, n = split_rows(src, dst, size, MAX_ROW)   # merges runs; cuts only the longest
+        if not n.size:
+            return 0
+        tiles = -(-int(n.max()) // tile)
+        stream = stream or torch.cuda.current_stream(self.device)
+        s0, d0 = int(s[0]), int(d[0])
+        so = (s.astype(np.int64) - s0) // unit   # signed: rows may lie below the first address
+        do = (d.astype(np.int64) - d0) // unit
+        table = np.stack([so, do, (n // np.uint64(unit)).astype(np.int64)])
+        dev = self._upload(table, stream)
+        tile_e = tile // (8 if wide else 1)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            _kernel()[(n.size * tiles,)](s0, d0, dev, n.size, tiles, VEC=2 if wide else 1,
+                                         TILE_E=tile_e, ELT=tl.int64 if wide else tl.uint8,
+                                         num_warps=8 if tile_e >= 4096 else 4)
+        return int(n.size)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,181 @@
+"""`DirectCopies`: one-sided writes into a peer's GPU memory on the same host, by one kernel.
+
+The NIXL agent hands its VRAM writes here when the peer is on this host and exported its
+allocations (CUDA IPC handles in its agent descriptor). The peer's allocations are mapped into this
+process once, when its descriptor is loaded; a transfer then translates the remote addresses
+(`mapped base + offset`, vectorised) and queues one batched-copy kernel (transfer/copy_kernels.py)
+on this agent's transfer stream, followed by an event. `poll` queries the event: DONE means the
+kernel finished, so every byte is in the peer's memory, and only then is the transfer's
+notification sent (through NIXL, as for any other write).
+
+Everything else (another host, DRAM, memory that did not export, READs) stays on NIXL, so the
+contract of `TransferAgent` is unchanged; `describe()` says whether peers are reached directly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from . import cuda_ipc
+from .descs import Coverage, Descs
+from .errors import OutOfRange
+
+log = logging.getLogger("splitserve.transfer.direct")
+
+
+class _PeerMap:
+    """A peer's exported allocations, mapped here: remote base → local address."""
+
+    def __init__(self) -> None:
+        self.base = np.zeros(0, np.uint64)
+        self.size = np.zeros(0, np.uint64)
+        self.mapped = np.zeros(0, np.uint64)
+        self.dev: list[int] = []
+        self.owned: list[bool] = []    # mapped by cuIpcOpenMemHandle (closed at the end)
+        self.regions = Coverage()      # the peer's registered regions: what may be written
+
+    def translate(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray | None:
+        """Local addresses for remote `addrs`, or None when a row is in no mapped allocation."""
+        if not self.base.size:
+            return None
+        i = np.searchsorted(self.base, addrs, side="right").astype(np.int64) - 1
+        if (i < 0).any():
+            return None
+        off = addrs - self.base[i]
+        if (off + lens > self.size[i]).any():
+            return None
+        return self.mapped[i] + off
+
+
+class DirectCopies:
+    """IPC exports of this agent's VRAM, maps of peers' VRAM, and the kernel writes between them."""
+
+    def __init__(self) -> None:
+        self.host = cuda_ipc.host_identity()
+        self.pid = os.getpid()
+        self.exports: dict[int, tuple[bytes, int, int, int]] = {}   # base -> (handle, base, size, dev)
+        self.regions: list[tuple[int, int, int]] = []               # registered VRAM (addr, len, dev)
+        self.peers: dict[str, _PeerMap] = {}
+        self.refused: dict[str, str] = {}                           # peer -> why not direct
+        self._copiers: dict[int, object] = {}
+        self._streams: dict[int, object] = {}
+
+    # ------------------------------------------------------------------ local side
+    def register(self, regions: np.ndarray) -> None:
+        """Export the allocations under newly registered VRAM regions (best effort)."""
+        for a, n, d in regions.tolist():
+            self.regions.append((a, n, d))
+            try:
+                handle, base, size = cuda_ipc.export(a, d)
+            except cuda_ipc.IpcUnavailable as e:
+                log.info("VRAM at 0x%x is not exported for direct writes: %s", a, e)
+                continue
+            self.exports[base] = (handle, base, size, d)
+
+    def deregister(self, regions: np.ndarray) -> None:
+        for r in regions.tolist():
+            if tuple(r) in self.regions:
+                self.regions.remove(tuple(r))
+
+    def describe(self) -> dict | None:
+        """What goes into the agent descriptor (msgpack-able), or None when nothing exported."""
+        if not self.exports:
+            return None
+        return {"host": self.host, "pid": self.pid,
+                "allocs": [[b, s, d, h] for h, b, s, d in self.exports.values()],
+                "regions": [list(r) for r in self.regions]}
+
+    # ------------------------------------------------------------------ peers
+    def load(self, name: str, desc: dict | None) -> None:
+        """Map a peer's newly exported allocations; a peer elsewhere, or one whose memory does not
+        map, stays on NIXL (`refused` says why)."""
+        if not desc:
+            self.refused.setdefault(name, "peer exported no GPU memory")
+            return
+        if desc.get("host") != self.host:
+            self.refused[name] = "peer is on another host"
+            return
+        pm = self.peers.get(name) or _PeerMap()
+        same = desc.get("pid") == self.pid
+        known = set(pm.base.tolist())
+        base, size, mapped = list(pm.base.tolist()), list(pm.size.tolist()), list(pm.mapped.tolist())
+        try:
+            for b, s, d, h in desc.get("allocs", []):
+                if b in known:
+                    continue
+                local = self.regions[0][2] if self.regions else self._local_device()
+                m = b if same else cuda_ipc.open_handle(bytes(h), local)
+                base.append(b), size.append(s), mapped.append(m)
+                pm.dev.append(local)
+                pm.owned.append(not same)
+        except cuda_ipc.IpcUnavailable as e:
+            self.refused[name] = str(e)
+            log.info("peer %s is written through NIXL: %s", name, e)
+            return
+        order = np.argsort(np.array(base, np.uint64), kind="stable")
+        pm.base = np.array(base, np.uint64)[order]
+        pm.size = np.array(size, np.uint64)[order]
+        pm.mapped = np.array(mapped, np.uint64)[order]
+        pm.dev = [pm.dev[i] for i in order.tolist()]
+        pm.owned = [pm.owned[i] for i in order.tolist()]
+        pm.regions = Coverage((a, n, d, "VRAM") for a, n, d in desc.get("regions", []))
+        self.peers[name] = pm
+        self.refused.pop(name, None)
+
+    def drop(self, name: str) -> None:
+        pm = self.peers.pop(name, None)
+        self.refused.pop(name, None)
+        if pm is None:
+            return
+        for s in self._streams.values():   # no kernel may still write through the mapping
+            s.synchronize()
+        for m, d, owned in zip(pm.mapped.tolist(), pm.dev, pm.owned):
+            if owned:
+                try:
+                    cuda_ipc.close(m, d)
+                except cuda_ipc.IpcUnavailable as e:
+                    log.warning("closing a mapping of %s: %s", name, e)
+
+    def close(self) -> None:
+        for name in list(self.peers):
+            self.drop(name)
+
+    # ------------------------------------------------------------------ writes
+    def route(self, remote: str, local: Descs, remote_descs: Descs) -> np.ndarray | None:
+        """Mapped destination addresses when this write can go direct, else None. Raises
+        `OutOfRange` for a destination outside the peer's registrations (as NIXL would)."""
+        pm = self.peers.get(remote)
+        if pm is None or local.mem_type != "VRAM" or remote_descs.mem_type != "VRAM":
+            return None
+        if not len(local) or len(np.unique(local.arr[:, 2])) != 1:
+            return None
+        bad = pm.regions.uncovered(remote_descs)
+        if bad >= 0:
+            a, n, d = remote_descs.arr[bad].tolist()
+            raise OutOfRange(f"remote descriptor {bad} (VRAM addr=0x{a:x} len={n} dev={d}) is not "
+                             f"inside any region {remote} registered")
+        return pm.translate(remote_descs.arr[:, 0], remote_descs.arr[:, 1])
+
+    def write(self, local: Descs, mapped_dst: np.ndarray):
+        """Queue the kernel; returns the event that marks its end."""
+        import torch
+
+        from .copy_kernels import DeviceCopier
+
+        dev = int(local.arr[0, 2])
+        if dev not in self._copiers:
+            self._copiers[dev] = DeviceCopier(dev)
+            self._streams[dev] = torch.cuda.Stream(device=dev)
+        stream = self._streams[dev]
+        self._copiers[dev].copy(local.arr[:, 0], mapped_dst, local.arr[:, 1], stream)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    @staticmethod
+    def _local_device() -> int:
+        import torch
+
+        return torch.cuda.current_device()
