@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": ("coordinator.cli", "run the coordinator: registry, health, KV index, leases"),
     "worker": ("worker.cli", "run a reference inference worker (torch model or sim engine)"),
     "local": ("fleet.local", "start a complete local cluster (coordinator, fleet, ctx + gen workers)"),
+    "status": ("fleet.status", "one-screen summary of a running cluster (servers per role, health, load, "
+               "KV, predicted/actual cached tokens, feeds, coordinator replicas); --json, --watch"),
     "check-config": ("coordinator.check_config", "validate a cluster config file and the environment's "
                      "SPLITSERVE_* overrides, print it normalised, secrets redacted (exit 0 valid, "
                      "1 invalid: every error listed)"),
@@ -83,8 +85,7 @@ def flag_env_names(avail: dict[str, tuple[str, str]] | None = None) -> set[str]:
     for mod_name, _help in (avail or _available()).values():
         p = argparse.ArgumentParser()
         importlib.import_module(mod_name).add_arguments(p)
-        out.update("SPLITSERVE_" + a.dest.upper() for a in p._actions
-                   if a.option_strings and a.dest != "help")
+        out.update("SPLITSERVE_" + a.dest.upper() for a in p._actions if a.dest not in ("help", "version"))
     return out
 
 

@@ -180,7 +180,7 @@ def run(args) -> int:
                           f"application/json' \\\n    -d '{{\"model\": \"{args.model}\", \"messages\": "
                           f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
                           f"\"max_tokens\": 32, \"temperature\": 0}}'\n\n"
-                          f"Ctrl-C stops everything.", flush=True)
+                          f"At a glance: splitserve status {url}\nCtrl-C stops everything.", flush=True)
                 elif time.monotonic() > deadline:
                     print(f"splitserve local: not healthy after {args.ready_timeout:g}s; fleet log:\n"
                           f"{fleet.tail()}", file=sys.stderr, flush=True)
