@@ -39,26 +39,25 @@ class FleetTracing:
         from opentelemetry.trace import SpanKind
         span = self.tracer.start_span(f"{request.method} {request.path}", kind=SpanKind.SERVER,
                                       context=parent_context(request.headers))
-        span.set_attribute("splitserve.request_id", scope.rid)
-        if scope.alias is not None:
-            span.set_attribute("splitserve.client_request_id", scope.alias)
-        span.set_attribute("http.request.method", request.method)
-        span.set_attribute("url.path", request.path)
+        if span.is_recording():   # not when the sampler (OTEL_TRACES_SAMPLER) dropped the trace
+            attrs = {"splitserve.request_id": scope.rid, "http.request.method": request.method,
+                     "url.path": request.path}
+            if scope.alias is not None:
+                attrs["splitserve.client_request_id"] = scope.alias
+            span.set_attributes(attrs)
         return RequestTrace(self.tracer, span)
 
     def shutdown(self) -> None:
         self.provider.shutdown()
 
 
-def _route_attributes(span, prefix: str, route: dict) -> None:
+def _route_attributes(attrs: dict, prefix: str, route: dict) -> None:
     """One leg's entry of the route receipt (plan.route_of) as span attributes."""
     for k, v in route.items():
-        if k == "candidates":
-            span.set_attribute(f"{prefix}.candidates", orjson.dumps(v).decode())
-        elif isinstance(v, (str, bool, int, float)):
-            span.set_attribute(f"{prefix}.{k}", v)
-        elif v is not None:
-            span.set_attribute(f"{prefix}.{k}", orjson.dumps(v).decode())
+        if isinstance(v, (str, bool, int, float)):
+            attrs[f"{prefix}.{k}"] = v
+        elif v is not None:      # the candidates' rows, and any other structured value, as JSON
+            attrs[f"{prefix}.{k}"] = orjson.dumps(v).decode()
 
 
 class RequestTrace:
@@ -80,11 +79,13 @@ class RequestTrace:
             self._fail(span, e)
             span.end()
             raise
-        span.set_attribute("splitserve.route.mode", scope.mode)
-        for role, p in zip(ROLE_NAMES, (ctx, gen)):
-            if p is not None:
-                _route_attributes(span, f"splitserve.route.{role}",
-                                  plan.route_of(p.server, p.policy, p.explanation))
+        if span.is_recording():
+            attrs = {"splitserve.route.mode": scope.mode}
+            for role, p in zip(ROLE_NAMES, (ctx, gen)):
+                if p is not None:
+                    _route_attributes(attrs, f"splitserve.route.{role}",
+                                      plan.route_of(p.server, p.policy, p.explanation))
+            span.set_attributes(attrs)
         span.end()
         return ctx, gen
 
@@ -96,9 +97,9 @@ class RequestTrace:
             prev.set_status(StatusCode.ERROR, "retried on another server")
             prev.end()
         span = self.tracer.start_span(f"leg {role}", kind=SpanKind.CLIENT, context=self._ctx)
-        span.set_attribute("splitserve.role", role)
-        span.set_attribute("server.address", server)
-        span.set_attribute("splitserve.attempt", attempt)
+        if span.is_recording():
+            span.set_attributes({"splitserve.role": role, "server.address": server,
+                                 "splitserve.attempt": attempt})
         self.legs[role] = span
         return b"traceparent: %s\r\n" % traceparent_of(span).encode()
 
@@ -109,14 +110,16 @@ class RequestTrace:
 
     def end(self, scope, error: BaseException | None, status: int | None = None) -> None:
         root = self.root
-        root.set_attribute("splitserve.mode", scope.mode)
-        if any(scope.attempts.values()):
-            root.set_attribute("splitserve.retries", orjson.dumps(scope.attempts).decode())
         if error is not None:
             status = getattr(error, "status", None)
             self._fail(root, error)
-        if status is not None:
-            root.set_attribute("http.response.status_code", status)
+        if root.is_recording():
+            attrs = {"splitserve.mode": scope.mode}
+            if any(scope.attempts.values()):
+                attrs["splitserve.retries"] = orjson.dumps(scope.attempts).decode()
+            if status is not None:
+                attrs["http.response.status_code"] = status
+            root.set_attributes(attrs)
         for span in self.legs.values():
             if error is not None:
                 self._fail(span, error)
