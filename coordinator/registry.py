@@ -219,7 +219,9 @@ class Registry:
                 # Static entries keep their configured roles; a registration only proves liveness.
                 return e, False
             if e.roles != roles:
-                log.warning("server %s re-registered with roles %s (was %s)", url, roles, e.roles)
+                # etcd: a worker of both roles puts one key per role, so its roles grow in two steps
+                (log.info if source == "etcd" else log.warning)(
+                    "server %s re-registered with roles %s (was %s)", url, roles, e.roles)
                 e.roles = roles
                 self.version += 1
             e.ttl_s = ttl

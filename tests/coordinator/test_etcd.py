@@ -169,3 +169,31 @@ def test_serve_exits_when_its_etcd_never_answers(tmp_path):
     assert r.returncode != 0
     assert f"no etcd endpoint of 'etcd://127.0.0.1:{dead}' answered within 1s" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+async def test_a_worker_of_both_roles_writes_a_key_per_role(etcd, coordinator, workers):
+    """Upstream's value names one role: a worker serving both writes two keys on its lease; the
+    coordinator joins them into one server of both roles, removed when the lease is revoked."""
+    from protocol.etcd_store import EtcdStore
+    from worker.registration import EtcdRegistration
+
+    w = await workers("both")
+    host, port = w.url.removeprefix("http://").rsplit(":", 1)
+    c, _ = await coordinator(etcd_cfg(etcd.uri), serve=False)
+    reg = EtcdRegistration(etcd.uri, "c1", host=host, port=int(port), role="both",
+                           worker_id="w-both", ttl_s=5)
+    await reg.start()
+    try:
+        await wait_for(lambda: c.registry.get(w.url) is not None
+                       and c.registry.get(w.url).roles == ("context", "generation"),
+                       timeout=10, what="registered in both roles")
+        store = EtcdStore(etcd.uri)
+        await store.connect(5)
+        _, kvs = await store.get_prefix("/trtllm-disagg/c1/workers/")
+        assert sorted(kvs) == ["/trtllm-disagg/c1/workers/w-both/context",
+                               "/trtllm-disagg/c1/workers/w-both/generation"]
+        assert sorted(json.loads(v)["role"] for v in kvs.values()) == [0, 1]
+        await store.close()
+    finally:
+        await reg.stop()
+    await wait_for(lambda: c.registry.get(w.url) is None, timeout=5, what="removed on revoke")
