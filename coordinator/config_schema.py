@@ -350,7 +350,7 @@ class CoordinatorConfig(Section):
         "warm. Empty = one coordinator")] = ()
     replica_index: Annotated[Optional[NonNegInt], doc(
         "this coordinator's position in `replicas` (env SPLITSERVE_COORDINATOR__REPLICA_INDEX; "
-        "null with replicas set = 0)")] = None
+        "null: the entry whose host is this host name, as a StatefulSet pod's)")] = None
     replica_probe_interval_s: Annotated[PosFloat, doc(
         "how often a replica probes the replicas ahead of it (GET /replica)")] = 0.05
     replica_probe_timeout_s: Annotated[PosFloat, doc(

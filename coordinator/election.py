@@ -57,6 +57,18 @@ class Solo:
         return {"backend": "solo", "serving": True}
 
 
+def own_index(replicas: list[str], hostname: str) -> int:
+    """This machine's position in `replicas`: the one whose host is `hostname` or starts with
+    `hostname.` (a StatefulSet pod `coord-1` behind `http://coord-1.coord-hl.ns.svc:8001`)."""
+    from urllib.parse import urlsplit
+    for i, u in enumerate(replicas):
+        host = (urlsplit(u).hostname or "").lower()
+        if host == hostname.lower() or host.startswith(hostname.lower() + "."):
+            return i
+    raise ValueError(f"coordinator.replica_index is not set and no entry of coordinator.replicas "
+                     f"{list(replicas)} names this host ({hostname!r}); set replica_index")
+
+
 class OrderedReplicas:
     """The ordered replica list. Replica `index` probes every replica ahead of it (`GET
     /replica`) every `interval_s`; it serves while none of them is up and warm.

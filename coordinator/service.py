@@ -35,7 +35,7 @@ from coordinator.api import make_app
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
 from protocol.coord import BadRequest, NoServerAvailable, NotServing, identity_slot
-from coordinator.election import Election, OrderedReplicas, Solo
+from coordinator.election import Election, OrderedReplicas, Solo, own_index
 from coordinator.health import HealthMonitor
 from coordinator.identity import IdentityTable
 from coordinator.kv_ingest import FeedSource, KvIngest
@@ -84,7 +84,11 @@ def make_election(cfg: ClusterConfig) -> Election:
     co = cfg.coordinator
     if len(co.replicas) < 2:
         return Solo()
-    return OrderedReplicas(list(co.replicas), co.replica_index or 0,
+    index = co.replica_index
+    if index is None:
+        import socket
+        index = own_index(list(co.replicas), socket.gethostname())
+    return OrderedReplicas(list(co.replicas), index,
                            interval_s=co.replica_probe_interval_s,
                            timeout_s=co.replica_probe_timeout_s, failback_s=co.failback_s)
 

@@ -102,7 +102,12 @@ class ClusterSnapshot:
                        "prefill_ttl_s": c.leases.prefill_ttl,
                        "first_tokens_total": c.leases.first_tokens,
                        "prefill_timeouts_total": c.leases.prefill_timeouts,
-                       "first_token_unknown_total": st.first_token_unknown},
+                       "first_token_unknown_total": st.first_token_unknown,
+                       # docs/failover.md: re-registered after a move, ended by a fleet process's
+                       # death announcement, dropped with a restarted server's process
+                       "reregistered_total": c.leases_reregistered,
+                       "ended_by_announcement_total": c.leases_ended_by_announcement,
+                       "fenced_total": st.leases_fenced},
             "kv_index": {"size": self.index_size, "bind_endpoint": c.kv.bound_endpoint,
                          "bound_reader_restarts": c.kv.bound_reader_restarts},
             "routing_diagnostics": {

@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--kv-events-port", 0, type=int, help="ZMQ PUB port for KV events (0 = pick free)")
     add("--kv-replay-port", 0, type=int, help="ZMQ ROUTER replay port (0 = pick free)")
     add("--advertise-host", None, help="host name put in URLs this worker advertises")
-    add("--coordinator-url", None, help="register with this coordinator (TTL heartbeats)")
+    add("--coordinator-url", None, help="register with this coordinator (TTL heartbeats); with "
+        "coordinator replicas, all of them, comma separated")
     add("--cluster-uri", None, help="register in etcd instead: etcd://host:port[,etcd://…] "
         "(a key on a lease, as TensorRT-LLM workers do; the coordinator watches it)")
     add("--otlp-traces-endpoint", None, help="export OpenTelemetry traces over OTLP/HTTP to this "

@@ -17,7 +17,20 @@ import aiohttp
 
 log = logging.getLogger("splitserve.worker.registration")
 
-__all__ = ["CoordinatorRegistration"]
+__all__ = ["CoordinatorRegistration", "Registrations"]
+
+
+class Registrations:
+    """The same registration with each of several coordinator replicas (docs/failover.md)."""
+
+    def __init__(self, regs: list):
+        self.regs = regs
+
+    async def start(self) -> None:
+        await asyncio.gather(*(r.start() for r in self.regs))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(r.stop() for r in self.regs), return_exceptions=True)
 
 
 class CoordinatorRegistration:

@@ -157,10 +157,12 @@ class WorkerServer:
         if self.bootstrap_port is not None:
             await self._start_bootstrap()
         if self.coordinator_url:
-            from worker.registration import CoordinatorRegistration
-            self._registration = CoordinatorRegistration(
-                self.coordinator_url, url=self.url, role=self.role, ttl_s=self.register_ttl_s,
-                worker_id=self.worker_id)
+            from worker.registration import CoordinatorRegistration, Registrations
+            # Several coordinator replicas (comma separated): every one of them must know this
+            # worker, so each keeps its own index warm (docs/failover.md).
+            self._registration = Registrations([CoordinatorRegistration(
+                u.strip(), url=self.url, role=self.role, ttl_s=self.register_ttl_s,
+                worker_id=self.worker_id) for u in self.coordinator_url.split(",") if u.strip()])
             await self._registration.start()
         elif self.cluster_uri:
             from worker.registration import EtcdRegistration

@@ -244,3 +244,24 @@ def test_restarted_worker_is_fenced(cluster):
     assert matched() == 0
     log = coord.log()
     assert "restarted" in log, log[-2000:]
+
+
+def test_worker_registers_with_every_replica(cluster):
+    """Dynamic membership with replicas: a worker given every replica (comma separated, as the
+    chart renders it) registers with each, so every replica's index is warm."""
+    ports = [free_port() for _ in range(2)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    coords = []
+    for i, p in enumerate(ports):
+        cfg = cluster.config(f"dyn{i}.yaml", port=p + 1, coordinator={"replicas": urls, "replica_index": i},
+                             disagg_cluster={"cluster_uri": urls[i],
+                                             "minimal_instances": {"context_servers": 0,
+                                                                   "generation_servers": 1}},
+                             generation_servers={"router": {"type": "kv_cache_aware"}})
+        coords.append(cluster.coordinator(cfg, p, name=f"dyn-coordinator-{i}"))
+    for u, c in zip(urls, coords):
+        wait_for(lambda u=u: http("GET", u + "/version")[0] == 200, 60, u, c)
+    _, gen = cluster.worker("generation", name="dyn-gen", extra=("--coordinator-url", ",".join(urls)))
+    for u in urls:
+        wait_for(lambda u=u: any(s["url"] == gen and s["healthy"] for s in json.loads(
+            http("GET", u + "/cluster_info")[2])["servers"]["generation"]), 20, f"{gen} on {u}")

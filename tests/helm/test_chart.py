@@ -117,8 +117,11 @@ def test_service_monitor_gated_on_crd_and_valid(helm):
     for sm in sms:
         jsonschema.validate(sm, SERVICE_MONITOR_SCHEMA)
     assert not C.check_monitoring(docs)
-    # Every Service of the release is scraped by exactly one ServiceMonitor.
+    # Every Service of the release is scraped by exactly one ServiceMonitor, but the coordinator
+    # replicas' headless Service (pod DNS records only: its pods are scraped through the Service).
     for svc in C.by_kind(docs, "Service"):
+        if svc["metadata"]["labels"].get("app.kubernetes.io/component") == "coordinator-replicas":
+            continue
         n = sum(C.selector_matches(sm["spec"]["selector"], svc["metadata"]["labels"]) for sm in sms)
         assert n == 1, f"Service/{svc['metadata']['name']} is selected by {n} ServiceMonitors"
 
@@ -142,7 +145,8 @@ BAD_VALUES = [
     (["fleet.numWorkers=0"], "fleet.numWorkers"),
     (["fleet.port=http"], "fleet.port"),
     (["fleet.replicaz=2"], "replicaz"),
-    (["coordinator.replicas=2"], "replicas"),
+    (["coordinator.replicas=0"], "coordinator.replicas"),
+    (["coordinator.antiAffinity=maybe"], "coordinator.antiAffinity"),
     (["cluster.context.router.type=random"], "cluster.context.router.type"),
     (["cluster.scheduleStyle=whatever"], "cluster.scheduleStyle"),
     (["cluster.routing.blockSize=0"], "cluster.routing.blockSize"),
@@ -217,12 +221,20 @@ def test_cluster_config_loads_and_matches_workloads(helm, name):
     ns = coord["metadata"]["namespace"]
     svc_port = next(p["port"] for p in coord_svc["spec"]["ports"] if p["name"] == "http")
     url = f"http://{coord_svc['metadata']['name']}.{ns}.svc:{svc_port}"
-    assert cfg.disagg_coordinator_url == url
     assert cfg.disagg_cluster is not None and cfg.disagg_cluster.cluster_uri == url
-
     fargs = fleet["spec"]["template"]["spec"]["containers"][0]["args"]
     assert fargs[0] == "serve"
-    assert C.arg_value(fargs, "--coordinator-url") == url
+    if coord["kind"] == "StatefulSet":
+        # replicas (docs/failover.md): the fleet walks the ordered list, workers register with all
+        hl = coord["spec"]["serviceName"]
+        reps = [f"http://{coord['metadata']['name']}-{i}.{hl}.{ns}.svc:{cfg.coordinator.port}"
+                for i in range(coord["spec"]["replicas"])]
+        assert list(cfg.coordinator.replicas) == reps and cfg.disagg_coordinator_url is None
+        assert C.arg_value(fargs, "--coordinator-url") is None
+        url = ",".join(reps)
+    else:
+        assert cfg.disagg_coordinator_url == url
+        assert C.arg_value(fargs, "--coordinator-url") == url
     assert int(C.arg_value(fargs, "--port")) == cfg.port
     assert int(C.arg_value(fargs, "--num-workers")) == cfg.num_workers
     assert fleet["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == cfg.port
@@ -259,8 +271,10 @@ def test_cluster_config_loads_and_matches_workloads(helm, name):
 def test_control_plane_and_security(helm, name):
     docs = C.render_set(helm, name)
     coord = C.component(docs, "coordinator")
-    assert coord["kind"] == "Deployment"
-    assert coord["spec"]["replicas"] == 1 and coord["spec"]["strategy"]["type"] == "Recreate"
+    if coord["kind"] == "Deployment":    # one coordinator: never two side by side
+        assert coord["spec"]["replicas"] == 1 and coord["spec"]["strategy"]["type"] == "Recreate"
+    else:                                # replicas: tests/helm/test_coordinator_replicas.py
+        assert coord["kind"] == "StatefulSet" and coord["spec"]["replicas"] >= 2
     for w in C.workloads(docs):
         spec = C.pod_spec(w)
         assert spec["securityContext"]["runAsNonRoot"] is True
