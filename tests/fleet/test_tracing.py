@@ -167,3 +167,52 @@ def test_without_otlp_config_opentelemetry_is_never_loaded():
                        env=clean_env())
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_a_retried_leg_is_one_span_per_attempt(cluster, otlp):
+    """A worker answering 503 is retried on another server: two `leg generation` spans in the
+    request's trace, the first ended in error, the second the one the worker continued."""
+    from .stand_ins import StatusServer
+    busy = StatusServer(503)
+    try:
+        env = clean_env(OTEL_BSP_SCHEDULE_DELAY="100")
+        port = free_port()
+        p = cluster.spawn("gen", [PY, "-m", "splitserve_cli", "worker", "--role", "generation",
+                                  "--engine", "sim", "--model", "tiny", "--port", str(port),
+                                  "--device", "cpu", "--otlp-traces-endpoint", otlp.url], env)
+        good = f"http://127.0.0.1:{port}"
+        wait_for(lambda: healthy(good), 60, "generation worker", p)
+        fport = free_port()
+        cfg = cluster.config(port=fport, otlp_config={"otlp_traces_endpoint": otlp.url},
+                             generation_servers=group([busy.url, good]),
+                             context_servers={"urls": []}, max_retries=1,
+                             fleet={"retry_backoff_s": 0.01}, coordinator=NO_SHEDDING)
+        fleet = cluster.fleet(cfg, env=env)
+        base = f"http://127.0.0.1:{fport}"
+        wait_for(lambda: healthy(base), 60, "fleet", fleet)
+        retried = None
+        for _ in range(4):          # round robin: one of two requests starts on the busy server
+            st, headers, body = http("POST", base + "/v1/completions",
+                                     {"model": "tiny", "prompt": "retry me", "max_tokens": 2})
+            assert st == 200, body
+            route = json.loads(headers["x-splitserve-route"])
+            if route.get("retries"):
+                retried = route["id"]
+                break
+        assert retried is not None and busy.hits
+        wait_for(lambda: any(s["attrs"].get("splitserve.request_id") == retried
+                             and s["name"] == "POST /v1/completions" for s in otlp.spans),
+                 20, "the retried request's spans exported")
+        (root,) = [s for s in otlp.named("POST /v1/completions")
+                   if s["attrs"]["splitserve.request_id"] == retried]
+        legs = sorted((s for s in otlp.named("leg generation") if s["trace_id"] == root["trace_id"]),
+                      key=lambda s: s["attrs"]["splitserve.attempt"])
+        assert [s["attrs"]["server.address"] for s in legs] == [busy.url, good]
+        assert legs[0]["status"] == 2 and legs[1]["status"] != 2     # STATUS_CODE_ERROR = 2
+        assert root["attrs"]["splitserve.retries"] == json.dumps({"context": 0, "generation": 1},
+                                                                 separators=(",", ":"))
+        (worker,) = [s for s in otlp.named("worker /v1/completions")
+                     if s["trace_id"] == root["trace_id"]]
+        assert worker["parent"] == legs[1]["span_id"]
+    finally:
+        busy.close()
