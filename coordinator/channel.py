@@ -112,8 +112,17 @@ class ChannelServer:
         limit = since + self.max_queue_delay_s
         mono = time.monotonic
         finishes, calls, results = self._items(b)
-        # Finishes first: none can be for a lease taken by a call of the same batch (its answer has
-        # not reached the client), while a call may follow a finish of the same key (a retry).
+        # First-token reports, then finishes: a leg's first token came before its end (both may
+        # ride one batch). Finishes before calls: none can be for a lease taken by a call of the
+        # same batch (its answer has not reached the client), while a call may follow a finish of
+        # the same key (a retry).
+        started = b.started
+        if started:
+            if type(b) is not cw.DecodedBatch:
+                started = self._started(started)
+            first_token = coord.lease_first_token
+            for s in started:
+                first_token(s.role, s.req_id)
         for f in finishes:
             # Role, id and flag were checked by the frame schema; the usage numbers' bounds are not.
             try:
@@ -123,13 +132,6 @@ class ChannelServer:
                 log.warning("finish on the channel: %s; ending the lease without its usage", exc)
                 usage = None
             coord.end_lease(f.role, f.req_id, f.success, usage)
-        started = b.started
-        if started:
-            if type(b) is not cw.DecodedBatch:
-                started = self._started(started)
-            first_token = coord.lease_first_token
-            for s in started:
-                first_token(s.role, s.req_id)
         for call in calls:
             t = type(call)
             if t is cw.Renew:

@@ -14,7 +14,8 @@ queued: finishes carry no call id and get no result of their own; the `Replies` 
 `seq` acknowledges all of them at once (applied exactly once: a finish of a lease already ended
 is counted and ignored, so re-sending an unacknowledged batch's finishes after a reconnect is
 safe). First-token reports (`FirstToken`: a leg's first token arrived, a context leg answered)
-ride the same way after the finishes, sent once each and idempotent at the coordinator; one lost
+ride the same way (applied before the batch's finishes), sent once each and idempotent at the
+coordinator; one lost
 with a dropped connection is not re-sent (the lease leaves prefill at `leases.prefill_ttl_s` or
 its finish instead). A batch without them is the 5-element frame older coordinators read. Results carry the HTTP API's answer bodies (same shapes as `/select`, `/select_pair`,
 `/renew`) with the HTTP status they would have had, less `info.server_info`: the fleet keeps each

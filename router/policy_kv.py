@@ -101,7 +101,7 @@ class KvCacheAwarePolicy(Policy):
 
     def __init__(self, block_size: int = 16, *, cost: str | None = None,
                  prefill_weight: float | None = None, load_tokens_weight: float | None = None,
-                 load_requests_weight: float | None = None, uncached_weight: float = 1.0,
+                 load_requests_weight: float | None = None, uncached_weight: float = 2.0,
                  decode_weight: float = 1.0, prefill_tokens_per_s: float | None = None,
                  decode_step_s: float | None = None, learn_rates: bool = True,
                  affinity_bonus: float = 0.25, hotspot_factor: float | None = 2.0,

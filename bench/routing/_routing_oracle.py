@@ -28,14 +28,22 @@ from router.events import AllCleared, BlocksRemoved, BlocksStored, decode_zmq
 
 
 class Oracle:
-    def __init__(self, urls: list[str], block_size: int, cache_weight: float = 2.0):
+    def __init__(self, urls: list[str], block_size: int, cache_weight: float = 2.0,
+                 model: dict | None = None):
         self.urls = urls
         self.cache_weight = cache_weight
+        m = model or {}
+        self.a = m.get("prefill_s_per_token", 1.0)
+        self.chunk = m.get("chunk_tokens", 1 << 30)
+        self.s0 = m.get("decode_s_per_step", 0.0)
+        self.s1 = m.get("decode_s_per_request", 0.0)
+        self.s2 = m.get("decode_s_per_context_token", 0.0)
+        self.ctx: dict[str, int] = {u: 0 for u in urls}          # decoding requests' prompt tokens
         self.B = block_size
         self.cache: dict[str, set[int]] = {u: set() for u in urls}
         self.queued: dict[str, int] = {u: 0 for u in urls}       # uncached prefill tokens
         self.decoding: dict[str, int] = {u: 0 for u in urls}
-        self._req: dict[int, tuple[str, int, bool, list]] = {}    # i -> (server, uncached, first, keys)
+        self._req: dict[int, tuple[str, int, bool, list, int]] = {}  # i -> (server, uncached, first, keys, n)
         self.pending: dict[str, dict[int, int]] = {u: {} for u in urls}   # key -> requests computing it
         self._ctx = zmq.asyncio.Context()
         self._socks: list = []
@@ -89,9 +97,12 @@ class Oracle:
         keys = block_keys_list(ids, self.B)
         n = len(ids)
         best = None
+        a, chunk, cw = self.a, self.chunk, self.cache_weight
         for u in self.urls:
             m = min(self._matched(u, keys), n - 1)
-            cost = (self.queued[u] + self.cache_weight * (n - m), self.decoding[u])
+            q, d = self.queued[u], self.decoding[u]
+            step = self.s0 + self.s1 * d + self.s2 * self.ctx[u] if d else 0.0
+            cost = ((q + cw * (n - m)) * a + (q + n - m) / chunk * step, d)
             if best is None or cost < best[0]:
                 best = (cost, u, m)
         _, u, m = best
@@ -99,24 +110,26 @@ class Oracle:
         p = self.pending[u]
         for k in keys:
             p[k] = p.get(k, 0) + 1
-        self._req[i] = (u, n - m, False, keys)
+        self._req[i] = (u, n - m, False, keys, n)
         return u, m
 
     def first_token(self, i: int) -> None:
-        u, unc, first, keys = self._req[i]
+        u, unc, first, keys, n = self._req[i]
         if not first:
             self.queued[u] -= unc
             self.decoding[u] += 1
+            self.ctx[u] += n
             self._unpend(u, keys)      # its blocks are committed now (events follow)
-            self._req[i] = (u, unc, True, [])
+            self._req[i] = (u, unc, True, [], n)
 
     def done(self, i: int) -> None:
         t = self._req.pop(i, None)
         if t is None:
             return
-        u, unc, first, keys = t
+        u, unc, first, keys, n = t
         if first:
             self.decoding[u] -= 1
+            self.ctx[u] -= n
         else:
             self.queued[u] -= unc
             self._unpend(u, keys)

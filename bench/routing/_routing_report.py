@@ -5,17 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _row(r: dict, rr: dict, oracle: dict | None) -> str:
-    lo, hi = r["per_server_min_max"]
-    vs_rr = rr["ttft_p50_ms"] / r["ttft_p50_ms"] if r["ttft_p50_ms"] else float("nan")
+def _pct(a: float, b: float | None) -> str:
+    return f"{a / b:.0%}" if b else "–"
+
+
+def _x(a: float, b: float | None) -> str:
+    return f"{a / b:.2f}×" if b else "–"
+
+
+def _row(r: dict, rr: dict, oracle: dict | None, bound: dict | None) -> str:
+    o = oracle or {}
     tpot = r["tpot_p99_ms"] / rr["tpot_p99_ms"] - 1 if rr["tpot_p99_ms"] else float("nan")
-    of_oracle = (f"{r['hit_ratio'] / oracle['hit_ratio']:.0%}"
-                 if oracle and oracle["hit_ratio"] else "–")
-    return (f"| {r['name']} | {r['hit_ratio']:.3f} | {of_oracle} | {r['ttft_p50_ms']:,.0f} | "
-            f"{r['ttft_p99_ms']:,.0f} | {vs_rr:.2f}× | {r['tpot_p50_ms']:.2f} | "
-            f"{r['tpot_p99_ms']:.2f} | {tpot:+.0%} | {r['throughput_tok_s']:,.0f} | "
-            f"{r['throughput_req_s']:.1f} | {lo}–{hi} | {r['hotspot']:.2f} | "
-            f"{r['inflight_max_over_mean_mean']:.2f} | {r['errors']} |")
+    return (f"| {r['name']} | {r['hit_ratio']:.3f} | {_pct(r['hit_ratio'], o.get('hit_ratio'))} | "
+            f"{_pct(r['hit_ratio'], (bound or {}).get('hit_ratio'))} | {r['ttft_p50_ms']:,.0f} | "
+            f"{r['ttft_p99_ms']:,.0f} | {_x(r['ttft_p50_ms'], o.get('ttft_p50_ms'))} | "
+            f"{r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} | {tpot:+.0%} | "
+            f"{r['hotspot']:.2f} | {r['errors']} |")
+
+
+TRACE_TITLES = {"synthetic": "Mooncake FAST'25 synthetic trace",
+                "conversations": "multi-turn conversations (bench/routing/_conversations.py)"}
 
 
 def section(out: dict) -> list[str]:
@@ -23,50 +32,71 @@ def section(out: dict) -> list[str]:
     lat = m["latency_model"]
     lines = [
         "## routing", "",
-        f"`{m['command']}` · {m['date']} · {m['machine']} · trace `{Path(m['trace']).name}`", "",
-        "Mooncake's FAST'25 synthetic trace replayed open-loop through one fleet process and an "
-        "external coordinator onto `--engine sim` workers (aggregated: generation servers only). "
-        f"Arrivals compressed {m['compress']:g}× at 8 workers (trace time / {m['compress']:g}; "
-        "scaled with the worker count, per size below); each 512-token "
-        f"trace block is {m['tokens_per_block']} synthetic tokens (per-token costs × "
-        f"{512 // m['tokens_per_block']}); every latency runs {m['dilation']:g}× slower on the wall "
-        "clock and is reported divided by that (H200-equivalent), so this 2-core host's overhead "
-        "counts that much less. Latency model (bench/routing/_trace.py, from the H200 `1b` rows of the "
-        f"worker section): prefill {lat['prefill_us_per_token']} µs/token + "
-        f"{lat['prefill_us_per_token_per_kctx']} µs/token per 1000 tokens of context (FLOP "
-        f"estimate), decode step {lat['decode_us_per_step']:.0f} µs + {lat['decode_us_per_seq']} "
-        f"µs/sequence + {lat['decode_us_per_ctx_token']} µs/context token, chunked prefill "
-        f"budget {lat['max_num_tokens']} tokens/step, batch ≤ {m['max_batch_size']}. KV "
-        f"capacity (LRU): `--kv-ratio {m['kv_ratio']:g}` of the sampled working set over the "
-        "cluster, floored at twice the longest prompt per worker (the effective share is given "
-        "per size below). Hit ratio = Σ worker-reported cached tokens / Σ prompt tokens. Hotspot = the most "
-        "loaded worker's time-averaged in-flight requests / the mean's; \"inst.\" = the mean over "
-        "time of max/mean in-flight. TPOT Δ = p99 against round_robin's. Oracle: outside the "
-        "product (bench/routing/_routing_oracle.py), placed with the workers' true caches and loads and "
-        "sent to the worker directly (no fleet hop).", ""]
-    for run in out["runs"]:
-        rows = run["rows"]
-        rr = next(r for r in rows if r["policy"] == "round_robin")
-        oracle = next((r for r in rows if r["policy"] == "oracle"), None)
-        lines += [
-            f"### {run['workers']} workers · {run['requests']} requests (1/{run['sample']} of the "
-            f"prefix trees) · working set {run['working_set_blocks']:,} blocks of 16 · "
-            f"{run['blocks_per_worker']:,} blocks per worker (the cluster holds "
-            f"{run.get('kv_ratio_effective', out['meta']['kv_ratio']):.0%} of the working set)", "",
-            f"Arrivals compressed {run['compress']:g}×, dilation {run['dilation']:g}.", "",
-            "| policy | hit ratio | of oracle | TTFT p50 ms | TTFT p99 ms | TTFT p50 vs RR | "
-            "TPOT p50 ms | TPOT p99 ms | TPOT p99 Δ | tokens/s | req/s | requests/worker | "
-            "hotspot | inst. | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [_row(r, rr, oracle) for r in rows]
-        bad = [r for r in rows if r["errors"] or any(r["leases_in_flight"].values())
-               or r["workers_after"]["pinned"] or r["workers_after"]["running"]]
-        lines += ["", "After every policy: leases in flight, running requests and pinned blocks "
-                  + ("were all 0." if not bad else
-                     "NOT all 0: " + "; ".join(f"{r['name']}: leases {r['leases_in_flight']}, "
-                                               f"workers {r['workers_after']}, errors "
-                                               f"{r['errors']} {r['error_samples']}" for r in bad)),
-                  ""]
+        f"`{m['command']}` · {m['date']} · {m['machine']}", "",
+        "Each trace replayed open-loop through one fleet process and an external coordinator onto "
+        "`--engine sim` workers (aggregated: generation servers only), at two offered loads "
+        "(arrival compression per table; scaled with the worker count so the load per worker "
+        "stays the same): *light* (round robin's TTFT p50 about 1 s or less) and *heavy* (near "
+        f"saturation). Each 512-token trace block is {m['tokens_per_block']} synthetic tokens "
+        f"(per-token costs × {512 // m['tokens_per_block']}); every latency runs the table's "
+        "dilation × slower on the wall clock and is reported divided by it (H200-equivalent), "
+        "so the host's own overhead counts that much less. Latency model (bench/routing/_trace.py, "
+        f"H200 `1b`): prefill {lat['prefill_us_per_token']} µs/token + "
+        f"{lat['prefill_us_per_token_per_kctx']} µs/token per 1000 tokens of context, decode step "
+        f"{lat['decode_us_per_step']:.0f} µs + {lat['decode_us_per_seq']} µs/sequence + "
+        f"{lat['decode_us_per_ctx_token']} µs/context token, chunked prefill budget "
+        f"{lat['max_num_tokens']} tokens/step, batch ≤ {m['max_batch_size']}. KV capacity "
+        f"(LRU): `--kv-ratio` {m['kv_ratio']} of the working set over the cluster, floored at "
+        "twice the longest prompt per worker (the share held is per table). Hit ratio = Σ "
+        "worker-reported cached tokens / Σ prompt tokens; *of oracle* / *of bound*: against the "
+        "oracle's and the affinity bound's. TTFT × oracle: p50 over the oracle's. TPOT Δ: p99 "
+        "against round robin's. Hotspot: the most loaded worker's time-averaged in-flight "
+        "requests over the mean's.", "",
+        "The **oracle** (outside the product, bench/routing/_routing_oracle.py) places with every "
+        "worker's true cache (its KV events: evictions included) and true load: the least "
+        f"`(queued prefill + {m.get('oracle_cache_weight', 2.0):g} × uncached) × prefill time + "
+        "(queued + uncached) / chunk × decode step (its decoding requests and their context)`, "
+        "with the workers' exact latency model, and sends to the worker directly (no fleet hop). "
+        "The **affinity bound** (bench/routing/_routing_bound.py) is computed offline: each "
+        "prefix tree (the trie cut where a subtree carries ≤ 1/n of the prompt tokens) whole on "
+        "one server, each server a sequential LRU of its KV capacity, no concurrency — what the "
+        "caches could hold; it is not a latency reference.", ""]
+    traces = m.get("traces", {})
+    for trace in dict.fromkeys(r["trace"] for r in out["runs"]):
+        t = traces.get(trace, {})
+        desc = (f"`{Path(t['file']).name}`, 1/{t['sample']} of the prefix trees" if "file" in t
+                else f"{t.get('requests')} requests in {t.get('sessions')} sessions, mean input "
+                     f"{t.get('mean_input'):,} / output {t.get('mean_output')} tokens, spec "
+                     f"`{t.get('spec')}`" if t else "")
+        lines += [f"### {TRACE_TITLES.get(trace, trace)}", "", desc, "",
+                  "| workers · load | policy | hit ratio | of oracle | of bound | TTFT p50 ms | "
+                  "TTFT p99 ms | TTFT p50 × oracle | TPOT p50 ms | TPOT p99 ms | TPOT p99 Δ | "
+                  "hotspot | errors |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        notes = []
+        for run in [r for r in out["runs"] if r["trace"] == trace]:
+            rows = run["rows"]
+            rr = next((r for r in rows if r["policy"] == "round_robin"), rows[0])
+            oracle = next((r for r in rows if r["policy"] == "oracle"), None)
+            bound = run.get("affinity_bound")
+            head = f"{run['workers']} · {run['load']}"
+            for r in rows:
+                lines.append(f"| {head} " + _row(r, rr, oracle, bound))
+                head = ""
+            if bound:
+                lines.append(f"| | affinity bound | {bound['hit_ratio']:.3f} | | 100% | | | | | | | | |")
+            bad = [r for r in rows if r["errors"] or any(r["leases_in_flight"].values())
+                   or r["workers_after"]["pinned"] or r["workers_after"]["running"]]
+            notes.append(
+                f"- {run['workers']} workers · {run['load']}: {run['requests']} requests, working "
+                f"set {run['working_set_blocks']:,} blocks of 16, {run['blocks_per_worker']:,} "
+                f"per worker (the cluster holds {run['kv_ratio_effective']:.0%} of it), arrivals "
+                f"compressed {run['compress']:g}×, dilation {run['dilation']:g}; after every "
+                "policy leases, running requests and pinned blocks "
+                + ("were 0." if not bad else "NOT all 0: " + "; ".join(
+                    f"{r['name']}: leases {r['leases_in_flight']}, workers {r['workers_after']}, "
+                    f"errors {r['errors']} {r['error_samples']}" for r in bad)))
+        lines += [""] + notes + [""]
     return lines
 
 
@@ -88,7 +118,7 @@ def plot(out: dict, path: Path) -> bool:
         print("matplotlib not installed (pip install -e .[bench]); no plot written")
         return False
     runs = out["runs"]
-    fig, axes = plt.subplots(2, len(runs), figsize=(7 * len(runs), 10), squeeze=False)
+    fig, axes = plt.subplots(2, len(runs), figsize=(5 * len(runs), 9), squeeze=False)
     colors = plt.get_cmap("tab20").colors
     for k, run in enumerate(runs):
         rows = run["rows"]
@@ -98,8 +128,12 @@ def plot(out: dict, path: Path) -> bool:
                 color=[colors[i % len(colors)] for i in range(len(rows))])
         ax.set_yticks(range(len(rows)), names, fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("prefix-hit ratio (worker-reported cached / prompt tokens)")
-        ax.set_title(f"{run['workers']} workers, {run['requests']} requests")
+        ax.set_xlabel("prefix-hit ratio (dashed: affinity bound)", fontsize=8)
+        ax.set_title(f"{run.get('trace', '')} · {run['workers']} workers · {run.get('load', '')}",
+                     fontsize=9)
+        b = run.get("affinity_bound")
+        if b:
+            ax.axvline(b["hit_ratio"], color="k", ls="--", lw=1)
         ax = axes[1][k]
         for i, r in enumerate(rows):
             xs = r.get("ttft_ms_sorted") or []

@@ -98,6 +98,17 @@ def working_set_blocks(reqs: list[Req], per_block: int, block_size: int) -> int:
     return len({h for r in reqs for h in r.hash_ids}) * per_block // block_size
 
 
+def sim_model(per_block: int, dilation: float) -> dict:
+    """The workers' latency model as `routing_model` reads it (seconds on the wall clock, per
+    synthetic token): what `sim_flags` configures, less the per-kctx prefill term."""
+    s, m, d = TRACE_BLOCK / per_block, H200_1B, dilation
+    return {"prefill_s_per_token": m["prefill_us_per_token"] * s * d / 1e6,
+            "chunk_tokens": max(16, int(m["max_num_tokens"] / s) // 16 * 16),
+            "decode_s_per_step": m["decode_us_per_step"] * d / 1e6,
+            "decode_s_per_request": m["decode_us_per_seq"] * d / 1e6,
+            "decode_s_per_context_token": m["decode_us_per_ctx_token"] * s * d / 1e6}
+
+
 def sim_flags(per_block: int, dilation: float) -> list[str]:
     """Worker flags for the H200 `1b` latency model. One synthetic token stands for
     512/per_block real tokens, so per-token costs scale by that; `dilation` slows everything

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,8 @@ import yaml  # noqa: E402
 
 from bench.routing import _trace as T  # noqa: E402
 from bench._common import cpu_model, replace_section  # noqa: E402
+from bench.routing import _conversations as C  # noqa: E402
+from bench.routing import _routing_bound as RB  # noqa: E402
 from bench.routing._routing_oracle import Oracle  # noqa: E402
 from splitserve_testing import Proc, free_port, wait_http  # noqa: E402
 
@@ -53,12 +56,11 @@ OUTDIR = ROOT / "bench" / "results"
 PY = sys.executable
 BLOCK = 16
 KV_DEFAULTS: dict = {}
-KV_GRID = [  # the search: load weight against cache weight, and the hot-spot cap
-    {"load_requests_weight": 0.0, "load_tokens_weight": 1.0},
-    {"load_requests_weight": 256.0},
-    {"load_tokens_weight": 0.5, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
-    {"load_tokens_weight": 2.0, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
-    {"load_tokens_weight": 0.5, "hotspot_factor": 1.2, "hotspot_slack": 0.5},
+KV_GRID = [  # the search around the time cost's defaults, and the token cost it replaced
+    {"uncached_weight": 2.0},
+    {"uncached_weight": 1.5, "hotspot_factor": 1.5},
+    {"hotspot_factor": None},
+    {"cost": "tokens"},
     {"load_tokens_weight": 0.25, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
 ]
 
@@ -236,21 +238,26 @@ def run_policy(procs: Procs, work: Path, urls: list[str], name: str, policy: str
     reset_workers(urls)
     t = time.time()
     if policy == "oracle":
-        oracle = Oracle(urls, BLOCK, rargs.get("cache_weight", args.oracle_cache_weight))
+        oracle = Oracle(urls, BLOCK, rargs.get("cache_weight", args.oracle_cache_weight),
+                        T.sim_model(args.tokens_per_block, args.dilation))
         asyncio.run(_with_oracle(oracle, reqs, tokens, args))
         results, diag, leases = oracle.results, None, {"context": 0, "generation": 0}
+        lease_stats = None
     else:
         furl, curl, front = start_front(procs, work, urls, policy, rargs)
         results = asyncio.run(replay(furl, reqs, tokens, args))
         time.sleep(1.2)   # one diagnostics check period
         ci = json.loads(get(curl + "/cluster_info"))
         leases = ci["leases"]["in_flight"]
+        lease_stats = {k: ci["leases"].get(k) for k in ("first_tokens_total",
+                                                         "prefill_timeouts_total")}
         diag = {s["url"]: s.get("routing_prediction") for s in ci["servers"]["generation"]}
         for p in front:
             procs.stop(p)
     s = T.summarize(results, urls, args.dilation)
     s.update(name=name, policy=policy, args=rargs, wall_s=round(time.time() - t, 1),
-             leases_in_flight=leases, workers_after=worker_state(urls), coordinator_prediction=diag)
+             leases_in_flight=leases, workers_after=worker_state(urls), coordinator_prediction=diag,
+             coordinator_leases=lease_stats)
     print(f"  {name:<34} hit {s['hit_ratio']:.3f}  TTFT p50 {s['ttft_p50_ms']:8.1f} ms  "
           f"p99 {s['ttft_p99_ms']:9.1f}  TPOT p50 {s['tpot_p50_ms']:6.2f} p99 {s['tpot_p99_ms']:6.2f}"
           f"  hotspot {s['hotspot']:.2f}  err {s['errors']}  ({s['wall_s']} s)", flush=True)
@@ -280,52 +287,97 @@ def policies(args) -> list[tuple[str, str, dict]]:
     return out
 
 
-def run_size(n: int, args, reqs, tokens, work: Path) -> dict:
-    if args.per_worker_load:
-        # the same requests at the same load per worker: arrivals and the latency model both
-        # n/8 x faster/slower, so every size costs the host the same CPU per wall second
-        args = argparse.Namespace(**{**vars(args), "compress": args.compress * n / 8,
-                                     "dilation": args.dilation * n / 8})
+# Arrival compression at 8 workers per trace and offered load (scaled by workers/8 with
+# --per-worker-load): "light" keeps round robin's TTFT p50 under ~1 s, "heavy" is near saturation
+# (queues grow under round robin, while a router that reuses caches still keeps up).
+LOADS = {"synthetic": {"light": 100.0, "heavy": 160.0},
+         "conversations": {"light": 40.0, "heavy": 80.0}}
+# KV capacity of the cluster as a share of each trace's working set (--kv-ratio overrides). The
+# conversations' working set is small for their concurrency (every running request pins its
+# whole history), so half of it would leave no room to cache anything.
+KV_RATIO = {"synthetic": 0.5, "conversations": 1.0}
+
+
+def run_size(n: int, args, trace: str, reqs, tokens, work: Path, loads: list[str]) -> list[dict]:
+    """Every load of one trace on one cluster of `n` workers (started once; caches reset per
+    policy) → one run record per load."""
+    dil = args.dilation * n / 8 if args.per_worker_load else args.dilation
     ws = T.working_set_blocks(reqs, args.tokens_per_block, BLOCK)
     # at least twice the longest prompt, so every request fits a worker's pool
     longest = max(len(tokens.prompt(r)) for r in reqs) // BLOCK + 1
-    per_worker = max(2 * longest, int(ws * args.kv_ratio / n))
+    kv_ratio = args.kv_ratio if args.kv_ratio is not None else KV_RATIO[trace]
+    per_worker = max(2 * longest, int(ws * kv_ratio / n))
+    bound = RB.affinity_bound(reqs, n, per_worker, args.tokens_per_block, BLOCK)
+    runs = []
     procs = Procs(work)
     try:
-        urls = start_workers(procs, n, per_worker, args)
-        print(f"{n} workers, {len(reqs)} requests, working set {ws} blocks, "
-              f"{per_worker} blocks per worker", flush=True)
-        rows = [run_policy(procs, work, urls, name, pol, ra, reqs, tokens, args)
-                for name, pol, ra in policies(args)]
+        urls = start_workers(procs, n, per_worker, argparse.Namespace(**{**vars(args), "dilation": dil}))
+        for load in loads:
+            c = args.compress if args.compress is not None else LOADS[trace][load]
+            a = argparse.Namespace(**{**vars(args), "dilation": dil,
+                                      "compress": c * n / 8 if args.per_worker_load else c})
+            print(f"{trace} · {load} · {n} workers, {len(reqs)} requests, working set {ws} blocks, "
+                  f"{per_worker} blocks per worker, compress {a.compress:g}, dilation {dil:g}; "
+                  f"affinity bound {bound['hit_ratio']:.3f}", flush=True)
+            rows = [run_policy(procs, work, urls, name, pol, ra, reqs, tokens, a)
+                    for name, pol, ra in policies(args)]
+            runs.append({"trace": trace, "load": load, "workers": n, "requests": len(reqs),
+                         "working_set_blocks": ws, "kv_ratio_effective": per_worker * n / ws,
+                         "compress": a.compress, "dilation": dil, "blocks_per_worker": per_worker,
+                         "affinity_bound": bound, "rows": rows})
     finally:
         procs.stop_all()
-    return {"workers": n, "requests": len(reqs), "working_set_blocks": ws,
-            "kv_ratio_effective": per_worker * n / ws,
-            "compress": args.compress, "dilation": args.dilation,
-            "blocks_per_worker": per_worker, "rows": rows}
+    return runs
+
+
+def load_trace(name: str, args, work: Path) -> tuple[list, dict]:
+    """(requests, how they were made) of a named trace."""
+    if name == "synthetic":
+        reqs = T.load(args.trace, sample=args.sample, limit=args.limit)
+        info = {"file": str(args.trace), "sample": args.sample}
+    elif name == "conversations":
+        spec = C.ConversationSpec(sessions=args.conv_sessions, seed=args.conv_seed)
+        path = C.write(spec, work / "conversations.jsonl")
+        reqs = T.load(path, limit=args.limit)
+        info = {"generator": "bench/routing/_conversations.py", "spec": asdict(spec),
+                **C.describe(C.generate(spec))}
+    else:
+        raise SystemExit(f"unknown trace {name!r}: expected synthetic or conversations")
+    if args.max_output:
+        for r in reqs:
+            r.output_length = min(r.output_length, args.max_output)
+    return reqs, info
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--traces", default="synthetic,conversations",
+                    help="synthetic (the Mooncake trace, --trace) and/or conversations (generated)")
     ap.add_argument("--trace", type=Path, default=T.DEFAULT_TRACE)
+    ap.add_argument("--conv-sessions", type=int, default=C.ConversationSpec.sessions)
+    ap.add_argument("--conv-seed", type=int, default=0)
     ap.add_argument("--workers", default="8,32", help="cluster sizes, comma-separated")
-    ap.add_argument("--sample", type=int, default=8, help="keep 1/K of the prefix trees")
+    ap.add_argument("--loads", default="light,heavy", help="offered loads (LOADS), comma-separated")
+    ap.add_argument("--sample", type=int, default=8, help="synthetic: keep 1/K of the prefix trees")
     ap.add_argument("--per-worker-load", action=argparse.BooleanOptionalAction, default=True,
-                    help="scale --compress and --dilation by workers/8 (same load per worker)")
+                    help="scale the compression and --dilation by workers/8 (same load per worker)")
     ap.add_argument("--limit", type=int, default=None, help="at most this many requests")
-    ap.add_argument("--compress", type=float, default=120.0,
-                    help="arrival-time compression factor (at 8 workers, see --per-worker-load)")
+    ap.add_argument("--compress", type=float, default=None,
+                    help="arrival-time compression factor at 8 workers for every load (default: "
+                         "LOADS per trace and load; see --per-worker-load)")
     ap.add_argument("--dilation", type=float, default=4.0,
                     help="wall time per model time (at 8 workers, see --per-worker-load)")
     ap.add_argument("--tokens-per-block", type=int, default=32)
-    ap.add_argument("--kv-ratio", type=float, default=0.5,
-                    help="KV capacity of the whole cluster as a fraction of the working set")
+    ap.add_argument("--kv-ratio", type=float, default=None,
+                    help="KV capacity of the whole cluster as a fraction of the working set "
+                         "(default: KV_RATIO per trace)")
     ap.add_argument("--max-batch-size", type=int, default=128)
     ap.add_argument("--max-output", type=int, default=None,
                     help="cap every request's output length (CI smoke: fewer streamed chunks)")
     ap.add_argument("--policies", default=None, help="only these (policy types or row names)")
     ap.add_argument("--oracle-cache-weight", type=float, default=2.0,
-                    help="oracle cost: queued prefill + this x uncached tokens")
+                    help="oracle cost: (queued prefill + this x uncached tokens) x prefill time "
+                         "+ decode pressure")
     ap.add_argument("--no-reuse-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="no kv_cache_aware search")
     ap.add_argument("--no-write", action="store_true")
@@ -336,10 +388,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         parts = [json.loads(p.read_text()) for p in args.from_json]
-        runs: dict[int, dict] = {}
-        for part in parts:   # a later file's rows replace the same-named rows of that size
+        runs: dict[tuple, dict] = {}
+        for part in parts:   # a later file's rows replace the same-named rows of that run
             for r in part["runs"]:
-                have = runs.setdefault(r["workers"], r)
+                have = runs.setdefault((r["trace"], r["workers"], r["load"]), r)
                 if have is not r:
                     names = [x["name"] for x in have["rows"]]
                     for row in r["rows"]:
@@ -347,28 +399,28 @@ def main(argv=None) -> int:
                             have["rows"][names.index(row["name"])] = row
                         else:
                             have["rows"].append(row)
-        out = {"meta": parts[0]["meta"], "runs": sorted(runs.values(), key=lambda r: r["workers"])}
+        out = {"meta": parts[0]["meta"], "runs": [runs[k] for k in sorted(runs)]}
+        for part in parts[1:]:
+            out["meta"]["traces"] = {**part["meta"].get("traces", {}), **out["meta"]["traces"]}
         out["meta"]["command"] = " ; ".join(p["meta"]["command"] for p in parts)
         return _write(out, OUTDIR / "routing.json")
     sizes = [int(x) for x in args.workers.split(",")]
+    loads = args.loads.split(",")
     tokens = T.Tokens(args.tokens_per_block)
-    runs = []
+    runs, traces = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         if args.work:
             tmp = str(args.work)
             args.work.mkdir(parents=True, exist_ok=True)
-        for n in sizes:
-            k = args.sample
-            reqs = T.load(args.trace, sample=k, limit=args.limit)
-            if args.max_output:
-                for r in reqs:
-                    r.output_length = min(r.output_length, args.max_output)
-            r = run_size(n, args, reqs, tokens, Path(tmp))
-            r["sample"] = k
-            runs.append(r)
-    meta = {"trace": str(args.trace), "compress": args.compress, "dilation": args.dilation,
-            "tokens_per_block": args.tokens_per_block, "kv_ratio": args.kv_ratio,
+        for name in args.traces.split(","):
+            reqs, traces[name] = load_trace(name, args, Path(tmp))
+            for n in sizes:
+                runs += run_size(n, args, name, reqs, tokens, Path(tmp), loads)
+    meta = {"traces": traces, "dilation": args.dilation,
+            "tokens_per_block": args.tokens_per_block,
+            "kv_ratio": args.kv_ratio if args.kv_ratio is not None else KV_RATIO,
             "max_batch_size": args.max_batch_size, "latency_model": T.H200_1B,
+            "oracle_cache_weight": args.oracle_cache_weight,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({platform.machine()})",
             "command": "python bench/routing/routing.py " + " ".join(argv if argv is not None else sys.argv[1:])}

@@ -198,6 +198,11 @@ async def test_first_token_reports_end_the_prefill_phase_once(served):
         with pytest.raises(CoordinatorRequestError) as ei:
             await cl.first_token("decoder", 1)
         assert ei.value.status == 400 and ei.value.field == "role"
+        # a short answer's report and finish share a batch: the report is applied first
+        await cl.select("gen", 23, key)
+        assert cl.first_token_nowait("gen", 23) and cl.finish_nowait("gen", 23)
+        await wait_for(lambda: _leases(c) == 0, what="report and finish applied")
+        assert c.leases.first_tokens == 3
     finally:
         await cl.close()
 

@@ -360,3 +360,84 @@ def test_kv_unknown_server_is_placed_by_load_not_by_a_zero_match():
     row = next(r for r in d.explanation["candidates"] if r["server"] == "http://c")
     assert "kv_mismatch" in row["why"] and row["matched_tokens"] == 0
     assert d.explanation["matched_tokens"] == 0     # nothing predicted cached on c
+
+
+# ---- kv_cache_aware's time cost -----------------------------------------------------------------
+
+MODEL = {"prefill_s_per_token": 1e-4, "chunk_tokens": 512, "decode_s_per_step": 0.01,
+         "decode_s_per_request": 1e-4, "decode_s_per_context_token": 1e-6}
+
+
+def _cands(servers, model=MODEL):
+    return [Candidate(s, info={"routing_model": model}) for s in servers]
+
+
+def test_time_cost_tells_queued_prefill_from_decoding(env):
+    """The server holding the prompt's prefix has 6k tokens of prefill queued: the match is worth
+    less than the queue, so the prompt goes elsewhere; once those leases report their first token
+    (now decoding), the match wins. The token cost cannot tell the two states apart."""
+    idx, leases, view = env
+    t = prompt(11, 1024)
+    cache(idx, "http://a", t[:896])
+    rids = [next(_req_ids) for _ in range(3)]
+    for r in rids:
+        leases.acquire("gen", r, "http://a", 0.0, 60.0, 2000)
+    p = make_policy("kv_cache_aware", {})
+    assert p.cost == "time" and p.uncached_weight == 2.0
+    cands = _cands(SERVERS)
+    assert p.select(cands, key_of(t), view).server != "http://a"
+    for r in rids:
+        assert leases.first_token("gen", r) is not None
+    d = p.select(cands, key_of(t), view)
+    assert d.server == "http://a" and d.uncached == 1024 - 896
+    # the estimate for the chosen server: its uncached tokens at 1e-4 s, in one chunk sharing a
+    # step with its 3 decoding leases (6,000 context tokens)
+    step = 0.01 + 3 * 1e-4 + 6000 * 1e-6
+    assert d.predicted_s == pytest.approx(128 * 1e-4 + 128 / 512 * step)
+    tok = make_policy("kv_cache_aware", {"cost": "tokens"})
+    assert tok.select(cands, key_of(t), view).server != "http://a"
+
+
+def test_time_cost_learns_a_slow_server_from_first_token_reports(env):
+    _, leases, view = env
+    p = make_policy("kv_cache_aware", {"hotspot_factor": None})
+    cands = _cands(["http://a", "http://b"])
+    t = prompt(12, 2048)
+    # equal costs: ties in turn
+    picks = {p.select(cands, key_of(t), view).server for _ in range(2)}
+    assert picks == {"http://a", "http://b"}
+    for _ in range(60):     # a's first tokens come 3x later than its model says
+        p.observe_ttft("http://a", 0.2 * p.scale("http://a"), 0.6)    # estimates include the scale
+        p.observe_ttft("http://b", 0.2 * p.scale("http://b"), 0.2)
+    assert 2.5 < p.scale("http://a") <= 3.1 and p.scale("http://b") == pytest.approx(1.0)
+    assert {p.select(cands, key_of(t), view).server for _ in range(4)} == {"http://b"}
+    p.observe_ttft("http://b", 0.001, 5.0)      # too small an estimate to learn from
+    assert p.scale("http://b") == pytest.approx(1.0)
+    p.remove_server("http://a")
+    assert p.scale("http://a") == 1.0
+
+
+def test_routing_model_from_server_info_or_the_prior():
+    from router.policy_kv import PRIOR_MODEL, model_of
+    assert model_of({"routing_model": MODEL}) == (1e-4, 512.0, 0.01, 1e-4, 1e-6)
+    prior = tuple(float(v) for v in PRIOR_MODEL.values())
+    assert model_of(None) == prior and model_of({"routing_model": "x"}) == prior
+    bad = {"routing_model": {"prefill_s_per_token": -1, "chunk_tokens": 0, "decode_s_per_step": "x"},
+           "max_num_tokens": 2048}
+    assert model_of(bad) == (prior[0], 2048.0, *prior[2:])
+    assert model_of({"routing_model": MODEL}, prefill_tokens_per_s=1000.0, decode_step_s=0.0)[:3] == \
+        (1e-3, 512.0, 0.0)
+
+
+@pytest.mark.parametrize("args, field", [
+    ({"load_tokens_weight": 0.5, "cost": "time"}, "load_tokens_weight"),
+    ({"cost": "fast"}, "cost"),
+    ({"prefill_tokens_per_s": 0}, "prefill_tokens_per_s"),
+    ({"uncached_weight": -1}, "uncached_weight"),
+])
+def test_time_cost_arguments_are_checked(args, field):
+    with pytest.raises(ValueError, match=field):
+        make_policy("kv_cache_aware", args)
+    # a token weight alone selects the token cost (configs written for it keep their meaning)
+    assert make_policy("kv_cache_aware", {"load_tokens_weight": 0.5}).cost == "tokens"
+    assert make_policy("kv_cache_aware", {"use_tokens": False}).cost == "tokens"
