@@ -18,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <string.h>
 
 /* An int argument or a load field as a C long long; -1 with an exception set on failure. */
 static int as_ll(PyObject *o, long long *out, const char *what) {
@@ -90,7 +91,8 @@ static int match_of(PyObject *mdict, PyObject *server, long long B, long long ca
  * (in-flight requests for `core`, estimated wait for `time_core`) and requests `req`; steals
  * `matched`. The Python side: the end of `_core` / `_time_core`. */
 static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const double *hv,
-                        const long long *req, double hf, double slack, long long mbs, double lcap) {
+                        const long long *req, double hf, double slack, long long mbs, double lcap,
+                        const char *full) {
     PyObject *costs = NULL, *tied = NULL, *hs = NULL, *lc = NULL, *ans = NULL;
     char *hot = PyMem_Calloc(n, 1);
     if (hot == NULL) {
@@ -124,9 +126,10 @@ static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const
             }
         }
     }
-    if (mbs != 0) {
+    if (mbs != 0 || full != NULL) {
         for (Py_ssize_t i = 0; i < n; i++) {
-            if (!hot[i] && (double)req[i] / (double)mbs >= lcap) {
+            if (!hot[i] && ((full != NULL && full[i]) ||
+                            (mbs != 0 && (double)req[i] / (double)mbs >= lcap))) {
                 if (append_index(lc, i) < 0)
                     goto fail;
                 hot[i] = 1;
@@ -257,7 +260,7 @@ static PyObject *core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     if (pin >= 0 && pin < n)
         cv[pin] -= bonus * (double)nt;
-    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap);
+    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap, NULL);
     matched = NULL;
 fail:
     Py_XDECREF(matched);
@@ -268,14 +271,17 @@ fail:
 }
 
 PyDoc_STRVAR(time_core_doc,
-"time_core(servers, matched, loads, phases, models, scales, block_size, cap, num_tokens,\n"
+"time_core(servers, matched, loads, phases, params, block_size, cap, num_tokens,\n"
 "          uncached_weight, decode_weight, pinned, affinity_bonus, hotspot_factor,\n"
 "          hotspot_slack_s, max_batch_size, load_cap)\n"
 "    -> (matched_tokens, costs, tied, hotspot, load_capped, limit)\n\n"
 "router/policy_kv.py `_time_core` (its docstring has the arguments and the answer).");
 
-enum { T_SERVERS, T_MATCHED, T_LOADS, T_PHASES, T_MODELS, T_SCALES, T_BS, T_CAP, T_NT, T_UW,
+enum { T_SERVERS, T_MATCHED, T_LOADS, T_PHASES, T_PARAMS, T_BS, T_CAP, T_NT, T_UW,
        T_DW, T_PIN, T_BONUS, T_HF, T_SLACK, T_MBS, T_LCAP, T_N_ARGS };
+/* per server in `params` (a buffer of doubles, router/policy_kv.py PARAMS): prefill s/token,
+ * chunk tokens, decode s/step, s/request, s/context token, KV capacity tokens, learned scale */
+enum { P_A, P_CHUNK, P_S0, P_S1, P_S2, P_KVCAP, P_K, N_PARAMS };
 
 /* A sequence item of exactly `k` elements (a tuple or a list); NULL with TypeError otherwise. */
 static PyObject *const *items_of(PyObject *o, Py_ssize_t k, const char *what) {
@@ -294,15 +300,26 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     PyObject *servers = args[T_SERVERS], *mdict = args[T_MATCHED], *loads = args[T_LOADS];
-    PyObject *phases = args[T_PHASES], *models = args[T_MODELS], *scales = args[T_SCALES];
+    PyObject *phases = args[T_PHASES];
     Py_ssize_t n;
     if (check_lists(servers, mdict, loads, &n))
         return NULL;
-    if (!PyList_Check(phases) || !PyList_Check(models) || !PyList_Check(scales) ||
-        PyList_GET_SIZE(phases) != n || PyList_GET_SIZE(models) != n || PyList_GET_SIZE(scales) != n) {
-        PyErr_SetString(PyExc_ValueError, "phases, models and scales must be lists of one item per server");
+    if (!PyList_Check(phases) || PyList_GET_SIZE(phases) != n) {
+        PyErr_SetString(PyExc_ValueError, "phases must be a list of one item per server");
         return NULL;
     }
+    Py_buffer pb;
+    if (PyObject_GetBuffer(args[T_PARAMS], &pb, PyBUF_FORMAT) < 0) {
+        PyErr_SetString(PyExc_TypeError, "params must be a buffer of doubles (array('d'))");
+        return NULL;
+    }
+    if (pb.format == NULL || strcmp(pb.format, "d") != 0 || pb.len != n * N_PARAMS * (Py_ssize_t)sizeof(double)) {
+        PyBuffer_Release(&pb);
+        PyErr_Format(PyExc_ValueError, "params must hold %d doubles per server (%zd servers), found "
+                     "%zd bytes", N_PARAMS, n, pb.len);
+        return NULL;
+    }
+    const double *pv = (const double *)pb.buf;
     long long B, cap, nt, pin, mbs;
     double uw, dw, bonus, hf, slack, lcap;
     if (as_ll(args[T_BS], &B, "block_size") || as_ll(args[T_CAP], &cap, "cap") ||
@@ -310,14 +327,17 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
         as_ll(args[T_MBS], &mbs, "max_batch_size") ||
         as_d(args[T_UW], &uw, "uncached_weight") || as_d(args[T_DW], &dw, "decode_weight") ||
         as_d(args[T_BONUS], &bonus, "affinity_bonus") || as_d(args[T_HF], &hf, "hotspot_factor") ||
-        as_d(args[T_SLACK], &slack, "hotspot_slack_s") || as_d(args[T_LCAP], &lcap, "load_cap"))
+        as_d(args[T_SLACK], &slack, "hotspot_slack_s") || as_d(args[T_LCAP], &lcap, "load_cap")) {
+        PyBuffer_Release(&pb);
         return NULL;
+    }
 
     PyObject *matched = NULL, *ans = NULL;
     double *cv = PyMem_Malloc(n * sizeof(double)), *hv = PyMem_Malloc(n * sizeof(double));
     double *av = PyMem_Malloc(n * sizeof(double));
     long long *req = PyMem_Malloc(n * sizeof(long long));
-    if (cv == NULL || hv == NULL || av == NULL || req == NULL) {
+    char *full = PyMem_Calloc(n, 1);
+    if (cv == NULL || hv == NULL || av == NULL || req == NULL || full == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
@@ -325,18 +345,15 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         long long mt, r, tok, q, npf, tpf;
-        PyObject *const *ph, *const *md;
-        double a, chunk, s0, s1, s2, k;
+        PyObject *const *ph;
+        const double *pp = pv + i * N_PARAMS;
+        double a = pp[P_A], chunk = pp[P_CHUNK], s0 = pp[P_S0], s1 = pp[P_S1], s2 = pp[P_S2];
+        double kvcap = pp[P_KVCAP], k = pp[P_K];
         if (match_of(mdict, PyList_GET_ITEM(servers, i), B, cap, &mt) ||
             as_pair(PyList_GET_ITEM(loads, i), &r, &tok, "a load") ||
             (ph = items_of(PyList_GET_ITEM(phases, i), 3, "a phase")) == NULL ||
             as_ll(ph[0], &q, "queued prefill tokens") || as_ll(ph[1], &npf, "leases in prefill") ||
-            as_ll(ph[2], &tpf, "their tokens") ||
-            (md = items_of(PyList_GET_ITEM(models, i), 5, "a model")) == NULL ||
-            as_d(md[0], &a, "prefill seconds per token") || as_d(md[1], &chunk, "chunk tokens") ||
-            as_d(md[2], &s0, "decode step seconds") || as_d(md[3], &s1, "decode seconds per request") ||
-            as_d(md[4], &s2, "decode seconds per context token") ||
-            as_d(PyList_GET_ITEM(scales, i), &k, "a scale"))
+            as_ll(ph[2], &tpf, "their tokens"))
             goto fail;
         PyObject *m = PyLong_FromLongLong(mt);
         if (m == NULL)
@@ -344,35 +361,34 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyList_SET_ITEM(matched, i, m);
         long long p = nt - mt, d = r - npf;
         /* step = dw * (s0 + s1 * d + s2 * (tok - tpf)) if d > 0 else 0.0 */
-        double step = 0.0;
-        if (d > 0) {
-            double x = s0 + s1 * (double)d;
-            x = x + s2 * (double)(tok - tpf);
-            step = dw * x;
-        }
+        /* x = dw * (s0 + s1 * d + s2 * (tok - tpf)): a decode step there, were one to run now */
+        double x = s0 + s1 * (double)d;
+        x = x + s2 * (double)(tok - tpf);
+        x = dw * x;
+        double step = d > 0 ? x : 0.0;
         /* k * ((q + uw * p) * a + (q + p) / chunk * step) */
         double c = (double)q + uw * (double)p;
         c = c * a;
         c = c + (double)(q + p) / chunk * step;
         cv[i] = k * c;
-        /* k * (q * a + q / chunk * step + step) */
-        double h = (double)q * a;
-        h = h + (double)q / chunk * step;
-        h = h + step;
-        hv[i] = k * h;
+        hv[i] = k * x;         /* its decode step (a TPOT estimate), decoding or not */
         av[i] = a * k;
         req[i] = r;
+        /* its KV cannot hold this prompt beside its leases' prompts: it would wait for memory */
+        full[i] = kvcap > 0.0 && (double)(tok + nt) > kvcap;
     }
     if (pin >= 0 && pin < n)    /* bonus * num_tokens * a * k */
         cv[pin] -= bonus * (double)nt * av[pin];
-    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap);
+    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap, full);
     matched = NULL;
 fail:
+    PyBuffer_Release(&pb);
     Py_XDECREF(matched);
     PyMem_Free(cv);
     PyMem_Free(hv);
     PyMem_Free(av);
     PyMem_Free(req);
+    PyMem_Free(full);
     return ans;
 }
 

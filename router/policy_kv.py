@@ -5,6 +5,8 @@ interface)."""
 from __future__ import annotations
 
 
+from array import array
+
 from protocol.channel import KvChoice
 
 from .policy_base import Decision, PinLru, Policy, healthy_candidates, server_loads
@@ -23,24 +25,31 @@ __all__ = ["KvCacheAwarePolicy", "NATIVE", "ROW_KEYS", "explain", "model_of", "P
 # 8192-token prefill chunks, 10 ms decode steps. Only the ratios between servers and against the
 # time-valued arguments (hotspot_slack_s) matter, and the online scale corrects both.
 PRIOR_MODEL = {"prefill_s_per_token": 5e-5, "chunk_tokens": 8192, "decode_s_per_step": 0.01,
-               "decode_s_per_request": 0.0, "decode_s_per_context_token": 0.0}
+               "decode_s_per_request": 0.0, "decode_s_per_context_token": 0.0,
+               "kv_capacity_tokens": 0}
 _MODEL_KEYS = tuple(PRIOR_MODEL)
+# doubles per server in the time core's `params` (router/_kv_cost.c P_*): the model, then the scale
+PARAMS = len(_MODEL_KEYS) + 1
 # the tokens cost's weights: giving any of them (or cost: tokens) selects that cost
 TOKEN_WEIGHTS = ("prefill_weight", "load_tokens_weight", "load_requests_weight")
 
 
 def model_of(info: dict | None, prefill_tokens_per_s: float | None = None,
-             decode_step_s: float | None = None) -> tuple[float, float, float, float, float]:
-    """A server's latency model ``(prefill s/token, chunk tokens, decode s/step, decode
-    s/request, decode s/context token)`` from its ``/server_info`` (``routing_model``, which our
-    worker publishes; ``max_num_tokens`` for the chunk), the policy's overrides, else
-    ``PRIOR_MODEL``. Malformed fields are ignored (the prior stands)."""
+             decode_step_s: float | None = None) -> tuple[float, ...]:
+    """A server's model ``(prefill s/token, chunk tokens, decode s/step, decode s/request,
+    decode s/context token, KV capacity tokens)`` from its ``/server_info`` (``routing_model``,
+    which our worker publishes; ``max_num_tokens`` for the chunk; ``kv_capacity_blocks`` ×
+    ``block_size`` for the capacity, 0: unknown), the policy's overrides, else ``PRIOR_MODEL``.
+    Malformed fields are ignored (the prior stands)."""
     info = info if isinstance(info, dict) else {}
     rm = info.get("routing_model")
     m = dict(PRIOR_MODEL)
     mnt = info.get("max_num_tokens")
     if type(mnt) is int and mnt > 0:
         m["chunk_tokens"] = mnt
+    cap, bs = info.get("kv_capacity_blocks"), info.get("block_size")
+    if type(cap) is int and cap > 0 and type(bs) is int and bs > 0:
+        m["kv_capacity_tokens"] = cap * bs
     if isinstance(rm, dict):
         for k in _MODEL_KEYS:
             v = rm.get(k)
@@ -76,7 +85,8 @@ class KvCacheAwarePolicy(Policy):
     the decoding requests. The model ``(s_tok, chunk, s_step, s_req, s_ctx)`` is each server's
     ``routing_model`` from ``/server_info`` (``model_of``), and ``k`` a per-server scale learned
     from the fleet's first-token reports (``observe_ttft``: actual against predicted). A server is
-    hot when its estimated wait (queued prefill plus one decode step, seconds) exceeds
+    hot when its decode step (``k * decode_weight * (s_step + s_req * decoding + s_ctx *
+    their_context_tokens)``, seconds: the time per output token there) exceeds
     ``hotspot_factor * mean + hotspot_slack_s``.
 
     ``cost="tokens"`` (or giving any of ``prefill_weight``, ``load_tokens_weight``,
@@ -105,7 +115,7 @@ class KvCacheAwarePolicy(Policy):
                  decode_weight: float = 1.0, prefill_tokens_per_s: float | None = None,
                  decode_step_s: float | None = None, learn_rates: bool = True,
                  affinity_bonus: float = 0.25, hotspot_factor: float | None = 2.0,
-                 hotspot_slack: float = 2.0, hotspot_slack_s: float = 0.05,
+                 hotspot_slack: float = 2.0, hotspot_slack_s: float = 0.0,
                  max_batch_size: int | None = None,
                  load_cap: float | None = None, max_conversations: int = 100_000,
                  track_routed_blocks: bool = True, speculative_ttl_s: float = 30.0,
@@ -195,10 +205,8 @@ class KvCacheAwarePolicy(Policy):
         k = self._scale.get(server, 1.0) * r ** self._LEARN
         self._scale[server] = min(20.0, max(0.05, k))
         memo = self._cands
-        if memo is not None:
-            i = memo[3].index(server) if server in memo[7] else -1
-            if i >= 0:
-                memo[6][i] = self._scale[server]
+        if memo is not None and server in memo[7]:
+            memo[6][memo[3].index(server) * PARAMS + PARAMS - 1] = self._scale[server]
 
     def scale(self, server: str) -> float:
         """The server's learned scale of the time model (1.0: none learned)."""
@@ -211,16 +219,19 @@ class KvCacheAwarePolicy(Policy):
         # depends on it alone (healthy subset, server names, unknown-match servers) is kept.
         memo = self._cands
         if memo is not None and memo[0] == candidates:
-            _, ok, unhealthy, servers, unknown, all_unknown, scales, _, models = memo
+            _, ok, unhealthy, servers, unknown, all_unknown, params, _, _ = memo
         else:
             ok, unhealthy = healthy_candidates(self.name, candidates)
             servers = [c.server for c in ok]
             unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
             all_unknown = len(unknown) == len(ok)
-            scales = [self._scale.get(s, 1.0) for s in servers]
-            models = [model_of(c.info, self.prefill_tokens_per_s, self.decode_step_s) for c in ok]
-            self._cands = (list(candidates), ok, unhealthy, servers, unknown, all_unknown, scales,
-                           frozenset(servers), models)
+            # the model and learned scale of every candidate, as the native core reads them
+            params = array("d")
+            for c in ok:
+                params.extend(model_of(c.info, self.prefill_tokens_per_s, self.decode_step_s))
+                params.append(self._scale.get(c.server, 1.0))
+            self._cands = (list(candidates), ok, unhealthy, servers, unknown, all_unknown, params,
+                           frozenset(servers), None)
         n = len(servers)
         if key is not None:
             keys = key.block_keys
@@ -245,7 +256,7 @@ class KvCacheAwarePolicy(Policy):
         if timed:
             ph = bulk[2]
             phases = ph(servers) if ph is not None else [(t, r, t) for r, t in loads]
-            args = (servers, md, loads, phases, models, scales, self.block_size, cap, num_tokens,
+            args = (servers, md, loads, phases, params, self.block_size, cap, num_tokens,
                     self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
                     self.hotspot_slack_s, mbs, self.load_cap if mbs else 0.0)
             native, python = _native_time_core, _time_core
@@ -264,10 +275,13 @@ class KvCacheAwarePolicy(Policy):
                 pass
         matched, costs, tied, hs, lc, limit = res or python(*args, unknown)
         if hs or lc:
-            hot = {i: (f"hot: estimated wait > cap {limit:.3f}s" if timed else
+            hot = {i: (f"hot: decode step > cap {limit * 1e3:.1f} ms" if timed else
                        f"hot: {loads[i][0]} in-flight requests > cap {limit:.1f}") for i in hs}
             for i in lc:
-                hot[i] = f"hot: {loads[i][0]}/{mbs} requests >= load_cap {self.load_cap}"
+                hot[i] = (f"hot: {loads[i][0]}/{mbs} requests >= load_cap {self.load_cap}"
+                          if mbs and loads[i][0] / mbs >= self.load_cap else
+                          f"hot: KV full ({loads[i][1]} in-flight prompt tokens + this prompt "
+                          f"> capacity {int(params[i * PARAMS + 5])})")
             skip_hot = len(hot) != n
         else:
             hot, skip_hot = _NO_HOT, False
@@ -291,10 +305,11 @@ class KvCacheAwarePolicy(Policy):
             # what its first-token report is compared with (observe_ttft)
             q, npf, tpf = phases[pick]
             r, t = loads[pick]
-            a, chunk, s0, s1, s2 = models[pick]
+            b = pick * PARAMS
             w = q + num_tokens - matched[pick]
-            step = self.decode_weight * (s0 + s1 * (r - npf) + s2 * (t - tpf)) if r > npf else 0.0
-            d.predicted_s = scales[pick] * (w * a + w / chunk * step)
+            step = self.decode_weight * (params[b + 2] + params[b + 3] * (r - npf) + params[b + 4]
+                                         * (t - tpf)) if r > npf else 0.0
+            d.predicted_s = params[b + 6] * (w * params[b] + w / params[b + 1] * step)
             d.uncached = num_tokens - matched[pick]
         return d
 
@@ -386,21 +401,25 @@ def _core(servers: list, md: dict | None, loads: list, block_size: int, cap: int
     return (matched, costs) + _decide(costs, reqs, reqs, hf, slack, mbs, lcap)
 
 
-def _time_core(servers: list, md: dict | None, loads: list, phases: list, models: list,
-               scales: list, block_size: int, cap: int, num_tokens: int, uw, dw, pin: int, bonus,
-               hf, slack, mbs: int, lcap, unknown: list | None = None):
+def _time_core(servers: list, md: dict | None, loads: list, phases: list, params,
+               block_size: int, cap: int, num_tokens: int, uw, dw, pin: int, bonus, hf, slack,
+               mbs: int, lcap, unknown: list | None = None):
     """The numbers of a time-cost decision, ``(matched, costs, tied, hotspot, load_capped,
     limit)`` (router/_kv_cost.c `time_core` computes the same ones, operation for operation):
 
     - ``matched``: as in ``_core``;
     - ``costs`` (seconds): ``k * ((q + uw * p) * a + (q + p) / chunk * step)`` with ``p`` this
       prompt's uncached tokens on the server, ``(q, in prefill, their tokens) = phases[i]``,
-      ``(a, chunk, s0, s1, s2) = models[i]``, ``k = scales[i]`` and ``step = dw * (s0 + s1 * d
-      + s2 * c)`` for its ``d`` decoding leases and their ``c`` prompt tokens (0.0 when ``d`` is
-      0); less ``bonus * num_tokens * (a * k)`` at index ``pin`` (-1: none);
-    - ``hotspot``: indices whose estimated wait ``k * (q * a + q / chunk * step + step)``
-      exceeds ``limit = hf * mean wait + slack`` (``hf`` 0: off); ``load_capped`` and ``tied``
-      as in ``_core``.
+      ``(a, chunk, s0, s1, s2, kv capacity, k)`` the server's ``PARAMS`` doubles in ``params``
+      (``model_of`` and its learned scale) and ``step = dw * (s0 + s1 * d + s2 * c)`` for its
+      ``d`` decoding leases and their ``c`` prompt tokens (0.0 when ``d`` is 0); less ``bonus *
+      num_tokens * (a * k)`` at index ``pin`` (-1: none);
+    - ``hotspot``: indices whose decode step ``k * dw * (s0 + s1 * d + s2 * c)`` (what a step
+      there costs now: its decoding requests' time per output token, ``s0`` on an idle server)
+      exceeds ``limit = hf * mean + slack`` (``hf`` 0: off);
+      ``load_capped``: as in ``_core``, and the others whose in-flight prompt tokens plus this
+      prompt exceed their KV capacity (0: unknown); ``tied`` as in ``_core``. Queued prefill needs
+      no hot rule: the cost already charges it in the same seconds.
     """
     n = len(servers)
     if md is None:
@@ -413,38 +432,44 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, models
             matched, est = _unknown_matches(matched, unknown)
     costs = []
     waits = []
-    for mt, (req, tok), (q, npf, tpf), (a, chunk, s0, s1, s2), k in zip(est, loads, phases,
-                                                                        models, scales):
+    full = []
+    for i, (mt, (req, tok), (q, npf, tpf)) in enumerate(zip(est, loads, phases)):
+        a, chunk, s0, s1, s2, kvcap, k = params[i * PARAMS:(i + 1) * PARAMS]
         p = num_tokens - mt
         d = req - npf
-        step = dw * (s0 + s1 * d + s2 * (tok - tpf)) if d > 0 else 0.0
+        x = dw * (s0 + s1 * d + s2 * (tok - tpf))
+        step = x if d > 0 else 0.0
         costs.append(k * ((q + uw * p) * a + (q + p) / chunk * step))
-        waits.append(k * (q * a + q / chunk * step + step))
+        waits.append(k * x)
+        full.append(kvcap > 0.0 and tok + num_tokens > kvcap)
     if pin >= 0:
-        costs[pin] -= bonus * num_tokens * (models[pin][0] * scales[pin])
-    return (matched, costs) + _decide(costs, waits, [l[0] for l in loads], hf, slack, mbs, lcap)
+        costs[pin] -= bonus * num_tokens * (params[pin * PARAMS] * params[pin * PARAMS + PARAMS - 1])
+    return (matched, costs) + _decide(costs, waits, [l[0] for l in loads], hf, slack, mbs, lcap,
+                                      full)
 
 
-def _decide(costs: list, hl: list, reqs: list, hf, slack, mbs: int, lcap) -> tuple:
+def _decide(costs: list, hl: list, reqs: list, hf, slack, mbs: int, lcap,
+            full: list | None = None) -> tuple:
     """``(tied, hotspot, load_capped, limit)`` from the costs, each server's hot-spot load ``hl``
-    and in-flight requests (the end of both cores; router/_kv_cost.c `decide`)."""
+    and in-flight requests (the end of both cores; router/_kv_cost.c `decide`); ``full``: the
+    servers whose KV is full, capped like ``load_cap``'s."""
     n = len(costs)
     hs: list = []
     lc: list = []
     limit = 0.0
     hot: set = set()
-    if hf or mbs:
-        if hf:
-            total = 0.0
-            for h in hl:
-                total += h
-            limit = hf * total / n + slack
-            if max(hl) > limit:
-                hs = [i for i, h in enumerate(hl) if h > limit]
-                hot.update(hs)
-        if mbs:
-            lc = [i for i, r in enumerate(reqs) if i not in hot and r / mbs >= lcap]
-            hot.update(lc)
+    if hf:
+        total = 0.0
+        for h in hl:
+            total += h
+        limit = hf * total / n + slack
+        if max(hl) > limit:
+            hs = [i for i, h in enumerate(hl) if h > limit]
+            hot.update(hs)
+    if mbs or (full and True in full):
+        lc = [i for i, r in enumerate(reqs) if i not in hot and (
+            (full is not None and full[i]) or (mbs and r / mbs >= lcap))]
+        hot.update(lc)
     skip = hot if hot and len(hot) != n else ()      # every server hot: none is skipped
     best = min([c for i, c in enumerate(costs) if i not in skip])
     tol = best + 1e-9 * (abs(best) if abs(best) > 1.0 else 1.0)

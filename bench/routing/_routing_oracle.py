@@ -29,7 +29,7 @@ from router.events import AllCleared, BlocksRemoved, BlocksStored, decode_zmq
 
 class Oracle:
     def __init__(self, urls: list[str], block_size: int, cache_weight: float = 2.0,
-                 model: dict | None = None):
+                 model: dict | None = None, capacity_tokens: int = 0):
         self.urls = urls
         self.cache_weight = cache_weight
         m = model or {}
@@ -39,6 +39,8 @@ class Oracle:
         self.s1 = m.get("decode_s_per_request", 0.0)
         self.s2 = m.get("decode_s_per_context_token", 0.0)
         self.ctx: dict[str, int] = {u: 0 for u in urls}          # decoding requests' prompt tokens
+        self.inflight: dict[str, int] = {u: 0 for u in urls}     # every in-flight prompt's tokens
+        self.capacity = capacity_tokens
         self.B = block_size
         self.cache: dict[str, set[int]] = {u: set() for u in urls}
         self.queued: dict[str, int] = {u: 0 for u in urls}       # uncached prefill tokens
@@ -102,11 +104,13 @@ class Oracle:
             m = min(self._matched(u, keys), n - 1)
             q, d = self.queued[u], self.decoding[u]
             step = self.s0 + self.s1 * d + self.s2 * self.ctx[u] if d else 0.0
-            cost = ((q + cw * (n - m)) * a + (q + n - m) / chunk * step, d)
+            full = bool(self.capacity) and self.inflight[u] + n > self.capacity
+            cost = (full, (q + cw * (n - m)) * a + (q + n - m) / chunk * step, d)
             if best is None or cost < best[0]:
                 best = (cost, u, m)
         _, u, m = best
         self.queued[u] += n - m
+        self.inflight[u] += n
         p = self.pending[u]
         for k in keys:
             p[k] = p.get(k, 0) + 1
@@ -127,6 +131,7 @@ class Oracle:
         if t is None:
             return
         u, unc, first, keys, n = t
+        self.inflight[u] -= n
         if first:
             self.decoding[u] -= 1
             self.ctx[u] -= n

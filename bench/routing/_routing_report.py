@@ -32,6 +32,8 @@ def section(out: dict) -> list[str]:
     lat = m["latency_model"]
     lines = [
         "## routing", "",
+        "Script: `python bench/routing/routing.py` · earlier runs: "
+        "[results/history/routing.md](results/history/routing.md).", "",
         f"`{m['command']}` · {m['date']} · {m['machine']}", "",
         "Each trace replayed open-loop through one fleet process and an external coordinator onto "
         "`--engine sim` workers (aggregated: generation servers only), at two offered loads "

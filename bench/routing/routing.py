@@ -57,8 +57,8 @@ PY = sys.executable
 BLOCK = 16
 KV_DEFAULTS: dict = {}
 KV_GRID = [  # the search around the time cost's defaults, and the token cost it replaced
-    {"uncached_weight": 2.0},
-    {"uncached_weight": 1.5, "hotspot_factor": 1.5},
+    {"uncached_weight": 1.0},
+    {"uncached_weight": 3.0},
     {"hotspot_factor": None},
     {"cost": "tokens"},
     {"load_tokens_weight": 0.25, "hotspot_factor": 1.5, "hotspot_slack": 1.0},
@@ -239,7 +239,8 @@ def run_policy(procs: Procs, work: Path, urls: list[str], name: str, policy: str
     t = time.time()
     if policy == "oracle":
         oracle = Oracle(urls, BLOCK, rargs.get("cache_weight", args.oracle_cache_weight),
-                        T.sim_model(args.tokens_per_block, args.dilation))
+                        T.sim_model(args.tokens_per_block, args.dilation),
+                        args.blocks_per_worker * BLOCK)
         asyncio.run(_with_oracle(oracle, reqs, tokens, args))
         results, diag, leases = oracle.results, None, {"context": 0, "generation": 0}
         lease_stats = None
@@ -291,7 +292,7 @@ def policies(args) -> list[tuple[str, str, dict]]:
 # --per-worker-load): "light" keeps round robin's TTFT p50 under ~1 s, "heavy" is near saturation
 # (queues grow under round robin, while a router that reuses caches still keeps up).
 LOADS = {"synthetic": {"light": 100.0, "heavy": 160.0},
-         "conversations": {"light": 40.0, "heavy": 80.0}}
+         "conversations": {"light": 40.0, "heavy": 60.0}}
 # KV capacity of the cluster as a share of each trace's working set (--kv-ratio overrides). The
 # conversations' working set is small for their concurrency (every running request pins its
 # whole history), so half of it would leave no room to cache anything.
@@ -314,7 +315,7 @@ def run_size(n: int, args, trace: str, reqs, tokens, work: Path, loads: list[str
         urls = start_workers(procs, n, per_worker, argparse.Namespace(**{**vars(args), "dilation": dil}))
         for load in loads:
             c = args.compress if args.compress is not None else LOADS[trace][load]
-            a = argparse.Namespace(**{**vars(args), "dilation": dil,
+            a = argparse.Namespace(**{**vars(args), "dilation": dil, "blocks_per_worker": per_worker,
                                       "compress": c * n / 8 if args.per_worker_load else c})
             print(f"{trace} · {load} · {n} workers, {len(reqs)} requests, working set {ws} blocks, "
                   f"{per_worker} blocks per worker, compress {a.compress:g}, dilation {dil:g}; "

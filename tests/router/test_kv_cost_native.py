@@ -7,6 +7,7 @@ run (int weights, servers of unknown match) and where it cannot (a view answerin
 from __future__ import annotations
 
 import os
+from array import array
 
 import numpy as np
 import pytest
@@ -89,10 +90,15 @@ def time_core_args(draw):
     secs = st.sampled_from([0.0, 5e-5, 0.01, 1e-6]) | st.floats(0, 1.0)
     models = [(draw(st.sampled_from([5e-5, 3.2e-4]) | st.floats(1e-7, 1e-2)),
                float(draw(st.sampled_from([512, 8192]) | st.integers(1, 100_000))),
-               draw(secs), draw(secs), draw(secs)) for _ in range(n)]
-    scales = [draw(st.sampled_from([1.0, 0.5]) | st.floats(0.05, 20)) for _ in range(n)]
+               draw(secs), draw(secs), draw(secs),
+               float(draw(st.sampled_from([0, 20_000]) | st.integers(1, 300_000))))
+              for _ in range(n)]
+    params = array("d")
+    for m in models:
+        params.extend(m)
+        params.append(draw(st.sampled_from([1.0, 0.5]) | st.floats(0.05, 20)))
     hf, slack = base[11], draw(st.sampled_from([0.05, 0.0]) | st.floats(0, 5))
-    return (servers, md, loads, phases, models, scales, bs, cap, num_tokens, draw(_weight),
+    return (servers, md, loads, phases, params, bs, cap, num_tokens, draw(_weight),
             draw(_weight), base[9], draw(_weight), hf, slack, base[13], base[14])
 
 
@@ -115,13 +121,31 @@ def test_time_cost_prefers_queued_prefill_over_decoding_load():
     md = {"q": 40, "d": 40}              # 640 of 700 tokens cached on both
     loads = [(2, 4000), (6, 12000)]
     phases = [(4000, 2, 4000), (0, 0, 0)]
-    model = (5e-5, 8192.0, 0.01, 1e-4, 1e-7)
-    args = (servers, md, loads, phases, [model, model], [1.0, 1.0], 16, 699, 700, 1.0, 1.0, -1,
+    model = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 0.0, 1.0)
+    args = (servers, md, loads, phases, array("d", model * 2), 16, 699, 700, 1.0, 1.0, -1,
             0.25, 2.0, 0.05, 0, 0.0)
     _, costs, tied, *_ = native.time_core(*args)
     assert tied == [1] and costs[0] > costs[1]
     assert pk._core(servers, md, loads, 16, 699, 700, 1.0, 1.0, 32.0, -1, 0.25, 2.0, 2.0, 0,
                     0.0)[2] == [0]
+
+
+def test_a_server_whose_kv_is_full_is_skipped():
+    """KV capacity (tokens): a server whose in-flight prompts plus this prompt exceed it would
+    make the prompt wait for memory, whatever its cache match: passed over unless all are full."""
+    servers = ["full", "free"]
+    md = {"full": 40}
+    loads = [(3, 9500), (3, 9500)]
+    phases = [(0, 0, 0), (0, 0, 0)]
+    full = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 10_000.0, 1.0)
+    free = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 20_000.0, 1.0)
+    args = (servers, md, loads, phases, array("d", full + free), 16, 699, 700, 2.0, 1.0, -1, 0.25,
+            2.0, 0.0, 0, 0.0)
+    for core in (native.time_core, pk._time_core):
+        _, costs, tied, hs, lc, _ = core(*args)
+        assert costs[0] < costs[1] and lc == [0] and tied == [1]
+    both_full = (servers, md, loads, phases, array("d", full * 2), *args[5:])
+    assert native.time_core(*both_full)[2] == [0] == pk._time_core(*both_full)[2]
 
 
 def test_equal_costs_tie_and_hot_servers_are_skipped():
@@ -134,6 +158,18 @@ def test_equal_costs_tie_and_hot_servers_are_skipped():
     assert hs == [2] and lc == [] and limit == 2.0 * 9 / 4 + 2.0
     assert tied == [0, 1]                   # c is cheapest but hot, d has no match
     assert pk._core(*args) == (matched, costs, tied, hs, lc, limit)
+
+
+def test_time_core_params_must_be_doubles_per_server():
+    ok = (["a"], None, [(0, 0)], [(0, 0, 0)], array("d", [1e-4, 512.0, 0.01, 0.0, 0.0, 0.0, 1.0]),
+          16, 0, 0, 2.0, 1.0, -1, 0.0, 2.0, 0.0, 0, 0.0)
+    assert native.time_core(*ok)[2] == [0]
+    with pytest.raises(ValueError, match="7 doubles per server"):
+        native.time_core(*ok[:4], array("d", [1.0] * 6), *ok[5:])
+    with pytest.raises(TypeError, match="doubles"):
+        native.time_core(*ok[:4], [1.0] * 7, *ok[5:])
+    with pytest.raises(TypeError, match="phase"):
+        native.time_core(*ok[:3], [(0, 0)], *ok[4:])
 
 
 def test_bad_arguments_raise_type_or_value_errors():

@@ -419,7 +419,8 @@ def test_time_cost_learns_a_slow_server_from_first_token_reports(env):
 
 def test_routing_model_from_server_info_or_the_prior():
     from router.policy_kv import PRIOR_MODEL, model_of
-    assert model_of({"routing_model": MODEL}) == (1e-4, 512.0, 0.01, 1e-4, 1e-6)
+    assert model_of({"routing_model": MODEL}) == (1e-4, 512.0, 0.01, 1e-4, 1e-6, 0.0)
+    assert model_of({"routing_model": MODEL, "kv_capacity_blocks": 100, "block_size": 16})[5] == 1600.0
     prior = tuple(float(v) for v in PRIOR_MODEL.values())
     assert model_of(None) == prior and model_of({"routing_model": "x"}) == prior
     bad = {"routing_model": {"prefill_s_per_token": -1, "chunk_tokens": 0, "decode_s_per_step": "x"},
