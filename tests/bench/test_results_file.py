@@ -57,7 +57,6 @@ def test_one_section_per_benchmark_each_naming_its_script():
     names = [name for name, _, _ in secs]
     assert len(names) == len(set(names)), f"a section appears twice: {names}"
     assert set(names) <= set(SECTIONS), f"sections {names}: each must be one of {sorted(SECTIONS)}"
-    assert (ROOT / "bench" / "routing" / "router_core.py").is_file()
     for name, lead, blocks in secs:
         assert (ROOT / SECTIONS[name]).is_file(), SECTIONS[name]
         # a section a script creates has no lead: its run's command names the script instead
