@@ -136,3 +136,18 @@ def test_fleet_process_refuses_a_foreign_coordinator(cluster):
     assert "belongs to another cluster" in p.log()
     with socket.socket() as s:    # it never listened
         s.bind(("127.0.0.1", port))
+
+
+def test_one_process_cluster_with_a_taken_registration_port_exits_nonzero(cluster):
+    """num_workers 1 with dynamic membership: the in-process coordinator serves its API on
+    port - 1; when another cluster holds it, the second exits non-zero with the reason."""
+    port = free_port_pair()
+    doc = dict(port=port, num_workers=1, server_start_timeout=20,
+               disagg_cluster={"cluster_uri": f"http://127.0.0.1:{port - 1}"})
+    a = cluster.fleet(cluster.config("a.yaml", **doc), name="one-a")
+    wait_for(lambda: http("GET", f"http://127.0.0.1:{port - 1}/version", timeout=2)[0] == 200, 60, "A", a)
+    b = cluster.fleet(cluster.config("b.yaml", **{**doc, "port": free_port_pair(),
+                                                  "coordinator": {"port": port - 1}}), name="one-b")
+    assert _wait_exit(b) == 1, b.log()
+    assert "cannot start the in-process coordinator" in b.log() and "in use" in b.log()
+    assert "Traceback" not in b.log() and a.alive()
