@@ -355,6 +355,19 @@ class CoordinatorConfig(Section):
         "how often a replica probes the replicas ahead of it (GET /replica)")] = 0.05
     replica_probe_timeout_s: Annotated[PosFloat, doc(
         "a replica ahead that does not answer within this is down")] = 0.25
+    election: Annotated[Literal["ordered", "kubernetes", "etcd"], doc(
+        "how replicas choose the serving one (docs/failover.md): the ordered `replicas` list "
+        "(default), a coordination.k8s.io Lease (`kubernetes`), or an etcd lease on "
+        "disagg_cluster.cluster_uri (`etcd`)")] = "ordered"
+    election_lease_name: Annotated[str, doc(
+        "name of the Lease object (kubernetes) or the key's last part (etcd)")] = "splitserve-coordinator"
+    election_namespace: Annotated[Optional[str], doc(
+        "the Lease's namespace (null: the pod's own, else default)")] = None
+    election_lease_s: Annotated[PosFloat, doc(
+        "how long a dead holder keeps the lease (kubernetes: whole seconds; etcd: at least its "
+        "minimum TTL): the takeover time of the lease backends")] = 2.0
+    election_renew_s: Annotated[PosFloat, doc(
+        "how often the holder renews and the others campaign (lease backends)")] = 0.5
     failback_s: Annotated[NonNegFloat, doc(
         "a replica ahead must be up and warm this long before a serving replica defers to it "
         "again")] = 1.0

@@ -88,6 +88,9 @@ def make_election(cfg: ClusterConfig) -> Election:
     if index is None:
         import socket
         index = own_index(list(co.replicas), socket.gethostname())
+    if co.election != "ordered":
+        from coordinator.election_lease import lease_election
+        return lease_election(cfg, co.replicas[index])
     return OrderedReplicas(list(co.replicas), index,
                            interval_s=co.replica_probe_interval_s,
                            timeout_s=co.replica_probe_timeout_s, failback_s=co.failback_s)
