@@ -173,3 +173,27 @@ async def test_etcd_lease_election(tmp_path):
         await _handover(lambda: EtcdLeaseBackend(EtcdStore(etcd.uri), "/splitserve/t/leader", 2.0), 2.0)
     finally:
         await asyncio.get_running_loop().run_in_executor(None, etcd.stop)
+
+
+@pytest.mark.skipif(ETCD_MISSING is not None, reason=ETCD_MISSING or "")
+async def test_coordinators_elect_through_etcd(tmp_path, coordinator):
+    """`coordinator.election: etcd` end to end: two coordinators, one serving; the other refuses
+    a placement naming it (the fleet follows that), and serves once the first stops."""
+    from protocol.coord import NotServing
+    etcd = await asyncio.get_running_loop().run_in_executor(None, EtcdServer.start_in, tmp_path)
+    try:
+        def cfg(i: int) -> dict:
+            return {"disagg_cluster": {"cluster_uri": etcd.uri, "cluster_name": "el",
+                                       "minimal_instances": {"context_servers": 0, "generation_servers": 0}},
+                    "coordinator": {"replicas": [A, B], "replica_index": i, "election": "etcd",
+                                    "election_lease_s": 2, "election_renew_s": 0.2}}
+        c0, _ = await coordinator(cfg(0), serve=False)
+        c1, _ = await coordinator(cfg(1), serve=False)
+        assert c0.election.serving and not c1.election.serving
+        with pytest.raises(NotServing) as e:
+            c1.select("generation", 1 << 41)
+        assert e.value.serving == A and c1.replica_info()["backend"] == "etcd"
+        await c0.stop()
+        await _until(lambda: c1.election.serving, 3.0, "the second coordinator to serve")
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, etcd.stop)
