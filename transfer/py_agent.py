@@ -1,9 +1,9 @@
 """Machinery shared by the pure-Python agents (`TcpAgent`, `ShmAgent`).
 
-Each agent owns one ZeroMQ context and one I/O thread. The thread owns every socket: a ROUTER bound
-on the agent's endpoint (incoming writes, reads and notifications) and one DEALER per loaded remote
-agent (outgoing traffic and its acknowledgements). Other threads talk to it through a queue and a
-wake-up pipe, so no socket is ever touched by two threads.
+Each agent owns one ZeroMQ context and one I/O thread (`zmq_io.IoLoop`). The thread owns every
+socket: a ROUTER bound on the agent's endpoint (incoming writes, reads and notifications) and one
+DEALER per loaded remote agent (outgoing traffic and its acknowledgements). Other threads talk to it
+through a queue and a wake-up pipe, so no socket is ever touched by two threads.
 
 A remote agent is *lost* when its DEALER reports a disconnect after a connection was established, or
 when no connection is established within `connect_timeout_s` while traffic waits. Transfers to a
@@ -14,10 +14,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import socket
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -30,8 +28,7 @@ from .agent import (AGENT_DESC_VERSION, DONE, ERR, PROC, RegHandle, TransferAgen
 from .descs import Coverage, Descs, check_pair
 from .errors import (AgentMismatch, FailureCause, InvalidDescriptors, NameConflict, OutOfRange,
                      PeerLost, ProtocolError, RemoteNotLoaded, TransferError)
-from .zmq_io import (Wake, bind_router, close_dealer, monitor_events, open_dealer,
-                     pending_commands)
+from .zmq_io import IoLoop, bind_router
 
 log = logging.getLogger("splitserve.transfer.pyagent")
 
@@ -87,12 +84,16 @@ class PyAgentBase(TransferAgent):
                                                   heartbeat_ms=self._hb,
                                                   max_msg_bytes=MAX_MSG_BYTES + (1 << 20),
                                                   options={zmq.RCVHWM: 0})
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = Wake()
         self._stopped = False
-        self._thread = threading.Thread(target=self._io_main, name=f"{self.kind}-agent-io",
-                                        daemon=True)
-        self._thread.start()
+        # A lost remote keeps its DEALER (ZeroMQ reconnects it): the remote stays refused
+        # (`RemoteAgent.lost`) until it is invalidated, and re-loading the same incarnation
+        # without an invalidation sends on the old connection again.
+        self.io = IoLoop(self._ctx, self._router, self.name.encode(), name=f"{self.kind}-agent-io",
+                         on_router=self._from_router, on_dealer=self._from_dealer,
+                         on_lost=self._io_lost, on_refused=self._io_refused,
+                         is_live=lambda x: x.state == PROC, heartbeat_ms=self._hb,
+                         connect_timeout_s=connect_timeout_s, dealer_options={zmq.SNDHWM: 0},
+                         close_on_lost=False)
 
     # ------------------------------------------------------------------ registration
     def _region_extra(self, addr: int, nbytes: int, dev: int, mem_type: str):
@@ -167,7 +168,8 @@ class PyAgentBase(TransferAgent):
             self._remotes[name] = ra
             fresh = cur is None
         if fresh:
-            self._command(("connect", name, endpoint))
+            self._check_running()
+            self.io.connect(name, endpoint)
         self._on_remote_loaded(ra)
         return name
 
@@ -178,7 +180,8 @@ class PyAgentBase(TransferAgent):
         with self._lock:
             ra = self._remotes.pop(name, None)
         if ra is not None:
-            self._command(("disconnect", name))
+            if not self._stopped:
+                self.io.forget(name, f"remote agent {name!r} was invalidated")
             self._fail_remote(name, f"remote agent {name!r} was invalidated", drop=False)
             self._on_remote_invalidated(ra)
 
@@ -236,8 +239,7 @@ class PyAgentBase(TransferAgent):
     # ------------------------------------------------------------------ notifications
     def notify(self, remote: str, msg: bytes) -> None:
         self._remote(remote)
-        self._command(("send", remote, [b"N", msgpack.packb({"from": self.name, "n": bytes(msg)})],
-                       None))
+        self._send(remote, [b"N", msgpack.packb({"from": self.name, "n": bytes(msg)})])
 
     def get_notifications(self) -> dict[str, list[bytes]]:
         with self._lock:
@@ -250,11 +252,14 @@ class PyAgentBase(TransferAgent):
             self._notifs[sender].append(msg)
 
     # ------------------------------------------------------------------ I/O thread
-    def _command(self, cmd) -> None:
+    def _check_running(self) -> None:
         if self._stopped:
             raise TransferError(f"agent {self.name!r} is shut down")
-        self._cmds.put(cmd)
-        self._wake.wake()
+
+    def _send(self, remote: str, frames: list, xfer: XferHandle | None = None) -> None:
+        """Queue `frames` to loaded remote `remote`; `xfer` fails if they can never go."""
+        self._check_running()
+        self.io.send(remote, frames, xfer)
 
     def _fail_remote(self, name: str, reason: str, drop: bool = True) -> None:
         with self._lock:
@@ -265,125 +270,32 @@ class PyAgentBase(TransferAgent):
         for x in pending:
             self._finish(x, False, reason, FailureCause.PEER_LOST if drop else FailureCause.FAILED)
 
-    def _io_main(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake.r, zmq.POLLIN)
-        dealers: dict[str, zmq.Socket] = {}
-        monitors: dict[zmq.Socket, str] = {}
-        connected: dict[str, bool] = {}
-        outq: dict[str, collections.deque] = {}
-        first_wait: dict[str, float] = {}
-        running = True
-        while running:
-            timeout = 10 if any(outq.values()) else 200
-            try:
-                events = dict(poller.poll(timeout))
-            except zmq.ZMQError:
-                break
-            if self._wake.r in events:
-                self._wake.drain()
-            for cmd in pending_commands(self._cmds):
-                op = cmd[0]
-                if op == "stop":
-                    running = False
-                elif op == "connect":
-                    _, name, endpoint = cmd
-                    if name in dealers:
-                        continue
-                    s, mon = open_dealer(self._ctx, endpoint, self.name.encode(),
-                                         heartbeat_ms=self._hb, options={zmq.SNDHWM: 0})
-                    dealers[name] = s
-                    monitors[mon] = name
-                    connected[name] = False
-                    outq[name] = collections.deque()
-                    poller.register(s, zmq.POLLIN)
-                    poller.register(mon, zmq.POLLIN)
-                elif op == "disconnect":
-                    _, name = cmd
-                    s = dealers.pop(name, None)
-                    if s is not None:
-                        close_dealer(poller, s, monitors, name)
-                    for frames, xfer in outq.pop(name, ()):
-                        if xfer is not None:
-                            self._finish(xfer, False, f"remote agent {name!r} was invalidated")
-                    connected.pop(name, None)
-                    first_wait.pop(name, None)
-                elif op == "send":
-                    _, name, frames, xfer = cmd
-                    if name not in outq:
-                        if xfer is not None:
-                            self._finish(xfer, False, f"remote agent {name!r} is not connected")
-                        continue
-                    outq[name].append((frames, xfer))
-            if self._router in events:
-                self._drain_router()
-            for name, s in list(dealers.items()):
-                if s in events:
-                    self._drain_dealer(name, s)
-            for mon, name in list(monitors.items()):
-                if mon in events:
-                    for ev in monitor_events(mon):
-                        if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                            connected[name] = True
-                            first_wait.pop(name, None)
-                        elif ev == zmq.EVENT_DISCONNECTED and connected.get(name):
-                            connected[name] = False
-                            reason = f"connection to remote agent {name!r} was lost"
-                            log.warning("%s", reason)
-                            self._fail_remote(name, reason)
-                            for _f, xfer in outq[name]:
-                                if xfer is not None:
-                                    self._finish(xfer, False, reason, FailureCause.PEER_LOST)
-                            outq[name].clear()
-            now = time.monotonic()
-            for name, q in outq.items():
-                while q:
-                    frames, xfer = q[0]
-                    if xfer is not None and xfer.state != PROC:
-                        q.popleft()  # failed meanwhile (peer lost)
-                        continue
-                    try:
-                        dealers[name].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                        q.popleft()
-                        first_wait.pop(name, None)
-                    except zmq.Again:
-                        start = first_wait.setdefault(name, now)
-                        if now - start > self._connect_timeout_s:
-                            reason = (f"no connection to remote agent {name!r} within "
-                                      f"{self._connect_timeout_s:.1f}s")
-                            self._fail_remote(name, reason)
-                            for _f, x in q:
-                                if x is not None:
-                                    self._finish(x, False, reason, FailureCause.PEER_LOST)
-                            q.clear()
-                        break
-            self._io_tick()
-        for name, s in dealers.items():
-            close_dealer(poller, s, monitors, name)
-        self._router.close(0)
+    def _io_lost(self, name: str, reason: str, unsent: list) -> None:
+        reason = f"connection to remote agent {name!r} was lost: {reason}"
+        log.warning("%s", reason)
+        self._fail_remote(name, reason)
+        for x in unsent:
+            self._finish(x, False, reason, FailureCause.PEER_LOST)
 
-    def _io_tick(self) -> None:
-        """Hook run once per I/O loop iteration."""
+    def _io_refused(self, name: str, unsent: list, reason: str) -> None:
+        if reason == "not connected":
+            reason = f"remote agent {name!r} is not connected"
+        for x in unsent:
+            self._finish(x, False, reason)
 
-    def _drain_router(self) -> None:
-        for _ in range(256):
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) < 3:
-                log.warning("dropping malformed agent message (%d frames)", len(frames))
-                continue
-            ident = frames[0].bytes
-            kind = frames[1].bytes
-            try:
-                header = msgpack.unpackb(frames[2].bytes, raw=False)
-                if not isinstance(header, dict):
-                    raise ProtocolError("header is not a map")
-                self._handle_incoming(ident, kind, header, frames[3:])
-            except Exception as e:  # a bad peer message must never kill the I/O thread
-                log.warning("agent %s: bad message %r from %r: %s", self.name, kind, ident, e)
+    def _from_router(self, frames: list) -> None:
+        if len(frames) < 3:
+            log.warning("dropping malformed agent message (%d frames)", len(frames))
+            return
+        ident = frames[0].bytes
+        kind = frames[1].bytes
+        try:
+            header = msgpack.unpackb(frames[2].bytes, raw=False)
+            if not isinstance(header, dict):
+                raise ProtocolError("header is not a map")
+            self._handle_incoming(ident, kind, header, frames[3:])
+        except Exception as e:  # a bad peer message must never kill the I/O thread
+            log.warning("agent %s: bad message %r from %r: %s", self.name, kind, ident, e)
 
     def _reply(self, ident: bytes, frames: list) -> None:
         try:
@@ -397,17 +309,12 @@ class PyAgentBase(TransferAgent):
         else:
             raise ProtocolError(f"unexpected message kind {kind!r}")
 
-    def _drain_dealer(self, name: str, s: zmq.Socket) -> None:
-        for _ in range(256):
-            try:
-                frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                header = msgpack.unpackb(frames[1].bytes, raw=False)
-                self._handle_reply(name, frames[0].bytes, header, frames[2:])
-            except Exception as e:
-                log.warning("agent %s: bad reply from %r: %s", self.name, name, e)
+    def _from_dealer(self, name: str, frames: list) -> None:
+        try:
+            header = msgpack.unpackb(frames[1].bytes, raw=False)
+            self._handle_reply(name, frames[0].bytes, header, frames[2:])
+        except Exception as e:
+            log.warning("agent %s: bad reply from %r: %s", self.name, name, e)
 
     def _handle_reply(self, name: str, kind: bytes, header: dict, payload: list) -> None:
         raise ProtocolError(f"unexpected reply kind {kind!r}")
@@ -416,17 +323,14 @@ class PyAgentBase(TransferAgent):
     def shutdown(self) -> None:
         if self._stopped:
             return
-        self._cmds.put(("stop",))
-        self._wake.wake()
         self._stopped = True
-        self._thread.join(timeout=5)
+        self.io.close()
         with self._lock:
             for x in self._xfers.values():
                 self._finish(x, False, "agent shut down")
             self._remotes.clear()
             self._regs.clear()
         self._ctx.term()
-        self._wake.close()
 
     def describe(self) -> dict:
         d = super().describe()

@@ -146,8 +146,8 @@ class ShmAgent(PyAgentBase):
                              FailureCause.PEER_LOST)
                 return
             if notif:
-                self._command(("send", ra.name, [b"N", msgpack.packb(
-                    {"from": self.name, "n": notif})], None))
+                self._send(ra.name, [b"N", msgpack.packb(
+                    {"from": self.name, "n": notif})])
             self._finish(x, True)
         except Exception as e:
             self._finish(x, False, f"shm copy to {ra.name!r} failed: {e}")

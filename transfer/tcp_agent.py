@@ -109,7 +109,7 @@ class TcpAgent(PyAgentBase):
             self._by_xid[xid] = x
         if op == "READ":
             hdr = {"x": xid, "d": desc_bytes(remote_descs.arr), "m": remote_descs.mem_type}
-            self._command(("send", remote, [b"R", msgpack.packb(hdr)], x))
+            self._send(remote, [b"R", msgpack.packb(hdr)], x)
             return x
         groups = list(split_pieces(local.arr, remote_descs.arr))
         if not groups:
@@ -120,7 +120,7 @@ class TcpAgent(PyAgentBase):
                    "m": remote_descs.mem_type, "last": last,
                    "n": bytes(notif) if last else None}
             frames = [b"W", msgpack.packb(hdr), *gather_frames(gl, local.mem_type)]
-            self._command(("send", remote, frames, x))
+            self._send(remote, frames, x)
         return x
 
     def _handle_reply(self, name: str, kind: bytes, header: dict, payload: list) -> None:
@@ -142,8 +142,8 @@ class TcpAgent(PyAgentBase):
                 self._finish(x, False, f"READ from {name!r}: {e}")
                 return
             if x.backend["notif"]:
-                self._command(("send", name, [b"N", msgpack.packb(
-                    {"from": self.name, "n": x.backend["notif"]})], None))
+                self._send(name, [b"N", msgpack.packb(
+                    {"from": self.name, "n": x.backend["notif"]})])
             self._finish(x, True)
         else:
             raise ProtocolError(f"unexpected reply kind {kind!r}")

@@ -1,19 +1,25 @@
-"""ZeroMQ plumbing shared by the transfer I/O threads (`PyAgentBase`, `Messenger`).
+"""ZeroMQ I/O for the transfer package: `IoLoop`, the one thread that owns a ROUTER and a DEALER per
+peer, used by the control plane (`Messenger`) and by the pure-Python agents (`PyAgentBase`).
 
-Both own one ROUTER bound on their endpoint and one monitored DEALER per peer, and every socket is
-touched by that one thread only; other threads reach it through a command queue and a `Wake` pipe.
-What the two do with a message, a lost peer or a stalled queue differs and stays with them — this
-module holds only the socket set-up, tear-down and draining they do the same way.
+What differs between the two users is passed in (what to do with a message, with a lost peer, with
+messages that will never be sent); everything about sockets, queues, connection timeouts and
+wake-ups is decided here once.
 """
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import queue
 import socket
-from typing import Iterator
+import threading
+import time
+from typing import Callable, Hashable, Iterator
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("splitserve.transfer.zmq_io")
 
 # A DEALER's monitor reports these two; "connected" is a finished handshake, not a TCP connect, so
 # a peer that accepts TCP but never speaks ZMTP still counts as not connected.
@@ -127,3 +133,230 @@ def monitor_events(mon: zmq.Socket) -> Iterator[int]:
         except zmq.Again:
             return
         yield ev["event"]
+
+
+class IoLoop:
+    """One I/O thread: a bound ROUTER, one monitored DEALER per peer key, and their out-queues.
+
+    Invariants:
+    - every socket is created, used and closed on the loop's thread only; any thread talks to it by
+      `send`/`reply`/`connect`/`forget`/`call_soon`, which enqueue a command and wake the thread
+      through a `Wake` pipe — the thread never sleeps on a timer to notice work (the poll timeout
+      only bounds how late a connection timeout is noticed: `deadline_poll_s`, or `idle_poll_s`
+      when nothing waits to be sent);
+    - messages to one key leave in the order they were enqueued; while a DEALER is not connected
+      (IMMEDIATE: sends raise `Again`) they wait in its out-queue, and if none could be sent for
+      `connect_timeout_s` the peer is lost;
+    - a peer is *lost* once (its established connection dropped: the process died or heartbeats
+      stopped; or the connect timeout): `on_lost(key, reason, unsent_tags)` runs on the loop's
+      thread with the tags of the queued messages that will never go. With `close_on_lost` the
+      DEALER is closed too and a later `send` with an endpoint opens a fresh connection; without,
+      ZeroMQ keeps reconnecting it and later sends are queued again;
+    - messages that will never go for another reason (`forget`, or `send` to a key that has no
+      DEALER and no endpoint) are reported through `on_refused(key, tags, reason)`;
+    - a queued message whose tag fails `is_live(tag)` is dropped unsent (e.g. its transfer failed).
+
+    Handlers run on the loop's thread; an exception in one is logged and the loop goes on.
+    `on_router(frames)` gets the ROUTER's frames (identity first) and `on_dealer(key, frames)` a
+    DEALER's, both as `zmq.Frame`s (no copy).
+    """
+
+    def __init__(self, ctx: zmq.Context, router: zmq.Socket, identity: bytes, *, name: str,
+                 on_router: Callable[[list], None],
+                 on_dealer: Callable[[Hashable, list], None],
+                 on_lost: Callable[[Hashable, str, list], None],
+                 on_refused: Callable[[Hashable, list, str], None] | None = None,
+                 is_live: Callable[[object], bool] | None = None,
+                 heartbeat_ms: tuple[int, int], connect_timeout_s: float,
+                 dealer_options: dict[int, int] | None = None, close_on_lost: bool = True,
+                 deadline_poll_s: float = 0.01, idle_poll_s: float = 0.2, batch: int = 256):
+        self.ctx, self.router, self.identity = ctx, router, identity
+        self._on_router, self._on_dealer, self._on_lost = on_router, on_dealer, on_lost
+        self._on_refused, self._is_live = on_refused, is_live
+        self._hb, self._connect_timeout_s = heartbeat_ms, connect_timeout_s
+        self._dealer_options = dealer_options or {}
+        self._close_on_lost = close_on_lost
+        self.deadline_poll_s, self.idle_poll_s = deadline_poll_s, idle_poll_s
+        self._batch = batch
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = Wake()
+        self._closed = False
+        # loop-thread state
+        self._poller = zmq.Poller()
+        self._dealers: dict[Hashable, zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, Hashable] = {}
+        self._connected: dict[Hashable, bool] = {}
+        self._outq: dict[Hashable, collections.deque] = {}
+        self._waiting_since: dict[Hashable, float] = {}
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+    def send(self, key: Hashable, frames: list, tag=None, endpoint: str | None = None) -> None:
+        """Queue `frames` for peer `key` (opening its DEALER to `endpoint` if there is none)."""
+        self._put(("send", key, frames, tag, endpoint))
+
+    def reply(self, identity: bytes, frames: list) -> None:
+        """Send `frames` on the ROUTER to `identity` (dropped with a log line if unroutable)."""
+        self._put(("reply", identity, frames))
+
+    def connect(self, key: Hashable, endpoint: str) -> None:
+        self._put(("connect", key, endpoint))
+
+    def forget(self, key: Hashable, reason: str = "forgotten") -> None:
+        """Close `key`'s DEALER; its queued messages go to `on_refused` (not a loss)."""
+        self._put(("forget", key, reason))
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop's thread, serialised with the message handlers."""
+        self._put(("call", fn))
+
+    @property
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _put(self, cmd) -> None:
+        if self._closed:
+            return   # shut down: nothing will be sent any more (callers say so if they must)
+        self._cmds.put(cmd)
+        self._wake.wake()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._cmds.put(("stop",))
+        self._wake.wake()
+        self._thread.join(timeout=5)
+        self._wake.close()
+
+    # ------------------------------------------------------------------ the loop's thread
+    def _open(self, key: Hashable, endpoint: str) -> None:
+        s, mon = open_dealer(self.ctx, endpoint, self.identity, heartbeat_ms=self._hb,
+                             options=self._dealer_options)
+        self._dealers[key] = s
+        self._monitors[mon] = key
+        self._connected[key] = False
+        self._outq[key] = collections.deque()
+        self._poller.register(s, zmq.POLLIN)
+        self._poller.register(mon, zmq.POLLIN)
+
+    def _close(self, key: Hashable) -> list:
+        """Close `key`'s DEALER; the tags of what was still queued."""
+        s = self._dealers.pop(key, None)
+        if s is not None:
+            close_dealer(self._poller, s, self._monitors, key)
+        self._connected.pop(key, None)
+        self._waiting_since.pop(key, None)
+        return [tag for _f, tag in self._outq.pop(key, ())]
+
+    def _lose(self, key: Hashable, reason: str) -> None:
+        if self._close_on_lost:
+            unsent = self._close(key)
+        else:
+            self._connected[key] = False
+            self._waiting_since.pop(key, None)
+            q = self._outq.get(key)
+            unsent = [tag for _f, tag in q] if q else []
+            if q:
+                q.clear()
+        self._safe(self._on_lost, key, reason, [t for t in unsent if t is not None])
+
+    def _refuse(self, key: Hashable, tags: list, reason: str) -> None:
+        tags = [t for t in tags if t is not None]
+        if tags and self._on_refused is not None:
+            self._safe(self._on_refused, key, tags, reason)
+
+    def _command(self, cmd) -> bool:
+        op = cmd[0]
+        if op == "stop":
+            return False
+        if op == "send":
+            _, key, frames, tag, endpoint = cmd
+            if key not in self._outq:
+                if endpoint is None:
+                    self._refuse(key, [tag], "not connected")
+                    return True
+                self._open(key, endpoint)
+            self._outq[key].append((frames, tag))
+        elif op == "reply":
+            try:
+                self.router.send_multipart([cmd[1], *cmd[2]], flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as e:   # the peer is gone: nothing to answer
+                log.info("%s: reply to %r dropped: %s", self._thread.name, cmd[1], e)
+        elif op == "connect":
+            if cmd[1] not in self._dealers:
+                self._open(cmd[1], cmd[2])
+        elif op == "forget":
+            self._refuse(cmd[1], self._close(cmd[1]), cmd[2])
+        elif op == "call":
+            self._safe(cmd[1])
+        return True
+
+    def _flush(self, now: float) -> None:
+        for key in list(self._outq):
+            q = self._outq.get(key)
+            while q:
+                frames, tag = q[0]
+                if tag is not None and self._is_live is not None and not self._is_live(tag):
+                    q.popleft()
+                    continue
+                try:
+                    self._dealers[key].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    q.popleft()
+                    self._waiting_since.pop(key, None)
+                except zmq.Again:
+                    start = self._waiting_since.setdefault(key, now)
+                    if now - start > self._connect_timeout_s:
+                        self._lose(key, f"no connection within {self._connect_timeout_s:.1f}s")
+                    break
+
+    def _drain(self, s: zmq.Socket, handler, *key) -> None:
+        for _ in range(self._batch):
+            try:
+                frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._safe(handler, *key, frames)
+
+    def _main(self) -> None:
+        self._poller.register(self.router, zmq.POLLIN)
+        self._poller.register(self._wake.r, zmq.POLLIN)
+        running = True
+        while running:
+            waiting = any(self._outq.values())
+            timeout = self.deadline_poll_s if waiting else self.idle_poll_s
+            try:
+                events = dict(self._poller.poll(None if timeout is None else timeout * 1000))
+            except zmq.ZMQError:
+                break
+            if self._wake.r in events:
+                self._wake.drain()
+            for cmd in pending_commands(self._cmds):
+                running = self._command(cmd) and running
+            if self.router in events:
+                self._drain(self.router, self._on_router)
+            for key, s in list(self._dealers.items()):
+                if s in events:
+                    self._drain(s, self._on_dealer, key)
+            for mon, key in list(self._monitors.items()):
+                if mon in events:
+                    for ev in monitor_events(mon):
+                        if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                            self._connected[key] = True
+                            self._waiting_since.pop(key, None)
+                        elif ev == zmq.EVENT_DISCONNECTED and self._connected.get(key):
+                            self._lose(key, "peer closed the connection or stopped answering "
+                                            "heartbeats")
+                            if self._close_on_lost:
+                                break   # _lose closed `mon`
+            self._flush(time.monotonic())
+        for key in list(self._dealers):
+            self._close(key)
+        self.router.close(0)
+
+    def _safe(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:   # a handler bug must not kill the I/O thread
+            log.exception("%s: handler failed", self._thread.name)

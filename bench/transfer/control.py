@@ -1,0 +1,263 @@
+"""KV-transfer control plane: round trip and critical path, p50/p99, hop by hop, on any machine.
+
+Two rank processes (a context and a generation `KvTransceiver`, a small host KV pool, the tcp or
+shm agent — the control plane is the same Python with any agent) measure:
+
+- *round trip* (context_first): the context side already finished (`begin_send` + `finish_send`);
+  the generation side posts its receive and waits for it to complete. Every destination block id
+  is -1, so nothing is written: control messages only. Timed in the generation process from
+  `begin_receive` to its `on_done` callback (`rt`), and to the waiting thread waking (`rt_wake`).
+- *critical path* (generation_first): the receive is posted first (the context side holds it
+  parked); then the context side calls `begin_send` + `finish_send` and the time until the
+  generation side's `on_done` fires is measured across the two processes (one host:
+  CLOCK_MONOTONIC is shared). `crit0`: nothing to write; `crit1`: one real 16-token block written
+  (the completion must follow the bytes).
+- *hops*: timestamps of each step of the round trip (methods of the transfer package wrapped in
+  this benchmark's processes only), median µs after `begin_receive`.
+
+`--tree DIR` (repeatable) measures other checkouts in the same run, alternating trees round by
+round so that load on a shared machine hits them alike: e.g. `git archive main | tar -x -C
+/tmp/ctl-base` then `--tree /tmp/ctl-base --tree .`. Prints a Markdown table; never writes
+RESULTS.md itself.
+
+Usage: `python bench/transfer/control.py [--agent tcp|shm] [--n 200] [--rounds 3] [--tree DIR]...`
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+ROOT = Path(os.environ.get("SPLITSERVE_BENCH_TREE") or HERE.parents[2]).resolve()
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, HERE.parents[1], HERE.parent)]
+
+TPB = 16
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
+NUM_BLOCKS = 8
+
+# (step name, module, class, method): where the round trip's hops are timestamped
+HOPS = [("posted (gen listener)", "transfer.receiver", "Receiver", "_post_locked"),
+        ("recv handled (ctx listener)", "transfer.sender", "Sender", "on_recv"),
+        ("submitted (ctx transfer thread)", "transfer.pump", "Pump", "_submit"),
+        ("completed (ctx transfer thread)", "transfer.sender", "Sender", "complete_locked"),
+        ("result handled (gen)", "transfer.receiver", "Receiver", "on_result")]
+
+
+def _instrument(stamps: dict) -> None:
+    import importlib
+
+    for name, mod, cls, meth in HOPS:
+        c = getattr(importlib.import_module(mod), cls, None)
+        fn = getattr(c, meth, None) if c is not None else None
+        if fn is None:
+            continue
+
+        def wrap(fn=fn, name=name):
+            def w(*a, **k):
+                stamps.setdefault(name, time.monotonic())
+                return fn(*a, **k)
+            return w
+        setattr(c, meth, wrap())
+
+
+def rank_main(conn, role: str, kind: str) -> None:
+    import numpy as np
+
+    from transfer.page_table import LayerGroup, PageTable, PhysicalPool, PoolView
+    from transfer.session import KvTransceiver, RankTopology, TransferConfig
+
+    stamps: dict = {}
+    _instrument(stamps)
+    entry = TPB * KV_HEADS * HEAD_DIM * 2
+    bb = LAYERS * 2 * entry
+    nbytes = NUM_BLOCKS * bb
+    if kind == "shm":
+        from transfer.memory import alloc_shared_array
+        pool = alloc_shared_array(nbytes)
+    else:
+        pool = np.zeros(nbytes, np.uint8)
+    pool[:] = 7 if role == "context" else 0
+    ppool = PhysicalPool(base=pool.ctypes.data, layer_stride=2 * entry, slot_stride=bb,
+                         slot_bytes=2 * entry, num_slots=NUM_BLOCKS, layers=LAYERS,
+                         mem_type="DRAM", device_id=0)
+    view = PoolView(pool=0, role=frozenset(["kv"]), layer_ids=tuple(range(LAYERS)),
+                    buffer_entries=tuple((l, c * entry, entry) for l in range(LAYERS)
+                                         for c in (0, 1)), layout="NHD", kv_heads=KV_HEADS)
+    pt = PageTable(tokens_per_block=TPB, pools=(ppool,),
+                   groups=(LayerGroup(tuple(range(LAYERS)), (view,)),), dtype="bfloat16")
+    tx = KvTransceiver(pt, RankTopology(role=role, num_layers=LAYERS, total_kv_heads=KV_HEADS,
+                                        model="ctl"),
+                       TransferConfig(agent=kind, send_timeout_s=60, recv_timeout_s=60))
+    conn.send(("ready", tx.endpoint))
+    done_at: dict[int, float] = {}
+    events: dict[int, threading.Event] = {}
+
+    def on_done(req):
+        done_at[req] = time.monotonic()
+        events[req].set()
+
+    while True:
+        cmd, a = conn.recv()
+        if cmd == "exit":
+            tx.shutdown()
+            conn.send(None)
+            return
+        if cmd == "send":            # (req, ids)
+            req, ids = a
+            t0 = time.monotonic()
+            tx.begin_send(req, TPB, ids)
+            tx.finish_send(req, None)
+            conn.send(t0)
+        elif cmd == "wait_send":
+            while not tx.send_status(a).quiescent:
+                time.sleep(0.0005)
+            tx.release_send(a)
+            conn.send(None)
+        elif cmd == "rt":            # (req, ep, ids) -> (rt, rt_wake, hops)
+            req, ep, ids = a
+            stamps.clear()
+            events[req] = threading.Event()
+            t0 = time.monotonic()
+            tx.begin_receive(req, ep, TPB, ids, on_done=lambda r=req: on_done(r))
+            events[req].wait(30)
+            t1 = time.monotonic()
+            assert tx.recv_status(req).state == "done", tx.recv_status(req).error
+            tx.release_receive(req)
+            conn.send((done_at.pop(req) - t0, t1 - t0, t0, dict(stamps)))
+        elif cmd == "post":          # (req, ep, ids)
+            req, ep, ids = a
+            events[req] = threading.Event()
+            tx.begin_receive(req, ep, TPB, ids, on_done=lambda r=req: on_done(r))
+            conn.send(None)
+        elif cmd == "done_at":
+            events[a].wait(30)
+            assert tx.recv_status(a).state == "done", tx.recv_status(a).error
+            tx.release_receive(a)
+            conn.send(done_at.pop(a))
+        elif cmd == "stamps":
+            conn.send(dict(stamps))
+            stamps.clear()
+
+
+def measure_tree(kind: str, n: int) -> dict:
+    ctx_mp = mp.get_context("spawn")
+    ranks = {}
+    for role in ("context", "generation"):
+        parent, child = ctx_mp.Pipe()
+        p = ctx_mp.Process(target=rank_main, args=(child, role, kind), daemon=True)
+        p.start()
+        ranks[role] = (parent, p)
+
+    def call(role, cmd, *a):
+        conn = ranks[role][0]
+        conn.send((cmd, a[0] if len(a) == 1 else a))
+        return conn.recv()
+
+    eps = {r: ranks[r][0].recv()[1] for r in ranks}
+    ep = eps["context"]
+    out = {"rt": [], "rt_wake": [], "crit0": [], "crit1": [], "hops": {}}
+    req = iter(range(1, 1 << 30))
+    try:
+        for i in range(n + 10):     # the first 10 wire up connections and agents
+            r = next(req)
+            call("context", "send", r, [0])
+            rt, rt_wake, t_post, hops = call("generation", "rt", r, ep, [-1])
+            call("context", "wait_send", r)
+            for case, dst in (("crit0", [-1]), ("crit1", [1 + i % (NUM_BLOCKS - 1)])):
+                r2 = next(req)
+                call("generation", "post", r2, ep, dst)
+                time.sleep(0.002)   # the Recv reaches the context side and is parked
+                t0 = call("context", "send", r2, [0])
+                t1 = call("generation", "done_at", r2)
+                call("context", "wait_send", r2)
+                if i >= 10:
+                    out[case].append(t1 - t0)
+            if i >= 10:
+                out["rt"].append(rt)
+                out["rt_wake"].append(rt_wake)
+                # both processes stamp CLOCK_MONOTONIC of one host: relative to the post
+                for k, v in {**hops, **call("context", "stamps")}.items():
+                    out["hops"].setdefault(k, []).append(v - t_post)
+    finally:
+        for role in ranks:
+            try:
+                call(role, "exit")
+            except Exception:
+                pass
+            ranks[role][1].join(5)
+    return out
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--agent", default="tcp", choices=["tcp", "shm"])
+    p.add_argument("--n", type=int, default=200, help="measured round trips per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tree", action="append", help="checkouts to compare (default: this one)")
+    p.add_argument("--json", help="also write the raw samples here")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:   # one round in one tree: samples as JSON on stdout
+        print(json.dumps(measure_tree(args.agent, args.n)))
+        return 0
+    trees = [str(Path(t).resolve()) for t in (args.tree or [str(HERE.parents[2])])]
+    samples = {t: {} for t in trees}
+    for rnd in range(args.rounds):
+        for t in trees:
+            env = dict(os.environ, SPLITSERVE_BENCH_TREE=t, PYTHONPATH=t)
+            r = subprocess.run([sys.executable, str(HERE), "--child", "--agent", args.agent,
+                                "--n", str(args.n)], env=env, cwd=t, capture_output=True,
+                               text=True, timeout=600)
+            if r.returncode:
+                print(r.stderr[-3000:], file=sys.stderr)
+                return 1
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+            for k, v in got.items():
+                if k == "hops":
+                    for h, xs in v.items():
+                        samples[t].setdefault("hops", {}).setdefault(h, []).extend(xs)
+                else:
+                    samples[t].setdefault(k, []).extend(v)
+            print(f"round {rnd} {t}: rt p50 {statistics.median(got['rt']) * 1e6:.0f} µs",
+                  file=sys.stderr, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(samples))
+    us = 1e6
+    print(f"\nagent {args.agent}, {args.rounds} rounds × {args.n} per tree, alternating trees; "
+          f"µs\n")
+    print("| tree | round trip p50 | p99 | + waiter wakes p50 | critical path, nothing written "
+          "p50 | p99 | critical path, 1 block p50 | p99 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for t in trees:
+        s = samples[t]
+        print(f"| {t} | {statistics.median(s['rt']) * us:,.0f} | {pct(s['rt'], .99) * us:,.0f} | "
+              f"{statistics.median(s['rt_wake']) * us:,.0f} | "
+              f"{statistics.median(s['crit0']) * us:,.0f} | {pct(s['crit0'], .99) * us:,.0f} | "
+              f"{statistics.median(s['crit1']) * us:,.0f} | {pct(s['crit1'], .99) * us:,.0f} |")
+    print("\nRound trip hop by hop (median µs after `begin_receive`):\n")
+    names = [h[0] for h in HOPS]
+    print("| tree | " + " | ".join(names) + " | on_done |")
+    print("|---|" + "---:|" * (len(names) + 1))
+    for t in trees:
+        h = samples[t].get("hops", {})
+        cells = [f"{statistics.median(h[n]) * us:,.0f}" if n in h else "—" for n in names]
+        print(f"| {t} | " + " | ".join(cells) + f" | {statistics.median(samples[t]['rt']) * us:,.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
