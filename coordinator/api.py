@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from coordinator import metrics as metrics_mod
+from coordinator.snapshot import ListenerCounters
 from coordinator import checks
 from protocol import coord as wire
 from protocol.coord import BadRequest, NoServerAvailable, NotServing
@@ -62,8 +63,12 @@ def _wants_msgpack(accept: str | None) -> bool:
 class Api:
     """Endpoints of docs/design.md §6 (+ /select_pair, /identity, /version) over a Coordinator."""
 
-    def __init__(self, coord, *, watch=None, max_queue_delay_s: float | None = None):
+    def __init__(self, coord, *, watch=None, max_queue_delay_s: float | None = None,
+                 counters: Callable[[], ListenerCounters] | None = None):
+        """`counters`: what the listeners serving the coordinator counted, for `/metrics`
+        (coordinator/listeners.py `CoordinatorServer.counters`); by default this API's own."""
         self.coord = coord
+        self.counters = counters or (lambda: ListenerCounters(http_shed=self.shed))
         self.watch = watch            # coordinator.channel.LoopWatch, or None: never shed
         self.max_queue_delay_s = max_queue_delay_s
         self.shed = 0
@@ -89,7 +94,8 @@ class Api:
         self.get: dict[str, Callable[[bool], Reply]] = {
             "/cluster_info": lambda mp: _encode(c.cluster_info(), mp),
             "/health": self._health,
-            "/metrics": lambda mp: Reply(200, metrics_mod.CONTENT_TYPE, c.metrics_text()),
+            "/metrics": lambda mp: Reply(200, metrics_mod.CONTENT_TYPE,
+                                         metrics_mod.render(c.snapshot(self.counters()))),
             "/version": lambda mp: _encode({"version": c.version, "cluster_id": c.cluster_id}, mp),
             "/replica": lambda mp: _encode(c.replica_info(), mp),
         }

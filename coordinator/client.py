@@ -188,6 +188,22 @@ class CoordinatorClient:
     def channel(self) -> ChannelClient | None:
         return self._chan
 
+    @property
+    def cancel_safe(self) -> bool:
+        """A placement started now cannot leak its lease when its caller is cancelled: in-process
+        (no await point while the lease is created) or over the connected channel (whose client
+        ends a cancelled caller's lease itself). Otherwise the caller must shield the call and end
+        the leases it may have created (fleet/placement.py `Placer._leased`)."""
+        if self.inline:
+            return True
+        ch = self._chan
+        return ch is not None and ch.connected
+
+    def count_abandoned(self, fn: Callable[[], None]) -> None:
+        """Call `fn` for every lease the channel ended because its caller was cancelled."""
+        if self._chan is not None:
+            self._chan.on_abandoned = fn
+
     async def __aenter__(self) -> "CoordinatorClient":
         return self
 
@@ -223,6 +239,25 @@ class CoordinatorClient:
         return await self._call("POST", codec.SELECT_PAIR,
                                 codec.select_pair_body(req_id, routing_key, exclude_ctx, exclude_gen,
                                                        wire=not self.inline))
+
+    def select_answer(self, role: str, req_id: int, routing_key: Any = None,
+                      exclude: Any = None) -> Awaitable[wire.SelectAnswer]:
+        """`select`'s answer checked as `protocol.coord.SelectAnswer`: the connected channel's own
+        (checked before its kv explanation is built, no extra coroutine in between), else `select`'s
+        answer checked here (`BadAnswer` when it does not fit)."""
+        ch = self._chan
+        if ch is not None and not self.inline and ch.connected:
+            return ch.select_answer(role, req_id, routing_key, exclude)
+        return _checked(self.select(role, req_id, routing_key, exclude), wire.SelectAnswer, codec.SELECT)
+
+    def select_pair_answer(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
+                           exclude_gen: Any = None) -> Awaitable[wire.SelectPairAnswer]:
+        """`select_pair`'s answer checked as `protocol.coord.SelectPairAnswer` (as `select_answer`)."""
+        ch = self._chan
+        if ch is not None and not self.inline and ch.connected:
+            return ch.select_pair_answer(req_id, routing_key, exclude_ctx, exclude_gen)
+        return _checked(self.select_pair(req_id, routing_key, exclude_ctx, exclude_gen),
+                        wire.SelectPairAnswer, codec.SELECT_PAIR)
 
     def finish_nowait(self, role: str, req_id: int, success: bool = True,
                       usage: dict | None = None) -> bool:
@@ -305,6 +340,10 @@ class CoordinatorClient:
         return await self._call("POST", codec.LEASES, codec.leases_body(leases))
 
 
+async def _checked(call: Awaitable[Any], typ: type, path: str) -> Any:
+    return wire.as_answer(typ, await call, path)
+
+
 class HttpCoordinatorClient(CoordinatorClient):
     """The coordinator at `url` (`http://host:port` or `unix:///path`): the channel when offered,
     HTTP otherwise. `transport` replaces the HTTP transport (fleet/coord_client.py)."""
@@ -376,11 +415,13 @@ class ReplicaClient:
       them with a replica before its first call there (`POST /leases`, idempotent by `(role,
       req_id)`), once per move however many callers are waiting, so that replica's load counters
       include the requests in flight before it places anything.
-    - `channel` is None: the fleet then runs each placement to its end when its caller is
-      cancelled (fleet/placement.py `_leased`), and its lease end comes back through `finish`.
+    - `channel` is None and `cancel_safe` False: the fleet then runs each placement to its end when
+      its caller is cancelled (fleet/placement.py `_leased`), and its lease end comes back through
+      `finish`.
     """
     inline = False
     channel = None
+    cancel_safe = False
 
     def __init__(self, clients: list[CoordinatorClient], *, failover_wait_s: float = 1.0,
                  down_s: float = 1.0, retry_s: float = 0.02,
@@ -498,6 +539,18 @@ class ReplicaClient:
             for role in ("context", "generation"):
                 self._held(role, req_id, ans.get(role), routing_key)
         return ans
+
+    def select_answer(self, role: str, req_id: int, routing_key: Any = None,
+                      exclude: Any = None) -> Awaitable[wire.SelectAnswer]:
+        return _checked(self.select(role, req_id, routing_key, exclude), wire.SelectAnswer, codec.SELECT)
+
+    def select_pair_answer(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
+                           exclude_gen: Any = None) -> Awaitable[wire.SelectPairAnswer]:
+        return _checked(self.select_pair(req_id, routing_key, exclude_ctx, exclude_gen),
+                        wire.SelectPairAnswer, codec.SELECT_PAIR)
+
+    def count_abandoned(self, fn: Callable[[], None]) -> None:
+        """No channel here: a cancelled caller's lease is the caller's to end (`cancel_safe`)."""
 
     def finish_nowait(self, role: str, req_id: int, success: bool = True,
                       usage: dict | None = None) -> bool:

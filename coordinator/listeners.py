@@ -24,6 +24,7 @@ from coordinator.api import Api, aiohttp_handler
 from coordinator.channel import ChannelServer, LoopWatch
 from coordinator.http import HttpServer
 from coordinator.service import Coordinator
+from coordinator.snapshot import ChannelCounts, ListenerCounters
 
 __all__ = ["CoordinatorServer", "MAX_BODY_BYTES"]
 
@@ -48,16 +49,25 @@ class CoordinatorServer:
         self.http = http
         co = coord.config.coordinator
         self.watch = LoopWatch()
-        self.api = Api(coord, watch=self.watch, max_queue_delay_s=co.max_queue_delay_s)
+        self.api = Api(coord, watch=self.watch, max_queue_delay_s=co.max_queue_delay_s,
+                       counters=self.counters)
         # The fleet channel rides on the fast server's listeners (an HTTP upgrade).
         self.channel = (ChannelServer(coord, max_queue_delay_s=co.max_queue_delay_s)
                         if co.channel and http == "fast" else None)
-        coord.transport = self      # its shedding and channel counters, for coordinator.metrics
         self._fast: HttpServer | None = None
         self._runner: ServerRunner | None = None
         self.urls: list[str] = []
         self.tcp_url: str | None = None
         self.uds_url: str | None = None
+
+    def counters(self) -> ListenerCounters:
+        """What these listeners counted, for the coordinator's snapshot (`/metrics`)."""
+        ch = self.channel.stats if self.channel is not None else None
+        return ListenerCounters(
+            http_shed=self.api.shed,
+            channel=None if ch is None else ChannelCounts(
+                connections=ch.connections, batches=ch.batches, calls=ch.calls,
+                finishes=ch.finishes, malformed=ch.bad_calls, shed=ch.shed))
 
     async def start(self, start_coordinator: bool = True) -> list[str]:
         if start_coordinator:

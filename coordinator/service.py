@@ -24,12 +24,12 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 
 from coordinator import checks
-from coordinator import metrics as metrics_mod
-from coordinator import snapshot
+from coordinator import snapshot as snapshot_mod
 from protocol import coord as wire
 from coordinator.api import make_app
 from coordinator.config import ClusterConfig, load_config
@@ -515,15 +515,16 @@ class Coordinator:
         if not self.election.serving:
             self._not_serving()
         t0 = time.perf_counter()
-        p = pair(self.pair_rules, key.num_tokens if key is not None else 0,
-                 lambda: self._select(GENERATION, req_id, key, ex_gen, server_info),
-                 _matched_tokens,
-                 lambda: self._select(CONTEXT, req_id, key, ex_ctx, server_info),
-                 lambda gen: self.leases.finish(GENERATION, req_id))
-        mode = p.mode
-        self.stats.pair_modes[mode] = self.stats.pair_modes.get(mode, 0) + 1
+        select = self._select
+        ctx, gen, mode, reason = pair(
+            self.pair_rules, key.num_tokens if key is not None else 0,
+            partial(select, GENERATION, req_id, key, ex_gen, server_info), _matched_tokens,
+            partial(select, CONTEXT, req_id, key, ex_ctx, server_info),
+            lambda gen: self.leases.finish(GENERATION, req_id))
+        modes = self.stats.pair_modes
+        modes[mode] = modes.get(mode, 0) + 1
         self.stats.select_latency.observe(time.perf_counter() - t0)
-        return {"context": p.context, "generation": p.generation, "mode": mode, "reason": p.reason}
+        return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}
 
     def end_lease(self, role: str, req_id: int, success: bool,
                   usage: tuple[int, int, int] | None = None) -> bool:
@@ -715,12 +716,14 @@ class Coordinator:
         return {"block_size": self.block_size, "key_scheme": self.key_scheme,
                 "namespace": self.config.routing.namespace, "ns_seed": self.ns_seed}
 
+    def snapshot(self, listeners: snapshot_mod.ListenerCounters | None = None) -> snapshot_mod.ClusterSnapshot:
+        """One read of this state, with what the listeners serving it counted (coordinator/snapshot.py):
+        what `/cluster_info` and `/metrics` are built from."""
+        return snapshot_mod.take(self, listeners)
+
     def cluster_info(self) -> dict:
         """`/cluster_info`: built from the same snapshot as the metrics (coordinator/snapshot.py)."""
-        return snapshot.take(self).cluster_info()
-
-    def metrics_text(self) -> bytes:
-        return metrics_mod.render(self)
+        return snapshot_mod.take(self).cluster_info()
 
     # ---- silent-degradation guard (upstream #14882) -------------------------------------------
     def _check_empty_indexes(self, now: float) -> None:

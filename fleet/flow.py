@@ -73,6 +73,8 @@ class Flow:
         self.retry_statuses = frozenset(fc.retry_on_status)
         self.schedule = config.schedule_style
         self.rules = placer.rules           # the pairing rules (router/pairing.py)
+        # both legs in one placement: both roles delegated (the coordinator's) or both round robin
+        self._pairs = placer.delegated(CTX) == placer.delegated(GEN)
         self.hmac_key = config.internal_request_auth_key
         self.route_detail = config.fleet.route_header    # off | short | full
         self.relay = Relay(placer, self.timeout, config.leases.effective_renew_interval_s)
@@ -188,7 +190,7 @@ class Flow:
         if self.aggregated_only:
             scope.mode = plan.AGGREGATED
             return None, await self.place_gen(scope, key)
-        if p.delegated(CTX) == p.delegated(GEN):
+        if self._pairs:
             # one call places both legs: the coordinator's, or the same rules over the local list
             try:
                 ctx, gen, scope.mode = await p.place_pair(scope.rid, key, set(), set())

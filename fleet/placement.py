@@ -30,10 +30,11 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from operator import attrgetter
 
 from protocol.coord import (ClusterInfo, CoordinatorRequestError, CoordinatorUnavailable,
-                            NoServerAvailable, SelectAnswer, SelectPairAnswer, as_answer)
+                            NoServerAvailable, SelectAnswer, as_answer)
 from protocol.roles import Mode, Role
 from router.pairing import PairRules, PolicyKind, pair
 from router.policy_load import LoadBalancingPolicy, RoundRobinPolicy
@@ -88,7 +89,8 @@ def parse_cluster_info(ci: ClusterInfo) -> dict[str, list[_ServerState]]:
 
 
 class Placer:
-    """`turn`: where the local turns (round robin, and least-loaded ties) start; None, a random
+    """`coordinator` is a `coordinator.client.CoordinatorClient` (in-process, or over the channel
+    and HTTP); the placer uses its public calls only. `turn`: where the local turns (round robin, and least-loaded ties) start; None, a random
     one, so that the fleet's processes do not all begin on the same server."""
 
     def __init__(self, config, coordinator, *, refresh_s: float = 1.0, turn: int | None = None):
@@ -125,20 +127,8 @@ class Placer:
                         "ns_seed": config.routing.ns_seed}
         self._task: asyncio.Task | None = None
         self._bg: set[asyncio.Task] = set()
-        # An in-process coordinator answers without suspending and applies /finish at once; the
-        # channel queues it. Either way the client says so (coordinator/client.py).
-        self._inline = bool(getattr(coordinator, "inline", False))
-        self._nowait = getattr(coordinator, "finish_nowait", None)
-        # A call over a connected channel needs no `_leased` wrapper: the channel client itself
-        # finishes the lease of a placement whose caller was cancelled (coordinator/channel_client.py).
-        self._chan = getattr(coordinator, "channel", None)
-        if self._chan is not None:
-            self._chan.on_abandoned = M.ORPHANED_LEASES.inc
-            if not self._inline:
-                self._nowait = self._chan.finish   # what `finish_nowait` calls, one layer less
-        self._first_nowait = getattr(coordinator, "first_token_nowait", None)
-        if self._chan is not None and not self._inline:
-            self._first_nowait = self._chan.first_token
+        # The client's leases ended for cancelled callers count with ours (`_orphaned`).
+        coordinator.count_abandoned(M.ORPHANED_LEASES.inc)
         self._rtt = {c: M.COORD_RTT.labels(c) for c in ("select", "select_pair", "finish", "renew", "cluster_info")}
         self.finish_pending = 0
         M.COORD_UP.set(1)
@@ -334,21 +324,18 @@ class Placer:
             ej = self.ejected()
             excl = sorted(exclude.union(ej)) if exclude or ej else None
             t0 = time.perf_counter()
-            ch = self._chan
+            coord = self.coord
             try:
-                if ch is not None and ch.connected and not self._inline:
-                    # straight to the channel (what coord.select does when it is connected), no
-                    # `_leased` wrapper: the channel client ends a cancelled caller's lease itself;
-                    # its answer comes checked (as_answer below returns it as is)
-                    ans = await ch.select_answer(role, req_id, routing_key, excl)
+                if coord.cancel_safe:
+                    ans = await coord.select_answer(role, req_id, routing_key, excl)
                 else:
-                    ans = await self._leased(self.coord.select(role, req_id, routing_key=routing_key,
-                                                               exclude=excl), (role,), req_id)
+                    ans = await self._leased(coord.select_answer(role, req_id, routing_key, excl),
+                                             (role,), req_id)
             except CoordinatorUnavailable as e:
                 self._coord_lost(e)
             else:
                 self._rtt["select"].observe(time.perf_counter() - t0)
-                return self._answer(role, req_id, as_answer(SelectAnswer, ans, "/select"))
+                return self._answer(role, req_id, ans)
         M.COORD_FALLBACK.labels(role).inc()
         return self._local(role, req_id, exclude)
 
@@ -362,56 +349,46 @@ class Placer:
         caches nearly all of the prompt); AGGREGATE_FALLBACK (no healthy context server). Raises
         `NoServerAvailable` (`pairing.NoContextServer` when the context leg found none under
         `no_context_fallback: reject`)."""
-        if not self.delegated(GEN):
-            return self._local_pair(req_id, routing_key, exclude_ctx, exclude_gen)
-        if self.coord_ok:
-            ej = self.ejected()
-            ec = sorted(exclude_ctx.union(ej)) if exclude_ctx or ej else None
-            eg = sorted(exclude_gen.union(ej)) if exclude_gen or ej else None
-            t0 = time.perf_counter()
-            ch = self._chan
-            try:
-                if ch is not None and ch.connected and not self._inline:
-                    ans = await ch.select_pair_answer(req_id, routing_key, ec, eg)   # as in `place`
+        if self._kind[GEN].delegated:
+            if self.coord_ok:
+                ej = self.ejected()
+                ec = sorted(exclude_ctx.union(ej)) if exclude_ctx or ej else None
+                eg = sorted(exclude_gen.union(ej)) if exclude_gen or ej else None
+                t0 = time.perf_counter()
+                coord = self.coord
+                try:
+                    if coord.cancel_safe:
+                        ans = await coord.select_pair_answer(req_id, routing_key, ec, eg)
+                    else:
+                        ans = await self._leased(coord.select_pair_answer(req_id, routing_key, ec, eg),
+                                                 (CTX, GEN), req_id)
+                except CoordinatorUnavailable as e:
+                    self._coord_lost(e)
                 else:
-                    ans = await self._leased(self.coord.select_pair(req_id, routing_key=routing_key,
-                                                                    exclude_ctx=ec, exclude_gen=eg),
-                                             (CTX, GEN), req_id)
-            except CoordinatorUnavailable as e:
-                self._coord_lost(e)
-            else:
-                self._rtt["select_pair"].observe(time.perf_counter() - t0)
-                pair = as_answer(SelectPairAnswer, ans, "/select_pair")
-                gen = self._answer(GEN, req_id, pair.generation)
-                ctx = pair.context
-                return (self._answer(CTX, req_id, ctx) if ctx else None), gen, pair.mode
-        M.COORD_FALLBACK.labels(CTX).inc()
-        M.COORD_FALLBACK.labels(GEN).inc()
-        return self._local_pair(req_id, routing_key, exclude_ctx, exclude_gen)
+                    self._rtt["select_pair"].observe(time.perf_counter() - t0)
+                    gen = self._answer(GEN, req_id, ans.generation)
+                    ctx = ans.context
+                    return (self._answer(CTX, req_id, ctx) if ctx else None), gen, ans.mode
+            M.COORD_FALLBACK.labels(CTX).inc()
+            M.COORD_FALLBACK.labels(GEN).inc()
+        # placed here: the same pairing rules over this process's list (partials, not lambdas:
+        # no Python frame between `pair` and `_local`; round robin places every request here)
+        local = self._local
+        ctx, gen, mode, _ = pair(self.rules, routing_key.get("num_tokens") if routing_key else 0,
+                                 partial(local, GEN, req_id, exclude_gen), _PREDICTED,
+                                 partial(local, CTX, req_id, exclude_ctx))
+        return ctx, gen, mode
 
-    def _local_pair(self, req_id: int, routing_key: dict | None, exclude_ctx: set[str],
-                    exclude_gen: set[str]) -> tuple[Placement | None, Placement, Mode]:
-        p = pair(self.rules, routing_key.get("num_tokens") if routing_key else 0,
-                 lambda: self._local(GEN, req_id, exclude_gen), _PREDICTED,
-                 lambda: self._local(CTX, req_id, exclude_ctx))
-        return p.context, p.generation, p.mode
-
-    async def _leased(self, call, roles: tuple[str, ...], req_id: int) -> dict:
-        """Await a coordinator placement so that a cancelled caller never leaks the lease it creates.
+    async def _leased(self, call, roles: tuple[str, ...], req_id: int):
+        """Await a coordinator placement so that a cancelled caller never leaks the lease it creates,
+        where the client does not see to it itself (`CoordinatorClient.cancel_safe` false: the
+        in-process call and the connected channel need no Task and shield, ~9 µs a placement).
 
         The coordinator leases `(role, req_id)` while it answers, so a caller cancelled mid-call (the
         client hung up) would never learn of the lease and never `/finish` it. The call itself is
         shielded and runs to its end; if the caller is gone by then, every role it may have leased is
         finished here (`/finish` is idempotent: a lease that was never created is a no-op).
         """
-        if self._inline:
-            # in-process: the call never suspends, so there is no point at which it can be cancelled
-            return await call
-        ch = self._chan
-        if ch is not None and ch.connected:
-            # over the channel (decided before the call's first await): a Task and a shield per
-            # placement (~9 µs) for what the channel client already does on cancellation
-            return await call
         task = asyncio.ensure_future(call)
         try:
             return await asyncio.shield(task)
@@ -434,14 +411,13 @@ class Placer:
         p.finished = True
         if not p.lease:
             return
-        if self._nowait is not None:
-            try:
-                if self._nowait(p.role, p.req_id, success, self._usage(p)):
-                    return   # applied (in-process), or queued on the channel and acknowledged there
-            except Exception as e:   # a bad lease must not fail the request that already completed
-                log.warning("/finish of %s %d failed: %s", p.role, p.req_id, e)
-                M.FINISH_DROPPED.inc()
-                return
+        try:
+            if self.coord.finish_nowait(p.role, p.req_id, success, self._usage(p)):
+                return   # applied (in-process), or queued on the channel and acknowledged there
+        except Exception as e:   # a bad lease must not fail the request that already completed
+            log.warning("/finish of %s %d failed: %s", p.role, p.req_id, e)
+            M.FINISH_DROPPED.inc()
+            return
         t = asyncio.get_running_loop().create_task(self._finish(p, success))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
@@ -481,17 +457,13 @@ class Placer:
         if p.started or not p.lease or p.finished:
             return
         p.started = True
-        nowait = self._first_nowait
         try:
-            if nowait is not None and nowait(p.role, p.req_id):
+            if self.coord.first_token_nowait(p.role, p.req_id):
                 return
         except Exception as e:   # a report must never fail the request
             log.debug("first-token report of %s %d failed: %s", p.role, p.req_id, e)
             return
-        send = getattr(self.coord, "first_token", None)
-        if send is None:
-            return
-        t = asyncio.get_running_loop().create_task(self._first_token(send, p))
+        t = asyncio.get_running_loop().create_task(self._first_token(self.coord.first_token, p))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 

@@ -44,7 +44,7 @@ async def _coordinator() -> dict[str, tuple[str, tuple[str, ...]]]:
     s = CoordinatorServer(c, host="127.0.0.1", port=0, uds_path=None, http="fast")
     await s.start()
     try:
-        return _families(CoordinatorCollector(c))
+        return _families(CoordinatorCollector(lambda: c.snapshot(s.counters())))
     finally:
         await s.stop()
 

@@ -49,6 +49,7 @@ def child(tree: str, policy: str, n: int) -> None:
     bf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bf)
     from coordinator import channel_client as cc
+    from coordinator.client import CoordinatorClient, HttpTransport
     from coordinator.config import load_config
     from fleet.flow import Flow
     from fleet.http_messages import FleetRequest, reply_bytes
@@ -105,11 +106,9 @@ def child(tree: str, policy: str, n: int) -> None:
     chan._proto = object()                     # connected: finishes are queued ...
     chan._schedule_finishes = lambda: None     # ... and never flushed (no socket)
 
-    class Coordinator:
-        inline = False
-        channel = chan
-
-    placer = Placer(cfg, Coordinator())
+    # The fleet's own client stack over that channel (its HTTP transport is never called: the channel
+    # is connected). A tree from before the client had `select_pair_answer` takes it as well.
+    placer = Placer(cfg, CoordinatorClient(HttpTransport("http://127.0.0.1:9"), chan))
     keys = make_key_builder(cfg, ["tiny"]) if policy != "round_robin" else None
     srv = FleetServer.__new__(FleetServer)
     srv.flow = Flow(cfg, placer, Pool(), SnowflakeGenerator(1, 1), keys)

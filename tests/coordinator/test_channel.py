@@ -83,8 +83,10 @@ async def test_default_client_batches_selects_and_queues_finishes(served):
             assert _leases(c) == 0
         finally:
             await cl.close()
-    m = c.metrics_text().decode()
-    assert "splitserve_coordinator_channel_batches_total" in m
+    async with aiohttp.ClientSession() as http, http.get(s.tcp_url + "/metrics") as r:
+        m = await r.text()
+    batches = [ln for ln in m.splitlines() if ln.startswith("splitserve_coordinator_channel_batches_total ")]
+    assert batches and float(batches[0].split()[1]) == s.channel.stats.batches > 0
 
 
 async def test_channel_answers_leave_out_server_info_the_http_api_keeps_it(served):

@@ -87,22 +87,20 @@ def _pair(rules: PairRules, legs: _Legs, num_tokens: int = 100):
 
 def test_pair_modes():
     legs = _Legs(["c0", "c1"], ["g0"])
-    p = _pair(PairRules(max_local_prefill_length=16), legs)
-    assert (p.context, p.generation, p.mode, p.reason) == ("c0", "g0", Mode.DISAGGREGATED, None)
+    assert _pair(PairRules(max_local_prefill_length=16), legs) == ("c0", "g0", Mode.DISAGGREGATED, None)
     assert legs.calls == ["generation", "context"]          # the generation leg first
     legs.matched = 90
-    p = _pair(PairRules(max_local_prefill_length=16), legs)
-    assert (p.context, p.mode) == (None, Mode.GENERATION_ONLY) and "90 of 100" in p.reason
+    ctx, gen, mode, reason = _pair(PairRules(max_local_prefill_length=16), legs)
+    assert (ctx, gen, mode) == (None, "g0", Mode.GENERATION_ONLY) and "90 of 100" in reason
     assert legs.calls[2:] == ["generation"]                 # no context leg placed at all
-    p = _pair(PairRules(), legs)                            # conditional disaggregation off
-    assert (p.context, p.mode) == ("c1", Mode.DISAGGREGATED)
+    # conditional disaggregation off
+    assert _pair(PairRules(), legs) == ("c1", "g0", Mode.DISAGGREGATED, None)
 
 
 def test_pair_without_context_servers():
     legs = _Legs([], ["g0", "g1"])
-    p = _pair(PairRules(), legs)
-    assert (p.context, p.generation, p.mode) == (None, "g0", Mode.AGGREGATE_FALLBACK)
-    assert p.reason == "no healthy context server; serving on the generation server alone"
+    assert _pair(PairRules(), legs) == (None, "g0", Mode.AGGREGATE_FALLBACK, "no healthy context "
+                                        "server; serving on the generation server alone")
     with pytest.raises(NoContextServer):
         _pair(PairRules(no_context_fallback="reject"), legs)
     assert legs.released == ["g1"]                          # the generation placement undone
