@@ -1,7 +1,9 @@
 """Prometheus exposition of the coordinator's state.
 
-The hot path only bumps plain integers; metric families are built from the live state when
-`/metrics` is scraped (a custom collector), so a `/select` pays no metric locks.
+The hot path only bumps plain integers; metric families are built when `/metrics` is scraped (a
+custom collector), so a `/select` pays no metric locks. The collector reads one
+`coordinator.snapshot.ClusterSnapshot` and nothing else: the object `/cluster_info` is built from,
+with what the listeners counted (coordinator/listeners.py `CoordinatorServer.counters`).
 """
 from __future__ import annotations
 
