@@ -33,6 +33,13 @@ def stand_ins():
         s.close()
 
 
+@pytest.fixture(scope="module")
+def good(module_cluster):
+    """One real generation worker for the module: the tests only send it completions, and its
+    start-up is most of a test's cost on a 2-core CI box."""
+    return module_cluster.worker("generation", name="controls-gen")[1]
+
+
 def start_fleet(cluster, gen_urls, **fleet_cfg):
     from .conftest import free_port
     port = free_port()
@@ -63,9 +70,8 @@ def test_listed_5xx_are_retried_elsewhere_with_a_growing_backoff(cluster, stand_
     assert metric(m, "splitserve_fleet_leg_retries_total", role="generation") == 3
 
 
-def test_a_429_is_retried_on_another_server_and_the_client_sees_200(cluster, stand_ins):
+def test_a_429_is_retried_on_another_server_and_the_client_sees_200(cluster, stand_ins, good):
     busy = stand_ins(429)
-    w, good = cluster.worker("generation")
     base = start_fleet(cluster, [busy.url, good], max_retries=1, retry_on_status=[429, 503],
                        retry_backoff_s=0.01)
     statuses = [http("POST", base + "/v1/completions", BODY)[0] for _ in range(4)]
@@ -75,19 +81,18 @@ def test_a_429_is_retried_on_another_server_and_the_client_sees_200(cluster, sta
     assert len(busy.hits) >= 2
 
 
-def test_the_circuit_breaker_opens_after_the_threshold_and_half_opens_later(cluster, stand_ins):
+def test_the_circuit_breaker_opens_after_the_threshold_and_half_opens_later(cluster, stand_ins, good):
     bad = stand_ins(500)
-    w, good = cluster.worker("generation")
     base = start_fleet(cluster, [bad.url, good], max_retries=1, retry_on_status=[500],
-                       retry_backoff_s=0.01, circuit_breaker={"failure_threshold": 2, "open_s": 4.0})
+                       retry_backoff_s=0.01, circuit_breaker={"failure_threshold": 2, "open_s": 2.5})
     t_open = None
-    for _ in range(10):
+    for _ in range(8):
         assert http("POST", base + "/v1/completions", BODY)[0] == 200
         if len(bad.hits) == 2 and t_open is None:
             t_open = time.monotonic()
     assert len(bad.hits) == 2            # open: no traffic from this process after 2 failures
-    assert time.monotonic() - t_open < 4.0, "the requests took longer than open_s; inconclusive"
-    time.sleep(max(0.0, 4.2 - (time.monotonic() - t_open)))
+    assert time.monotonic() - t_open < 2.5, "the requests took longer than open_s; inconclusive"
+    time.sleep(max(0.0, 2.7 - (time.monotonic() - t_open)))
     for _ in range(3):                   # half-open: traffic again, which fails and reopens it
         assert http("POST", base + "/v1/completions", BODY)[0] == 200
     assert len(bad.hits) == 3
@@ -95,8 +100,7 @@ def test_the_circuit_breaker_opens_after_the_threshold_and_half_opens_later(clus
     assert metric(m, "splitserve_fleet_server_ejections_total", server=bad.url) >= 1
 
 
-def test_the_rate_limit_admits_the_burst_queues_one_and_refuses_the_rest(cluster):
-    w, good = cluster.worker("generation")
+def test_the_rate_limit_admits_the_burst_queues_one_and_refuses_the_rest(cluster, good):
     base = start_fleet(cluster, [good], rate_limit={"requests_per_s": 2, "burst": 2,
                                                     "max_queue": 1, "queue_timeout_s": 5.0})
     time.sleep(1.1)                      # the bucket is full again after the readiness probes
