@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from router.pairing import POLICY_TYPES
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
@@ -37,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "wheel), path/to/file.gguf, preset (tiny for tests) or a Hugging Face model directory")
     p.add_argument("--cache-dir", default=env("SPLITSERVE_CACHE_DIR"),
                    help="where the workers keep GGUF models converted (default ~/.cache/splitserve)")
-    policies = ("round_robin", "load_balancing", "kv_cache_aware", "conversation")
+    policies = POLICY_TYPES
     p.add_argument("--policy", default=env("SPLITSERVE_POLICY", "kv_cache_aware"), choices=policies,
                    help="routing policy of the context servers (of the one worker with --aggregated)")
     p.add_argument("--generation-policy", default=env("SPLITSERVE_GENERATION_POLICY"), choices=policies,
