@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import socket
 import stat
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
@@ -27,6 +29,8 @@ from coordinator.service import Coordinator
 from coordinator.snapshot import ChannelCounts, ListenerCounters
 
 __all__ = ["CoordinatorServer", "MAX_BODY_BYTES"]
+
+log = logging.getLogger("splitserve.coordinator")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -99,7 +103,21 @@ class CoordinatorServer:
         if self.uds_path:
             self.uds_url = f"unix://{self.uds_path}"
             self.urls.append(self.uds_url)
+        self._check_cluster_uri()
         return self.urls
+
+    def _check_cluster_uri(self) -> None:
+        """An `http://` `disagg_cluster.cluster_uri` names where workers register: say so when it
+        is not this coordinator's port (workers pointed there would never reach it)."""
+        dc = self.coord.config.disagg_cluster
+        if dc is None or not dc.cluster_uri.startswith(("http://", "https://")):
+            return
+        u = urlsplit(dc.cluster_uri)
+        named = u.port or (443 if u.scheme == "https" else 80)
+        if named != self.port:
+            log.warning("disagg_cluster.cluster_uri %s names port %d, but this coordinator listens on "
+                        "%d: workers registering at that URL will not reach it", dc.cluster_uri, named,
+                        self.port)
 
     async def stop(self) -> None:
         """Stop listening, let in-flight requests finish (bounded), then stop the coordinator."""

@@ -82,3 +82,18 @@ def test_port_in_use_is_reported(tmp_path):
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 4   # EXIT_ADDRESS_IN_USE: the launcher does not restart it
     assert f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_warns_when_cluster_uri_is_not_its_address(tmp_path):
+    """An http:// disagg_cluster.cluster_uri is where workers register: a coordinator listening
+    elsewhere says so (issue 39: no key accepted and silently meaningless)."""
+    conf = tmp_path / "cluster.yaml"
+    conf.write_text("disagg_cluster: {cluster_uri: 'http://127.0.0.1:1'}\n")
+    proc = _start(["-c", str(conf), "--port", "0", "--no-uds"])
+    try:
+        line = _ready_line(proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    port = int(line.rsplit(":", 1)[1])
+    assert f"names port 1, but this coordinator listens on {port}" in err
