@@ -77,6 +77,16 @@ def test_native_core_matches_the_python_recipe(args):
     assert lim1.hex() == float(lim2).hex()
 
 
+# Built once: a strategy made inside the draw loop is built and validated again for every server
+# of every example, which was most of this test's time.
+_secs = st.sampled_from([0.0, 5e-5, 0.01, 1e-6]) | st.floats(0, 1.0)
+_per_token = st.sampled_from([5e-5, 3.2e-4]) | st.floats(1e-7, 1e-2)
+_chunk = st.sampled_from([512, 8192]) | st.integers(1, 100_000)
+_kv_cap = st.sampled_from([0, 20_000]) | st.integers(1, 300_000)
+_scale = st.sampled_from([1.0, 0.5]) | st.floats(0.05, 20)
+_slack = st.sampled_from([0.05, 0.0]) | st.floats(0, 5)
+
+
 @st.composite
 def time_core_args(draw):
     base = draw(core_args())
@@ -87,17 +97,17 @@ def time_core_args(draw):
         npf = draw(st.integers(0, req))
         tpf = draw(st.integers(0, tok))
         phases.append((draw(st.integers(0, tpf) | st.just(0)), npf, tpf))
-    secs = st.sampled_from([0.0, 5e-5, 0.01, 1e-6]) | st.floats(0, 1.0)
-    models = [(draw(st.sampled_from([5e-5, 3.2e-4]) | st.floats(1e-7, 1e-2)),
-               float(draw(st.sampled_from([512, 8192]) | st.integers(1, 100_000))),
+    secs = _secs
+    models = [(draw(_per_token),
+               float(draw(_chunk)),
                draw(secs), draw(secs), draw(secs),
-               float(draw(st.sampled_from([0, 20_000]) | st.integers(1, 300_000))))
+               float(draw(_kv_cap)))
               for _ in range(n)]
     params = array("d")
     for m in models:
         params.extend(m)
-        params.append(draw(st.sampled_from([1.0, 0.5]) | st.floats(0.05, 20)))
-    hf, slack = base[11], draw(st.sampled_from([0.05, 0.0]) | st.floats(0, 5))
+        params.append(draw(_scale))
+    hf, slack = base[11], draw(_slack)
     return (servers, md, loads, phases, params, bs, cap, num_tokens, draw(_weight),
             draw(_weight), base[9], draw(_weight), hf, slack, base[13], base[14])
 
