@@ -15,9 +15,18 @@ import signal
 import socket
 import time
 
+import pytest
+
 from splitserve_testing import free_port_pair
 
 from .conftest import PY, clean_env, group, http, wait_for
+
+
+@pytest.fixture(scope="module")
+def w(module_cluster):
+    """The one generation worker the clusters of this module point at: only its url matters here
+    (no test stops it), so one start-up serves them all."""
+    return module_cluster.worker("generation", name="collisions-gen")[1]
 
 
 def _config(cluster, name, port, worker_url, **extra):
@@ -43,8 +52,7 @@ def _cluster_a_intact(port: int, cid: str) -> None:
     assert json.loads(body)["cluster_id"] == cid
 
 
-def test_second_cluster_on_a_taken_port_exits_nonzero(cluster):
-    _, w = cluster.worker("generation")
+def test_second_cluster_on_a_taken_port_exits_nonzero(cluster, w):
     port = free_port_pair()
     a = _start_first(cluster, w, port)
     # The README's config a second time: same port, same coordinator port and socket.
@@ -61,9 +69,8 @@ def test_second_cluster_on_a_taken_port_exits_nonzero(cluster):
         _cluster_a_intact(port, cid)
 
 
-def test_second_cluster_on_a_taken_coordinator_port_exits_nonzero(cluster):
+def test_second_cluster_on_a_taken_coordinator_port_exits_nonzero(cluster, w):
     """Another public port, but the coordinator's port (and so its socket) is the first cluster's."""
-    _, w = cluster.worker("generation")
     port = free_port_pair()
     a = _start_first(cluster, w, port)
     other = free_port_pair()
@@ -80,9 +87,8 @@ def test_second_cluster_on_a_taken_coordinator_port_exits_nonzero(cluster):
     assert a.alive()
 
 
-def test_coordinator_socket_taken_exits_nonzero(cluster, tmp_path):
+def test_coordinator_socket_taken_exits_nonzero(cluster, tmp_path, w):
     """The coordinator's Unix socket is live (another cluster's); its TCP port is free."""
-    _, w = cluster.worker("generation")
     port = free_port_pair()
     sock = str(tmp_path / "coord.sock")
     _start_first(cluster, w, port, coordinator={"uds_path": sock})
@@ -93,8 +99,7 @@ def test_coordinator_socket_taken_exits_nonzero(cluster, tmp_path):
     assert "in use" in b.log()
 
 
-def test_launcher_stops_restarting_a_coordinator_whose_port_was_taken(cluster):
-    _, w = cluster.worker("generation")
+def test_launcher_stops_restarting_a_coordinator_whose_port_was_taken(cluster, w):
     port = free_port_pair()
     a = _start_first(cluster, w, port)
     m = re.search(r"launcher: coordinator pid (\d+)", a.log())
@@ -121,9 +126,8 @@ def test_launcher_stops_restarting_a_coordinator_whose_port_was_taken(cluster):
         thief.close()
 
 
-def test_fleet_process_refuses_a_foreign_coordinator(cluster):
+def test_fleet_process_refuses_a_foreign_coordinator(cluster, w):
     """A fleet process told its cluster id exits (5) when the coordinator reports another one."""
-    _, w = cluster.worker("generation")
     port = free_port_pair()
     cfg = _config(cluster, "a.yaml", port, w)
     cluster.coordinator(cfg, port - 1)
