@@ -38,6 +38,7 @@ COPY protocol/ protocol/
 COPY router/ router/
 COPY coordinator/ coordinator/
 COPY fleet/ fleet/
+COPY http1/ http1/
 COPY worker/ worker/
 COPY transfer/ transfer/
 # The pinned torch already satisfies the project's torch range, so pip keeps it.
