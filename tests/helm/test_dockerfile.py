@@ -40,7 +40,7 @@ def test_runs_as_the_chart_user_with_the_chart_command():
     assert int(gid) == values["podSecurityContext"]["runAsGroup"]
     (entry,) = [rest for op, rest in final if op == "ENTRYPOINT"]
     assert entry == '["splitserve"]'
-    for tpl in ("coordinator.yaml", "fleet.yaml", "workers.yaml"):
+    for tpl in ("_coordinator_pod.tpl", "fleet.yaml", "workers.yaml"):   # the coordinator pod of both its workloads
         assert 'command: ["splitserve"]' in (CHART / "templates" / tpl).read_text()
     exposed = {int(p) for op, rest in final if op == "EXPOSE" for p in rest.split()}
     ports = {values["fleet"]["port"], values["coordinator"]["port"], *values["workers"]["defaults"]["ports"].values()}
