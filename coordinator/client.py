@@ -38,7 +38,7 @@ from coordinator import client_codec as codec
 from coordinator.channel_client import ChannelClient, Fallback
 from coordinator.client_codec import answer_or_raise
 from protocol.failures import Cause
-from protocol.coord import BadRequest, CoordinatorUnavailable, NotServing
+from protocol.coord import BadRequest, CoordinatorRequestError, CoordinatorUnavailable, NotServing
 from coordinator.identity import IdentityExhausted
 from protocol import coord as wire
 
@@ -340,6 +340,14 @@ class CoordinatorClient:
         return await self._call("POST", codec.LEASES, codec.leases_body(leases))
 
 
+async def _quietly(call: Awaitable[Any]) -> None:
+    """A lease end nobody waits for: when it cannot go, the coordinator expires the lease."""
+    try:
+        await call
+    except (CoordinatorUnavailable, CoordinatorRequestError) as e:
+        log.debug("ending an abandoned lease failed: %s", e)
+
+
 async def _checked(call: Awaitable[Any], typ: type, path: str) -> Any:
     return wire.as_answer(typ, await call, path)
 
@@ -415,13 +423,14 @@ class ReplicaClient:
       them with a replica before its first call there (`POST /leases`, idempotent by `(role,
       req_id)`), once per move however many callers are waiting, so that replica's load counters
       include the requests in flight before it places anything.
-    - `channel` is None and `cancel_safe` False: the fleet then runs each placement to its end when
-      its caller is cancelled (fleet/placement.py `_leased`), and its lease end comes back through
-      `finish`.
+    - While the current replica holds our leases and its channel is connected, a placement goes
+      straight to that channel (`cancel_safe`: the channel ends a cancelled caller's lease itself),
+      the answer recorded as a held lease: one coroutine more than a single coordinator, no Task
+      or shield. A placement that fails there (the channel broke, `NotServing`) walks on as above,
+      shielded so that a caller cancelled meanwhile leaks no lease.
     """
     inline = False
     channel = None
-    cancel_safe = False
 
     def __init__(self, clients: list[CoordinatorClient], *, failover_wait_s: float = 1.0,
                  down_s: float = 1.0, retry_s: float = 0.02,
@@ -443,6 +452,12 @@ class ReplicaClient:
         self._moving: tuple[int, asyncio.Future] | None = None
         self.stats = {"moves": 0, "leases_reregistered": 0, "not_serving": 0, "unreachable": 0,
                       "gave_up": 0}
+        self._bg: set[asyncio.Task] = set()
+
+    @property
+    def cancel_safe(self) -> bool:
+        """A placement started now goes to the current replica's connected channel (see above)."""
+        return self._registered == self.current and self.clients[self.current].cancel_safe
 
     @property
     def leases(self) -> int:
@@ -542,15 +557,65 @@ class ReplicaClient:
 
     def select_answer(self, role: str, req_id: int, routing_key: Any = None,
                       exclude: Any = None) -> Awaitable[wire.SelectAnswer]:
+        if self.cancel_safe:
+            return self._direct(role, req_id, routing_key, exclude)
         return _checked(self.select(role, req_id, routing_key, exclude), wire.SelectAnswer, codec.SELECT)
 
     def select_pair_answer(self, req_id: int, routing_key: Any = None, exclude_ctx: Any = None,
                            exclude_gen: Any = None) -> Awaitable[wire.SelectPairAnswer]:
+        if self.cancel_safe:
+            return self._direct_pair(req_id, routing_key, exclude_ctx, exclude_gen)
         return _checked(self.select_pair(req_id, routing_key, exclude_ctx, exclude_gen),
                         wire.SelectPairAnswer, codec.SELECT_PAIR)
 
+    def _hold(self, role: str, req_id: int, server: str, routing_key: Any) -> None:
+        tokens = routing_key.get("num_tokens") if isinstance(routing_key, dict) else None
+        self._leases[(role, req_id)] = [server, tokens if type(tokens) is int else 0, False]
+
+    async def _direct(self, role, req_id, routing_key, exclude) -> wire.SelectAnswer:
+        try:
+            ans = await self.clients[self.current].select_answer(role, req_id, routing_key, exclude)
+        except CoordinatorUnavailable:     # the channel broke, or NotServing: walk on
+            return await self._guarded(_checked(self.select(role, req_id, routing_key, exclude),
+                                                wire.SelectAnswer, codec.SELECT), (role,), req_id)
+        self._hold(wire.parse_role(role), req_id, ans.server, routing_key)
+        return ans
+
+    async def _direct_pair(self, req_id, routing_key, exclude_ctx, exclude_gen) -> wire.SelectPairAnswer:
+        try:
+            ans = await self.clients[self.current].select_pair_answer(req_id, routing_key,
+                                                                      exclude_ctx, exclude_gen)
+        except CoordinatorUnavailable:
+            return await self._guarded(_checked(self.select_pair(req_id, routing_key, exclude_ctx,
+                                                                 exclude_gen),
+                                                wire.SelectPairAnswer, codec.SELECT_PAIR),
+                                       ("context", "generation"), req_id)
+        if ans.context is not None:
+            self._hold("context", req_id, ans.context.server, routing_key)
+        self._hold("generation", req_id, ans.generation.server, routing_key)
+        return ans
+
+    async def _guarded(self, call: Awaitable[Any], roles: tuple[str, ...], req_id: int) -> Any:
+        """`call` run to its end even when the caller is cancelled meanwhile, whose leases are then
+        ended (the caller was told the placement is cancel-safe)."""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def orphaned(t: asyncio.Task) -> None:
+                if t.cancelled() or t.exception() is not None:
+                    return
+                for role in roles:
+                    if not self.finish_nowait(role, req_id, True):
+                        f = asyncio.ensure_future(_quietly(self.finish(role, req_id, True)))
+                        self._bg.add(f)
+                        f.add_done_callback(self._bg.discard)
+            task.add_done_callback(orphaned)
+            raise
+
     def count_abandoned(self, fn: Callable[[], None]) -> None:
-        """No channel here: a cancelled caller's lease is the caller's to end (`cancel_safe`)."""
+        for c in self.clients:
+            c.count_abandoned(fn)
 
     def finish_nowait(self, role: str, req_id: int, success: bool = True,
                       usage: dict | None = None) -> bool:
