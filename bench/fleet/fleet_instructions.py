@@ -115,6 +115,7 @@ def child(tree: str, policy: str, n: int) -> None:
     srv.placer, srv.config, srv.max_inflight, srv.keepalive_requests, srv._m_req = placer, cfg, None, None, {}
     srv.api_keys = type("NoKeys", (), {"enabled": False})()
     srv.rate_limit = None                      # fleet.rate_limit off (its default)
+    srv.access_log = False                     # fleet.access_log off (its default)
     body = orjson.dumps(bf.BODY)
 
     async def read_body(request):
