@@ -18,7 +18,7 @@ shm agent — the control plane is the same Python with any agent) measure:
 `--tree DIR` (repeatable) measures other checkouts in the same run, alternating trees round by
 round so that load on a shared machine hits them alike: e.g. `git archive main | tar -x -C
 /tmp/ctl-base` then `--tree /tmp/ctl-base --tree .`. Prints a Markdown table; never writes
-RESULTS.md itself.
+bench/RESULTS.md itself.
 
 Usage: `python bench/transfer/control.py [--agent tcp|shm] [--n 200] [--rounds 3] [--tree DIR]...`
 """
