@@ -2,7 +2,7 @@
 
 One module for every side: the fleet computes a request's block keys from these token ids
 (fleet/keys.py), the worker tokenizes the requests it serves with the same functions
-(worker/protocol.py, its tokenizer loaded by worker/loader.py and worker/cli.py through
+(worker/openai_api.py, its tokenizer loaded by worker/loader.py and worker/cli.py through
 `chat_template_of`), and the coordinator runs the recipe over fixed probe prompts to check that a
 worker tokenizes them identically (coordinator/kv_parity.py). So fleet, worker and coordinator can
 never disagree with each other — only with a foreign worker, which the parity probe catches.

@@ -29,7 +29,7 @@ from aiohttp import web
 from protocol import kv_replay
 from protocol.openai import ApiError, error_body
 from router.block_keys import KEY_SCHEME, block_keys_list
-from worker import pd_protocols, protocol
+from worker import openai_api, pd_protocols
 from worker.metrics import make_registry, render
 from worker.requests import (
     CONTEXT_ONLY, GENERATION_ONLY, EngineRequest, EngineStopped, InvalidRequest,
@@ -347,7 +347,7 @@ class WorkerServer:
             raise InvalidRequest(f"'kind' must be 'completion' or 'chat', got {kind!r}", param="kind")
         body = await self._body(request)
         eng = self.engine
-        parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
+        parse = openai_api.parse_completion if kind == "completion" else openai_api.parse_chat
         try:
             parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len)
         except ValueError as e:
@@ -461,7 +461,7 @@ class WorkerServer:
         pd = None
         if self.disagg_protocol != "trtllm" and isinstance(body, dict):
             body, pd = pd_protocols.incoming(self.disagg_protocol, self.role, body, next(self._local_ids))
-        parse = protocol.parse_completion if kind == "completion" else protocol.parse_chat
+        parse = openai_api.parse_completion if kind == "completion" else openai_api.parse_chat
         try:
             parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len,
                            vocab_size=getattr(eng, "vocab_size", None))
@@ -523,7 +523,7 @@ class WorkerServer:
     def _disagg_out(self, parsed, ev):
         if ev.context is None:
             return None, None
-        return (protocol.disagg_response_params(parsed, ev.context, self.ctx_info_endpoint),
+        return (openai_api.disagg_response_params(parsed, ev.context, self.ctx_info_endpoint),
                 ev.context.prompt_token_ids)
 
     async def _collect(self, stream, parsed, kind, oid, headers, pd=None) -> web.Response:
@@ -536,10 +536,10 @@ class WorkerServer:
             last = ev
         if last.finish_reason == "error":
             return error_response(500, last.error or "generation failed", headers=headers)
-        use = protocol.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        use = openai_api.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
         disagg, prompt_ids = self._disagg_out(parsed, last)
         text = "".join(parts)
-        shape = protocol.completion_response if kind == "completion" else protocol.chat_response
+        shape = openai_api.completion_response if kind == "completion" else openai_api.chat_response
         body = shape(oid, self.model_name, text, last.finish_reason, last.stop_reason, use,
                      disagg, prompt_ids)
         if parsed.return_token_ids:
@@ -557,11 +557,11 @@ class WorkerServer:
         model = self.model_name
         chat = kind == "chat"
         if chat:
-            await resp.write(_sse(protocol.chat_chunk(oid, created, model,
+            await resp.write(_sse(openai_api.chat_chunk(oid, created, model,
                                                       {"role": "assistant", "content": ""})))
         echo = self._echo(parsed)
         if echo:
-            await resp.write(_sse(protocol.completion_chunk(oid, created, model, echo)))
+            await resp.write(_sse(openai_api.completion_chunk(oid, created, model, echo)))
         last = None
         async for ev in stream:
             last = ev
@@ -575,11 +575,11 @@ class WorkerServer:
                 continue  # an incomplete UTF-8 character: wait for the rest
             disagg = self._disagg_out(parsed, ev)[0] if ev.finish_reason else None
             if chat:
-                chunk = protocol.chat_chunk(oid, created, model,
+                chunk = openai_api.chat_chunk(oid, created, model,
                                             {"content": ev.text} if ev.text else {},
                                             ev.finish_reason, ev.stop_reason, disagg)
             else:
-                chunk = protocol.completion_chunk(oid, created, model, ev.text, ev.finish_reason,
+                chunk = openai_api.completion_chunk(oid, created, model, ev.text, ev.finish_reason,
                                                   ev.stop_reason, disagg)
             if parsed.return_token_ids:
                 chunk["choices"][0]["token_ids"] = list(ev.token_ids)
@@ -587,8 +587,8 @@ class WorkerServer:
                 chunk["usage"] = None
             await resp.write(_sse(chunk))
         if last is not None and parsed.include_usage and last.finish_reason != "error":
-            use = protocol.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
-            await resp.write(_sse(protocol.usage_chunk(kind, oid, created, model, use)))
+            use = openai_api.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+            await resp.write(_sse(openai_api.usage_chunk(kind, oid, created, model, use)))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -17,7 +17,7 @@ from fleet.legs import trtllm as trt
 from fleet.placement import CTX, GEN, Placement
 from fleet.relay import clean_json, replay_events, stream_usage, worker_error
 from fleet.scope import RequestScope
-from worker.protocol import parse_chat, parse_completion
+from worker.openai_api import parse_chat, parse_completion
 
 CLIENT = {"model": "m", "prompt": "hi there", "max_tokens": 9, "stream": True, "temperature": 0}
 RID = 1 << 41

@@ -15,7 +15,7 @@ import pytest
 
 from protocol.prompt import chat_template_of, load_tokenizer, message_text, request_token_ids
 from tests.fleet.routing_fixtures import OTHER_TEMPLATE, TEMPLATE, tokenizer_json
-from worker import protocol as wproto
+from worker import openai_api as wproto
 from worker.cli import _sim_tokenizer
 from worker.loader import load_tokenizer as torch_worker_tokenizer
 

@@ -191,7 +191,7 @@ def test_fleet_routing_tokenizer_is_the_workers(smol):
     keys of a chat and a text request equal what the worker's request parser computes."""
     from fleet.keys import KeyBuilder, load_tokenizer
     from fleet.validate import CHAT, COMPLETION, parse_request
-    from worker.protocol import parse_chat, parse_completion
+    from worker.openai_api import parse_chat, parse_completion
 
     from worker.cli import _sim_tokenizer
 
