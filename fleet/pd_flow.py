@@ -59,7 +59,7 @@ async def run(flow, request, creq, scope, ctx: Placement | None, gen: Placement,
     mod = legs.module(proto)
     same = ctx is None or server_protocol(flow, CTX, ctx.server) == proto
     if not same:
-        if not mod.LOCAL_PREFILL:
+        if not mod.ALLOWS_LOCAL_PREFILL:
             raise ApiError(502, f"context server {ctx.server} does not speak {proto} like generation server "
                                 f"{gen.server}, and a {proto} decode server cannot serve a request alone; "
                                 f"set context_servers.protocol", code="protocol_mismatch")
@@ -71,7 +71,7 @@ async def run(flow, request, creq, scope, ctx: Placement | None, gen: Placement,
         scope.release(ctx, True)
         ctx = None
     scope.route = plan.route_start(scope.rid, scope.mode, None, proto)
-    if ctx is None and not mod.LOCAL_PREFILL and not flow.aggregated_only:
+    if ctx is None and not mod.ALLOWS_LOCAL_PREFILL and not flow.aggregated_only:
         # Its decode servers need a prefill leg: no local prefill, no aggregated fallback.
         try:
             ctx = await flow.placer.place(CTX, scope.rid, key, set())

@@ -345,7 +345,7 @@ class Placer:
         are delegated and it answers, else placed here by the same pairing rules (both round
         robin, or the coordinator unreachable). Both roles' policies are delegated, or neither.
 
-        mode: DISAGGREGATED; GENERATION_ONLY (conditional disaggregation: the generation server
+        mode: DISAGGREGATED; LOCAL_PREFILL (conditional disaggregation: the generation server
         caches nearly all of the prompt); AGGREGATE_FALLBACK (no healthy context server). Raises
         `NoServerAvailable` (`pairing.NoContextServer` when the context leg found none under
         `no_context_fallback: reject`)."""

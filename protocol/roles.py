@@ -37,8 +37,9 @@ ROLE_ALIASES: dict[str, str] = {
 class Mode(StrEnum):
     # placed by /select_pair (or the fleet's local fallback for it)
     DISAGGREGATED = "disaggregated"              # a context leg, then a generation leg
-    GENERATION_ONLY = "generation_only"          # conditional disaggregation: the generation server
-    #                                              caches all but max_local_prefill_length tokens
+    LOCAL_PREFILL = "generation_only"            # conditional disaggregation: the generation server
+    #   prefills the uncached rest (<= max_local_prefill_length tokens) itself; the wire value is our
+    #   API's (not TensorRT-LLM's request_type "generation_only", which means "receives the KV")
     AGGREGATE_FALLBACK = "aggregate_fallback"    # no healthy context server: generation serves alone
     # decided by the fleet
     AGGREGATED = "aggregated"                    # no context servers configured
@@ -46,4 +47,4 @@ class Mode(StrEnum):
     NO_KV_TRANSFER = "no_kv_transfer"            # the generation server cannot receive KV (501)
 
 
-PAIR_MODES = frozenset({Mode.DISAGGREGATED, Mode.GENERATION_ONLY, Mode.AGGREGATE_FALLBACK})
+PAIR_MODES = frozenset({Mode.DISAGGREGATED, Mode.LOCAL_PREFILL, Mode.AGGREGATE_FALLBACK})

@@ -122,8 +122,8 @@ L = TypeVar("L")
 Pair = tuple["L | None", L, Mode, "str | None"]
 
 # the members read once: a StrEnum member looked up on its class costs several times a global
-_DISAGGREGATED, _GENERATION_ONLY, _AGGREGATE_FALLBACK = (
-    Mode.DISAGGREGATED, Mode.GENERATION_ONLY, Mode.AGGREGATE_FALLBACK)
+_DISAGGREGATED, _LOCAL_PREFILL, _AGGREGATE_FALLBACK = (
+    Mode.DISAGGREGATED, Mode.LOCAL_PREFILL, Mode.AGGREGATE_FALLBACK)
 _NO_KV_TRANSFER = Mode.NO_KV_TRANSFER
 
 
@@ -139,7 +139,7 @@ def pair(rules: PairRules, num_tokens: int | None, place_generation: Callable[[]
     if rules.max_local_prefill_length is not None and num_tokens:
         reason = rules.local_prefill(num_tokens, matched_tokens(gen))
         if reason is not None:
-            return None, gen, _GENERATION_ONLY, reason
+            return None, gen, _LOCAL_PREFILL, reason
     try:
         ctx = place_context()
     except NoServerAvailable as exc:

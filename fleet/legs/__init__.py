@@ -13,7 +13,7 @@ fleet/pd_flow.py are the imperative shells that send them), and `plan` for what 
 
 The common interface: every module has `ABORT_PATH` and `abort_body(rid)` (None when the engine has no abort endpoint and
 closing the connection is the only cancellation), `SEQUENTIAL` (the decode leg waits for the prefill
-answer) and `LOCAL_PREFILL` (whether a decode server can serve a request with no prefill leg, which
+answer) and `ALLOWS_LOCAL_PREFILL` (whether a decode server can serve a request with no prefill leg, which
 conditional disaggregation needs). `protocol_of` picks the protocol of one server.
 """
 from __future__ import annotations

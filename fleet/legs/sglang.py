@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 NAME = "sglang"
 SEQUENTIAL = False         # both legs at once; they meet at the prefill's bootstrap server
-LOCAL_PREFILL = False      # a decode-mode SGLang server needs a prefill (no conditional aggregation)
+ALLOWS_LOCAL_PREFILL = False      # a decode-mode SGLang server needs a prefill (no conditional aggregation)
 ABORT_PATH = "/abort_request"
 DEFAULT_BOOTSTRAP_PORT = 8998
 ROOM_BITS = 63

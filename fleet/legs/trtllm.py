@@ -21,7 +21,7 @@ from protocol.disagg import DisaggParamsError, RequestType, parse_disagg_params
 
 NAME = "trtllm"
 SEQUENTIAL = True          # the generation leg needs the context answer's disaggregated_params
-LOCAL_PREFILL = True       # a generation server serves a plain request aggregated
+ALLOWS_LOCAL_PREFILL = True       # a generation server serves a plain request aggregated
 ABORT_PATH = "/v1/abort"   # worker/server.py `abort`: by X-Request-Id or disagg_request_id
 NEED_GENERATION = frozenset({"length", "not_finished"})
 

@@ -27,7 +27,7 @@ from . import plan
 
 NAME = "vllm"
 SEQUENTIAL = True
-LOCAL_PREFILL = True       # a decode request without kv_transfer_params is served locally
+ALLOWS_LOCAL_PREFILL = True       # a decode request without kv_transfer_params is served locally
 ABORT_PATH = None          # connection close only
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

@@ -73,7 +73,7 @@ async def test_every_answer_fits_its_struct_exactly(workers, coordinator, mp):
         local = _roundtrip(SelectPairAnswer, await _raw(session, "POST", base + "/select_pair", {
             "req_id": 2, "routing_key": {"block_keys": keys.tobytes(), "num_tokens": 256},
             "exclude_gen": [late.url]}, mp), mp)
-        assert local.mode is Mode.GENERATION_ONLY and local.context is None
+        assert local.mode is Mode.LOCAL_PREFILL and local.context is None
         assert local.generation.matched_tokens == 224
 
         other = block_keys(list(range(256)), 16)

@@ -75,7 +75,7 @@ def test_aborts_per_protocol():
     assert (sglang.ABORT_PATH, sglang.abort_body(5)) == ("/abort_request", {"rid": "5"})
     assert (vllm.ABORT_PATH, vllm.abort_body(5)) == (None, None)
     assert [legs.module(p).SEQUENTIAL for p in legs.PROTOCOLS] == [True, True, False]
-    assert [legs.module(p).LOCAL_PREFILL for p in legs.PROTOCOLS] == [True, True, False]
+    assert [legs.module(p).ALLOWS_LOCAL_PREFILL for p in legs.PROTOCOLS] == [True, True, False]
     with pytest.raises(ValueError, match="protocol must be one of"):
         legs.module("tgi")
 

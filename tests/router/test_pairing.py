@@ -52,12 +52,12 @@ def test_context_fallback_rule():
 
 
 def test_settle_mode_once_placed():
-    for mode in (Mode.DISAGGREGATED, Mode.GENERATION_ONLY, Mode.AGGREGATE_FALLBACK, Mode.AGGREGATED):
+    for mode in (Mode.DISAGGREGATED, Mode.LOCAL_PREFILL, Mode.AGGREGATE_FALLBACK, Mode.AGGREGATED):
         has_ctx = mode == Mode.DISAGGREGATED
         assert settle(mode, has_ctx, True) == (mode, has_ctx)
     # the generation server cannot receive KV (a 501 before, or another engine family)
     assert settle(Mode.DISAGGREGATED, True, False) == (Mode.NO_KV_TRANSFER, False)
-    assert settle(Mode.GENERATION_ONLY, False, False) == (Mode.GENERATION_ONLY, False)
+    assert settle(Mode.LOCAL_PREFILL, False, False) == (Mode.LOCAL_PREFILL, False)
 
 
 class _Legs:
@@ -91,7 +91,7 @@ def test_pair_modes():
     assert legs.calls == ["generation", "context"]          # the generation leg first
     legs.matched = 90
     ctx, gen, mode, reason = _pair(PairRules(max_local_prefill_length=16), legs)
-    assert (ctx, gen, mode) == (None, "g0", Mode.GENERATION_ONLY) and "90 of 100" in reason
+    assert (ctx, gen, mode) == (None, "g0", Mode.LOCAL_PREFILL) and "90 of 100" in reason
     assert legs.calls[2:] == ["generation"]                 # no context leg placed at all
     # conditional disaggregation off
     assert _pair(PairRules(), legs) == ("c1", "g0", Mode.DISAGGREGATED, None)
