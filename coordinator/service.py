@@ -519,12 +519,15 @@ class Coordinator:
         ctx, gen, mode, reason = pair(
             self.pair_rules, key.num_tokens if key is not None else 0,
             partial(select, GENERATION, req_id, key, ex_gen, server_info), _matched_tokens,
-            partial(select, CONTEXT, req_id, key, ex_ctx, server_info),
-            lambda gen: self.leases.finish(GENERATION, req_id))
+            partial(select, CONTEXT, req_id, key, ex_ctx, server_info), self._unplace_generation)
         modes = self.stats.pair_modes
         modes[mode] = modes.get(mode, 0) + 1
         self.stats.select_latency.observe(time.perf_counter() - t0)
         return {"context": ctx, "generation": gen, "mode": mode, "reason": reason}
+
+    def _unplace_generation(self, answer: dict) -> None:
+        """End the lease of a generation leg placed by `place_pair` whose context leg was refused."""
+        self.leases.finish(GENERATION, answer["req_id"])
 
     def end_lease(self, role: str, req_id: int, success: bool,
                   usage: tuple[int, int, int] | None = None) -> bool:
