@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _ratios(r) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in r.items()) if isinstance(r, dict) else f"{r:g}"
+
+
 def _pct(a: float, b: float | None) -> str:
     return f"{a / b:.0%}" if b else "–"
 
@@ -48,7 +52,7 @@ def section(out: dict) -> list[str]:
         f"{lat['decode_us_per_step']:.0f} µs + {lat['decode_us_per_seq']} µs/sequence + "
         f"{lat['decode_us_per_ctx_token']} µs/context token, chunked prefill budget "
         f"{lat['max_num_tokens']} tokens/step, batch ≤ {m['max_batch_size']}. KV capacity "
-        f"(LRU): `--kv-ratio` {m['kv_ratio']} of the working set over the cluster, floored at "
+        f"(LRU): `--kv-ratio` {_ratios(m['kv_ratio'])} of the working set over the cluster, floored at "
         "twice the longest prompt per worker (the share held is per table). Hit ratio = Σ "
         "worker-reported cached tokens / Σ prompt tokens; *of oracle* / *of bound*: against the "
         "oracle's and the affinity bound's. TTFT × oracle: p50 over the oracle's. TPOT Δ: p99 "
@@ -63,6 +67,8 @@ def section(out: dict) -> list[str]:
         "prefix tree (the trie cut where a subtree carries ≤ 1/n of the prompt tokens) whole on "
         "one server, each server a sequential LRU of its KV capacity, no concurrency — what the "
         "caches could hold; it is not a latency reference.", ""]
+    if m.get("note"):
+        lines += [m["note"], ""]
     traces = m.get("traces", {})
     for trace in dict.fromkeys(r["trace"] for r in out["runs"]):
         t = traces.get(trace, {})

@@ -384,6 +384,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=None, help="keep the processes' logs here")
+    ap.add_argument("--note", default=None, help="a paragraph for the report (with --from-json)")
     ap.add_argument("--from-json", type=Path, nargs="+", default=None,
                     help="write the report from earlier --json runs (their runs concatenated)")
     args = ap.parse_args(argv)
@@ -400,10 +401,14 @@ def main(argv=None) -> int:
                             have["rows"][names.index(row["name"])] = row
                         else:
                             have["rows"].append(row)
-        out = {"meta": parts[0]["meta"], "runs": [runs[k] for k in sorted(runs)]}
+        order = {"synthetic": 0, "conversations": 1, "light": 0, "heavy": 1}
+        out = {"meta": parts[0]["meta"], "runs": [runs[k] for k in sorted(
+            runs, key=lambda k: (order.get(k[0], 9), k[0], k[1], order.get(k[2], 9), k[2]))]}
         for part in parts[1:]:
             out["meta"]["traces"] = {**part["meta"].get("traces", {}), **out["meta"]["traces"]}
         out["meta"]["command"] = " ; ".join(p["meta"]["command"] for p in parts)
+        if args.note:
+            out["meta"]["note"] = args.note
         return _write(out, OUTDIR / "routing.json")
     sizes = [int(x) for x in args.workers.split(",")]
     loads = args.loads.split(",")
