@@ -27,7 +27,8 @@ Semantics every implementation keeps (the contract tests in tests/transfer run a
   `InvalidDescriptors`. It returns at once; `poll` goes PROC → DONE or ERR (`error(handle)` says why).
   DONE means every byte is in the target's memory.
 - A notification attached to a transfer is delivered to the target only after all its bytes landed,
-  keyed by the initiator's name (str); `get_notifications()` consumes.
+  keyed by the initiator's name (str); `get_notifications()` consumes, or — agents with a thread of
+  their own (tcp, shm) — `deliver_notifications(sink)` pushes each one as it arrives.
 - A dead peer surfaces as ERR with `cause` `FailureCause.PEER_LOST` (or `PeerLost` at submit),
   never as a hang.
 - `progress()` must be called regularly by whoever waits (the target too, even when idle: NIXL with
@@ -213,6 +214,18 @@ class TransferAgent(abc.ABC):
 
     def progress(self) -> None:
         """Drive progress without consuming notifications (they are buffered)."""
+
+    def deliver_notifications(self, sink) -> bool:
+        """From now on hand every notification to `sink(sender, msg)` as it arrives, on this
+        agent's own thread (it must not block), instead of buffering it for
+        `get_notifications()`; buffered ones go to it at once. False when this agent has no
+        thread to deliver on (NIXL: only `get_new_notifs` polling reads them) — poll then."""
+        return False
+
+    def on_finished(self, fn) -> bool:
+        """Call `fn()` (on an agent thread) whenever a submitted transfer leaves PROC, so whoever
+        waits for it is woken instead of polling. False when this agent cannot (poll)."""
+        return False
 
     def wait_any(self, handles) -> bool:
         """Block, without holding the GIL, until one of `handles` (submitted, maybe PROC) has

@@ -5,8 +5,10 @@ them. Who sends what (`gen` = a generation rank, `ctx` = a context rank):
 
     gen → ctx rank 0   GetInstance                        → Instance {ranks: [RankInfo bytes]}
     gen → ctx rank i   Register {info}                    → Registered | RegisterFailed {error}
-    gen → ctx rank i   Recv {req, n, ids: [int64 bytes per group]}   (one whole-prompt receive)
+    gen → ctx rank i   Recv {req, n, ids: [int64 bytes per group], notif}   (one whole-prompt receive)
     ctx → gen          Result {req, from, status, slices, span, last, meta}
+                       (with `notif`, an `ok` result travels as the transfer agent's notification
+                       attached to the write it reports: `result_notif`, below)
     gen → ctx          Cancel {req}                       → Result {status: cancelled}
     gen → ctx rank 0   Claim {req}            (no reply: "a generation rank holds this request")
     either             Error {error}          (a request it could not parse)
@@ -17,6 +19,7 @@ import enum
 from typing import Union
 
 import msgspec
+import msgspec.msgpack
 
 from .errors import ProtocolError
 
@@ -57,6 +60,10 @@ class Recv(_Msg, tag="recv"):
     req: int
     n: int
     ids: list[bytes]
+    # The receiver's agent delivers notifications as they arrive (`deliver_notifications`): send
+    # `ok` results as the notification of the write they report, not as a control message. A
+    # sender that does not know the field ignores it (msgspec skips unknown fields).
+    notif: bool = False
 
 
 class Result(_Msg, tag="result"):
@@ -102,3 +109,25 @@ def parse(msg: dict) -> ControlMessage:
 def to_wire(msg: ControlMessage) -> dict:
     """The map `Messenger` packs (builtins only; bytes stay bytes)."""
     return msgspec.to_builtins(msg, builtin_types=(bytes,))
+
+
+#: An agent notification that carries a `Result` starts with these bytes (other notifications are
+#: not ours to read).
+RESULT_NOTIF = b"ssR1"
+_result_enc = msgspec.msgpack.Encoder()
+_result_dec = msgspec.msgpack.Decoder(Result)
+
+
+def result_notif(msg: Result) -> bytes:
+    """`msg` as the payload of a transfer agent's notification."""
+    return RESULT_NOTIF + _result_enc.encode(msg)
+
+
+def parse_result_notif(data: bytes) -> Result | None:
+    """The `Result` a notification carries; None when it carries something else."""
+    if not data.startswith(RESULT_NOTIF):
+        return None
+    try:
+        return _result_dec.decode(memoryview(data)[len(RESULT_NOTIF):])
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"result notification: {e}") from None

@@ -55,8 +55,7 @@ class Messenger:
         self.io = IoLoop(self._ctx, router, self.identity, name="transfer-messenger",
                          on_router=self._from_router, on_dealer=self._from_dealer,
                          on_lost=self._lost, heartbeat_ms=hb, connect_timeout_s=connect_timeout_s,
-                         dealer_options={zmq.MAXMSGSIZE: MAX_CONTROL_MSG},
-                         deadline_poll_s=0.005)
+                         dealer_options={zmq.MAXMSGSIZE: MAX_CONTROL_MSG})
         self._closed = False
 
     # ------------------------------------------------------------------ API (any thread)

@@ -20,7 +20,7 @@ from .errors import FailureCause, PeerLost, TransferError
 from .peers import plan_pair
 from .rank_info import RankInfo
 from .receiver import Receiver
-from .control import RegisterFailed, Registered
+from .control import RegisterFailed, Registered, Result, ResultStatus, result_notif
 from .sender import RegisteredReceiver, Sender, SendSession, Target
 from .session_core import RankCore
 from .states import SendState
@@ -28,6 +28,12 @@ from .states import SendState
 log = logging.getLogger("splitserve.transfer.session")
 
 SPIN_S = 0.002
+# Without `on_finished` (NIXL): the transfer thread polls its writes this often, and looks round
+# this often when idle.
+POLL_S, IDLE_S = 0.0005, 0.005
+# With an agent that reports finished writes (`on_finished`), the thread sleeps until it is woken
+# (a submit, a control message, a finished write); the timeout only paces the deadline checks.
+DEADLINE_TICK_S = 0.02
 # Prepared lists (NIXL merges runs and posts from indices) beat building lists per transfer even
 # for a single run: on an H200 a 512 MiB contiguous write took 0.54 ms prepped vs 0.80 ms through
 # initialize_xfer with one merged descriptor (the per-call list building costs ~0.3 ms). Transfers
@@ -49,6 +55,7 @@ class Task:
     nbytes: int = 0
     ndescs: int = 0
     started: float = 0.0
+    notified: bool = False      # its `ok` result went as the notification of its write
 
 
 def _runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
@@ -68,6 +75,8 @@ class Pump:
         self.stop = False
         cfg, agent = core.cfg, core.agent
         self.use_prepped = cfg.prepped == "on" or (cfg.prepped == "auto" and agent.kind == "nixl")
+        self.kicked = False   # a write finished since this thread last looked (under core.lock)
+        self.pushed = agent.on_finished(self._kick)
         self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
 
     def start(self) -> None:
@@ -89,6 +98,12 @@ class Pump:
             self.work.append(("load", ident, info))
             self.c.cv.notify()
 
+    def _kick(self) -> None:
+        """(agent thread) A write left PROC: poll it now."""
+        with self.c.lock:
+            self.kicked = True
+            self.c.cv.notify()
+
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         c = self.c
@@ -96,6 +111,7 @@ class Pump:
             with c.lock:
                 if self.stop:
                     break
+                self.kicked = False
             try:
                 busy = self._step()
             except Exception:
@@ -104,17 +120,21 @@ class Pump:
             if not busy and self.tasks and self.c.agent.wait_any(
                     [h for t in self.tasks for h in t.handles]):
                 continue   # a write finished (or may have): poll it at once
+            spin = False
             with c.lock:
                 if self.stop:
                     break
-                if busy or self.work:
+                if busy or self.work or self.kicked:
+                    continue
+                if self.pushed:
+                    c.cv.wait(DEADLINE_TICK_S)
                     continue
                 # A write just posted usually completes within a fraction of a millisecond on
                 # NVLink/CMA: yield-spin for SPIN_S after a submit, then back off to short sleeps
                 # (long TCP transfers must not burn a core the agent's own thread needs).
                 spin = any(time.monotonic() - t.started < SPIN_S for t in self.tasks)
                 if not spin:
-                    c.cv.wait(0.0005 if self.tasks else 0.005)
+                    c.cv.wait(POLL_S if self.tasks else IDLE_S)
             if spin:
                 time.sleep(0)
 
@@ -201,6 +221,7 @@ class Pump:
     def _submit(self, task: Task) -> None:
         agent = self.c.agent
         s, t = task.session, task.target
+        name = t.rx.agent_name
         ranges: dict[int, tuple[int, int]] = {}
         for sl in s.slices[task.s0:task.s1]:
             for g, (b0, b1) in sl.blocks.items():
@@ -208,6 +229,7 @@ class Pump:
                     ranges[g] = (min(ranges[g][0], b0), max(ranges[g][1], b1))
                 else:
                     ranges[g] = (b0, b1)
+        posts = []   # each: notif -> (handle, bytes, descriptors)
         pairs: dict[tuple, list] = {}
         for i, m in enumerate(t.rx.plan.mappers):
             if m.src_group not in ranges:
@@ -220,10 +242,11 @@ class Pump:
             if i in t.rx.preps and _runs(src_ids, dst_ids) > PREPPED_MIN_RUNS:
                 keep = (src_ids >= 0) & (dst_ids >= 0)
                 lp, rp = t.rx.preps[i]
-                h = agent.submit_prepped(t.rx.agent_name, lp, src_ids[keep], rp, dst_ids[keep])
-                task.handles.append(h)
-                task.nbytes += h.nbytes
-                task.ndescs += h.ndescs
+
+                def post(notif, lp=lp, rp=rp, si=src_ids[keep], di=dst_ids[keep]):
+                    h = agent.submit_prepped(name, lp, si, rp, di, notif=notif)
+                    return h, h.nbytes, h.ndescs
+                posts.append(post)
                 continue
             src, dst, size = m.copies(src_ids, dst_ids)
             if not size.size:
@@ -236,10 +259,35 @@ class Pump:
             size = np.concatenate([p[2] for p in parts])
             src, dst, size = merge_runs(src, dst, size)
             ld, rd = build_pair(src, dst, size, sdev, ddev, smem, dmem)
-            h = agent.submit_transfer(t.rx.agent_name, ld, rd)
+
+            def post(notif, ld=ld, rd=rd):
+                return agent.submit_transfer(name, ld, rd, notif=notif), ld.total_bytes, len(ld)
+            posts.append(post)
+        # The `ok` result rides on the write it reports when the receiver takes it so and one
+        # write carries the whole task (its notification lands after its last byte); with
+        # nothing to write it goes as a bare notification. Several writes: a control message
+        # once all are DONE, as before.
+        notif = self._result_notif(task) if t.by_notif and len(posts) <= 1 else b""
+        if not posts and notif:
+            agent.notify(name, notif)
+            task.notified = True
+        for post in posts:
+            h, nbytes, ndescs = post(notif)
+            task.notified = bool(notif)
             task.handles.append(h)
-            task.nbytes += ld.total_bytes
-            task.ndescs += len(ld)
+            task.nbytes += nbytes
+            task.ndescs += ndescs
+
+    def _result_notif(self, task: Task) -> bytes:
+        s = task.session
+        covered = s.slices[task.s0:task.s1]
+        if not covered:
+            return b""
+        last = covered[-1].last
+        return result_notif(Result(
+            req=s.req_id, sender=self.c.info.key, status=ResultStatus.OK,
+            slices=(task.s0, task.s1 - 1), span=(covered[0].tokens[0], covered[-1].tokens[1]),
+            last=last, meta=s.meta if last else None))
 
     def _poll_tasks(self) -> bool:
         agent = self.c.agent

@@ -77,6 +77,8 @@ class PyAgentBase(TransferAgent):
         self._remotes: dict[str, RemoteAgent] = {}
         self._xfers: dict[int, XferHandle] = {}
         self._notifs: dict[str, list[bytes]] = collections.defaultdict(list)
+        self._notif_sink = None     # deliver_notifications
+        self._finished_hook = None  # on_finished
         self._connect_timeout_s = connect_timeout_s
         self._hb = (int(heartbeat_ivl_s * 1000), int(heartbeat_timeout_s * 1000))
         self._ctx = zmq.Context(io_threads=1)
@@ -235,6 +237,16 @@ class PyAgentBase(TransferAgent):
         xfer.error = None if ok else (err or "transfer failed")
         xfer.cause = None if ok else cause
         xfer.state = DONE if ok else ERR
+        hook = self._finished_hook
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # the waiter's bug must not fail the transfer
+                log.exception("agent %s: on_finished hook failed", self.name)
+
+    def on_finished(self, fn) -> bool:
+        self._finished_hook = fn
+        return True
 
     # ------------------------------------------------------------------ notifications
     def notify(self, remote: str, msg: bytes) -> None:
@@ -247,9 +259,28 @@ class PyAgentBase(TransferAgent):
             self._notifs = collections.defaultdict(list)
         return out
 
+    def deliver_notifications(self, sink) -> bool:
+        with self._lock:
+            self._notif_sink = sink
+            held, self._notifs = self._notifs, collections.defaultdict(list)
+        for sender, msgs in held.items():
+            for m in msgs:
+                self._deliver(sink, sender, m)
+        return True
+
+    def _deliver(self, sink, sender: str, msg: bytes) -> None:
+        try:
+            sink(sender, msg)
+        except Exception:  # the receiver's bug must not kill the I/O thread
+            log.exception("agent %s: notification sink failed", self.name)
+
     def _push_notif(self, sender: str, msg: bytes) -> None:
         with self._lock:
-            self._notifs[sender].append(msg)
+            sink = self._notif_sink
+            if sink is None:
+                self._notifs[sender].append(msg)
+                return
+        self._deliver(sink, sender, msg)
 
     # ------------------------------------------------------------------ I/O thread
     def _check_running(self) -> None:

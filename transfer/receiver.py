@@ -31,6 +31,7 @@ log = logging.getLogger("splitserve.transfer.session")
 @dataclass
 class Writer:
     endpoint: str
+    agent: str = ""     # its transfer agent's name: the only sender of its result notifications
     state: WriterState = WriterState.POSTED
     slices: int = 0
 
@@ -255,17 +256,25 @@ class Receiver:
     def _post_locked(self, pi: PeerInstance, r: RecvSession) -> None:
         ids = [ids_bytes(a) for a in r.dst_ids]
         for x in pi.peers:
-            r.writers[x.key] = Writer(endpoint=x.endpoint)
-            self.c.send(x.endpoint, Recv(req=r.req_id, n=r.num_tokens, ids=ids))
+            r.writers[x.key] = Writer(endpoint=x.endpoint, agent=x.agent_name)
+            self.c.send(x.endpoint, Recv(req=r.req_id, n=r.num_tokens, ids=ids,
+                                         notif=self.c.results_by_notif))
         r.state = RecvState.POSTED
 
-    def on_result(self, endpoint: str, msg: Result) -> None:
+    def on_result(self, endpoint: str | None, msg: Result, agent: str | None = None) -> None:
+        """A context rank's result: a control message (`endpoint` its rank) or, for `ok` results
+        of a receive posted with `notif`, the notification of the write from transfer agent
+        `agent` (`endpoint` None, on the agent's thread)."""
         with self.c.lock:
             r = self.sessions.get(msg.req)
             if r is None:
                 return
             w = r.writers.get(msg.sender)
             if w is None or w.terminal:
+                return
+            if endpoint is None and (agent != w.agent or msg.status != ResultStatus.OK):
+                log.warning("request %s: result notification from agent %r for rank %s (agent "
+                            "%r) ignored", msg.req, agent, msg.sender, w.agent)
                 return
             if msg.status == ResultStatus.OK:
                 w.slices += 1

@@ -61,6 +61,7 @@ class Target:
     inflight: "Task | None" = None
     cancelled: bool = False
     final_sent: bool = False
+    by_notif: bool = False    # its receiver takes `ok` results as agent notifications (Recv.notif)
 
 
 @dataclass
@@ -341,7 +342,7 @@ class Sender:
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self.c.reply_result(key, req, RS.ERROR, error=f"receive refused: {e}")
             return
-        s.targets[key] = Target(rx=rx, dst_ids=ids)
+        s.targets[key] = Target(rx=rx, dst_ids=ids, by_notif=msg.notif)
         s.claimed = True
 
     # ================================================================== outcomes (under lock)
@@ -385,9 +386,12 @@ class Sender:
             self.c.stats["slices_sent"] += len(covered)
             if last:
                 t.final_sent = True
-            self.c.reply_result(key, s.req_id, RS.OK, slices=(task.s0, task.s1 - 1),
-                                span=(covered[0].tokens[0], covered[-1].tokens[1]), last=last,
-                                meta=s.meta if last else None)
+            if task.notified:
+                self.c.stats["results_by_notif"] += 1   # it went with the write
+            else:
+                self.c.reply_result(key, s.req_id, RS.OK, slices=(task.s0, task.s1 - 1),
+                                    span=(covered[0].tokens[0], covered[-1].tokens[1]), last=last,
+                                    meta=s.meta if last else None)
         if s.state != SendState.ACTIVE or s.cancel_requested:
             if not s.inflight():
                 if s.state == SendState.ACTIVE:

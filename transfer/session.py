@@ -132,6 +132,7 @@ class KvTransceiver(Transceiver):
             C.RegisterFailed: self._receiver.on_register_failed,
             C.Result: self._receiver.on_result, C.Error: self._receiver.on_error}
         self._ready = True
+        core.results_by_notif = self.agent.deliver_notifications(self._on_notification)
         self._pump.start()
 
     # ------------------------------------------------------------------ identity
@@ -262,6 +263,19 @@ class KvTransceiver(Transceiver):
         log.warning("bad %r message from %r: %s", t, who, e)
         if kind == "router":
             self._core.reply(who, C.Error(error=f"bad {t!r}: {e}"))
+
+    def _on_notification(self, sender: str, data: bytes) -> None:
+        """(agent thread) A notification: the `ok` result of a write into our pages, delivered
+        after its last byte landed (`control.Recv.notif`)."""
+        try:
+            res = C.parse_result_notif(data)
+        except ProtocolError as e:
+            log.warning("bad result notification from agent %r: %s", sender, e)
+            return
+        if res is None:
+            log.warning("unexpected notification from agent %r (%d bytes)", sender, len(data))
+            return
+        self._receiver.on_result(None, res, agent=sender)
 
     def _on_peer_lost(self, endpoint: str, reason: str) -> None:
         self._receiver.on_peer_lost(endpoint, reason)

@@ -29,6 +29,9 @@ class RankCore:
         self.stats: collections.Counter = collections.Counter()
         self.messenger = None   # set by the facade once it is bound (it defines our endpoint)
         self.info = None        # this rank's RankInfo, likewise
+        # Our agent pushes notifications as they arrive: receives ask for `ok` results that way
+        # (control.Recv.notif), so completion needs no control message and no thread hand-off.
+        self.results_by_notif = False
 
     @property
     def tokens_per_block(self) -> int:

@@ -21,6 +21,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("splitserve.transfer.zmq_io")
 
+# Poll timeouts of an IoLoop (seconds): they bound only how late a connection timeout is noticed
+# (messages wait for a handshake) and how often an idle loop looks round; every message, command
+# and handshake wakes the poll at once. tests/transfer/test_control_wakeups.py sets them huge.
+DEADLINE_POLL_S = 0.01
+IDLE_POLL_S = 0.2
+
 # A DEALER's monitor reports these two; "connected" is a finished handshake, not a TCP connect, so
 # a peer that accepts TCP but never speaks ZMTP still counts as not connected.
 MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -142,8 +148,8 @@ class IoLoop:
     - every socket is created, used and closed on the loop's thread only; any thread talks to it by
       `send`/`reply`/`connect`/`forget`/`call_soon`, which enqueue a command and wake the thread
       through a `Wake` pipe — the thread never sleeps on a timer to notice work (the poll timeout
-      only bounds how late a connection timeout is noticed: `deadline_poll_s`, or `idle_poll_s`
-      when nothing waits to be sent);
+      only bounds how late a connection timeout is noticed: `deadline_poll_s` while messages wait
+      for a connection, else `idle_poll_s`);
     - messages to one key leave in the order they were enqueued; while a DEALER is not connected
       (IMMEDIATE: sends raise `Again`) they wait in its out-queue, and if none could be sent for
       `connect_timeout_s` the peer is lost;
@@ -169,14 +175,16 @@ class IoLoop:
                  is_live: Callable[[object], bool] | None = None,
                  heartbeat_ms: tuple[int, int], connect_timeout_s: float,
                  dealer_options: dict[int, int] | None = None, close_on_lost: bool = True,
-                 deadline_poll_s: float = 0.01, idle_poll_s: float = 0.2, batch: int = 256):
+                 deadline_poll_s: float | None = None, idle_poll_s: float | None = None,
+                 batch: int = 256):
         self.ctx, self.router, self.identity = ctx, router, identity
         self._on_router, self._on_dealer, self._on_lost = on_router, on_dealer, on_lost
         self._on_refused, self._is_live = on_refused, is_live
         self._hb, self._connect_timeout_s = heartbeat_ms, connect_timeout_s
         self._dealer_options = dealer_options or {}
         self._close_on_lost = close_on_lost
-        self.deadline_poll_s, self.idle_poll_s = deadline_poll_s, idle_poll_s
+        self.deadline_poll_s = DEADLINE_POLL_S if deadline_poll_s is None else deadline_poll_s
+        self.idle_poll_s = IDLE_POLL_S if idle_poll_s is None else idle_poll_s
         self._batch = batch
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = Wake()

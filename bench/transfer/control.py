@@ -204,7 +204,7 @@ def pct(xs, q):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--agent", default="tcp", choices=["tcp", "shm"])
+    p.add_argument("--agent", default="tcp", choices=["tcp", "shm", "nixl"])
     p.add_argument("--n", type=int, default=200, help="measured round trips per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tree", action="append", help="checkouts to compare (default: this one)")

@@ -1,0 +1,79 @@
+"""The control path waits on nothing but wake-ups: with every timer of the transfer package set to
+ten minutes (the I/O loops' poll timeouts, the transfer thread's deadline tick), receives still
+complete — context_first and generation_first, with nothing to write and with a block written —
+and the context side still learns its write finished. A step that polled would hang here.
+
+Two real transceivers on loopback with real tcp / shm agents; the pools are host memory (shared
+files for shm).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from transfer import pump, zmq_io
+from transfer.memory import alloc_shared_array
+from transfer.page_table import LayerGroup, PageTable, PhysicalPool, PoolView
+from transfer.session import KvTransceiver, RankTopology, TransferConfig
+
+TPB, LAYERS, HEADS, HEAD_BYTES, SLOTS = 16, 2, 2, 32, 8
+ENTRY = TPB * HEADS * HEAD_BYTES
+BLOCK = LAYERS * 2 * ENTRY
+NEVER = 600.0   # a timer this long never fires within the test
+BOUND = 10.0    # what a wake-up-driven step needs, with room for a loaded 2-core box
+
+
+def _rank(role: str, kind: str):
+    pool = alloc_shared_array(SLOTS * BLOCK) if kind == "shm" else np.zeros(SLOTS * BLOCK, np.uint8)
+    if role == "context":
+        pool[:] = np.arange(pool.size, dtype=np.uint64).astype(np.uint8)
+    pp = PhysicalPool(base=pool.ctypes.data, layer_stride=2 * ENTRY, slot_stride=BLOCK,
+                      slot_bytes=2 * ENTRY, num_slots=SLOTS, layers=LAYERS, mem_type="DRAM",
+                      device_id=0)
+    view = PoolView(pool=0, role=frozenset(["kv"]), layer_ids=tuple(range(LAYERS)),
+                    buffer_entries=tuple((lay, c * ENTRY, ENTRY) for lay in range(LAYERS)
+                                         for c in (0, 1)), layout="NHD", kv_heads=HEADS)
+    pt = PageTable(tokens_per_block=TPB, pools=(pp,),
+                   groups=(LayerGroup(tuple(range(LAYERS)), (view,)),), dtype="bfloat16")
+    tx = KvTransceiver(pt, RankTopology(role=role, num_layers=LAYERS, total_kv_heads=HEADS,
+                                        model="wakeups"),
+                       TransferConfig(agent=kind, send_timeout_s=NEVER, recv_timeout_s=NEVER))
+    return tx, pool
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_receives_complete_with_every_timer_off(kind, monkeypatch):
+    monkeypatch.setattr(zmq_io, "DEADLINE_POLL_S", NEVER)
+    monkeypatch.setattr(zmq_io, "IDLE_POLL_S", NEVER)
+    for name in ("DEADLINE_TICK_S", "POLL_S", "IDLE_S"):
+        monkeypatch.setattr(pump, name, NEVER)
+    ctx, src = _rank("context", kind)
+    gen, dst = _rank("generation", kind)
+    try:
+        cases = [(1, [-1], False), (2, [3], False), (3, [-1], True), (4, [5], True)]
+        for req, dst_ids, gen_first in cases:
+            done, ended = threading.Event(), threading.Event()
+            if gen_first:   # the receive waits at the context side before prefill ends
+                gen.begin_receive(req, ctx.endpoint, TPB, [dst_ids], on_done=done.set)
+            ctx.begin_send(req, TPB, [1], on_end=ended.set)
+            ctx.finish_send(req, {"first_gen_tokens": [req]})
+            if not gen_first:
+                gen.begin_receive(req, ctx.endpoint, TPB, [dst_ids], on_done=done.set)
+            assert done.wait(BOUND), f"request {req}: the receive did not complete"
+            st = gen.recv_status(req)
+            assert st.state == "done", st.error
+            assert st.meta == {"first_gen_tokens": [req]}
+            if dst_ids[0] >= 0:
+                b = dst_ids[0]
+                assert (dst[b * BLOCK:(b + 1) * BLOCK] == src[BLOCK:2 * BLOCK]).all()
+            assert ended.wait(BOUND), f"request {req}: the context side never saw its end"
+            assert ctx.send_status(req).state == "done"
+            gen.release_receive(req)
+            ctx.release_send(req)
+        # every ok result went with its write (or as a bare notification), none by control message
+        assert ctx.stats["results_by_notif"] == len(cases)
+    finally:
+        gen.shutdown()
+        ctx.shutdown()
