@@ -20,7 +20,7 @@ round so that load on a shared machine hits them alike: e.g. `git archive main |
 /tmp/ctl-base` then `--tree /tmp/ctl-base --tree .`. Prints a Markdown table; never writes
 bench/RESULTS.md itself.
 
-Usage: `python bench/transfer/control.py [--agent tcp|shm] [--n 200] [--rounds 3] [--tree DIR]...`
+Usage: `python bench/transfer/control.py [--agent tcp|shm|nixl] [--n 200] [--rounds 3] [--tree DIR]...`
 """
 from __future__ import annotations
 
