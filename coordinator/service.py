@@ -520,6 +520,9 @@ class Coordinator:
             self.pair_rules, key.num_tokens if key is not None else 0,
             partial(select, GENERATION, req_id, key, ex_gen, server_info), _matched_tokens,
             partial(select, CONTEXT, req_id, key, ex_ctx, server_info), self._unplace_generation)
+        if ctx is not None:
+            # the generation leg receives the context leg's KV: it queues no prefill of its own
+            self.leases.set_prefill(GENERATION, req_id, 0)
         modes = self.stats.pair_modes
         modes[mode] = modes.get(mode, 0) + 1
         self.stats.select_latency.observe(time.perf_counter() - t0)

@@ -145,6 +145,19 @@ class LeaseTable:
         self._push(lease)
         return lease
 
+    def set_prefill(self, role: str, req_id: int, prefill: int) -> bool:
+        """The live lease's queued prefill is ``prefill`` tokens from now on (a disaggregated
+        pair's generation leg computes none: its KV comes from the context leg); False when it is
+        not live or already past prefill."""
+        lease = self._leases.get((role, req_id))
+        if lease is None or not lease.in_prefill:
+            return False
+        prefill = max(0, min(prefill, lease.tokens))
+        q, n, t = self._phase[lease.server]
+        self._phase[lease.server] = (q - lease.prefill + prefill, n, t)
+        lease.prefill = prefill
+        return True
+
     def first_token(self, role: str, req_id: int) -> Lease | None:
         """The leg's first token arrived (a context leg: its answer): the lease leaves prefill.
         Returns it, or None when it is not live or already past prefill (idempotent)."""

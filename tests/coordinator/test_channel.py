@@ -200,6 +200,13 @@ async def test_first_token_reports_end_the_prefill_phase_once(served):
         with pytest.raises(CoordinatorRequestError) as ei:
             await cl.first_token("decoder", 1)
         assert ei.value.status == 400 and ei.value.field == "role"
+        # a disaggregated pair: the context leg queues the prefill, the generation leg none
+        pair = await cl.select_pair(24, {"block_keys": block_keys(list(range(200, 264)), 16),
+                                         "num_tokens": 64})
+        assert pair["mode"] == "disaggregated"
+        assert c.leases.get("generation", 24).prefill == 0 and c.leases.get("context", 24).prefill == 64
+        await cl.finish("context", 24)
+        await cl.finish("generation", 24)
         # a short answer's report and finish share a batch: the report is applied first
         await cl.select("gen", 23, key)
         assert cl.first_token_nowait("gen", 23) and cl.finish_nowait("gen", 23)

@@ -133,6 +133,16 @@ def test_first_token_moves_a_lease_out_of_prefill_once():
     assert t.first_tokens == 1 and t.prefill_timeouts == 0
 
 
+def test_set_prefill_changes_only_the_queued_tokens():
+    t = LeaseTable()
+    t.acquire("gen", 1, "s", 0.0, 60.0, tokens=1000, prefill=800)
+    assert t.set_prefill("gen", 1, 0) and t.phase("s") == (0, 1, 1000)
+    assert t.set_prefill("gen", 1, 5000) and t.phase("s") == (1000, 1, 1000)   # at most its tokens
+    t.first_token("gen", 1)
+    assert not t.set_prefill("gen", 1, 10) and not t.set_prefill("gen", 2, 10)
+    assert t.phase("s") == (0, 0, 0)
+
+
 def test_a_lost_report_ends_prefill_at_the_prefill_ttl():
     t = LeaseTable(prefill_ttl=5.0)
     t.acquire("ctx", 1, "s", 0.0, 60.0, tokens=100, prefill=100)
