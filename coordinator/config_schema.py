@@ -179,7 +179,7 @@ class ServerGroupConfig(Section):
         "static KV-event sources (they take precedence over what a server's /server_info "
         "advertises)")] = ()
     protocol: Annotated[Optional[Literal["trtllm", "vllm", "sglang"]], doc(
-        "leg protocol of these servers (fleet/legs/, docs/protocols.md): trtllm "
+        "engine protocol of these servers (fleet/legs/, docs/protocols.md): trtllm "
         "disaggregated_params, vllm kv_transfer_params, sglang bootstrap rendezvous (null = what "
         "each server's /server_info says, else trtllm)")] = None
     bootstrap_port: Annotated[Optional[Annotated[int, Meta(gt=0, le=65535)]], doc(

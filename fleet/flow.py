@@ -344,7 +344,7 @@ class Flow:
             ctx, gen = await self._place(scope, key)
         else:
             ctx, gen = await scope.trace.placement(scope, self._place(scope, key))
-        proto = pd_flow.request_protocol(self, ctx, gen)
+        proto = pd_flow.request_engine_protocol(self, ctx, gen)
         if proto != "trtllm":
             return await pd_flow.run(self, request, creq, scope, ctx, gen, key, proto)
         scope.mode, keep = settle(scope.mode, ctx is not None, gen.server not in self.no_transfer)

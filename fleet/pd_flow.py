@@ -1,4 +1,4 @@
-"""The two-leg flow for the vLLM and SGLang leg protocols (fleet/legs/), on the same machinery as the
+"""The two-leg flow for the vLLM and SGLang engine protocols (fleet/legs/), on the same machinery as the
 TensorRT-LLM flow in fleet/flow.py: the same placement (coordinator leases on both roles), the same
 `Flow.send` (connect failures and 503s retried elsewhere), the same relay, route receipt and request
 scope (`/finish`, abort-on-disconnect). `Flow._run` hands a request here once both legs are placed
@@ -39,25 +39,25 @@ log = logging.getLogger("splitserve.fleet.pd_flow")
 PATHS = plan.PATHS
 
 
-def server_protocol(flow, role: str, server: str) -> str:
+def server_engine_protocol(flow, role: str, server: str) -> str:
     grp = flow.config.context_servers if role == CTX else flow.config.generation_servers
-    return legs.protocol_of(grp.protocol, flow.placer.server_info(server))
+    return legs.engine_protocol_of(grp.protocol, flow.placer.server_info(server))
 
 
 def abort_request(flow, role: str, server: str, rid: int) -> tuple[str | None, dict | None]:
     """(path, body) of the abort call for `rid` on `server`; (None, None) when closing the connection
     is that engine's only cancellation."""
-    mod = legs.module(server_protocol(flow, role, server))
+    mod = legs.module(server_engine_protocol(flow, role, server))
     return mod.ABORT_PATH, mod.abort_body(rid)
 
 
-def request_protocol(flow, ctx: Placement | None, gen: Placement) -> str:
-    return server_protocol(flow, GEN, gen.server)
+def request_engine_protocol(flow, ctx: Placement | None, gen: Placement) -> str:
+    return server_engine_protocol(flow, GEN, gen.server)
 
 
 async def run(flow, request, creq, scope, ctx: Placement | None, gen: Placement, key, proto: str):
     mod = legs.module(proto)
-    same = ctx is None or server_protocol(flow, CTX, ctx.server) == proto
+    same = ctx is None or server_engine_protocol(flow, CTX, ctx.server) == proto
     if not same:
         if not mod.ALLOWS_LOCAL_PREFILL:
             raise ApiError(502, f"context server {ctx.server} does not speak {proto} like generation server "

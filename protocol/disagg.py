@@ -9,7 +9,7 @@ name included), only `request_type` changes.
 `encoded_opaque_state` is base64 (standard alphabet) of one msgpack map that only the two workers
 read (`OpaqueState`): the context worker's scheduler writes its part (`v` … `block_ids`), its KV
 connector (worker/kv_connector_transfer.py) adds the `tx_*` fields, the vLLM/SGLang shims
-(worker/pd_protocols.py) write `worker_url` (+ `wait`). No pickle.
+(worker/engine_protocols.py) write `worker_url` (+ `wait`). No pickle.
 """
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds to let running requests and pending KV transfers finish "
              "(new requests get 503) before aborting them")
     add("--disagg-protocol", "trtllm", choices=["trtllm", "vllm", "sglang"],
-        help="leg protocol this worker speaks (worker/pd_protocols.py): trtllm "
+        help="engine protocol this worker speaks (worker/engine_protocols.py): trtllm "
              "disaggregated_params, vllm kv_transfer_params, sglang bootstrap rendezvous "
              "(vllm and sglang: sim engine only)")
     add("--bootstrap-port", 0, type=int,
@@ -283,7 +283,7 @@ def build_server(args):
                         otlp_traces_endpoint=args.otlp_traces_endpoint,
                         transfer_info=conn.server_info() if conn else None,
                         ctx_info_endpoint=conn.endpoint if conn else None,
-                        disagg_protocol=args.disagg_protocol, bootstrap_port=args.bootstrap_port)
+                        engine_protocol=args.disagg_protocol, bootstrap_port=args.bootstrap_port)
 
 
 def transfer_config(args, advertise: str | None):

@@ -29,7 +29,7 @@ from aiohttp import web
 from protocol import kv_replay
 from protocol.openai import ApiError, error_body
 from router.block_keys import KEY_SCHEME, block_keys_list
-from worker import openai_api, pd_protocols
+from worker import engine_protocols, openai_api
 from worker.metrics import make_registry, render
 from worker.requests import (
     CONTEXT_ONLY, GENERATION_ONLY, EngineRequest, EngineStopped, InvalidRequest,
@@ -65,16 +65,16 @@ class WorkerServer:
                  coordinator_url: str | None = None, register_ttl_s: float = 30.0,
                  max_body_bytes: int = 32 << 20, worker_id: str | None = None,
                  transfer_info: dict | None = None, ctx_info_endpoint: str | None = None,
-                 disagg_protocol: str = "trtllm", bootstrap_port: int | None = None,
+                 engine_protocol: str = "trtllm", bootstrap_port: int | None = None,
                  cluster_uri: str | None = None, cluster_name: str = "",
                  otlp_traces_endpoint: str | None = None):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        if disagg_protocol not in pd_protocols.PROTOCOLS:
-            raise ValueError(f"disagg_protocol must be one of {pd_protocols.PROTOCOLS}, got {disagg_protocol!r}")
-        self.disagg_protocol = disagg_protocol
+        if engine_protocol not in engine_protocols.ENGINE_PROTOCOLS:
+            raise ValueError(f"disagg_protocol must be one of {engine_protocols.ENGINE_PROTOCOLS}, got {engine_protocol!r}")
+        self.engine_protocol = engine_protocol
         # SGLang prefill side: the port its bootstrap server listens on (0 = pick a free one).
-        self.bootstrap_port = bootstrap_port if disagg_protocol == "sglang" and role != "generation" else None
+        self.bootstrap_port = bootstrap_port if engine_protocol == "sglang" and role != "generation" else None
         self._bootstrap_runner: web.AppRunner | None = None
         self._local_ids = itertools.count(random.randrange(1 << 20, 1 << 39))
         self.engine = engine
@@ -128,7 +128,7 @@ class WorkerServer:
         r.add_post("/v1/abort", self.abort)
         r.add_post("/kv_release", self.kv_release)
         r.add_post("/kv_wait", self.kv_wait)
-        if self.disagg_protocol == "sglang":
+        if self.engine_protocol == "sglang":
             r.add_post("/abort_request", self.abort_request)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_get("/metrics", self.metrics)
@@ -221,7 +221,7 @@ class WorkerServer:
 
     async def _start_bootstrap(self) -> None:
         """The SGLang prefill side's bootstrap server: where a decode leg waits for its room's
-        prefill and reports the transfer done (worker/pd_protocols.py)."""
+        prefill and reports the transfer done (worker/engine_protocols.py)."""
         app = web.Application(middlewares=[self._errors_middleware])
         app.router.add_post("/kv_wait", self.kv_wait)
         app.router.add_post("/kv_release", self.kv_release)
@@ -301,17 +301,17 @@ class WorkerServer:
             "kv_events": self._kv_events_info(),
             "transfer": self.transfer_info,
             "disaggregated_params": {"ctx_info_endpoint": self.ctx_info_endpoint},
-            "disagg_protocol": self.disagg_protocol,
-            **({"disaggregation_mode": pd_protocols.SGLANG_MODES[self.role],
+            "disagg_protocol": self.engine_protocol,
+            **({"disaggregation_mode": engine_protocols.SGLANG_MODES[self.role],
                 "disaggregation_bootstrap_port": self.bootstrap_port}
-               if self.disagg_protocol == "sglang" else {}),
+               if self.engine_protocol == "sglang" else {}),
         }
 
     def _kv_events_info(self) -> dict | None:
         pub = self.publisher
         if pub is None:
             return None
-        if self.disagg_protocol == "sglang":
+        if self.engine_protocol == "sglang":
             # SGLang's own descriptor (sglang 0.5.23 srt/runtime_context.py
             # `describe_kv_events_publisher`): no replay, no snapshot.
             host, _, port = pub.publisher_endpoint.split("://", 1)[1].rpartition(":")
@@ -322,7 +322,7 @@ class WorkerServer:
                 "epoch": pub.epoch, "heartbeat_s": pub.heartbeat_s}
 
     async def server_info(self, request: web.Request) -> web.Response:
-        if self.disagg_protocol == "vllm":
+        if self.engine_protocol == "vllm":
             # Like a stock vLLM (it serves /server_info only with VLLM_SERVER_DEV_MODE=1): the fleet
             # must be told the protocol, and the coordinator its KV-event publisher (`kv_events`).
             return error_response(404, "no route GET /server_info (a vLLM server without dev mode)")
@@ -459,8 +459,8 @@ class WorkerServer:
         body = await self._body(request)
         eng = self.engine
         pd = None
-        if self.disagg_protocol != "trtllm" and isinstance(body, dict):
-            body, pd = pd_protocols.incoming(self.disagg_protocol, self.role, body, next(self._local_ids))
+        if self.engine_protocol != "trtllm" and isinstance(body, dict):
+            body, pd = engine_protocols.incoming(self.engine_protocol, self.role, body, next(self._local_ids))
         parse = openai_api.parse_completion if kind == "completion" else openai_api.parse_chat
         try:
             parsed = parse(body, eng.tokenizer, max_model_len=eng.max_model_len,
@@ -545,7 +545,7 @@ class WorkerServer:
         if parsed.return_token_ids:
             body["choices"][0]["token_ids"] = token_ids
         if pd is not None:
-            body = pd_protocols.outgoing(body, pd, last.context, engine_id=self.worker_id,
+            body = engine_protocols.outgoing(body, pd, last.context, engine_id=self.worker_id,
                                          host=self.advertise_host, port=self.port)
         return _json(body, headers=headers)
 

@@ -14,7 +14,7 @@ fleet/pd_flow.py are the imperative shells that send them), and `plan` for what 
 The common interface: every module has `ABORT_PATH` and `abort_body(rid)` (None when the engine has no abort endpoint and
 closing the connection is the only cancellation), `SEQUENTIAL` (the decode leg waits for the prefill
 answer) and `ALLOWS_LOCAL_PREFILL` (whether a decode server can serve a request with no prefill leg, which
-conditional disaggregation needs). `protocol_of` picks the protocol of one server.
+conditional disaggregation needs). `engine_protocol_of` picks the engine protocol of one server.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from types import ModuleType
 
 from . import sglang, trtllm, vllm
 
-PROTOCOLS = ("trtllm", "vllm", "sglang")
+ENGINE_PROTOCOLS = ("trtllm", "vllm", "sglang")
 # Leg fields only the fleet sets: a client body carrying one is refused (validate.py), so no client
 # can forge a KV handle, join another request's bootstrap room or name an engine request id.
 INTERNAL_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
@@ -30,11 +30,11 @@ DEFAULT = "trtllm"
 _MODULES: dict[str, ModuleType] = {"trtllm": trtllm, "vllm": vllm, "sglang": sglang}
 
 
-def module(protocol: str) -> ModuleType:
+def module(engine_protocol: str) -> ModuleType:
     try:
-        return _MODULES[protocol]
+        return _MODULES[engine_protocol]
     except KeyError:
-        raise ValueError(f"protocol must be one of {list(PROTOCOLS)}, found {protocol!r}") from None
+        raise ValueError(f"protocol must be one of {list(ENGINE_PROTOCOLS)}, found {engine_protocol!r}") from None
 
 
 def infer(info: dict | None) -> str | None:
@@ -62,7 +62,7 @@ def infer(info: dict | None) -> str | None:
     return None
 
 
-def protocol_of(configured: str | None, info: dict | None) -> str:
+def engine_protocol_of(configured: str | None, info: dict | None) -> str:
     """A server's protocol: its group's `protocol` when configured, else what its `/server_info`
     says, else TensorRT-LLM's."""
     if configured is not None:

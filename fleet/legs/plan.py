@@ -96,11 +96,11 @@ def _candidate(row: dict) -> dict:
     return {k: row[k] for k in _CANDIDATE_KEYS if k in row}
 
 
-def route_start(rid: int, mode: str, alias: int | None, protocol: str | None = None) -> dict:
+def route_start(rid: int, mode: str, alias: int | None, engine_protocol: str | None = None) -> dict:
     """The route receipt as the flow starts its legs (legs add `context`, protocols add theirs)."""
     r: dict = {"id": rid, "mode": mode}
-    if protocol is not None:
-        r["protocol"] = protocol
+    if engine_protocol is not None:
+        r["protocol"] = engine_protocol
     if alias is not None:
         r["client_request_id"] = alias
     return r

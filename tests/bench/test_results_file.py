@@ -21,7 +21,7 @@ SECTIONS = {
     "coordinator": "bench/coordinator/coordinator.py",
     "fleet": "bench/fleet/fleet.py",
     "failover": "bench/fleet/failover.py",
-    "leg protocols": "bench/fleet/pd_protocols.py",
+    "engine protocols": "bench/fleet/engine_protocols.py",
     "worker": "bench/worker/worker.py",
     "kv connector": "bench/worker/kv_connector.py",
     "transfer": "bench/transfer/transfer.py",

@@ -1,13 +1,13 @@
 """The leg adapters' pure functions (fleet/legs/) and the worker's reading of those legs
-(worker/pd_protocols.py). Field sets come from the engines' source, cited in the modules; the
-end-to-end behaviour is in test_pd_protocols.py, the routers' own requests in test_peer_parity.py."""
+(worker/engine_protocols.py). Field sets come from the engines' source, cited in the modules; the
+end-to-end behaviour is in test_engine_protocols.py, the routers' own requests in test_peer_parity.py."""
 from __future__ import annotations
 
 import pytest
 
 from fleet import legs
 from fleet.legs import sglang, trtllm, vllm
-from worker import pd_protocols
+from worker import engine_protocols
 from protocol.disagg import OpaqueState, decode_opaque_state
 from worker.requests import CONTEXT_ONLY, GENERATION_ONLY, InvalidRequest
 
@@ -74,8 +74,8 @@ def test_aborts_per_protocol():
     assert (trtllm.ABORT_PATH, trtllm.abort_body(5)) == ("/v1/abort", {"request_id": 5})
     assert (sglang.ABORT_PATH, sglang.abort_body(5)) == ("/abort_request", {"rid": "5"})
     assert (vllm.ABORT_PATH, vllm.abort_body(5)) == (None, None)
-    assert [legs.module(p).SEQUENTIAL for p in legs.PROTOCOLS] == [True, True, False]
-    assert [legs.module(p).ALLOWS_LOCAL_PREFILL for p in legs.PROTOCOLS] == [True, True, False]
+    assert [legs.module(p).SEQUENTIAL for p in legs.ENGINE_PROTOCOLS] == [True, True, False]
+    assert [legs.module(p).ALLOWS_LOCAL_PREFILL for p in legs.ENGINE_PROTOCOLS] == [True, True, False]
     with pytest.raises(ValueError, match="protocol must be one of"):
         legs.module("tgi")
 
@@ -87,32 +87,32 @@ def test_protocol_inference_from_server_info():
     assert legs.infer({"vllm_config": "..."}) == "vllm"               # vLLM dev-mode /server_info
     assert legs.infer({"engine": "sim", "disagg_protocol": "vllm"}) == "vllm"
     assert legs.infer({"engine": "sim"}) is None and legs.infer({}) is None and legs.infer(None) is None
-    assert legs.protocol_of(None, {}) == "trtllm"
-    assert legs.protocol_of(None, {"disaggregation_mode": "decode"}) == "sglang"
-    assert legs.protocol_of("vllm", {"disaggregation_mode": "decode"}) == "vllm"   # configured wins
+    assert legs.engine_protocol_of(None, {}) == "trtllm"
+    assert legs.engine_protocol_of(None, {"disaggregation_mode": "decode"}) == "sglang"
+    assert legs.engine_protocol_of("vllm", {"disaggregation_mode": "decode"}) == "vllm"   # configured wins
 
 
 # ------------------------------------------------------------------ worker side
 
 def test_worker_reads_vllm_legs():
-    body, st = pd_protocols.incoming("vllm", "context", vllm.prefill_body(CLIENT), 77)
+    body, st = engine_protocols.incoming("vllm", "context", vllm.prefill_body(CLIENT), 77)
     assert st == {"kind": "vllm_prefill"} and "kv_transfer_params" not in body
     assert body["disaggregated_params"] == {"request_type": CONTEXT_ONLY, "disagg_request_id": 77}
     kv = {**NIXL_ANSWER, "remote_request_id": "77", "remote_host": "127.0.0.1", "remote_port": 8100}
-    body, st = pd_protocols.incoming("vllm", "generation", vllm.decode_body(CLIENT, kv), 1)
+    body, st = engine_protocols.incoming("vllm", "generation", vllm.decode_body(CLIENT, kv), 1)
     dp = body["disaggregated_params"]
     assert st == {"kind": "vllm_decode"} and dp["request_type"] == GENERATION_ONLY and dp["ctx_request_id"] == 77
     assert decode_opaque_state(dp["encoded_opaque_state"]) == OpaqueState(worker_url="http://127.0.0.1:8100")
-    assert pd_protocols.incoming("vllm", "both", dict(CLIENT), 1) == (CLIENT, None)
+    assert engine_protocols.incoming("vllm", "both", dict(CLIENT), 1) == (CLIENT, None)
 
 
 def test_worker_reads_sglang_legs():
     leg = sglang.leg_body(CLIENT, "127.0.0.1", 8998, 12345, 12345)
-    body, st = pd_protocols.incoming("sglang", "context", leg, 1)
+    body, st = engine_protocols.incoming("sglang", "context", leg, 1)
     assert body["disaggregated_params"] == {"request_type": CONTEXT_ONLY, "disagg_request_id": 12345}
     assert st == {"kind": "sglang_prefill", "rid": "12345", "room": 12345}
     assert not any(k.startswith("bootstrap_") or k == "rid" for k in body)
-    body, st = pd_protocols.incoming("sglang", "generation", leg, 1)
+    body, st = engine_protocols.incoming("sglang", "generation", leg, 1)
     dp = body["disaggregated_params"]
     assert dp["request_type"] == GENERATION_ONLY and dp["ctx_request_id"] == 12345
     assert decode_opaque_state(dp["encoded_opaque_state"]) == OpaqueState(worker_url="http://127.0.0.1:8998",
@@ -136,7 +136,7 @@ SIM_KV = {**NIXL_ANSWER, "remote_request_id": "77"}
 ])
 def test_worker_rejects_bad_leg_fields_naming_them(proto, role, body, param):
     with pytest.raises(InvalidRequest) as e:
-        pd_protocols.incoming(proto, role, {"model": "m", "prompt": "x", **body}, 1)
+        engine_protocols.incoming(proto, role, {"model": "m", "prompt": "x", **body}, 1)
     assert e.value.param == param
 
 

@@ -2,7 +2,7 @@
 leg gets in every mode (aggregated, context + generation, generation_first, local prefill,
 fallback), the route receipt, the SSE/JSON cleaning, and what leaving a request's scope ends. The
 same flows end to end, through real workers: test_flow.py, test_disconnect.py,
-test_hangup_leases.py, test_pd_protocols.py."""
+test_hangup_leases.py, test_engine_protocols.py."""
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Leg-protocol benchmark: the fleet's CPU per two-leg request for each protocol (fleet/legs/).
+"""Engine-protocol benchmark: the fleet's CPU per two-leg request for each protocol (fleet/legs/).
 
 The fleet runs in front of mock engines (tests/fleet/peers/recorder.py, recording off) that answer
 like TensorRT-LLM, vLLM or SGLang servers, so what is measured is the fleet: its CPU time (every
@@ -8,8 +8,8 @@ latency, for `trtllm` (the baseline, same run), `vllm` (sequential, `kv_transfer
 `sglang` (both legs at once, bootstrap fields), with `round_robin` and `kv_cache_aware` placement.
 The load generator (aiohttp, in this process) keeps `--concurrency` requests in flight.
 
-Usage: `python bench/fleet/pd_protocols.py [--requests 1500] [--concurrency 16] [--no-write]`; results are
-printed and written as the "## leg protocols" section of bench/RESULTS.md.
+Usage: `python bench/fleet/engine_protocols.py [--requests 1500] [--concurrency 16] [--no-write]`; results are
+printed and written as the "## engine protocols" section of bench/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from splitserve_testing import free_port, free_port_pair, wait_http  # noqa: E40
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 BODY = {"model": "mock", "prompt": "hello world " * 80, "max_tokens": 16}
-PROTOCOLS = ("trtllm", "vllm", "sglang")
+ENGINE_PROTOCOLS = ("trtllm", "vllm", "sglang")
 
 
 class Group(_Group):
@@ -130,13 +130,13 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for policy in a.policies.split(","):
-            for engine in PROTOCOLS:
+            for engine in ENGINE_PROTOCOLS:
                 r = measure(Path(d), engine, policy, a.requests, a.concurrency)
                 rows.append(r)
                 print(f"  {policy:15s} {engine:7s} {r['rps']:7.0f} req/s  {r['us_per_req']:6.0f} µs CPU/req  "
                       f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}", flush=True)
     base = {r["policy"]: r for r in rows if r["protocol"] == "trtllm"}
-    lines = [f"`python bench/fleet/pd_protocols.py --requests {a.requests} --concurrency {a.concurrency}` — "
+    lines = [f"`python bench/fleet/engine_protocols.py --requests {a.requests} --concurrency {a.concurrency}` — "
              f"{time.strftime('%Y-%m-%d', time.gmtime())}, {cpu_model()}, {os.cpu_count()} CPUs, "
              f"Python {platform.python_version()}. Mock engines (tests/fleet/peers/recorder.py) answer "
              f"like each engine; fleet CPU = every process of the fleet's group. Ratios against "
@@ -150,7 +150,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if not a.no_write:
-        replace_subsection(RESULTS, "leg protocols", "### leg protocols (trtllm / vllm / sglang)", text)
+        replace_subsection(RESULTS, "engine protocols", "### engine protocols (trtllm / vllm / sglang)", text)
     return 1 if any(r["errors"] for r in rows) else 0
 
 

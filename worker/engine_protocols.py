@@ -1,4 +1,4 @@
-"""The worker side of the vLLM and SGLang leg protocols (fleet/legs/), for the sim engine.
+"""The worker side of the vLLM and SGLang engine protocols (fleet/legs/), for the sim engine.
 
 A worker started with ``--disagg-protocol vllm|sglang`` reads that engine's leg fields and maps them
 onto the engine's own context_only / generation_only requests, so the fleet's two-leg flows for those
@@ -33,7 +33,7 @@ from typing import Any
 from protocol.disagg import OpaqueState, encode_opaque_state
 from worker.requests import CONTEXT_ONLY, GENERATION_ONLY, InvalidRequest
 
-PROTOCOLS = ("trtllm", "vllm", "sglang")
+ENGINE_PROTOCOLS = ("trtllm", "vllm", "sglang")
 SGLANG_MODES = {"context": "prefill", "generation": "decode", "both": "null"}
 
 
@@ -41,13 +41,13 @@ def _tname(v: Any) -> str:
     return "null" if v is None else type(v).__name__
 
 
-def incoming(protocol: str, role: str, body: dict, local_id: int) -> tuple[dict, dict | None]:
+def incoming(engine_protocol: str, role: str, body: dict, local_id: int) -> tuple[dict, dict | None]:
     """(body with ``disaggregated_params`` set, leg state or None) for one request.
 
     ``local_id`` is the worker-minted id a prefill's pin is kept under (vLLM's engine request id)."""
-    if protocol == "vllm":
+    if engine_protocol == "vllm":
         return _vllm_in(body, local_id)
-    if protocol == "sglang":
+    if engine_protocol == "sglang":
         return _sglang_in(role, body)
     return body, None
 

@@ -1,5 +1,5 @@
-"""The vLLM and SGLang leg protocols end to end: a fleet in front of sim workers started with
-`--disagg-protocol vllm|sglang` (worker/pd_protocols.py), kv-aware placement on both roles. The
+"""The vLLM and SGLang engine protocols end to end: a fleet in front of sim workers started with
+`--disagg-protocol vllm|sglang` (worker/engine_protocols.py), kv-aware placement on both roles. The
 vLLM sims answer no /server_info, like a stock vLLM: their groups name the protocol and the KV-event
 publishers (static `kv_events`); the SGLang sims are recognised from their /server_info (SGLang's
 `disaggregation_*` keys and its `kv_events` descriptor).
