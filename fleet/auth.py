@@ -39,12 +39,12 @@ def vet_client_params(params: dict | None, key: str | None, header: str | None) 
     """→ (params to forward or None, client request id or None, whether anything was stripped)."""
     if not params:
         return None, None, False
-    rid = params.get("disagg_request_id")
-    rid = rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 < rid <= _MAX_ID else None
+    request_id = params.get("disagg_request_id")
+    request_id = request_id if isinstance(request_id, int) and not isinstance(request_id, bool) and 0 < request_id <= _MAX_ID else None
     if verify(key, params, header):
-        return params, rid, False
+        return params, request_id, False
     stripped = any(k != "disagg_request_id" for k in params)
-    return None, rid, stripped
+    return None, request_id, stripped
 
 
 class ApiKeys:

@@ -92,11 +92,11 @@ class Flow:
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: FleetRequest, creq: ClientRequest, alias: int | None,
-                     client_params: dict | None, t0: float, rid: int = 0, request_id: str | None = None):
+                     client_params: dict | None, t0: float, request_id: int = 0, x_request_id: str | None = None):
         """Serve one request. `alias` is the client's own `disagg_request_id`, kept for logs and the
         route header only (never sent to a worker, never an abort or transfer key), and unique among
         this process's requests in flight."""
-        with RequestScope(self, t0, alias, rid, request_id) as scope:
+        with RequestScope(self, t0, alias, request_id, x_request_id) as scope:
             if self.tracing is None:
                 return await self._serve(request, creq, scope, client_params)
             scope.trace = tr = self.tracing.start(request, scope)
@@ -121,22 +121,22 @@ class Flow:
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
-    async def post_abort(self, role: str, server: str, rid: int, count: bool = True) -> None:
+    async def post_abort(self, role: str, server: str, request_id: int, count: bool = True) -> None:
         if count:
             M.ABORTS.labels(role).inc()
-        path, body = pd_flow.abort_request(self, role, server, rid)
+        path, body = pd_flow.abort_request(self, role, server, request_id)
         if path is None:
             return      # this engine's only cancellation is the closed connection
         try:
             async with asyncio.timeout(2.0):
                 r = await self.pool.request(server, path, orjson.dumps(body),
-                                            b"X-Request-Id: %d\r\n" % rid)
+                                            b"X-Request-Id: %d\r\n" % request_id)
                 try:
                     await r.read()
                 finally:
                     r.release()
         except (UpstreamError, TimeoutError) as e:
-            log.debug("abort of %d on %s failed: %s", rid, server, e)
+            log.debug("abort of %d on %s failed: %s", request_id, server, e)
 
     async def drain(self, timeout: float) -> None:
         if self._bg:
@@ -193,7 +193,7 @@ class Flow:
         if self._pairs:
             # one call places both legs: the coordinator's, or the same rules over the local list
             try:
-                ctx, gen, scope.mode = await p.place_pair(scope.rid, key, set(), set())
+                ctx, gen, scope.mode = await p.place_pair(scope.request_id, key, set(), set())
             except NoContextServer as e:
                 raise _no_context(e) from None
             except NoServerAvailable as e:
@@ -214,7 +214,7 @@ class Flow:
     async def place_gen(self, scope: RequestScope, key: dict | None) -> Placement:
         """A generation server for the request (held by its scope), or the client's 503."""
         try:
-            gen = await self.placer.place(GEN, scope.rid, key, set())
+            gen = await self.placer.place(GEN, scope.request_id, key, set())
         except NoServerAvailable as e:
             raise ApiError(503, f"no generation server available: {e}", code="no_server_available",
                            retry_after=1) from None
@@ -228,7 +228,7 @@ class Flow:
             scope.mode = plan.LOCAL_PREFILL
             return None
         try:
-            return await self.placer.place(CTX, scope.rid, key, set())
+            return await self.placer.place(CTX, scope.request_id, key, set())
         except NoServerAvailable as e:
             try:
                 self.rules.without_context(e)
@@ -240,7 +240,7 @@ class Flow:
     # ------------------------------------------------------------------ one leg, with retries
     def _headers(self, scope: RequestScope, role: str, server: str) -> bytes:
         h = b"X-Request-Id: %d\r\nX-Splitserve-Attempt: %d\r\nX-Splitserve-Role: %s\r\n" % (
-            scope.rid, scope.attempts[role], role.encode())
+            scope.request_id, scope.attempts[role], role.encode())
         if scope.trace is not None:
             h += scope.trace.leg(role, server, scope.attempts[role])
         return h
@@ -313,7 +313,7 @@ class Flow:
             self.m_retry[role].inc()
             await self.backoff_sleep(scope.attempts[role])
             try:
-                p = await self.placer.place(role, scope.rid, key, tried)
+                p = await self.placer.place(role, scope.request_id, key, tried)
             except NoServerAvailable:
                 raise ApiError(502, f"{err}; no other {role} server to retry on", code="upstream_unavailable",
                                retry_after=1) from None
@@ -351,7 +351,7 @@ class Flow:
         if ctx is not None and not keep:
             scope.release(ctx, True)
             ctx = None
-        scope.route = plan.route_start(scope.rid, scope.mode, scope.alias)
+        scope.route = plan.route_start(scope.request_id, scope.mode, scope.alias)
         if ctx is None:
             return await self.plain_leg(request, creq, scope, gen, key)
         if self.schedule == "generation_first":
@@ -364,7 +364,7 @@ class Flow:
             scope.release(gen, True)
             return self._context_only(creq, scope, ctx_raw)
         self.m_place[plan.DISAGGREGATED].inc()
-        body, dp = trt.generation_body(self.answer_base(creq), creq.kind == CHAT, ctx_ans, scope.rid,
+        body, dp = trt.generation_body(self.answer_base(creq), creq.kind == CHAT, ctx_ans, scope.request_id,
                                        self.schedule, self.config.gen_strip_message_history)
         try:
             return await self.final_leg(request, creq, scope, gen, orjson.dumps(body), key, self._sig(dp),
@@ -393,14 +393,14 @@ class Flow:
     async def _context_leg(self, creq: ClientRequest, scope: RequestScope, ctx: Placement, key: dict | None):
         """(context answer, its raw bytes, the placement used); (None, b"", ctx) when no context
         server was reachable and the request falls back to aggregated."""
-        body, dp = trt.context_body(creq.body, scope.rid, self.schedule)
+        body, dp = trt.context_body(creq.body, scope.request_id, self.schedule)
         t = time.perf_counter()
         try:
             resp, ctx = await self.send(scope, CTX, ctx, PATHS[creq.kind], orjson.dumps(body), key, self._sig(dp))
         except ApiError as e:
             if self.falls_back(e):
                 log.warning("request %d: no context server reachable (%s); serving aggregated",
-                            scope.rid, e.message)
+                            scope.request_id, e.message)
                 scope.mode = plan.AGGREGATED_FALLBACK
                 return None, b"", ctx
             raise
@@ -424,7 +424,7 @@ class Flow:
     async def _generation_first(self, request, creq: ClientRequest, scope: RequestScope, ctx: Placement,
                                 gen: Placement, key: dict | None):
         ep = trt.ctx_info_endpoint(self.placer.server_info(ctx.server))
-        body, dp = trt.generation_first_body(self.answer_base(creq), scope.rid, ep)
+        body, dp = trt.generation_first_body(self.answer_base(creq), scope.request_id, ep)
         # The generation request goes out first so its worker can pull as soon as the context worker
         # publishes; its headers are awaited only after the context leg is answered.
         gen_task = asyncio.get_running_loop().create_task(
@@ -468,7 +468,7 @@ class Flow:
 
     async def answer(self, request, creq: ClientRequest, scope: RequestScope, gen: Placement,
                      resp: Response):
-        route = plan.route_header(scope.route, rid=scope.rid, alias=scope.alias, mode=scope.mode,
+        route = plan.route_header(scope.route, request_id=scope.request_id, alias=scope.alias, mode=scope.mode,
                                   generation=self.route_of(gen), attempts=scope.attempts,
                                   detail=self.route_detail)
         return await self.relay.answer(request, creq, scope, gen, resp, route)
@@ -476,7 +476,7 @@ class Flow:
     def _context_only(self, creq: ClientRequest, scope: RequestScope, raw: bytes):
         scope.mode = plan.CONTEXT_ONLY
         self.m_place[plan.CONTEXT_ONLY].inc()
-        route = plan.route_header(scope.route, rid=scope.rid, alias=scope.alias, mode=plan.CONTEXT_ONLY,
+        route = plan.route_header(scope.route, request_id=scope.request_id, alias=scope.alias, mode=plan.CONTEXT_ONLY,
                                   detail=self.route_detail)
         return self.relay.context_answer(creq, scope, raw, route)
 

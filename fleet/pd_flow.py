@@ -44,11 +44,11 @@ def server_engine_protocol(flow, role: str, server: str) -> str:
     return legs.engine_protocol_of(grp.protocol, flow.placer.server_info(server))
 
 
-def abort_request(flow, role: str, server: str, rid: int) -> tuple[str | None, dict | None]:
+def abort_request(flow, role: str, server: str, request_id: int) -> tuple[str | None, dict | None]:
     """(path, body) of the abort call for `rid` on `server`; (None, None) when closing the connection
     is that engine's only cancellation."""
     mod = legs.module(server_engine_protocol(flow, role, server))
-    return mod.ABORT_PATH, mod.abort_body(rid)
+    return mod.ABORT_PATH, mod.abort_body(request_id)
 
 
 def request_engine_protocol(flow, ctx: Placement | None, gen: Placement) -> str:
@@ -65,16 +65,16 @@ async def run(flow, request, creq, scope, ctx: Placement | None, gen: Placement,
                                 f"set context_servers.protocol", code="protocol_mismatch")
         # The KV cannot move between two engine families: serve it on the decode server alone.
         log.warning("request %d: context server %s does not speak %s like generation server %s; "
-                    "serving it without a context leg", scope.rid, ctx.server, proto, gen.server)
+                    "serving it without a context leg", scope.request_id, ctx.server, proto, gen.server)
     scope.mode, keep = settle(scope.mode, ctx is not None, same)
     if ctx is not None and not keep:
         scope.release(ctx, True)
         ctx = None
-    scope.route = plan.route_start(scope.rid, scope.mode, None, proto)
+    scope.route = plan.route_start(scope.request_id, scope.mode, None, proto)
     if ctx is None and not mod.ALLOWS_LOCAL_PREFILL and not flow.aggregated_only:
         # Its decode servers need a prefill leg: no local prefill, no aggregated fallback.
         try:
-            ctx = await flow.placer.place(CTX, scope.rid, key, set())
+            ctx = await flow.placer.place(CTX, scope.request_id, key, set())
         except NoServerAvailable as e:
             raise ApiError(503, f"no prefill server available ({e}); {proto} decode servers cannot serve "
                                 "a request alone", code="no_context_server", retry_after=1) from None
@@ -99,7 +99,7 @@ async def _vllm(flow, request, creq, scope, ctx, gen, key):
         if not flow.falls_back(e):
             raise
         log.warning("request %d: no prefill server reachable (%s); serving on the decode server",
-                    scope.rid, e.message)
+                    scope.request_id, e.message)
         scope.mode = scope.route["mode"] = plan.AGGREGATED_FALLBACK
         return await flow.plain_leg(request, creq, scope, gen, key)
     raw = await flow.relay.read(resp, scope, CTX, ctx)
@@ -128,12 +128,12 @@ async def _sglang(flow, request, creq, scope, ctx, gen, key):
     scope.mode = scope.route["mode"] = plan.DISAGGREGATED
     base = flow.answer_base(creq)
     # The room is the request's snowflake (< 2**63); an id from elsewhere gets a fresh one.
-    room = sgl.room_of(scope.rid if 0 <= scope.rid < 1 << sgl.ROOM_BITS else flow.ids.next_id())
+    room = sgl.room_of(scope.request_id if 0 <= scope.request_id < 1 << sgl.ROOM_BITS else flow.ids.next_id())
     tried = {CTX: set(), GEN: set()}
     while True:
         port = sgl.bootstrap_port(flow.config.context_servers.bootstrap_port,
                                   flow.placer.server_info(ctx.server))
-        body = orjson.dumps(sgl.leg_body(base, sgl.bootstrap_host(ctx.server), port, room, scope.rid))
+        body = orjson.dumps(sgl.leg_body(base, sgl.bootstrap_host(ctx.server), port, room, scope.request_id))
         tried[CTX].add(ctx.server)
         tried[GEN].add(gen.server)
         t = time.perf_counter()
@@ -169,7 +169,7 @@ async def _sglang(flow, request, creq, scope, ctx, gen, key):
         for role in retry:
             old = ctx if role == CTX else gen
             try:
-                new = await flow.placer.place(role, scope.rid, key, tried[role])
+                new = await flow.placer.place(role, scope.request_id, key, tried[role])
             except NoServerAvailable:
                 raise ApiError(502, f"{role} server {old.server} unavailable; no other {role} server "
                                     f"to retry on", code="upstream_unavailable", retry_after=1) from None
@@ -196,7 +196,7 @@ async def _drain_prefill(flow, scope, ctx, resp, gen, gen_resp, t0: float) -> No
     except ApiError as e:
         # The prefill died after answering: its KV will never reach the decode server.
         log.warning("request %d: prefill leg on %s failed after its headers (%s); aborting the decode leg",
-                    scope.rid, ctx.server, e.message)
+                    scope.request_id, ctx.server, e.message)
         await scope.abort_open(gen_resp, GEN, gen.server)   # unless already done or aborted
         return
     flow.relay.leg_latency[CTX].observe(time.perf_counter() - t0)

@@ -36,7 +36,7 @@ JSON_TYPE = {"Content-Type": "application/json"}
 def answer_headers(base: dict, scope, route: str | None) -> dict:
     """An answer's headers: `base`, the request's X-Request-Id and, unless `fleet.route_header` is
     off (`route` None), the route receipt."""
-    h = {**base, "X-Request-Id": scope.request_id}
+    h = {**base, "X-Request-Id": scope.x_request_id}
     if route is not None:
         h[ROUTE_HEADER] = route
     return h
@@ -398,7 +398,7 @@ class Relay:
 
 
 async def _stream_error(out: FleetStream, scope, err: ApiError) -> None:
-    err.request_id = scope.request_id
+    err.request_id = scope.x_request_id
     try:
         await out.write(err.sse_event() + b"data: [DONE]\n\n")
         await out.write_eof()

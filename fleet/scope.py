@@ -29,16 +29,16 @@ log = logging.getLogger("splitserve.fleet.flow")
 
 
 class RequestScope:
-    __slots__ = ("flow", "placer", "rid", "t0", "alias", "mode", "route", "attempts", "bytes_sent",
+    __slots__ = ("flow", "placer", "request_id", "t0", "alias", "mode", "route", "attempts", "bytes_sent",
                  "failed", "placements", "open_resp", "touched", "gen_sent_at", "trace",
-                 "context_usage", "request_id")
+                 "context_usage", "x_request_id")
 
-    def __init__(self, flow, t0: float, alias: int | None = None, rid: int = 0,
-                 request_id: str | None = None):
+    def __init__(self, flow, t0: float, alias: int | None = None, request_id: int = 0,
+                 x_request_id: str | None = None):
         self.flow = flow                # spawn(), post_abort(), aliases, ids
         self.placer = flow.placer
-        self.rid = rid                  # minted on entry unless given: the id every worker and lease sees
-        self.request_id = request_id    # the answer's X-Request-Id: the client's (sanitised), else rid
+        self.request_id = request_id    # minted on entry unless given: the id every worker and lease sees
+        self.x_request_id = x_request_id    # the answer's X-Request-Id: the client's (sanitised), else request_id
         self.t0 = t0
         self.alias = alias              # the client's disagg_request_id (logs and route header only)
         self.mode = "disaggregated"
@@ -63,19 +63,19 @@ class RequestScope:
                                     f"request in flight; use a unique id per concurrent request",
                                param="disaggregated_params.disagg_request_id", code="duplicate_request_id")
             self.flow.aliases.add(alias)
-        if not self.rid:
-            self.rid = self.flow.ids.next_id()
-        if self.request_id is None:
-            self.request_id = str(self.rid)
+        if not self.request_id:
+            self.request_id = self.flow.ids.next_id()
+        if self.x_request_id is None:
+            self.x_request_id = str(self.request_id)
         if alias is not None:
-            log.debug("request %d: client request id %d", self.rid, alias)
+            log.debug("request %d: client request id %d", self.request_id, alias)
         return self
 
     def __exit__(self, et, exc, tb) -> bool:
         try:
             if et is not None and issubclass(et, asyncio.CancelledError):
                 M.DISCONNECTS.labels("generation" if self.bytes_sent or self.attempts[GEN] else "context").inc()
-                log.info("request %d%s: client went away; aborting %d open leg(s)", self.rid,
+                log.info("request %d%s: client went away; aborting %d open leg(s)", self.request_id,
                          f" (client id {self.alias})" if self.alias is not None else "", len(self.touched))
         finally:
             placer = self.placer
@@ -157,7 +157,7 @@ class RequestScope:
         seen = set(self.touched)
         self.touched.clear()
         flow = self.flow
-        await asyncio.gather(*(flow.post_abort(role, server, self.rid) for role, server in seen))
+        await asyncio.gather(*(flow.post_abort(role, server, self.request_id) for role, server in seen))
 
     def abort_role(self, role: str, server: str) -> None:
         """Close the open responses and abort the request on one server (a generation_first leg
@@ -169,10 +169,10 @@ class RequestScope:
         """Send the engine's abort for this request to `server` in the background (also how a
         finished context leg's pinned KV is released early; `count=False` keeps that out of the
         aborts metric)."""
-        self.flow.spawn(self.flow.post_abort(role, server, self.rid, count))
+        self.flow.spawn(self.flow.post_abort(role, server, self.request_id, count))
 
     async def abort_open(self, resp, role: str, server: str) -> None:
         """Abort one leg if its response is still open (not done, not aborted with the client)."""
         if resp in self.open_resp:
             resp.abort()
-            await self.flow.post_abort(role, server, self.rid)
+            await self.flow.post_abort(role, server, self.request_id)

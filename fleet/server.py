@@ -281,8 +281,8 @@ class FleetServer:
         status = 500
         counted = False
         # The request's id from its first byte: errors before the flow carry it too.
-        rid = flow.ids.next_id()
-        request_id = client_request_id(request.headers.get("X-Request-Id")) or str(rid)
+        request_id = flow.ids.next_id()
+        x_request_id = client_request_id(request.headers.get("X-Request-Id")) or str(request_id)
         try:
             self._auth(request)
             raw = await self._read_body(request)
@@ -314,21 +314,21 @@ class FleetServer:
             if stripped:
                 M.STRIPPED.inc()
                 log.info("stripped client-supplied disaggregated_params without a valid HMAC")
-            resp = await flow.handle(request, creq, alias, params, t0, rid, request_id)
+            resp = await flow.handle(request, creq, alias, params, t0, request_id, x_request_id)
             status = resp.status
             self._keepalive_cap(request, resp)
             return resp
         except ApiError as e:
             status = e.status
-            e.request_id = request_id
+            e.request_id = x_request_id
             return e.response()
         except asyncio.CancelledError:
             status = 499
             raise
         except Exception as e:
-            log.exception("request %s: internal error on %s", request_id, request.path)
+            log.exception("request %s: internal error on %s", x_request_id, request.path)
             err = ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
-            err.request_id = request_id
+            err.request_id = x_request_id
             status = 500
             return err.response()
         finally:
@@ -338,10 +338,10 @@ class FleetServer:
             self._count(kind, status)
             if self.access_log:
                 ms = (time.perf_counter() - t0) * 1000
-                access_log.info("%s %s %d %.1fms id=%s", request.method, request.path, status, ms, request_id,
+                access_log.info("%s %s %d %.1fms id=%s", request.method, request.path, status, ms, x_request_id,
                                 extra={"fields": {"method": request.method, "path": request.path,
                                                   "status": status, "duration_ms": round(ms, 3),
-                                                  "request_id": request_id}})
+                                                  "request_id": x_request_id}})
 
     def _keepalive_cap(self, request: FleetRequest, resp) -> None:
         cap = self.keepalive_requests

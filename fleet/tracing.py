@@ -40,7 +40,7 @@ class FleetTracing:
         span = self.tracer.start_span(f"{request.method} {request.path}", kind=SpanKind.SERVER,
                                       context=parent_context(request.headers))
         if span.is_recording():   # not when the sampler (OTEL_TRACES_SAMPLER) dropped the trace
-            attrs = {"splitserve.request_id": scope.rid, "http.request.method": request.method,
+            attrs = {"splitserve.request_id": scope.request_id, "http.request.method": request.method,
                      "url.path": request.path}
             if scope.alias is not None:
                 attrs["splitserve.client_request_id"] = scope.alias

@@ -285,7 +285,7 @@ class Pump:
             return b""
         last = covered[-1].last
         return result_notif(Result(
-            req=s.req_id, sender=self.c.info.key, status=ResultStatus.OK,
+            req=s.request_id, sender=self.c.info.key, status=ResultStatus.OK,
             slices=(task.s0, task.s1 - 1), span=(covered[0].tokens[0], covered[-1].tokens[1]),
             last=last, meta=s.meta if last else None))
 

@@ -42,7 +42,7 @@ class Writer:
 
 @dataclass
 class RecvSession:
-    req_id: int
+    request_id: int
     endpoint: str
     num_tokens: int
     dst_ids: list[np.ndarray]
@@ -75,34 +75,34 @@ class Receiver:
         self.retired: collections.OrderedDict = collections.OrderedDict()
 
     # ================================================================== API
-    def begin(self, req_id: int, ctx_endpoint: str, num_tokens: int, block_ids,
+    def begin(self, request_id: int, ctx_endpoint: str, num_tokens: int, block_ids,
               on_done: Callable[[], None] | None = None) -> None:
         ids = self.c.group_ids(block_ids)
         need = -(-num_tokens // self.c.tokens_per_block)
         for g, a in enumerate(ids):
             if a.size < need:
-                raise SessionError(f"request {req_id}: group {g} has {a.size} blocks; "
+                raise SessionError(f"request {request_id}: group {g} has {a.size} blocks; "
                                    f"{num_tokens} tokens need {need}")
         with self.c.lock:
-            if req_id in self.sessions:
-                raise SessionError(f"request {req_id}: a receive session already exists")
-            if req_id in self.retired:
-                raise SessionError(f"request {req_id}: its receive session was retired")
-            self.sessions[req_id] = RecvSession(
-                req_id=req_id, endpoint=ctx_endpoint, num_tokens=num_tokens, dst_ids=ids,
+            if request_id in self.sessions:
+                raise SessionError(f"request {request_id}: a receive session already exists")
+            if request_id in self.retired:
+                raise SessionError(f"request {request_id}: its receive session was retired")
+            self.sessions[request_id] = RecvSession(
+                request_id=request_id, endpoint=ctx_endpoint, num_tokens=num_tokens, dst_ids=ids,
                 deadline=time.monotonic() + self.c.cfg.recv_timeout_s, on_done=on_done)
-        self.c.messenger.call_soon(lambda: self._ensure_peer(ctx_endpoint, req_id))
+        self.c.messenger.call_soon(lambda: self._ensure_peer(ctx_endpoint, request_id))
 
-    def status(self, req_id: int) -> Status:
+    def status(self, request_id: int) -> Status:
         with self.c.lock:
-            r = self._session(req_id)
+            r = self._session(request_id)
             state = State.TRANSFERRING if r.state == RecvState.POSTED else State(r.state)
             return Status(state=state, quiescent=not r.state.open, error=r.error, meta=r.meta,
                           timed_out=r.timed_out)
 
-    def cancel(self, req_id: int) -> bool:
+    def cancel(self, request_id: int) -> bool:
         with self.c.lock:
-            r = self.sessions.get(req_id)
+            r = self.sessions.get(request_id)
             if r is None:
                 return True
             r.cancel_requested = True
@@ -111,7 +111,7 @@ class Receiver:
                 # for us until told (its send session may already exist).
                 self._final_locked(r, RecvState.CANCELLED, "cancelled")
                 self.c.messenger.call_soon(
-                    lambda: self._send_to_instance(r.endpoint, Cancel(req=req_id)))
+                    lambda: self._send_to_instance(r.endpoint, Cancel(req=request_id)))
                 return True
             if r.state != RecvState.POSTED:
                 return True
@@ -119,31 +119,31 @@ class Receiver:
             self._check_locked(r)
             return r.state != RecvState.POSTED
 
-    def claim(self, req_id: int, ctx_endpoint: str) -> None:
-        self.c.messenger.call_soon(lambda: self._send_to_instance(ctx_endpoint, Claim(req=req_id)))
+    def claim(self, request_id: int, ctx_endpoint: str) -> None:
+        self.c.messenger.call_soon(lambda: self._send_to_instance(ctx_endpoint, Claim(req=request_id)))
 
-    def abandon(self, req_id: int, ctx_endpoint: str) -> None:
+    def abandon(self, request_id: int, ctx_endpoint: str) -> None:
         with self.c.lock:
-            if req_id in self.sessions or req_id in self.retired:
+            if request_id in self.sessions or request_id in self.retired:
                 return
         self.c.messenger.call_soon(
-            lambda: self._send_to_instance(ctx_endpoint, Cancel(req=req_id)))
+            lambda: self._send_to_instance(ctx_endpoint, Cancel(req=request_id)))
 
-    def release(self, req_id: int) -> None:
+    def release(self, request_id: int) -> None:
         with self.c.lock:
-            r = self.sessions.get(req_id)
+            r = self.sessions.get(request_id)
             if r is not None:
-                if r.state.open and not self.cancel(req_id):
-                    raise SessionError(f"request {req_id}: a context rank may still write; "
+                if r.state.open and not self.cancel(request_id):
+                    raise SessionError(f"request {request_id}: a context rank may still write; "
                                        f"cancel_receive() must return True before release")
-                del self.sessions[req_id]
-            self.c.retire(self.retired, req_id)
+                del self.sessions[request_id]
+            self.c.retire(self.retired, request_id)
 
-    def _session(self, req_id: int) -> RecvSession:
-        r = self.sessions.get(req_id)
+    def _session(self, request_id: int) -> RecvSession:
+        r = self.sessions.get(request_id)
         if r is None:
-            raise SessionError(f"request {req_id}: no receive session"
-                               + (" (retired)" if req_id in self.retired else ""))
+            raise SessionError(f"request {request_id}: no receive session"
+                               + (" (retired)" if request_id in self.retired else ""))
         return r
 
     def _send_to_instance(self, endpoint: str, msg: Cancel | Claim) -> None:
@@ -157,9 +157,9 @@ class Receiver:
             self.c.send(ep, msg)
 
     # ================================================================== peers (listener)
-    def _ensure_peer(self, endpoint: str, req_id: int) -> None:
+    def _ensure_peer(self, endpoint: str, request_id: int) -> None:
         with self.c.lock:
-            r = self.sessions.get(req_id)
+            r = self.sessions.get(request_id)
             if r is None or r.state != RecvState.WAITING:
                 return
             if r.cancel_requested:
@@ -168,13 +168,13 @@ class Receiver:
             pi = self.peers.get(endpoint)
             if pi is None:
                 pi = self.peers[endpoint] = PeerInstance(endpoint=endpoint)
-                pi.waiting.append(req_id)
+                pi.waiting.append(request_id)
                 self.c.send(endpoint, GetInstance())
                 return
             if pi.state == PeerState.READY:
                 self._post_locked(pi, r)
             else:
-                pi.waiting.append(req_id)
+                pi.waiting.append(request_id)
 
     def _peer_for_endpoint(self, endpoint: str) -> PeerInstance | None:
         pi = self.peers.get(endpoint)
@@ -257,7 +257,7 @@ class Receiver:
         ids = [ids_bytes(a) for a in r.dst_ids]
         for x in pi.peers:
             r.writers[x.key] = Writer(endpoint=x.endpoint, agent=x.agent_name)
-            self.c.send(x.endpoint, Recv(req=r.req_id, n=r.num_tokens, ids=ids,
+            self.c.send(x.endpoint, Recv(req=r.request_id, n=r.num_tokens, ids=ids,
                                          notif=self.c.results_by_notif))
         r.state = RecvState.POSTED
 
@@ -312,7 +312,7 @@ class Receiver:
                         w.state = WriterState.LOST
                         hit = True
                 if hit:
-                    log.warning("request %s: context rank at %s lost (%s)", r.req_id, endpoint,
+                    log.warning("request %s: context rank at %s lost (%s)", r.request_id, endpoint,
                                 reason)
                     r.error = r.error or f"context rank at {endpoint} lost: {reason}"
                     self._send_cancels_locked(r)
@@ -328,7 +328,7 @@ class Receiver:
         r.cancel_sent = True
         for w in r.writers.values():
             if not w.terminal:
-                self.c.send(w.endpoint, Cancel(req=r.req_id))
+                self.c.send(w.endpoint, Cancel(req=r.request_id))
 
     @staticmethod
     def _final_locked(r: RecvSession, state: RecvState, error: str | None = None) -> None:
@@ -359,7 +359,7 @@ class Receiver:
             if r.state.open and now > r.deadline and not r.timed_out:
                 r.timed_out = True
                 r.error = r.error or f"timed out after {self.c.cfg.recv_timeout_s:.1f}s"
-                log.warning("request %s: receive %s", r.req_id, r.error)
+                log.warning("request %s: receive %s", r.request_id, r.error)
                 if r.state == RecvState.WAITING:
                     self._final_locked(r, RecvState.FAILED, r.error)
                 else:

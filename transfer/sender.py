@@ -66,7 +66,7 @@ class Target:
 
 @dataclass
 class SendSession:
-    req_id: int
+    request_id: int
     num_tokens: int
     src_ids: list[np.ndarray]
     created: float
@@ -118,30 +118,30 @@ class Sender:
             self.instance = list(infos)
 
     # ================================================================== API
-    def begin(self, req_id: int, num_tokens: int, block_ids,
+    def begin(self, request_id: int, num_tokens: int, block_ids,
               on_end: Callable[[], None] | None = None) -> None:
         ids = self.c.group_ids(block_ids)
         if num_tokens <= 0:
-            raise SessionError(f"request {req_id}: num_tokens must be positive; found {num_tokens}")
+            raise SessionError(f"request {request_id}: num_tokens must be positive; found {num_tokens}")
         with self.c.lock:
-            if req_id in self.sessions:
-                raise SessionError(f"request {req_id}: a send session already exists")
-            if req_id in self.retired:
-                raise SessionError(f"request {req_id}: its send session was retired and cannot be "
+            if request_id in self.sessions:
+                raise SessionError(f"request {request_id}: a send session already exists")
+            if request_id in self.retired:
+                raise SessionError(f"request {request_id}: its send session was retired and cannot be "
                                    f"re-created")
-            s = SendSession(req_id=req_id, num_tokens=num_tokens, src_ids=ids,
+            s = SendSession(request_id=request_id, num_tokens=num_tokens, src_ids=ids,
                             created=time.monotonic(),
-                            claimed=self.claims.pop(req_id, None) is not None, on_end=on_end)
-            self.sessions[req_id] = s
-            for _t, key, msg in self.parked.pop(req_id, []):
+                            claimed=self.claims.pop(request_id, None) is not None, on_end=on_end)
+            self.sessions[request_id] = s
+            for _t, key, msg in self.parked.pop(request_id, []):
                 self._attach_locked(s, key, msg)
             self.c.cv.notify()
 
-    def progress(self, req_id: int, tokens_done: int, block_ids=None) -> None:
+    def progress(self, request_id: int, tokens_done: int, block_ids=None) -> None:
         if not self.c.cfg.pipeline:
             return
         with self.c.lock:
-            s = self._session(req_id)
+            s = self._session(request_id)
             if block_ids is not None:
                 s.src_ids = self.c.group_ids(block_ids)
             if s.last_added or s.state != SendState.ACTIVE or s.cancel_requested:
@@ -149,11 +149,11 @@ class Sender:
             self._add_slice_locked(s, min(tokens_done, s.num_tokens), last=False)
             self.c.cv.notify()
 
-    def finish(self, req_id: int, meta: dict | None = None, block_ids=None) -> None:
+    def finish(self, request_id: int, meta: dict | None = None, block_ids=None) -> None:
         with self.c.lock:
-            s = self._session(req_id)
+            s = self._session(request_id)
             if s.last_added:
-                raise SessionError(f"request {req_id}: final slice already appended")
+                raise SessionError(f"request {request_id}: final slice already appended")
             if block_ids is not None:
                 s.src_ids = self.c.group_ids(block_ids)
             s.meta = meta
@@ -163,9 +163,9 @@ class Sender:
             self.check_locked(s)
             self.c.cv.notify()
 
-    def status(self, req_id: int) -> Status:
+    def status(self, request_id: int) -> Status:
         with self.c.lock:
-            s = self._session(req_id)
+            s = self._session(request_id)
             if s.state == SendState.ACTIVE:
                 state = State.TRANSFERRING if s.inflight() or s.targets else State.WAITING
             else:
@@ -175,12 +175,12 @@ class Sender:
                           write_s=s.write_s, cause=s.cause,
                           slices_done=tuple(s.slices_done[i] for i in sorted(s.slices_done)))
 
-    def cancel(self, req_id: int) -> bool:
+    def cancel(self, request_id: int) -> bool:
         with self.c.lock:
-            s = self.sessions.get(req_id)
+            s = self.sessions.get(request_id)
             if s is None:
-                for _t, key, _m in self.parked.pop(req_id, []):
-                    self.c.reply_result(key, req_id, RS.CANCELLED, error="cancelled by context")
+                for _t, key, _m in self.parked.pop(request_id, []):
+                    self.c.reply_result(key, request_id, RS.CANCELLED, error="cancelled by context")
                 return True
             s.cancel_requested = True
             if s.inflight():
@@ -189,28 +189,28 @@ class Sender:
                 self.end_locked(s, SendState.CANCELLED, "cancelled by context", SendEnd.CANCELLED)
             return True
 
-    def release(self, req_id: int) -> None:
+    def release(self, request_id: int) -> None:
         with self.c.lock:
-            s = self.sessions.get(req_id)
+            s = self.sessions.get(request_id)
             if s is None:
-                self.c.retire(self.retired, req_id)
-                for _t, key, _m in self.parked.pop(req_id, []):
-                    self.c.reply_result(key, req_id, RS.ERROR,
-                                        error=f"request {req_id} was released by the context rank")
+                self.c.retire(self.retired, request_id)
+                for _t, key, _m in self.parked.pop(request_id, []):
+                    self.c.reply_result(key, request_id, RS.ERROR,
+                                        error=f"request {request_id} was released by the context rank")
                 return
-            if s.state == SendState.ACTIVE and not self.cancel(req_id):
-                raise SessionError(f"request {req_id}: a write is in flight; cancel_send() must "
+            if s.state == SendState.ACTIVE and not self.cancel(request_id):
+                raise SessionError(f"request {request_id}: a write is in flight; cancel_send() must "
                                    f"return True before release")
             if s.inflight():
-                raise SessionError(f"request {req_id}: a write is in flight")
-            del self.sessions[req_id]
-            self.c.retire(self.retired, req_id)
+                raise SessionError(f"request {request_id}: a write is in flight")
+            del self.sessions[request_id]
+            self.c.retire(self.retired, request_id)
 
-    def _session(self, req_id: int) -> SendSession:
-        s = self.sessions.get(req_id)
+    def _session(self, request_id: int) -> SendSession:
+        s = self.sessions.get(request_id)
         if s is None:
-            raise SessionError(f"request {req_id}: no send session"
-                               + (" (retired)" if req_id in self.retired else ""))
+            raise SessionError(f"request {request_id}: no send session"
+                               + (" (retired)" if request_id in self.retired else ""))
         return s
 
     def _add_slice_locked(self, s: SendSession, tokens_done: int, last: bool) -> None:
@@ -233,7 +233,7 @@ class Sender:
         span_end = n if last else max(prev_tok, (tokens_done // tpb) * tpb)
         for g, (b0, b1) in blocks.items():
             if b1 > s.src_ids[g].size:
-                raise SessionError(f"request {s.req_id}: group {g} needs blocks up to {b1}; "
+                raise SessionError(f"request {s.request_id}: group {g} needs blocks up to {b1}; "
                                    f"{s.src_ids[g].size} given")
         s.slices.append(Slice(sid=len(s.slices), blocks=blocks, tokens=(prev_tok, span_end),
                               last=last))
@@ -317,7 +317,7 @@ class Sender:
 
     def _attach_locked(self, s: SendSession, key: str, msg: Recv) -> None:
         rx = self.receivers.get(key)
-        req = s.req_id
+        req = s.request_id
         try:
             if rx is None:
                 raise ProtocolError(f"generation rank {key} is not registered")
@@ -364,7 +364,7 @@ class Sender:
             self.c.stats["send_errors"] += 1
             if not t.final_sent:
                 t.final_sent = True
-                self.c.reply_result(key, s.req_id, RS.ERROR, error=task.error)
+                self.c.reply_result(key, s.request_id, RS.ERROR, error=task.error)
             if s.state == SendState.ACTIVE:
                 self.end_locked(s, SendState.FAILED, f"write to {key} failed: {task.error}",
                                 SendEnd.WRITE_FAILED)
@@ -378,7 +378,7 @@ class Sender:
         if t.cancelled:
             if not t.final_sent:
                 t.final_sent = True
-                self.c.reply_result(key, s.req_id, RS.CANCELLED,
+                self.c.reply_result(key, s.request_id, RS.CANCELLED,
                                     error="cancelled by generation rank")
         elif s.state != SendState.ACTIVE or s.cancel_requested:
             pass  # the session ended while this write was in flight; its end notice goes below
@@ -389,7 +389,7 @@ class Sender:
             if task.notified:
                 self.c.stats["results_by_notif"] += 1   # it went with the write
             else:
-                self.c.reply_result(key, s.req_id, RS.OK, slices=(task.s0, task.s1 - 1),
+                self.c.reply_result(key, s.request_id, RS.OK, slices=(task.s0, task.s1 - 1),
                                     span=(covered[0].tokens[0], covered[-1].tokens[1]), last=last,
                                     meta=s.meta if last else None)
         if s.state != SendState.ACTIVE or s.cancel_requested:
@@ -408,8 +408,8 @@ class Sender:
         s.cause = s.cause or cause
         self.c.stats[f"send_{state}"] += 1
         self._notify_end_locked(s)
-        for _t, key, _m in self.parked.pop(s.req_id, []):
-            self.c.reply_result(key, s.req_id,
+        for _t, key, _m in self.parked.pop(s.request_id, []):
+            self.c.reply_result(key, s.request_id,
                                 RS.CANCELLED if state == SendState.CANCELLED else RS.ERROR,
                                 error=error)
         self.fire_locked(s)
@@ -420,7 +420,7 @@ class Sender:
         for key, t in s.targets.items():
             if not t.final_sent and t.inflight is None:
                 t.final_sent = True
-                self.c.reply_result(key, s.req_id, status, error=s.error)
+                self.c.reply_result(key, s.request_id, status, error=s.error)
 
     def check_locked(self, s: SendSession) -> None:
         if s.state != SendState.ACTIVE or not s.last_added or s.expected is None:
@@ -458,7 +458,7 @@ class Sender:
                     and not s.inflight():
                 s.error = f"no generation worker claimed the KV within {ct:.1f}s of the " \
                           f"context answer (its requester is gone)"
-                log.warning("request %s: %s", s.req_id, s.error)
+                log.warning("request %s: %s", s.request_id, s.error)
                 self.end_locked(s, SendState.FAILED, s.error, SendEnd.UNCLAIMED)
                 continue
             if s.state == SendState.ACTIVE and s.deadline is not None and now > s.deadline \
@@ -466,7 +466,7 @@ class Sender:
                 s.timed_out = True
                 s.error = f"timed out after {cfg.send_timeout_s:.1f}s waiting for " \
                           f"receivers ({len(s.targets)}/{s.expected or '?'} posted)"
-                log.warning("request %s: %s", s.req_id, s.error)
+                log.warning("request %s: %s", s.request_id, s.error)
             if s.timed_out and s.state == SendState.ACTIVE and not s.inflight():
                 self.end_locked(s, SendState.FAILED, s.error, SendEnd.TIMED_OUT)
         while self.claims and now - next(iter(self.claims.values())) > cfg.recv_timeout_s:

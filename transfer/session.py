@@ -158,67 +158,67 @@ class KvTransceiver(Transceiver):
                 **self.cfg.describe()}
 
     # ================================================================== context side API
-    def begin_send(self, req_id: int, num_tokens: int, block_ids,
+    def begin_send(self, request_id: int, num_tokens: int, block_ids,
                    on_end: Callable[[], None] | None = None) -> None:
         """Open a send session for `num_tokens` prompt tokens stored in `block_ids` (per group, or
         one list for a single-group table). Receivers that posted early (generation_first) are
         adopted. `on_end()` is called once, from a transceiver thread, when the session is
         quiescent (done, failed or cancelled, no write in flight)."""
-        self._sender.begin(req_id, num_tokens, block_ids, on_end)
+        self._sender.begin(request_id, num_tokens, block_ids, on_end)
 
-    def progress_send(self, req_id: int, tokens_done: int, block_ids=None) -> None:
+    def progress_send(self, request_id: int, tokens_done: int, block_ids=None) -> None:
         """Prefill has computed tokens [0, tokens_done): send the full blocks not sent yet."""
-        self._sender.progress(req_id, tokens_done, block_ids)
+        self._sender.progress(request_id, tokens_done, block_ids)
 
-    def finish_send(self, req_id: int, meta: dict | None = None, block_ids=None) -> None:
+    def finish_send(self, request_id: int, meta: dict | None = None, block_ids=None) -> None:
         """Prefill is done: append the final slice (always sent; carries `meta`) and start the
         send timeout."""
-        self._sender.finish(req_id, meta, block_ids)
+        self._sender.finish(request_id, meta, block_ids)
 
-    def send_status(self, req_id: int) -> Status:
-        return self._sender.status(req_id)
+    def send_status(self, request_id: int) -> Status:
+        return self._sender.status(request_id)
 
-    def cancel_send(self, req_id: int) -> bool:
+    def cancel_send(self, request_id: int) -> bool:
         """True: no write from these pages can happen any more (free them). False: a write is in
         flight; nothing may be freed yet — call again later (or wait for `on_end`)."""
-        return self._sender.cancel(req_id)
+        return self._sender.cancel(request_id)
 
-    def release_send(self, req_id: int) -> None:
+    def release_send(self, request_id: int) -> None:
         """The worker freed the request's pages: retire the session (never re-created)."""
-        self._sender.release(req_id)
+        self._sender.release(request_id)
 
     # ================================================================== generation side API
-    def begin_receive(self, req_id: int, ctx_endpoint: str, num_tokens: int, block_ids,
+    def begin_receive(self, request_id: int, ctx_endpoint: str, num_tokens: int, block_ids,
                       on_done: Callable[[], None] | None = None) -> None:
         """Register a whole-prompt receive of `num_tokens` tokens into `block_ids` (per group or one
         list) from the context instance at `ctx_endpoint`. Returns at once; poll `recv_status`, or
         pass `on_done()`: called once, from a transceiver thread, when the receive is quiescent."""
-        self._receiver.begin(req_id, ctx_endpoint, num_tokens, block_ids, on_done)
+        self._receiver.begin(request_id, ctx_endpoint, num_tokens, block_ids, on_done)
 
-    def recv_status(self, req_id: int) -> Status:
-        return self._receiver.status(req_id)
+    def recv_status(self, request_id: int) -> Status:
+        return self._receiver.status(request_id)
 
-    def cancel_receive(self, req_id: int) -> bool:
+    def cancel_receive(self, request_id: int) -> bool:
         """True: no peer can write into these pages any more (free them). False: a context rank may
         still be writing; its cancel acknowledgement is awaited — call again later (or wait for
         `on_done`)."""
-        return self._receiver.cancel(req_id)
+        return self._receiver.cancel(request_id)
 
-    def claim_receive(self, req_id: int, ctx_endpoint: str) -> None:
+    def claim_receive(self, request_id: int, ctx_endpoint: str) -> None:
         """This worker accepted a request whose KV the context instance at `ctx_endpoint` holds
         (its receive may begin much later, once blocks are free): claim it, so the context rank
         does not end the send as unclaimed."""
-        self._receiver.claim(req_id, ctx_endpoint)
+        self._receiver.claim(request_id, ctx_endpoint)
 
-    def abandon_receive(self, req_id: int, ctx_endpoint: str) -> None:
+    def abandon_receive(self, request_id: int, ctx_endpoint: str) -> None:
         """A request that will never call `begin_receive` here (it ended first: aborted, client
         gone, shutdown) but whose context leg may have pinned KV for it: tell the context
         instance, which ends its send session (`SendEnd.RECEIVER_CANCELLED`). No-op for a request
         that has a receive session (`cancel_receive` covers it)."""
-        self._receiver.abandon(req_id, ctx_endpoint)
+        self._receiver.abandon(request_id, ctx_endpoint)
 
-    def release_receive(self, req_id: int) -> None:
-        self._receiver.release(req_id)
+    def release_receive(self, request_id: int) -> None:
+        self._receiver.release(request_id)
 
     # ================================================================== shared
     def pending(self) -> dict:

@@ -72,8 +72,8 @@ class RankCore:
         return out
 
     @staticmethod
-    def retire(table: collections.OrderedDict, req_id: int) -> None:
-        table[req_id] = time.monotonic()
+    def retire(table: collections.OrderedDict, request_id: int) -> None:
+        table[request_id] = time.monotonic()
         while len(table) > RETIRED_MAX:
             table.popitem(last=False)
 

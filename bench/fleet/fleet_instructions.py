@@ -89,17 +89,17 @@ def child(tree: str, policy: str, n: int) -> None:
 
     from protocol.channel import KvChoice
 
-    def leg(role, rid, pick):
+    def leg(role, request_id, pick):
         s = servers[role]
         kv = KvChoice(servers=s, matched=[176, 0], loads=[(3, 800), (4, 900)], costs=[1024.5, 1300.0],
                       pick=pick, num_tokens=961)
-        return {"server": s[pick], "req_id": rid, "info": {"kv": kv, "lease_ttl_s": 60.0}}
+        return {"server": s[pick], "req_id": request_id, "info": {"kv": kv, "lease_ttl_s": 60.0}}
 
     chan = cc.ChannelClient("unix:///nonexistent")
 
     async def call(make):
-        rid = make(1).req_id
-        body = {"context": leg("context", rid, 0), "generation": leg("generation", rid, 1),
+        request_id = make(1).req_id
+        body = {"context": leg("context", request_id, 0), "generation": leg("generation", request_id, 1),
                 "mode": "disaggregated", "reason": None}
         return msgspec.msgpack.decode(msgspec.msgpack.encode(body))
     chan._call = call

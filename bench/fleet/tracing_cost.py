@@ -53,7 +53,7 @@ class Req:
                {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
 
 class Scope:
-    rid, alias, mode, trace = 1 << 50, None, "disaggregated", None
+    request_id, alias, mode, trace = 1 << 50, None, "disaggregated", None
     attempts = {"context": 0, "generation": 0}
 
 def cands(role):

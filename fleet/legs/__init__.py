@@ -11,7 +11,7 @@ fleet/pd_flow.py are the imperative shells that send them), and `plan` for what 
 - `sglang` — SGLang's bootstrap rendezvous: both legs at once with `bootstrap_host`,
   `bootstrap_port`, `bootstrap_room`; the decode answer is relayed.
 
-The common interface: every module has `ABORT_PATH` and `abort_body(rid)` (None when the engine has no abort endpoint and
+The common interface: every module has `ABORT_PATH` and `abort_body(request_id)` (None when the engine has no abort endpoint and
 closing the connection is the only cancellation), `SEQUENTIAL` (the decode leg waits for the prefill
 answer) and `ALLOWS_LOCAL_PREFILL` (whether a decode server can serve a request with no prefill leg, which
 conditional disaggregation needs). `engine_protocol_of` picks the engine protocol of one server.

@@ -96,9 +96,9 @@ def _candidate(row: dict) -> dict:
     return {k: row[k] for k in _CANDIDATE_KEYS if k in row}
 
 
-def route_start(rid: int, mode: str, alias: int | None, engine_protocol: str | None = None) -> dict:
+def route_start(request_id: int, mode: str, alias: int | None, engine_protocol: str | None = None) -> dict:
     """The route receipt as the flow starts its legs (legs add `context`, protocols add theirs)."""
-    r: dict = {"id": rid, "mode": mode}
+    r: dict = {"id": request_id, "mode": mode}
     if engine_protocol is not None:
         r["protocol"] = engine_protocol
     if alias is not None:
@@ -110,14 +110,14 @@ def route_start(rid: int, mode: str, alias: int | None, engine_protocol: str | N
 _SHORT_LEG_KEYS = ("policy", "matched_tokens")
 
 
-def route_header(route: dict, *, rid: int, alias: int | None, mode: str, generation: dict | None = None,
+def route_header(route: dict, *, request_id: int, alias: int | None, mode: str, generation: dict | None = None,
                  attempts: dict | None = None, detail: str = "full") -> str | None:
     """The `x-splitserve-route` value of an answer: `route` (as the flow built it; not modified) with
     the final mode, the answering leg, and the retries per role when there were any. `detail` is
     `fleet.route_header`: None for off; short drops server URLs, loads, scores and candidates."""
     if detail == "off":
         return None
-    r = dict(route) if route else {"id": rid, "mode": mode}
+    r = dict(route) if route else {"id": request_id, "mode": mode}
     if alias is not None:
         r["client_request_id"] = alias
     r["mode"] = mode

@@ -27,18 +27,18 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 ROOM_BITS = 63
 
 
-def rid_of(rid: int) -> str:
-    return str(rid)
+def rid_of(request_id: int) -> str:
+    return str(request_id)
 
 
-def abort_body(rid: int) -> dict | None:
-    return {"rid": rid_of(rid)}
+def abort_body(request_id: int) -> dict | None:
+    return {"rid": rid_of(request_id)}
 
 
-def room_of(rid: int) -> int:
-    if not 0 <= rid < 1 << ROOM_BITS:
-        raise ValueError(f"expected a request id in [0, 2**63) for bootstrap_room, found {rid}")
-    return rid
+def room_of(request_id: int) -> int:
+    if not 0 <= request_id < 1 << ROOM_BITS:
+        raise ValueError(f"expected a request id in [0, 2**63) for bootstrap_room, found {request_id}")
+    return request_id
 
 
 def bootstrap_port(configured: int | None, info: dict | None) -> int:
@@ -60,11 +60,11 @@ def bootstrap_host(prefill_url: str) -> str:
     return host
 
 
-def leg_body(body: dict, host: str, port: int, room: int, rid: int) -> dict:
+def leg_body(body: dict, host: str, port: int, room: int, request_id: int) -> dict:
     """The body of both legs (prefill and decode get the same one)."""
     out = dict(body)
     out["bootstrap_host"] = host
     out["bootstrap_port"] = port
     out["bootstrap_room"] = room
-    out["rid"] = rid_of(rid)
+    out["rid"] = rid_of(request_id)
     return out

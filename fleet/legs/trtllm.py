@@ -26,8 +26,8 @@ ABORT_PATH = "/v1/abort"   # worker/server.py `abort`: by X-Request-Id or disagg
 NEED_GENERATION = frozenset({"length", "not_finished"})
 
 
-def abort_body(rid: int) -> dict | None:
-    return {"request_id": rid}
+def abort_body(request_id: int) -> dict | None:
+    return {"request_id": request_id}
 
 
 class ContextChoice(msgspec.Struct):
@@ -84,17 +84,17 @@ def needs_generation(ans: ContextAnswer) -> bool:
     return ans.choices[0].finish_reason in NEED_GENERATION
 
 
-def context_body(body: dict, rid: int, schedule: str) -> tuple[dict, dict]:
+def context_body(body: dict, request_id: int, schedule: str) -> tuple[dict, dict]:
     """(context leg body, its disaggregated_params: what gets signed)."""
     out = dict(body)
     out["stream"] = False
     out["stream_options"] = None
-    dp = {"request_type": RequestType.CONTEXT_ONLY, "disagg_request_id": rid, "schedule_style": schedule}
+    dp = {"request_type": RequestType.CONTEXT_ONLY, "disagg_request_id": request_id, "schedule_style": schedule}
     out["disaggregated_params"] = dp
     return out, dp
 
 
-def generation_body(base: dict, chat: bool, ans: ContextAnswer, rid: int,
+def generation_body(base: dict, chat: bool, ans: ContextAnswer, request_id: int,
                     schedule: str, strip_history: bool = False) -> tuple[dict, dict]:
     """(generation leg body after a context answer, its disaggregated_params). `base` is the
     answering leg's body (fleet/legs/plan.py `answer_body`); it is not modified. `strip_history`
@@ -103,7 +103,7 @@ def generation_body(base: dict, chat: bool, ans: ContextAnswer, rid: int,
     body = dict(base)
     dp = dict(ans.choices[0].disaggregated_params)
     dp["request_type"] = RequestType.GENERATION_ONLY
-    dp.setdefault("disagg_request_id", rid)
+    dp.setdefault("disagg_request_id", request_id)
     dp["schedule_style"] = schedule
     if ans.usage is not None:
         dp["ctx_usage"] = ans.usage
@@ -122,10 +122,10 @@ def generation_body(base: dict, chat: bool, ans: ContextAnswer, rid: int,
     return body, dp
 
 
-def generation_first_body(base: dict, rid: int, ctx_info_endpoint: str | None) -> tuple[dict, dict]:
+def generation_first_body(base: dict, request_id: int, ctx_info_endpoint: str | None) -> tuple[dict, dict]:
     """(generation leg body sent before the context leg, its disaggregated_params)."""
     body = dict(base)
-    dp = {"request_type": RequestType.GENERATION_ONLY, "ctx_request_id": rid, "disagg_request_id": rid,
+    dp = {"request_type": RequestType.GENERATION_ONLY, "ctx_request_id": request_id, "disagg_request_id": request_id,
           "ctx_info_endpoint": ctx_info_endpoint, "schedule_style": "generation_first"}
     body["disaggregated_params"] = dp
     return body, dp

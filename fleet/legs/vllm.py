@@ -37,7 +37,7 @@ REQUIRED_DECODE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", 
                         "remote_block_ids")
 
 
-def abort_body(rid: int) -> dict | None:
+def abort_body(request_id: int) -> dict | None:
     return None
 
 

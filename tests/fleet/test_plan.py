@@ -128,7 +128,7 @@ def test_route_header_per_mode(mode):
     if mode == plan.DISAGGREGATED:
         route["context"] = plan.route_of("http://c:1", "kv_cache_aware", EXPL)
     gen = plan.route_of("http://g:1", "kv_cache_aware", EXPL)
-    h = json.loads(plan.route_header(route, rid=RID, alias=7, mode=mode, generation=gen,
+    h = json.loads(plan.route_header(route, request_id=RID, alias=7, mode=mode, generation=gen,
                                      attempts={CTX: 0, GEN: 0}))
     assert h["id"] == RID and h["mode"] == mode and h["client_request_id"] == 7 and "retries" not in h
     assert h["generation"] == {"server": "http://g:1", "policy": "kv_cache_aware", "matched_tokens": 64,
@@ -138,12 +138,12 @@ def test_route_header_per_mode(mode):
 
 
 def test_route_header_retries_context_only_and_protocol():
-    h = json.loads(plan.route_header({}, rid=RID, alias=None, mode=plan.AGGREGATED,
+    h = json.loads(plan.route_header({}, request_id=RID, alias=None, mode=plan.AGGREGATED,
                                      generation=plan.route_of("g", "round_robin", {}), attempts={CTX: 0, GEN: 2}))
     assert h == {"id": RID, "mode": "aggregated", "generation": {"server": "g", "policy": "round_robin"},
                  "retries": {"context": 0, "generation": 2}}
     route = {**plan.route_start(RID, plan.DISAGGREGATED, None, "sglang"), "bootstrap_room": 5}
-    h = json.loads(plan.route_header(route, rid=RID, alias=None, mode=plan.CONTEXT_ONLY))
+    h = json.loads(plan.route_header(route, request_id=RID, alias=None, mode=plan.CONTEXT_ONLY))
     assert h == {"id": RID, "mode": "context_only", "protocol": "sglang", "bootstrap_room": 5}
 
 

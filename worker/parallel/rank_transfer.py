@@ -214,55 +214,55 @@ class MultiRankTransceiver(Transceiver):
                 pass  # fall through: only rank 0 is left to drive
         return [_op(g.context, name, *args)] + [None] * (g.world_size - 1)
 
-    def _statuses(self, name: str, req_id: int) -> list[Status]:
-        return [_status_from(r) if r is not None else _GONE for r in self._all(name, req_id)]
+    def _statuses(self, name: str, request_id: int) -> list[Status]:
+        return [_status_from(r) if r is not None else _GONE for r in self._all(name, request_id)]
 
-    def _status(self, kind: str, req_id: int) -> Status:
-        sts = self._statuses(f"{kind}_status", req_id)
+    def _status(self, kind: str, request_id: int) -> Status:
+        sts = self._statuses(f"{kind}_status", request_id)
         if any(s.quiescent and s.state != "done" for s in sts) and not all(s.quiescent for s in sts):
             # One rank failed: the instance's outcome is failure; stop the others' writes now.
-            self._all(f"cancel_{kind}", req_id)
-            sts = self._statuses(f"{kind}_status", req_id)
+            self._all(f"cancel_{kind}", request_id)
+            sts = self._statuses(f"{kind}_status", request_id)
         return combine_statuses(sts)
 
     # ------------------------------------------------------------------ context side
-    def begin_send(self, req_id: int, num_tokens: int, block_ids,
+    def begin_send(self, request_id: int, num_tokens: int, block_ids,
                    on_end: Callable[[], None] | None = None) -> None:
         """As ``KvTransceiver.begin_send``; ``on_end()`` is called once, from a watcher thread,
         when the send is quiescent on every rank."""
-        self._all("begin_send", req_id, num_tokens, _ids(block_ids))
+        self._all("begin_send", request_id, num_tokens, _ids(block_ids))
         if on_end is not None:
-            self._watch("send", req_id, on_end)
+            self._watch("send", request_id, on_end)
 
-    def progress_send(self, req_id: int, tokens_done: int, block_ids=None) -> None:
-        self._all("progress_send", req_id, tokens_done, _ids(block_ids))
+    def progress_send(self, request_id: int, tokens_done: int, block_ids=None) -> None:
+        self._all("progress_send", request_id, tokens_done, _ids(block_ids))
 
-    def finish_send(self, req_id: int, meta: dict | None = None, block_ids=None) -> None:
-        self._all("finish_send", req_id, meta, _ids(block_ids))
+    def finish_send(self, request_id: int, meta: dict | None = None, block_ids=None) -> None:
+        self._all("finish_send", request_id, meta, _ids(block_ids))
 
-    def send_status(self, req_id: int) -> Status:
-        return self._status("send", req_id)
+    def send_status(self, request_id: int) -> Status:
+        return self._status("send", request_id)
 
-    def cancel_send(self, req_id: int) -> bool:
-        return all(r is None or r for r in self._all("cancel_send", req_id))
+    def cancel_send(self, request_id: int) -> bool:
+        return all(r is None or r for r in self._all("cancel_send", request_id))
 
-    def release_send(self, req_id: int) -> None:
+    def release_send(self, request_id: int) -> None:
         with self._watch_lock:
-            self._watched.pop(("send", req_id), None)
-        self._all("release_send", req_id)
+            self._watched.pop(("send", request_id), None)
+        self._all("release_send", request_id)
 
     # ------------------------------------------------------------------ generation side
-    def begin_receive(self, req_id: int, ctx_endpoint: str, num_tokens: int, block_ids,
+    def begin_receive(self, request_id: int, ctx_endpoint: str, num_tokens: int, block_ids,
                       on_done: Callable[[], None] | None = None) -> None:
         """As ``KvTransceiver.begin_receive``; ``on_done()`` is called once, from a watcher
         thread, when the receive is quiescent on every rank."""
-        self._all("begin_receive", req_id, ctx_endpoint, num_tokens, _ids(block_ids))
+        self._all("begin_receive", request_id, ctx_endpoint, num_tokens, _ids(block_ids))
         if on_done is not None:
-            self._watch("recv", req_id, on_done)
+            self._watch("recv", request_id, on_done)
 
-    def _watch(self, kind: str, req_id: int, cb: Callable[[], None]) -> None:
+    def _watch(self, kind: str, request_id: int, cb: Callable[[], None]) -> None:
         with self._watch_lock:
-            self._watched[(kind, req_id)] = cb
+            self._watched[(kind, request_id)] = cb
             if self._watcher is None or not self._watcher.is_alive():
                 self._watcher = threading.Thread(target=self._watch_sessions,
                                                  name="rank-transfer-watch", daemon=True)
@@ -278,14 +278,14 @@ class MultiRankTransceiver(Transceiver):
                     self._watcher = None
                     return
                 items = list(self._watched.items())
-            for (kind, req_id), cb in items:
+            for (kind, request_id), cb in items:
                 try:
-                    done = self._status(kind, req_id).quiescent
+                    done = self._status(kind, request_id).quiescent
                 except Exception:  # released or unknown by now: nothing left to wait for
                     done = True
                 if done:
                     with self._watch_lock:
-                        if self._watched.pop((kind, req_id), None) is None:
+                        if self._watched.pop((kind, request_id), None) is None:
                             continue  # released meanwhile
                     try:
                         cb()
@@ -293,26 +293,26 @@ class MultiRankTransceiver(Transceiver):
                         log.exception("%s completion callback failed", kind)
             time.sleep(WATCH_POLL_S)
 
-    def recv_status(self, req_id: int) -> Status:
-        return self._status("recv", req_id)
+    def recv_status(self, request_id: int) -> Status:
+        return self._status("recv", request_id)
 
-    def cancel_receive(self, req_id: int) -> bool:
-        return all(r is None or r for r in self._all("cancel_receive", req_id))
+    def cancel_receive(self, request_id: int) -> bool:
+        return all(r is None or r for r in self._all("cancel_receive", request_id))
 
-    def claim_receive(self, req_id: int, ctx_endpoint: str) -> None:
+    def claim_receive(self, request_id: int, ctx_endpoint: str) -> None:
         # Once per accepted request: the context instance's rank 0 decides whether a send was
         # claimed, so rank 0's claim is enough (no round trip to the followers).
         tx0 = self.group.context.state.get("kv_transceiver")
         if tx0 is not None:
-            tx0.claim_receive(req_id, ctx_endpoint)
+            tx0.claim_receive(request_id, ctx_endpoint)
 
-    def abandon_receive(self, req_id: int, ctx_endpoint: str) -> None:
-        self._all("abandon_receive", req_id, ctx_endpoint)
+    def abandon_receive(self, request_id: int, ctx_endpoint: str) -> None:
+        self._all("abandon_receive", request_id, ctx_endpoint)
 
-    def release_receive(self, req_id: int) -> None:
+    def release_receive(self, request_id: int) -> None:
         with self._watch_lock:
-            self._watched.pop(("recv", req_id), None)
-        self._all("release_receive", req_id)
+            self._watched.pop(("recv", request_id), None)
+        self._all("release_receive", request_id)
 
     # ------------------------------------------------------------------ shared
     def pending(self) -> dict:
