@@ -157,7 +157,7 @@ class TorchEngine(SchedulingEngine):
         self._Chunk, self._make_generator, self._sample = Chunk, make_generator, sample
         self._sample_tokens, self._torch = sample_tokens, torch
         self.runner = runner
-        #: Plan and prepare step k+1 while step k runs (worker/step_loop.py ``_run_async``). Default: on
+        #: Plan and prepare step k+1 while step k runs (worker/step_loop.py ``StepLoop.run_async``). Default: on
         #: for a single-rank runner on CUDA, where the device runs a step on its own; on the CPU the
         #: step runs on the host and there is nothing to overlap.
         if async_scheduling is None:

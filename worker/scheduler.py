@@ -5,9 +5,11 @@ in: a model step in a worker thread, or a simulated sleep), apply the sampled to
 events, repeat. The engines own a ``Scheduler`` (worker/engine.py, worker/sim.py); pinned
 transfers live in worker/pins.py, counters and the ``stats()`` dict (``SchedulerStats.snapshot``)
 in worker/sched_stats.py, the per-request state in worker/sequence.py. This file holds the
-``Scheduler`` itself (state, requests, pins, planning, generation_only receives); the step loops are
-in worker/step_loop.py and applying a step / finishing requests in worker/step_apply.py, mixins
-``Scheduler`` inherits.
+``Scheduler`` itself (requests, pins, planning, applying a step, finishing, generation_only receives)
+and owns three objects: its ``StepLoop`` (worker/step_loop.py: the loop task, wake-ups, and the
+``StepsInFlight`` ledger of sequences held by launched steps), its ``RequestTable``
+(worker/request_table.py: live requests by id and by every name they can be aborted by) and its
+``PinTable``.
 Everything that touches scheduler state runs on the event loop thread, so there are no locks.
 
 Step planning (``_schedule``), under ``max_num_tokens`` tokens and ``max_batch_size`` sequences:
@@ -36,20 +38,20 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
-from router.block_keys import block_keys_list
+from router.block_keys import KEY_SCHEME, block_keys_list
 from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import BlockPool
 from worker.pins import PinTable
 from worker.requests import (
-    CONTEXT_ONLY, GENERATION_ONLY, EngineRequest, EngineStopped, InvalidRequest, PinnedTransfer,
-    ReceiveSpec, TransferUnavailable,
+    CONTEXT_ONLY, GENERATION_ONLY, ContextResult, EngineRequest, EngineStopped, InvalidRequest,
+    PinnedTransfer, ReceiveSpec, TokenEvent, TransferUnavailable,
 )
 from worker.sched_stats import SchedulerStats
+from worker.request_table import RequestTable
 from worker.sequence import FINISHED, RECEIVING, RUNNING, WAITING, Plan, RequestStream, Seq
-from worker.step_apply import StepApplyMixin
-from worker.step_loop import StepLoopMixin
+from worker.step_loop import StepLoop
 
 log = logging.getLogger("splitserve.worker.scheduler")
 
@@ -65,7 +67,7 @@ class _Quiesce(Exception):
     """Planning needs a preemption, which must wait until no step is in flight."""
 
 
-class Scheduler(StepLoopMixin, StepApplyMixin):
+class Scheduler:
     """The engine core, owned by an engine. ``execute(plan)`` runs one step (the engine's model
     or simulation; the scheduler looks it up on every step). ``prefix_reuse=False`` never reuses
     a cached block (the sim engine's engine-that-lies mode); blocks are still committed."""
@@ -85,7 +87,7 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
         self.pins = PinTable(pool, timeout_s=pin_timeout_s, counters=self.counters, clock=clock,
                              on_release=self._pin_released)
         self.execute = execute
-        #: Async scheduling (worker/step_loop.py ``_run_async``) when the engine can queue a step without waiting.
+        #: Async scheduling (worker/step_loop.py ``StepLoop.run_async``) when the engine can queue a step without waiting.
         self.launch = launch
         self.engine_name = engine_name
         self.prefix_reuse = bool(prefix_reuse)
@@ -110,41 +112,38 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
         self._waiting: collections.deque[Seq] = collections.deque()
         self._running: list[Seq] = []
         self._receiving: dict[str, Seq] = {}
-        self._seqs: dict[str, Seq] = {}
-        self._aliases: dict[str, set[str]] = {}
-        self._in_step: dict[str, int] = {}  # seq id -> launched steps holding it, not yet applied
-        self._wake = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
+        self._requests = RequestTable()
+        # execute and launch are looked up on the scheduler at every step: an engine (or a test)
+        # may replace them after the loop is built.
+        self.loop = StepLoop(
+            plan=self._next_plan, execute=lambda plan: self.execute(plan),
+            launch=None if launch is None else (lambda plan: self.launch(plan)),
+            apply=self._apply, flush=self._flush_events)
+        #: Sequences inside launched steps, not yet applied: their blocks must not be freed yet.
+        self._in_step = self.loop.in_flight
         self._sweep_task: asyncio.Task | None = None
-        self._stopping = False
         self._local_ids = 0
-        self._alive = False
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        if self._loop_task is not None:
+        if self._sweep_task is not None:
             return
-        self._alive = True
-        run = self._run_async() if self.launch is not None else self._run()
-        self._loop_task = asyncio.create_task(run, name=f"{self.engine_name}-engine-loop")
+        self.loop.start(name=f"{self.engine_name}-engine-loop")
         self._sweep_task = asyncio.create_task(self.pins.run_sweeper(),
                                                name="pinned-transfer-sweep")
 
     async def stop(self) -> None:
         """Abort every request, release every pin, stop the loop. Blocks return to the pool."""
-        self._stopping = True
-        self._wake.set()
-        for t in (self._loop_task, self._sweep_task):
-            if t is not None:
-                t.cancel()
-        for t in (self._loop_task, self._sweep_task):
-            if t is not None:
-                try:
-                    await t
-                except (asyncio.CancelledError, Exception):
-                    pass
-        self._in_step.clear()
-        for sid in list(self._seqs):
+        self.loop.stopping = True
+        if self._sweep_task is not None:
+            self._sweep_task.cancel()
+        await self.loop.stop()
+        if self._sweep_task is not None:
+            try:
+                await self._sweep_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for sid in self._requests.ids():
             self._finish_by_id(sid, "abort", error="engine stopped")
         tasks = [s.receive_task for s in list(self._receiving.values()) if s.receive_task]
         for t in tasks:
@@ -156,12 +155,11 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
                 pass
         self.pins.release_all("shutdown")
         self._flush_events()
-        self._alive = False
 
     @property
     def alive(self) -> bool:
         """True while the loop task runs (``/health``)."""
-        return self._alive and self._loop_task is not None and not self._loop_task.done()
+        return self.loop.alive
 
     # ------------------------------------------------------------------ requests
     def next_local_id(self) -> int:
@@ -171,7 +169,7 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
 
     def validate(self, req: EngineRequest) -> None:
         """Raise a typed ``EngineError`` for a request this engine can never run."""
-        if self._stopping:
+        if self.loop.stopping:
             raise EngineStopped("the worker is shutting down")
         p = req.prompt_token_ids
         if not p:
@@ -194,7 +192,7 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
                 f"prompt ({len(p)} tokens) plus max_tokens ({sp.max_tokens}) exceeds this worker's "
                 f"maximum context of {self.max_model_len} tokens",
                 param="max_tokens", code="context_length_exceeded")
-        if req.request_id in self._seqs:
+        if req.request_id in self._requests:
             raise InvalidRequest(f"request id {req.request_id!r} is already running",
                                  param="request_id", code="duplicate_request_id")
         if req.request_type == GENERATION_ONLY:
@@ -223,17 +221,14 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
             req.ctx_request_id = self.next_local_id()
         seq = Seq(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                               req.sampling.stop))
-        self._seqs[seq.id] = seq
-        for a in {seq.id, *req.aliases}:
-            self._aliases.setdefault(str(a), set()).add(seq.id)
-        if req.request_type == CONTEXT_ONLY:
-            self._aliases.setdefault(str(req.ctx_request_id), set()).add(seq.id)
+        self._requests.add(seq, (*req.aliases, req.ctx_request_id) if req.request_type == CONTEXT_ONLY
+                           else req.aliases)
         self._waiting.append(seq)
         self.counters["requests_submitted"] += 1
         if self.kv_connector is not None and req.request_type == GENERATION_ONLY:
             # told at once, before the receive (which may wait for free blocks) begins
             self.kv_connector.receive_expected(req)
-        self._wake.set()
+        self.loop.wake()
         return RequestStream(self.abort, seq)
 
     def abort(self, request_id) -> bool:
@@ -241,19 +236,19 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
         pinned transfer). True if anything was aborted or released."""
         key = str(request_id)
         hit = False
-        for sid in list(self._aliases.get(key, ())):
+        for sid in self._requests.named(key):
             hit |= self._finish_by_id(sid, "abort")
         for cid in self.pins.named(key):
             hit |= self.pins.release(cid, "abort")
         if hit:
-            self._wake.set()
+            self.loop.wake()
         return hit
 
     def fail_requests(self, error: str) -> None:
         """Fail every request outside the executing step (those fail when their step returns,
         e.g. a step a dead rank aborted)."""
-        for sid in list(self._seqs):
-            if sid not in self._in_step:
+        for sid in self._requests.ids():
+            if not self._in_step.holds(sid):
                 self._finish_by_id(sid, "error", error=error)
 
     # ------------------------------------------------------------------ pinned transfers
@@ -273,7 +268,7 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
         return self.pins.sweep()
 
     def _pin_released(self, ctx_request_id: int, reason: str) -> None:
-        self._wake.set()   # freed blocks may let a waiting request in
+        self.loop.wake()   # freed blocks may let a waiting request in
         if self.kv_connector is not None:
             self.kv_connector.pin_released(ctx_request_id, reason)
 
@@ -281,7 +276,7 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
     def clear_cache(self) -> None:
         """Drop every prefix-cache entry (``AllBlocksCleared``); running requests keep going."""
         self.pool.clear()
-        for s in self._seqs.values():
+        for s in self._requests:
             s.num_committed = len(s.blocks) if s.state in (RUNNING, RECEIVING) else 0
         self._flush_events()
 
@@ -305,6 +300,9 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
     # ------------------------------------------------------------------ planning
     def _blocks_for(self, ntokens: int) -> int:
         return -(-ntokens // self.block_size)
+
+    def _next_plan(self) -> Plan | None:
+        return self._schedule() if (self._running or self._waiting) else None
 
     def _schedule(self) -> Plan:
         try:
@@ -364,6 +362,12 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
             planned.add(s.id)
             budget -= n
         return plan
+
+    def _ends_with_inflight(self, s: Seq) -> bool:
+        """Whether the token ``s`` has in flight is certain to finish it (no step to plan after it)."""
+        sp = s.req.sampling
+        return (s.num_output + s.inflight >= sp.max_tokens or len(s.tokens) + s.inflight >= self.max_model_len
+                or s.req.request_type == CONTEXT_ONLY)
 
     def _num_active(self) -> int:
         return len(self._running) + len(self._receiving)
@@ -433,6 +437,152 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
         s.num_computed = len(blocks) * self.block_size
         s.num_committed = len(blocks)
 
+    # ------------------------------------------------------------------ applying a step
+    def _apply(self, plan: Plan, sampled: list[int | None] | None, error: str | None) -> None:
+        self._stats.record_step(plan.num_prefill_tokens, plan.num_decode_tokens)
+        for i, (s, start, n, sample) in enumerate(plan.entries):
+            if s.state == FINISHED:  # aborted during the step: free what it held now
+                if s.free_after_step and not self._in_step.holds(s.id):
+                    s.free_after_step = False
+                    self._drop_blocks(s)
+                continue
+            if s.state != RUNNING:
+                continue
+            if error is not None:
+                self._finish(s, "error", error=error)
+                continue
+            if self.launch is None:
+                s.num_computed = start + n
+            # Only what this step wrote is offered to the prefix cache: under async scheduling a later
+            # step may still be writing the positions after it.
+            self._commit_full_blocks(s, start + n)
+            if self.kv_connector is not None and s.req.request_type == CONTEXT_ONLY \
+                    and start < s.num_prompt:  # pipelining: finished blocks can leave now
+                self.kv_connector.prefill_progress(s.req, min(start + n, s.num_prompt),
+                                                   s.blocks)
+            if sample:
+                if self.launch is not None:
+                    s.inflight -= 1
+                self._on_token(s, int(sampled[i]))
+
+    def _commit_full_blocks(self, s: Seq, upto: int | None = None) -> None:
+        done = s.num_computed if upto is None else min(upto, s.num_computed)
+        full = min(done // self.block_size, len(s.blocks))
+        if full <= s.num_committed:
+            return
+        keys = self._keys_upto(s, full)
+        B = self.block_size
+        for i in range(s.num_committed, full):
+            self.pool.commit(s.blocks[i], keys[i], keys[i - 1] if i else None,
+                             s.tokens[i * B:(i + 1) * B])
+        s.num_committed = full
+
+    def _on_token(self, s: Seq, tok: int) -> bool:
+        """Append a sampled token, emit it, finish on a stop condition. True if finished."""
+        s.tokens.append(tok)
+        s.num_output += 1
+        self.counters["generation_tokens"] += 1
+        sp = s.req.sampling
+        finish = stop_reason = None
+        text = ""
+        if tok in self.eos_token_ids and not sp.ignore_eos:
+            finish = "stop"
+        elif tok in sp.stop_token_ids:
+            finish, stop_reason = "stop", tok
+        else:
+            text = s.detok.add(tok)
+            if s.detok.stopped_on is not None:
+                finish, stop_reason = "stop", s.detok.stopped_on
+        if finish is None and (s.num_output >= sp.max_tokens or len(s.tokens) >= self.max_model_len):
+            finish = "length"
+        if finish is None and s.req.request_type == CONTEXT_ONLY:
+            finish = "length"  # a context leg ends after its first token; gen continues
+        if finish is not None:
+            text += s.detok.flush()
+        ev = TokenEvent(token_ids=[tok], text=text, prompt_tokens=s.num_prompt,
+                        cached_tokens=s.cached_tokens, completion_tokens=s.num_output)
+        if finish is None:
+            s.queue.put_nowait(ev)
+            return False
+        ev.stop_reason = stop_reason
+        if s.req.request_type == CONTEXT_ONLY:
+            ev.context = self._finish_context(s, keep=finish == "length")
+        self._finish(s, finish, last=ev)
+        return True
+
+    def _finish_context(self, s: Seq, keep: bool) -> ContextResult:
+        """Turn a finished prefill's references into pins (when a generation leg will follow)."""
+        cid = int(s.req.ctx_request_id)
+        prompt_blocks = list(s.blocks[:self._blocks_for(s.num_prompt)])
+        opaque: dict[str, Any] = {
+            "v": 1, "worker_id": self.worker_id, "ctx_request_id": cid,
+            "num_tokens": s.num_prompt, "block_size": self.block_size, "key_scheme": KEY_SCHEME,
+            "block_ids": prompt_blocks, "worker_url": self.worker_url,
+        }
+        if keep:
+            p = self.pins.pin(cid, request_id=s.id, aliases=s.req.aliases,
+                              prompt_token_ids=list(s.tokens[:s.num_prompt]),
+                              block_ids=prompt_blocks)
+            if self.kv_connector is not None:
+                opaque.update(self.kv_connector.context_finished(p))
+        return ContextResult(ctx_request_id=cid, first_gen_tokens=list(s.tokens[s.num_prompt:]),
+                             prompt_token_ids=list(s.tokens[:s.num_prompt]), block_ids=prompt_blocks,
+                             opaque_state=opaque, pinned=keep)
+
+    # ------------------------------------------------------------------ finishing
+    def _finish_by_id(self, sid: str, reason: str, error: str | None = None) -> bool:
+        s = self._requests.get(sid)
+        if s is None or s.state == FINISHED:
+            return False
+        if s.state == RECEIVING and s.receive_task is not None:
+            # Finish now (the client sees the abort); blocks are freed when the receiver confirms.
+            self._finish(s, reason, error=error, keep_blocks=True)
+            s.receive_task.cancel()
+            return True
+        self._finish(s, reason, error=error)
+        return True
+
+    def _finish(self, s: Seq, reason: str, *, error: str | None = None,
+                last: TokenEvent | None = None, keep_blocks: bool = False) -> None:
+        prev = s.state
+        s.state = FINISHED
+        s.finish_reason = reason
+        if prev == WAITING:
+            try:
+                self._waiting.remove(s)
+            except ValueError:
+                pass
+        elif prev == RUNNING:
+            self._running.remove(s)
+        if not keep_blocks:
+            if self._in_step.holds(s.id):
+                s.free_after_step = True
+            else:
+                self._drop_blocks(s)
+        self._requests.remove(s)
+        s.rng = None
+        self.counters[f"finished_{reason}"] += 1
+        if last is None:
+            last = TokenEvent(token_ids=[], text=s.detok.flush() if reason != "error" else "",
+                              prompt_tokens=s.num_prompt, cached_tokens=s.cached_tokens,
+                              completion_tokens=s.num_output)
+        last.finish_reason = reason
+        last.error = error
+        s.queue.put_nowait(last)
+        if self.kv_connector is not None:
+            if s.req.request_type == CONTEXT_ONLY:
+                self.kv_connector.context_ended(s.req)
+            elif not s.admitted and s.req.request_type == GENERATION_ONLY:
+                # ended before its receive began (aborted while queued; client gone, shutdown):
+                # the context worker may hold its KV pinned
+                self.kv_connector.receive_abandoned(s.req)
+        self.loop.wake()
+
+    def _drop_blocks(self, s: Seq) -> None:
+        if s.blocks:
+            self.pool.free(s.blocks)
+            s.blocks = []
+
     # ------------------------------------------------------------------ generation_only
     def _start_receive(self, s: Seq) -> bool:
         need = self._blocks_for(s.num_prompt)
@@ -457,7 +607,7 @@ class Scheduler(StepLoopMixin, StepApplyMixin):
     def _receive_done(self, s: Seq, task: asyncio.Task) -> None:
         self._receiving.pop(s.id, None)
         s.receive_task = None
-        self._wake.set()
+        self.loop.wake()
         if task.cancelled():
             # Abort or shutdown; the receiver returned only once no write can land in our blocks.
             if s.state != FINISHED:

@@ -285,7 +285,7 @@ class WorkerServer:
             "engine": self.engine.engine_name,
             # "triton" / "torch" for the torch engine (worker/attention), null for engines without one.
             "attention_backend": getattr(getattr(self.engine, "runner", None), "attention_backend", None),
-            # The torch engine's step loop (worker/step_loop.py ``_run_async``); null for the sim engine.
+            # The torch engine's step loop (worker/step_loop.py ``StepLoop.run_async``); null for the sim engine.
             "async_scheduling": getattr(self.engine, "async_scheduling", None),
             "block_size": self.engine.block_size,
             "key_scheme": KEY_SCHEME,

@@ -1,4 +1,4 @@
-"""Async scheduling (worker/step_loop.py ``_run_async``, worker/engine.py ``TorchEngine._launch``): step
+"""Async scheduling (worker/step_loop.py ``StepLoop.run_async``, worker/engine.py ``TorchEngine._launch``): step
 k+1 is planned and queued before step k's tokens reach the host, its decode rows fed on the device.
 On the tiny preset (CPU) the tokens, finish reasons and usage equal the synchronous loop's for
 batches mixing short and long prompts, chunked prefill, stops by EOS / stop id / stop string /
@@ -70,7 +70,7 @@ async def test_tokens_equal_the_synchronous_loop_with_every_kind_of_stop(engines
 async def test_async_loop_queues_the_next_step_before_applying_the_last(engines):
     e = await engines(async_scheduling=True, num_blocks=128, block_size=8)
     order = []
-    launch, apply = e.scheduler.launch, e.scheduler._apply
+    launch, apply = e.scheduler.launch, e.scheduler.loop.apply
     count = {"launch": 0, "apply": 0}
 
     async def traced_launch(plan):
@@ -83,7 +83,7 @@ async def test_async_loop_queues_the_next_step_before_applying_the_last(engines)
         order.append(("apply", count["apply"]))
         return apply(plan, sampled, error)
 
-    e.scheduler.launch, e.scheduler._apply = traced_launch, traced_apply
+    e.scheduler.launch, e.scheduler.loop.apply = traced_launch, traced_apply
     toks, reason, n = await run(e, EngineRequest("a", prompt(10), SamplingParams(
         max_tokens=8, temperature=0.0, ignore_eos=True)))
     assert reason == "length" and n == 8 == len(toks)
@@ -113,10 +113,10 @@ async def test_abort_and_preemption_under_async_scheduling_leak_nothing(engines)
             break
     # the steps still in flight are applied, then the aborted request's blocks are freed
     for _ in range(200):
-        if not fast.scheduler._in_step and fast.pool.num_used == 0:
+        if not fast.scheduler.loop.in_flight and fast.pool.num_used == 0:
             break
         await asyncio.sleep(0.01)
-    assert fast.scheduler._seqs == {} and not fast.scheduler._in_step
+    assert len(fast.scheduler._requests) == 0 and not fast.scheduler.loop.in_flight
     assert fast.pool.num_used == 0, f"{fast.pool.num_used} blocks held after the abort"
 
 
