@@ -74,7 +74,8 @@ def test_past_saturation_clients_get_200_or_shed_and_no_lease_is_left(cluster, w
     for status, headers, raw in shed:
         assert headers.get("Retry-After") == "1"
         err = json.loads(raw)["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert set(err) == {"message", "type", "param", "code", "request_id"} and err["message"]
+        assert err["request_id"] == {k.lower(): v for k, v in headers.items()}["x-request-id"]
         assert err["type"] in ("service_unavailable", "rate_limit_error")
     assert any("unanswered" in json.loads(r[2])["error"]["message"] for r in shed)
     # every lease that was taken was finished (exactly once: nothing left, nothing expired)
