@@ -183,6 +183,11 @@ class CoordinatorClient:
         self.url = transport.url
         self.inline = transport.inline
         self._chan = channel
+        if channel is not None and not self.inline:
+            # Over a channel these are the channel's own (what the methods below would call):
+            # one Python call less per leg on the fleet's request path.
+            self.finish_nowait = channel.finish
+            self.first_token_nowait = channel.first_token
 
     @property
     def channel(self) -> ChannelClient | None:
