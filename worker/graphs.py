@@ -1,6 +1,6 @@
-"""CUDA-graph capture and replay of ``ModelRunner`` steps: ``CudaGraphsMixin`` (which
-``worker.runner.ModelRunner`` inherits), the ``_StepGraph`` it captures into, and ``fed_ids`` (device
-token feeding, shared with the eager step).
+"""CUDA-graph capture and replay of ``ModelRunner`` steps: ``CudaGraphs`` (an object the
+``worker.runner.ModelRunner`` owns and calls), the ``_StepGraph`` it captures into, and ``fed_ids``
+(device token feeding, shared with the eager step).
 
 A decode-only step replays a graph captured per grouping shape (per group: batch bucket, blocks-per-row
 bucket); a lone fresh prompt replays one captured per padded length. Graphs are captured lazily and
@@ -9,6 +9,8 @@ share one memory pool. ``ModelRunner.step`` decides when a step replays a graph.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -16,28 +18,67 @@ from worker.attention.plan import PagedDecode, choose_split, fill_units, max_uni
 from worker.decode_groups import decode_stats, plan_decode_groups
 from worker.model import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSeq
 
-__all__ = ["CudaGraphsMixin", "fed_ids"]
+__all__ = ["CudaGraphs", "fed_ids"]
 
 
-class CudaGraphsMixin:
-    """The CUDA-graph steps of ``ModelRunner`` (its KV cache, model and graph settings live there)."""
+class CudaGraphs:
+    """The captured steps of one ``ModelRunner``: which shapes replay a graph, the graphs captured so
+    far (``captured``, keyed by shape) and the memory pool they share.
 
-    def _graph_step(self, checked, feed: np.ndarray | None = None, fused: bool = False) -> torch.Tensor:
+    Invariants: a graph reads and writes only tensors that outlive it (the runner's KV cache, the
+    token buffer it was captured with, what ``_StepGraph.keep`` holds); padding rows write only
+    ``scratch_block``; a fused graph is dropped (``drop_fused``) when the token buffer it captured is
+    replaced. The geometry is the runner's, given here once; the model and the KV cache are passed to
+    each step (a graph captures the cache it was given); ``token_buffer(rows)`` is the runner's device
+    token buffer (``ModelRunner.token_buffer``)."""
+
+    def __init__(self, *, device: torch.device, dtype: torch.dtype, block_size: int, window: int | None,
+                 scratch_block: int, attention_backend: str, max_len: int,
+                 token_buffer: Callable[[int], torch.Tensor]) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self._window = window
+        self.scratch_block = scratch_block
+        self.attention_backend = attention_backend
+        self.token_buffer = token_buffer
+        self.max_graph_batch = 256
+        self.max_prefill_graph_tokens = 2048
+        self.prefill_graph_granularity = 128
+        #: Decode steps replay graphs only up to this context length (the cache's or the model's).
+        self.max_len = max_len
+        self._rope_len = max(max_len, self.max_prefill_graph_tokens)
+        self.captured: dict[tuple, _StepGraph] = {}
+        self._pool = None
+
+    def replays_decode(self, rows: int, max_end: int) -> bool:
+        return rows <= self.max_graph_batch and max_end <= self.max_len
+
+    def replays_prefill(self, start: int, end: int) -> bool:
+        return start == 0 and 1 < end <= self.max_prefill_graph_tokens
+
+    def drop_fused(self) -> None:
+        """Forget the graphs that captured the old token buffer (captured again when next used)."""
+        self.captured = {k: g for k, g in self.captured.items() if not (len(k) > 2 and k[2] == "fused")}
+
+    def decode_step(self, model, kv_cache: torch.Tensor, checked, feed: np.ndarray | None, fused: bool,
+                    max_decode_groups: int, decode_group_overhead_keys: int) -> tuple[torch.Tensor, dict[str, int]]:
         """Decode rows through the graph captured for their grouping: per group, a (batch bucket,
         blocks-per-row bucket) pair. Graph rows are laid out group after group, each group padded to
-        its batch bucket; the graph's ``order`` input maps them back to chunk order."""
+        its batch bucket; the graph's ``order`` input maps them back to chunk order. Returns the
+        logits and the step's ``decode_stats``."""
         bs, n = self.block_size, len(checked)
         starts = np.fromiter((c[1] for c in checked), dtype=np.int64, count=n)
         window = self._window
         firsts = (np.maximum(0, starts - window + 1) // bs) if window else np.zeros(n, dtype=np.int64)
         sizes = np.fromiter((c[3].size for c in checked), dtype=np.int64, count=n)
         need = sizes - firsts
-        plan = plan_decode_groups(need, self.max_decode_groups, self.decode_group_overhead_keys / bs)
-        cap = (self._graph_max_len + bs - 1) // bs
+        plan = plan_decode_groups(need, max_decode_groups, decode_group_overhead_keys / bs)
+        cap = (self.max_len + bs - 1) // bs
         shape = tuple((_bucket(len(grp), self.max_graph_batch),
                        _bucket(int(need[grp[0]]), max(int(need[grp[0]]), cap))) for grp in plan)
         key = ("decode", shape, "fused") if fused else ("decode", shape)
-        g = self._graphs.get(key) or self._capture_decode(shape, fused)
+        g = self.captured.get(key) or self._capture_decode(model, kv_cache, shape, fused)
         g.ready.synchronize()  # the previous upload from this pinned buffer has finished
         host = g.host
         paged = self.attention_backend == "triton"
@@ -69,21 +110,21 @@ class CudaGraphsMixin:
         if paged:
             lo, hi = row_ranges(host["pos"], host["first_key"], self._window)
             fill_units(lo, hi, g.split, host["u_row"], host["u_lo"], host["u_hi"], host["row_start"])
-            self.last_step_stats = decode_stats(n, 1, int((hi - lo)[host["order"][:n]].sum()), need * bs)
+            stats = decode_stats(n, 1, int((hi - lo)[host["order"][:n]].sum()), need * bs)
         else:
-            self.last_step_stats = decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, need * bs)
+            stats = decode_stats(n, len(plan), sum(b * nb for b, nb in shape) * bs, need * bs)
         # The graph returns logits in the model dtype: the fp32 cast is this copy out of its static
         # output, which is made anyway (one kernel per step fewer than casting inside the graph).
         out = g.run()[:n]
-        return out.float() if out.dtype != torch.float32 else out.clone()
+        return (out.float() if out.dtype != torch.float32 else out.clone()), stats
 
-    def _prefill_graph_step(self, chunk) -> torch.Tensor:
+    def prefill_step(self, model, kv_cache: torch.Tensor, chunk) -> torch.Tensor:
         """A fresh prompt (start 0) padded to a multiple of ``prefill_graph_granularity`` tokens.
         Padding tokens sit causally after the prompt, so no prompt token attends to them; their K/V
         go to the scratch block."""
         tokens, _, end, used = chunk
         tb = -(-end // self.prefill_graph_granularity) * self.prefill_graph_granularity
-        g = self._graphs.get(("prefill", tb)) or self._capture_prefill(tb)
+        g = self.captured.get(("prefill", tb)) or self._capture_prefill(model, kv_cache, tb)
         g.ready.synchronize()
         host = g.host
         host["ids"][:end] = tokens
@@ -116,14 +157,15 @@ class CudaGraphsMixin:
         for gi in range(num_groups):
             host[f"tables{gi}"][:] = self.scratch_block
 
-    def _capture_decode(self, shape: tuple[tuple[int, int], ...], fused: bool = False) -> "_StepGraph":
+    def _capture_decode(self, model, kv_cache: torch.Tensor, shape: tuple[tuple[int, int], ...],
+                        fused: bool = False) -> "_StepGraph":
         """Capture a decode step whose rows form ``len(shape)`` groups of ``(rows, blocks per row)``.
         Distinct captures stay few: each group's pair comes from power-of-two buckets, groups are
         split only where the blocks bucket changes, and there are at most ``max_decode_groups``.
 
         ``fused``: the graph also takes fed tokens from ``step_tokens`` (its ``feed`` input) and
-        writes each row's argmax there (:meth:`step`); plain steps keep the graph without them."""
-        bs, dev, window, model = self.block_size, self.device, self._window, self.model
+        writes each row's argmax there (``ModelRunner.step``); plain steps keep the graph without them."""
+        bs, dev, window = self.block_size, self.device, self._window
         rows = sum(b for b, _ in shape)
         fields = {"ids": (rows,), "pos": (rows,), "slot_block": (rows,), "slot_off": (rows,),
                   "first_key": (rows,), "order": (rows,), "feed": (rows,)}
@@ -131,7 +173,7 @@ class CudaGraphsMixin:
         if paged:
             # One table for all rows (the kernel reads each row's own range); work units sized from the
             # key's buckets so every step of this shape fits (worker/attention/plan.py).
-            split = choose_split(sum(b * nb for b, nb in shape) * bs, self.kv_cache.shape[4], num_sms(dev))
+            split = choose_split(sum(b * nb for b, nb in shape) * bs, kv_cache.shape[4], num_sms(dev))
             units = max_units([(b, nb * bs) for b, nb in shape], split)
             row_units = max(-(-nb * bs // split) for _, nb in shape)
             fields.update({"tables": (rows, max(nb for _, nb in shape)), "u_row": (units,), "u_lo": (units,),
@@ -168,10 +210,10 @@ class CudaGraphsMixin:
                 pd = PagedDecode(v["tables"], v["pos"], v["first_key"], v["u_row"], v["u_lo"], v["u_hi"],
                                  v["row_start"], direct, max_row_units=row_units)
                 meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], None, bs, "triton", pd)
-                h = model(ids_in(), v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
+                h = model(ids_in(), v["pos"], meta, kv_cache, None, max_position=self._rope_len - 1)
                 return tokens_out(model.compute_logits(last_rows(h)))
 
-            return self._capture(key, g, body, keep=(tokens,) if fused else ())
+            return self._capture(model, key, g, body, keep=(tokens,) if fused else (), tokens=tokens)
 
         def body() -> torch.Tensor:
             groups, row0 = [], 0
@@ -185,13 +227,14 @@ class CudaGraphsMixin:
                 groups.append(DecodeGroup(row0, row0 + b, v[f"tables{gi}"], bias[:, None, None, :]))
                 row0 += b
             meta = AttentionMetadata(v["slot_block"], v["slot_off"], [], DecodeBatch(token_idx, groups), bs)
-            h = model(ids_in(), v["pos"], meta, self.kv_cache, None, max_position=self._rope_len - 1)
+            h = model(ids_in(), v["pos"], meta, kv_cache, None, max_position=self._rope_len - 1)
             return tokens_out(model.compute_logits(last_rows(h)))
 
-        return self._capture(key, g, body, keep=(token_idx, *key_offs) + ((tokens,) if fused else ()))
+        return self._capture(model, key, g, body, keep=(token_idx, *key_offs) + ((tokens,) if fused else ()),
+                             tokens=tokens)
 
-    def _capture_prefill(self, tb: int) -> "_StepGraph":
-        bs, dev, window, model = self.block_size, self.device, self._window, self.model
+    def _capture_prefill(self, model, kv_cache: torch.Tensor, tb: int) -> "_StepGraph":
+        bs, dev, window = self.block_size, self.device, self._window
         g = _StepGraph({"ids": (tb,), "slot_block": (tb,), "last": (1,)}, dev)
         g.host["ids"][:] = 0
         g.host["slot_block"][:] = self.scratch_block
@@ -205,21 +248,22 @@ class CudaGraphsMixin:
 
         def body() -> torch.Tensor:
             meta = AttentionMetadata(v["slot_block"], slot_off, [PrefillSeq(0, tb, 0, None, 0, mask)], None, bs)
-            h = model(v["ids"], pos, meta, self.kv_cache, None, max_position=self._rope_len - 1)
+            h = model(v["ids"], pos, meta, kv_cache, None, max_position=self._rope_len - 1)
             return model.compute_logits(h.index_select(0, v["last"])).float()
 
-        return self._capture(("prefill", tb), g, body, keep=(pos, slot_off, mask))
+        return self._capture(model, ("prefill", tb), g, body, keep=(pos, slot_off, mask))
 
-    def _capture(self, key: tuple, g: "_StepGraph", body, keep: tuple) -> "_StepGraph":
-        dev, model = self.device, self.model
+    def _capture(self, model, key: tuple, g: "_StepGraph", body, keep: tuple,
+                 tokens: torch.Tensor | None = None) -> "_StepGraph":
+        dev = self.device
         model.rotary.ensure(self._rope_len)
         model.rotary.typed_table(model.dtype)  # the table the step gathers cos/sin from, built on this stream
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         g.upload(blocking=True)
         # A fused graph's warm-up writes argmax tokens of padding rows into step_tokens, which may hold
         # the previous step's tokens that this step is about to feed from: keep them.
-        saved = self.step_tokens.clone() if key[-1] == "fused" else None
+        saved = tokens.clone() if tokens is not None else None
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -227,14 +271,14 @@ class CudaGraphsMixin:
                 body()
         torch.cuda.current_stream(dev).wait_stream(side)
         g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self._graph_pool):
+        with torch.cuda.graph(g.graph, pool=self._pool):
             g.output = body()
         if saved is not None:
-            self.step_tokens.copy_(saved)
+            tokens.copy_(saved)
         # The graph replays raw addresses: every tensor it reads that was allocated outside the capture
         # must outlive it (a freed index tensor would be reused and read back as garbage indices).
         g.keep = keep + model.rotary.graph_tensors()
-        self._graphs[key] = g
+        self.captured[key] = g
         return g
 
 

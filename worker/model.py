@@ -29,7 +29,7 @@ from torch import nn
 
 from worker.attention.plan import PagedDecode
 from worker.model_config import ModelConfig
-from worker.rope import RotaryEmbedding, _apply_rope
+from worker.rope import RotaryEmbedding, apply_rope
 
 __all__ = [
     "AttentionMetadata",
@@ -166,7 +166,7 @@ class Attention(nn.Module):
         new K/V into their slots. kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        qk = _apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
+        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
                                                                    self.head_dim), cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)

@@ -10,7 +10,7 @@ import torch
 
 from worker.model_config import ModelConfig, ModelConfigError
 
-__all__ = ["RotaryEmbedding"]
+__all__ = ["RotaryEmbedding", "apply_rope"]
 
 
 class RotaryEmbedding:
@@ -146,7 +146,7 @@ class RotaryEmbedding:
                        max_position: int | None = None, max_seq_len: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and :func:`_signed_sin` ``sin`` ``[n, head_dim]`` in ``dtype``, the inputs of
-        :func:`_apply_rope` and the triton RoPE kernel; arguments as :meth:`cos_sin`.
+        :func:`apply_rope` and the triton RoPE kernel; arguments as :meth:`cos_sin`.
 
         Static types gather both from one cached ``[len, 2, head_dim]`` table already cast and
         sign-folded: one kernel per step instead of six (two gathers, two casts, a negation and a
@@ -188,7 +188,7 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """HF "rotate half" RoPE, ``x*cos + rotate_half(x)*sin``, in three kernels for q and k together.
 
     x: [n, heads, head_dim] (may be a strided view); cos/sin_signed: [n, head_dim] in x.dtype.

@@ -22,7 +22,7 @@ adjacent, so moving a block between two workers with equal geometry is one copy 
 bytes and runs of consecutive block ids merge into one copy.
 
 This file holds ``ModelRunner`` (the cache, input checks, the eager step) and ``Chunk``; CUDA-graph
-capture and replay are in worker/graphs.py (a mixin ``ModelRunner`` inherits), decode-row grouping
+capture and replay are in worker/graphs.py (``CudaGraphs``, an object ``ModelRunner`` owns), decode-row grouping
 (``plan_decode_groups``, re-exported here) in worker/decode_groups.py.
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -38,12 +38,9 @@ import torch
 from worker.attention import resolve_backend
 from worker.attention.plan import PagedDecode, build_paged_decode
 from worker.decode_groups import decode_stats, plan_decode_groups
-from worker.graphs import CudaGraphsMixin, fed_ids
+from worker.graphs import CudaGraphs, fed_ids
 from worker.model import AttentionMetadata, DecodeBatch, DecodeGroup, LlamaForCausalLM, PrefillSeq
 from worker.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from worker.graphs import _StepGraph
 
 __all__ = ["Chunk", "ModelRunner", "RunnerInputError", "kv_bytes_per_block", "plan_decode_groups"]
 
@@ -94,7 +91,7 @@ def _limit_cpu_threads(model: LlamaForCausalLM, threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-class ModelRunner(CudaGraphsMixin):
+class ModelRunner:
     """Owns the KV cache of one model and runs steps on it.
 
     Invariants: the cache is one contiguous tensor allocated once (its base pointer never changes, so
@@ -139,21 +136,20 @@ class ModelRunner(CudaGraphsMixin):
             _limit_cpu_threads(model, cpu_threads)
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("SPLITSERVE_CUDA_GRAPHS", "1") != "0"
-        #: Replay captured CUDA graphs for decode-only steps (up to ``max_graph_batch`` rows) and for a
-        #: lone fresh prompt of up to ``max_prefill_graph_tokens`` (where launch overhead, not the GPU,
-        #: bounds eager prefill). CUDA only; not with dynamic RoPE, whose frequencies depend on lengths.
+        #: Replay captured CUDA graphs (``graphs``, worker/graphs.py) for decode-only steps (up to
+        #: ``max_graph_batch`` rows) and for a lone fresh prompt of up to ``max_prefill_graph_tokens``
+        #: (where launch overhead, not the GPU, bounds eager prefill). CUDA only; not with dynamic RoPE,
+        #: whose frequencies depend on lengths.
         #: Graphs are captured lazily per size bucket and share one memory pool.
         self.use_cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and (
             model.rotary.rope_type != "dynamic")
-        self.max_graph_batch = 256
-        self.max_prefill_graph_tokens = 2048
-        self.prefill_graph_granularity = 128
-        self._graphs: dict[tuple, _StepGraph] = {}
+        self.graphs = CudaGraphs(
+            device=self.device, dtype=dtype, block_size=block_size, window=self._window,
+            scratch_block=self.scratch_block, attention_backend=self.attention_backend,
+            max_len=min(num_blocks * block_size, max(cfg.max_position_embeddings, block_size)),
+            token_buffer=self.token_buffer)
         #: Device tokens of the last step (see :meth:`step`), allocated on first use.
         self.step_tokens: torch.Tensor | None = None
-        self._graph_pool = None
-        self._graph_max_len = min(num_blocks * block_size, max(cfg.max_position_embeddings, block_size))
-        self._rope_len = max(self._graph_max_len, self.max_prefill_graph_tokens)
         #: Decode rows are split into at most this many groups by table length (see
         #: :func:`plan_decode_groups`); 1 restores one batch padded to the longest table.
         self.max_decode_groups = 3
@@ -283,12 +279,14 @@ class ModelRunner(CudaGraphsMixin):
             self.token_buffer(n)
         logits = None
         if self.use_cuda_graphs:
-            if (decode_only and n <= self.max_graph_batch
-                    and max(end for _, _, end, _ in checked) <= self._graph_max_len):
-                return self._graph_step(checked, feed, fused)
-            if (feed is None and n == 1 and checked[0][1] == 0
-                    and 1 < checked[0][2] <= self.max_prefill_graph_tokens):
-                logits = self._prefill_graph_step(checked[0])
+            graphs = self.graphs
+            if decode_only and graphs.replays_decode(n, max(end for _, _, end, _ in checked)):
+                logits, self.last_step_stats = graphs.decode_step(
+                    self.model, self.kv_cache, checked, feed, fused, self.max_decode_groups,
+                    self.decode_group_overhead_keys)
+                return logits
+            if feed is None and n == 1 and graphs.replays_prefill(checked[0][1], checked[0][2]):
+                logits = graphs.prefill_step(self.model, self.kv_cache, checked[0])
         if logits is None:
             batch = self._prepare(checked, feed)
             input_ids = batch["input_ids"]
@@ -302,16 +300,16 @@ class ModelRunner(CudaGraphsMixin):
         return logits
 
     def token_buffer(self, rows: int) -> torch.Tensor:
-        """``step_tokens`` with room for ``rows`` rows (at least ``max_graph_batch``). Growing it drops
-        the graphs that captured the old buffer's address (they are captured again when next used);
+        """``step_tokens`` with room for ``rows`` rows (at least ``graphs.max_graph_batch``). Growing it
+        drops the graphs that captured the old buffer's address (they are captured again when next used);
         its contents are kept."""
         buf = self.step_tokens
         if buf is None or buf.numel() < rows:
             with torch.inference_mode(False):  # a normal tensor: callers write sampled rows into it
-                new = torch.zeros(max(2 * rows, 2 * self.max_graph_batch), dtype=torch.int64, device=self.device)
+                new = torch.zeros(max(2 * rows, 2 * self.graphs.max_graph_batch), dtype=torch.int64, device=self.device)
             if buf is not None:
                 new[:buf.numel()].copy_(buf)
-                self._graphs = {k: g for k, g in self._graphs.items() if not (len(k) > 2 and k[2] == "fused")}
+                self.graphs.drop_fused()
             self.step_tokens = buf = new
         return buf
 

@@ -87,7 +87,8 @@ class Scheduler:
         self.pins = PinTable(pool, timeout_s=pin_timeout_s, counters=self.counters, clock=clock,
                              on_release=self._pin_released)
         self.execute = execute
-        #: Async scheduling (worker/step_loop.py ``StepLoop.run_async``) when the engine can queue a step without waiting.
+        #: Async scheduling (worker/step_loop.py ``StepLoop.run_async``) when the engine can queue a step
+        #: without waiting.
         self.launch = launch
         self.engine_name = engine_name
         self.prefix_reuse = bool(prefix_reuse)

@@ -168,7 +168,7 @@ def test_runner_feeds_tokens_from_the_device_on_cuda(graphs):
     model = build_preset("tiny", device="cuda", dtype=torch.bfloat16)
     runner = ModelRunner(model, num_blocks=32, block_size=8, cuda_graphs=graphs)
     host, fed, mixed_host, mixed_fed = _feed_case(runner)
-    assert graphs == bool(runner._graphs)
+    assert graphs == bool(runner.graphs.captured)
     assert torch.equal(host, fed) and torch.equal(mixed_host, mixed_fed)
 
 

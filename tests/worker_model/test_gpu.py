@@ -42,7 +42,7 @@ def test_cuda_graph_decode_equals_eager(dtype, window, backend):
         eager = decode_run(ModelRunner(model, 400, BS, cuda_graphs=False, attention_backend=backend), seqs, 40)
         graphed_runner = ModelRunner(model, 400, BS, cuda_graphs=True, attention_backend=backend)
         graphed = decode_run(graphed_runner, seqs, 40)
-        assert graphed_runner._graphs, "decode steps did not use CUDA graphs"
+        assert graphed_runner.graphs.captured, "decode steps did not use CUDA graphs"
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(graphed, eager, atol=tol * eager.abs().max().item(), rtol=0)
         # Padding rows only ever touched the scratch block.
@@ -80,7 +80,8 @@ def test_cuda_graph_grouped_decode_equals_eager(dtype, window, backend):
     graphed, graph_groups = run(graphed_runner)
     # The paged kernel reads every row in one launch (one "group"); graphs are still keyed by the plan.
     assert (min(eager_groups) >= 2 if backend == "torch" else set(eager_groups) == {1}) and graph_groups == eager_groups
-    assert any(k[0] == "decode" and len(k[1]) >= 2 for k in graphed_runner._graphs), graphed_runner._graphs.keys()
+    captured = graphed_runner.graphs.captured
+    assert any(k[0] == "decode" and len(k[1]) >= 2 for k in captured), captured.keys()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(graphed, eager, atol=tol * eager.abs().max().item(), rtol=0)
     assert graphed_runner.kv_cache[first:first + 4].abs().sum() == 0
@@ -99,7 +100,7 @@ def test_cuda_graph_prefill_equals_eager(window, backend):
         blocks = list(range(0, (n + BS) // BS + 1))
         a = eager.step([Chunk(toks[:n], 0, blocks)])
         b = graphed.step([Chunk(toks[:n], 0, blocks)])
-        assert ("prefill", -(-n // 128) * 128) in graphed._graphs
+        assert ("prefill", -(-n // 128) * 128) in graphed.graphs.captured
         tol = 1e-4 * a.abs().max().item()
         torch.testing.assert_close(b, a, atol=tol, rtol=0)
         # The prompt's K/V landed in its blocks (and only there): the next decode step agrees too.

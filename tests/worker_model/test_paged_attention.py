@@ -267,7 +267,7 @@ def test_one_row_decode_through_merged_o_proj_equals_torch(mode, window, monkeyp
             r = ModelRunner(model, len(table) + 4, bs, cuda_graphs=graphs, attention_backend=backend)
             out = [r.step([Chunk(seq, 0, table)])]
             out += [r.step([Chunk([(5 * k) % 250], length + k, table)]) for k in range(steps)]
-            assert not graphs or r._graphs
+            assert not graphs or r.graphs.captured
             return torch.cat(out)
 
         ref = run("torch", False)
@@ -310,7 +310,7 @@ def test_1b_greedy_tokens_equal_torch_path():
         for k in range(steps):
             feed = (forced[k] if forced is not None else logits[-1].argmax(-1)).tolist()
             logits.append(r.step([Chunk([feed[i]], n + k, t) for i, (n, t) in enumerate(zip(lengths, tables))]))
-        assert r._graphs, "decode steps did not replay CUDA graphs"
+        assert r.graphs.captured, "decode steps did not replay CUDA graphs"
         return torch.stack(logits)  # [steps + 1, rows, vocab]
 
     ref = run("torch")

@@ -216,3 +216,23 @@ def test_bf16_runs_and_tracks_fp32(tiny):
     assert out.dtype == torch.float32
     assert (out - ref).abs().max() < 0.1 * ref.abs().max()
     assert out.argmax() == ref.argmax()
+
+
+def test_which_steps_replay_a_graph_and_which_graphs_a_new_token_buffer_drops(tiny):
+    # worker/graphs.py CudaGraphs: its rules run on any device (capture itself needs CUDA: test_gpu.py)
+    r = ModelRunner(tiny, num_blocks=8, block_size=BS, cuda_graphs=False)
+    g = r.graphs
+    assert g.max_len == 8 * BS  # the cache, smaller than the model's context, bounds a graphed decode
+    assert g.replays_decode(g.max_graph_batch, g.max_len)
+    assert not g.replays_decode(g.max_graph_batch + 1, 1) and not g.replays_decode(1, g.max_len + 1)
+    assert g.replays_prefill(0, 2) and g.replays_prefill(0, g.max_prefill_graph_tokens)
+    assert not g.replays_prefill(0, 1) and not g.replays_prefill(3, 10)
+    assert not g.replays_prefill(0, g.max_prefill_graph_tokens + 1)
+    plain, fused, prefill = ("decode", ((1, 1),)), ("decode", ((1, 1),), "fused"), ("prefill", 128)
+    g.captured = {plain: "plain graph", fused: "fused graph", prefill: "prefill graph"}
+    buf = r.token_buffer(1)
+    assert buf.numel() >= 2 * g.max_graph_batch and len(g.captured) == 3  # a first buffer drops nothing
+    buf[:3] = torch.tensor([7, 8, 9])
+    grown = r.token_buffer(buf.numel() + 1)
+    assert grown.tolist()[:3] == [7, 8, 9] and r.step_tokens is grown
+    assert set(g.captured) == {plain, prefill}  # only graphs that captured the old buffer go

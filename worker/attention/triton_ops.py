@@ -121,7 +121,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k
                layer: int, slot_block: torch.Tensor, slot_offset: torch.Tensor, num_heads: int,
                num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """Rotate q and k of ``qkv [n, (H + 2·Hkv)·D]`` (RoPE, "rotate half"), store k and v into their
-    cache slots and return the rotated q ``[n, H, D]``: the work of ``_apply_rope`` plus the two
+    cache slots and return the rotated q ``[n, H, D]``: the work of ``apply_rope`` plus the two
     index-put stores of the torch path in one launch. ``qkv`` may be split-K partials
     ``[S, n, (H + 2·Hkv)·D]`` (fp32), summed here."""
     nsplit = qkv.shape[0] if qkv.dim() == 3 else 0
