@@ -385,20 +385,26 @@ def _core(servers: list, md: dict | None, loads: list, block_size: int, cap: int
     - ``tied``: the indices within 1e-9 (relative) of the lowest cost, the hot ones left out
       unless every server is hot.
     """
-    n = len(servers)
-    if md is None:
-        matched = est = [0] * n
-    else:
-        mget = md.get
-        matched = [mt if (mt := mget(s, 0) * block_size) < cap else cap for s in servers]
-        est = matched
-        if unknown:
-            matched, est = _unknown_matches(matched, unknown)
+    matched, est = _matches(servers, md, block_size, cap, unknown)
     costs = [pw * (num_tokens - mt) + tw * tok + rw * req for mt, (req, tok) in zip(est, loads)]
     if pin >= 0:
         costs[pin] -= bonus * num_tokens
     reqs = [l[0] for l in loads]
     return (matched, costs) + _decide(costs, reqs, reqs, hf, slack, mbs, lcap)
+
+
+def _matches(servers: list, md: dict | None, block_size: int, cap: int,
+             unknown: list | None) -> tuple[list, list]:
+    """``(matched, estimated)`` tokens per server, both cores' first step: the walk's blocks times
+    the block size, capped at ``cap``; servers in ``unknown`` estimated by ``_unknown_matches``."""
+    if md is None:
+        matched = [0] * len(servers)
+        return matched, matched
+    mget = md.get
+    matched = [mt if (mt := mget(s, 0) * block_size) < cap else cap for s in servers]
+    if unknown:
+        return _unknown_matches(matched, unknown)
+    return matched, matched
 
 
 def _time_core(servers: list, md: dict | None, loads: list, phases: list, params,
@@ -421,15 +427,7 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, params
       prompt exceed their KV capacity (0: unknown); ``tied`` as in ``_core``. Queued prefill needs
       no hot rule: the cost already charges it in the same seconds.
     """
-    n = len(servers)
-    if md is None:
-        matched = est = [0] * n
-    else:
-        mget = md.get
-        matched = [mt if (mt := mget(s, 0) * block_size) < cap else cap for s in servers]
-        est = matched
-        if unknown:
-            matched, est = _unknown_matches(matched, unknown)
+    matched, est = _matches(servers, md, block_size, cap, unknown)
     costs = []
     waits = []
     full = []
