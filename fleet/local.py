@@ -10,6 +10,7 @@ tail is printed and everything else is stopped too.
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import signal
 import socket
@@ -75,7 +76,7 @@ def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):   # e.g. another program's non-HTTP listener
         return False
 
 
