@@ -240,7 +240,9 @@ def test_restarted_worker_is_fenced(cluster):
     # The first placement after the restart is visible credits nothing to the old cache.
     assert matched() == 0
     log = coord.log()
-    assert "restarted" in log, log[-2000:]
+    # Whichever saw the new process first says so: /server_info's start id ("restarted") or the
+    # event stream's publisher epoch ("a new process"; "restarted" then only if leases were held).
+    assert "restarted" in log or "a new process" in log, log[-2000:]
 
 
 def test_worker_registers_with_every_replica(cluster):
