@@ -15,6 +15,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import socket
 import time
@@ -22,7 +23,7 @@ import time
 import httptools
 
 
-class Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol, metaclass=abc.ABCMeta):
     """One client connection; subclasses add the httptools callbacks and the request model."""
 
     __slots__ = ("srv", "loop", "transport", "parser", "last", "closing", "_paused_w", "_drain")
@@ -38,13 +39,13 @@ class Connection(asyncio.Protocol):
         self._drain: asyncio.Future | None = None
 
     # ---- what the server asks --------------------------------------------------------------------
+    @abc.abstractmethod
     def idle(self) -> bool:
         """Nothing received and nothing being served: the keep-alive sweep may close it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def in_flight(self) -> bool:
         """A request the shutdown waits for (bounded)."""
-        raise NotImplementedError
 
     def may_read(self) -> bool:
         """Whether reading may resume once the client reads its answers again."""
@@ -108,7 +109,7 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class Server:
+class Server(abc.ABC):
     """Listening sockets (TCP or Unix), the live connections, the keep-alive sweep, shutdown."""
 
     def __init__(self, *, keepalive_s: float):
@@ -119,9 +120,9 @@ class Server:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.Task | None = None
 
+    @abc.abstractmethod
     def protocol(self) -> Connection:
         """A new connection object (the protocol factory)."""
-        raise NotImplementedError
 
     async def serve(self, sock: socket.socket, backlog: int = 4096) -> None:
         self.loop = loop = asyncio.get_running_loop()
