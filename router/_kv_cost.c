@@ -20,6 +20,10 @@
 #include <math.h>
 #include <string.h>
 
+/* (0, 0): the load `time_core` reads for a server absent from the lease table's map (shared, as
+ * `LeaseTable.loads_for`'s). */
+static PyObject *zero_load = NULL;
+
 /* An int argument or a load field as a C long long; -1 with an exception set on failure. */
 static int as_ll(PyObject *o, long long *out, const char *what) {
     if (!PyLong_Check(o)) {
@@ -89,10 +93,11 @@ static int match_of(PyObject *mdict, PyObject *server, long long B, long long ca
 
 /* Hot servers, ties and the answer tuple from the costs `cv`, each server's hot-spot load `hv`
  * (in-flight requests for `core`, estimated wait for `time_core`) and requests `req`; steals
- * `matched`. The Python side: the end of `_core` / `_time_core`. */
+ * `matched` and `extra` (NULL: none; else the answer's 7th item). The Python side: the end of
+ * `_core` / `_time_core`. */
 static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const double *hv,
                         const long long *req, double hf, double slack, long long mbs, double lcap,
-                        const char *full) {
+                        const char *full, PyObject *extra) {
     PyObject *costs = NULL, *tied = NULL, *hs = NULL, *lc = NULL, *ans = NULL;
     char *hot = PyMem_Calloc(n, 1);
     if (hot == NULL) {
@@ -164,7 +169,7 @@ static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const
         }
     }
     PyObject *lim = PyFloat_FromDouble(limit);
-    if (lim == NULL || (ans = PyTuple_New(6)) == NULL) {
+    if (lim == NULL || (ans = PyTuple_New(extra != NULL ? 7 : 6)) == NULL) {
         Py_XDECREF(lim);
         goto fail;
     }
@@ -174,9 +179,12 @@ static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const
     PyTuple_SET_ITEM(ans, 3, hs);
     PyTuple_SET_ITEM(ans, 4, lc);
     PyTuple_SET_ITEM(ans, 5, lim);
-    matched = costs = tied = hs = lc = NULL;
+    if (extra != NULL)
+        PyTuple_SET_ITEM(ans, 6, extra);
+    matched = costs = tied = hs = lc = extra = NULL;
 fail:
     Py_XDECREF(matched);
+    Py_XDECREF(extra);
     Py_XDECREF(costs);
     Py_XDECREF(tied);
     Py_XDECREF(hs);
@@ -260,7 +268,7 @@ static PyObject *core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     if (pin >= 0 && pin < n)
         cv[pin] -= bonus * (double)nt;
-    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap, NULL);
+    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap, NULL, NULL);
     matched = NULL;
 fail:
     Py_XDECREF(matched);
@@ -275,7 +283,9 @@ PyDoc_STRVAR(time_core_doc,
 "          uncached_weight, decode_weight, pinned, affinity_bonus, hotspot_factor,\n"
 "          hotspot_slack_s, max_batch_size, load_cap)\n"
 "    -> (matched_tokens, costs, tied, hotspot, load_capped, limit)\n\n"
-"router/policy_kv.py `_time_core` (its docstring has the arguments and the answer).");
+"router/policy_kv.py `_time_core` (its docstring has the arguments and the answer).\n"
+"loads and phases may instead be dicts server -> tuple (the lease table's maps, absent: zeros):\n"
+"then the answer has a 7th item, the (requests, tokens) read per server (`loads`' list).");
 
 enum { T_SERVERS, T_MATCHED, T_LOADS, T_PHASES, T_PARAMS, T_BS, T_CAP, T_NT, T_UW,
        T_DW, T_PIN, T_BONUS, T_HF, T_SLACK, T_MBS, T_LCAP, T_N_ARGS };
@@ -302,11 +312,30 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
     PyObject *servers = args[T_SERVERS], *mdict = args[T_MATCHED], *loads = args[T_LOADS];
     PyObject *phases = args[T_PHASES];
     Py_ssize_t n;
-    if (check_lists(servers, mdict, loads, &n))
-        return NULL;
-    if (!PyList_Check(phases) || PyList_GET_SIZE(phases) != n) {
-        PyErr_SetString(PyExc_ValueError, "phases must be a list of one item per server");
-        return NULL;
+    /* loads and phases as the lease table's own maps (router/leases.py `LeaseTable.maps`): read
+     * here in the pass over the candidates instead of two lists built per placement */
+    int maps = PyDict_Check(loads);
+    if (maps) {
+        if (!PyDict_Check(phases)) {
+            PyErr_SetString(PyExc_TypeError, "phases must be a dict when loads is one");
+            return NULL;
+        }
+        if (!PyList_Check(servers) || (mdict != Py_None && !PyDict_Check(mdict))) {
+            PyErr_SetString(PyExc_TypeError, "servers must be a list and matched a dict or None");
+            return NULL;
+        }
+        n = PyList_GET_SIZE(servers);
+        if (n < 1) {
+            PyErr_SetString(PyExc_ValueError, "expected at least one server, found none");
+            return NULL;
+        }
+    } else {
+        if (check_lists(servers, mdict, loads, &n))
+            return NULL;
+        if (!PyList_Check(phases) || PyList_GET_SIZE(phases) != n) {
+            PyErr_SetString(PyExc_ValueError, "phases must be a list of one item per server");
+            return NULL;
+        }
     }
     Py_buffer pb;
     if (PyObject_GetBuffer(args[T_PARAMS], &pb, PyBUF_FORMAT) < 0) {
@@ -332,7 +361,7 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
 
-    PyObject *matched = NULL, *ans = NULL;
+    PyObject *matched = NULL, *ans = NULL, *read = NULL;
     double *cv = PyMem_Malloc(n * sizeof(double)), *hv = PyMem_Malloc(n * sizeof(double));
     double *av = PyMem_Malloc(n * sizeof(double));
     long long *req = PyMem_Malloc(n * sizeof(long long));
@@ -341,19 +370,37 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_NoMemory();
         goto fail;
     }
-    if ((matched = PyList_New(n)) == NULL)
+    if ((matched = PyList_New(n)) == NULL || (maps && (read = PyList_New(n)) == NULL))
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long mt, r, tok, q, npf, tpf;
+        long long mt, r = 0, tok = 0, q = 0, npf = 0, tpf = 0;
         PyObject *const *ph;
+        PyObject *server = PyList_GET_ITEM(servers, i), *ld, *phi;
         const double *pp = pv + i * N_PARAMS;
         double a = pp[P_A], chunk = pp[P_CHUNK], s0 = pp[P_S0], s1 = pp[P_S1], s2 = pp[P_S2];
         double kvcap = pp[P_KVCAP], k = pp[P_K];
-        if (match_of(mdict, PyList_GET_ITEM(servers, i), B, cap, &mt) ||
-            as_pair(PyList_GET_ITEM(loads, i), &r, &tok, "a load") ||
-            (ph = items_of(PyList_GET_ITEM(phases, i), 3, "a phase")) == NULL ||
-            as_ll(ph[0], &q, "queued prefill tokens") || as_ll(ph[1], &npf, "leases in prefill") ||
-            as_ll(ph[2], &tpf, "their tokens"))
+        if (match_of(mdict, server, B, cap, &mt))
+            goto fail;
+        if (maps) {     /* a server absent from a map has no lease: zeros (`loads_for`'s (0, 0)) */
+            if ((ld = PyDict_GetItemWithError(loads, server)) == NULL) {
+                if (PyErr_Occurred())
+                    goto fail;
+                ld = zero_load;
+            } else if (as_pair(ld, &r, &tok, "a load"))
+                goto fail;
+            Py_INCREF(ld);
+            PyList_SET_ITEM(read, i, ld);
+            if ((phi = PyDict_GetItemWithError(phases, server)) == NULL && PyErr_Occurred())
+                goto fail;
+        } else {
+            if (as_pair(PyList_GET_ITEM(loads, i), &r, &tok, "a load"))
+                goto fail;
+            phi = PyList_GET_ITEM(phases, i);
+        }
+        if (phi != NULL && ((ph = items_of(phi, 3, "a phase")) == NULL ||
+                            as_ll(ph[0], &q, "queued prefill tokens") ||
+                            as_ll(ph[1], &npf, "leases in prefill") ||
+                            as_ll(ph[2], &tpf, "their tokens")))
             goto fail;
         PyObject *m = PyLong_FromLongLong(mt);
         if (m == NULL)
@@ -379,11 +426,12 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     if (pin >= 0 && pin < n)    /* bonus * num_tokens * a * k */
         cv[pin] -= bonus * (double)nt * av[pin];
-    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap, full);
-    matched = NULL;
+    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap, full, read);
+    matched = read = NULL;
 fail:
     PyBuffer_Release(&pb);
     Py_XDECREF(matched);
+    Py_XDECREF(read);
     PyMem_Free(cv);
     PyMem_Free(hv);
     PyMem_Free(av);
@@ -405,5 +453,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__kv_cost(void) {
+    if (zero_load == NULL && (zero_load = Py_BuildValue("(ii)", 0, 0)) == NULL)
+        return NULL;
     return PyModule_Create(&module);
 }

@@ -245,6 +245,14 @@ class LeaseTable:
         zero = (0, 0, 0)
         return [get(s, zero) for s in servers]
 
+    def maps(self) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int, int]]]:
+        """The maps behind ``loads_for`` and ``phases_for``: server -> (requests, tokens) and
+        server -> (queued prefill tokens, leases in prefill, their prompt tokens), a server absent
+        when it has none. Read-only for callers, and the same two dicts for the table's life, so
+        a policy may keep them: the native placement core reads them in its one pass over the
+        candidates instead of two lists built per placement (router/policy_kv.py)."""
+        return self._load, self._phase
+
     def phase(self, server: str) -> tuple[int, int, int]:
         return self._phase.get(server, (0, 0, 0))
 

@@ -111,6 +111,11 @@ class IndexLoadView:
         """(queued prefill tokens, leases in prefill, their tokens) per server."""
         return self.leases.phases_for(servers)
 
+    def maps(self) -> tuple[dict, dict]:
+        """The lease table's load and phase maps (``LeaseTable.maps``), which kv_cache_aware's
+        native core reads directly."""
+        return self.leases.maps()
+
 
 def server_loads(view, servers: Sequence[str]) -> list[tuple[int, int]]:
     """(requests, tokens) per server: the view's bulk call where it has one (one call per

@@ -155,7 +155,8 @@ class KvCacheAwarePolicy(Policy):
         self._pins = PinLru(max_conversations)
         self._cursor = 0
         self._cands: tuple | None = None
-        self._bulk: tuple | None = None     # (view, its bulk `loads` or None)
+        # (view, its bulk `loads`, `phases`, and `maps()` answer, each None where it has none)
+        self._bulk: tuple | None = None
         # The native core gives float costs: it stands in for `_core` only where the Python
         # expression gives floats too (an int weight keeps int scores in the explanation).
         self._native = NATIVE and (cost == "time" or all(type(w) is float for w in (
@@ -243,8 +244,9 @@ class KvCacheAwarePolicy(Policy):
         pinned = self._pins.get(conv) if conv else None
         bulk = self._bulk
         if bulk is None or bulk[0] is not view:
-            bulk = self._bulk = (view, getattr(view, "loads", None), getattr(view, "phases", None))
-        loads = bulk[1](servers) if bulk[1] is not None else server_loads(view, servers)
+            maps = getattr(view, "maps", None)
+            bulk = self._bulk = (view, getattr(view, "loads", None), getattr(view, "phases", None),
+                                 maps() if maps is not None else None)
         cap = num_tokens - 1 if num_tokens > 0 else 0
         # Every match unknown: reported 0, estimated as the mean of no verified one (0), so the
         # index walk would decide nothing (`_unknown_matches`).
@@ -253,27 +255,45 @@ class KvCacheAwarePolicy(Policy):
         hf = self.hotspot_factor or 0.0
         mbs = self.max_batch_size if self.max_batch_size and self.load_cap is not None else 0
         timed = self.cost == "time"
-        if timed:
-            ph = bulk[2]
-            phases = ph(servers) if ph is not None else [(t, r, t) for r, t in loads]
-            args = (servers, md, loads, phases, params, self.block_size, cap, num_tokens,
-                    self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
-                    self.hotspot_slack_s, mbs, self.load_cap if mbs else 0.0)
-            native, python = _native_time_core, _time_core
-        else:
-            args = (servers, md, loads, self.block_size, cap, num_tokens, self.prefill_weight,
-                    self.load_tokens_weight, self.load_requests_weight, pin, self.affinity_bonus,
-                    hf, self.hotspot_slack, mbs, self.load_cap if mbs else 0.0)
-            native, python = _native_core, _core
         # the Python recipe for int weights, unknown matches to estimate, and what the native
         # core does not take (a view answering a Mapping or numpy ints: TypeError)
+        native = self._native and (md is None or not unknown)
         res = None
-        if self._native and (md is None or not unknown):
+        maps = bulk[3]
+        if timed and native and maps is not None:
+            # the default path: the native core reads the lease table's maps itself (no lists of
+            # loads and phases built per placement) and answers the loads it read
             try:
-                res = native(*args)
+                res = _native_time_core(servers, md, maps[0], maps[1], params, self.block_size,
+                                        cap, num_tokens, self.uncached_weight, self.decode_weight,
+                                        pin, self.affinity_bonus, hf, self.hotspot_slack_s, mbs,
+                                        self.load_cap if mbs else 0.0)
             except TypeError:
                 pass
-        matched, costs, tied, hs, lc, limit = res or python(*args, unknown)
+        if res is not None:
+            matched, costs, tied, hs, lc, limit, loads = res
+            phases = None
+        else:
+            loads = bulk[1](servers) if bulk[1] is not None else server_loads(view, servers)
+            if timed:
+                ph = bulk[2]
+                phases = ph(servers) if ph is not None else [(t, r, t) for r, t in loads]
+                args = (servers, md, loads, phases, params, self.block_size, cap, num_tokens,
+                        self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
+                        self.hotspot_slack_s, mbs, self.load_cap if mbs else 0.0)
+                core, python = _native_time_core, _time_core
+            else:
+                args = (servers, md, loads, self.block_size, cap, num_tokens,
+                        self.prefill_weight, self.load_tokens_weight, self.load_requests_weight,
+                        pin, self.affinity_bonus, hf, self.hotspot_slack, mbs,
+                        self.load_cap if mbs else 0.0)
+                core, python = _native_core, _core
+            if native:
+                try:
+                    res = core(*args)
+                except TypeError:
+                    pass
+            matched, costs, tied, hs, lc, limit = res or python(*args, unknown)
         if hs or lc:
             hot = {i: (f"hot: decode step > cap {limit * 1e3:.1f} ms" if timed else
                        f"hot: {loads[i][0]} in-flight requests > cap {limit:.1f}") for i in hs}
@@ -303,7 +323,7 @@ class KvCacheAwarePolicy(Policy):
         if timed:
             # the chosen server's estimated time to first token (uncached_weight 1, no bonus):
             # what its first-token report is compared with (observe_ttft)
-            q, npf, tpf = phases[pick]
+            q, npf, tpf = phases[pick] if phases is not None else maps[1].get(server, _NO_PHASE)
             r, t = loads[pick]
             b = pick * PARAMS
             w = q + num_tokens - matched[pick]
@@ -316,6 +336,7 @@ class KvCacheAwarePolicy(Policy):
 
 _NONE: list = []    # shared empty list of a KvChoice (never changed: explain only reads it)
 _NO_HOT: dict = {}
+_NO_PHASE = (0, 0, 0)   # a server absent from the lease table's phase map: no lease in prefill
 
 
 def explain(c: KvChoice) -> dict:

@@ -123,6 +123,39 @@ def test_native_time_core_matches_the_python_recipe(args):
     assert lim1.hex() == float(lim2).hex()
 
 
+@settings(max_examples=300, deadline=None)
+@given(time_core_args(), st.randoms(use_true_random=False))
+def test_native_time_core_reads_the_lease_tables_maps_as_its_lists(args, rnd):
+    """Loads and phases given as the lease table's maps (server -> tuple, a server with no lease
+    absent): the same answer as with the lists, plus the loads it read."""
+    servers, md, loads, phases = args[:4]
+    lmap, pmap = {}, {}
+    for s, ld, ph in zip(servers, loads, phases):
+        # a zero load may be absent (no lease) or present; a zero phase likewise
+        if ld != (0, 0) or rnd.random() < 0.5:
+            lmap[s] = ld
+        if ph != (0, 0, 0) or rnd.random() < 0.5:
+            pmap[s] = ph
+    lmap["http://gone"] = (3, 300)      # servers that are not candidates are not read
+    pmap["http://gone"] = (300, 3, 300)
+    got = native.time_core(servers, md, lmap, pmap, *args[4:])
+    want = native.time_core(*args)
+    assert len(got) == 7 and got[6] == loads
+    assert _bits(got[1]) == _bits(want[1]) and got[:1] + got[2:6] == want[:1] + want[2:]
+
+
+def test_native_time_core_maps_must_both_be_dicts():
+    ok = (["a"], None, {}, {}, array("d", [1e-4, 512.0, 0.01, 0.0, 0.0, 0.0, 1.0]),
+          16, 0, 0, 2.0, 1.0, -1, 0.0, 2.0, 0.0, 0, 0.0)
+    assert native.time_core(*ok)[2] == [0] and native.time_core(*ok)[6] == [(0, 0)]
+    with pytest.raises(TypeError, match="phases must be a dict"):
+        native.time_core(*ok[:3], [(0, 0, 0)], *ok[4:])
+    with pytest.raises(TypeError, match="pair"):
+        native.time_core(ok[0], None, {"a": (1, 2, 3)}, *ok[3:])
+    with pytest.raises(TypeError, match="phase"):
+        native.time_core(*ok[:3], {"a": (1, 2)}, *ok[4:])
+
+
 def test_time_cost_prefers_queued_prefill_over_decoding_load():
     """Two servers with the same prefix cached; one has a long prefill queue, the other many
     decoding requests with more tokens in flight: the time cost sends the request to the
