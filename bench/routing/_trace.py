@@ -42,6 +42,7 @@ class Req:
     input_length: int
     output_length: int
     hash_ids: list
+    session: int | None = None  # a generated conversation's session (bench/routing/_conversations.py)
 
 
 def load(path: Path, sample: int = 1, offset: int = 0, limit: int | None = None) -> list[Req]:
@@ -56,7 +57,7 @@ def load(path: Path, sample: int = 1, offset: int = 0, limit: int | None = None)
             if r["hash_ids"] and r["hash_ids"][0] % sample != offset % sample:
                 continue
             out.append(Req(len(out), r["timestamp"] / 1000.0, int(r["input_length"]),
-                           max(1, int(r["output_length"])), list(r["hash_ids"])))
+                           max(1, int(r["output_length"])), list(r["hash_ids"]), r.get("session")))
             if limit is not None and len(out) >= limit:
                 break
     if out:

@@ -256,13 +256,46 @@ def run_policy(procs: Procs, work: Path, urls: list[str], name: str, policy: str
         for p in front:
             procs.stop(p)
     s = T.summarize(results, urls, args.dilation)
+    s.update(tree_moves(reqs, results))
+    if args.work:   # per request, for a look at where each prefix tree went
+        with open(Path(args.work) / f"requests-{name.split()[0]}-{len(urls)}-{args.compress:g}.jsonl", "w") as f:
+            for q, r in zip(reqs, results):
+                f.write(json.dumps({"i": q.i, "t": q.t_s, "root": q.session if q.session is not None else (q.hash_ids or [None])[0],
+                                    "n": r.prompt_tokens, "server": r.server, "predicted": r.matched_tokens,
+                                    "cached": r.cached_tokens, "ttft": (r.t_first - r.t_send) / args.dilation
+                                    if r.t_first else None}) + "\n")
     s.update(name=name, policy=policy, args=rargs, wall_s=round(time.time() - t, 1),
              leases_in_flight=leases, workers_after=worker_state(urls), coordinator_prediction=diag,
              coordinator_leases=lease_stats)
     print(f"  {name:<34} hit {s['hit_ratio']:.3f}  TTFT p50 {s['ttft_p50_ms']:8.1f} ms  "
           f"p99 {s['ttft_p99_ms']:9.1f}  TPOT p50 {s['tpot_p50_ms']:6.2f} p99 {s['tpot_p99_ms']:6.2f}"
-          f"  hotspot {s['hotspot']:.2f}  err {s['errors']}  ({s['wall_s']} s)", flush=True)
+          f"  hotspot {s['hotspot']:.2f}  moves {s['moves']:.2f}  err {s['errors']}  ({s['wall_s']} s)",
+          flush=True)
     return s
+
+
+def tree_moves(reqs, results) -> dict:
+    """How often a prefix tree's (a conversation's) next request left the server of its previous one (`moves`: the
+    share of the requests that follow an earlier one of their tree), and the mean number of servers
+    a tree used (`servers_per_tree`, over trees of 2 requests or more): what a policy's cache
+    affinity does, apart from how the caches then fared."""
+    last: dict = {}
+    used: dict = {}
+    count: dict = {}
+    follow = moved = 0
+    for q, r in sorted(zip(reqs, results), key=lambda x: x[0].t_s):
+        if not q.hash_ids or r.server is None:
+            continue
+        root = q.hash_ids[0] if q.session is None else ("s", q.session)
+        if root in last:
+            follow += 1
+            moved += last[root] != r.server
+        last[root] = r.server
+        used.setdefault(root, set()).add(r.server)
+        count[root] = count.get(root, 0) + 1
+    trees = [len(v) for k, v in used.items() if count[k] > 1]
+    return {"moves": moved / follow if follow else 0.0,
+            "servers_per_tree": sum(trees) / len(trees) if trees else 0.0}
 
 
 async def _with_oracle(oracle: Oracle, reqs, tokens, args) -> None:
@@ -383,6 +416,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="no kv_cache_aware search")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="run the (trace, workers, load) cells in this many parallel processes, "
+                         "one JSON per cell into --json-dir (bench/routing/judged.sh)")
+    ap.add_argument("--json-dir", type=Path, default=None, help="with --jobs: the cells' JSON and logs")
     ap.add_argument("--work", type=Path, default=None, help="keep the processes' logs here")
     ap.add_argument("--note", default=None, help="a paragraph for the report (with --from-json)")
     ap.add_argument("--from-json", type=Path, nargs="+", default=None,
@@ -412,6 +449,8 @@ def main(argv=None) -> int:
         return _write(out, OUTDIR / "routing.json")
     sizes = [int(x) for x in args.workers.split(",")]
     loads = args.loads.split(",")
+    if args.jobs:
+        return run_cells(args, argv if argv is not None else sys.argv[1:], sizes, loads)
     tokens = T.Tokens(args.tokens_per_block)
     runs, traces = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
@@ -436,6 +475,68 @@ def main(argv=None) -> int:
     if not args.no_write:
         return _write(out, OUTDIR / "routing.json")
     return 0
+
+
+def run_cells(args, argv: list[str], sizes: list[int], loads: list[str]) -> int:
+    """`--jobs N`: every (trace, workers, load) cell in a process of its own, N at a time, the
+    largest clusters first (the longest cells); each writes `--json-dir`/cell-TRACE-N-LOAD.json
+    and its log beside it. With `--no-write` that is all (`--from-json DIR/cell-*.json` makes the
+    report later); else the report is written from the cells."""
+    import subprocess
+    if args.json_dir is None:
+        raise SystemExit("--jobs needs --json-dir DIR (one JSON per cell goes there)")
+    args.json_dir.mkdir(parents=True, exist_ok=True)
+    # the cell's own arguments: this command's, less what picks cells or writes the report
+    drop = {"--jobs": 1, "--json-dir": 1, "--json": 1, "--traces": 1, "--workers": 1, "--loads": 1,
+            "--no-write": 0, "--work": 1}
+    base, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in drop:
+            skip = drop[name] if "=" not in a else 0
+            continue
+        base.append(a)
+    cells = sorted(((t, n, ld) for t in args.traces.split(",") for n in sizes for ld in loads),
+                   key=lambda c: (-c[1], c[0] != "conversations"))
+    running: list = []
+    done: list[tuple] = []
+    t0 = time.time()
+    while cells or running:
+        while cells and len(running) < args.jobs:
+            t, n, ld = cells.pop(0)
+            stem = args.json_dir / f"cell-{t}-{n}-{ld}"
+            cmd = [PY, str(Path(__file__).resolve()), *base, "--traces", t, "--workers", str(n),
+                   "--loads", ld, "--no-write", "--json", f"{stem}.json"]
+            if args.work:
+                cmd += ["--work", str(args.work / stem.name)]
+            log = open(f"{stem}.log", "w")
+            running.append(((t, n, ld), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                        cwd=ROOT), log, time.time()))
+            print(f"[{time.time() - t0:6.0f} s] start {t} · {n} workers · {ld}", flush=True)
+        time.sleep(1.0)
+        for item in list(running):
+            cell, proc, log, started = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            done.append((cell, proc.returncode, time.time() - started))
+            print(f"[{time.time() - t0:6.0f} s] done  {cell[0]} · {cell[1]} workers · {cell[2]}: "
+                  f"exit {proc.returncode} after {time.time() - started:.0f} s", flush=True)
+    failed = [c for c, rc, _ in done if rc != 0]
+    files = sorted(args.json_dir.glob("cell-*.json"))
+    for f in files:    # the headline of each cell, as the cell's log printed it
+        print(f"--- {f.stem}")
+        print("\n".join(ln for ln in Path(str(f)[:-5] + ".log").read_text().splitlines()
+                        if ln.startswith(("  ", "synthetic", "conversations"))))
+    if failed:
+        print(f"FAILED cells (see their .log): {failed}", flush=True)
+    if not args.no_write and files:
+        main(["--from-json", *map(str, files)])
+    return 1 if failed else 0
 
 
 def _write(out: dict, path: Path) -> int:
