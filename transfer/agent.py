@@ -135,6 +135,12 @@ class TransferAgent(abc.ABC):
     kind: str = "abstract"
     name: str
     mem_types: tuple[str, ...] = ("DRAM",)
+    #: Whether `submit_transfer` / `submit_prepped` take ``after=``: a CUDA event (recorded after
+    #: the compute that writes the source blocks) that the write must not start before. Such an
+    #: agent orders its own device work after it (or waits for it on the host where it cannot);
+    #: an agent without it is handed a write only once the event completed (the transfer thread
+    #: waits for it: transfer/pump.py).
+    orders_after: bool = False
 
     # -- memory --------------------------------------------------------------------------
     @abc.abstractmethod

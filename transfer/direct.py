@@ -158,8 +158,10 @@ class DirectCopies:
                              f"inside any region {remote} registered")
         return pm.translate(remote_descs.arr[:, 0], remote_descs.arr[:, 1])
 
-    def write(self, local: Descs, mapped_dst: np.ndarray):
-        """Queue the kernel; returns the event that marks its end."""
+    def write(self, local: Descs, mapped_dst: np.ndarray, after=None):
+        """Queue the kernel; returns the event that marks its end. ``after`` (a CUDA event): the
+        kernel waits for it on the device (pipelined prefill: the chunk that writes the source
+        blocks may still be computing; no host wait)."""
         import torch
 
         from .copy_kernels import DeviceCopier
@@ -169,6 +171,8 @@ class DirectCopies:
             self._copiers[dev] = DeviceCopier(dev)
             self._streams[dev] = torch.cuda.Stream(device=dev)
         stream = self._streams[dev]
+        if after is not None:
+            stream.wait_event(after)
         self._copiers[dev].copy(local.arr[:, 0], mapped_dst, local.arr[:, 1], stream)
         ev = torch.cuda.Event()
         ev.record(stream)

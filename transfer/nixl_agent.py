@@ -49,6 +49,13 @@ _NIXL = None
 PROGRESS_IDLE_S = 0.001
 
 
+def _host_wait(after) -> None:
+    """A write NIXL posts itself cannot wait on the device: wait for `after` here (held lock and
+    all: only writes that do not go direct — another host, no CUDA IPC — take this path)."""
+    if after is not None:
+        after.synchronize()
+
+
 class _Direct:
     """The backend of a direct write: the event after its kernel, and the notification to send."""
 
@@ -114,6 +121,7 @@ def _direct_copies():
 class NixlAgent(TransferAgent):
     kind = "nixl"
     mem_types = ("DRAM", "VRAM")
+    orders_after = True
     OPTIONS = ("progress_thread", "telemetry", "backends", "host", "direct")
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", progress_thread: bool = False,
@@ -267,7 +275,7 @@ class NixlAgent(TransferAgent):
         return x
 
     def submit_transfer(self, remote: str, local: Descs, remote_descs: Descs, notif: bytes = b"",
-                        op: str = "WRITE") -> XferHandle:
+                        op: str = "WRITE", after=None) -> XferHandle:
         if op not in ("WRITE", "READ"):
             raise InvalidDescriptors(f"op must be WRITE or READ; found {op!r}")
         check_pair(local, remote_descs)
@@ -279,8 +287,9 @@ class NixlAgent(TransferAgent):
                     self.notify(remote, notif)
                 x.state = DONE
                 return x
-            if self._write_direct(x, local, remote_descs, notif):
+            if self._write_direct(x, local, remote_descs, notif, after):
                 return x
+            _host_wait(after)
             try:
                 h = self._agent.initialize_xfer(
                     op, self._agent.get_xfer_descs(local.arr, local.mem_type),
@@ -308,7 +317,7 @@ class NixlAgent(TransferAgent):
             return p
 
     def submit_prepped(self, remote: str, local: PrepHandle, local_idx, remote_side: PrepHandle,
-                       remote_idx, notif: bytes = b"", op: str = "WRITE") -> XferHandle:
+                       remote_idx, notif: bytes = b"", op: str = "WRITE", after=None) -> XferHandle:
         li = np.asarray(local_idx, dtype=np.int64)
         ri = np.asarray(remote_idx, dtype=np.int64)
         if li.shape != ri.shape or li.ndim != 1:
@@ -333,8 +342,9 @@ class NixlAgent(TransferAgent):
                 x.state = DONE
                 return x
             if self._write_direct(x, Descs(la, local.descs.mem_type),
-                                  Descs(ra, remote_side.descs.mem_type), notif):
+                                  Descs(ra, remote_side.descs.mem_type), notif, after):
                 return x
+            _host_wait(after)
             try:
                 h = self._agent.make_prepped_xfer(op, local.backend, li, remote_side.backend, ri,
                                                   bytes(notif))
@@ -343,14 +353,15 @@ class NixlAgent(TransferAgent):
             return self._start(x, h, f"prepped {op} to {remote!r}")
 
     def _write_direct(self, x: XferHandle, local: Descs, remote_descs: Descs,
-                      notif: bytes) -> bool:
-        """(locked) Queue `x` as one kernel into the peer's mapped memory, when it can go so."""
+                      notif: bytes, after=None) -> bool:
+        """(locked) Queue `x` as one kernel into the peer's mapped memory, when it can go so
+        (ordered on the device after the CUDA event `after`, if given)."""
         if self._direct is None or x.op != "WRITE":
             return False
         mapped = self._direct.route(x.remote, local, remote_descs)
         if mapped is None:
             return False
-        x.backend = _Direct(self._direct.write(local, mapped), bytes(notif))
+        x.backend = _Direct(self._direct.write(local, mapped, after), bytes(notif))
         x.ndescs = int(merge_runs(local.arr[:, 0], remote_descs.arr[:, 0], local.arr[:, 1])[2].size)
         return True
 

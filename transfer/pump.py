@@ -65,6 +65,18 @@ def _runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
     return 1 + int(np.count_nonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)))
 
 
+def _task_end(slices, s0: int) -> int:
+    """Pending slices go out as one transfer, up to and including the first that waits for a
+    CUDA event (`Slice.after`): a chunk still computing must not hold back the one before it
+    (pipelined prefill appends chunk k+1's slice while chunk k computes)."""
+    s1 = s0
+    while s1 < len(slices):
+        s1 += 1
+        if slices[s1 - 1].after is not None:
+            break
+    return s1
+
+
 class Pump:
     def __init__(self, core: RankCore, sender: Sender, receiver: Receiver) -> None:
         self.c = core
@@ -205,7 +217,8 @@ class Pump:
                 for t in s.targets.values():
                     if t.inflight is None and not t.cancelled and not t.final_sent \
                             and t.next_slice < len(s.slices):
-                        task = Task(session=s, target=t, s0=t.next_slice, s1=len(s.slices),
+                        task = Task(session=s, target=t, s0=t.next_slice,
+                                    s1=_task_end(s.slices, t.next_slice),
                                     started=time.monotonic())
                         t.inflight = task  # TRANSFERRING before any byte moves
                         self.tasks.append(task)
@@ -223,6 +236,14 @@ class Pump:
         s, t = task.session, task.target
         name = t.rx.agent_name
         ranges: dict[int, tuple[int, int]] = {}
+        # The compute stream runs in order: the latest slice's event covers every earlier one (a
+        # slice without one was appended once its tokens were written).
+        after = next((sl.after for sl in reversed(s.slices[task.s0:task.s1])
+                      if sl.after is not None), None)
+        if after is not None and not agent.orders_after:
+            after.synchronize()   # releases the GIL; this thread only
+            after = None
+        order = {"after": after} if after is not None else {}
         for sl in s.slices[task.s0:task.s1]:
             for g, (b0, b1) in sl.blocks.items():
                 if g in ranges:
@@ -244,7 +265,7 @@ class Pump:
                 lp, rp = t.rx.preps[i]
 
                 def post(notif, lp=lp, rp=rp, si=src_ids[keep], di=dst_ids[keep]):
-                    h = agent.submit_prepped(name, lp, si, rp, di, notif=notif)
+                    h = agent.submit_prepped(name, lp, si, rp, di, notif=notif, **order)
                     return h, h.nbytes, h.ndescs
                 posts.append(post)
                 continue
@@ -261,7 +282,8 @@ class Pump:
             ld, rd = build_pair(src, dst, size, sdev, ddev, smem, dmem)
 
             def post(notif, ld=ld, rd=rd):
-                return agent.submit_transfer(name, ld, rd, notif=notif), ld.total_bytes, len(ld)
+                return (agent.submit_transfer(name, ld, rd, notif=notif, **order),
+                        ld.total_bytes, len(ld))
             posts.append(post)
         # The `ok` result rides on the write it reports when the receiver takes it so and one
         # write carries the whole task (its notification lands after its last byte); with

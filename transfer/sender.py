@@ -38,6 +38,7 @@ class Slice:
     blocks: dict[int, tuple[int, int]]    # src group -> [b0, b1)
     tokens: tuple[int, int]
     last: bool
+    after: object = None    # CUDA event after the compute writing these blocks (None: written)
 
 
 @dataclass
@@ -137,7 +138,7 @@ class Sender:
                 self._attach_locked(s, key, msg)
             self.c.cv.notify()
 
-    def progress(self, request_id: int, tokens_done: int, block_ids=None) -> None:
+    def progress(self, request_id: int, tokens_done: int, block_ids=None, after=None) -> None:
         if not self.c.cfg.pipeline:
             return
         with self.c.lock:
@@ -146,10 +147,11 @@ class Sender:
                 s.src_ids = self.c.group_ids(block_ids)
             if s.last_added or s.state != SendState.ACTIVE or s.cancel_requested:
                 return
-            self._add_slice_locked(s, min(tokens_done, s.num_tokens), last=False)
+            self._add_slice_locked(s, min(tokens_done, s.num_tokens), last=False, after=after)
             self.c.cv.notify()
 
-    def finish(self, request_id: int, meta: dict | None = None, block_ids=None) -> None:
+    def finish(self, request_id: int, meta: dict | None = None, block_ids=None,
+               after=None) -> None:
         with self.c.lock:
             s = self._session(request_id)
             if s.last_added:
@@ -157,7 +159,7 @@ class Sender:
             if block_ids is not None:
                 s.src_ids = self.c.group_ids(block_ids)
             s.meta = meta
-            self._add_slice_locked(s, s.num_tokens, last=True)
+            self._add_slice_locked(s, s.num_tokens, last=True, after=after)
             s.finished_at = time.monotonic()
             s.deadline = s.finished_at + self.c.cfg.send_timeout_s
             self.check_locked(s)
@@ -213,7 +215,8 @@ class Sender:
                                + (" (retired)" if request_id in self.retired else ""))
         return s
 
-    def _add_slice_locked(self, s: SendSession, tokens_done: int, last: bool) -> None:
+    def _add_slice_locked(self, s: SendSession, tokens_done: int, last: bool,
+                          after=None) -> None:
         tpb, n = self.c.tokens_per_block, s.num_tokens
         full_end = -(-n // tpb)
         ends = s.blocks_sent_end()
@@ -236,7 +239,7 @@ class Sender:
                 raise SessionError(f"request {s.request_id}: group {g} needs blocks up to {b1}; "
                                    f"{s.src_ids[g].size} given")
         s.slices.append(Slice(sid=len(s.slices), blocks=blocks, tokens=(prev_tok, span_end),
-                              last=last))
+                              last=last, after=after))
         if last:
             s.last_added = True
 

@@ -166,14 +166,19 @@ class KvTransceiver(Transceiver):
         quiescent (done, failed or cancelled, no write in flight)."""
         self._sender.begin(request_id, num_tokens, block_ids, on_end)
 
-    def progress_send(self, request_id: int, tokens_done: int, block_ids=None) -> None:
-        """Prefill has computed tokens [0, tokens_done): send the full blocks not sent yet."""
-        self._sender.progress(request_id, tokens_done, block_ids)
+    def progress_send(self, request_id: int, tokens_done: int, block_ids=None,
+                      after=None) -> None:
+        """Prefill has computed tokens [0, tokens_done): send the full blocks not sent yet. With
+        `after` (a CUDA event recorded after the compute of those tokens was queued), the tokens
+        may still be computing: their write is ordered after the event (on the device where the
+        agent can, `TransferAgent.orders_after`; else the transfer thread waits for it)."""
+        self._sender.progress(request_id, tokens_done, block_ids, after)
 
-    def finish_send(self, request_id: int, meta: dict | None = None, block_ids=None) -> None:
-        """Prefill is done: append the final slice (always sent; carries `meta`) and start the
-        send timeout."""
-        self._sender.finish(request_id, meta, block_ids)
+    def finish_send(self, request_id: int, meta: dict | None = None, block_ids=None,
+                    after=None) -> None:
+        """Prefill is done (or, with `after`, queued up to that CUDA event: see `progress_send`):
+        append the final slice (always sent; carries `meta`) and start the send timeout."""
+        self._sender.finish(request_id, meta, block_ids, after)
 
     def send_status(self, request_id: int) -> Status:
         return self._sender.status(request_id)

@@ -6,6 +6,7 @@ writes the logical KV of a request into given blocks, `check` counts bytes that 
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 
 
@@ -34,6 +35,19 @@ def peer_main(conn, spec: dict) -> None:
     def ids_by_model_group(ids):
         # tests pass one id list per model group
         return [ids[m] for m in rank.gmap]
+
+    class Gate:
+        """Stands where a CUDA event would (`progress_send(after=)`): complete once opened."""
+
+        def __init__(self):
+            self.opened = threading.Event()
+            self.waited = False
+
+        def synchronize(self):
+            self.waited = True
+            self.opened.wait(30)
+
+    gates: dict = {}
 
     while True:
         cmd, args = conn.recv()
@@ -68,6 +82,15 @@ def peer_main(conn, spec: dict) -> None:
                 if len(a) > idx and a[idx] is not None:
                     a[idx] = ids_by_model_group(a[idx])
                 out = getattr(tx, cmd)(*a)
+            elif cmd == "gated":       # (cmd, name, *args): progress_send/finish_send after a gate
+                gates[args[1]] = gate = Gate()
+                a = list(args[2:])
+                if len(a) > 2 and a[2] is not None:
+                    a[2] = ids_by_model_group(a[2])
+                out = getattr(tx, args[0])(*a, after=gate)
+            elif cmd == "open_gate":
+                gates[args[0]].opened.set()
+                out = gates[args[0]].waited
             elif cmd == "attr":
                 out = getattr(tx, args[0])
                 out = out() if callable(out) else out

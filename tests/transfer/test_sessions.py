@@ -140,6 +140,29 @@ def test_generation_first_pipelines_finished_chunks(procs):
     assert_idle(ctx, gen)
 
 
+def test_a_slice_after_an_event_is_written_once_it_completed(procs):
+    """`progress_send(after=)` / `finish_send(after=)`: the chunk may still be computing when it is
+    handed over; an agent that cannot order its writes on the device (tcp) gets it only once the
+    event completed (the transfer thread waits for it, not the caller)."""
+    ctx = procs("context", "tcp", "ctx")
+    gen = procs("generation", "tcp", "gen")
+    gen("begin_receive", 14, ctx.endpoint, 30, DST)
+    time.sleep(0.2)
+    ctx("begin_send", 14, 30, SRC)
+    ctx("gated", "progress_send", "a", 14, 16)          # returns at once: the caller never waits
+    ctx("gated", "finish_send", "b", 14, None)
+    time.sleep(0.3)
+    assert gen("check", DST)["bad"] > 0 and gen("recv_status", 14)["state"] == "transferring"
+    ctx("fill", SRC)                                    # "the compute" writes the blocks
+    assert ctx("open_gate", "a") is True                # the transfer thread was waiting on it
+    ctx("open_gate", "b")
+    st = wait_status(gen, "recv_status", 14)
+    assert st["state"] == "done" and gen("check", DST)["bad"] == 0
+    ctx("release_send", 14)
+    gen("release_receive", 14)
+    assert_idle(ctx, gen)
+
+
 def test_pipelining_off_sends_one_slice(procs):
     ctx = procs("context", "tcp", "ctx", cfg={"pipeline": False})
     gen = procs("generation", "tcp", "gen")
