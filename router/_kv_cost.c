@@ -421,8 +421,10 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
         hv[i] = k * x;         /* its decode step (a TPOT estimate), decoding or not */
         av[i] = a * k;
         req[i] = r;
-        /* its KV cannot hold this prompt beside its leases' prompts: it would wait for memory */
-        full[i] = kvcap > 0.0 && (double)(tok + nt) > kvcap;
+        /* its KV cannot hold this prompt's uncached tokens beside its leases' prompts: it would
+         * wait for memory (the matched tokens are resident there already; counting the whole
+         * prompt passed a prefix tree's home over whenever its siblings were in flight) */
+        full[i] = kvcap > 0.0 && (double)(tok + p) > kvcap;
     }
     if (pin >= 0 && pin < n)    /* bonus * num_tokens * a * k */
         cv[pin] -= bonus * (double)nt * av[pin];

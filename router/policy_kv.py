@@ -63,6 +63,14 @@ def model_of(info: dict | None, prefill_tokens_per_s: float | None = None,
         m["decode_s_per_step"] = decode_step_s
     return tuple(float(m[k]) for k in _MODEL_KEYS)
 
+def publishes_model(info: dict | None) -> bool:
+    """Whether a server's ``/server_info`` carries its own ``routing_model`` (our worker measures
+    and publishes one). Only the others' scales are learned (``observe_ttft``): a published model
+    is the server's own measurement, and on one, first-token reports mostly carry the fleet hop
+    and the host's noise, which a per-server scale turns into a standing preference between equal
+    servers (every new prefix went to the one whose scale happened to be lowest)."""
+    return isinstance(info, dict) and isinstance(info.get("routing_model"), dict)
+
 # The keys of an explanation row that `explain` writes for a healthy candidate, in their order
 # (the fleet's route header keeps a row as a copy less `load_tokens` when it has exactly these:
 # fleet/legs/plan.py).
@@ -143,8 +151,10 @@ class KvCacheAwarePolicy(Policy):
         self.decode_step_s = decode_step_s
         self.learn_rates = learn_rates
         self.hotspot_slack_s = float(hotspot_slack_s)
-        # per-server scale of the time model, learned from first-token reports (observe_ttft)
+        # per-server scale of the time model, learned from first-token reports (observe_ttft),
+        # for the servers that publish no `routing_model` (`_learnable`, from the candidates)
         self._scale: dict[str, float] = {}
+        self._learnable: frozenset = frozenset()
         self.affinity_bonus = affinity_bonus
         self.hotspot_factor = hotspot_factor
         self.hotspot_slack = hotspot_slack
@@ -200,7 +210,7 @@ class KvCacheAwarePolicy(Policy):
         """The fleet reported a leg's first token ``actual_s`` after its placement, which had
         estimated ``predicted_s`` (the scale at the time included): the server's scale follows."""
         if not self.learn_rates or self.cost != "time" or not predicted_s >= self._LEARN_MIN_S \
-                or not actual_s > 0:
+                or not actual_s > 0 or server not in self._learnable:
             return
         r = min(4.0, max(0.25, actual_s / predicted_s))
         k = self._scale.get(server, 1.0) * r ** self._LEARN
@@ -231,6 +241,7 @@ class KvCacheAwarePolicy(Policy):
             for c in ok:
                 params.extend(model_of(c.info, self.prefill_tokens_per_s, self.decode_step_s))
                 params.append(self._scale.get(c.server, 1.0))
+            self._learnable = frozenset(c.server for c in ok if not publishes_model(c.info))
             self._cands = (list(candidates), ok, unhealthy, servers, unknown, all_unknown, params,
                            frozenset(servers), None)
         n = len(servers)
@@ -300,8 +311,9 @@ class KvCacheAwarePolicy(Policy):
             for i in lc:
                 hot[i] = (f"hot: {loads[i][0]}/{mbs} requests >= load_cap {self.load_cap}"
                           if mbs and loads[i][0] / mbs >= self.load_cap else
-                          f"hot: KV full ({loads[i][1]} in-flight prompt tokens + this prompt "
-                          f"> capacity {int(params[i * PARAMS + 5])})")
+                          f"hot: KV full ({loads[i][1]} in-flight prompt tokens + this prompt's "
+                          f"{num_tokens - matched[i]} uncached > capacity "
+                          f"{int(params[i * PARAMS + 5])})")
             skip_hot = len(hot) != n
         else:
             hot, skip_hot = _NO_HOT, False
@@ -445,7 +457,7 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, params
       there costs now: its decoding requests' time per output token, ``s0`` on an idle server)
       exceeds ``limit = hf * mean + slack`` (``hf`` 0: off);
       ``load_capped``: as in ``_core``, and the others whose in-flight prompt tokens plus this
-      prompt exceed their KV capacity (0: unknown); ``tied`` as in ``_core``. Queued prefill needs
+      prompt's uncached tokens ``p`` exceed their KV capacity (0: unknown); ``tied`` as in ``_core``. Queued prefill needs
       no hot rule: the cost already charges it in the same seconds.
     """
     matched, est = _matches(servers, md, block_size, cap, unknown)
@@ -460,7 +472,7 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, params
         step = x if d > 0 else 0.0
         costs.append(k * ((q + uw * p) * a + (q + p) / chunk * step))
         waits.append(k * x)
-        full.append(kvcap > 0.0 and tok + num_tokens > kvcap)
+        full.append(kvcap > 0.0 and tok + p > kvcap)
     if pin >= 0:
         costs[pin] -= bonus * num_tokens * (params[pin * PARAMS] * params[pin * PARAMS + PARAMS - 1])
     return (matched, costs) + _decide(costs, waits, [l[0] for l in loads], hf, slack, mbs, lcap,

@@ -174,14 +174,21 @@ def test_time_cost_prefers_queued_prefill_over_decoding_load():
 
 
 def test_a_server_whose_kv_is_full_is_skipped():
-    """KV capacity (tokens): a server whose in-flight prompts plus this prompt exceed it would
-    make the prompt wait for memory, whatever its cache match: passed over unless all are full."""
+    """KV capacity (tokens): a server whose in-flight prompts plus this prompt's uncached tokens
+    exceed it would make the prompt wait for memory, whatever its cache match: passed over unless
+    all are full. The matched tokens need no new memory there: 9,940 in flight + 60 uncached fit
+    10,000."""
     servers = ["full", "free"]
     md = {"full": 40}
-    loads = [(3, 9500), (3, 9500)]
-    phases = [(0, 0, 0), (0, 0, 0)]
+    fits = [(3, 9940), (3, 9940)]
     full = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 10_000.0, 1.0)
     free = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 20_000.0, 1.0)
+    args = (servers, md, fits, [(0, 0, 0)] * 2, array("d", full + free), 16, 699, 700, 2.0, 1.0,
+            -1, 0.25, 2.0, 0.0, 0, 0.0)
+    for core in (native.time_core, pk._time_core):
+        assert core(*args)[2] == [0]
+    loads = [(3, 9950), (3, 9950)]
+    phases = [(0, 0, 0), (0, 0, 0)]
     args = (servers, md, loads, phases, array("d", full + free), 16, 699, 700, 2.0, 1.0, -1, 0.25,
             2.0, 0.0, 0, 0.0)
     for core in (native.time_core, pk._time_core):

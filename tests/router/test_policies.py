@@ -401,7 +401,7 @@ def test_time_cost_tells_queued_prefill_from_decoding(env):
 def test_time_cost_learns_a_slow_server_from_first_token_reports(env):
     _, leases, view = env
     p = make_policy("kv_cache_aware", {"hotspot_factor": None})
-    cands = _cands(["http://a", "http://b"])
+    cands = _cands(["http://a", "http://b"], model=None)    # no routing_model: the prior, learned
     t = prompt(12, 2048)
     # equal costs: ties in turn
     picks = {p.select(cands, key_of(t), view).server for _ in range(2)}
@@ -415,6 +415,12 @@ def test_time_cost_learns_a_slow_server_from_first_token_reports(env):
     assert p.scale("http://b") == pytest.approx(1.0)
     p.remove_server("http://a")
     assert p.scale("http://a") == 1.0
+    # a server that publishes its own model keeps it: its reports are not learned from
+    q = make_policy("kv_cache_aware", {})
+    q.select(_cands(["http://a", "http://b"]), key_of(t), view)
+    for _ in range(20):
+        q.observe_ttft("http://a", 0.2, 0.6)
+    assert q.scale("http://a") == 1.0
 
 
 def test_routing_model_from_server_info_or_the_prior():
