@@ -7,6 +7,8 @@ cache and load at decision time, to bound what any router could achieve on the t
 - true load: the harness itself holds every request, so it knows, per worker, the prefill work
   queued (uncached tokens of requests that have not produced their first token) and the
   requests decoding;
+- memory: a worker whose KV cannot hold the prompt's uncached blocks beside the distinct blocks
+  its in-flight prompts hold (shared prefixes once) is passed over unless every one is full;
 - blocks being computed count as cached: a request placed on a worker whose queue already holds
   the same prefix will find it there (FCFS prefill), before any event says so;
 - decision: the least `queued prefill + cache_weight x this request's uncached tokens`, ties to
@@ -39,7 +41,8 @@ class Oracle:
         self.s1 = m.get("decode_s_per_request", 0.0)
         self.s2 = m.get("decode_s_per_context_token", 0.0)
         self.ctx: dict[str, int] = {u: 0 for u in urls}          # decoding requests' prompt tokens
-        self.inflight: dict[str, int] = {u: 0 for u in urls}     # every in-flight prompt's tokens
+        # the blocks in-flight prompts hold, shared prefixes once: key -> requests holding it
+        self.pins: dict[str, dict[int, int]] = {u: {} for u in urls}
         self.capacity = capacity_tokens
         self.B = block_size
         self.cache: dict[str, set[int]] = {u: set() for u in urls}
@@ -104,34 +107,41 @@ class Oracle:
             m = min(self._matched(u, keys), n - 1)
             q, d = self.queued[u], self.decoding[u]
             step = self.s0 + self.s1 * d + self.s2 * self.ctx[u] if d else 0.0
-            full = bool(self.capacity) and self.inflight[u] + n > self.capacity
+            # its KV cannot hold this prompt's uncached blocks beside the in-flight ones
+            full = bool(self.capacity) and (len(self.pins[u]) * self.B + n - m > self.capacity)
             cost = (full, (q + cw * (n - m)) * a + (q + n - m) / chunk * step, d)
             if best is None or cost < best[0]:
                 best = (cost, u, m)
         _, u, m = best
         self.queued[u] += n - m
-        self.inflight[u] += n
-        p = self.pending[u]
+        p, pins = self.pending[u], self.pins[u]
         for k in keys:
             p[k] = p.get(k, 0) + 1
-        self._req[i] = (u, n - m, False, keys, n)
+            pins[k] = pins.get(k, 0) + 1
+        self._req[i] = (u, n - m, False, keys, n, keys)
         return u, m
 
     def first_token(self, i: int) -> None:
-        u, unc, first, keys, n = self._req[i]
+        u, unc, first, keys, n, held = self._req[i]
         if not first:
             self.queued[u] -= unc
             self.decoding[u] += 1
             self.ctx[u] += n
             self._unpend(u, keys)      # its blocks are committed now (events follow)
-            self._req[i] = (u, unc, True, [], n)
+            self._req[i] = (u, unc, True, [], n, held)
 
     def done(self, i: int) -> None:
         t = self._req.pop(i, None)
         if t is None:
             return
-        u, unc, first, keys, n = t
-        self.inflight[u] -= n
+        u, unc, first, keys, n, held = t
+        pins = self.pins[u]
+        for k in held:
+            c = pins[k] - 1
+            if c:
+                pins[k] = c
+            else:
+                del pins[k]
         if first:
             self.decoding[u] -= 1
             self.ctx[u] -= n

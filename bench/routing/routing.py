@@ -140,8 +140,12 @@ def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: d
            "routing": {"block_size": BLOCK}}
     cport, fport = free_port(), free_port()
     ccfg = work / f"coord-{cport}.yaml"
+    # max_queue_delay_s: the coordinator sheds placements that waited behind a saturated event
+    # loop; here a host running several cells at once would turn its own contention into errors
+    # that say nothing about the policy
     ccfg.write_text(yaml.safe_dump(dict(doc, port=cport + 1,
-                                        coordinator={"health_check_interval_s": 1.0})))
+                                        coordinator={"health_check_interval_s": 1.0,
+                                                     "max_queue_delay_s": 2.0})))
     coord = procs.spawn(f"coord-{policy}-{cport}", [PY, "-m", "splitserve_cli", "coordinator",
                                                     "-c", str(ccfg), "--host", "127.0.0.1",
                                                     "--port", str(cport)])
@@ -175,6 +179,11 @@ async def _one(session, url: str, r: T.Req, ids: list[int], at: float, oracle: O
             if route:
                 g = json.loads(route).get("generation") or {}
                 res.server, res.matched_tokens = g.get("server"), g.get("matched_tokens", 0)
+                rows = [c for c in g.get("candidates") or () if "matched_tokens" in c]
+                if rows:    # the deepest match, and why it was not chosen (--work's dump)
+                    best = max(rows, key=lambda c: c["matched_tokens"])
+                    res.extra = {"best_match": best["matched_tokens"], "best_why": best.get("why"),
+                                 "hot": g.get("hot")}
             if resp.status != 200:
                 res.error = (await resp.read())[:200].decode(errors="replace")
                 return
@@ -258,12 +267,13 @@ def run_policy(procs: Procs, work: Path, urls: list[str], name: str, policy: str
     s = T.summarize(results, urls, args.dilation)
     s.update(tree_moves(reqs, results))
     if args.work:   # per request, for a look at where each prefix tree went
-        with open(Path(args.work) / f"requests-{name.split()[0]}-{len(urls)}-{args.compress:g}.jsonl", "w") as f:
+        tag = "".join(c if c.isalnum() or c in "_." else "-" for c in name)[:80].strip("-")
+        with open(Path(args.work) / f"requests-{tag}-{len(urls)}-{args.compress:g}.jsonl", "w") as f:
             for q, r in zip(reqs, results):
                 f.write(json.dumps({"i": q.i, "t": q.t_s, "root": q.session if q.session is not None else (q.hash_ids or [None])[0],
                                     "n": r.prompt_tokens, "server": r.server, "predicted": r.matched_tokens,
                                     "cached": r.cached_tokens, "ttft": (r.t_first - r.t_send) / args.dilation
-                                    if r.t_first else None}) + "\n")
+                                    if r.t_first else None, **r.extra}) + "\n")
     s.update(name=name, policy=policy, args=rargs, wall_s=round(time.time() - t, 1),
              leases_in_flight=leases, workers_after=worker_state(urls), coordinator_prediction=diag,
              coordinator_leases=lease_stats)
@@ -312,8 +322,9 @@ def policies(args) -> list[tuple[str, str, dict]]:
            ("load_balancing (tokens)", "load_balancing", {"use_tokens": True}),
            ("kv_cache_aware (defaults)", "kv_cache_aware", dict(KV_DEFAULTS))]
     if not args.quick:
+        grid = json.loads(args.kv_grid) if args.kv_grid else KV_GRID
         out += [(f"kv_cache_aware {json.dumps(g, separators=(',', ':'))}", "kv_cache_aware", g)
-                for g in KV_GRID]
+                for g in grid]
     out += [("conversation", "conversation", {}), ("oracle (outside the product)", "oracle", {})]
     if args.policies:   # types or row names, ';'-separated (row names hold commas)
         keep = set(args.policies.split(";" if ";" in args.policies else ","))
@@ -414,6 +425,9 @@ def main(argv=None) -> int:
                          "+ decode pressure")
     ap.add_argument("--no-reuse-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="no kv_cache_aware search")
+    ap.add_argument("--kv-grid", default=None,
+                    help="the kv_cache_aware settings to try beside the defaults, a JSON list of "
+                         "argument objects (default: KV_GRID)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--jobs", type=int, default=0,
