@@ -133,14 +133,14 @@ class _LoadView:
     """The policies' window on load and cache state (router.policies.LoadView). The load methods
     are the table's own bound methods: no extra call layer per candidate."""
 
-    __slots__ = ("requests", "tokens", "loads", "phases", "maps", "_index", "_walk")
+    __slots__ = ("requests", "tokens", "loads", "phases", "lease_states", "_index", "_walk")
 
     def __init__(self, leases: LeaseTable, index: KvIndex):
         self.requests = leases.requests
         self.tokens = leases.tokens
         self.loads = leases.loads_for
         self.phases = leases.phases_for
-        self.maps = leases.maps
+        self.lease_states = leases.states
         self._index = index
         self._walk: tuple | None = None     # (keys, the index's walk version, answer)
 

@@ -20,12 +20,36 @@
 #include <math.h>
 #include <string.h>
 
-/* (0, 0): the load `time_core` reads for a server absent from the lease table's map (shared, as
- * `LeaseTable.loads_for`'s). */
+/* (0, 0): the load `time_core_table` reads for a server absent from the lease table's map
+ * (shared, as `LeaseTable.loads_for`'s). */
 static PyObject *zero_load = NULL;
 
-/* An int argument or a load field as a C long long; -1 with an exception set on failure. */
-static int as_ll(PyObject *o, long long *out, const char *what) {
+/* Per-server scratch arrays live on the stack up to this many candidates (malloc'd beyond). */
+#define SMALL_N 64
+
+/* An int argument or a load field as a C long long; -1 with an exception set on failure. The
+ * values read per candidate (loads, phases, matches: six per server) are nearly always ints of
+ * one digit, read in place: PyLong_AsLongLong's call and checks were a tenth of a placement's
+ * native time. */
+static inline int as_ll(PyObject *o, long long *out, const char *what) {
+    if (PyLong_CheckExact(o)) {
+#if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+            *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+            return 0;
+        }
+#else
+        Py_ssize_t size = Py_SIZE(o);
+        if (size == 0) {
+            *out = 0;
+            return 0;
+        }
+        if (size == 1 || size == -1) {
+            *out = (long long)size * (long long)((PyLongObject *)o)->ob_digit[0];
+            return 0;
+        }
+#endif
+    }
     if (!PyLong_Check(o)) {
         PyErr_Format(PyExc_TypeError, "%s must be an int, found %.100s", what, Py_TYPE(o)->tp_name);
         return -1;
@@ -99,11 +123,13 @@ static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const
                         const long long *req, double hf, double slack, long long mbs, double lcap,
                         const char *full, PyObject *extra) {
     PyObject *costs = NULL, *tied = NULL, *hs = NULL, *lc = NULL, *ans = NULL;
-    char *hot = PyMem_Calloc(n, 1);
+    char hot_small[SMALL_N];
+    char *hot = n <= SMALL_N ? hot_small : PyMem_Malloc(n);
     if (hot == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
+    memset(hot, 0, n);
     costs = PyList_New(n);
     hs = PyList_New(0);
     lc = PyList_New(0);
@@ -189,7 +215,8 @@ fail:
     Py_XDECREF(tied);
     Py_XDECREF(hs);
     Py_XDECREF(lc);
-    PyMem_Free(hot);
+    if (hot != hot_small)
+        PyMem_Free(hot);
     return ans;
 }
 
@@ -283,12 +310,24 @@ PyDoc_STRVAR(time_core_doc,
 "          uncached_weight, decode_weight, pinned, affinity_bonus, hotspot_factor,\n"
 "          hotspot_slack_s, max_batch_size, load_cap)\n"
 "    -> (matched_tokens, costs, tied, hotspot, load_capped, limit)\n\n"
-"router/policy_kv.py `_time_core` (its docstring has the arguments and the answer).\n"
-"loads and phases may instead be dicts server -> tuple (the lease table's maps, absent: zeros):\n"
-"then the answer has a 7th item, the (requests, tokens) read per server (`loads`' list).");
+"router/policy_kv.py `_time_core` (its docstring has the arguments and the answer).");
+
+PyDoc_STRVAR(time_core_table_doc,
+"time_core_table(servers, matched, states, positions, params, block_size, cap, num_tokens,\n"
+"                uncached_weight, decode_weight, pinned, affinity_bonus, hotspot_factor,\n"
+"                hotspot_slack_s, max_batch_size, load_cap)\n"
+"    -> (matched_tokens, costs, tied, hotspot, load_capped, limit, loads)\n\n"
+"`time_core` reading the lease table's own map, `states` (router/leases.py\n"
+"`LeaseTable.states`: server -> ((requests, tokens), queued prefill tokens, leases in prefill,\n"
+"their tokens), absent: no lease), for the loads and phases, and `matched` through `positions`\n"
+"(server -> its index in `servers`): one dict probe per candidate and one per matched server\n"
+"instead of lists built per placement. The same numbers, and the (requests, tokens) it read\n"
+"per server (`loads`).");
 
 enum { T_SERVERS, T_MATCHED, T_LOADS, T_PHASES, T_PARAMS, T_BS, T_CAP, T_NT, T_UW,
        T_DW, T_PIN, T_BONUS, T_HF, T_SLACK, T_MBS, T_LCAP, T_N_ARGS };
+/* time_core_table's: the same but for these two */
+enum { T_STATES = T_LOADS, T_POSITIONS = T_PHASES };
 /* per server in `params` (a buffer of doubles, router/policy_kv.py PARAMS): prefill s/token,
  * chunk tokens, decode s/step, s/request, s/context token, KV capacity tokens, learned scale */
 enum { P_A, P_CHUNK, P_S0, P_S1, P_S2, P_KVCAP, P_K, N_PARAMS };
@@ -303,6 +342,112 @@ static PyObject *const *items_of(PyObject *o, Py_ssize_t k, const char *what) {
     return NULL;
 }
 
+/* Both time cores' arguments from `params` on, and their per-server scratch: costs, hot-spot
+ * loads and a*k, requests and KV-full flags, on the stack for the usual candidate counts. */
+typedef struct {
+    Py_buffer pb;
+    const double *pv;
+    long long B, cap, nt, pin, mbs;
+    double uw, dw, bonus, hf, slack, lcap;
+    double *cv, *hv, *av;
+    long long *req;
+    char *full;
+    double small[3 * SMALL_N];
+    long long req_small[SMALL_N];
+    char full_small[SMALL_N];
+} TimeArgs;
+
+/* 0, or -1 with an exception set (and nothing to release). */
+static int time_args(PyObject *const *args, Py_ssize_t n, TimeArgs *t) {
+    if (PyObject_GetBuffer(args[T_PARAMS], &t->pb, PyBUF_FORMAT) < 0) {
+        PyErr_SetString(PyExc_TypeError, "params must be a buffer of doubles (array('d'))");
+        return -1;
+    }
+    if (t->pb.format == NULL || strcmp(t->pb.format, "d") != 0 ||
+        t->pb.len != n * N_PARAMS * (Py_ssize_t)sizeof(double)) {
+        PyErr_Format(PyExc_ValueError, "params must hold %d doubles per server (%zd servers), found "
+                     "%zd bytes", N_PARAMS, n, t->pb.len);
+        PyBuffer_Release(&t->pb);
+        return -1;
+    }
+    t->pv = (const double *)t->pb.buf;
+    if (as_ll(args[T_BS], &t->B, "block_size") || as_ll(args[T_CAP], &t->cap, "cap") ||
+        as_ll(args[T_NT], &t->nt, "num_tokens") || as_ll(args[T_PIN], &t->pin, "pinned") ||
+        as_ll(args[T_MBS], &t->mbs, "max_batch_size") ||
+        as_d(args[T_UW], &t->uw, "uncached_weight") || as_d(args[T_DW], &t->dw, "decode_weight") ||
+        as_d(args[T_BONUS], &t->bonus, "affinity_bonus") || as_d(args[T_HF], &t->hf, "hotspot_factor") ||
+        as_d(args[T_SLACK], &t->slack, "hotspot_slack_s") || as_d(args[T_LCAP], &t->lcap, "load_cap")) {
+        PyBuffer_Release(&t->pb);
+        return -1;
+    }
+    if (n <= SMALL_N) {
+        t->cv = t->small;
+        t->req = t->req_small;
+        t->full = t->full_small;
+    } else {
+        t->cv = PyMem_Malloc(3 * n * sizeof(double));
+        t->req = PyMem_Malloc(n * sizeof(long long));
+        t->full = PyMem_Malloc(n);
+        if (t->cv == NULL || t->req == NULL || t->full == NULL) {
+            PyMem_Free(t->cv);
+            PyMem_Free(t->req);
+            PyMem_Free(t->full);
+            PyBuffer_Release(&t->pb);
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    t->hv = t->cv + n;
+    t->av = t->cv + 2 * n;
+    return 0;
+}
+
+static void time_args_release(TimeArgs *t) {
+    PyBuffer_Release(&t->pb);
+    if (t->cv != t->small) {
+        PyMem_Free(t->cv);
+        PyMem_Free(t->req);
+        PyMem_Free(t->full);
+    }
+}
+
+/* Server i's cost, hot-spot load and KV-full flag from its match `mt`, load (r, tok) and phase
+ * (q queued, npf in prefill, tpf their tokens): `_time_core`'s loop body, operation for
+ * operation. The one place of the rule for both cores. */
+static inline void time_row(TimeArgs *t, Py_ssize_t i, long long mt, long long r, long long tok,
+                            long long q, long long npf, long long tpf) {
+    const double *pp = t->pv + i * N_PARAMS;
+    double a = pp[P_A], chunk = pp[P_CHUNK], s0 = pp[P_S0], s1 = pp[P_S1], s2 = pp[P_S2];
+    double kvcap = pp[P_KVCAP], k = pp[P_K];
+    long long nt = t->nt, p = nt - mt, d = r - npf;
+    /* x = dw * (s0 + s1 * d + s2 * (tok - tpf)): a decode step there, were one to run now;
+     * step = x if d > 0 else 0.0 */
+    double x = s0 + s1 * (double)d;
+    x = x + s2 * (double)(tok - tpf);
+    x = t->dw * x;
+    double step = d > 0 ? x : 0.0;
+    /* k * ((q + uw * p) * a + (q + p) / chunk * step) */
+    double c = (double)q + t->uw * (double)p;
+    c = c * a;
+    c = c + (double)(q + p) / chunk * step;
+    t->cv[i] = k * c;
+    t->hv[i] = k * x;         /* its decode step (a TPOT estimate), decoding or not */
+    t->av[i] = a * k;
+    t->req[i] = r;
+    /* its KV cannot hold this prompt's uncached tokens beside its leases' prompts: it would
+     * wait for memory (the matched tokens are resident there already; counting the whole
+     * prompt passed a prefix tree's home over whenever its siblings were in flight) */
+    t->full[i] = kvcap > 0.0 && (double)(tok + p) > kvcap;
+}
+
+/* The end of both time cores: the affinity bonus, then `decide`; steals `matched` and `extra`. */
+static PyObject *time_decide(TimeArgs *t, Py_ssize_t n, PyObject *matched, PyObject *extra) {
+    if (t->pin >= 0 && t->pin < n)    /* bonus * num_tokens * a * k */
+        t->cv[t->pin] -= t->bonus * (double)t->nt * t->av[t->pin];
+    return decide(n, matched, t->cv, t->hv, t->req, t->hf, t->slack, t->mbs, t->lcap, t->full,
+                  extra);
+}
+
 static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != T_N_ARGS) {
@@ -312,139 +457,134 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
     PyObject *servers = args[T_SERVERS], *mdict = args[T_MATCHED], *loads = args[T_LOADS];
     PyObject *phases = args[T_PHASES];
     Py_ssize_t n;
-    /* loads and phases as the lease table's own maps (router/leases.py `LeaseTable.maps`): read
-     * here in the pass over the candidates instead of two lists built per placement */
-    int maps = PyDict_Check(loads);
-    if (maps) {
-        if (!PyDict_Check(phases)) {
-            PyErr_SetString(PyExc_TypeError, "phases must be a dict when loads is one");
-            return NULL;
-        }
-        if (!PyList_Check(servers) || (mdict != Py_None && !PyDict_Check(mdict))) {
-            PyErr_SetString(PyExc_TypeError, "servers must be a list and matched a dict or None");
-            return NULL;
-        }
-        n = PyList_GET_SIZE(servers);
-        if (n < 1) {
-            PyErr_SetString(PyExc_ValueError, "expected at least one server, found none");
-            return NULL;
-        }
-    } else {
-        if (check_lists(servers, mdict, loads, &n))
-            return NULL;
-        if (!PyList_Check(phases) || PyList_GET_SIZE(phases) != n) {
-            PyErr_SetString(PyExc_ValueError, "phases must be a list of one item per server");
-            return NULL;
-        }
-    }
-    Py_buffer pb;
-    if (PyObject_GetBuffer(args[T_PARAMS], &pb, PyBUF_FORMAT) < 0) {
-        PyErr_SetString(PyExc_TypeError, "params must be a buffer of doubles (array('d'))");
+    if (check_lists(servers, mdict, loads, &n))
+        return NULL;
+    if (!PyList_Check(phases) || PyList_GET_SIZE(phases) != n) {
+        PyErr_SetString(PyExc_ValueError, "phases must be a list of one item per server");
         return NULL;
     }
-    if (pb.format == NULL || strcmp(pb.format, "d") != 0 || pb.len != n * N_PARAMS * (Py_ssize_t)sizeof(double)) {
-        PyBuffer_Release(&pb);
-        PyErr_Format(PyExc_ValueError, "params must hold %d doubles per server (%zd servers), found "
-                     "%zd bytes", N_PARAMS, n, pb.len);
+    TimeArgs t;
+    if (time_args(args, n, &t))
         return NULL;
-    }
-    const double *pv = (const double *)pb.buf;
-    long long B, cap, nt, pin, mbs;
-    double uw, dw, bonus, hf, slack, lcap;
-    if (as_ll(args[T_BS], &B, "block_size") || as_ll(args[T_CAP], &cap, "cap") ||
-        as_ll(args[T_NT], &nt, "num_tokens") || as_ll(args[T_PIN], &pin, "pinned") ||
-        as_ll(args[T_MBS], &mbs, "max_batch_size") ||
-        as_d(args[T_UW], &uw, "uncached_weight") || as_d(args[T_DW], &dw, "decode_weight") ||
-        as_d(args[T_BONUS], &bonus, "affinity_bonus") || as_d(args[T_HF], &hf, "hotspot_factor") ||
-        as_d(args[T_SLACK], &slack, "hotspot_slack_s") || as_d(args[T_LCAP], &lcap, "load_cap")) {
-        PyBuffer_Release(&pb);
-        return NULL;
-    }
-
-    PyObject *matched = NULL, *ans = NULL, *read = NULL;
-    double *cv = PyMem_Malloc(n * sizeof(double)), *hv = PyMem_Malloc(n * sizeof(double));
-    double *av = PyMem_Malloc(n * sizeof(double));
-    long long *req = PyMem_Malloc(n * sizeof(long long));
-    char *full = PyMem_Calloc(n, 1);
-    if (cv == NULL || hv == NULL || av == NULL || req == NULL || full == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    if ((matched = PyList_New(n)) == NULL || (maps && (read = PyList_New(n)) == NULL))
+    PyObject *matched = NULL, *ans = NULL;
+    if ((matched = PyList_New(n)) == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long mt, r = 0, tok = 0, q = 0, npf = 0, tpf = 0;
+        long long mt, r, tok, q, npf, tpf;
         PyObject *const *ph;
-        PyObject *server = PyList_GET_ITEM(servers, i), *ld, *phi;
-        const double *pp = pv + i * N_PARAMS;
-        double a = pp[P_A], chunk = pp[P_CHUNK], s0 = pp[P_S0], s1 = pp[P_S1], s2 = pp[P_S2];
-        double kvcap = pp[P_KVCAP], k = pp[P_K];
-        if (match_of(mdict, server, B, cap, &mt))
-            goto fail;
-        if (maps) {     /* a server absent from a map has no lease: zeros (`loads_for`'s (0, 0)) */
-            if ((ld = PyDict_GetItemWithError(loads, server)) == NULL) {
-                if (PyErr_Occurred())
-                    goto fail;
-                ld = zero_load;
-            } else if (as_pair(ld, &r, &tok, "a load"))
-                goto fail;
-            Py_INCREF(ld);
-            PyList_SET_ITEM(read, i, ld);
-            if ((phi = PyDict_GetItemWithError(phases, server)) == NULL && PyErr_Occurred())
-                goto fail;
-        } else {
-            if (as_pair(PyList_GET_ITEM(loads, i), &r, &tok, "a load"))
-                goto fail;
-            phi = PyList_GET_ITEM(phases, i);
-        }
-        if (phi != NULL && ((ph = items_of(phi, 3, "a phase")) == NULL ||
-                            as_ll(ph[0], &q, "queued prefill tokens") ||
-                            as_ll(ph[1], &npf, "leases in prefill") ||
-                            as_ll(ph[2], &tpf, "their tokens")))
+        if (match_of(mdict, PyList_GET_ITEM(servers, i), t.B, t.cap, &mt) ||
+            as_pair(PyList_GET_ITEM(loads, i), &r, &tok, "a load") ||
+            (ph = items_of(PyList_GET_ITEM(phases, i), 3, "a phase")) == NULL ||
+            as_ll(ph[0], &q, "queued prefill tokens") || as_ll(ph[1], &npf, "leases in prefill") ||
+            as_ll(ph[2], &tpf, "their tokens"))
             goto fail;
         PyObject *m = PyLong_FromLongLong(mt);
         if (m == NULL)
             goto fail;
         PyList_SET_ITEM(matched, i, m);
-        long long p = nt - mt, d = r - npf;
-        /* step = dw * (s0 + s1 * d + s2 * (tok - tpf)) if d > 0 else 0.0 */
-        /* x = dw * (s0 + s1 * d + s2 * (tok - tpf)): a decode step there, were one to run now */
-        double x = s0 + s1 * (double)d;
-        x = x + s2 * (double)(tok - tpf);
-        x = dw * x;
-        double step = d > 0 ? x : 0.0;
-        /* k * ((q + uw * p) * a + (q + p) / chunk * step) */
-        double c = (double)q + uw * (double)p;
-        c = c * a;
-        c = c + (double)(q + p) / chunk * step;
-        cv[i] = k * c;
-        hv[i] = k * x;         /* its decode step (a TPOT estimate), decoding or not */
-        av[i] = a * k;
-        req[i] = r;
-        /* its KV cannot hold this prompt's uncached tokens beside its leases' prompts: it would
-         * wait for memory (the matched tokens are resident there already; counting the whole
-         * prompt passed a prefix tree's home over whenever its siblings were in flight) */
-        full[i] = kvcap > 0.0 && (double)(tok + p) > kvcap;
+        time_row(&t, i, mt, r, tok, q, npf, tpf);
     }
-    if (pin >= 0 && pin < n)    /* bonus * num_tokens * a * k */
-        cv[pin] -= bonus * (double)nt * av[pin];
-    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap, full, read);
-    matched = read = NULL;
+    ans = time_decide(&t, n, matched, NULL);
+    matched = NULL;
 fail:
-    PyBuffer_Release(&pb);
+    time_args_release(&t);
     Py_XDECREF(matched);
-    Py_XDECREF(read);
-    PyMem_Free(cv);
-    PyMem_Free(hv);
-    PyMem_Free(av);
-    PyMem_Free(req);
-    PyMem_Free(full);
+    return ans;
+}
+
+static PyObject *time_core_table(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != T_N_ARGS) {
+        PyErr_Format(PyExc_TypeError, "time_core_table() takes %d arguments, found %zd", T_N_ARGS,
+                     nargs);
+        return NULL;
+    }
+    PyObject *servers = args[T_SERVERS], *mdict = args[T_MATCHED], *states = args[T_STATES];
+    PyObject *positions = args[T_POSITIONS];
+    if (!PyList_Check(servers) || !PyDict_Check(states) || !PyDict_Check(positions) ||
+        (mdict != Py_None && !PyDict_Check(mdict))) {
+        PyErr_SetString(PyExc_TypeError, "servers must be a list, states and positions dicts and "
+                        "matched a dict or None");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(servers);
+    if (n < 1 || PyDict_GET_SIZE(positions) != n) {
+        PyErr_Format(PyExc_ValueError, "expected at least one server and one position per server, "
+                     "found %zd servers and %zd positions", n, PyDict_GET_SIZE(positions));
+        return NULL;
+    }
+    TimeArgs t;
+    if (time_args(args, n, &t))
+        return NULL;
+    PyObject *matched = NULL, *loads = NULL, *ans = NULL;
+    long long mt_small[SMALL_N], *mts = n <= SMALL_N ? mt_small : PyMem_Malloc(n * sizeof(long long));
+    if (mts == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if ((matched = PyList_New(n)) == NULL || (loads = PyList_New(n)) == NULL)
+        goto fail;
+    /* matches: `match_of` for every server, as the matched servers' entries put in place */
+    long long none = 0 < t.cap ? 0 : t.cap;    /* `mt if mt < cap else cap` of mt = 0 */
+    for (Py_ssize_t i = 0; i < n; i++)
+        mts[i] = none;
+    if (mdict != Py_None) {
+        Py_ssize_t it = 0;
+        PyObject *server, *v;
+        while (PyDict_Next(mdict, &it, &server, &v)) {
+            PyObject *pos = PyDict_GetItemWithError(positions, server);
+            long long i, mt;
+            if (pos == NULL) {
+                if (PyErr_Occurred())
+                    goto fail;
+                continue;       /* not a candidate */
+            }
+            if (as_ll(pos, &i, "a position") || as_ll(v, &mt, "a matched block count"))
+                goto fail;
+            if (i < 0 || i >= n) {
+                PyErr_Format(PyExc_ValueError, "a position must be in [0, %zd), found %lld", n, i);
+                goto fail;
+            }
+            mt *= t.B;
+            mts[i] = mt < t.cap ? mt : t.cap;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long r = 0, tok = 0, q = 0, npf = 0, tpf = 0;
+        PyObject *server = PyList_GET_ITEM(servers, i);
+        PyObject *st = PyDict_GetItemWithError(states, server), *ld = zero_load;
+        if (st != NULL) {
+            PyObject *const *f = items_of(st, 4, "a lease state");
+            if (f == NULL || as_pair(ld = f[0], &r, &tok, "a load") ||
+                as_ll(f[1], &q, "queued prefill tokens") || as_ll(f[2], &npf, "leases in prefill") ||
+                as_ll(f[3], &tpf, "their tokens"))
+                goto fail;
+        } else if (PyErr_Occurred())
+            goto fail;
+        Py_INCREF(ld);
+        PyList_SET_ITEM(loads, i, ld);
+        PyObject *m = PyLong_FromLongLong(mts[i]);
+        if (m == NULL)
+            goto fail;
+        PyList_SET_ITEM(matched, i, m);
+        time_row(&t, i, mts[i], r, tok, q, npf, tpf);
+    }
+    ans = time_decide(&t, n, matched, loads);
+    matched = loads = NULL;
+fail:
+    time_args_release(&t);
+    if (mts != mt_small)
+        PyMem_Free(mts);
+    Py_XDECREF(matched);
+    Py_XDECREF(loads);
     return ans;
 }
 
 static PyMethodDef methods[] = {
     {"core", (PyCFunction)(void (*)(void))core, METH_FASTCALL, core_doc},
     {"time_core", (PyCFunction)(void (*)(void))time_core, METH_FASTCALL, time_core_doc},
+    {"time_core_table", (PyCFunction)(void (*)(void))time_core_table, METH_FASTCALL,
+     time_core_table_doc},
     {NULL, NULL, 0, NULL},
 };
 

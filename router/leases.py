@@ -35,6 +35,10 @@ from dataclasses import dataclass
 
 __all__ = ["Lease", "LeaseTable"]
 
+_ZERO_LOAD = (0, 0)
+_ZERO_PHASE = (0, 0, 0)
+_ZERO_STATE = (_ZERO_LOAD, 0, 0, 0)
+
 
 @dataclass(slots=True)
 class Lease:
@@ -54,8 +58,6 @@ class LeaseTable:
         if not prefill_ttl > 0:
             raise ValueError(f"prefill_ttl must be positive seconds, found {prefill_ttl!r}")
         self.prefill_ttl = prefill_ttl
-        # (queued prefill tokens, leases in prefill, their prompt tokens) per server; absent: 0s
-        self._phase: dict[str, tuple[int, int, int]] = {}
         # (acquired_at + prefill_ttl, lease) in acquisition order: a monotonic clock keeps it
         # sorted (an entry out of order is only handled late, which counts it as queued longer)
         self._prefill_q: deque[tuple[float, Lease]] = deque()
@@ -66,8 +68,11 @@ class LeaseTable:
         self._heap: list[tuple[float, int, Lease]] = []     # the ones that came out of order
         self._seq = itertools.count()
         self.replaced = 0                                    # acquires that replaced a live lease
-        # (requests, tokens) per server, replaced on change: read as is by every placement
-        self._load: dict[str, tuple[int, int]] = {}
+        # Per server with live leases: ((requests, tokens), queued prefill tokens, leases in
+        # prefill, their prompt tokens), replaced on change. One map, so a placement reads a
+        # server's load and phase in one probe (`states`); the (requests, tokens) tuple is read
+        # as is by every placement (`loads_for`, the route receipt's loads).
+        self._state: dict[str, tuple[tuple[int, int], int, int, int]] = {}
         self._per_role: dict[str, int] = {}     # live leases per role
 
     @staticmethod
@@ -96,21 +101,22 @@ class LeaseTable:
         self._unload(lease)
 
     def _unload(self, lease: Lease) -> None:
+        server = lease.server
+        (r, t), q, n, pt = self._state[server]
+        if r == 1:      # its last lease (in prefill or not: the phase sums go with it)
+            del self._state[server]
+            lease.in_prefill = False
+            return
         if lease.in_prefill:
-            self._unphase(lease)
-        r, t = self._load[lease.server]
-        if r == 1:
-            del self._load[lease.server]
-        else:
-            self._load[lease.server] = (r - 1, t - lease.tokens)
+            lease.in_prefill = False
+            q, n, pt = q - lease.prefill, n - 1, pt - lease.tokens
+        self._state[server] = ((r - 1, t - lease.tokens), q, n, pt)
 
     def _unphase(self, lease: Lease) -> None:
         lease.in_prefill = False
-        q, n, t = self._phase[lease.server]
-        if n == 1:
-            del self._phase[lease.server]
-        else:
-            self._phase[lease.server] = (q - lease.prefill, n - 1, t - lease.tokens)
+        server = lease.server
+        ld, q, n, pt = self._state[server]
+        self._state[server] = (ld, q - lease.prefill, n - 1, pt - lease.tokens)
 
     def acquire(self, role: str, req_id: int, server: str, now: float, ttl: float,
                 tokens: int = 0, prefill: int | None = None, predicted_s: float = 0.0) -> Lease:
@@ -132,11 +138,12 @@ class LeaseTable:
             self._per_role[role] = self._per_role.get(role, 0) + 1
         lease = Lease(role, req_id, server, tokens, now, now + ttl, prefill, True, predicted_s)
         self._leases[key] = lease
-        load = self._load.get(server)
-        self._load[server] = (1, tokens) if load is None else (load[0] + 1, load[1] + tokens)
-        ph = self._phase.get(server)
-        self._phase[server] = (prefill, 1, tokens) if ph is None else (
-            ph[0] + prefill, ph[1] + 1, ph[2] + tokens)
+        st = self._state.get(server)
+        if st is None:
+            self._state[server] = ((1, tokens), prefill, 1, tokens)
+        else:
+            (r, t), q, n, pt = st
+            self._state[server] = ((r + 1, t + tokens), q + prefill, n + 1, pt + tokens)
         pq = self._prefill_q
         pq.append((now + self.prefill_ttl, lease))
         if len(pq) > 2 * len(self._leases) + 1024:     # ended or reported leases' entries
@@ -153,8 +160,8 @@ class LeaseTable:
         if lease is None or not lease.in_prefill:
             return False
         prefill = max(0, min(prefill, lease.tokens))
-        q, n, t = self._phase[lease.server]
-        self._phase[lease.server] = (q - lease.prefill + prefill, n, t)
+        ld, q, n, pt = self._state[lease.server]
+        self._state[lease.server] = (ld, q - lease.prefill + prefill, n, pt)
         lease.prefill = prefill
         return True
 
@@ -222,42 +229,44 @@ class LeaseTable:
 
     def load(self, server: str) -> tuple[int, int]:
         """(in-flight requests, in-flight tokens) on ``server``."""
-        return self._load.get(server, (0, 0))
+        st = self._state.get(server)
+        return st[0] if st else _ZERO_LOAD
 
     def requests(self, server: str) -> int:
-        load = self._load.get(server)
-        return load[0] if load else 0
+        st = self._state.get(server)
+        return st[0][0] if st else 0
 
     def tokens(self, server: str) -> int:
-        load = self._load.get(server)
-        return load[1] if load else 0
+        st = self._state.get(server)
+        return st[0][1] if st else 0
 
     def loads_for(self, servers) -> list[tuple[int, int]]:
         """(requests, tokens) for each of ``servers``, in order (one call per routing decision)."""
-        get = self._load.get
-        zero = (0, 0)
-        return [get(s, zero) for s in servers]
+        get = self._state.get
+        zero = _ZERO_STATE
+        return [get(s, zero)[0] for s in servers]
 
     def phases_for(self, servers) -> list[tuple[int, int, int]]:
         """(queued prefill tokens, leases in prefill, their prompt tokens) for each of
         ``servers``, in order: the rest of ``loads_for``'s requests and tokens are decoding."""
-        get = self._phase.get
-        zero = (0, 0, 0)
-        return [get(s, zero) for s in servers]
+        get = self._state.get
+        zero = _ZERO_STATE
+        return [get(s, zero)[1:] for s in servers]
 
-    def maps(self) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int, int]]]:
-        """The maps behind ``loads_for`` and ``phases_for``: server -> (requests, tokens) and
-        server -> (queued prefill tokens, leases in prefill, their prompt tokens), a server absent
-        when it has none. Read-only for callers, and the same two dicts for the table's life, so
-        a policy may keep them: the native placement core reads them in its one pass over the
-        candidates instead of two lists built per placement (router/policy_kv.py)."""
-        return self._load, self._phase
+    def states(self) -> dict[str, tuple[tuple[int, int], int, int, int]]:
+        """The map behind ``loads_for`` and ``phases_for``: server -> ((requests, tokens), queued
+        prefill tokens, leases in prefill, their prompt tokens), a server absent when it has no
+        live lease. Read-only for callers, and the same dict for the table's life, so a policy
+        may keep it: the native placement core reads it in its one pass over the candidates
+        (router/_kv_cost.c ``time_core_table``) instead of lists built per placement."""
+        return self._state
 
     def phase(self, server: str) -> tuple[int, int, int]:
-        return self._phase.get(server, (0, 0, 0))
+        st = self._state.get(server)
+        return st[1:] if st else _ZERO_PHASE
 
     def loads(self) -> dict[str, tuple[int, int]]:
-        return dict(self._load)
+        return {s: st[0] for s, st in self._state.items()}
 
     def total(self) -> int:
         return len(self._leases)

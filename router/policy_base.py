@@ -111,10 +111,10 @@ class IndexLoadView:
         """(queued prefill tokens, leases in prefill, their tokens) per server."""
         return self.leases.phases_for(servers)
 
-    def maps(self) -> tuple[dict, dict]:
-        """The lease table's load and phase maps (``LeaseTable.maps``), which kv_cache_aware's
+    def lease_states(self) -> dict:
+        """The lease table's per-server map (``LeaseTable.states``), which kv_cache_aware's
         native core reads directly."""
-        return self.leases.maps()
+        return self.leases.states()
 
 
 def server_loads(view, servers: Sequence[str]) -> list[tuple[int, int]]:

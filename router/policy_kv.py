@@ -12,9 +12,10 @@ from protocol.channel import KvChoice
 from .policy_base import Decision, PinLru, Policy, healthy_candidates, server_loads
 
 try:    # router/_kv_cost.c, built by setup.py; `_core`, `_time_core` below: the same in Python
-    from ._kv_cost import core as _native_core, time_core as _native_time_core
+    from ._kv_cost import core as _native_core, time_core as _native_time_core, \
+        time_core_table as _native_time_core_table
 except ImportError:     # no C compiler at install time
-    _native_core = _native_time_core = None
+    _native_core = _native_time_core = _native_time_core_table = None
 
 NATIVE = _native_core is not None
 
@@ -165,7 +166,7 @@ class KvCacheAwarePolicy(Policy):
         self._pins = PinLru(max_conversations)
         self._cursor = 0
         self._cands: tuple | None = None
-        # (view, its bulk `loads`, `phases`, and `maps()` answer, each None where it has none)
+        # (view, its bulk `loads`, `phases`, and `lease_states()` answer; None where it has none)
         self._bulk: tuple | None = None
         # The native core gives float costs: it stands in for `_core` only where the Python
         # expression gives floats too (an int weight keeps int scores in the explanation).
@@ -230,12 +231,13 @@ class KvCacheAwarePolicy(Policy):
         # depends on it alone (healthy subset, server names, unknown-match servers) is kept.
         memo = self._cands
         if memo is not None and memo[0] == candidates:
-            _, ok, unhealthy, servers, unknown, all_unknown, params, _, _ = memo
+            _, ok, unhealthy, servers, unknown, all_unknown, params, _, positions = memo
         else:
             ok, unhealthy = healthy_candidates(self.name, candidates)
             servers = [c.server for c in ok]
             unknown = [i for i, c in enumerate(ok) if c.kv_unknown]
             all_unknown = len(unknown) == len(ok)
+            positions = {s: i for i, s in enumerate(servers)}
             # the model and learned scale of every candidate, as the native core reads them
             params = array("d")
             for c in ok:
@@ -243,7 +245,7 @@ class KvCacheAwarePolicy(Policy):
                 params.append(self._scale.get(c.server, 1.0))
             self._learnable = frozenset(c.server for c in ok if not publishes_model(c.info))
             self._cands = (list(candidates), ok, unhealthy, servers, unknown, all_unknown, params,
-                           frozenset(servers), None)
+                           frozenset(servers), positions)
         n = len(servers)
         if key is not None:
             keys = key.block_keys
@@ -255,9 +257,9 @@ class KvCacheAwarePolicy(Policy):
         pinned = self._pins.get(conv) if conv else None
         bulk = self._bulk
         if bulk is None or bulk[0] is not view:
-            maps = getattr(view, "maps", None)
+            states = getattr(view, "lease_states", None)
             bulk = self._bulk = (view, getattr(view, "loads", None), getattr(view, "phases", None),
-                                 maps() if maps is not None else None)
+                                 states() if states is not None else None)
         cap = num_tokens - 1 if num_tokens > 0 else 0
         # Every match unknown: reported 0, estimated as the mean of no verified one (0), so the
         # index walk would decide nothing (`_unknown_matches`).
@@ -270,15 +272,15 @@ class KvCacheAwarePolicy(Policy):
         # core does not take (a view answering a Mapping or numpy ints: TypeError)
         native = self._native and (md is None or not unknown)
         res = None
-        maps = bulk[3]
-        if timed and native and maps is not None:
-            # the default path: the native core reads the lease table's maps itself (no lists of
+        states = bulk[3]
+        if timed and native and states is not None:
+            # the default path: the native core reads the lease table's map itself (no lists of
             # loads and phases built per placement) and answers the loads it read
             try:
-                res = _native_time_core(servers, md, maps[0], maps[1], params, self.block_size,
-                                        cap, num_tokens, self.uncached_weight, self.decode_weight,
-                                        pin, self.affinity_bonus, hf, self.hotspot_slack_s, mbs,
-                                        self.load_cap if mbs else 0.0)
+                res = _native_time_core_table(
+                    servers, md, states, positions, params, self.block_size, cap, num_tokens,
+                    self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
+                    self.hotspot_slack_s, mbs, self.load_cap if mbs else 0.0)
             except TypeError:
                 pass
         if res is not None:
@@ -335,7 +337,10 @@ class KvCacheAwarePolicy(Policy):
         if timed:
             # the chosen server's estimated time to first token (uncached_weight 1, no bonus):
             # what its first-token report is compared with (observe_ttft)
-            q, npf, tpf = phases[pick] if phases is not None else maps[1].get(server, _NO_PHASE)
+            if phases is not None:
+                q, npf, tpf = phases[pick]
+            else:
+                _, q, npf, tpf = states.get(server, _NO_STATE)
             r, t = loads[pick]
             b = pick * PARAMS
             w = q + num_tokens - matched[pick]
@@ -348,7 +353,7 @@ class KvCacheAwarePolicy(Policy):
 
 _NONE: list = []    # shared empty list of a KvChoice (never changed: explain only reads it)
 _NO_HOT: dict = {}
-_NO_PHASE = (0, 0, 0)   # a server absent from the lease table's phase map: no lease in prefill
+_NO_STATE = ((0, 0), 0, 0, 0)   # a server absent from the lease table's map: no lease
 
 
 def explain(c: KvChoice) -> dict:

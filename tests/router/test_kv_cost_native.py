@@ -7,6 +7,7 @@ run (int weights, servers of unknown match) and where it cannot (a view answerin
 from __future__ import annotations
 
 import os
+import random
 from array import array
 
 import numpy as np
@@ -32,6 +33,7 @@ B = 16
 
 def test_native_core_is_what_the_policy_uses():
     assert pk.NATIVE and pk._native_core is native.core and pk._native_time_core is native.time_core
+    assert pk._native_time_core_table is native.time_core_table
     assert KvCacheAwarePolicy(B)._native and KvCacheAwarePolicy(B).cost == "time"
     # int weights keep int scores in the explanation: the Python recipe runs for them
     assert not KvCacheAwarePolicy(B, prefill_weight=1)._native
@@ -123,37 +125,72 @@ def test_native_time_core_matches_the_python_recipe(args):
     assert lim1.hex() == float(lim2).hex()
 
 
-@settings(max_examples=300, deadline=None)
-@given(time_core_args(), st.randoms(use_true_random=False))
-def test_native_time_core_reads_the_lease_tables_maps_as_its_lists(args, rnd):
-    """Loads and phases given as the lease table's maps (server -> tuple, a server with no lease
-    absent): the same answer as with the lists, plus the loads it read."""
+def _table_args(args, rnd, shuffle=False):
+    """time_core's arguments as time_core_table's: the loads and phases as a lease table's map
+    (a server with no lease absent, or present with zeros), positions of the servers."""
     servers, md, loads, phases = args[:4]
-    lmap, pmap = {}, {}
+    states = {}
     for s, ld, ph in zip(servers, loads, phases):
-        # a zero load may be absent (no lease) or present; a zero phase likewise
-        if ld != (0, 0) or rnd.random() < 0.5:
-            lmap[s] = ld
-        if ph != (0, 0, 0) or rnd.random() < 0.5:
-            pmap[s] = ph
-    lmap["http://gone"] = (3, 300)      # servers that are not candidates are not read
-    pmap["http://gone"] = (300, 3, 300)
-    got = native.time_core(servers, md, lmap, pmap, *args[4:])
+        if ld != (0, 0) or ph != (0, 0, 0) or rnd.random() < 0.5:
+            states[s] = (ld, *ph)
+    states["http://gone"] = ((3, 300), 300, 3, 300)   # servers that are not candidates: not read
+    positions = {s: i for i, s in enumerate(servers)}
+    if shuffle:
+        positions = dict(rnd.sample(list(positions.items()), len(positions)))
+    return (servers, md, states, positions, *args[4:])
+
+
+@settings(max_examples=300, deadline=None)
+@given(time_core_args(), st.randoms(use_true_random=False), st.booleans())
+def test_native_time_core_table_reads_the_lease_tables_map_as_the_lists(args, rnd, shuffle):
+    """Loads and phases given as the lease table's own map (server -> ((requests, tokens),
+    queued, in prefill, their tokens)), matches found through the servers' positions: the same
+    answer as with the lists, plus the loads it read."""
+    got = native.time_core_table(*_table_args(args, rnd, shuffle))
     want = native.time_core(*args)
-    assert len(got) == 7 and got[6] == loads
+    assert len(got) == 7 and got[6] == args[2]
     assert _bits(got[1]) == _bits(want[1]) and got[:1] + got[2:6] == want[:1] + want[2:]
 
 
-def test_native_time_core_maps_must_both_be_dicts():
-    ok = (["a"], None, {}, {}, array("d", [1e-4, 512.0, 0.01, 0.0, 0.0, 0.0, 1.0]),
-          16, 0, 0, 2.0, 1.0, -1, 0.0, 2.0, 0.0, 0, 0.0)
-    assert native.time_core(*ok)[2] == [0] and native.time_core(*ok)[6] == [(0, 0)]
-    with pytest.raises(TypeError, match="phases must be a dict"):
-        native.time_core(*ok[:3], [(0, 0, 0)], *ok[4:])
+def test_many_servers_and_wide_ints_match_the_python_recipe():
+    """More candidates than the native core keeps on its stack (64), and ints of more than one
+    30-bit digit (its in-place read covers one): the same answers."""
+    rng = np.random.default_rng(7)
+    n = 150
+    servers = [f"http://s{i}" for i in range(n)]
+    big = 1 << 40
+    loads = [(int(rng.integers(0, 9)), int(rng.integers(0, 3)) * big + int(rng.integers(0, 9000)))
+             for _ in range(n)]
+    phases = [(min(t, 4000), min(r, 1), t // 2) for r, t in loads]
+    md = {s: int(rng.integers(0, 300)) for s in servers[::3]}
+    params = array("d")
+    for i in range(n):
+        params.extend((5e-5, 8192.0, 0.01, 1e-4, 1e-9, float(big) * (i % 3), 1.0 + i % 5))
+    args = (servers, md, loads, phases, params, 16, 4095, 4096, 2.0, 1.0, 7, 0.25, 2.0, 0.0,
+            0, 0.0)
+    got, want = native.time_core(*args), pk._time_core(*args)
+    assert _bits(got[1]) == _bits(want[1]) and got[:1] + got[2:] == want[:1] + want[2:]
+    table = native.time_core_table(*_table_args(args, random.Random(3)))
+    assert table[:6] == got and table[6] == loads
+    targs = (servers, md, loads, 16, 4095, 4096, 1.0, 1.0, 32.0, 7, 0.25, 2.0, 2.0, 8, 0.5)
+    assert native.core(*targs) == pk._core(*targs)
+
+
+def test_native_time_core_table_arguments_are_checked():
+    params = array("d", [1e-4, 512.0, 0.01, 0.0, 0.0, 0.0, 1.0])
+    rest = (params, 16, 0, 0, 2.0, 1.0, -1, 0.0, 2.0, 0.0, 0, 0.0)
+    ans = native.time_core_table(["a"], None, {}, {"a": 0}, *rest)
+    assert ans[2] == [0] and ans[6] == [(0, 0)]
+    with pytest.raises(TypeError, match="dicts"):
+        native.time_core_table(["a"], None, [((0, 0), 0, 0, 0)], {"a": 0}, *rest)
+    with pytest.raises(ValueError, match="one position per server"):
+        native.time_core_table(["a"], None, {}, {"a": 0, "b": 1}, *rest)
+    with pytest.raises(ValueError, match="position must be in"):
+        native.time_core_table(["a"], {"a": 1}, {}, {"a": 5}, *rest)
+    with pytest.raises(TypeError, match="lease state"):
+        native.time_core_table(["a"], None, {"a": ((1, 2), 3)}, {"a": 0}, *rest)
     with pytest.raises(TypeError, match="pair"):
-        native.time_core(ok[0], None, {"a": (1, 2, 3)}, *ok[3:])
-    with pytest.raises(TypeError, match="phase"):
-        native.time_core(*ok[:3], {"a": (1, 2)}, *ok[4:])
+        native.time_core_table(["a"], None, {"a": ((1, 2, 3), 0, 0, 0)}, {"a": 0}, *rest)
 
 
 def test_time_cost_prefers_queued_prefill_over_decoding_load():
