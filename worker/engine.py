@@ -263,10 +263,16 @@ class TorchEngine(SchedulingEngine):
         # Queued from the loop's own thread: preparing a step is Python holding the GIL, which a worker
         # thread would not free for the loop anyway, and each hand-off to the thread costs a wake-up.
         # Only the wait for the tokens (which releases the GIL) goes to the worker thread.
-        done = self._queue_step(chunks, rows, feed)
+        done = self._queue_step(chunks, rows, feed, plan)
         return asyncio.get_running_loop().run_in_executor(self._executor, done)
 
-    def _queue_step(self, chunks, rows, feed):
+    def _kv_written(self):
+        """A CUDA event after the K/V writes queued so far (on the runner's stream)."""
+        ev = self._torch.cuda.Event()
+        ev.record(self._torch.cuda.current_stream(self.runner.device))
+        return ev
+
+    def _queue_step(self, chunks, rows, feed, plan: Plan | None = None):
         """Queues the step's device work (the runner leaves greedy tokens in ``step_tokens``, the
         other rows are sampled into it here) and the tokens' copy to the host; returns the call that
         waits for them."""
@@ -274,6 +280,8 @@ class TorchEngine(SchedulingEngine):
         n = len(chunks)
         logits = runner.step(chunks, feed_index=feed, greedy_tokens=True)
         cuda = runner.device.type == "cuda"
+        if cuda and plan is not None:   # context chunks may leave right behind their compute
+            self.scheduler.prefill_launched(plan, self._kv_written)
         if not rows:  # still waited for: the step is applied only once its K/V is written (see _step)
             if not cuda:
                 return dict

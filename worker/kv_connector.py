@@ -10,7 +10,9 @@ built before the engine exists.
 Who calls what, all on the engine's event loop thread:
 
 * context side (``context_only`` requests):
-  ``prefill_progress(req, tokens_done, block_ids)`` after every prefill chunk (pipelined sends);
+  ``prefill_launched(req, tokens_done, block_ids, after)`` when a prefill chunk is queued on the
+  device (async scheduling on CUDA: ``after`` is the CUDA event that follows its K/V writes);
+  ``prefill_progress(req, tokens_done, block_ids)`` after every prefill chunk is written;
   ``context_finished(pinned) -> dict`` once prefill is done and the prompt blocks are pinned — the
   fields returned go into the response's ``encoded_opaque_state``;
   ``context_ended(req)`` when the request leaves the scheduler (finished, aborted, failed);
@@ -63,6 +65,12 @@ class KvConnector(abc.ABC):
         self.engine = engine
 
     # ------------------------------------------------------------------ context side
+    def prefill_launched(self, req: EngineRequest, tokens_done: int, block_ids: list[int],
+                         after) -> None:
+        """A ``context_only`` request's prompt tokens [0, tokens_done) are queued on the device;
+        they are written once the CUDA event ``after`` completed. ``prefill_progress`` follows
+        for the same tokens once the host knows they are written."""
+
     def prefill_progress(self, req: EngineRequest, tokens_done: int, block_ids: list[int]) -> None:
         """A ``context_only`` request computed prompt tokens [0, tokens_done)."""
 

@@ -104,7 +104,8 @@ class _Send:
     cid: int
     num_tokens: int
     pinned: list[int] = field(default_factory=list)   # blocks this connector holds a pin on
-    finished: bool = False                            # final slice appended
+    final: bool = False                               # final slice appended
+    finished: bool = False                            # context_finished: prefill done, answered
     ended: bool = False                               # the engine is done with the request
 
 
@@ -162,7 +163,25 @@ class TransferKvConnector(KvConnector):
             self._dirty.add(cid)
             self._wake.set()
 
+    def _pipelined(self) -> bool:
+        cfg = getattr(self.tx, "cfg", None)
+        return bool(getattr(cfg, "pipeline", False))
+
+    def prefill_launched(self, req, tokens_done: int, block_ids, after) -> None:
+        """Pipelining on the GPU: the chunk's blocks are handed to the transfer as soon as its
+        compute is queued, with the CUDA event after it; the write waits for the event on the
+        device. The prompt's last chunk appends the final slice here too, so its write (and the
+        completion it carries) starts the moment the compute ends, not once the engine has seen the
+        step finish, sampled and answered. Monolithic sends (``pipeline`` off) wait for
+        ``context_finished`` as before."""
+        if not self._pipelined():
+            return
+        self._progress(req, tokens_done, block_ids, after)
+
     def prefill_progress(self, req, tokens_done: int, block_ids) -> None:
+        self._progress(req, tokens_done, block_ids, None)
+
+    def _progress(self, req, tokens_done: int, block_ids, after) -> None:
         if self._closed or req.ctx_request_id is None:
             return
         cid = int(req.ctx_request_id)
@@ -174,11 +193,15 @@ class TransferKvConnector(KvConnector):
         try:
             if st is None:
                 st = self._begin(cid, n, blocks)
-            if st.finished:
+            if st.final:
                 return
             # Blocks computed so far are pinned before the transfer thread may read them.
             self._pin_more(st, blocks)
-            self.tx.progress_send(cid, tokens_done, blocks)
+            if after is not None and tokens_done >= n:
+                self.tx.finish_send(cid, None, blocks, after=after)
+                st.final = True
+            else:
+                self.tx.progress_send(cid, tokens_done, blocks, after=after)
         except Exception:  # a transfer problem must never stop the engine loop
             log.exception("pipelined send of context request %s", cid)
 
@@ -205,10 +228,15 @@ class TransferKvConnector(KvConnector):
     def _context_finished(self, pinned) -> dict:
         cid = int(pinned.ctx_request_id)
         if cid in self._ended_early:
-            # The pipelined send already failed (its receiver is gone): nothing will fetch these
-            # blocks, so the engine's new pin is released right after this hook returns.
+            # The pipelined send already ended: the engine's new pin is released right after this
+            # hook returns. Ended as "done", every byte landed before the engine saw its last step
+            # finish (the final slice left right behind the compute: ``prefill_launched``).
             reason = self._ended_early.pop(cid)
-            asyncio.get_running_loop().call_soon(self.engine.release, cid, "transfer_failed")
+            done = reason == "done"
+            asyncio.get_running_loop().call_soon(
+                self.engine.release, cid, SendEnd.TRANSFERRED if done else "transfer_failed")
+            if done:
+                return self._opaque(cid)
             log.info("context request %s finished prefill after its transfer ended (%s)", cid,
                      reason)
             return {}
@@ -218,9 +246,13 @@ class TransferKvConnector(KvConnector):
         if st is None:
             st = self._begin(cid, n, blocks)
         self._pin_more(st, blocks)
-        if not st.finished:
+        if not st.final:
             self.tx.finish_send(cid, None, blocks)
-            st.finished = True
+            st.final = True
+        st.finished = True
+        return self._opaque(cid)
+
+    def _opaque(self, cid: int) -> dict:
         return dict(zip(OPAQUE_FIELDS, (self.tx.endpoint, self.tx.instance_id, cid,
                                         self.tx.agent.kind)))
 

@@ -439,6 +439,27 @@ class Scheduler:
         s.num_committed = len(blocks)
 
     # ------------------------------------------------------------------ applying a step
+    def _sends_prefill(self, s: Seq, start: int) -> bool:
+        """``s``'s chunk from ``start`` is prompt KV a generation leg will fetch: the connector is
+        told as soon as it is queued (``prefill_launched``) and once it is written (``_apply``)."""
+        return self.kv_connector is not None and s.req.request_type == CONTEXT_ONLY \
+            and start < s.num_prompt
+
+    def prefill_launched(self, plan: Plan, mark) -> None:
+        """Async scheduling: ``plan`` is queued on the device, not computed yet. Each context
+        chunk in it may be sent right behind its compute: ``mark()`` (called at most once, right
+        here) records the device event after the step's K/V writes, which the connector's
+        transfer waits for on the device — no host sync, nothing handed to a thread, so each
+        chunk's write overlaps the next chunk's compute and, for the last chunk, the engine's own
+        wait for it."""
+        ev = None
+        for s, start, n, _sample in plan.entries:
+            if s.state != RUNNING or not self._sends_prefill(s, start):
+                continue
+            if ev is None:
+                ev = mark()
+            self.kv_connector.prefill_launched(s.req, min(start + n, s.num_prompt), s.blocks, ev)
+
     def _apply(self, plan: Plan, sampled: list[int | None] | None, error: str | None) -> None:
         self._stats.record_step(plan.num_prefill_tokens, plan.num_decode_tokens)
         for i, (s, start, n, sample) in enumerate(plan.entries):
@@ -457,8 +478,7 @@ class Scheduler:
             # Only what this step wrote is offered to the prefix cache: under async scheduling a later
             # step may still be writing the positions after it.
             self._commit_full_blocks(s, start + n)
-            if self.kv_connector is not None and s.req.request_type == CONTEXT_ONLY \
-                    and start < s.num_prompt:  # pipelining: finished blocks can leave now
+            if self._sends_prefill(s, start):  # pipelining: finished blocks can leave now
                 self.kv_connector.prefill_progress(s.req, min(start + n, s.num_prompt),
                                                    s.blocks)
             if sample:

@@ -84,7 +84,8 @@ def page_table(base: int, num_blocks: int, dtype: str, mem: str, dev: int, geo: 
 
 # ------------------------------------------------------------------------------ rank process
 def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: str,
-              pipeline: bool, geo: str = "1b", real: str | None = None) -> None:
+              pipeline: bool, geo: str = "1b", real: str | None = None,
+              engine_chunk: int | None = None) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
     import numpy as np
     import torch
@@ -105,6 +106,7 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
         runner = ModelRunner(build_preset(real, device=device, dtype=wdt), num_blocks,
                              block_size=TPB, device=device, dtype=wdt)
         pool = runner.kv_cache.view(-1).view(torch.uint8)
+        LAYERS, KV_HEADS = runner.cfg.num_hidden_layers, runner.cfg.num_key_value_heads
         mem, dev = ("VRAM", torch.cuda.current_device()) if device == "cuda" else ("DRAM", 0)
     elif device == "cuda":
         torch.cuda.init()
@@ -123,10 +125,14 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
         pool.zero_()
     pt = PageTable.from_runner_dict(runner.page_table()) if runner is not None else \
         page_table(pool.data_ptr(), num_blocks, dtype, mem, dev, geo)
-    tx = KvTransceiver(pt,
-                       RankTopology(role=role, num_layers=LAYERS, total_kv_heads=KV_HEADS, model=geo),
-                       TransferConfig(agent=kind, pipeline=pipeline, send_timeout_s=600,
-                                      recv_timeout_s=600))
+    topo = RankTopology(role=role, num_layers=LAYERS, total_kv_heads=KV_HEADS, model=geo)
+    tcfg = TransferConfig(agent=kind, pipeline=pipeline, send_timeout_s=600, recv_timeout_s=600)
+    eng = None
+    if engine_chunk:   # the worker's own engine (scheduler, step loop, KV connector) over runner
+        eng = EngineRank(runner, real, device, engine_chunk, pt, topo, tcfg)
+        tx = eng.tx
+    else:
+        tx = KvTransceiver(pt, topo, tcfg)
     conn.send(("ready", tx.endpoint, tx.agent.kind))
     posted: dict[int, threading.Event] = {}
 
@@ -141,7 +147,10 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
         cmd, a = conn.recv()
         try:
             if cmd == "exit":
-                tx.shutdown()
+                if eng is not None:
+                    eng.close()
+                else:
+                    tx.shutdown()
                 conn.send(("ok", None))
                 return
             if cmd == "send":          # (req, ntok, ids): context_first, prefill already done
@@ -166,9 +175,12 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
                 tx.cfg.pipeline = bool(a[0])
                 out = None
             elif cmd == "wait_send":
-                st = wait(tx.send_status, a[0])
-                tx.release_send(a[0])
-                out = (st.state, st.bytes, st.descriptors, st.write_s)
+                if eng is not None:    # the connector releases its own sessions
+                    st = eng.send_ended(a[0])
+                else:
+                    st = wait(tx.send_status, a[0])
+                    tx.release_send(a[0])
+                out = (st.state, st.bytes, st.descriptors, st.write_s, list(st.slices_done))
             elif cmd == "recv":        # (req, ep, ntok, ids) -> seconds from post to done
                 req, ep, ntok, ids = a
                 ev = threading.Event()
@@ -179,29 +191,11 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
                 st = tx.recv_status(req)
                 tx.release_receive(req)
                 out = (st.state, t1 - t0, st.error)
-            elif cmd == "real_prefill":   # (req, ntok, ids, chunk, send): the runner's prefill
-                from worker.runner import Chunk
-
-                req, ntok, ids, chunk, send = a
+            elif cmd == "engine_prefill":   # (req, ntok, send) -> EngineRank.prefill's dict
+                req, ntok, send = a
                 toks = [int(x) for x in np.random.default_rng(req).integers(
                     0, runner.cfg.vocab_size, ntok)]
-                sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-                if send:
-                    tx.begin_send(req, ntok, ids)
-                sync()
-                t0 = time.monotonic()
-                done = 0
-                while done < ntok:
-                    n = min(chunk, ntok - done)
-                    runner.step([Chunk(token_ids=toks[done:done + n], start_pos=done,
-                                       block_ids=ids)])
-                    sync()   # as the engine does: a chunk is handed on once its K/V is written
-                    done += n
-                    if send and done < ntok:
-                        tx.progress_send(req, done)
-                if send:
-                    tx.finish_send(req, None)
-                out = (t0, time.monotonic() - t0)
+                out = eng.prefill(req, toks, send)
             elif cmd == "post_recv":
                 req, ep, ntok, ids = a
                 posted[req] = threading.Event()
@@ -228,12 +222,103 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
             conn.send(("err", f"{type(e).__name__}: {e}"))
 
 
+class EngineRank:
+    """A context rank that is the worker's own engine: ``TorchEngine`` (scheduler, async step loop,
+    chunked prefill of ``chunk`` tokens per step) with its ``TransferKvConnector``, on an asyncio
+    loop of its own thread. A prompt goes in as an ``EngineRequest``; its KV leaves exactly as in
+    a context worker. Timestamps (CLOCK_MONOTONIC, shared by the processes of one host): when
+    each chunk was queued (``prefill_launched``) and seen written (``prefill_progress``), and when
+    each slice's write was seen finished (the send session's ``slices_done``)."""
+
+    def __init__(self, runner, model: str, device: str, chunk: int, pt, topo, tcfg):
+        import asyncio
+
+        from transfer.session import KvTransceiver
+        from worker.engine import TorchEngine
+        from worker.kv_connector_transfer import TransferKvConnector
+        from protocol.tokenizer import ByteTokenizer
+
+        times = self.times = {"launched": [], "written": []}
+        ended = self.ended = {}
+
+        class Recording(KvTransceiver):
+            def release_send(self, request_id):
+                ended[request_id] = self.send_status(request_id)
+                super().release_send(request_id)
+
+        class Timed(TransferKvConnector):
+            def prefill_launched(self, req, tokens_done, block_ids, after):
+                times["launched"].append(time.monotonic())
+                super().prefill_launched(req, tokens_done, block_ids, after)
+
+            def prefill_progress(self, req, tokens_done, block_ids):
+                times["written"].append(time.monotonic())
+                super().prefill_progress(req, tokens_done, block_ids)
+
+        self.connector = Timed(lambda e: Recording(pt, topo, tcfg))
+        self.engine = TorchEngine(runner, ByteTokenizer(vocab_size=runner.cfg.vocab_size),
+                                  max_batch_size=4, max_num_tokens=chunk, pin_timeout_s=600,
+                                  kv_connector=self.connector)
+        if device == "cuda" and not self.engine.async_scheduling:
+            raise RuntimeError("the engine rank needs async scheduling (single-rank CUDA runner)")
+        self.tx = self.connector.tx
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
+        self._run(self.engine.start())
+
+    def _run(self, coro, timeout: float = 600):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def prefill(self, req: int, toks: list[int], send: bool) -> dict:
+        """One prompt: ``send`` = a context_only request whose KV goes to whoever posted a receive
+        for ``req``; else an ordinary request of one token (the same prefill, nothing sent)."""
+        from worker.requests import (CONTEXT_AND_GENERATION, CONTEXT_ONLY, EngineRequest,
+                                     SamplingParams)
+
+        for v in self.times.values():
+            v.clear()
+        r = EngineRequest(request_id=f"bench-{req}", prompt_token_ids=toks,
+                          sampling=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                          request_type=CONTEXT_ONLY if send else CONTEXT_AND_GENERATION,
+                          ctx_request_id=req if send else None)
+
+        async def go():
+            t0 = time.monotonic()
+            first, ctx = None, None
+            async for ev in await self.engine.submit(r):
+                first = first or time.monotonic()
+                if ev.error:
+                    raise RuntimeError(f"request {req}: {ev.error}")
+                ctx = ev.context or ctx
+            return t0, first, ctx
+
+        t0, first, ctx = self._run(go())
+        return {"t0": t0, "first": first, "blocks": list(ctx.block_ids) if ctx else None,
+                "launched": list(self.times["launched"]), "written": list(self.times["written"])}
+
+    def send_ended(self, req: int, timeout: float = 60):
+        """The send session's last status (it is released once quiescent)."""
+        deadline = time.monotonic() + timeout
+        while req not in self.ended and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self.ended.pop(req)
+
+    def close(self) -> None:
+        self._run(self.engine.stop())
+        self._run(self.connector.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 class Rank:
-    def __init__(self, role, device, kind, num_blocks, dtype, pipeline=True, geo="1b", real=None):
+    def __init__(self, role, device, kind, num_blocks, dtype, pipeline=True, geo="1b", real=None,
+                 engine_chunk=None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=rank_main, args=(child, role, device, kind, num_blocks,
-                                                        dtype, pipeline, geo, real), daemon=True)
+                                                        dtype, pipeline, geo, real, engine_chunk),
+                                daemon=True)
         self.proc.start()
         if not self.conn.poll(300):
             raise RuntimeError(f"{role} rank did not start")
@@ -301,7 +386,7 @@ def measure(ctx: "Rank", gen: "Rank", ntok: int, src: list[int], dst: list[int],
     ctx("send", r, ntok, src)
     state, dt, err = gen("recv", r, ctx.endpoint, ntok, dst)
     assert state == "done", err
-    _, nbytes, ndesc, write_s = ctx("wait_send", r)
+    _, nbytes, ndesc, write_s, _ = ctx("wait_send", r)
     return dt, write_s, nbytes, ndesc
 
 
@@ -396,47 +481,71 @@ def run(args) -> tuple[str, dict]:
 
 
 def real_ttft(args, kinds, results, req, rng) -> None:
-    """TTFT with the worker's own `1b` model runner doing the chunked prefill on the context side
-    (each chunk synchronised and handed on, as the engine does), pipelined vs monolithic, against
-    the same prefill with nothing sent. Blocks are scattered on both sides."""
+    """TTFT with the worker's own engine doing the chunked prefill on the context side: a
+    ``TorchEngine`` (async scheduling, ``--chunk`` tokens per step) over the ``--real-model``
+    runner, with its ``TransferKvConnector`` — the code a context worker runs. Per repeat, in
+    turn: the prompt as an ordinary one-token request (*prefill alone*: submit → first token),
+    then as a context_only request whose receive the generation process posted first, pipelined
+    and monolithic (TTFT: submit → the generation side's receive done). Destination blocks are
+    scattered; the bytes are checked after each mode."""
     med = statistics.median
     ntok, chunk = args.ttft_tokens, args.chunk
     nblk = -(-ntok // TPB)
-    nb = nblk + 64
+    nb = 2 * nblk + 64
     results["ttft_real"] = {}
+    results["overlap"] = {}
     for kind in kinds:
         try:
-            ctx = Rank("context", args.device, kind, nb, args.dtype, real=args.real_model)
+            ctx = Rank("context", args.device, kind, nb, args.dtype, real=args.real_model,
+                       engine_chunk=chunk)
             gen = Rank("generation", args.device, kind, nb, args.dtype, real=args.real_model)
         except RuntimeError as e:
             print(f"agent {kind}: unavailable for the real prefill ({e})", file=sys.stderr)
             continue
         try:
-            src = [int(x) for x in rng.permutation(nb)[:nblk]]
             dst = [int(x) for x in rng.permutation(nb)[:nblk]]
-            ctx("real_prefill", next(req), ntok, src, chunk, False)      # warm-up: kernels, graphs
-            measure(ctx, gen, 64, src[:4], dst[:4], req)
-            alone = med(ctx("real_prefill", next(req), ntok, src, chunk, False)[1]
-                        for _ in range(args.repeats))
-            out = {}
-            for pipeline in (True, False):
+
+            def alone() -> float:
+                d = ctx("engine_prefill", next(req), ntok, False)
+                return d["first"] - d["t0"]
+
+            def sent(pipeline: bool):
                 ctx("pipeline", pipeline)
-                vals = []
-                for _ in range(args.repeats):
-                    r = next(req)
-                    gen("post_recv", r, ctx.endpoint, ntok, dst)
-                    time.sleep(0.05)  # the receive is posted before prefill starts
-                    t0, _ = ctx("real_prefill", r, ntok, src, chunk, True)
-                    state, t1, err = gen("wait_recv", r)
-                    assert state == "done", err
-                    ctx("wait_send", r)
-                    vals.append(t1 - t0)
-                out[pipeline] = med(vals)
-            assert ctx("digest", src) == gen("digest", dst), "bytes differ after the real prefill"
-            results["ttft_real"][ctx.kind] = (alone, out[True], out[False])
-            print(f"{ctx.kind:5s} real-prefill TTFT {ntok} tok: prefill alone {alone * 1e3:.2f} ms, "
-                  f"pipelined {out[True] * 1e3:.2f} ms, monolithic {out[False] * 1e3:.2f} ms",
-                  flush=True)
+                r = next(req)
+                gen("post_recv", r, ctx.endpoint, ntok, dst)
+                time.sleep(0.05)  # the receive is posted before prefill starts
+                d = ctx("engine_prefill", r, ntok, True)
+                state, t1, err = gen("wait_recv", r)
+                assert state == "done", err
+                st = ctx("wait_send", r)
+                assert st[0] == "done", st
+                assert ctx("digest", d["blocks"]) == gen("digest", dst[:len(d["blocks"])]), \
+                    f"bytes differ after the {'pipelined' if pipeline else 'monolithic'} transfer"
+                return t1 - d["t0"], t1, d, st[4]
+
+            alone(), sent(True), sent(False)   # warm-up: kernels, graphs, connections
+            vals: dict = {"alone": [], True: [], False: []}
+            for _ in range(args.repeats):
+                vals["alone"].append(alone())
+                for pipeline in (True, False):
+                    ttft, t1, d, done = sent(pipeline)
+                    vals[pipeline].append(ttft)
+                    if pipeline:
+                        last = (t1, d, done)
+            a, tp, tm = med(vals["alone"]), med(vals[True]), med(vals[False])
+            results["ttft_real"][ctx.kind] = (a, tp, tm)
+            t1, d, done = last
+            wr = d["written"]
+            # slice k's write vs the host seeing chunk k+1 written (its compute ended before)
+            margins = [wr[k + 1] - done[k] for k in range(min(len(done), len(wr)) - 1)]
+            results["overlap"][ctx.kind] = {
+                "chunks": len(wr), "slices": len(done),
+                "min_margin_ms": min(margins) * 1e3 if margins else None,
+                "kv_landed_vs_answer_ms": (t1 - d["first"]) * 1e3}
+            print(f"{ctx.kind:5s} real-prefill TTFT {ntok} tok (engine, {chunk}-token chunks): "
+                  f"prefill alone {a * 1e3:.2f} ms, pipelined {tp * 1e3:.2f} ms, monolithic "
+                  f"{tm * 1e3:.2f} ms; exposed {(tp - a) * 1e3:.3f} vs {(tm - a) * 1e3:.3f} ms; "
+                  f"overlap {results['overlap'][ctx.kind]}", flush=True)
         finally:
             ctx.close()
             gen.close()
@@ -492,10 +601,12 @@ def render(args, results, rate) -> str:
                          f"{em * 1e3:,.2f} | {max(0.0, 1 - ep / em) * 100:.0f}% |")
     if results.get("ttft_real"):
         lines += ["", f"TTFT of a {args.ttft_tokens:,}-token prompt with the real prefill (the "
-                  f"worker's `{args.real_model}` ModelRunner, random weights, {args.dtype}, {args.chunk}-token "
-                  f"chunks, each synchronised and handed to the transfer as the engine does; "
-                  f"blocks scattered on both sides; *exposed* = TTFT − the same prefill with "
-                  f"nothing sent):", "",
+                  f"worker's engine: `TorchEngine`, async scheduling, {args.chunk}-token chunks, "
+                  f"its `TransferKvConnector`, the `{args.real_model}` model with random weights, "
+                  f"{args.dtype}; generation_first, destination blocks scattered; *prefill alone* "
+                  f"= the same prompt as an ordinary one-token request, submit → first token; "
+                  f"TTFT = submit → the generation side's receive done; *exposed* = TTFT − prefill "
+                  f"alone; medians of {args.repeats}, the three interleaved):", "",
                   "| agent | prefill alone ms | pipelined ms | monolithic ms | exposed pipelined "
                   "ms | exposed monolithic ms | transfer hidden |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
@@ -504,6 +615,14 @@ def render(args, results, rate) -> str:
             hidden = (1 - max(0.0, ep) / em) * 100 if em > 0 else float("nan")
             lines.append(f"| {k} | {alone * 1e3:,.2f} | {tp * 1e3:,.2f} | {tm * 1e3:,.2f} | "
                          f"{ep * 1e3:,.3f} | {em * 1e3:,.3f} | {hidden:.0f}% |")
+        for k, o in results.get("overlap", {}).items():
+            lines.append(f"\n{k}, last pipelined run: {o['chunks']} chunks, {o['slices']} slices; "
+                         + (f"each slice's write was seen finished at least "
+                            f"{o['min_margin_ms']:,.2f} ms before the host saw the next chunk "
+                            f"written; " if o["min_margin_ms"] is not None else "") +
+                         f"the KV was complete on the generation side "
+                         f"{o['kv_landed_vs_answer_ms']:+,.2f} ms after the context engine's first "
+                         f"token (negative: before it).")
     return "\n".join(lines)
 
 

@@ -234,10 +234,14 @@ class MultiRankTransceiver(Transceiver):
         if on_end is not None:
             self._watch("send", request_id, on_end)
 
-    def progress_send(self, request_id: int, tokens_done: int, block_ids=None) -> None:
+    def progress_send(self, request_id: int, tokens_done: int, block_ids=None,
+                      after=None) -> None:
+        _no_event(after)
         self._all("progress_send", request_id, tokens_done, _ids(block_ids))
 
-    def finish_send(self, request_id: int, meta: dict | None = None, block_ids=None) -> None:
+    def finish_send(self, request_id: int, meta: dict | None = None, block_ids=None,
+                    after=None) -> None:
+        _no_event(after)
         self._all("finish_send", request_id, meta, _ids(block_ids))
 
     def send_status(self, request_id: int) -> Status:
@@ -347,6 +351,14 @@ def _ids(block_ids):
         else:
             out.append(int(b))
     return out
+
+
+def _no_event(after) -> None:
+    """The ranks' transceivers live in other processes: a CUDA event of this one means nothing
+    there. (A multi-rank engine steps synchronously and hands chunks on once written.)"""
+    if after is not None:
+        raise ValueError("a multi-rank transceiver takes chunks once written: expected after=None, "
+                         f"found {type(after).__name__}")
 
 
 def build_rank_transfer(engine, cfg, *, role: str, model_name: str) -> MultiRankTransceiver:
