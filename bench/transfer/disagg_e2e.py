@@ -27,6 +27,11 @@ fleet that uses it, and ``splitserve worker`` processes pinned to GPUs with ``CU
 3. **pipelined vs monolithic** — (b) with the context worker sending each finished prefill chunk's
    KV right away (pipelined) and again with one transfer after the whole prefill (monolithic); the
    mode each context worker reports in ``/server_info`` is checked (``--transfer-pipeline on|off``).
+4. **TTFT alone** (``--parts ttft``, not in the default set) — one request at a time, prompts of
+   ``--ttft-sizes`` tokens (2k/8k/32k), aggregated (one ``both`` worker) vs disaggregated
+   (generation_first, pipelined) vs disaggregated monolithic: what disaggregation adds to a
+   request's TTFT when nothing else runs (bench/transfer/disagg/ttft.py). The issue-37 dry run:
+   ``python bench/transfer/disagg_e2e.py --gpus 0 --parts ttft`` (about 2 minutes on one H100).
 
 Metrics (all client-side, from token arrival times):
 
@@ -79,6 +84,7 @@ from bench.transfer.disagg.common import BenchError, say  # noqa: E402
 from bench.transfer.disagg.e2e import PIPELINE_SWITCH, e2e_specs, run_config  # noqa: E402
 from bench.transfer.disagg.kv_transfer import transfer_part  # noqa: E402
 from bench.transfer.disagg.report import machine, render, results_title, targets, targets_line, write_results  # noqa: E402
+from bench.transfer.disagg.ttft import TTFT_SIZES, ttft_part  # noqa: E402
 from bench.transfer.disagg.workload import SCALES, Req, build_workload, parse_scale, workload_summary  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -110,9 +116,13 @@ def default_num_blocks(args, reqs: list[Req], block_size: int = 16) -> int:
     """KV blocks per worker: the whole workload resident at once (+25%) or the largest transfer size,
     capped at ``--kv-gib`` GiB. Explicit because two workers sharing one GPU must not each size their
     pool from all of its memory."""
-    need = sum(math.ceil((r.prompt_tokens + 64 + r.max_tokens) / block_size) for r in reqs)
+    need = 0
+    if "e2e" in args.parts or "pipeline" in args.parts:
+        need = sum(math.ceil((r.prompt_tokens + 64 + r.max_tokens) / block_size) for r in reqs)
     if "transfer" in args.parts:
         need = max(need, math.ceil(max(args.sizes) / block_size) + 16)
+    if "ttft" in args.parts:   # two prompts resident (a pinned one and the next), and cache
+        need = max(need, 3 * math.ceil((max(args.ttft_sizes) + 64) / block_size))
     need = int(need * 1.25) + 64
     cap = int(args.kv_gib * (1 << 30) // (kv_bytes_per_token(args.model, args.dtype) * block_size))
     if need > cap:
@@ -138,7 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transfer prompt sizes in tokens, comma separated (default: the scale's, "
                         "1024,4096,16384,65536 on GPUs)")
     p.add_argument("--parts", default="transfer,e2e,pipeline",
-                   help="comma separated subset of transfer, e2e, pipeline")
+                   help="comma separated subset of transfer, e2e, pipeline, ttft")
+    p.add_argument("--ttft-sizes", default=",".join(map(str, TTFT_SIZES)),
+                   help="prompt sizes of the ttft part, comma separated")
+    p.add_argument("--ttft-repeats", type=int, default=3,
+                   help="measured requests per size in the ttft part (after one warm-up)")
     p.add_argument("--transfer-agent", choices=("auto", "nixl", "tcp", "shm"), default="auto",
                    help="KV transfer agent of the workers and of the transfer part (auto = nixl when installed)")
     p.add_argument("--fleet-workers", type=int, default=None, help="fleet processes (default: 2 on cuda, 1 on cpu)")
@@ -183,10 +197,18 @@ def resolve_args(args) -> None:
     if not args.sizes or any(s < 16 for s in args.sizes):
         raise BenchError(f"--sizes: every size must be at least 16 tokens, found {args.sizes}")
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    bad = [x for x in parts if x not in ("transfer", "e2e", "pipeline")]
+    bad = [x for x in parts if x not in ("transfer", "e2e", "pipeline", "ttft")]
     if bad or not parts:
-        raise BenchError(f"--parts: expected a subset of transfer,e2e,pipeline, found {args.parts!r}")
+        raise BenchError(f"--parts: expected a subset of transfer,e2e,pipeline,ttft, found {args.parts!r}")
     args.parts = parts
+    try:
+        args.ttft_sizes = [int(x) for x in str(args.ttft_sizes).split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"--ttft-sizes: expected comma separated token counts, found "
+                         f"{args.ttft_sizes!r}") from None
+    if "ttft" in parts and (not args.ttft_sizes or min(args.ttft_sizes) < 16 or args.ttft_repeats < 1):
+        raise BenchError(f"--ttft-sizes / --ttft-repeats: expected sizes ≥ 16 tokens and ≥ 1 repeat, "
+                         f"found {args.ttft_sizes} / {args.ttft_repeats}")
     if args.fleet_workers is None:
         args.fleet_workers = 2 if args.device == "cuda" else 1
     if args.kv_gib is None:
@@ -201,8 +223,12 @@ def check_model(args) -> None:
         limit = max_context(args.model)
     except (KeyError, OSError, ValueError) as e:
         raise BenchError(f"--model {args.model!r}: {e}") from None
+    longest = 0
     if "e2e" in args.parts or "pipeline" in args.parts:
         longest = max(r.prompt_tokens + 64 + r.max_tokens for r in build_workload(args.scale, args.seed, ""))
+    if "ttft" in args.parts:
+        longest = max(longest, max(args.ttft_sizes) + 64)
+    if longest:
         if longest > limit:
             raise BenchError(f"--model {args.model}: its context is {limit} tokens, but the workload's longest "
                              f"request needs about {longest} (--scale {args.scale.name}); pick a smaller --scale "
@@ -261,6 +287,9 @@ def run_all(args, reg: Registry, logdir: Path) -> dict:
         mono = run_config("monolithic", args, reg, logdir, disagg("monolithic"), "kv_cache_aware",
                           "kv_cache_aware", reqs, need_disagg=True, pipeline=False)
         result["pipeline"] = {"switch": switch, "pipelined": runs["disaggregated"], "monolithic": mono}
+    if "ttft" in args.parts:
+        say("ttft", f"one request at a time, prompts of {args.ttft_sizes} tokens")
+        result["ttft"] = ttft_part(args, reg, logdir, specs, PIPELINE_SWITCH)
     result["meta"]["wall_s"] = round(time.monotonic() - t0, 1)
     result["targets"] = targets(result)
     result["targets_line"] = targets_line(result["targets"], dry_note(args))

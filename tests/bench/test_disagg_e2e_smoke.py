@@ -222,6 +222,8 @@ def test_workload_is_fixed_by_the_seed():
     (["--parts", "transfer,nope"], "--parts: expected a subset"),
     (["--sizes", "8"], "--sizes: every size must be at least 16"),
     (["--sizes", "1k"], "--sizes: expected comma separated token counts"),
+    (["--parts", "ttft", "--ttft-sizes", "2k"], "--ttft-sizes: expected comma separated token counts"),
+    (["--parts", "ttft", "--ttft-sizes", "8"], "--ttft-sizes / --ttft-repeats: expected sizes ≥ 16"),
 ])
 def test_bad_flags_are_clear_errors(argv, message, capsys):
     assert bench.main(argv) == 2
@@ -269,6 +271,28 @@ def test_interrupt_stops_every_process(tmp_path):
     pids = [int(line.split()[0]) for line in pid_file.read_text().splitlines()]
     assert len(pids) == 4
     assert _alive(pids, wait_s=10) == []
+
+
+def test_ttft_part_one_request_at_a_time(tmp_path):
+    """--parts ttft: aggregated, disaggregated (generation_first, pipelined) and monolithic, each its
+    own cluster; every measured request of every size placed as its configuration says."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *SMOKE, "--parts", "ttft", "--ttft-sizes", "64,256",
+                           "--ttft-repeats", "2", "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    t = json.loads(out.read_text())["ttft"]
+    assert t["sizes"] == [64, 256] and t["repeats"] == 2
+    for name, mode in (("aggregated", "aggregated"), ("disaggregated", "disaggregated"),
+                       ("monolithic", "disaggregated")):
+        run = t["runs"][name]
+        for size in ("64", "256"):
+            row = run["sizes"][size]
+            assert row["modes"] == {mode: 2} and len(row["ttft_ms"]) == 2, (name, row)
+            assert 0 < row["p50_ms"] < 60_000
+    assert t["runs"]["disaggregated"]["schedule_style"] == "generation_first"
+    assert "| 256 |" in proc.stdout and "TTFT of one request alone" in proc.stdout
+    assert "TTFT alone at" not in proc.stdout   # 8k not measured: no verdict
 
 
 @pytest.mark.gpu

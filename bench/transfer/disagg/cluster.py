@@ -95,8 +95,9 @@ class Cluster:
     coordinator, on loopback ports picked by the OS. ``start`` returns once the fleet serves a probe."""
 
     def __init__(self, name: str, args, reg: Registry, logdir: Path, workers: list[WorkerSpec],
-                 ctx_router: str | None, gen_router: str):
+                 ctx_router: str | None, gen_router: str, schedule_style: str | None = None):
         self.name, self.args, self.reg, self.logdir = name, args, reg, logdir
+        self.schedule_style = schedule_style   # None: the fleet's default (context_first)
         self.specs, self.ctx_router, self.gen_router = workers, ctx_router, gen_router
         self.workers: list[RunningWorker] = []
         self.procs: list[Proc] = []
@@ -137,6 +138,8 @@ class Cluster:
                                    "router": {"type": self.ctx_router or "round_robin"}},
                "generation_servers": {"urls": [u.split("//", 1)[1] for u in gen],
                                       "router": {"type": self.gen_router}}}
+        if self.schedule_style:
+            cfg["schedule_style"] = self.schedule_style
         cfg_path = self.logdir / f"{self.name}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         env = _child_env(None)
@@ -193,6 +196,14 @@ class Cluster:
     def stop(self) -> None:
         self.reg.stop(self.procs, grace=10.0)
         self.procs = []
+
+    def transfer_info(self) -> dict:
+        """The first context worker's ``transfer`` field of ``/server_info`` ({} if none)."""
+        for w in self.workers:
+            if w.spec.role == "context":
+                st, body = http_call(w.url + "/server_info")
+                return (json.loads(body).get("transfer") or {}) if st == 200 else {}
+        return {}
 
     def route_mode(self) -> str | None:
         """The placement mode of one short non-streaming request (``disaggregated``, ``no_kv_transfer``…)."""

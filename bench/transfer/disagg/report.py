@@ -84,6 +84,10 @@ def targets(result: dict) -> dict:
                                   f"streams text chunks without token ids, so these are per-chunk gaps")
     else:
         out["tpot"] = {"met": None, "why": dis.get("skipped") or agg.get("skipped") or "not measured"}
+    if "ttft" in result:
+        from bench.transfer.disagg.ttft import ttft_target
+
+        out["ttft"] = ttft_target(result["ttft"]) or {"met": None, "why": "not measured"}
     return out
 
 
@@ -97,7 +101,13 @@ def targets_line(tg: dict, dry: str | None) -> str:
          f"{_f(p['throughput_ratio'], '{:.2f}')}× output tok/s (target ≥1×): {verdict(p['met'])}"
          + (f" ({p['why']})" if p.get("why") else "")
          if "ratio" in p else f"TPOT: n/a ({p['why']})")
-    return f"targets: {a}; {b}" + (f"  [{dry}]" if dry else "")
+    c = ""
+    if "ttft" in tg:
+        q = tg["ttft"]
+        c = (f"; TTFT alone at {q['size']:,} tokens disaggregated/aggregated {q['ratio']:.3f}× "
+             f"(target ≤{q['target']:g}×): {verdict(q['met'])}" if "ratio" in q
+             else f"; TTFT alone: n/a ({q['why']})")
+    return f"targets: {a}; {b}{c}" + (f"  [{dry}]" if dry else "")
 
 
 def pipeline_table(pl: dict) -> str:
@@ -116,6 +126,8 @@ def pipeline_table(pl: dict) -> str:
 
 
 def render(result: dict) -> str:
+    from bench.transfer.disagg.ttft import ttft_table
+
     m = result["meta"]
     parts = [f"`{m['command']}`", "",
              f"{m['date']} · {m['machine']} · model {m['model']} ({m['dtype']}) on {m['device']} · "
@@ -125,6 +137,7 @@ def render(result: dict) -> str:
              e2e_table(result["e2e"]["runs"]),
              "Pipelined vs monolithic KV transfer (disaggregated):", "",
              pipeline_table(result["pipeline"]),
+             *([ttft_table(result["ttft"])] if "ttft" in result else []),
              result["targets_line"]]
     return "\n".join(parts) + "\n"
 
