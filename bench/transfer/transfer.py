@@ -402,7 +402,7 @@ def run(args) -> tuple[str, dict]:
     req = iter(range(1, 1 << 30))
     rng = np.random.default_rng(0)
     med = statistics.median
-    for geo in args.geometry:
+    for geo in ([] if args.ttft_only else args.geometry):
         sizes = sizes_for(args, geo)
         ttft = geo == args.geometry[0]
         max_tok = max(sizes + ([args.ttft_tokens] if ttft else []))
@@ -557,7 +557,7 @@ def render(args, results, rate) -> str:
         f"- command: `python bench/transfer/transfer.py --device {args.device}"
         + "".join(f" --geometry {g}" for g in args.geometry)
         + "".join(f" --agent {k}" for k in (args.agent or []))
-        + f"{' --quick' if args.quick else ''}`",
+        + f"{' --quick' if args.quick else ''}{' --ttft-only' if args.ttft_only else ''}`",
         f"- machine: {machine(args.device)}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- two processes, block-major NHD pools, {TPB} tokens per block, {args.dtype}; *e2e* = "
@@ -656,6 +656,8 @@ def main(argv=None) -> int:
                    help="also the TTFT with the worker's 1b model doing the prefill (default: on "
                         "cuda without --quick)")
     p.add_argument("--real-model", default="1b", help="preset for --real-prefill")
+    p.add_argument("--ttft-only", action="store_true",
+                   help="only the real-prefill TTFT (the worker's engine; implies --real-prefill)")
     p.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md")
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     args = p.parse_args(argv)
@@ -665,10 +667,10 @@ def main(argv=None) -> int:
         args.chunk = min(args.chunk, 1024)
     args.geometry = args.geometry or ["1b"]
     if args.real_prefill is None:
-        args.real_prefill = args.device == "cuda" and not args.quick
+        args.real_prefill = args.ttft_only or (args.device == "cuda" and not args.quick)
     body, _ = run(args)
     title = f"### {args.device} · {args.dtype} · {'+'.join(args.geometry)}" + (
-        " · quick" if args.quick else "")
+        " · quick" if args.quick else "") + (" · TTFT with the real prefill" if args.ttft_only else "")
     print(f"\n## transfer — {args.device}\n\n{body}")
     if not args.no_write:
         write_results(Path(args.results), body, title)
