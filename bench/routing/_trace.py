@@ -144,6 +144,19 @@ def _pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
+# A server predicted fewer tokens than this is left out of the worst ratio (a handful of
+# requests says nothing about the index).
+PREDICTION_MIN_TOKENS = 1024
+
+
+def worst_prediction(per_server: dict) -> float | None:
+    """The lowest actual/predicted cached-token ratio over the servers with at least
+    PREDICTION_MIN_TOKENS predicted (None: none had): ``per_server`` maps a server to
+    ``[predicted, actual]``."""
+    ratios = [a / p for p, a in per_server.values() if p >= PREDICTION_MIN_TOKENS]
+    return min(ratios) if ratios else None
+
+
 def summarize(results: list[Result], servers: list[str], dilation: float) -> dict:
     """Per-policy numbers in model time (wall / dilation)."""
     ok = [r for r in results if r.status == 200 and r.error is None and r.t_first is not None]
@@ -174,11 +187,20 @@ def summarize(results: list[Result], servers: list[str], dilation: float) -> dic
     per_avg = counts.mean(axis=1)       # each server's time-averaged in-flight requests
     hotspot = float(per_avg.max() / per_avg.mean()) if per_avg.size and per_avg.mean() > 0 else float("nan")
     n_tokens = sum(r.completion_tokens for r in ok)
+    # predicted (the route receipt's matched tokens) against actual (the worker's cached tokens)
+    # per server: the index's prediction quality, which issue 40 wants >= 0.9 on every server
+    pred: dict[str, list[int]] = {}
+    for r in ok:
+        if r.server is not None and r.matched_tokens is not None:
+            pa = pred.setdefault(r.server, [0, 0])
+            pa[0] += r.matched_tokens
+            pa[1] += r.cached_tokens
     return {
         "requests": len(results), "ok": len(ok), "errors": len(results) - len(ok),
         "error_samples": sorted({(r.error or str(r.status))[:120] for r in results
                                  if r not in ok})[:3],
         "prompt_tokens": prompt, "cached_tokens": cached, "predicted_tokens": predicted,
+        "prediction_per_server": pred, "prediction_worst": worst_prediction(pred),
         "hit_ratio": cached / prompt if prompt else 0.0,
         "ttft_p50_ms": _pct(ttft, 50) * 1e3, "ttft_p99_ms": _pct(ttft, 99) * 1e3,
         "tpot_p50_ms": _pct(tpot, 50) * 1e3, "tpot_p99_ms": _pct(tpot, 99) * 1e3,
