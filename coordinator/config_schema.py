@@ -175,6 +175,12 @@ class ServerGroupConfig(Section):
         "PP ranks per server", upstream=True, engine=True)] = 1
     context_parallel_size: Annotated[Annotated[int, Meta(ge=1)], doc(
         "CP ranks per server", upstream=True, engine=True)] = 1
+    kv_capacity_blocks: Annotated[Optional[PosInt], doc(
+        "KV-cache capacity of each of these servers, in blocks of routing.block_size: the KV "
+        "index stops predicting prefixes the blocks routed there since have evicted "
+        "(docs/routing.md, 'Capacity-aware prediction'). null = each server's /server_info "
+        "kv_capacity_blocks (our worker publishes it), else unknown: no bound; set it for stock "
+        "engines")] = None
     kv_events: Annotated[tuple[KvEventSource, ...], doc(
         "static KV-event sources (they take precedence over what a server's /server_info "
         "advertises)")] = ()

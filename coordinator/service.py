@@ -223,6 +223,9 @@ class Coordinator:
                                 session=lambda: self.health.session, clock=clock,
                                 on_change=self._bump)
         self._view = _LoadView(self.leases, self.index)
+        # The index's capacity model (router/kv_capacity.py): each placed prompt's keys until its
+        # lease ends, when the engine frees them (only for servers with a known capacity).
+        self._routed_keys: dict[tuple[str, int], tuple[str, Any]] = {}
         self._cand_version = -1
         self._kv_version = 0
         self._cands: dict[str, list] = {CONTEXT: [], GENERATION: []}
@@ -310,6 +313,7 @@ class Coordinator:
         gone = self.leases.expire(now)
         for lease in gone:
             self.stats.leases_expired[lease.role] += 1
+            self._routed_keys.pop((lease.role, lease.req_id), None)
         if gone:
             log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
                         gone[0].role, gone[0].req_id, gone[0].server)
@@ -328,6 +332,7 @@ class Coordinator:
         self.registry.prepared(entry.url, info, now)
         if entry.state is not ServerState.HEALTHY:
             return
+        self.index.set_capacity(entry.url, self.kv_capacity(entry.url))
         new_inc = _incarnation(entry.server_info)
         self.diag.admitted(entry.url, entry.server_info, entry.worker_id)
         # A restart behind the url (docs/failover.md "Worker restarts"): a new start id or worker
@@ -348,10 +353,32 @@ class Coordinator:
             self.kv.set_epoch(entry.url, _epoch(entry.server_info))
         self._bump()
 
+    def kv_capacity(self, server: str) -> int | None:
+        """The server's KV capacity in routing blocks, for the index's capacity model: its
+        group's `kv_capacity_blocks` (stock engines that publish none), else its `/server_info`
+        `kv_capacity_blocks` of its own `block_size` (our worker), else None (unknown)."""
+        entry = self.registry.servers.get(server)
+        if entry is None:
+            return None
+        groups = self.config.server_groups()
+        for role in entry.roles:
+            cap = groups[role].kv_capacity_blocks
+            if cap:
+                return cap
+        info = entry.server_info or {}
+        cap, bs = info.get("kv_capacity_blocks"), info.get("block_size")
+        if type(cap) is int and cap > 0 and type(bs) is int and bs > 0:
+            return max(1, cap * bs // self.block_size)
+        return None
+
+        # The index's capacity model (router/kv_capacity.py): each placed prompt's keys until its
+        # lease ends, when the engine frees them (only for servers with a known capacity).
     def _drop_leases(self, server: str, cause: str) -> None:
         """The server's process was replaced: the requests it held died with it, so their load
         stops counting now (their fleet's finishes find nothing and are no-ops)."""
         gone = self.leases.drop_server(server)
+        for lease in gone:
+            self._routed_keys.pop((lease.role, lease.req_id), None)
         self.stats.restarts[cause] = self.stats.restarts.get(cause, 0) + 1
         if gone:
             self.stats.leases_fenced += len(gone)
@@ -384,6 +411,7 @@ class Coordinator:
 
     def _on_removed(self, entry: ServerEntry) -> None:
         self.kv.detach(entry.url, remove=True)
+        self.index.set_capacity(entry.url, None)
         for policy in self.policies.values():
             policy.remove_server(entry.url)
         self._kv_traffic.pop(entry.url, None)
@@ -485,14 +513,18 @@ class Coordinator:
                 have = decision.matched_blocks
                 # None: the server's cache match is unknown (its keys are not ours), so entries
                 # for it would feed a match the policy never reads.
-                if ttl and have is not None and have < keys.size:
-                    # Only the blocks the chosen server does not hold yet (the index's own depth,
-                    # not the reported match, which stops one token short of a fully cached
-                    # prompt): re-adding matched speculative blocks would keep unconfirmed entries
-                    # alive forever under steady traffic (upstream's never-expiring optimistic
-                    # insertion).
+                if ttl and have is not None and (have < keys.size
+                                                 or self.index.capacity_of(server)):
+                    # Only the blocks the chosen server does not hold yet are predicted (the
+                    # index's own depth, not the reported match, which stops one token short of a
+                    # fully cached prompt): re-adding matched speculative blocks would keep
+                    # unconfirmed entries alive forever under steady traffic (upstream's
+                    # never-expiring optimistic insertion). The whole prompt is stamped as used
+                    # there for the index's capacity model (router/kv_capacity.py).
                     index = self.index
-                    index.add_speculative(server, keys[have:], now, ttl)
+                    index.routed(server, keys, have, now, ttl)
+                    if index.capacity_of(server):
+                        self._routed_keys[(role, req_id)] = (server, keys)
                     # Two due entries out per entry in: expiry keeps pace with placements in
                     # small steps instead of one burst per maintenance tick (a select stall).
                     index.expire_speculative(now, 2)
@@ -532,6 +564,7 @@ class Coordinator:
     def _unplace_generation(self, answer: dict) -> None:
         """End the lease of a generation leg placed by `place_pair` whose context leg was refused."""
         self.leases.finish(GENERATION, answer["req_id"])
+        self._routed_keys.pop((GENERATION, answer["req_id"]), None)
 
     def end_lease(self, role: str, req_id: int, success: bool,
                   usage: tuple[int, int, int] | None = None) -> bool:
@@ -543,6 +576,11 @@ class Coordinator:
         if lease is None:
             self.stats.finish_unknown += 1
             return False
+        if self._routed_keys:
+            routed = self._routed_keys.pop((role, req_id), None)
+            if routed is not None and routed[0] == lease.server:
+                self.index.finished(lease.server, routed[1],
+                                    self.leases.phase(lease.server)[0] // self.block_size)
         if usage is not None and self._kv_aware[role]:
             self.diag.report(lease.server, *usage)
         fin = self.stats.finishes
@@ -657,6 +695,8 @@ class Coordinator:
         if end_leases and lease is not None:
             slot = lease.slot
             gone = self.leases.drop_if(lambda l: identity_slot(l.req_id) == slot)
+            for lease_ in gone:
+                self._routed_keys.pop((lease_.role, lease_.req_id), None)
             if gone:
                 self.leases_ended_by_announcement += len(gone)
                 log.warning("fleet process %s is gone: ended its %d lease(s)", holder, len(gone))

@@ -13,6 +13,9 @@
 - `SpeculativeEntries` (router/kv_speculation.py): routing-time predictions, until a store
   confirms them, they expire, or their slot is cleared;
 - `WalkMemo` (router/kv_memo.py): prefix walks kept and reused, exactly;
+- `CapacityBound` (router/kv_capacity.py): per slot, a model of its cache's ages against the
+  server's KV capacity (`set_capacity`): a walk's match on a slot is cut where the blocks routed
+  there since have evicted it (`longest_prefix`), before the engine's removals say so;
 - `StreamOrder` (router/kv_streams.py): the next expected batch seq per event stream.
 
 Invariants across them (`check_invariants`): the bit of slot s is set in the owner mask of
@@ -20,6 +23,9 @@ Invariants across them (`check_invariants`): the bit of slot s is set in the own
 holds confirmed. A key lives in two maps (the owner table and the slot's ``owned`` or ``spec``),
 so a routed prompt's insert and expiry touch two large maps per key instead of three (each a
 cache miss at ~0.3 µs: bench/results/history/coordinator.md, "coordinator · hot-path pass").
+The answers of `longest_prefix` are the owner-mask walk's, each slot's depth cut by
+`CapacityBound.cut` (never deeper than the walk's; unchanged for a slot without a capacity or
+whose cache has not filled since it was cleared).
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import repeat
 
+import numpy as np
+
 from .events import AllCleared, BlocksMoved, BlocksRemoved, BlocksStored, EventBatch
+from .kv_capacity import CapacityBound
 from .kv_ledger import BlockLedger, IndexStats
 from .kv_memo import MEMO_CAP, MEMO_STRIDE, WalkMemo
 from .kv_owners import OwnerTable
@@ -57,16 +66,60 @@ class KvIndex:
         self.owners = OwnerTable()
         self.memo = WalkMemo(self.owners, self.slots, stride=memo_stride, cap=memo_cap)
         self.spec = SpeculativeEntries(self.owners, self.slots, self.stats)
+        self.capacity = CapacityBound(self.slots)
         self.ledger = BlockLedger(block_size, self.namespace, self.owners, self.slots, self.spec,
-                                  self.stats)
+                                  self.stats, self.capacity)
         self.streams = StreamOrder()
+        self._capacity: dict[str, int] = {}     # worker -> KV capacity in blocks (each dp rank's)
 
     def _slot(self, worker: str, dp_rank: int) -> Slot:
         s = self.slots.get(worker, dp_rank)
         if s is None:
             s = self.slots.add(worker, dp_rank)
             self.owners.bump_epoch()        # a new bit: walks over every slot change
+            cap = self._capacity.get(worker)
+            if cap:
+                self.capacity.set_capacity(s, cap)
         return s
+
+    # -- capacity --------------------------------------------------------------------------------
+
+    def set_capacity(self, worker: str, blocks: int | None) -> None:
+        """The worker's KV cache holds ``blocks`` blocks of ``block_size`` tokens (each dp rank's;
+        ``None`` or 0: unknown, no bound). Its matches are cut where the blocks routed to it
+        since have evicted them (router/kv_capacity.py)."""
+        if blocks is None:
+            blocks = 0
+        if type(blocks) is not int or blocks < 0:
+            raise ValueError(f"KV capacity must be a block count >= 0 (or None), found {blocks!r}")
+        if blocks:
+            self._capacity[worker] = blocks
+        else:
+            self._capacity.pop(worker, None)
+        for s in self.slots.of_worker(worker):
+            self.capacity.set_capacity(s, blocks)
+
+    def set_pinned_source(self, pinned) -> None:
+        """``pinned(worker) -> blocks`` its running requests hold (None: none known): those are
+        not the LRU's, so a worker's effective capacity is its capacity less them (the
+        coordinator answers from its lease table: the prompts of leases past their first
+        token)."""
+        self.capacity.pinned = pinned
+
+    def finished(self, worker: str, keys, queued_blocks: int = 0, dp_rank: int = 0) -> None:
+        """A request routed to ``worker`` with ``keys`` (its chain) finished: the engine freed its
+        blocks, the most recently used now. The engine is ``queued_blocks`` behind the index's
+        clock (the prefill routed there and not run yet), so that is when they were used."""
+        s = self.slots.get(worker, dp_rank)
+        if s is None or not s.cap or not len(keys):
+            return
+        if type(keys) is bytes:
+            keys = np.frombuffer(keys, np.uint64)
+        self.capacity.stamp(s, keys, max(s.base, s.clock - queued_blocks), raise_only=True)
+
+    def capacity_of(self, worker: str) -> int | None:
+        """The KV capacity in blocks given by `set_capacity` (None: unknown)."""
+        return self._capacity.get(worker)
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -149,7 +202,8 @@ class KvIndex:
         self.stats.clears += 1
 
     def remove_worker(self, worker: str) -> None:
-        """Forget the worker entirely and free its slots' bits."""
+        """Forget the worker entirely and free its slots' bits (its capacity, given by
+        `set_capacity`, stays until set again: it is the server's, not its slots')."""
         for s in self.slots.of_worker(worker):
             self.ledger.clear(s, None)
         for s in self.slots.remove_worker(worker):
@@ -182,11 +236,38 @@ class KvIndex:
         if ttl <= 0:
             raise ValueError(f"ttl must be positive, found {ttl}")
         s = self._slot(worker, dp_rank)
+        n, brought = self._predict(s, keys, now + ttl)
+        self.capacity.routed(s, (), 0, brought)
+        return n
+
+    def routed(self, worker: str, keys, have: int, now: float, ttl: float,
+               dp_rank: int = 0) -> int:
+        """A prompt (``keys``: its whole chain of block keys) placed on ``worker``, whose index
+        matched its first ``have``: predict the rest there until ``now + ttl`` (as
+        `add_speculative`), and stamp its keys for the capacity model (used again or brought
+        in by that request). Returns how many keys are speculative after the call."""
+        if ttl <= 0:
+            raise ValueError(f"ttl must be positive, found {ttl}")
+        s = self._slot(worker, dp_rank)
+        if type(keys) is bytes:
+            keys = np.frombuffer(keys, np.uint64)
+        n = brought = 0
+        if have < len(keys):
+            n, brought = self._predict(s, keys[have:], now + ttl)
+        self.capacity.routed(s, keys, have, brought)
+        return n
+
+    def _predict(self, s: Slot, keys, deadline: float) -> tuple[int, int]:
+        """(keys predicted after the call, keys new to the slot) of a speculative insert."""
+        spec = self.spec
+        size = spec.size
         # the latest walk takes this insert in when it is that walk's unmatched tail
         self.memo.before_tail_insert(keys, s.bit)
-        n = self.spec.add(s, keys, now + ttl)
+        n = spec.add(s, keys, deadline)
         self.memo.after_tail_insert()
-        return n
+        # predicted again (deadline moved) is not new; held keys past the match (evicted in the
+        # model) come in again when the engine recomputes them
+        return n, len(keys) - (n - (spec.size - size))
 
     def expire_speculative(self, now: float, max_entries: int | None = None,
                            max_keys: int | None = None) -> int:
@@ -228,14 +309,36 @@ class KvIndex:
         # groups come in increasing depth, so a later update is a deeper match (best dp rank)
         full = active == slots.all_bits
         names = slots.names
+        pressed = slots.pressed & active
         for bits, depth in self.memo.groups(keys):
             if depth:
                 if not full:
                     bits &= active
                     if not bits:
                         continue
+                if bits & pressed:
+                    # slots whose cache may have evicted part of the match: each its own depth
+                    bits = self._cut(keys, bits & pressed, depth, res) | (bits & ~pressed)
+                    if not bits:
+                        continue
                 res.update(zip(names(bits), repeat(depth)))
         return res
+
+    def _cut(self, keys, bits: int, depth: int, res: dict) -> int:
+        """Put the capacity-cut depths of the ``bits`` slots' ``depth``-key match into ``res``
+        (worker -> best depth); returns 0 (every slot of ``bits`` answered)."""
+        if type(keys) is bytes:
+            keys = np.frombuffer(keys, np.uint64)
+        by_bit = self.slots.by_bit
+        cut = self.capacity.cut
+        while bits:
+            low = bits & -bits
+            s = by_bit[low.bit_length() - 1]
+            d = cut(s, keys, depth)
+            if d and res.get(s.worker, 0) < d:
+                res[s.worker] = d
+            bits ^= low
+        return 0
 
     def longest_prefix_ranks(self, keys, workers: Iterable[str] | None = None
                              ) -> dict[tuple[str, int], int]:
@@ -243,12 +346,18 @@ class KvIndex:
         active = self.slots.mask(workers)
         res: dict[tuple[str, int], int] = {}
         by_bit = self.slots.by_bit
+        pressed = self.slots.pressed
+        cut = self.capacity.cut
+        if pressed and type(keys) is bytes:
+            keys = np.frombuffer(keys, np.uint64)
         for bits, depth in self.memo.groups(keys) if active else ():
             bits &= active
             while depth and bits:
                 low = bits & -bits
                 s = by_bit[low.bit_length() - 1]
-                res[(s.worker, s.dp_rank)] = depth
+                d = cut(s, keys, depth) if low & pressed else depth
+                if d:
+                    res[(s.worker, s.dp_rank)] = d
                 bits ^= low
         return res
 
@@ -258,6 +367,9 @@ class KvIndex:
         self.owners.check_invariants()
         self.ledger.check_invariants()
         self.spec.check_invariants()
+        self.capacity.check_invariants()
+        for s in self.slots:
+            assert s.cap == self._capacity.get(s.worker, 0), ("capacity", s.worker, s.cap)
         combined: dict[int, int] = {}
         for s in self.slots:
             for ck in s.owned:

@@ -35,6 +35,7 @@ import numpy as np
 
 from .block_keys import block_keys_list, salt_seed
 from .events import BlocksMoved, BlocksRemoved, BlocksStored, Tier
+from .kv_capacity import CapacityBound
 from .kv_owners import OwnerTable
 from .kv_slots import Slot, SlotTable
 from .kv_speculation import SpeculativeEntries
@@ -87,7 +88,10 @@ class BlockLedger:
     """Every slot's engine entries and refcounts, and the confirmed-key count. Single writer."""
 
     def __init__(self, block_size: int, namespace: str | None, owners: OwnerTable,
-                 slots: SlotTable, spec: SpeculativeEntries, stats: IndexStats) -> None:
+                 slots: SlotTable, spec: SpeculativeEntries, stats: IndexStats,
+                 capacity: CapacityBound | None = None) -> None:
+        """``capacity``: the cache-age model told of the keys each store brings to a slot (keys it
+        neither held nor predicted; router/kv_capacity.py), and of cleared slots."""
         self.block_size = block_size
         self.namespace = namespace
         # the namespace seed that bare int entries (and identity entries) stand for
@@ -96,6 +100,8 @@ class BlockLedger:
         self._slots = slots
         self._spec = spec
         self._stats = stats
+        self._cap = capacity if capacity is not None else CapacityBound(slots)
+        self._brought = 0               # keys new to the slot in the store being applied
         self.n_keys = 0                 # keys with a confirmed owner
 
     # -- ownership primitives --------------------------------------------------------------------
@@ -139,6 +145,7 @@ class BlockLedger:
         else:
             masks[ck] = o | s.bit
             self._owners.log.append(ck)
+            self._brought += 1
         if not self._confirmed_in(others, ck):
             self.n_keys += 1
 
@@ -184,6 +191,12 @@ class BlockLedger:
     # -- events ----------------------------------------------------------------------------------
 
     def store(self, s: Slot, ev: BlocksStored) -> None:
+        self._brought = 0
+        self._store(s, ev)
+        if self._brought:
+            self._cap.brought(s, self._brought)
+
+    def _store(self, s: Slot, ev: BlocksStored) -> None:
         tier, group = ev.tier, ev.group or 0
         hashes = ev.engine_hashes
         if ev.token_ids is None:
@@ -216,7 +229,7 @@ class BlockLedger:
             ident_ok = tier is _GPU and group == 0 and dflt
             owned, masks, bit = s.owned, self._owners.masks, s.bit
             log = self._owners.log.append
-            added = 0
+            added = new = 0
             # the hot path of every store: _incref inlined
             for h, ck in zip(hashes, keys):
                 if h in emap:
@@ -237,10 +250,12 @@ class BlockLedger:
                         masks[ck] = bit
                         self.n_keys += 1
                         log(ck)
+                        new += 1
                     else:
                         self._own(s, ck)
                 added += 1
             stats.stored_blocks += added
+            self._brought += new
             return
         stream = list(pending) + list(tokens)
         keys = block_keys_list(stream, B, ns, last)
@@ -347,6 +362,8 @@ class BlockLedger:
     def clear(self, s: Slot, tier: Tier | None) -> None:
         """Drop what slot ``s`` holds in ``tier`` (``None``: everything, speculation too)."""
         self._owners.bump_epoch()
+        if tier is None or tier is _GPU:
+            self._cap.reset(s)      # its keys' ages went with them
         if tier is None:
             disown = self._disown
             for ck in s.owned:

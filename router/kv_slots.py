@@ -24,9 +24,12 @@ class Slot:
     """One ``(worker, dp_rank)`` and what it holds. Its maps belong to the objects that write
     them: ``owned`` (key -> refcount) and ``emaps`` ((tier, group) -> {engine hash: entry}) to
     router/kv_ledger.py `BlockLedger`, ``spec`` (key -> deadline) to router/kv_speculation.py
-    `SpeculativeEntries`; router/_owner_map.c's loops take ``owned`` and ``spec`` as they are."""
+    `SpeculativeEntries`; router/_owner_map.c's loops take ``owned`` and ``spec`` as they are;
+    ``cap``, ``clock``, ``base``, ``low`` and ``stamps`` (the cache-age model) to router/kv_capacity.py
+    `CapacityBound`."""
 
-    __slots__ = ("worker", "dp_rank", "bit", "idx", "owned", "emaps", "spec")
+    __slots__ = ("worker", "dp_rank", "bit", "idx", "owned", "emaps", "spec", "cap", "clock",
+                 "base", "low", "stamps")
 
     def __init__(self, worker: str, dp_rank: int, idx: int):
         self.worker = worker
@@ -36,6 +39,11 @@ class Slot:
         self.owned: dict[int, int] = {}
         self.emaps: dict[tuple, dict] = {}
         self.spec: dict[int, float] = {}
+        self.cap = 0                    # KV capacity in blocks (0: unknown)
+        self.clock = 0                  # keys brought in since the slot was created
+        self.base = 0                   # the clock when it was last cleared
+        self.low = 0                    # its lowest stamp since (the base when none)
+        self.stamps: dict[int, int] = {}
 
 
 class SlotTable:
@@ -48,6 +56,9 @@ class SlotTable:
         # cleared somewhere); a walk memo stays exact for a slot while its count has not moved
         self.losses: list[int] = []
         self.all_bits = 0
+        # the slots whose cache-age clock ran past their capacity: their matches may be cut
+        # (router/kv_capacity.py; written there)
+        self.pressed = 0
         self._free: list[int] = []      # heap of free bit positions
         self._of_worker: dict[str, list[Slot]] = {}
         # mask -> worker names (the same groups of workers keep dropping out of walks together)
@@ -84,6 +95,7 @@ class SlotTable:
             self.by_bit[s.idx] = None
             heapq.heappush(self._free, s.idx)
             self.all_bits &= ~s.bit
+            self.pressed &= ~s.bit
         self._names.clear()
         return slots
 
@@ -132,6 +144,7 @@ class SlotTable:
             bits |= s.bit
             assert self._of_worker[w].count(s) == 1, ("worker list", w, r)
         assert bits == self.all_bits, ("all_bits", bits, self.all_bits)
+        assert not self.pressed & ~bits, ("pressed bits of no slot", self.pressed, bits)
         assert sorted(self._free) == [i for i, s in enumerate(self.by_bit) if s is None]
         assert sum(map(len, self._of_worker.values())) == len(self.by_key)
         assert all(self._of_worker.values()), "a worker listed without slots"

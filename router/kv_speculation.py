@@ -3,8 +3,10 @@
 A routed prompt's unmatched keys count for the chosen slot until a store confirms them, they
 expire, or the slot is cleared. An entry is the slot's ``spec[key] = deadline`` plus the slot's
 bit in the key's owner mask (router/kv_owners.py); expiry is a heap of one record per routed
-prompt, drained in bounded slices (issue 13). What limits predictions (a deadline today; a
-server's KV capacity would be a second bound) is decided here, in one place.
+prompt, drained in bounded slices (issue 13). What limits predictions in time (a
+deadline) is decided here; the second bound, a server's KV capacity, is router/kv_capacity.py's:
+it cuts the matches of a slot's speculative and held keys alike where the blocks routed there
+since have evicted them.
 
 Invariants (`SpeculativeEntries.check_invariants`, with the index's cross-object checks):
 - ``size`` is the number of speculative entries over all slots;

@@ -50,6 +50,9 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 16
 PROMPT_TOKENS = 4096
 SCENARIOS = ("select", "select_pair", "fleet-like pair", "select unique-prompts")
+# --kv-capacity: every server's /server_info kv_capacity_blocks (0: none), passed to the rounds'
+# subprocesses in the environment
+KV_CAPACITY = int(os.environ.get("SPLITSERVE_PLACEMENT_KV_CAPACITY") or 0)
 
 
 def _channel_wire():
@@ -89,8 +92,13 @@ def _cluster(ctx: list[str], gen: list[str], resident: dict[str, list[int]], rou
     now = c.clock()
     for i, u in enumerate(dict.fromkeys(ctx + gen)):
         role = "both" if u in ctx and u in gen else "context" if u in ctx else "generation"
-        c.registry.prepared(u, {"role": role, "block_size": BLOCK, "key_scheme": "xxh3_chain_v1",
-                                "worker_id": f"bench-{i}", "max_batch_size": 256}, now)
+        info = {"role": role, "block_size": BLOCK, "key_scheme": "xxh3_chain_v1",
+                "worker_id": f"bench-{i}", "max_batch_size": 256}
+        if KV_CAPACITY:     # the index's capacity model on (a tree without one ignores the key)
+            info["kv_capacity_blocks"] = KV_CAPACITY
+        c.registry.prepared(u, info, now)
+        if hasattr(c, "kv_capacity"):
+            c.index.set_capacity(u, c.kv_capacity(u))
         c.index.load_snapshot(u, resident.get(u, []))
     c.kv.kv_ready = lambda server: True
     c._bump()
@@ -213,8 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS),
                     help=f"comma-separated subset of: {', '.join(SCENARIOS)}")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--kv-capacity", type=int, default=0,
+                    help="every server's kv_capacity_blocks in /server_info (0: none): the KV "
+                         "index's capacity model on, in the trees that have one")
     ap.add_argument("--_round", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.kv_capacity:
+        os.environ["SPLITSERVE_PLACEMENT_KV_CAPACITY"] = str(a.kv_capacity)
     scenarios = tuple(x for x in a.scenarios.split(",") if x)
     unknown = [x for x in scenarios if x not in SCENARIOS]
     if unknown:

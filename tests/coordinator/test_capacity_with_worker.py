@@ -1,0 +1,107 @@
+"""Capacity-aware prediction end to end: a real sim worker (a process) with a 24-block KV cache,
+registered with the coordinator (served over HTTP), its KV events applied from its publisher.
+Prompts placed there while earlier ones are still queued overflow its cache: the coordinator
+must stop predicting the prefix those queued prompts will evict (router/kv_capacity.py), and
+what the worker then reports cached is what it predicted."""
+from __future__ import annotations
+
+import aiohttp
+
+from coordinator.client import HttpCoordinatorClient
+from router.block_keys import block_keys
+
+from .conftest import cfg, wait_for
+from .test_with_worker import _stop
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCKS = 24             # the worker's KV cache: three 8-block prompts
+PROMPT = 130            # tokens: 8 full blocks of 16 (+2, so all 8 can be reused)
+
+
+async def _start_worker(coord_url: str):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "splitserve_cli", "worker", "--engine", "sim", "--model", "tiny",
+        "--role", "both", "--port", "0", "--num-blocks", str(BLOCKS), "--block-size", "16",
+        "--max-batch-size", "1", "--coordinator-url", coord_url, "--register-ttl", "3",
+        "--sim-prefill-us-per-token", "1", "--sim-decode-us-per-step", "100",
+        "--log-level", "WARNING", cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        while True:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            if not line:
+                raise AssertionError(f"worker exited: {(await proc.stderr.read()).decode()[-2000:]}")
+            if line.startswith("splitserve worker ready at "):
+                return proc, line.split()[4]
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+
+
+async def test_queued_prompts_evict_a_prefix_and_the_coordinator_stops_predicting_it(coordinator):
+    c, s = await coordinator(cfg([], [], minimal=(1, 1), threshold=1, interval=0.1))
+    proc, url = await _start_worker(s.tcp_url)
+    client = HttpCoordinatorClient(s.tcp_url)
+    # four prompts with no block in common (the tiny model's vocabulary is 261 tokens)
+    prompts = {name: [(k * 61 + i * 7) % 250 + 3 for i in range(PROMPT)] for k, name in
+               enumerate("ABCD", start=1)}
+    assert len({tuple(p[:16]) for p in prompts.values()}) == 4
+    prompts["E"] = prompts["A"]              # A again, after B, C and D
+    prompts["F"] = prompts["D"]              # D again: recent, still cached
+    keys = {name: block_keys(p, 16) for name, p in prompts.items()}
+    rid = iter(range(1, 100))
+    placed: dict[str, tuple[int, int]] = {}
+
+    async def place(name: str) -> int:
+        r = next(rid)
+        ans = await client.select("gen", r, {"block_keys": keys[name], "num_tokens": PROMPT})
+        assert ans["server"] == url
+        placed[name] = (r, ans["info"]["matched_tokens"])
+        return ans["info"]["matched_tokens"]
+
+    async def run(session, name: str) -> int:
+        async with session.post(url + "/v1/completions", json={
+                "model": "tiny", "prompt": prompts[name], "max_tokens": 1,
+                "temperature": 0}) as resp:
+            assert resp.status == 200, await resp.text()
+            usage = (await resp.json())["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        r, predicted = placed[name]
+        await client.finish("gen", r, usage={"prompt_tokens": PROMPT, "cached_tokens": cached,
+                                             "predicted_tokens": predicted})
+        return cached
+
+    try:
+        await wait_for(lambda: c.registry.get(url) is not None and c.registry.get(url).healthy
+                       and c.kv.kv_ready(url), timeout=30, what="worker prepared, feed ready")
+        # the capacity comes from the worker's /server_info
+        assert c.index.capacity_of(url) == BLOCKS
+        async with aiohttp.ClientSession() as session:
+            assert await place("A") == 0
+            assert await run(session, "A") == 0
+            await wait_for(lambda: set(keys["A"].tolist()) <= c.index.keys_of(url), timeout=10,
+                           what="A's blocks in the index (the worker's events)")
+            assert await place("A") == 128 and await run(session, "A") == 128
+            # B, C and D are placed (queued on the worker, not run yet): 24 new blocks
+            for name in "BCD":
+                assert await place(name) == 0
+            # A's blocks are still held per the worker's events, but the queue ahead evicts them
+            assert set(keys["A"].tolist()) <= c.index.keys_of(url)
+            assert await place("E") == 0
+            for name in "BCDE":
+                assert await run(session, name) == 0     # the worker agrees: nothing reused
+            assert await place("F") == 128               # D: the newest, still there
+            assert await run(session, "F") == 128
+        pred = c.diag.describe_prediction(url)
+        assert pred["predicted_tokens"] == pred["actual_cached_tokens"] == 256, pred
+        c.index.check_invariants()
+    finally:
+        await client.close()
+        await _stop(proc)
