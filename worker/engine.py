@@ -280,8 +280,9 @@ class TorchEngine(SchedulingEngine):
         n = len(chunks)
         logits = runner.step(chunks, feed_index=feed, greedy_tokens=True)
         cuda = runner.device.type == "cuda"
-        if cuda and plan is not None:   # context chunks may leave right behind their compute
-            self.scheduler.prefill_launched(plan, self._kv_written)
+        if plan is not None:   # context chunks may leave right behind their compute
+            # (on the CPU the step ran inside runner.step: its K/V is written already)
+            self.scheduler.prefill_launched(plan, self._kv_written if cuda else lambda: None)
         if not rows:  # still waited for: the step is applied only once its K/V is written (see _step)
             if not cuda:
                 return dict

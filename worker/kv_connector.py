@@ -68,8 +68,8 @@ class KvConnector(abc.ABC):
     def prefill_launched(self, req: EngineRequest, tokens_done: int, block_ids: list[int],
                          after) -> None:
         """A ``context_only`` request's prompt tokens [0, tokens_done) are queued on the device;
-        they are written once the CUDA event ``after`` completed. ``prefill_progress`` follows
-        for the same tokens once the host knows they are written."""
+        they are written once the CUDA event ``after`` completed (None: written already).
+        ``prefill_progress`` follows for the same tokens once the step is applied."""
 
     def prefill_progress(self, req: EngineRequest, tokens_done: int, block_ids: list[int]) -> None:
         """A ``context_only`` request computed prompt tokens [0, tokens_done)."""

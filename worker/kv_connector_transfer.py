@@ -104,6 +104,7 @@ class _Send:
     cid: int
     num_tokens: int
     pinned: list[int] = field(default_factory=list)   # blocks this connector holds a pin on
+    handed: int = 0                                   # prompt tokens handed to the transfer
     final: bool = False                               # final slice appended
     finished: bool = False                            # context_finished: prefill done, answered
     ended: bool = False                               # the engine is done with the request
@@ -176,12 +177,12 @@ class TransferKvConnector(KvConnector):
         ``context_finished`` as before."""
         if not self._pipelined():
             return
-        self._progress(req, tokens_done, block_ids, after)
+        self._progress(req, tokens_done, block_ids, after, queued=True)
 
     def prefill_progress(self, req, tokens_done: int, block_ids) -> None:
-        self._progress(req, tokens_done, block_ids, None)
+        self._progress(req, tokens_done, block_ids, None, queued=False)
 
-    def _progress(self, req, tokens_done: int, block_ids, after) -> None:
+    def _progress(self, req, tokens_done: int, block_ids, after, queued: bool) -> None:
         if self._closed or req.ctx_request_id is None:
             return
         cid = int(req.ctx_request_id)
@@ -193,11 +194,15 @@ class TransferKvConnector(KvConnector):
         try:
             if st is None:
                 st = self._begin(cid, n, blocks)
-            if st.final:
+            # Handed over already when the chunk was queued (prefill_launched): the block list it
+            # gave then is longer, and a shorter one now would cut the session's source ids
+            # under the slices still in flight.
+            if st.final or tokens_done <= st.handed:
                 return
+            st.handed = tokens_done
             # Blocks computed so far are pinned before the transfer thread may read them.
             self._pin_more(st, blocks)
-            if after is not None and tokens_done >= n:
+            if queued and tokens_done >= n:
                 self.tx.finish_send(cid, None, blocks, after=after)
                 st.final = True
             else:

@@ -448,7 +448,8 @@ class Scheduler:
     def prefill_launched(self, plan: Plan, mark) -> None:
         """Async scheduling: ``plan`` is queued on the device, not computed yet. Each context
         chunk in it may be sent right behind its compute: ``mark()`` (called at most once, right
-        here) records the device event after the step's K/V writes, which the connector's
+        here) records the device event after the step's K/V writes (None on the CPU, where the
+        step has run by then), which the connector's
         transfer waits for on the device — no host sync, nothing handed to a thread, so each
         chunk's write overlaps the next chunk's compute and, for the last chunk, the engine's own
         wait for it."""

@@ -60,7 +60,8 @@ class W:
 
 
 async def start(model, role, *, agent="tcp", block_size=4, num_blocks=192, max_num_tokens=64,
-                transfer=True, pipeline=True, pin_timeout=30.0, transfer_timeout=30.0):
+                transfer=True, pipeline=True, pin_timeout=30.0, transfer_timeout=30.0,
+                async_scheduling=None):
     from protocol.tokenizer import ByteTokenizer
     from worker.cli import build_kv_connector
     from worker.engine import TorchEngine
@@ -76,7 +77,7 @@ async def start(model, role, *, agent="tcp", block_size=4, num_blocks=192, max_n
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
     engine = TorchEngine(runner, ByteTokenizer(vocab_size=model.config.vocab_size),
                          max_num_tokens=max_num_tokens, pin_timeout_s=pin_timeout,
-                         kv_connector=link)
+                         kv_connector=link, async_scheduling=async_scheduling)
     srv = WorkerServer(engine, model_name="tiny", role=role, host="127.0.0.1", port=0,
                        transfer_info=link.server_info() if link else None,
                        ctx_info_endpoint=link.endpoint if link else None)
@@ -182,10 +183,15 @@ async def test_context_first_equals_aggregated(agent, tiny, http):
             await w.close()
 
 
-@pytest.mark.parametrize("pipeline", [True, False])
-async def test_generation_first_pipelined_equals_aggregated(pipeline, tiny, http):
+@pytest.mark.parametrize("pipeline, queued", [(True, False), (False, False), (True, True)],
+                         ids=["pipelined", "monolithic", "pipelined-at-launch"])
+async def test_generation_first_pipelined_equals_aggregated(pipeline, queued, tiny, http):
+    """`queued`: the context engine schedules asynchronously, so each chunk is handed to the
+    transfer when it is queued (KvConnector.prefill_launched; on the CPU it is written by then)
+    and again, as a no-op, when it is applied one step later."""
     agg = await start(tiny, "both", transfer=False)
-    ctx = await start(tiny, "context", max_num_tokens=24, pipeline=pipeline)
+    ctx = await start(tiny, "context", max_num_tokens=24, pipeline=pipeline,
+                      async_scheduling=queued or None)
     gen = await start(tiny, "generation")
     try:
         for p in PROMPTS:
