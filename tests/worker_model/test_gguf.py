@@ -355,7 +355,7 @@ def test_llama3_rope_from_rope_freqs_and_tied_output(tmp_path):
 
 # ----------------------------------------------------------------------------- served for real
 
-from tests.fleet.conftest import PY, Cluster, clean_env, free_port, free_port_pair, healthy, http, metric, wait_for  # noqa: E402,E501
+from tests.fleet.conftest import PY, Cluster, clean_env, free_port_pair, http, metric, wait_for  # noqa: E402,E501
 from tests.fleet.routing_fixtures import cluster_info, coordinator_and_fleet, post, servers  # noqa: E402
 
 
@@ -364,6 +364,18 @@ def cluster(tmp_path):
     c = Cluster(tmp_path)
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="module")
+def aggregated(tmp_path_factory, cache, smol):
+    """`splitserve local --aggregated` (one worker serving both legs behind the fleet), shared by the
+    test of that command and the KV-aware routing test, which puts its own coordinator and fleet on
+    the same worker: one smollm2 worker start less (each is seconds of torch import and GGUF read)."""
+    c = Cluster(tmp_path_factory.mktemp("aggregated"))
+    try:
+        yield _start_local(c, cache, "--aggregated")
+    finally:
+        c.stop()
 
 
 def _chat(url: str, messages=CAPITAL, max_tokens: int = 16) -> dict:
@@ -377,11 +389,19 @@ def _text(r: dict) -> str:
     return r["choices"][0]["message"]["content"]
 
 
-def _local(cluster: Cluster, cache, *extra) -> str:
+def _start_local(cluster: Cluster, cache, *extra):
     port = free_port_pair()
     p = cluster.spawn("local", [PY, "-m", "splitserve_cli", "local", "--num-workers", "1", "--port", str(port),
                                 "--cache-dir", str(cache), *extra], env=clean_env())
     wait_for(lambda: "splitserve is up" in p.log(), 180, "splitserve local", p)
+    return port, p
+
+
+def _local(cluster: Cluster, cache, *extra) -> str:
+    return _check_local(*_start_local(cluster, cache, *extra))
+
+
+def _check_local(port: int, p) -> str:
     log = p.log()
     assert "smollm2-135m" in log
     # The printed curl example is the capital question, answered sensibly.
@@ -392,24 +412,22 @@ def _local(cluster: Cluster, cache, *extra) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def test_local_aggregated_answers_like_the_model(cluster, cache, smol, reference_answer):
+def test_local_aggregated_answers_like_the_model(aggregated, reference_answer):
     """`splitserve local --aggregated`: one worker serving both legs behind the fleet."""
-    url = _local(cluster, cache, "--aggregated")
+    url = _check_local(*aggregated)
     assert _text(_chat(url)) == reference_answer
     m = http("GET", url + "/metrics")[2].decode()
     assert metric(m, "splitserve_fleet_e2e_request_latency_seconds_count", mode="aggregated") >= 2
 
 
-def test_kv_aware_routing_matches_the_workers_blocks(cluster, cache, smol, reference_answer):
-    """One smollm2 worker answers like the model when asked directly; then a kv_cache_aware fleet + a smollm2 worker, matching only blocks the worker announced in its KV
-    events (no speculative entries for routed blocks, which would match a repeat whatever the
-    tokenizer): a repeated chat and a repeated text prompt are predicted cached — the fleet's block
-    keys, from its own tokenizer, equal the worker's — and the worker really reused that many tokens.
-    The coordinator's key parity probe agrees."""
-    port = free_port()
-    w, wurl = cluster.worker("generation", engine="torch", port=port, wait=False,
-                             extra=("--model", "smollm2-135m", "--cache-dir", cache))
-    wait_for(lambda: healthy(wurl), 180, "the smollm2 worker", w)
+def test_kv_aware_routing_matches_the_workers_blocks(cluster, aggregated, reference_answer):
+    """One smollm2 worker (the aggregated local cluster's) answers like the model when asked
+    directly; then a kv_cache_aware coordinator + fleet of this test on that worker, matching only
+    blocks the worker announced in its KV events (no speculative entries for routed blocks, which
+    would match a repeat whatever the tokenizer): a repeated chat and a repeated text prompt are
+    predicted cached — the fleet's block keys, from its own tokenizer, equal the worker's — and the
+    worker really reused that many tokens. The coordinator's key parity probe agrees."""
+    wurl = re.search(r"both worker ready on (http://\S+)", aggregated[1].log()).group(1)
     r = _chat(wurl)
     assert _text(r) == reference_answer and r["model"] == "smollm2-135m"
     url, curl, _, _ = coordinator_and_fleet(cluster, gen_urls=[wurl], model="smollm2-135m",
