@@ -19,8 +19,9 @@ vocabulary that has multi-digit tokens (SmolLM2's has none, see tests/worker_mod
 An unknown pre-tokenizer name is an error rather than a guess: a tokenizer that splits differently
 from the one the model was trained with gives other ids, and KV-aware routing then never matches.
 
-The worker loader reads the metadata with the ``gguf`` library (worker/gguf_loader.py), and so
-does the fleet (fleet/keys.py); both pass the plain-value dict to :func:`gguf_tokenizer`.
+The worker loader reads the metadata with the ``gguf`` library (worker/gguf_loader.py), the fleet
+(fleet/keys.py) and the sim engine with protocol/gguf_metadata.py (the metadata alone, without the
+library's per-string arrays); all pass the plain-value dict to :func:`gguf_tokenizer`.
 """
 
 from __future__ import annotations

@@ -75,14 +75,13 @@ def load_tokenizer(model: str | None) -> Tokenizer:
 
 def _gguf_tokenizer(model: str) -> Tokenizer:
     """The GGUF file's own tokenizer, built by the recipe the workers use (protocol/gguf_tokenizer.py)."""
-    import gguf
-
+    from protocol.gguf_metadata import gguf_metadata
     from protocol.gguf_tokenizer import gguf_tokenizer
     try:
-        fields = gguf.GGUFReader(gguf_source_path(model)).fields
+        meta = gguf_metadata(gguf_source_path(model))
     except (OSError, ValueError, KeyError) as e:
         raise TokenizerUnavailable(f"cannot build the routing tokenizer for model {model!r}: {e}") from None
-    return gguf_tokenizer({k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")})
+    return gguf_tokenizer({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
 
 
 def routing_tokenizer_name(config, reported_models=()) -> str | None:

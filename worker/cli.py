@@ -134,12 +134,10 @@ def _sim_tokenizer(model: str):
     if model in SIM_PRESET_VOCAB and not path.is_dir():
         return ByteTokenizer(vocab_size=SIM_PRESET_VOCAB[model]), SIM_PRESET_MAX_LEN[model]
     if is_gguf_source(model) and not path.is_dir():
-        import gguf
-
+        from protocol.gguf_metadata import gguf_metadata
         from protocol.gguf_tokenizer import gguf_tokenizer
 
-        fields = gguf.GGUFReader(gguf_source_path(model)).fields
-        meta = {k: f.contents() for k, f in fields.items()}
+        meta = gguf_metadata(gguf_source_path(model))
         arch = meta.get("general.architecture")
         return gguf_tokenizer(meta), int(meta.get(f"{arch}.context_length") or 1 << 20)
     if not path.is_dir():
