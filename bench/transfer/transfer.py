@@ -199,11 +199,16 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
             elif cmd == "post_recv":
                 req, ep, ntok, ids = a
                 posted[req] = threading.Event()
-                tx.begin_receive(req, ep, ntok, ids, on_done=posted[req].set)
+
+                def done(ev=posted[req]):
+                    ev.at = time.monotonic()   # when the receive completed, not when asked
+                    ev.set()
+                tx.begin_receive(req, ep, ntok, ids, on_done=done)
                 out = None
             elif cmd == "wait_recv":   # -> monotonic time of completion (same host clock)
-                posted.pop(a[0]).wait(600)
-                t1 = time.monotonic()
+                ev = posted.pop(a[0])
+                ev.wait(600)
+                t1 = getattr(ev, "at", time.monotonic())
                 st = tx.recv_status(a[0])
                 tx.release_receive(a[0])
                 out = (st.state, t1, st.error)
