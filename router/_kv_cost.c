@@ -117,11 +117,11 @@ static int match_of(PyObject *mdict, PyObject *server, long long B, long long ca
 
 /* Hot servers, ties and the answer tuple from the costs `cv`, each server's hot-spot load `hv`
  * (in-flight requests for `core`, estimated wait for `time_core`) and requests `req`; steals
- * `matched` and `extra` (NULL: none; else the answer's 7th item). The Python side: the end of
- * `_core` / `_time_core`. */
+ * `matched`. The answer has `nextra` more items after the six, left NULL for the caller to set.
+ * The Python side: the end of `_core` / `_time_core`. */
 static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const double *hv,
                         const long long *req, double hf, double slack, long long mbs, double lcap,
-                        const char *full, PyObject *extra) {
+                        const char *full, Py_ssize_t nextra) {
     PyObject *costs = NULL, *tied = NULL, *hs = NULL, *lc = NULL, *ans = NULL;
     char hot_small[SMALL_N];
     char *hot = n <= SMALL_N ? hot_small : PyMem_Malloc(n);
@@ -195,7 +195,7 @@ static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const
         }
     }
     PyObject *lim = PyFloat_FromDouble(limit);
-    if (lim == NULL || (ans = PyTuple_New(extra != NULL ? 7 : 6)) == NULL) {
+    if (lim == NULL || (ans = PyTuple_New(6 + nextra)) == NULL) {
         Py_XDECREF(lim);
         goto fail;
     }
@@ -205,12 +205,9 @@ static PyObject *decide(Py_ssize_t n, PyObject *matched, const double *cv, const
     PyTuple_SET_ITEM(ans, 3, hs);
     PyTuple_SET_ITEM(ans, 4, lc);
     PyTuple_SET_ITEM(ans, 5, lim);
-    if (extra != NULL)
-        PyTuple_SET_ITEM(ans, 6, extra);
-    matched = costs = tied = hs = lc = extra = NULL;
+    matched = costs = tied = hs = lc = NULL;
 fail:
     Py_XDECREF(matched);
-    Py_XDECREF(extra);
     Py_XDECREF(costs);
     Py_XDECREF(tied);
     Py_XDECREF(hs);
@@ -295,7 +292,7 @@ static PyObject *core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     if (pin >= 0 && pin < n)
         cv[pin] -= bonus * (double)nt;
-    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap, NULL, NULL);
+    ans = decide(n, matched, cv, hv, req, hf, slack, mbs, lcap, NULL, 0);
     matched = NULL;
 fail:
     Py_XDECREF(matched);
@@ -315,19 +312,20 @@ PyDoc_STRVAR(time_core_doc,
 PyDoc_STRVAR(time_core_table_doc,
 "time_core_table(servers, matched, states, positions, params, block_size, cap, num_tokens,\n"
 "                uncached_weight, decode_weight, pinned, affinity_bonus, hotspot_factor,\n"
-"                hotspot_slack_s, max_batch_size, load_cap)\n"
-"    -> (matched_tokens, costs, tied, hotspot, load_capped, limit, loads)\n\n"
+"                hotspot_slack_s, max_batch_size, load_cap, cursor)\n"
+"    -> (matched_tokens, costs, tied, hotspot, load_capped, limit, loads, pick, predicted_s)\n\n"
 "`time_core` reading the lease table's own map, `states` (router/leases.py\n"
 "`LeaseTable.states`: server -> ((requests, tokens), queued prefill tokens, leases in prefill,\n"
 "their tokens), absent: no lease), for the loads and phases, and `matched` through `positions`\n"
 "(server -> its index in `servers`): one dict probe per candidate and one per matched server\n"
-"instead of lists built per placement. The same numbers, and the (requests, tokens) it read\n"
-"per server (`loads`).");
+"instead of lists built per placement. The same numbers, the (requests, tokens) it read per\n"
+"server (`loads`), the pick (`tied[cursor % len(tied)]`, the policy's turn among ties) and its\n"
+"estimated time to first token (router/policy_kv.py `_predicted_s`).");
 
 enum { T_SERVERS, T_MATCHED, T_LOADS, T_PHASES, T_PARAMS, T_BS, T_CAP, T_NT, T_UW,
        T_DW, T_PIN, T_BONUS, T_HF, T_SLACK, T_MBS, T_LCAP, T_N_ARGS };
-/* time_core_table's: the same but for these two */
-enum { T_STATES = T_LOADS, T_POSITIONS = T_PHASES };
+/* time_core_table's: the same but for these two, and one more */
+enum { T_STATES = T_LOADS, T_POSITIONS = T_PHASES, T_CURSOR = T_N_ARGS };
 /* per server in `params` (a buffer of doubles, router/policy_kv.py PARAMS): prefill s/token,
  * chunk tokens, decode s/step, s/request, s/context token, KV capacity tokens, learned scale */
 enum { P_A, P_CHUNK, P_S0, P_S1, P_S2, P_KVCAP, P_K, N_PARAMS };
@@ -343,16 +341,17 @@ static PyObject *const *items_of(PyObject *o, Py_ssize_t k, const char *what) {
 }
 
 /* Both time cores' arguments from `params` on, and their per-server scratch: costs, hot-spot
- * loads and a*k, requests and KV-full flags, on the stack for the usual candidate counts. */
+ * loads, a*k and estimated times to first token, requests and KV-full flags, on the stack for
+ * the usual candidate counts. */
 typedef struct {
     Py_buffer pb;
     const double *pv;
     long long B, cap, nt, pin, mbs;
     double uw, dw, bonus, hf, slack, lcap;
-    double *cv, *hv, *av;
+    double *cv, *hv, *av, *tt;
     long long *req;
     char *full;
-    double small[3 * SMALL_N];
+    double small[4 * SMALL_N];
     long long req_small[SMALL_N];
     char full_small[SMALL_N];
 } TimeArgs;
@@ -385,7 +384,7 @@ static int time_args(PyObject *const *args, Py_ssize_t n, TimeArgs *t) {
         t->req = t->req_small;
         t->full = t->full_small;
     } else {
-        t->cv = PyMem_Malloc(3 * n * sizeof(double));
+        t->cv = PyMem_Malloc(4 * n * sizeof(double));
         t->req = PyMem_Malloc(n * sizeof(long long));
         t->full = PyMem_Malloc(n);
         if (t->cv == NULL || t->req == NULL || t->full == NULL) {
@@ -399,6 +398,7 @@ static int time_args(PyObject *const *args, Py_ssize_t n, TimeArgs *t) {
     }
     t->hv = t->cv + n;
     t->av = t->cv + 2 * n;
+    t->tt = t->cv + 3 * n;
     return 0;
 }
 
@@ -429,8 +429,12 @@ static inline void time_row(TimeArgs *t, Py_ssize_t i, long long mt, long long r
     /* k * ((q + uw * p) * a + (q + p) / chunk * step) */
     double c = (double)q + t->uw * (double)p;
     c = c * a;
-    c = c + (double)(q + p) / chunk * step;
+    double w = (double)(q + p), ws = w / chunk * step;
+    c = c + ws;
     t->cv[i] = k * c;
+    /* the estimated time to first token, k * (w * a + w / chunk * step): the cost with
+     * uncached_weight 1 and no bonus (router/policy_kv.py `_predicted_s`) */
+    t->tt[i] = k * (w * a + ws);
     t->hv[i] = k * x;         /* its decode step (a TPOT estimate), decoding or not */
     t->av[i] = a * k;
     t->req[i] = r;
@@ -440,12 +444,12 @@ static inline void time_row(TimeArgs *t, Py_ssize_t i, long long mt, long long r
     t->full[i] = kvcap > 0.0 && (double)(tok + p) > kvcap;
 }
 
-/* The end of both time cores: the affinity bonus, then `decide`; steals `matched` and `extra`. */
-static PyObject *time_decide(TimeArgs *t, Py_ssize_t n, PyObject *matched, PyObject *extra) {
+/* The end of both time cores: the affinity bonus, then `decide`; steals `matched`. */
+static PyObject *time_decide(TimeArgs *t, Py_ssize_t n, PyObject *matched, Py_ssize_t nextra) {
     if (t->pin >= 0 && t->pin < n)    /* bonus * num_tokens * a * k */
         t->cv[t->pin] -= t->bonus * (double)t->nt * t->av[t->pin];
     return decide(n, matched, t->cv, t->hv, t->req, t->hf, t->slack, t->mbs, t->lcap, t->full,
-                  extra);
+                  nextra);
 }
 
 static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -484,7 +488,7 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyList_SET_ITEM(matched, i, m);
         time_row(&t, i, mt, r, tok, q, npf, tpf);
     }
-    ans = time_decide(&t, n, matched, NULL);
+    ans = time_decide(&t, n, matched, 0);
     matched = NULL;
 fail:
     time_args_release(&t);
@@ -494,9 +498,16 @@ fail:
 
 static PyObject *time_core_table(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != T_N_ARGS) {
-        PyErr_Format(PyExc_TypeError, "time_core_table() takes %d arguments, found %zd", T_N_ARGS,
-                     nargs);
+    if (nargs != T_N_ARGS + 1) {
+        PyErr_Format(PyExc_TypeError, "time_core_table() takes %d arguments, found %zd",
+                     T_N_ARGS + 1, nargs);
+        return NULL;
+    }
+    long long cursor;
+    if (as_ll(args[T_CURSOR], &cursor, "cursor"))
+        return NULL;
+    if (cursor < 0) {
+        PyErr_Format(PyExc_ValueError, "cursor must be >= 0, found %lld", cursor);
         return NULL;
     }
     PyObject *servers = args[T_SERVERS], *mdict = args[T_MATCHED], *states = args[T_STATES];
@@ -569,8 +580,24 @@ static PyObject *time_core_table(PyObject *self, PyObject *const *args, Py_ssize
         PyList_SET_ITEM(matched, i, m);
         time_row(&t, i, mts[i], r, tok, q, npf, tpf);
     }
-    ans = time_decide(&t, n, matched, loads);
-    matched = loads = NULL;
+    ans = time_decide(&t, n, matched, 3);
+    matched = NULL;
+    if (ans != NULL) {
+        /* the pick, `select`'s rule: the tied servers in turn (`cursor`), and its estimate */
+        PyObject *tied = PyTuple_GET_ITEM(ans, 2);
+        Py_ssize_t nt = PyList_GET_SIZE(tied);
+        PyObject *pick = PyList_GET_ITEM(tied, nt > 1 ? (Py_ssize_t)(cursor % nt) : 0);
+        PyObject *est = PyFloat_FromDouble(t.tt[PyLong_AsSsize_t(pick)]);
+        PyTuple_SET_ITEM(ans, 6, loads);
+        loads = NULL;
+        if (est == NULL) {
+            Py_CLEAR(ans);
+            goto fail;
+        }
+        Py_INCREF(pick);
+        PyTuple_SET_ITEM(ans, 7, pick);
+        PyTuple_SET_ITEM(ans, 8, est);
+    }
 fail:
     time_args_release(&t);
     if (mts != mt_small)

@@ -276,16 +276,18 @@ class KvCacheAwarePolicy(Policy):
         if timed and native and states is not None:
             # the default path: the native core reads the lease table's map itself (no lists of
             # loads and phases built per placement) and answers the loads it read
+            # and picks (the tied in turn) and estimates the pick's time to first token
             try:
                 res = _native_time_core_table(
                     servers, md, states, positions, params, self.block_size, cap, num_tokens,
                     self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
-                    self.hotspot_slack_s, mbs, self.load_cap if mbs else 0.0)
+                    self.hotspot_slack_s, mbs, self.load_cap if mbs else 0.0, self._cursor)
             except TypeError:
                 pass
         if res is not None:
-            matched, costs, tied, hs, lc, limit, loads = res
-            phases = None
+            matched, costs, tied, hs, lc, limit, loads, pick, predicted_s = res
+            if len(tied) > 1:
+                self._cursor += 1
         else:
             loads = bulk[1](servers) if bulk[1] is not None else server_loads(view, servers)
             if timed:
@@ -307,6 +309,13 @@ class KvCacheAwarePolicy(Policy):
                 except TypeError:
                     pass
             matched, costs, tied, hs, lc, limit = res or python(*args, unknown)
+            if len(tied) > 1:
+                pick = tied[self._cursor % len(tied)]
+                self._cursor += 1
+            else:
+                pick = tied[0]
+            predicted_s = _predicted_s(pick, phases, loads, params, num_tokens, matched,
+                                       self.decode_weight) if timed else 0.0
         if hs or lc:
             hot = {i: (f"hot: decode step > cap {limit * 1e3:.1f} ms" if timed else
                        f"hot: {loads[i][0]} in-flight requests > cap {limit:.1f}") for i in hs}
@@ -319,11 +328,6 @@ class KvCacheAwarePolicy(Policy):
             skip_hot = len(hot) != n
         else:
             hot, skip_hot = _NO_HOT, False
-        if len(tied) > 1:
-            pick = tied[self._cursor % len(tied)]
-            self._cursor += 1
-        else:
-            pick = tied[0]
         server = servers[pick]
         if conv:
             self._pins.put(conv, server)
@@ -335,25 +339,29 @@ class KvCacheAwarePolicy(Policy):
         d = Decision(server, None, None if unknown and ok[pick].kv_unknown
                      else md.get(server, 0) if md is not None else 0, choice, explain)
         if timed:
-            # the chosen server's estimated time to first token (uncached_weight 1, no bonus):
-            # what its first-token report is compared with (observe_ttft)
-            if phases is not None:
-                q, npf, tpf = phases[pick]
-            else:
-                _, q, npf, tpf = states.get(server, _NO_STATE)
-            r, t = loads[pick]
-            b = pick * PARAMS
-            w = q + num_tokens - matched[pick]
-            step = self.decode_weight * (params[b + 2] + params[b + 3] * (r - npf) + params[b + 4]
-                                         * (t - tpf)) if r > npf else 0.0
-            d.predicted_s = params[b + 6] * (w * params[b] + w / params[b + 1] * step)
+            # the chosen server's estimated time to first token: what its first-token report is
+            # compared with (observe_ttft)
+            d.predicted_s = predicted_s
             d.uncached = num_tokens - matched[pick]
         return d
 
 
+def _predicted_s(pick: int, phases: list, loads: list, params, num_tokens: int, matched: list,
+                 dw: float) -> float:
+    """Server ``pick``'s estimated time to first token: `_time_core`'s cost with
+    ``uncached_weight`` 1 and no affinity bonus (router/_kv_cost.c `time_core_table` computes the
+    same, operation for operation)."""
+    q, npf, tpf = phases[pick]
+    r, t = loads[pick]
+    b = pick * PARAMS
+    w = q + num_tokens - matched[pick]
+    step = dw * (params[b + 2] + params[b + 3] * (r - npf) + params[b + 4] * (t - tpf)) \
+        if r > npf else 0.0
+    return params[b + 6] * (w * params[b] + w / params[b + 1] * step)
+
+
 _NONE: list = []    # shared empty list of a KvChoice (never changed: explain only reads it)
 _NO_HOT: dict = {}
-_NO_STATE = ((0, 0), 0, 0, 0)   # a server absent from the lease table's map: no lease
 
 
 def explain(c: KvChoice) -> dict:

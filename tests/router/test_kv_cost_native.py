@@ -141,7 +141,7 @@ def _table_args(args, rnd, shuffle=False):
     positions = {s: i for i, s in enumerate(servers)}
     if shuffle:
         positions = dict(rnd.sample(list(positions.items()), len(positions)))
-    return (servers, md, states, positions, *args[4:])
+    return (servers, md, states, positions, *args[4:], rnd.randrange(0, 1 << 40))
 
 
 @settings(max_examples=300, deadline=None)
@@ -149,11 +149,18 @@ def _table_args(args, rnd, shuffle=False):
 def test_native_time_core_table_reads_the_lease_tables_map_as_the_lists(args, rnd, shuffle):
     """Loads and phases given as the lease table's own map (server -> ((requests, tokens),
     queued, in prefill, their tokens)), matches found through the servers' positions: the same
-    answer as with the lists, plus the loads it read."""
-    got = native.time_core_table(*_table_args(args, rnd, shuffle))
+    answer as with the lists, plus the loads it read, the pick (the tied in turn by the cursor)
+    and its estimated time to first token, to the bit of the Python recipe's."""
+    targs = _table_args(args, rnd, shuffle)
+    got = native.time_core_table(*targs)
     want = native.time_core(*args)
-    assert len(got) == 7 and got[6] == args[2]
+    assert len(got) == 9 and got[6] == args[2]
     assert _bits(got[1]) == _bits(want[1]) and got[:1] + got[2:6] == want[:1] + want[2:]
+    tied, cursor = got[2], targs[-1]
+    pick = tied[cursor % len(tied)] if len(tied) > 1 else tied[0]
+    assert got[7] == pick
+    est = pk._predicted_s(pick, args[3], args[2], args[4], args[7], got[0], args[9])
+    assert got[8].hex() == float(est).hex()
 
 
 def test_many_servers_and_wide_ints_match_the_python_recipe():
@@ -176,6 +183,7 @@ def test_many_servers_and_wide_ints_match_the_python_recipe():
     assert _bits(got[1]) == _bits(want[1]) and got[:1] + got[2:] == want[:1] + want[2:]
     table = native.time_core_table(*_table_args(args, random.Random(3)))
     assert table[:6] == got and table[6] == loads
+    assert table[8] == pk._predicted_s(table[7], phases, loads, params, 4096, got[0], 1.0)
     targs = (servers, md, loads, 16, 4095, 4096, 1.0, 1.0, 32.0, 7, 0.25, 2.0, 2.0, 8, 0.5)
     assert native.core(*targs) == pk._core(*targs)
 
@@ -183,8 +191,13 @@ def test_many_servers_and_wide_ints_match_the_python_recipe():
 def test_native_time_core_table_arguments_are_checked():
     params = array("d", [1e-4, 512.0, 0.01, 0.0, 0.0, 0.0, 1.0])
     rest = (params, 16, 0, 0, 2.0, 1.0, -1, 0.0, 2.0, 0.0, 0, 0.0)
-    ans = native.time_core_table(["a"], None, {}, {"a": 0}, *rest)
-    assert ans[2] == [0] and ans[6] == [(0, 0)]
+    ans = native.time_core_table(["a"], None, {}, {"a": 0}, *rest, 0)
+    assert ans[2] == [0] and ans[6] == [(0, 0)] and ans[7] == 0
+    rest = (*rest, 0)
+    with pytest.raises(TypeError, match="17 arguments"):
+        native.time_core_table(["a"], None, {}, {"a": 0}, *rest[:-1])
+    with pytest.raises(ValueError, match="cursor"):
+        native.time_core_table(["a"], None, {}, {"a": 0}, *rest[:-1], -1)
     with pytest.raises(TypeError, match="dicts"):
         native.time_core_table(["a"], None, [((0, 0), 0, 0, 0)], {"a": 0}, *rest)
     with pytest.raises(ValueError, match="one position per server"):
@@ -302,7 +315,8 @@ def _decide(policy, cands, keys, view):
     d = policy.select(cands, keys, view)
     c = d.choice
     return (d.server, d.matched_blocks, c.servers, c.matched, c.loads, _bits(c.costs), c.pick,
-            c.tied, c.hot, c.skip_hot, c.unknown, d.explanation)
+            c.tied, c.hot, c.skip_hot, c.unknown, d.explanation, float(d.predicted_s).hex(),
+            d.uncached)
 
 
 @pytest.mark.parametrize("seed", range(12))
