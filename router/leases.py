@@ -58,9 +58,11 @@ class LeaseTable:
         if not prefill_ttl > 0:
             raise ValueError(f"prefill_ttl must be positive seconds, found {prefill_ttl!r}")
         self.prefill_ttl = prefill_ttl
-        # (acquired_at + prefill_ttl, lease) in acquisition order: a monotonic clock keeps it
-        # sorted (an entry out of order is only handled late, which counts it as queued longer)
-        self._prefill_q: deque[tuple[float, Lease]] = deque()
+        # leases in acquisition order, for their prefill_ttl: a monotonic clock keeps their
+        # acquired_at sorted (one out of order is only handled late: counted as queued longer);
+        # one that left prefill (in_prefill False: reported, ended, replaced) is a stale entry
+        self._prefill_q: deque[Lease] = deque()
+        self._prefill_q_limit = 1024
         self.first_tokens = 0       # leases that left prefill by a report
         self.prefill_timeouts = 0   # ... by prefill_ttl (no report in time)
         self._leases: dict[tuple[str, int], Lease] = {}
@@ -145,10 +147,11 @@ class LeaseTable:
             (r, t), q, n, pt = st
             self._state[server] = ((r + 1, t + tokens), q + prefill, n + 1, pt + tokens)
         pq = self._prefill_q
-        pq.append((now + self.prefill_ttl, lease))
-        if len(pq) > 2 * len(self._leases) + 1024:     # ended or reported leases' entries
-            self._prefill_q = deque(e for e in pq if e[1].in_prefill and
-                                    self._leases.get((e[1].role, e[1].req_id)) is e[1])
+        pq.append(lease)
+        if len(pq) > self._prefill_q_limit:     # ended or reported leases' entries: compact
+            self._prefill_q = deque(e for e in pq if e.in_prefill)
+            # the next compaction ~1024 acquisitions or more later (amortised O(1) per acquire)
+            self._prefill_q_limit = 2 * len(self._leases) + 1024
         self._push(lease)
         return lease
 
@@ -159,7 +162,10 @@ class LeaseTable:
         lease = self._leases.get((role, req_id))
         if lease is None or not lease.in_prefill:
             return False
-        prefill = max(0, min(prefill, lease.tokens))
+        if prefill < 0:
+            prefill = 0
+        elif prefill > lease.tokens:
+            prefill = lease.tokens
         ld, q, n, pt = self._state[lease.server]
         self._state[lease.server] = (ld, q - lease.prefill + prefill, n, pt)
         lease.prefill = prefill
@@ -196,9 +202,10 @@ class LeaseTable:
         """Remove and return every live lease whose deadline is ``<= now``; leases in prefill
         past ``prefill_ttl`` leave that phase (counted in ``prefill_timeouts``)."""
         pq = self._prefill_q
-        while pq and pq[0][0] <= now:
-            lease = pq.popleft()[1]
-            if lease.in_prefill and self._leases.get((lease.role, lease.req_id)) is lease:
+        ttl = self.prefill_ttl
+        while pq and pq[0].acquired_at + ttl <= now:
+            lease = pq.popleft()
+            if lease.in_prefill:
                 self._unphase(lease)
                 self.prefill_timeouts += 1
         out = []
