@@ -70,6 +70,21 @@ def _instrument(stamps: dict) -> None:
 
 
 def rank_main(conn, role: str, kind: str) -> None:
+    """A rank process: its failure (an import, the agent, an assertion) goes back to the parent
+    as ("error", traceback) instead of a bare closed pipe."""
+    try:
+        _rank_main(conn, role, kind)
+    except BaseException:
+        import traceback
+
+        try:
+            conn.send(("error", f"{role} rank: {traceback.format_exc()}"))
+        except Exception:
+            pass
+        raise
+
+
+def _rank_main(conn, role: str, kind: str) -> None:
     import numpy as np
 
     from transfer.page_table import LayerGroup, PageTable, PhysicalPool, PoolView
@@ -157,12 +172,23 @@ def measure_tree(kind: str, n: int) -> dict:
         p.start()
         ranks[role] = (parent, p)
 
-    def call(role, cmd, *a):
-        conn = ranks[role][0]
-        conn.send((cmd, a[0] if len(a) == 1 else a))
-        return conn.recv()
+    def answer(role):
+        conn, proc = ranks[role]
+        try:
+            out = conn.recv()
+        except EOFError:
+            proc.join(5)
+            raise RuntimeError(f"{role} rank process died (exit code {proc.exitcode}) without "
+                               f"reporting an error") from None
+        if isinstance(out, tuple) and len(out) == 2 and out[0] == "error":
+            raise RuntimeError(out[1])
+        return out
 
-    eps = {r: ranks[r][0].recv()[1] for r in ranks}
+    def call(role, cmd, *a):
+        ranks[role][0].send((cmd, a[0] if len(a) == 1 else a))
+        return answer(role)
+
+    eps = {r: answer(r)[1] for r in ranks}
     ep = eps["context"]
     out = {"rt": [], "rt_wake": [], "crit0": [], "crit1": [], "hops": {}}
     req = iter(range(1, 1 << 30))
@@ -218,12 +244,19 @@ def main(argv=None) -> int:
     samples = {t: {} for t in trees}
     for rnd in range(args.rounds):
         for t in trees:
-            env = dict(os.environ, SPLITSERVE_BENCH_TREE=t, PYTHONPATH=t)
+            # The tree goes first; the rest of PYTHONPATH stays (on the GPU host the wheels are
+            # installed in a --target folder named there: dropping it made every rank process
+            # die on `import zmq`, seen by the parent only as EOFError on the rank's pipe).
+            keep = [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                    if x and Path(x).resolve() not in {Path(u).resolve() for u in trees}]
+            env = dict(os.environ, SPLITSERVE_BENCH_TREE=t,
+                       PYTHONPATH=os.pathsep.join([t] + keep))
             r = subprocess.run([sys.executable, str(HERE), "--child", "--agent", args.agent,
                                 "--n", str(args.n)], env=env, cwd=t, capture_output=True,
                                text=True, timeout=600)
             if r.returncode:
-                print(r.stderr[-3000:], file=sys.stderr)
+                print(f"round {rnd} in {t} failed (exit {r.returncode}):\n{r.stderr[-6000:]}",
+                      file=sys.stderr)
                 return 1
             got = json.loads(r.stdout.strip().splitlines()[-1])
             for k, v in got.items():
