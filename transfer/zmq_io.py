@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -119,12 +118,12 @@ def close_dealer(poller: zmq.Poller, s: zmq.Socket, monitors: dict, key) -> None
     s.close(0)
 
 
-def pending_commands(cmds: queue.SimpleQueue) -> Iterator:
-    """Every command queued so far, without blocking."""
+def pending_commands(cmds: collections.deque) -> Iterator:
+    """Every command queued so far, without blocking (deque append/popleft are atomic)."""
     while True:
         try:
-            yield cmds.get_nowait()
-        except queue.Empty:
+            yield cmds.popleft()
+        except IndexError:
             return
 
 
@@ -186,7 +185,7 @@ class IoLoop:
         self.deadline_poll_s = DEADLINE_POLL_S if deadline_poll_s is None else deadline_poll_s
         self.idle_poll_s = IDLE_POLL_S if idle_poll_s is None else idle_poll_s
         self._batch = batch
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._cmds: collections.deque = collections.deque()
         self._wake = Wake()
         self._closed = False
         # loop-thread state
@@ -226,14 +225,35 @@ class IoLoop:
     def _put(self, cmd) -> None:
         if self._closed:
             return   # shut down: nothing will be sent any more (callers say so if they must)
-        self._cmds.put(cmd)
+        if self.on_loop_thread and cmd[0] in ("send", "reply") and self._send_now(cmd):
+            return
+        self._cmds.append(cmd)
         self._wake.wake()
+
+    def _send_now(self, cmd) -> bool:
+        """(loop thread) Send `cmd` at once instead of queueing it and waking this thread for
+        another turn of the poll loop: a handler answering (a Recv answered by its Result) is
+        the common case on the critical path. Messages other threads queued before it go first,
+        so the messages to one peer keep their order; when a command of another kind (a call,
+        a forget) is queued before it, it waits its turn as before (False)."""
+        q = self._cmds
+        while q:
+            head = q[0]
+            if head[0] not in ("send", "reply"):
+                return False
+            self._command(q.popleft())
+            if head[0] == "send":
+                self._flush_key(head[1])
+        self._command(cmd)
+        if cmd[0] == "send":
+            self._flush_key(cmd[1])
+        return True
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._cmds.put(("stop",))
+        self._cmds.append(("stop",))
         self._wake.wake()
         self._thread.join(timeout=5)
         self._wake.close()
@@ -300,6 +320,23 @@ class IoLoop:
         elif op == "call":
             self._safe(cmd[1])
         return True
+
+    def _flush_key(self, key: Hashable) -> None:
+        """Send what is queued for `key` now, as far as its connection takes it. A connection
+        still being set up keeps its messages for the loop's `_flush`, which also times it out
+        (a loss is never reported from inside a handler)."""
+        q, s = self._outq.get(key), self._dealers.get(key)
+        while q and s is not None:
+            frames, tag = q[0]
+            if tag is not None and self._is_live is not None and not self._is_live(tag):
+                q.popleft()
+                continue
+            try:
+                s.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            q.popleft()
+            self._waiting_since.pop(key, None)
 
     def _flush(self, now: float) -> None:
         for key in list(self._outq):
