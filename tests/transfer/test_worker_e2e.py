@@ -363,7 +363,9 @@ async def test_context_worker_killed_mid_transfer(tiny, http):
     gen = await start(tiny, "generation", transfer_timeout=30.0)
     proc, ctx_url = spawn_worker("--engine", "torch", "--model", "tiny", "--role", "context",
                                  "--block-size", "4", "--num-blocks", "192",
-                                 "--max-num-tokens", "4", "--transfer-agent", "tcp", timeout=120)
+                                 # 2-token chunks: the prefill must outlast the 0.3 s below even
+                                 # where slices move fast (at 4 it sometimes finished first)
+                                 "--max-num-tokens", "2", "--transfer-agent", "tcp", timeout=120)
     try:
         async with http.get(ctx_url + "/server_info") as r:
             ep = (await r.json())["disaggregated_params"]["ctx_info_endpoint"]
