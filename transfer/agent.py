@@ -88,6 +88,10 @@ class XferHandle:
     error: str | None = None
     cause: FailureCause | None = None   # set with ERR: what callers decide on (never `error`)
     backend: Any = None
+    # Set when the receiving process can itself tell that the write landed (a direct GPU write:
+    # the CUDA IPC handle of the event recorded after its kernel), so the result may be sent
+    # when the write is posted rather than when it finishes (`TransferAgent.ready_waiter`).
+    ready: bytes | None = None
     id: int = field(default_factory=lambda: next(_handle_ids))
 
 
@@ -141,6 +145,10 @@ class TransferAgent(abc.ABC):
     #: an agent without it is handed a write only once the event completed (the transfer thread
     #: waits for it: transfer/pump.py).
     orders_after: bool = False
+    # `submit_*` returns once the write is posted (the bytes move on a device, in the network
+    # stack or on the agent's own thread), so the thread that has the work may submit it itself
+    # instead of handing it to the transfer thread. False where a submit copies the payload.
+    posts_async: bool = False
 
     # -- memory --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -232,6 +240,18 @@ class TransferAgent(abc.ABC):
         """Call `fn()` (on an agent thread) whenever a submitted transfer leaves PROC, so whoever
         waits for it is woken instead of polling. False when this agent cannot (poll)."""
         return False
+
+    def orders_on_device(self, remote: str) -> bool:
+        """Whether a write to `remote` given ``after=`` waits for it on the device (no host
+        wait in `submit_*`)."""
+        return False
+
+    def ready_waiter(self):
+        """(receiving side) An object whose `landed(token) -> bool` says whether the write that
+        `XferHandle.ready` token stands for has landed in this process's memory (it never
+        blocks), or None when this agent cannot tell, and peers must send results only once
+        their writes finished."""
+        return None
 
     def wait_any(self, handles) -> bool:
         """Block, without holding the GIL, until one of `handles` (submitted, maybe PROC) has

@@ -5,10 +5,11 @@ them. Who sends what (`gen` = a generation rank, `ctx` = a context rank):
 
     gen → ctx rank 0   GetInstance                        → Instance {ranks: [RankInfo bytes]}
     gen → ctx rank i   Register {info}                    → Registered | RegisterFailed {error}
-    gen → ctx rank i   Recv {req, n, ids: [int64 bytes per group], notif}   (one whole-prompt receive)
-    ctx → gen          Result {req, from, status, slices, span, last, meta}
+    gen → ctx rank i   Recv {req, n, ids: [int64 bytes per group], notif, ready}   (one whole-prompt receive)
+    ctx → gen          Result {req, from, status, slices, span, last, meta, ready}
                        (with `notif`, an `ok` result travels as the transfer agent's notification
-                       attached to the write it reports: `result_notif`, below)
+                       attached to the write it reports: `result_notif`, below; with `ready`, it
+                       leaves when the write is posted, carrying what the receiver waits on)
     gen → ctx          Cancel {req}                       → Result {status: cancelled}
     gen → ctx rank 0   Claim {req}            (no reply: "a generation rank holds this request")
     either             Error {error}          (a request it could not parse)
@@ -64,6 +65,10 @@ class Recv(_Msg, tag="recv"):
     # `ok` results as the notification of the write they report, not as a control message. A
     # sender that does not know the field ignores it (msgspec skips unknown fields).
     notif: bool = False
+    # The receiver can tell by itself when a direct GPU write landed (it waits on the CUDA IPC
+    # event recorded after the write's kernel: `Result.ready`), so the `ok` result may leave as
+    # soon as the write is posted.
+    ready: bool = False
 
 
 class Result(_Msg, tag="result"):
@@ -75,6 +80,9 @@ class Result(_Msg, tag="result"):
     span: tuple[int, int] = (0, 0)
     last: bool = True
     meta: dict | None = None
+    # With `Recv.ready`: the completion token of the write this result reports (the IPC handle
+    # of the event after its kernel); the receiver counts the slices only once it has passed.
+    ready: bytes | None = None
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -106,9 +114,18 @@ def parse(msg: dict) -> ControlMessage:
         raise ProtocolError(f"control message {msg.get('t')!r}: {e}") from None
 
 
+#: Fields added after the first release of a message: left out of the map while at their default,
+#: so the maps peers of an earlier release send and read stay the same.
+_LATE_FIELDS = ("ready",)
+
+
 def to_wire(msg: ControlMessage) -> dict:
     """The map `Messenger` packs (builtins only; bytes stay bytes)."""
-    return msgspec.to_builtins(msg, builtin_types=(bytes,))
+    d = msgspec.to_builtins(msg, builtin_types=(bytes,))
+    for k in _LATE_FIELDS:
+        if k in d and not d[k]:
+            del d[k]
+    return d
 
 
 #: An agent notification that carries a `Result` starts with these bytes (other notifications are

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import numpy as np
 
@@ -23,6 +24,9 @@ from .descs import Coverage, Descs
 from .errors import OutOfRange
 
 log = logging.getLogger("splitserve.transfer.direct")
+
+EVENT_RING = 64      # interprocess events per device, reused round-robin
+OPENED_MAX = 4096    # peers' event handles kept open on the receiving side
 
 
 class _PeerMap:
@@ -61,6 +65,11 @@ class DirectCopies:
         self.refused: dict[str, str] = {}                           # peer -> why not direct
         self._copiers: dict[int, object] = {}
         self._streams: dict[int, object] = {}
+        self._events: dict[int, list] = {}      # device -> ring of (interprocess event, IPC handle)
+        self._next_event: dict[int, int] = {}
+        self._ipc_events = True                 # False once creating one failed: plain events
+        self._opened: dict[bytes, object] = {}  # peers' event handles opened here (receiving side)
+        self._open_lock = threading.Lock()
 
     # ------------------------------------------------------------------ local side
     def register(self, regions: np.ndarray) -> None:
@@ -159,9 +168,10 @@ class DirectCopies:
         return pm.translate(remote_descs.arr[:, 0], remote_descs.arr[:, 1])
 
     def write(self, local: Descs, mapped_dst: np.ndarray, after=None):
-        """Queue the kernel; returns the event that marks its end. ``after`` (a CUDA event): the
-        kernel waits for it on the device (pipelined prefill: the chunk that writes the source
-        blocks may still be computing; no host wait)."""
+        """Queue the kernel; returns (the event that marks its end, the event's CUDA IPC handle
+        or None). The handle lets the receiving process see the end itself (`landed`).
+        ``after`` (a CUDA event): the kernel waits for it on the device (pipelined prefill: the
+        chunk that writes the source blocks may still be computing; no host wait)."""
         import torch
 
         from .copy_kernels import DeviceCopier
@@ -174,9 +184,63 @@ class DirectCopies:
         if after is not None:
             stream.wait_event(after)
         self._copiers[dev].copy(local.arr[:, 0], mapped_dst, local.arr[:, 1], stream)
-        ev = torch.cuda.Event()
+        ev, token = self._event(dev)
         ev.record(stream)
-        return ev
+        return ev, token
+
+    def _event(self, dev: int):
+        """The next event of this device's ring, with its IPC handle. Reusing an event whose last
+        record a receiver has not seen yet is safe: the receiver then waits for the later write,
+        which this one stream orders after the earlier one."""
+        import torch
+
+        ring = self._events.get(dev)
+        if ring is None:
+            ring = self._events[dev] = []
+            if self._ipc_events:
+                try:
+                    with torch.cuda.device(dev):
+                        for _ in range(EVENT_RING):
+                            ev = torch.cuda.Event(interprocess=True)
+                            ring.append((ev, bytes(ev.ipc_handle())))
+                except Exception as e:   # no IPC events here: results wait for the kernel
+                    log.info("CUDA IPC events unavailable (%s: %s); results are sent once each "
+                             "write finished", type(e).__name__, e)
+                    self._ipc_events = False
+                    ring.clear()
+        if not ring:
+            return torch.cuda.Event(), None
+        i = self._next_event.get(dev, 0)
+        self._next_event[dev] = (i + 1) % len(ring)
+        return ring[i]
+
+    # ------------------------------------------------------------------ receiving side
+    def landed(self, token: bytes) -> bool:
+        """Whether the write whose end event has IPC handle `token` (a peer's `write`) finished:
+        every byte of it is in this process's memory. Raises `IpcUnavailable` when the handle
+        does not open."""
+        ev = self._opened.get(token)
+        if ev is None:
+            ev = self._open_event(token)
+        return bool(ev.query())
+
+    def _open_event(self, token: bytes):
+        import torch
+
+        with self._open_lock:
+            ev = self._opened.get(token)
+            if ev is not None:
+                return ev
+            dev = self.regions[0][2] if self.regions else self._local_device()
+            try:
+                ev = torch.cuda.Event.from_ipc_handle(dev, token)
+            except Exception as e:
+                raise cuda_ipc.IpcUnavailable(f"opening a peer's CUDA IPC event: "
+                                              f"{type(e).__name__}: {e}") from None
+            while len(self._opened) >= OPENED_MAX:   # peers come and go; their handles too
+                self._opened.pop(next(iter(self._opened)))
+            self._opened[token] = ev
+            return ev
 
     @staticmethod
     def _local_device() -> int:

@@ -122,6 +122,7 @@ class NixlAgent(TransferAgent):
     kind = "nixl"
     mem_types = ("DRAM", "VRAM")
     orders_after = True
+    posts_async = True   # UCX posts, or a kernel queued on the transfer stream
     OPTIONS = ("progress_thread", "telemetry", "backends", "host", "direct")
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", progress_thread: bool = False,
@@ -361,8 +362,8 @@ class NixlAgent(TransferAgent):
         mapped = self._direct.route(x.remote, local, remote_descs)
         if mapped is None:
             return False
-        x.backend = _Direct(self._direct.write(local, mapped, after), bytes(notif))
-        x.ndescs = int(merge_runs(local.arr[:, 0], remote_descs.arr[:, 0], local.arr[:, 1])[2].size)
+        event, x.ready = self._direct.write(local, mapped, after)
+        x.backend = _Direct(event, bytes(notif))
         return True
 
     def _release_prep_locked(self, p: PrepHandle) -> None:
@@ -400,6 +401,14 @@ class NixlAgent(TransferAgent):
             handle.state, handle.cause = ERR, FailureCause.FAILED
             handle.error = f"{handle.op} to {handle.remote!r}: NIXL reported ERR"
         return handle.state
+
+    def orders_on_device(self, remote: str) -> bool:
+        return self._direct is not None and remote in self._direct.peers
+
+    def ready_waiter(self):
+        """Direct writes from a peer on this host end with an interprocess event: a receiver
+        with CUDA here can wait on it (`DirectCopies.landed`)."""
+        return self._direct
 
     def wait_any(self, handles) -> bool:
         """A direct write's kernel runs on this agent's one stream, so the oldest one in flight

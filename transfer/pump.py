@@ -56,6 +56,9 @@ class Task:
     ndescs: int = 0
     started: float = 0.0
     notified: bool = False      # its `ok` result went as the notification of its write
+    result_sent: bool = False   # its `ok` result left when the write was posted (Result.ready)
+    posted: bool = False        # `_submit` returned: its handles are all there (another thread
+                                # may have claimed it and be submitting still)
 
 
 def _runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
@@ -209,27 +212,75 @@ class Pump:
             rx.preps[i] = (lp, rp)
 
     def _dispatch(self) -> bool:
-        todo = []
         with self.c.lock:
-            for s in self.sender.sessions.values():
-                if s.state != SendState.ACTIVE or s.cancel_requested or s.timed_out:
-                    continue
-                for t in s.targets.values():
-                    if t.inflight is None and not t.cancelled and not t.final_sent \
-                            and t.next_slice < len(s.slices):
-                        task = Task(session=s, target=t, s0=t.next_slice,
-                                    s1=_task_end(s.slices, t.next_slice),
-                                    started=time.monotonic())
-                        t.inflight = task  # TRANSFERRING before any byte moves
-                        self.tasks.append(task)
-                        todo.append(task)
+            todo = self._claim_locked(self.sender.sessions.values())
+        self._submit_all(todo)
+        return bool(todo)
+
+    def dispatch_now(self, s: SendSession) -> None:
+        """Submit what session `s` has ready on the calling thread: the listener's when a
+        receive arrives after the prefill, the engine's when a slice is added. The transfer
+        thread is not woken for it unless a write is left in flight (to see it finish): one
+        Python thread hand-off less on the critical path. Agents whose submit copies the payload
+        (`posts_async` False) leave it to the transfer thread, as before."""
+        if not self.c.agent.posts_async:
+            with self.c.lock:
+                self.c.cv.notify()
+            return
+        while True:
+            with self.c.lock:
+                if self.stop:
+                    return
+                todo = self._claim_locked((s,), inline=True)
+            if not todo:
+                return
+            self._submit_all(todo)
+            # Nothing posted (nothing to write, or refused): done here, and a slice added
+            # meanwhile goes next. A posted write is the transfer thread's to see finish (one
+            # thread polls a handle); it dispatches what follows.
+            settled = [t for t in todo if not t.handles]
+            if settled:
+                self._finish([(t, ()) for t in settled])
+            if len(settled) < len(todo):
+                with self.c.lock:
+                    self.c.cv.notify()
+                return
+
+    def _claim_locked(self, sessions, inline: bool = False) -> list[Task]:
+        """A task for every receiving rank of `sessions` with slices to send and no write in
+        flight; each target is TRANSFERRING (`inflight`) before any byte moves, so only one
+        thread ever submits it. `inline` (a thread other than the transfer thread): a task whose
+        slices wait for a CUDA event the agent cannot order on the device for that peer is left
+        to the transfer thread (it would wait for the event on the host: the engine's thread
+        must not)."""
+        agent = self.c.agent
+        todo = []
+        for s in sessions:
+            if s.state != SendState.ACTIVE or s.cancel_requested or s.timed_out:
+                continue
+            for t in s.targets.values():
+                if t.inflight is None and not t.cancelled and not t.final_sent \
+                        and t.next_slice < len(s.slices):
+                    end = _task_end(s.slices, t.next_slice)
+                    if inline and not agent.orders_on_device(t.rx.agent_name) and any(
+                            sl.after is not None for sl in s.slices[t.next_slice:end]):
+                        self.c.cv.notify()
+                        continue
+                    task = Task(session=s, target=t, s0=t.next_slice, s1=end,
+                                started=time.monotonic())
+                    t.inflight = task
+                    self.tasks.append(task)
+                    todo.append(task)
+        return todo
+
+    def _submit_all(self, todo: list[Task]) -> None:
         for task in todo:
             try:
                 self._submit(task)
             except Exception as e:  # validation / peer lost: nothing was posted
                 task.error = f"{type(e).__name__}: {e}"
                 task.peer_lost = isinstance(e, PeerLost)
-        return bool(todo)
+            task.posted = True
 
     def _submit(self, task: Task) -> None:
         agent = self.c.agent
@@ -289,7 +340,8 @@ class Pump:
         # write carries the whole task (its notification lands after its last byte); with
         # nothing to write it goes as a bare notification. Several writes: a control message
         # once all are DONE, as before.
-        notif = self._result_notif(task) if t.by_notif and len(posts) <= 1 else b""
+        res = self._ok_result(task) if t.by_notif and len(posts) <= 1 else None
+        notif = result_notif(res) if res is not None else b""
         if not posts and notif:
             agent.notify(name, notif)
             task.notified = True
@@ -299,17 +351,31 @@ class Pump:
             task.handles.append(h)
             task.nbytes += nbytes
             task.ndescs += ndescs
+        # The receiver waits on the write's end event itself (Recv.ready): the result leaves
+        # now, from this thread, instead of after the transfer thread saw the write finish and
+        # handed the result to the listener.
+        if t.by_ready and not notif and len(task.handles) == 1 and task.handles[0].ready:
+            res = self._ok_result(task)
+            if res is not None:
+                with self.c.lock:
+                    if res.last:
+                        t.final_sent = True
+                    task.result_sent = True
+                self.c.reply_result(t.rx.info.key, res.req, ResultStatus.OK, slices=res.slices,
+                                    span=res.span, last=res.last, meta=res.meta,
+                                    ready=task.handles[0].ready)
 
-    def _result_notif(self, task: Task) -> bytes:
+    def _ok_result(self, task: Task) -> Result | None:
+        """The `ok` result that reports `task`'s slices (None when it covers none)."""
         s = task.session
         covered = s.slices[task.s0:task.s1]
         if not covered:
-            return b""
+            return None
         last = covered[-1].last
-        return result_notif(Result(
+        return Result(
             req=s.request_id, sender=self.c.info.key, status=ResultStatus.OK,
             slices=(task.s0, task.s1 - 1), span=(covered[0].tokens[0], covered[-1].tokens[1]),
-            last=last, meta=s.meta if last else None))
+            last=last, meta=s.meta if last else None)
 
     def _poll_tasks(self) -> bool:
         agent = self.c.agent
@@ -317,27 +383,39 @@ class Pump:
             tasks = list(self.tasks)
         finished = []
         for task in tasks:
-            states = [agent.poll(h) for h in task.handles]
-            if any(st == XPROC for st in states):
+            if not task.posted:
                 continue
+            states = [agent.poll(h) for h in task.handles]
+            if not any(st == XPROC for st in states):
+                finished.append((task, states))
+        if not finished:
+            return False
+        self._finish(finished)
+        return True
+
+    def _finish(self, finished: list) -> None:
+        """Complete `(task, handle states)` pairs whose writes all left PROC: release the
+        handles, reply, move the sessions. A task is completed once, by whichever thread takes
+        it out of `tasks` first."""
+        agent = self.c.agent
+        with self.c.lock:
+            finished = [(t, st) for t, st in finished if t in self.tasks]
+            for task, _st in finished:
+                self.tasks.remove(task)
+        for task, states in finished:
             for h, st in zip(task.handles, states):
                 if st == XERR:
                     task.error = task.error or agent.error(h) or "transfer failed"
                     task.peer_lost |= h.cause == FailureCause.PEER_LOST
                 agent.release(h)
-            finished.append(task)
-        if not finished:
-            return False
         lost = []
         with self.c.lock:
-            for task in finished:
-                self.tasks.remove(task)
+            for task, _st in finished:
                 self.sender.complete_locked(task)
                 if task.peer_lost:
                     lost.append(task.target.rx)
         for rx in lost:
             self._drop_receiver(rx)
-        return True
 
     def _drop_receiver(self, rx: RegisteredReceiver) -> None:
         with self.c.lock:

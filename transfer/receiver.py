@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -67,12 +68,79 @@ class PeerInstance:
     waiting: list[int] = field(default_factory=list)
 
 
+class LandingWaiter:
+    """One thread that waits for direct writes whose results came ahead of their bytes (sent
+    when the write was posted, `control.Result.ready`), then hands each result back.
+
+    Only a result whose write has not landed when it arrives comes here (a large write: the
+    result overtook its kernel); a small write has landed by the time its result is read, and
+    is completed on the listener thread without any hand-off. `waiter.landed(token)` never
+    blocks, so a writer that died mid-write (its event never passes) cannot wedge the thread:
+    its entry is dropped once the receive stops waiting for it (`alive()` False: the peer was
+    lost, the receive ended)."""
+
+    POLL_S = 20e-6   # between looks while a write is in flight: a fraction of any write's time
+
+    def __init__(self, waiter) -> None:
+        self._waiter = waiter
+        self._cv = threading.Condition()
+        self._items: list = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kv-landing", daemon=True)
+        self._thread.start()
+
+    def add(self, token: bytes, then: Callable[[str | None], None],
+            alive: Callable[[], bool]) -> None:
+        """Call `then(None)` once the write of `token` landed (`then(error)` if it cannot be
+        told), unless `alive()` turned False first."""
+        with self._cv:
+            self._items.append((token, then, alive))
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                items = list(self._items)
+            done = []
+            for item in items:
+                token, then, alive = item
+                error = None
+                try:
+                    landed = self._waiter.landed(token)
+                except Exception as e:
+                    landed, error = True, f"cannot wait on the write's end event: {e}"
+                if landed or not alive():
+                    done.append(item)
+                    if landed:
+                        try:
+                            then(error)
+                        except Exception:
+                            log.exception("landed-write handler failed")
+            with self._cv:
+                for item in done:
+                    self._items.remove(item)
+                pending = bool(self._items)
+            if pending and not done:
+                time.sleep(self.POLL_S)
+
+
 class Receiver:
     def __init__(self, core: RankCore) -> None:
         self.c = core
         self.sessions: dict[int, RecvSession] = {}
         self.peers: dict[str, PeerInstance] = {}
         self.retired: collections.OrderedDict = collections.OrderedDict()
+        self.landing: LandingWaiter | None = None
 
     # ================================================================== API
     def begin(self, request_id: int, ctx_endpoint: str, num_tokens: int, block_ids,
@@ -258,7 +326,8 @@ class Receiver:
         for x in pi.peers:
             r.writers[x.key] = Writer(endpoint=x.endpoint, agent=x.agent_name)
             self.c.send(x.endpoint, Recv(req=r.request_id, n=r.num_tokens, ids=ids,
-                                         notif=self.c.results_by_notif))
+                                         notif=self.c.results_by_notif,
+                                         ready=self.c.ready_waiter is not None))
         r.state = RecvState.POSTED
 
     def on_result(self, endpoint: str | None, msg: Result, agent: str | None = None) -> None:
@@ -276,6 +345,11 @@ class Receiver:
                 log.warning("request %s: result notification from agent %r for rank %s (agent "
                             "%r) ignored", msg.req, agent, msg.sender, w.agent)
                 return
+            if msg.ready is not None:
+                # Sent when the write was posted: its slices count once its end event passed.
+                msg = self._landed_locked(r, w, endpoint, msg)
+                if msg is None:
+                    return
             if msg.status == ResultStatus.OK:
                 w.slices += 1
                 if msg.last:
@@ -320,6 +394,35 @@ class Receiver:
                 elif r.state == RecvState.WAITING and r.endpoint == endpoint:
                     self._final_locked(r, RecvState.FAILED,
                                        f"context instance at {endpoint}: {reason}")
+
+    def _landed_locked(self, r: RecvSession, w: Writer, endpoint, msg: Result) -> Result | None:
+        """`msg` (a result carrying its write's end event) as a plain result once the write
+        landed; None while it has not (a `LandingWaiter` hands it back when it has)."""
+        waiter = self.c.ready_waiter
+        if waiter is None or msg.status != ResultStatus.OK:
+            return msgspec_replace(msg, status=ResultStatus.ERROR, ready=None,
+                                   error=f"a result with a completion event this rank cannot "
+                                         f"wait on (status {msg.status})")
+        try:
+            if waiter.landed(msg.ready):
+                return msgspec_replace(msg, ready=None)
+        except TransferError as e:
+            return msgspec_replace(msg, status=ResultStatus.ERROR, ready=None,
+                                   error=f"cannot wait on the write's end event: {e}")
+        if self.landing is None:
+            self.landing = LandingWaiter(waiter)
+        plain = msgspec_replace(msg, ready=None)
+
+        def then(error: str | None) -> None:
+            self.on_result(endpoint, plain if error is None else msgspec_replace(
+                plain, status=ResultStatus.ERROR, error=error))
+        self.landing.add(msg.ready, then,
+                         lambda: not w.terminal and self.sessions.get(r.request_id) is r)
+        return None
+
+    def shutdown(self) -> None:
+        if self.landing is not None:
+            self.landing.close()
 
     # ================================================================== outcomes (under lock)
     def _send_cancels_locked(self, r: RecvSession) -> None:

@@ -63,6 +63,7 @@ class Target:
     cancelled: bool = False
     final_sent: bool = False
     by_notif: bool = False    # its receiver takes `ok` results as agent notifications (Recv.notif)
+    by_ready: bool = False    # its receiver waits on a direct write's end event (Recv.ready)
 
 
 @dataclass
@@ -147,8 +148,11 @@ class Sender:
                 s.src_ids = self.c.group_ids(block_ids)
             if s.last_added or s.state != SendState.ACTIVE or s.cancel_requested:
                 return
+            n = len(s.slices)
             self._add_slice_locked(s, min(tokens_done, s.num_tokens), last=False, after=after)
-            self.c.cv.notify()
+            if len(s.slices) == n or not s.targets:
+                return
+        self.c.pump.dispatch_now(s)   # the slice's write is launched from this thread
 
     def finish(self, request_id: int, meta: dict | None = None, block_ids=None,
                after=None) -> None:
@@ -163,7 +167,10 @@ class Sender:
             s.finished_at = time.monotonic()
             s.deadline = s.finished_at + self.c.cfg.send_timeout_s
             self.check_locked(s)
-            self.c.cv.notify()
+            if not s.targets:
+                self.c.cv.notify()
+                return
+        self.c.pump.dispatch_now(s)   # generation_first: the receive is here; write now
 
     def status(self, request_id: int) -> Status:
         with self.c.lock:
@@ -276,7 +283,9 @@ class Sender:
                 self.parked.setdefault(req, []).append((time.monotonic(), key, msg))
                 return
             self._attach_locked(s, key, msg)
-            self.c.cv.notify()
+            if not s.slices:
+                return   # prefill is still running: its slices dispatch it
+        self.c.pump.dispatch_now(s)   # context_first: answer on this (the listener's) thread
 
     def on_claim(self, ident: bytes, msg: Claim) -> None:
         req = msg.req
@@ -345,7 +354,7 @@ class Sender:
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self.c.reply_result(key, req, RS.ERROR, error=f"receive refused: {e}")
             return
-        s.targets[key] = Target(rx=rx, dst_ids=ids, by_notif=msg.notif)
+        s.targets[key] = Target(rx=rx, dst_ids=ids, by_notif=msg.notif, by_ready=msg.ready)
         s.claimed = True
 
     # ================================================================== outcomes (under lock)
@@ -391,6 +400,8 @@ class Sender:
                 t.final_sent = True
             if task.notified:
                 self.c.stats["results_by_notif"] += 1   # it went with the write
+            elif task.result_sent:
+                self.c.stats["results_ready"] += 1      # it went when the write was posted
             else:
                 self.c.reply_result(key, s.request_id, RS.OK, slices=(task.s0, task.s1 - 1),
                                     span=(covered[0].tokens[0], covered[-1].tokens[1]), last=last,

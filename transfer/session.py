@@ -133,6 +133,7 @@ class KvTransceiver(Transceiver):
             C.Result: self._receiver.on_result, C.Error: self._receiver.on_error}
         self._ready = True
         core.results_by_notif = self.agent.deliver_notifications(self._on_notification)
+        core.ready_waiter = self.agent.ready_waiter()
         self._pump.start()
 
     # ------------------------------------------------------------------ identity
@@ -238,6 +239,7 @@ class KvTransceiver(Transceiver):
         if not self._pump.shutdown():
             return
         self.messenger.close()
+        self._receiver.shutdown()
         for rx in self._sender.receivers.values():
             self._pump.release_preps(rx)
         self.agent.shutdown()

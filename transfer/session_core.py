@@ -32,6 +32,10 @@ class RankCore:
         # Our agent pushes notifications as they arrive: receives ask for `ok` results that way
         # (control.Recv.notif), so completion needs no control message and no thread hand-off.
         self.results_by_notif = False
+        # Our agent can tell when a peer's direct write landed (`TransferAgent.ready_waiter`):
+        # receives ask for results as soon as the write is posted (control.Recv.ready).
+        self.ready_waiter = None
+        self.pump = None        # the transfer thread (set by the facade)
 
     @property
     def tokens_per_block(self) -> int:
@@ -46,10 +50,11 @@ class RankCore:
 
     def reply_result(self, key: str, req: int, status: ResultStatus, *,
                      ident: bytes | None = None, error: str | None = None, slices=(0, 0),
-                     span=(0, 0), last: bool = True, meta: dict | None = None) -> None:
+                     span=(0, 0), last: bool = True, meta: dict | None = None,
+                     ready: bytes | None = None) -> None:
         self.reply(ident or key.encode(), Result(
             req=req, sender=self.info.key, status=status, error=error, slices=tuple(slices),
-            span=tuple(span), last=last, meta=meta))
+            span=tuple(span), last=last, meta=meta, ready=ready))
 
     # ------------------------------------------------------------------ helpers
     def group_ids(self, block_ids) -> list[np.ndarray]:

@@ -47,8 +47,8 @@ NUM_BLOCKS = 8
 # (step name, module, class, method): where the round trip's hops are timestamped
 HOPS = [("posted (gen listener)", "transfer.receiver", "Receiver", "_post_locked"),
         ("recv handled (ctx listener)", "transfer.sender", "Sender", "on_recv"),
-        ("submitted (ctx transfer thread)", "transfer.pump", "Pump", "_submit"),
-        ("completed (ctx transfer thread)", "transfer.sender", "Sender", "complete_locked"),
+        ("submitted (ctx)", "transfer.pump", "Pump", "_submit"),
+        ("completed (ctx)", "transfer.sender", "Sender", "complete_locked"),
         ("result handled (gen)", "transfer.receiver", "Receiver", "on_result")]
 
 
