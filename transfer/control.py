@@ -4,7 +4,9 @@ On the wire each is a msgpack map whose `t` names the type (msgspec's tag); `Mes
 them. Who sends what (`gen` = a generation rank, `ctx` = a context rank):
 
     gen → ctx rank 0   GetInstance                        → Instance {ranks: [RankInfo bytes]}
-    gen → ctx rank i   Register {info}                    → Registered | RegisterFailed {error}
+    gen → ctx rank i   Register {info}                    → Registered {lane} | RegisterFailed {error}
+                       (then the generation rank connects the control lane `lane` names, when
+                       there is one, and sends everything below to that rank on it)
     gen → ctx rank i   Recv {req, n, ids: [int64 bytes per group], notif, ready}   (one whole-prompt receive)
     ctx → gen          Result {req, from, status, slices, span, last, meta, ready}
                        (with `notif`, an `ok` result travels as the transfer agent's notification
@@ -50,6 +52,8 @@ class Register(_Msg, tag="register"):
 
 class Registered(_Msg, tag="registered"):
     key: str
+    # Where this rank listens for control lanes (`host:port`, transfer/lanes.py); "" for none.
+    lane: str = ""
 
 
 class RegisterFailed(_Msg, tag="register_failed"):
@@ -116,7 +120,7 @@ def parse(msg: dict) -> ControlMessage:
 
 #: Fields added after the first release of a message: left out of the map while at their default,
 #: so the maps peers of an earlier release send and read stay the same.
-_LATE_FIELDS = ("ready",)
+_LATE_FIELDS = ("ready", "lane")
 
 
 def to_wire(msg: ControlMessage) -> dict:

@@ -13,6 +13,13 @@ Peer loss: a DEALER whose established connection drops (peer process died — th
 sockets — or heartbeats time out) or that cannot connect within `connect_timeout_s` while messages
 wait, is closed and reported once through `on_peer_lost(endpoint, reason)`; a later `send` to the
 same endpoint opens a fresh connection (a restarted peer is a new incarnation to the layers above).
+
+Control lanes (transfer/lanes.py): besides its ROUTER, a messenger listens for lanes
+(`lane_address`); `open_lane(endpoint, address)` connects one to a peer. While a lane to a peer is
+up, `send` to its endpoint and `reply` to its identity write to the lane from the calling thread,
+and what arrives on it is dispatched like ZeroMQ traffic (`("dealer", endpoint)` on the side that
+connected, `("router", identity)` on the side that listened). A lane that closes or fails a write
+reports its peer lost on the connecting side, as a ZeroMQ disconnect does.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from typing import Callable
 import msgpack
 import zmq
 
+from . import lanes
 from .zmq_io import IoLoop, bind_router
 
 log = logging.getLogger("splitserve.transfer.messenger")
@@ -52,22 +60,68 @@ class Messenger:
         self._ctx = zmq.Context(io_threads=1)
         router, self.endpoint = bind_router(self._ctx, host, port, advertise_host,
                                             heartbeat_ms=hb, max_msg_bytes=MAX_CONTROL_MSG)
+        self._connect_timeout_s = connect_timeout_s
+        self._lane_server = lanes.listen(host)
+        adv = self.endpoint.rpartition(":")[0].removeprefix("tcp://").strip("[]")
+        self.lane_address = lanes.address(self._lane_server, adv)
+        self._lanes_out: dict[str, lanes.Lane] = {}     # endpoint -> lane we connected
+        self._lanes_in: dict[bytes, lanes.Lane] = {}    # identity -> lane a peer connected
+        self._accepted: set[lanes.Lane] = set()         # connected to us, not yet named
+        self.lane_stats = {"sent": 0, "received": 0}
         self.io = IoLoop(self._ctx, router, self.identity, name="transfer-messenger",
                          on_router=self._from_router, on_dealer=self._from_dealer,
                          on_lost=self._lost, heartbeat_ms=hb, connect_timeout_s=connect_timeout_s,
                          dealer_options={zmq.MAXMSGSIZE: MAX_CONTROL_MSG})
+        self.io.call_soon(lambda: self.io.watch_fd(self._lane_server.fileno(), self._accept))
         self._closed = False
 
     # ------------------------------------------------------------------ API (any thread)
     def send(self, endpoint: str, msg: dict) -> None:
+        lane = self._lanes_out.get(endpoint)
+        if lane is not None:
+            if lane.send(pack(msg)):
+                self.lane_stats["sent"] += 1
+            else:   # the peer is gone: report it once (the message is lost with it)
+                self.io.call_soon(lambda: self._lane_lost(lane, "a write on its control lane "
+                                                               "failed"))
+            return
         self.io.send(endpoint, [pack(msg)], endpoint=endpoint)
 
     def reply(self, identity: bytes, msg: dict) -> None:
+        lane = self._lanes_in.get(identity)
+        if lane is not None:
+            if lane.send(pack(msg)):
+                self.lane_stats["sent"] += 1
+            else:
+                self.io.call_soon(lambda: self._lane_lost(lane, "a write on its control lane "
+                                                               "failed"))
+            return
         self.io.reply(identity, [pack(msg)])
 
     def forget(self, endpoint: str) -> None:
         """Close the connection to `endpoint` (dropping queued messages) without a loss report."""
+        self.io.call_soon(lambda: self._close_lane(self._lanes_out.get(endpoint)))
         self.io.forget(endpoint)
+
+    def open_lane(self, endpoint: str, address: str) -> bool:
+        """(listener thread) Connect a control lane to the peer at `endpoint`, which listens at
+        `address`; from now on messages to it go there. False (ZeroMQ stays) when it cannot be
+        reached within the connect timeout."""
+        old = self._lanes_out.get(endpoint)
+        if old is not None and not old.closed:
+            return True
+        try:
+            sock = lanes.connect(address, min(self._connect_timeout_s, 1.0))
+        except OSError as e:
+            log.info("no control lane to %s at %s (%s): ZeroMQ carries its messages", endpoint,
+                     address, e)
+            return False
+        lane = lanes.Lane(sock, key=endpoint, send_timeout_s=self._connect_timeout_s)
+        if not lane.send(pack({"t": "lane", "id": self.identity})):
+            return False
+        self._lanes_out[endpoint] = lane
+        self.io.watch_fd(lane.fd, lambda: self._read(lane))
+        return True
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the listener thread (serialises it with message handlers)."""
@@ -78,7 +132,78 @@ class Messenger:
             return
         self._closed = True
         self.io.close()
+        for lane in [*self._lanes_out.values(), *self._lanes_in.values(), *self._accepted]:
+            lane.close()
+        self._lane_server.close()
         self._ctx.term()
+
+    # ------------------------------------------------------------------ lanes (listener thread)
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _addr = self._lane_server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("accepting a control lane: %s", e)
+                return
+            lane = lanes.Lane(sock, send_timeout_s=self._connect_timeout_s)
+            self._accepted.add(lane)
+            self.io.watch_fd(lane.fd, lambda lane=lane: self._read(lane))
+
+    def _read(self, lane: lanes.Lane) -> None:
+        try:
+            frames = lane.read()
+        except lanes.LaneClosed as e:
+            self._lane_lost(lane, str(e))
+            return
+        for data in frames:
+            if lane.key is None:   # the first frame names the peer that connected
+                try:
+                    hello = unpack(data)
+                    ident = bytes(hello["id"])
+                    if hello["t"] != "lane":
+                        raise ValueError(f"expected 'lane', found {hello['t']!r}")
+                except (ValueError, KeyError, TypeError) as e:
+                    log.warning("control lane without a valid hello: %s", e)
+                    self._close_lane(lane)
+                    return
+                self._accepted.discard(lane)
+                lane.key = ident
+                self._close_lane(self._lanes_in.get(ident))   # a reconnect replaces it
+                self._lanes_in[ident] = lane
+                continue
+            self.lane_stats["received"] += 1
+            if isinstance(lane.key, bytes):
+                self._dispatch(("router", lane.key), data)
+            else:
+                self._dispatch(("dealer", lane.key), data)
+            if lane.closed:
+                return
+
+    def _close_lane(self, lane: lanes.Lane | None) -> None:
+        if lane is None:
+            return
+        self.io.unwatch_fd(lane.fd)
+        lane.close()
+        self._accepted.discard(lane)
+        if self._lanes_out.get(lane.key) is lane:
+            del self._lanes_out[lane.key]
+        if self._lanes_in.get(lane.key) is lane:
+            del self._lanes_in[lane.key]
+
+    def _lane_lost(self, lane: lanes.Lane, reason: str) -> None:
+        """A lane ended: on the connecting side its peer is lost (and its ZeroMQ connection is
+        closed, so a later message starts afresh); on the listening side the peer's replies go
+        back to ZeroMQ (its own side reports what happened to it)."""
+        if self.io.on_loop_thread is False:
+            self.io.call_soon(lambda: self._lane_lost(lane, reason))
+            return
+        known = self._lanes_out.get(lane.key) is lane
+        self._close_lane(lane)
+        if known:
+            self.io.forget(lane.key)
+            self._lost(lane.key, f"control lane: {reason}")
 
     # ------------------------------------------------------------------ listener thread
     def _from_router(self, frames: list) -> None:
@@ -89,8 +214,9 @@ class Messenger:
     def _from_dealer(self, endpoint: str, frames: list) -> None:
         self._dispatch(("dealer", endpoint), frames[0].bytes)
 
-    def _lost(self, endpoint: str, reason: str, _unsent: list) -> None:
+    def _lost(self, endpoint: str, reason: str, _unsent: list = ()) -> None:
         log.info("control connection to %s lost: %s", endpoint, reason)
+        self._close_lane(self._lanes_out.get(endpoint))
         self._on_peer_lost(endpoint, reason)
 
     def _dispatch(self, source: tuple, data: bytes) -> None:

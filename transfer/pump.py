@@ -191,7 +191,7 @@ class Pump:
                                 "per-transfer lists", info.key, e)
             with c.lock:
                 self.sender.receivers[info.key] = rx
-            c.reply(ident, Registered(key=c.info.key))
+            c.reply(ident, Registered(key=c.info.key, lane=c.messenger.lane_address))
 
     def _prepare(self, rx: RegisteredReceiver) -> None:
         """Per-slot descriptor lists for single-fragment mappers: a transfer then only names block

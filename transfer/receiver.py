@@ -159,6 +159,11 @@ class Receiver:
             self.sessions[request_id] = RecvSession(
                 request_id=request_id, endpoint=ctx_endpoint, num_tokens=num_tokens, dst_ids=ids,
                 deadline=time.monotonic() + self.c.cfg.recv_timeout_s, on_done=on_done)
+            pi = self.peers.get(ctx_endpoint)
+            if pi is not None and pi.state == PeerState.READY:
+                # Known peer: post from this thread (on its lanes, no hand-off to the listener).
+                self._post_locked(pi, self.sessions[request_id])
+                return
         self.c.messenger.call_soon(lambda: self._ensure_peer(ctx_endpoint, request_id))
 
     def status(self, request_id: int) -> Status:
@@ -285,6 +290,9 @@ class Receiver:
             pi = self._peer_for_endpoint(endpoint)
             if pi is None or pi.state != PeerState.REGISTERING:
                 return
+            if msg.key in pi.pending and msg.lane:
+                # Before any receive is posted to that rank: everything to it goes on the lane.
+                self.c.messenger.open_lane(endpoint, msg.lane)
             pi.pending.discard(msg.key)
             if not pi.pending:
                 pi.state = PeerState.READY

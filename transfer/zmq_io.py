@@ -195,6 +195,7 @@ class IoLoop:
         self._connected: dict[Hashable, bool] = {}
         self._outq: dict[Hashable, collections.deque] = {}
         self._waiting_since: dict[Hashable, float] = {}
+        self._fds: dict[int, Callable[[], None]] = {}
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -217,6 +218,17 @@ class IoLoop:
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the loop's thread, serialised with the message handlers."""
         self._put(("call", fn))
+
+    def watch_fd(self, fd: int, on_readable: Callable[[], None]) -> None:
+        """(loop thread) Poll file descriptor `fd` with the sockets; `on_readable()` runs on this
+        thread whenever it is readable (a control lane: transfer/lanes.py)."""
+        self._fds[fd] = on_readable
+        self._poller.register(fd, zmq.POLLIN)
+
+    def unwatch_fd(self, fd: int) -> None:
+        """(loop thread) Stop polling `fd` (before it is closed)."""
+        if self._fds.pop(fd, None) is not None:
+            self._poller.unregister(fd)
 
     @property
     def on_loop_thread(self) -> bool:
@@ -384,6 +396,9 @@ class IoLoop:
             for key, s in list(self._dealers.items()):
                 if s in events:
                     self._drain(s, self._on_dealer, key)
+            for fd, on_readable in list(self._fds.items()):
+                if fd in events and self._fds.get(fd) is on_readable:
+                    self._safe(on_readable)
             for mon, key in list(self._monitors.items()):
                 if mon in events:
                     for ev in monitor_events(mon):

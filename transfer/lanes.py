@@ -1,0 +1,127 @@
+"""Control lanes: one plain TCP connection from a generation rank to each context rank it posts
+receives to, beside the ZeroMQ control plane, for the messages on the critical path.
+
+Why: a ZeroMQ message crosses two more threads than the data needs (the sender's ZeroMQ I/O
+thread, then the receiver's), and a Python thread must first hand it to the loop that owns the
+socket. Each of those is a wake-up; on the GPU host one costs 50-150 µs (measured there
+2026-12-07: a ZeroMQ hop ≈ 300 µs, a thread hand-off ≈ 150 µs). On a lane, the thread that has
+the message writes it to the socket itself (under the lane's lock), and the kernel wakes the one
+thread that reads it: the peer's listener, which polls the lane's socket with its ZeroMQ sockets.
+
+Rules (transfer/messenger.py keeps them):
+- the context rank listens (a TCP socket on the control plane's host) and says where in its
+  `Registered` answer; the generation rank connects before it posts any receive to that rank,
+  and its first frame names it (`Hello`): the context side then answers it on the lane;
+- once a lane is up, every message between the two goes on it (receives, cancels, results), so
+  a cancel never overtakes the receive it cancels; what went before went on ZeroMQ, and none of
+  it is ordered against a receive (a claim; the cancel of a receive never posted);
+- a lane that closes or fails a write means the peer is gone: the generation side reports the
+  context rank lost (as a ZeroMQ disconnect does) and a later receive registers again and opens
+  a fresh lane. Heartbeats stay on the ZeroMQ connection, which stays open.
+
+Frames are a 4-byte big-endian length and the message's msgpack bytes (no pickle).
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+FRAME = struct.Struct("!I")
+MAX_FRAME = 256 << 20
+
+
+class LaneClosed(Exception):
+    pass
+
+
+class Lane:
+    """One connected stream socket. Any thread may `send`; only the loop thread `read`s."""
+
+    def __init__(self, sock: socket.socket, key=None, send_timeout_s: float = 5.0) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Writes block at most this long (a peer that stopped reading): then the lane is closed.
+        sock.settimeout(send_timeout_s)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.key = key          # the peer: its endpoint (generation side) or identity (context)
+        self._lock = threading.Lock()
+        self._buf = bytearray()
+        self.closed = False
+
+    def send(self, data: bytes) -> bool:
+        """Write one frame; False when the lane is (now) closed: the peer is gone."""
+        frame = FRAME.pack(len(data)) + data
+        with self._lock:
+            if self.closed:
+                return False
+            try:
+                self.sock.sendall(frame)
+                return True
+            except OSError:   # reset, broken pipe, or a peer that stopped reading
+                self._close_locked()
+                return False
+
+    def read(self) -> list[bytes]:
+        """(loop thread, socket readable) The frames complete so far; raises `LaneClosed` at the
+        end of the stream, on an error, or on a frame over `MAX_FRAME`."""
+        try:
+            chunk = self.sock.recv(1 << 20)
+        except (BlockingIOError, socket.timeout):
+            return []
+        except OSError as e:
+            raise LaneClosed(str(e)) from None
+        if not chunk:
+            raise LaneClosed("the peer closed the lane")
+        buf = self._buf
+        buf += chunk
+        out = []
+        pos = 0
+        while len(buf) - pos >= FRAME.size:
+            (n,) = FRAME.unpack_from(buf, pos)
+            if n > MAX_FRAME:
+                raise LaneClosed(f"a frame of {n} bytes; at most {MAX_FRAME}")
+            if len(buf) - pos - FRAME.size < n:
+                break
+            out.append(bytes(buf[pos + FRAME.size:pos + FRAME.size + n]))
+            pos += FRAME.size + n
+        if pos:
+            del buf[:pos]
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def listen(host: str) -> socket.socket:
+    """A TCP listener on `host` (an OS-chosen port), as every listener binds the configured host."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    s.listen(128)
+    s.setblocking(False)
+    return s
+
+
+def connect(address: str, timeout_s: float) -> socket.socket:
+    """Connect to a lane listener at `host:port` (`[v6]:port` for IPv6)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    return socket.create_connection((host, int(port)), timeout=timeout_s)
+
+
+def address(sock: socket.socket, advertise_host: str) -> str:
+    port = sock.getsockname()[1]
+    return f"[{advertise_host}]:{port}" if ":" in advertise_host else f"{advertise_host}:{port}"
