@@ -1,0 +1,102 @@
+"""Where the host time of one direct GPU write goes: `DeviceCopier.copy` (the row table, its upload,
+the Triton launch) for scattered KV blocks, in one process on one GPU, no peer.
+
+Prints the median host µs per call of: the whole `copy`, its table upload alone, the kernel
+launch alone (table already on the device), the same with the interprocess end event recorded
+(what a direct write adds), and a cProfile of `copy` (top functions by own time). Needs CUDA.
+
+Usage: `python bench/transfer/submit_probe.py [--blocks 64 --blocks 1024] [--calls 300]`
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench", Path(__file__).resolve().parent)]
+
+BLOCK = 512 * 1024   # one 16-token block of the `1b` geometry
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, action="append")
+    p.add_argument("--calls", type=int, default=300)
+    args = p.parse_args(argv)
+    import numpy as np
+    import torch
+    import triton.language as tl
+
+    from transfer import copy_kernels as ck
+
+    slots = 4096
+    src = torch.empty(slots * BLOCK, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copier = ck.DeviceCopier(torch.cuda.current_device())
+    stream = torch.cuda.Stream()
+    rng = np.random.default_rng(0)
+    for nb in args.blocks or [64, 1024]:
+        s = src.data_ptr() + rng.permutation(slots)[:nb].astype(np.uint64) * np.uint64(BLOCK)
+        d = dst.data_ptr() + rng.permutation(slots)[:nb].astype(np.uint64) * np.uint64(BLOCK)
+        n = np.full(nb, BLOCK, np.uint64)
+        for _ in range(20):   # compile, warm the launcher's caches
+            copier.copy(s, d, n, stream)
+        torch.cuda.synchronize()
+
+        def timed(fn):
+            ts = []
+            for i in range(args.calls):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+                if i % 16 == 15:
+                    stream.synchronize()
+            stream.synchronize()
+            return statistics.median(ts) * 1e6
+
+        whole = timed(lambda: copier.copy(s, d, n, stream))
+        table = np.stack([np.arange(nb, dtype=np.int64)] * 3)
+        upload = timed(lambda: copier._upload(table, stream))
+        dev = copier._upload(table, stream)
+        # the launch alone: the table as copy() would make it (rows of 512 KiB: 8 tiles each)
+        so = ((s.astype(np.int64) - int(s[0])) // 16)
+        do = ((d.astype(np.int64) - int(d[0])) // 16)
+        tab = copier._upload(np.stack([so, do, (n // np.uint64(16)).astype(np.int64)]), stream)
+        tiles = BLOCK // ck.TILE
+
+        def launch():
+            with torch.cuda.device(copier.device), torch.cuda.stream(stream):
+                ck._kernel()[(nb * tiles,)](int(s[0]), int(d[0]), tab, nb, tiles, VEC=2,
+                                            TILE_E=ck.TILE // 8, ELT=tl.int64, num_warps=8)
+        launch_us = timed(launch)
+        ev = torch.cuda.Event(interprocess=True)
+        ev.ipc_handle()
+
+        def copy_and_event():
+            copier.copy(s, d, n, stream)
+            ev.record(stream)
+        with_event = timed(copy_and_event)
+        print(f"{nb} blocks: copy {whole:.1f} µs (upload {upload:.1f}, launch {launch_us:.1f}); "
+              f"copy + interprocess event record {with_event:.1f} µs", flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            copier.copy(s, d, n, stream)
+        prof.disable()
+        stream.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+        print("\n".join(out.getvalue().splitlines()[:30]))
+        del dev
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
