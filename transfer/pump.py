@@ -235,12 +235,12 @@ class Pump:
             if not todo:
                 return
             self._submit_all(todo)
-            # Nothing posted (nothing to write, or refused): done here, and a slice added
-            # meanwhile goes next. A posted write is the transfer thread's to see finish (one
-            # thread polls a handle); it dispatches what follows.
-            settled = [t for t in todo if not t.handles]
+            # Nothing in flight (nothing to write, refused, or done at post): done here, and a
+            # slice added meanwhile goes next. A write in flight is the transfer thread's to
+            # see finish (one thread polls a handle); it dispatches what follows.
+            settled = [t for t in todo if all(h.state != XPROC for h in t.handles)]
             if settled:
-                self._finish([(t, ()) for t in settled])
+                self._finish([(t, [h.state for h in t.handles]) for t in settled])
             if len(settled) < len(todo):
                 with self.c.lock:
                     self.c.cv.notify()
@@ -313,6 +313,8 @@ class Pump:
             dst_ids = t.dst_ids[m.dst_group][b0:b1]
             if i in t.rx.preps and _runs(src_ids, dst_ids) > PREPPED_MIN_RUNS:
                 keep = (src_ids >= 0) & (dst_ids >= 0)
+                if not keep.any():
+                    continue   # every block cached at the receiver: nothing to post
                 lp, rp = t.rx.preps[i]
 
                 def post(notif, lp=lp, rp=rp, si=src_ids[keep], di=dst_ids[keep]):
