@@ -254,7 +254,7 @@ def run_all(args, reg: Registry, logdir: Path) -> dict:
         "gpus": ",".join(g for g in args.gpu_list if g is not None), "scale": args.scale.name,
         "scale_params": dataclasses.asdict(args.scale), "seed": args.seed, "num_blocks": args.num_blocks,
         "fleet_workers": args.fleet_workers, "transfer_agent": args.transfer_agent, "logs": str(logdir),
-        "dry_run": dry_note(args)}}
+        "dry_run": dry_note(args), "parts": list(args.parts)}}
     t0 = time.monotonic()
     if "transfer" in args.parts:
         say("transfer", f"prompt sizes {args.sizes}")

@@ -149,6 +149,8 @@ def results_title(result: dict) -> str:
     gpus = [g for g in (m.get("gpus") or "").split(",") if g]
     where = "CPU smoke run" if m["device"] == "cpu" else (
         f"{len(set(gpus))} GPUs" if len(set(gpus)) > 1 else "one GPU (dry run)")
+    if m.get("parts") == ["ttft"]:   # its own subsection: it does not replace a workload run
+        return f"### {m['model']} · {where} · TTFT alone"
     return f"### {m['model']} · {where} · scale {m['scale']}"
 
 
