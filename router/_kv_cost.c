@@ -426,13 +426,17 @@ static inline void time_row(TimeArgs *t, Py_ssize_t i, long long mt, long long r
     x = x + s2 * (double)(tok - tpf);
     x = t->dw * x;
     double step = d > 0 ? x : 0.0;
-    /* k * ((q + uw * p) * a + (q + p) / chunk * step) */
+    /* k * ((q + uw * p) * a + max(1, (q + p) / chunk) * step): the first token takes one engine
+     * step at least, however few tokens are left to compute */
     double c = (double)q + t->uw * (double)p;
     c = c * a;
-    double w = (double)(q + p), ws = w / chunk * step;
+    double w = (double)(q + p), steps = w / chunk;
+    if (steps < 1.0)
+        steps = 1.0;
+    double ws = steps * step;
     c = c + ws;
     t->cv[i] = k * c;
-    /* the estimated time to first token, k * (w * a + w / chunk * step): the cost with
+    /* the estimated time to first token, k * (w * a + max(1, w / chunk) * step): the cost with
      * uncached_weight 1 and no bonus (router/policy_kv.py `_predicted_s`) */
     t->tt[i] = k * (w * a + ws);
     t->hv[i] = k * x;         /* its decode step (a TPOT estimate), decoding or not */

@@ -83,7 +83,8 @@ class KvCacheAwarePolicy(Policy):
 
         step  = decode_weight * (s_step + s_req * decoding + s_ctx * their_context_tokens)
                 (0 when nothing decodes there)
-        cost  = k * ((queued + uncached_weight * uncached) * s_tok + (queued + uncached) / chunk * step)
+        cost  = k * ((queued + uncached_weight * uncached) * s_tok
+                     + max(1, (queued + uncached) / chunk) * step)
               - affinity_bonus * prompt_tokens * s_tok * k      (only on the conversation's pinned server)
 
     ``queued``: the prefill tokens of the server's leases not yet past their first token (the
@@ -91,7 +92,8 @@ class KvCacheAwarePolicy(Policy):
     leases and their prompt tokens; ``uncached``: this prompt's tokens the server must compute.
     With ``uncached_weight`` 1 the cost is the estimated time to first token: the prefill queue
     and this prompt at ``s_tok`` per token, in chunks of ``chunk`` tokens each sharing a step with
-    the decoding requests. The model ``(s_tok, chunk, s_step, s_req, s_ctx)`` is each server's
+    the decoding requests (one step at least: a prompt whose prefix is cached still waits for
+    one step, as long as its server's decoding batch makes it). The model ``(s_tok, chunk, s_step, s_req, s_ctx)`` is each server's
     ``routing_model`` from ``/server_info`` (``model_of``), and ``k`` a per-server scale learned
     from the fleet's first-token reports (``observe_ttft``: actual against predicted). A server is
     hot when its decode step (``k * decode_weight * (s_step + s_req * decoding + s_ctx *
@@ -357,7 +359,8 @@ def _predicted_s(pick: int, phases: list, loads: list, params, num_tokens: int, 
     w = q + num_tokens - matched[pick]
     step = dw * (params[b + 2] + params[b + 3] * (r - npf) + params[b + 4] * (t - tpf)) \
         if r > npf else 0.0
-    return params[b + 6] * (w * params[b] + w / params[b + 1] * step)
+    steps = w / params[b + 1]
+    return params[b + 6] * (w * params[b] + (steps if steps > 1.0 else 1.0) * step)
 
 
 _NONE: list = []    # shared empty list of a KvChoice (never changed: explain only reads it)
@@ -460,7 +463,7 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, params
     limit)`` (router/_kv_cost.c `time_core` computes the same ones, operation for operation):
 
     - ``matched``: as in ``_core``;
-    - ``costs`` (seconds): ``k * ((q + uw * p) * a + (q + p) / chunk * step)`` with ``p`` this
+    - ``costs`` (seconds): ``k * ((q + uw * p) * a + max(1, (q + p) / chunk) * step)`` with ``p`` this
       prompt's uncached tokens on the server, ``(q, in prefill, their tokens) = phases[i]``,
       ``(a, chunk, s0, s1, s2, kv capacity, k)`` the server's ``PARAMS`` doubles in ``params``
       (``model_of`` and its learned scale) and ``step = dw * (s0 + s1 * d + s2 * c)`` for its
@@ -483,7 +486,8 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, params
         d = req - npf
         x = dw * (s0 + s1 * d + s2 * (tok - tpf))
         step = x if d > 0 else 0.0
-        costs.append(k * ((q + uw * p) * a + (q + p) / chunk * step))
+        steps = (q + p) / chunk
+        costs.append(k * ((q + uw * p) * a + (steps if steps > 1.0 else 1.0) * step))
         waits.append(k * x)
         full.append(kvcap > 0.0 and tok + p > kvcap)
     if pin >= 0:

@@ -391,9 +391,10 @@ def test_time_cost_tells_queued_prefill_from_decoding(env):
     d = p.select(cands, key_of(t), view)
     assert d.server == "http://a" and d.uncached == 1024 - 896
     # the estimate for the chosen server: its uncached tokens at 1e-4 s, in one chunk sharing a
-    # step with its 3 decoding leases (6,000 context tokens)
+    # step with its 3 decoding leases (6,000 context tokens): the whole step, though 128 tokens
+    # are a quarter of a chunk (the first token waits for one step at least)
     step = 0.01 + 3 * 1e-4 + 6000 * 1e-6
-    assert d.predicted_s == pytest.approx(128 * 1e-4 + 128 / 512 * step)
+    assert d.predicted_s == pytest.approx(128 * 1e-4 + step)
     tok = make_policy("kv_cache_aware", {"cost": "tokens"})
     assert tok.select(cands, key_of(t), view).server != "http://a"
 
