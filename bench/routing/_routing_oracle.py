@@ -11,8 +11,9 @@ cache and load at decision time, to bound what any router could achieve on the t
   its in-flight prompts hold (shared prefixes once) is passed over unless every one is full;
 - blocks being computed count as cached: a request placed on a worker whose queue already holds
   the same prefix will find it there (FCFS prefill), before any event says so;
-- decision: the least `queued prefill + cache_weight x this request's uncached tokens`, ties to
-  the fewest decoding requests. cache_weight 1 is the earliest first token under a FCFS prefill
+- decision: the least `(queued prefill + cache_weight x this request's uncached tokens) x prefill
+  s/token + max(1, (queued + uncached) / chunk) x decode step` (kv_cache_aware's time cost with
+  the workers' exact model and true state), ties to the fewest decoding requests. cache_weight 1 is the earliest first token under a FCFS prefill
   queue; above 1 it also counts what the uncached tokens cost every later request on that worker
   (the greedy-by-TTFT choice spreads prefix trees and loses hits under load; see bench/RESULTS.md).
 """
@@ -109,7 +110,7 @@ class Oracle:
             step = self.s0 + self.s1 * d + self.s2 * self.ctx[u] if d else 0.0
             # its KV cannot hold this prompt's uncached blocks beside the in-flight ones
             full = bool(self.capacity) and (len(self.pins[u]) * self.B + n - m > self.capacity)
-            cost = (full, (q + cw * (n - m)) * a + (q + n - m) / chunk * step, d)
+            cost = (full, (q + cw * (n - m)) * a + max(1.0, (q + n - m) / chunk) * step, d)
             if best is None or cost < best[0]:
                 best = (cost, u, m)
         _, u, m = best

@@ -24,7 +24,11 @@ def _row(r: dict, rr: dict, oracle: dict | None, bound: dict | None) -> str:
             f"{_pct(r['hit_ratio'], (bound or {}).get('hit_ratio'))} | {r['ttft_p50_ms']:,.0f} | "
             f"{r['ttft_p99_ms']:,.0f} | {_x(r['ttft_p50_ms'], o.get('ttft_p50_ms'))} | "
             f"{r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} | {tpot:+.0%} | "
-            f"{r['hotspot']:.2f} | {_pred(r)} | {r['errors']} |")
+            f"{r['hotspot']:.2f} | {_moves(r)} | {_pred(r)} | {r['errors']} |")
+
+
+def _moves(r: dict) -> str:
+    return f"{r['moves']:.2f}" if "moves" in r else "–"     # runs before the column: none
 
 
 def _pred(r: dict) -> str:
@@ -64,14 +68,18 @@ def section(out: dict) -> list[str]:
         "worker-reported cached tokens / Σ prompt tokens; *of oracle* / *of bound*: against the "
         "oracle's and the affinity bound's. TTFT × oracle: p50 over the oracle's. TPOT Δ: p99 "
         "against round robin's. Hotspot: the most loaded worker's time-averaged in-flight "
-        "requests over the mean's. Cached / predicted: per server, the worker-reported cached "
+        "requests over the mean's. Moves: the share of a prefix tree's (synthetic: requests "
+        "with the same first block) or a conversation's next requests placed on another server "
+        "than its previous one. Cached / predicted: per server, the worker-reported cached "
         "tokens over the route receipts' `matched_tokens` (the KV index's prediction; the oracle's "
         "own), the lowest over servers with ≥ 1,024 predicted tokens.", "",
         "The **oracle** (outside the product, bench/routing/_routing_oracle.py) places with every "
         "worker's true cache (its KV events: evictions included) and true load: the least "
         f"`(queued prefill + {m.get('oracle_cache_weight', 2.0):g} × uncached) × prefill time + "
         "(queued + uncached) / chunk × decode step (its decoding requests and their context)`, "
-        "with the workers' exact latency model, and sends to the worker directly (no fleet hop). "
+        "with the workers' exact latency model, passing over a worker whose KV cannot hold the "
+        "prompt's uncached blocks beside the distinct blocks its in-flight prompts hold, and "
+        "sends to the worker directly (no fleet hop). "
         "The **affinity bound** (bench/routing/_routing_bound.py) is computed offline: each "
         "prefix tree (the trie cut where a subtree carries ≤ 1/n of the prompt tokens) whole on "
         "one server, each server a sequential LRU of its KV capacity, no concurrency — what the "
@@ -88,8 +96,8 @@ def section(out: dict) -> list[str]:
         lines += [f"### {TRACE_TITLES.get(trace, trace)}", "", desc, "",
                   "| workers · load | policy | hit ratio | of oracle | of bound | TTFT p50 ms | "
                   "TTFT p99 ms | TTFT p50 × oracle | TPOT p50 ms | TPOT p99 ms | TPOT p99 Δ | "
-                  "hotspot | cached / predicted, worst server | errors |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "hotspot | moves | cached / predicted, worst server | errors |",
+                  "|---|---|" + "---:|" * 13]
         notes = []
         for run in [r for r in out["runs"] if r["trace"] == trace]:
             rows = run["rows"]
@@ -101,7 +109,7 @@ def section(out: dict) -> list[str]:
                 lines.append(f"| {head} " + _row(r, rr, oracle, bound))
                 head = ""
             if bound:
-                lines.append(f"| | affinity bound | {bound['hit_ratio']:.3f} | | 100% | | | | | | | | | |")
+                lines.append(f"| | affinity bound | {bound['hit_ratio']:.3f} | | 100% |" + " |" * 10)
             bad = [r for r in rows if r["errors"] or any(r["leases_in_flight"].values())
                    or r["workers_after"]["pinned"] or r["workers_after"]["running"]]
             notes.append(
