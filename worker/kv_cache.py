@@ -11,7 +11,7 @@ Invariants (checked by ``check_invariants`` and the property tests):
   - **referenced**: ref count > 0 (running request, pin, or both), with or without a key.
   ``num_free + num_cached + num_used == num_blocks`` at all times.
 * A key names at most one block (``_by_key`` is a bijection onto blocks that have a key).
-* A block gets a key only through ``commit`` of a *full* block; it loses it only through eviction
+* A block gets a key only through ``commit`` (or ``commit_run``) of a *full* block; it loses it only through eviction
   (``allocate`` taking an LRU block: ``BlocksRemoved``) or ``clear`` (``AllCleared``). So the
   sequence of drained events, applied to an empty set, always yields ``resident_keys()``.
 * Each committed block's parent key (if any) is resident when the block is committed, so every
@@ -181,11 +181,48 @@ class BlockPool:
         False, changing nothing, when the key is already resident in another block (two requests
         computed the same prefix concurrently) or when the parent is no longer resident (the block
         could never be reached by a prefix walk, and subscribers could not link it)."""
+        tokens = [int(t) for t in token_ids]
+        if not self._commit_one(block_id, key, parent_key, tokens):
+            return False
+        self._stored([int(key)], parent_key, tokens)
+        return True
+
+    def commit_run(self, block_ids, keys, parent_key: int | None, token_ids) -> int:
+        """``commit`` of consecutive blocks of one sequence: ``keys[i]`` chains onto ``keys[i - 1]``
+        (the first onto ``parent_key``) and ``token_ids`` holds ``block_size`` tokens per block.
+        The same outcome and events as one ``commit`` per block, at a fraction of the host time:
+        one ``BlocksStored`` per run of stored blocks instead of one per block (a generation
+        worker commits a whole received prompt in the step that makes its first token: 512
+        blocks at 8k tokens). Returns how many blocks were stored."""
+        B = self.block_size
+        tokens = [int(t) for t in token_ids]
+        if len(tokens) != B * len(block_ids) or len(keys) != len(block_ids):
+            raise BlockPoolError(f"commit_run: expected {len(block_ids)} keys and "
+                                 f"{B * len(block_ids)} tokens for {len(block_ids)} blocks; "
+                                 f"found {len(keys)} and {len(tokens)}")
+        stored, run, run_parent = 0, [], parent_key
+        prev = parent_key
+        for i, (b, k) in enumerate(zip(block_ids, keys)):
+            k = int(k)
+            if self._commit_one(b, k, prev, tokens[i * B:(i + 1) * B]):
+                if not run:
+                    run_parent, first = prev, i
+                run.append(k)
+                stored += 1
+            elif run:
+                self._stored(run, run_parent, tokens[first * B:(first + len(run)) * B])
+                run = []
+            prev = k
+        if run:
+            self._stored(run, run_parent, tokens[first * B:(first + len(run)) * B])
+        return stored
+
+    def _commit_one(self, block_id, key, parent_key, tokens: list[int]) -> bool:
+        """``commit``'s checks and bookkeeping, without its event."""
         b = self._check_id(block_id)
         key = int(key)
         if self._ref[b] <= 0:
             raise BlockPoolError(f"commit of block {b} which holds no reference")
-        tokens = [int(t) for t in token_ids]
         if len(tokens) != self.block_size:
             raise BlockPoolError(
                 f"commit of block {b} with {len(tokens)} tokens; only full blocks "
@@ -201,12 +238,14 @@ class BlockPool:
             return False
         self._key[b] = key
         self._by_key[key] = b
+        return True
+
+    def _stored(self, keys: list[int], parent_key, tokens: list[int]) -> None:
         # Our engine hash *is* the canonical key (docs/worker.md, "HTTP contract"); group 0 as vLLM's
         # single-group models publish.
         self._events.append(BlocksStored(
-            engine_hashes=[key], parent_engine_hash=None if parent_key is None else int(parent_key),
+            engine_hashes=keys, parent_engine_hash=None if parent_key is None else int(parent_key),
             token_ids=tokens, engine_block_size=self.block_size, group=0))
-        return True
 
     def clear(self) -> None:
         """Forget every cached key (``AllCleared``). Referenced blocks stay allocated but lose

@@ -494,9 +494,9 @@ class Scheduler:
             return
         keys = self._keys_upto(s, full)
         B = self.block_size
-        for i in range(s.num_committed, full):
-            self.pool.commit(s.blocks[i], keys[i], keys[i - 1] if i else None,
-                             s.tokens[i * B:(i + 1) * B])
+        i = s.num_committed
+        self.pool.commit_run(s.blocks[i:full], keys[i:full], keys[i - 1] if i else None,
+                             s.tokens[i * B:full * B])
         s.num_committed = full
 
     def _on_token(self, s: Seq, tok: int) -> bool:

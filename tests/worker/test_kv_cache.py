@@ -211,3 +211,41 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_commit_run_equals_one_commit_per_block(seed):
+    """The batched path (the scheduler's) changes the pool and emits events exactly as one
+    ``commit`` per block would, including keys already resident in other blocks and a chain
+    whose parent is gone; a malformed run is refused before anything changes."""
+    import random
+
+    rng = random.Random(seed)
+    toks = [rng.randrange(50) for _ in range(B * 12)]
+    ks = keys_of(toks)
+    pools = []
+    for batched in (False, True):
+        p = BlockPool(40, B)
+        rng2 = random.Random(seed)
+        # some keys of the chain are resident already, in blocks of another request
+        other = p.allocate(12)
+        for i in range(12):
+            if rng2.random() < 0.3:
+                p.commit(other[i], ks[i], ks[i - 1] if i else None, toks[i * B:(i + 1) * B])
+        p.drain_events()
+        blocks = p.allocate(12)
+        start = rng2.randrange(12)
+        parent = ks[start - 1] if start else None
+        if batched:
+            n = p.commit_run(blocks[start:], ks[start:], parent, toks[start * B:])
+        else:
+            n = sum(p.commit(blocks[i], ks[i], ks[i - 1] if i else None, toks[i * B:(i + 1) * B])
+                    for i in range(start, 12))
+        pools.append((n, [p.key_of(b) for b in blocks + other], p.drain_events(),
+                      sorted(p.resident_keys())))
+        p.check_invariants()
+    assert pools[0] == pools[1]
+    p = BlockPool(4, B)
+    bl = p.allocate(2)
+    with pytest.raises(BlockPoolError, match="expected 2 keys and 8 tokens"):
+        p.commit_run(bl, ks[:2], None, toks[:7])
