@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from splitserve_testing import Proc, free_port, stop_all, wait_http
+from splitserve_testing import Proc, free_port, stop_all, wait_for, wait_http
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -142,13 +142,20 @@ def capture(router: str, tmp: Path, *, engine: str | None = None, log=None) -> d
             spawn([py, "-m", "splitserve_cli", "serve", "-c", str(cfg)])
             ready = f"http://127.0.0.1:{rp}/health"
         wait_http(ready, 60, procs)
-        time.sleep(1.0)   # routers finish their worker health checks after /health turns 200
+        if router != "splitserve":
+            # the Rust routers finish their worker health checks after /health turns 200; the
+            # fleet's /health is already the cluster's readiness (tests/fleet/test_ready.py)
+            time.sleep(1.0)
         out = {}
         for name, (path, body) in CASES.items():
             n = {r: len(_legs(_records(f))) for r, f in rec.items()}
             if name == "hangup":
                 status = _hang_up(f"http://127.0.0.1:{rp}", path, body)
-                time.sleep(2.0)     # past the decode stream's natural end: closed early, or ran to completion
+                # Until the decode stream ended (the mock logs it: closed early, or run to completion
+                # in 1.5 s), then 0.5 s for whatever else the hang-up sends (abort calls).
+                wait_for(lambda: any(r.get("event") for r in _legs(_records(rec["decode"]))[n["decode"]:]),
+                         10, "the decode stream to end after the hang-up", procs)
+                time.sleep(0.5)
             else:
                 status, answer = _post(f"http://127.0.0.1:{rp}{path}", body)
                 time.sleep(0.3)
