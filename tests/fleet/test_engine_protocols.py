@@ -307,12 +307,16 @@ def test_kv_aware_placement_on_both_roles(pd2):
         r = route_of(h)
         assert r["mode"] == "disaggregated" and r["protocol"] == pd2["proto"], r
         first[p] = (r["context"]["server"], r["generation"]["server"])
-    time.sleep(1.0)   # the workers' KV events reach the coordinator's index
     # The index is fed by each engine's KV events (SGLang: found through the kv_events descriptor
-    # in its /server_info), not only by the coordinator's own routed-block predictions.
-    st, _, raw = http("GET", url + "/cluster_info")
-    servers = {d["url"]: d for role in ("context", "generation") for d in json.loads(raw)["servers"][role]}
+    # in its /server_info), not only by the coordinator's own routed-block predictions: wait until
+    # every server that took a leg has had blocks stored through its feed.
     used = {s for s in first.values() for s in s}
+
+    def fed_by_events():
+        st, _, raw = http("GET", url + "/cluster_info")
+        ss = {d["url"]: d for role in ("context", "generation") for d in json.loads(raw)["servers"][role]}
+        return ss if all((ss[u]["kv_events"] or {}).get("blocks_stored", 0) > 0 for u in used) else None
+    servers = wait_for(fed_by_events, 10, "the workers' KV events to reach the coordinator's index")
     for u in pd2["ctxs"] + pd2["gens"]:
         d = servers[u]
         assert d["kv_ready"] and d["kv_events"]["format"] == pd2["proto"], d["kv_events"]
