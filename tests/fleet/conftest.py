@@ -82,6 +82,17 @@ class Cluster:
             wait_for(lambda: healthy(url), 60, f"worker {url}", p)
         return p, url
 
+    def workers(self, *specs: str | tuple[str, dict]) -> list[tuple[Proc, str]]:
+        """Several workers started together, then each waited for: their start-ups (imports, mostly)
+        overlap. A spec is a role or (role, `worker` keyword arguments)."""
+        started = []
+        for spec in specs:
+            role, kw = (spec, {}) if isinstance(spec, str) else spec
+            started.append(self.worker(role, **kw, wait=False))
+        for p, url in started:
+            wait_for(lambda url=url: healthy(url), 60, f"worker {url}", p)
+        return started
+
     def coordinator(self, cfg: Path, port: int, *, uds: str | None = None, name: str = "coordinator") -> Proc:
         argv = [PY, "-m", "splitserve_cli", "coordinator", "-c", str(cfg), "--host", "127.0.0.1",
                 "--port", str(port)]

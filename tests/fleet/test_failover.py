@@ -20,6 +20,7 @@ import threading
 import time
 
 import msgpack
+import pytest
 
 from .conftest import free_port, group, healthy, http, wait_for
 
@@ -81,6 +82,14 @@ class Timeline:
             t.join(30)
 
 
+@pytest.fixture(scope="module")
+def workers(module_cluster):
+    """A context and a generation worker the tests share (those that kill or restart a worker start
+    their own): → (context url, generation url)."""
+    (_, ctx), (_, gen) = module_cluster.workers(("context", {"name": "f-ctx"}), ("generation", {"name": "f-gen"}))
+    return ctx, gen
+
+
 def _replicas(cluster, ctx, gen, n=2):
     ports = [free_port() for _ in range(n)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -99,9 +108,8 @@ def _replicas(cluster, ctx, gen, n=2):
     return urls, procs, servers
 
 
-def test_serving_coordinator_killed_standby_takes_over(cluster):
-    _, ctx = cluster.worker("context", name="f-ctx")
-    _, gen = cluster.worker("generation", name="f-gen")
+def test_serving_coordinator_killed_standby_takes_over(cluster, workers):
+    ctx, gen = workers
     urls, coords, servers = _replicas(cluster, ctx, gen)
     # The standby refuses a placement with the typed 421, naming the serving replica.
     rep = json.loads(http("GET", urls[1] + "/replica")[2])
@@ -148,9 +156,8 @@ def test_serving_coordinator_killed_standby_takes_over(cluster):
     assert "re-registered" in f.log()
 
 
-def test_killed_fleet_process_leases_end_at_its_announcement(cluster):
-    _, ctx = cluster.worker("context", name="k-ctx")
-    _, gen = cluster.worker("generation", name="k-gen")
+def test_killed_fleet_process_leases_end_at_its_announcement(cluster, workers):
+    ctx, gen = workers
     cport = free_port()
     curl = f"http://127.0.0.1:{cport}"
     servers = dict(context_servers=group([ctx], "kv_cache_aware"),
@@ -195,11 +202,11 @@ def test_killed_fleet_process_leases_end_at_its_announcement(cluster):
     assert "is gone: ended its" in coord.log()
 
 
-def test_restarted_worker_is_fenced(cluster):
+def test_restarted_worker_is_fenced(cluster, workers):
     """kill -9 a generation worker and start it again at the same url and KV-event ports: the
     coordinator sees the new process (its start id, on its event stream or in /server_info),
     drops its previous cache and leases at once, and credits no placement to that cache."""
-    _, ctx = cluster.worker("context", name="w-ctx")
+    ctx, _ = workers
     gport, eport, rport = free_port(), free_port(), free_port()
     extra = ("--kv-events-port", eport, "--kv-replay-port", rport)
     gproc, gen = cluster.worker("generation", name="w-gen", port=gport, extra=extra)

@@ -15,8 +15,7 @@ from .conftest import PY, clean_env, free_port_pair, group, http, wait_for
 @pytest.fixture(scope="module")
 def running(module_cluster):
     c = module_cluster
-    _, ctx = c.worker("context", name="st-ctx")
-    _, gen = c.worker("generation", name="st-gen")
+    (_, ctx), (_, gen) = c.workers(("context", {"name": "st-ctx"}), ("generation", {"name": "st-gen"}))
     port = free_port_pair()
     cfg = c.config("status.yaml", port=port, num_workers=2,
                    context_servers=group([ctx], "kv_cache_aware"), generation_servers=group([gen], "load_balancing"))
