@@ -246,6 +246,10 @@ class TransferAgent(abc.ABC):
         wait in `submit_*`)."""
         return False
 
+    def expect_writes_from(self, desc: bytes) -> None:
+        """(receiving side) A peer whose agent descriptor is `desc` is about to write into this
+        process: prepare what waiting on its writes needs (off the critical path)."""
+
     def ready_waiter(self):
         """(receiving side) An object whose `landed(token) -> bool` says whether the write that
         `XferHandle.ready` token stands for has landed in this process's memory (it never

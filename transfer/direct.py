@@ -25,7 +25,7 @@ from .errors import OutOfRange
 
 log = logging.getLogger("splitserve.transfer.direct")
 
-EVENT_RING = 64      # interprocess events per device, reused round-robin
+EVENT_RING = 16      # interprocess events per device, reused round-robin
 OPENED_MAX = 4096    # peers' event handles kept open on the receiving side
 
 
@@ -82,6 +82,7 @@ class DirectCopies:
                 log.info("VRAM at 0x%x is not exported for direct writes: %s", a, e)
                 continue
             self.exports[base] = (handle, base, size, d)
+            self._ring(d)   # now, so the events' handles go into the agent descriptor
 
     def deregister(self, regions: np.ndarray) -> None:
         for r in regions.tolist():
@@ -94,7 +95,11 @@ class DirectCopies:
             return None
         return {"host": self.host, "pid": self.pid,
                 "allocs": [[b, s, d, h] for h, b, s, d in self.exports.values()],
-                "regions": [list(r) for r in self.regions]}
+                "regions": [list(r) for r in self.regions],
+                # the end events of our writes: a peer opens them when it loads us, not when
+                # the first result naming one arrives (an open costs far more than a query)
+                "events": [tok for ring in self._events.values() for _ev, tok in ring
+                           if tok is not None]}
 
     # ------------------------------------------------------------------ peers
     def load(self, name: str, desc: dict | None) -> None:
@@ -194,27 +199,49 @@ class DirectCopies:
         which this one stream orders after the earlier one."""
         import torch
 
-        ring = self._events.get(dev)
-        if ring is None:
-            ring = self._events[dev] = []
-            if self._ipc_events:
-                try:
-                    with torch.cuda.device(dev):
-                        for _ in range(EVENT_RING):
-                            ev = torch.cuda.Event(interprocess=True)
-                            ring.append((ev, bytes(ev.ipc_handle())))
-                except Exception as e:   # no IPC events here: results wait for the kernel
-                    log.info("CUDA IPC events unavailable (%s: %s); results are sent once each "
-                             "write finished", type(e).__name__, e)
-                    self._ipc_events = False
-                    ring.clear()
+        ring = self._ring(dev)
         if not ring:
             return torch.cuda.Event(), None
         i = self._next_event.get(dev, 0)
         self._next_event[dev] = (i + 1) % len(ring)
         return ring[i]
 
+    def _ring(self, dev: int) -> list:
+        """This device's ring of (interprocess event, IPC handle), created once; empty where
+        CUDA IPC events do not work (results then wait for each write to finish)."""
+        ring = self._events.get(dev)
+        if ring is not None:
+            return ring
+        import torch
+
+        ring = self._events[dev] = []
+        if self._ipc_events:
+            try:
+                with torch.cuda.device(dev):
+                    for _ in range(EVENT_RING):
+                        ev = torch.cuda.Event(interprocess=True)
+                        ring.append((ev, bytes(ev.ipc_handle())))
+            except Exception as e:
+                log.info("CUDA IPC events unavailable (%s: %s); results are sent once each "
+                         "write finished", type(e).__name__, e)
+                self._ipc_events = False
+                ring.clear()
+        return ring
+
     # ------------------------------------------------------------------ receiving side
+    def expect(self, desc: dict | None) -> None:
+        """Open the end events of a peer that will write here (its `describe()`), ahead of its
+        first result: an open costs far more than a query. Best effort: `landed` opens what is
+        missing."""
+        if not desc or desc.get("host") != self.host or desc.get("pid") == self.pid:
+            return
+        for tok in desc.get("events", []):
+            try:
+                self._open_event(bytes(tok))
+            except cuda_ipc.IpcUnavailable as e:
+                log.info("a peer's write events do not open here (%s)", e)
+                return
+
     def landed(self, token: bytes) -> bool:
         """Whether the write whose end event has IPC handle `token` (a peer's `write`) finished:
         every byte of it is in this process's memory. Raises `IpcUnavailable` when the handle

@@ -405,6 +405,16 @@ class NixlAgent(TransferAgent):
     def orders_on_device(self, remote: str) -> bool:
         return self._direct is not None and remote in self._direct.peers
 
+    def expect_writes_from(self, desc: bytes) -> None:
+        if self._direct is None:
+            return
+        try:
+            env = msgpack.unpackb(desc, raw=False)
+        except Exception:
+            return   # load_remote_agent, on the writer's side, says what is wrong with it
+        if isinstance(env, dict):
+            self._direct.expect(env.get("direct"))
+
     def ready_waiter(self):
         """Direct writes from a peer on this host end with an interprocess event: a receiver
         with CUDA here can wait on it (`DirectCopies.landed`)."""

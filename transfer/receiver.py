@@ -279,6 +279,8 @@ class Receiver:
             # advertise another spelling of it); one connection per rank.
             peers = [msgspec_replace(x, endpoint=endpoint) if x.key == msg.answering else x
                      for x in peers]
+            for x in peers:   # the ranks that will write here: e.g. open their CUDA events
+                self.c.agent.expect_writes_from(x.agent_desc)
             pi.ranks, pi.peers, pi.state = ranks, peers, PeerState.REGISTERING
             pi.pending = {x.key for x in peers}
             enc = info.encode()
