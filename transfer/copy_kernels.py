@@ -124,6 +124,8 @@ class DeviceCopier:
         self.tile = tile
         self._slots: list = []
         self._next = 0
+        self._fast = all(hasattr(torch._C, f) for f in
+                         ("_cuda_getDevice", "_cuda_getCurrentStream", "_cuda_setStream"))
         for _ in range(self.SLOTS):   # pinned memory is slow to allocate: never in a transfer
             self._slots.append(self._slot(3 * 16384))
 
@@ -144,10 +146,38 @@ class DeviceCopier:
             slot = self._slots[i]
         host, dev, ev = slot
         host.numpy()[:n] = table.ravel()
-        with torch.cuda.stream(stream):
-            dev[:n].copy_(host[:n], non_blocking=True)
-            ev.record(stream)
+        dev[:n].copy_(host[:n], non_blocking=True)   # on the current stream: copy()'s `stream`
+        ev.record(stream)
         return dev[:n]
+
+    def _enter(self, stream):
+        """Make `stream` current on this thread (and our device current); returns what
+        `_leave` restores. torch's `cuda.device`/`cuda.stream` context managers cost ≈ 100 µs a
+        transfer on the GPU host (each resolves device indices in Python several times,
+        measured by bench/transfer/submit_probe.py); the same two driver-level calls they end in
+        cost a few µs. Falls back to them where those calls are missing."""
+        torch = self.torch
+        C = torch._C
+        if self._fast and C._cuda_getDevice() == self.device.index:
+            try:
+                prev = C._cuda_getCurrentStream(self.device.index)
+                C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                                  device_type=stream.device_type)
+                return prev
+            except (AttributeError, TypeError):
+                self._fast = False
+        cms = (torch.cuda.device(self.device), torch.cuda.stream(stream))
+        for cm in cms:
+            cm.__enter__()
+        return cms
+
+    def _leave(self, prev) -> None:
+        if isinstance(prev, tuple) and len(prev) == 3 and not hasattr(prev[0], "__exit__"):
+            self.torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1],
+                                          device_type=prev[2])
+            return
+        for cm in reversed(prev):
+            cm.__exit__(None, None, None)
 
     def copy(self, src: np.ndarray, dst: np.ndarray, size: np.ndarray, stream=None) -> int:
         """Queue the copies on `stream` (default: the current stream); returns the rows launched.
@@ -168,12 +198,15 @@ class DeviceCopier:
         so = (s.astype(np.int64) - s0) // unit   # signed: rows may lie below the first address
         do = (d.astype(np.int64) - d0) // unit
         table = np.stack([so, do, (n // np.uint64(unit)).astype(np.int64)])
-        dev = self._upload(table, stream)
         tile_e = tile // (8 if wide else 1)
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        prev = self._enter(stream)   # the upload and the kernel both go on `stream`
+        try:
+            dev = self._upload(table, stream)
             _kernel()[(n.size * tiles,)](s0, d0, dev, n.size, tiles, VEC=2 if wide else 1,
                                          TILE_E=tile_e, ELT=tl.int64 if wide else tl.uint8,
                                          num_warps=8 if tile_e >= 4096 else 4)
+        finally:
+            self._leave(prev)
         return int(n.size)
 
 

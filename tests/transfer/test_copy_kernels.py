@@ -98,3 +98,28 @@ def test_device_copier_matches_a_reference_copy(block, aligned):
         c.copy(s2 + np.uint64(src.data_ptr()), d2 + np.uint64(dst.data_ptr()), n2)
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), want2)
+
+
+@pytest.mark.gpu
+def test_the_copy_runs_on_its_stream_after_its_work_and_leaves_the_callers_stream():
+    """The copy (its table upload and its kernel) goes on the stream it is given, after what is
+    queued there, and the calling thread's current stream is what it was (the engine's thread
+    launches copies too)."""
+    import torch
+    from transfer.copy_kernels import DeviceCopier
+
+    n = 1 << 20
+    src = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    c = DeviceCopier(0)
+    s = torch.cuda.Stream()
+    caller = torch.cuda.current_stream()
+    for value in (7, 9):
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(20_000_000)   # tens of ms on the stream before the source is set
+            src.fill_(value)
+        c.copy(np.array([src.data_ptr()], np.uint64), np.array([dst.data_ptr()], np.uint64),
+               np.array([n], np.uint64), s)
+        assert torch.cuda.current_stream() == caller
+        s.synchronize()
+        assert int(dst.min()) == int(dst.max()) == value
