@@ -63,19 +63,34 @@ def main(argv=None) -> int:
 
         whole = timed(lambda: copier.copy(s, d, n, stream))
         table = np.stack([np.arange(nb, dtype=np.int64)] * 3)
-        upload = timed(lambda: copier._upload(table, stream))
-        dev = copier._upload(table, stream)
+
+        def upload_one():
+            prev = copier._enter(stream)
+            copier._upload(table, stream)
+            copier._leave(prev)
+        upload = timed(upload_one)
         # the launch alone: the table as copy() would make it (rows of 512 KiB: 8 tiles each)
         so = ((s.astype(np.int64) - int(s[0])) // 16)
         do = ((d.astype(np.int64) - int(d[0])) // 16)
+        prev = copier._enter(stream)
         tab = copier._upload(np.stack([so, do, (n // np.uint64(16)).astype(np.int64)]), stream)
+        copier._leave(prev)
         tiles = BLOCK // ck.TILE
 
         def launch():
-            with torch.cuda.device(copier.device), torch.cuda.stream(stream):
-                ck._kernel()[(nb * tiles,)](int(s[0]), int(d[0]), tab, nb, tiles, VEC=2,
-                                            TILE_E=ck.TILE // 8, ELT=tl.int64, num_warps=8)
+            prev = copier._enter(stream)
+            ck._kernel()[(nb * tiles,)](int(s[0]), int(d[0]), tab, nb, tiles, VEC=2,
+                                        TILE_E=ck.TILE // 8, ELT=tl.int64, num_warps=8)
+            copier._leave(prev)
         launch_us = timed(launch)
+
+        def torch_scopes():
+            with torch.cuda.device(copier.device), torch.cuda.stream(stream):
+                pass
+
+        def our_scope():
+            copier._leave(copier._enter(stream))
+        scopes = (timed(torch_scopes), timed(our_scope))
         ev = torch.cuda.Event(interprocess=True)
         ev.ipc_handle()
 
@@ -84,7 +99,9 @@ def main(argv=None) -> int:
             ev.record(stream)
         with_event = timed(copy_and_event)
         print(f"{nb} blocks: copy {whole:.1f} µs (upload {upload:.1f}, launch {launch_us:.1f}); "
-              f"copy + interprocess event record {with_event:.1f} µs", flush=True)
+              f"copy + interprocess event record {with_event:.1f} µs; stream scope: torch's "
+              f"context managers {scopes[0]:.1f} µs, DeviceCopier._enter/_leave {scopes[1]:.1f} "
+              f"µs (fast path: {copier._fast})", flush=True)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(200):
@@ -94,7 +111,6 @@ def main(argv=None) -> int:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
         print("\n".join(out.getvalue().splitlines()[:30]))
-        del dev
     return 0
 
 
