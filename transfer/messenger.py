@@ -52,9 +52,14 @@ class Messenger:
     def __init__(self, identity: str, on_message: Callable[[tuple, dict], None],
                  on_peer_lost: Callable[[str, str], None], *, host: str = "127.0.0.1",
                  port: int = 0, advertise_host: str | None = None, connect_timeout_s: float = 5.0,
-                 heartbeat_ivl_s: float = 1.0, heartbeat_timeout_s: float = 5.0):
+                 heartbeat_ivl_s: float = 1.0, heartbeat_timeout_s: float = 5.0,
+                 decode: Callable[[bytes], object] | None = None,
+                 on_decoded: Callable[[tuple, object], None] | None = None):
         self.identity = identity.encode()
         self._on_message = on_message
+        # Fast path: `decode(bytes)` straight to a typed message for `on_decoded`; whatever it
+        # refuses goes the dict way (`on_message`), which reports it.
+        self._decode, self._on_decoded = decode, on_decoded
         self._on_peer_lost = on_peer_lost
         hb = (max(1, int(heartbeat_ivl_s * 1000)), max(1, int(heartbeat_timeout_s * 1000)))
         self._ctx = zmq.Context(io_threads=1)
@@ -220,6 +225,14 @@ class Messenger:
         self._on_peer_lost(endpoint, reason)
 
     def _dispatch(self, source: tuple, data: bytes) -> None:
+        if self._decode is not None:
+            try:
+                typed = self._decode(data)
+            except Exception:
+                pass
+            else:
+                self._on_decoded(source, typed)
+                return
         try:
             msg = unpack(data)
         except Exception as e:

@@ -109,7 +109,8 @@ class KvTransceiver(Transceiver):
         self.messenger = core.messenger = Messenger(
             f"{inst}/{flat}", self._on_message, self._on_peer_lost, host=cfg.host, port=cfg.port,
             advertise_host=cfg.advertise_host, connect_timeout_s=cfg.connect_timeout_s,
-            heartbeat_ivl_s=cfg.heartbeat_ivl_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+            heartbeat_ivl_s=cfg.heartbeat_ivl_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            decode=C.decode, on_decoded=self._route)
         self.info = core.info = RankInfo(
             instance_id=inst, role=topo.role, endpoint=self.messenger.endpoint,
             agent_kind=self.agent.kind, agent_name=self.agent.name,
@@ -258,6 +259,12 @@ class KvTransceiver(Transceiver):
                 return
             self._bad(kind, who, t, e)
             return
+        self._route(source, m)
+
+    def _route(self, source: tuple, m: C.ControlMessage) -> None:
+        """(listener) A typed control message to the side that handles it."""
+        kind, who = source
+        t = type(m).__struct_config__.tag
         if not self._ready or not isinstance(m, C.REQUESTS if kind == "router" else C.REPLIES):
             log.warning("unknown control message %r from %r", t, who)
             return
