@@ -20,12 +20,15 @@ through CUDA IPC, another process's memory mapped into this one (transfer/cuda_i
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 
 import numpy as np
 
 from .descs import merge_runs
 from .errors import InvalidDescriptors
+
+log = logging.getLogger("splitserve.transfer.copy_kernels")
 
 TILE = 64 * 1024          # bytes per program: a 512 KiB KV block is 8 programs
 MAX_ROW = 8 << 20         # longer runs are cut: a row's tiles are one stretch of the grid
@@ -126,6 +129,7 @@ class DeviceCopier:
         self._next = 0
         self._fast = all(hasattr(torch._C, f) for f in
                          ("_cuda_getDevice", "_cuda_getCurrentStream", "_cuda_setStream"))
+        self._checked = False
         for _ in range(self.SLOTS):   # pinned memory is slow to allocate: never in a transfer
             self._slots.append(self._slot(3 * 16384))
 
@@ -153,23 +157,46 @@ class DeviceCopier:
     def _enter(self, stream):
         """Make `stream` current on this thread (and our device current); returns what
         `_leave` restores. torch's `cuda.device`/`cuda.stream` context managers cost ≈ 100 µs a
-        transfer on the GPU host (each resolves device indices in Python several times,
-        measured by bench/transfer/submit_probe.py); the same two driver-level calls they end in
-        cost a few µs. Falls back to them where those calls are missing."""
+        transfer on the GPU host (a profile there put it in their device-index lookups,
+        bench/transfer/submit_probe.py); the two calls they end in cost a few µs. Checked once
+        against torch's public API (`_check_fast`); falls back to the context managers where
+        those calls are missing or behave otherwise."""
         torch = self.torch
         C = torch._C
-        if self._fast and C._cuda_getDevice() == self.device.index:
-            try:
-                prev = C._cuda_getCurrentStream(self.device.index)
-                C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
-                                  device_type=stream.device_type)
-                return prev
-            except (AttributeError, TypeError):
-                self._fast = False
+        here = self._fast and C._cuda_getDevice() == stream.device_index == self.device.index
+        if here and not self._checked:
+            self._check_fast(stream)
+            here = self._fast
+        if here:
+            prev = C._cuda_getCurrentStream(self.device.index)
+            C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                              device_type=stream.device_type)
+            return prev
         cms = (torch.cuda.device(self.device), torch.cuda.stream(stream))
         for cm in cms:
             cm.__enter__()
         return cms
+
+    def _check_fast(self, stream) -> None:
+        """Once: the driver-level calls do what torch's public API says they do (the current
+        stream becomes `stream`, then what it was); else use the context managers."""
+        torch = self.torch
+        C = torch._C
+        self._checked = True
+        before = torch.cuda.current_stream(self.device)
+        try:
+            prev = C._cuda_getCurrentStream(self.device.index)
+            C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                              device_type=stream.device_type)
+            ok = torch.cuda.current_stream(self.device) == stream
+            C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+            ok = ok and torch.cuda.current_stream(self.device) == before
+        except Exception as e:   # a torch without them, or other signatures
+            log.info("stream switch through torch._C unavailable (%s: %s)", type(e).__name__, e)
+            ok = False
+        if not ok:
+            self._fast = False
+            torch.cuda.set_stream(before)
 
     def _leave(self, prev) -> None:
         if isinstance(prev, tuple) and len(prev) == 3 and not hasattr(prev[0], "__exit__"):
