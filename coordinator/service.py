@@ -195,6 +195,9 @@ class Coordinator:
         self.policies = {role: make_policy(self.router_types[role], self.router_args[role],
                                            block_size=self.block_size) for role in ROLES}
         self._kv_aware = {role: self.router_types[role] == PolicyKind.KV_CACHE_AWARE for role in ROLES}
+        # each role's policy's first-token hook, looked up once (None: it learns nothing from them)
+        self._observe_ttft = {role: getattr(self.policies[role], "observe_ttft", None)
+                              for role in ROLES}
         self.pair_rules = PairRules.of(cfg)
         # Routed-but-unconfirmed blocks count for the chosen server until a BlockStored confirms
         # them or they expire (covers the window between placement and the engine's event).
@@ -601,7 +604,7 @@ class Coordinator:
             self.stats.first_token_unknown += 1
             return False
         if lease.predicted_s:
-            observe = getattr(self.policies[role], "observe_ttft", None)
+            observe = self._observe_ttft[role]
             if observe is not None:
                 observe(lease.server, lease.predicted_s, self.clock() - lease.acquired_at)
         return True

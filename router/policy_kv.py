@@ -215,12 +215,23 @@ class KvCacheAwarePolicy(Policy):
         if not self.learn_rates or self.cost != "time" or not predicted_s >= self._LEARN_MIN_S \
                 or not actual_s > 0 or server not in self._learnable:
             return
-        r = min(4.0, max(0.25, actual_s / predicted_s))
+        # clamped by comparisons, not min/max (two builtin calls each, on every report)
+        r = actual_s / predicted_s
+        if r > 4.0:
+            r = 4.0
+        elif r < 0.25:
+            r = 0.25
         k = self._scale.get(server, 1.0) * r ** self._LEARN
-        self._scale[server] = min(20.0, max(0.05, k))
+        if k > 20.0:
+            k = 20.0
+        elif k < 0.05:
+            k = 0.05
+        self._scale[server] = k
         memo = self._cands
-        if memo is not None and server in memo[7]:
-            memo[6][memo[3].index(server) * PARAMS + PARAMS - 1] = self._scale[server]
+        if memo is not None:
+            i = memo[7].get(server)     # its position among the candidates
+            if i is not None:
+                memo[6][i * PARAMS + PARAMS - 1] = k
 
     def scale(self, server: str) -> float:
         """The server's learned scale of the time model (1.0: none learned)."""
@@ -233,7 +244,7 @@ class KvCacheAwarePolicy(Policy):
         # depends on it alone (healthy subset, server names, unknown-match servers) is kept.
         memo = self._cands
         if memo is not None and memo[0] == candidates:
-            _, ok, unhealthy, servers, unknown, all_unknown, params, _, positions = memo
+            _, ok, unhealthy, servers, unknown, all_unknown, params, positions = memo
         else:
             ok, unhealthy = healthy_candidates(self.name, candidates)
             servers = [c.server for c in ok]
@@ -247,7 +258,7 @@ class KvCacheAwarePolicy(Policy):
                 params.append(self._scale.get(c.server, 1.0))
             self._learnable = frozenset(c.server for c in ok if not publishes_model(c.info))
             self._cands = (list(candidates), ok, unhealthy, servers, unknown, all_unknown, params,
-                           frozenset(servers), positions)
+                           positions)
         n = len(servers)
         if key is not None:
             keys = key.block_keys

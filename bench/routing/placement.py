@@ -22,7 +22,13 @@ checkout (e.g. `git worktree add /tmp/main main`) in a subprocess, alternating w
 round by round, and reports medians and the ratio (the box may be shared: compare CPU µs
 measured in the same run).
 
+`--first-tokens` adds every leg's first-token report (phase-aware load) to the frame that carries
+its finish, as the fleet sends them; a baseline from before the reports gets none, so the ratio is
+then the whole cost of the phases per placement. `--kv-capacity N` turns on the KV index's
+capacity model (every server publishes N blocks).
+
     python bench/routing/placement.py [--baseline DIR] [--rounds 5] [--calls 8192] [--scenarios select]
+                                      [--first-tokens] [--kv-capacity N]
 """
 from __future__ import annotations
 
@@ -53,6 +59,9 @@ SCENARIOS = ("select", "select_pair", "fleet-like pair", "select unique-prompts"
 # --kv-capacity: every server's /server_info kv_capacity_blocks (0: none), passed to the rounds'
 # subprocesses in the environment
 KV_CAPACITY = int(os.environ.get("SPLITSERVE_PLACEMENT_KV_CAPACITY") or 0)
+# --first-tokens: every leg's first-token report rides the batch that carries its finish (the
+# fleet sends one per leg; applied before the finishes), in the trees that take them
+FIRST_TOKENS = os.environ.get("SPLITSERVE_PLACEMENT_FIRST_TOKENS") == "1"
 
 
 def _channel_wire():
@@ -146,7 +155,10 @@ def build(scenario: str, calls: int, batch: int, seed: int = 0, servers: int = 3
                       for j in range(batch)]
             fins = [cw.Finish("context" if r & 1 else "generation", r)
                     for r in range(rid - batch, rid)] if b else []
-        frames.append(cw.batch_frame(b + 1, None, calls_, fins)[4:])
+        started = [cw.FirstToken(f.role, f.req_id) for f in fins] \
+            if FIRST_TOKENS and hasattr(cw, "FirstToken") else None
+        frames.append((cw.batch_frame(b + 1, None, calls_, fins, started) if started else
+                       cw.batch_frame(b + 1, None, calls_, fins))[4:])
         rid += batch
     return c, srv, frames
 
@@ -224,10 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-capacity", type=int, default=0,
                     help="every server's kv_capacity_blocks in /server_info (0: none): the KV "
                          "index's capacity model on, in the trees that have one")
+    ap.add_argument("--first-tokens", action="store_true",
+                    help="every leg's first-token report in the frame with its finish, as the fleet "
+                         "sends them (trees from before the reports, e.g. 90b8a7b, get none: the "
+                         "comparison is then the whole per-placement cost of phase-aware load)")
     ap.add_argument("--_round", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.kv_capacity:
         os.environ["SPLITSERVE_PLACEMENT_KV_CAPACITY"] = str(a.kv_capacity)
+    if a.first_tokens:
+        os.environ["SPLITSERVE_PLACEMENT_FIRST_TOKENS"] = "1"
     scenarios = tuple(x for x in a.scenarios.split(",") if x)
     unknown = [x for x in scenarios if x not in SCENARIOS]
     if unknown:
