@@ -42,6 +42,7 @@ from coordinator.kv_ingest import FeedSource, KvIngest
 from coordinator.kv_sources import advertised_source, static_source
 from coordinator.metrics import LatencyHistogram
 from coordinator.registry import CONTEXT, GENERATION, Registry, ServerEntry, ServerState, normalize_url
+from router.kv_capacity import RoutedPrompts
 from router.kv_index import KvIndex
 from protocol.version import VERSION
 from router.leases import LeaseTable
@@ -226,9 +227,10 @@ class Coordinator:
                                 session=lambda: self.health.session, clock=clock,
                                 on_change=self._bump)
         self._view = _LoadView(self.leases, self.index)
-        # The index's capacity model (router/kv_capacity.py): each placed prompt's keys until its
-        # lease ends, when the engine frees them (only for servers with a known capacity).
-        self._routed_keys: dict[tuple[str, int], tuple[str, Any]] = {}
+        # The index's capacity model (router/kv_capacity.py): the blocks running requests
+        # brought pin their server's cache (servers with a known capacity only).
+        self.routed_prompts = RoutedPrompts()
+        self.index.set_pinned_source(self.routed_prompts.pinned)
         self._cand_version = -1
         self._kv_version = 0
         self._cands: dict[str, list] = {CONTEXT: [], GENERATION: []}
@@ -316,7 +318,7 @@ class Coordinator:
         gone = self.leases.expire(now)
         for lease in gone:
             self.stats.leases_expired[lease.role] += 1
-            self._routed_keys.pop((lease.role, lease.req_id), None)
+            self.routed_prompts.ended(lease.role, lease.req_id)
         if gone:
             log.warning("%d lease(s) expired without /finish (e.g. %s %s on %s)", len(gone),
                         gone[0].role, gone[0].req_id, gone[0].server)
@@ -381,7 +383,7 @@ class Coordinator:
         stops counting now (their fleet's finishes find nothing and are no-ops)."""
         gone = self.leases.drop_server(server)
         for lease in gone:
-            self._routed_keys.pop((lease.role, lease.req_id), None)
+            self.routed_prompts.ended(lease.role, lease.req_id)
         self.stats.restarts[cause] = self.stats.restarts.get(cause, 0) + 1
         if gone:
             self.stats.leases_fenced += len(gone)
@@ -516,21 +518,26 @@ class Coordinator:
                 have = decision.matched_blocks
                 # None: the server's cache match is unknown (its keys are not ours), so entries
                 # for it would feed a match the policy never reads.
-                if ttl and have is not None and (have < keys.size
-                                                 or self.index.capacity_of(server)):
+                if ttl and have is not None:
                     # Only the blocks the chosen server does not hold yet are predicted (the
                     # index's own depth, not the reported match, which stops one token short of a
                     # fully cached prompt): re-adding matched speculative blocks would keep
                     # unconfirmed entries alive forever under steady traffic (upstream's
                     # never-expiring optimistic insertion). The whole prompt is stamped as used
-                    # there for the index's capacity model (router/kv_capacity.py).
+                    # there for the index's capacity model (router/kv_capacity.py), and the blocks
+                    # it brings pin that server's cache while it runs.
                     index = self.index
-                    index.routed(server, keys, have, now, ttl)
-                    if index.capacity_of(server):
-                        self._routed_keys[(role, req_id)] = (server, keys)
-                    # Two due entries out per entry in: expiry keeps pace with placements in
-                    # small steps instead of one burst per maintenance tick (a select stall).
-                    index.expire_speculative(now, 2)
+                    capped = server in index.capacities
+                    if have < keys.size:
+                        index.routed(server, keys, have, now, ttl)
+                        # Two due entries out per entry in: expiry keeps pace with placements in
+                        # small steps instead of one burst per maintenance tick (a select stall).
+                        index.expire_speculative(now, 2)
+                    elif capped:
+                        index.routed(server, keys, have, now, ttl)
+                    if capped:
+                        self.routed_prompts.placed(role, req_id, server,
+                                                   decision.uncached // self.block_size)
         if server_info:
             info = decision.explanation
             entry = self._entries.get(server)
@@ -567,7 +574,7 @@ class Coordinator:
     def _unplace_generation(self, answer: dict) -> None:
         """End the lease of a generation leg placed by `place_pair` whose context leg was refused."""
         self.leases.finish(GENERATION, answer["req_id"])
-        self._routed_keys.pop((GENERATION, answer["req_id"]), None)
+        self.routed_prompts.ended(GENERATION, answer["req_id"])
 
     def end_lease(self, role: str, req_id: int, success: bool,
                   usage: tuple[int, int, int] | None = None) -> bool:
@@ -579,11 +586,8 @@ class Coordinator:
         if lease is None:
             self.stats.finish_unknown += 1
             return False
-        if self._routed_keys:
-            routed = self._routed_keys.pop((role, req_id), None)
-            if routed is not None and routed[0] == lease.server:
-                self.index.finished(lease.server, routed[1],
-                                    self.leases.phase(lease.server)[0] // self.block_size)
+        if self.routed_prompts.live:
+            self.routed_prompts.ended(role, req_id)
         if usage is not None and self._kv_aware[role]:
             self.diag.report(lease.server, *usage)
         fin = self.stats.finishes
@@ -603,6 +607,8 @@ class Coordinator:
         if lease is None:
             self.stats.first_token_unknown += 1
             return False
+        if self.routed_prompts.live:
+            self.routed_prompts.started(role, req_id)
         if lease.predicted_s:
             observe = self._observe_ttft[role]
             if observe is not None:
@@ -699,7 +705,7 @@ class Coordinator:
             slot = lease.slot
             gone = self.leases.drop_if(lambda l: identity_slot(l.req_id) == slot)
             for lease_ in gone:
-                self._routed_keys.pop((lease_.role, lease_.req_id), None)
+                self.routed_prompts.ended(lease_.role, lease_.req_id)
             if gone:
                 self.leases_ended_by_announcement += len(gone)
                 log.warning("fleet process %s is gone: ended its %d lease(s)", holder, len(gone))

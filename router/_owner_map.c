@@ -798,6 +798,166 @@ static PyObject *om_spec_expire(OwnerMap *m, PyObject *const *args, Py_ssize_t n
     return PyLong_FromSsize_t(done);
 }
 
+/* ---------------------------------------------------------------------- cache-age stamps */
+/* The same table holds a slot's cache-age stamps for router/kv_capacity.py (a table of its own per
+ * slot): key -> AGE_OFFSET + stamp, where a stamp is a signed clock value (the offset keeps every
+ * stored word positive, so an entry is never empty). `age_stamp` and `age_cut` are
+ * `CapacityBound.stamp`'s and `.cut`'s per-key loops; kv_capacity.py's `_stamp_py` and `_cut_py`
+ * are the same recipes over a dict of plain stamps. */
+
+#define AGE_OFFSET ((int64_t)1 << 62)
+
+/* The u64 keys of a buffer (bytes, a contiguous uint64 array). 0 on success. */
+static int age_keys(PyObject *keys, Py_buffer *view) {
+    if (PyObject_GetBuffer(keys, view, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (view->len % 8) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "keys are u64 (8 bytes each), found %zd bytes", view->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* The stamp of `key` in *st: 1 when it has one, 0 when not. */
+static inline int age_of(OwnerMap *m, uint64_t key, int64_t *st) {
+    Entry *e = find(m, key);
+    if (e == NULL || e->wide != NULL)
+        return 0;
+    *st = (int64_t)e->low - AGE_OFFSET;
+    return 1;
+}
+
+static inline int age_put(OwnerMap *m, uint64_t key, int64_t v) {
+    return put(m, key, (uint64_t)(v + AGE_OFFSET), NULL);
+}
+
+PyDoc_STRVAR(age_stamp_doc,
+"age_stamp(keys, stride, clock, have, young) -> the last key's stamp, or None (no keys)\n\n"
+"Stamp a prompt's chain `keys` (u64 buffer) used at `clock`: position i gets clock - i, at every\n"
+"`stride`-th position (stride - 1, 2 * stride - 1, ...) and the last. Positions before `have`\n"
+"are skipped when the deepest stride position among them was stamped less than `young` ticks\n"
+"ago (its stamp + position > clock - young).");
+
+static PyObject *om_age_stamp(OwnerMap *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "age_stamp() takes 5 arguments, found %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t stride = PyLong_AsSsize_t(args[1]);
+    long long clock = PyLong_AsLongLong(args[2]);
+    Py_ssize_t have = PyLong_AsSsize_t(args[3]);
+    long long young = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (stride < 1) {
+        PyErr_Format(PyExc_ValueError, "stride must be >= 1, found %zd", stride);
+        return NULL;
+    }
+    Py_buffer view;
+    if (age_keys(args[0], &view) < 0)
+        return NULL;
+    const char *keys = view.buf;
+    Py_ssize_t n = view.len / 8;
+    PyObject *res = NULL;
+    if (n == 0) {
+        res = Py_None;
+        Py_INCREF(res);
+        goto done;
+    }
+    int64_t last_v = (int64_t)clock - (n - 1), st;
+    Py_ssize_t start = stride - 1;
+    if (have > stride && have <= n) {
+        Py_ssize_t p = (have / stride) * stride - 1;
+        if (age_of(m, u64_at(keys, p), &st) && (int64_t)clock - (st + p) < young)
+            start = p + stride;
+    }
+    for (Py_ssize_t i = start; i < n; i += stride)
+        if (age_put(m, u64_at(keys, i), (int64_t)clock - i) < 0)
+            goto done;
+    if (age_put(m, u64_at(keys, n - 1), last_v) < 0)
+        goto done;
+    res = PyLong_FromLongLong(last_v);
+done:
+    PyBuffer_Release(&view);
+    return res;
+}
+
+PyDoc_STRVAR(age_cut_doc,
+"age_cut(keys, depth, limit, stride, scan) -> the alive part of a depth-key match\n\n"
+"`depth` when the stamp of keys[depth - 1] is above `limit` (or, unstamped, the deepest stamped\n"
+"stride position of the `scan` before it, less its distance; no stamp there: `depth`); else the\n"
+"deepest alive stride position found by bisection (an unstamped one counts as alive), the count\n"
+"read off the dead stamp after it (q + stamp - limit), at least through the alive one.");
+
+static PyObject *om_age_cut(OwnerMap *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "age_cut() takes 5 arguments, found %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t depth = PyLong_AsSsize_t(args[1]);
+    long long limit = PyLong_AsLongLong(args[2]);
+    Py_ssize_t stride = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t scan = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (age_keys(args[0], &view) < 0)
+        return NULL;
+    const char *keys = view.buf;
+    Py_ssize_t n = view.len / 8, res;
+    if (depth < 1 || depth > n || stride < 1) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "age_cut: expected 1 <= depth <= %zd keys and stride >= 1, "
+                     "found depth %zd, stride %zd", n, depth, stride);
+        return NULL;
+    }
+    Py_ssize_t q = depth - 1, hi, lo = -1;
+    int64_t sq, st;
+    if (!age_of(m, u64_at(keys, q), &sq)) {
+        Py_ssize_t j = depth / stride - 1, stop = j - scan < -1 ? -1 : j - scan;
+        int found = 0;
+        for (; j > stop; j--)
+            if ((found = age_of(m, u64_at(keys, j * stride + stride - 1), &sq)))
+                break;
+        if (!found) {
+            res = depth;
+            goto done;
+        }
+        q = j * stride + stride - 1;
+        if (sq > limit) {
+            res = q + (Py_ssize_t)(sq - limit);
+            if (res > depth)
+                res = depth;
+            goto done;
+        }
+        hi = j;
+    } else if (sq > limit) {
+        res = depth;
+        goto done;
+    } else {
+        hi = depth / stride;
+    }
+    while (hi - lo > 1) {
+        Py_ssize_t mid = (lo + hi) >> 1, pos = mid * stride + stride - 1;
+        if (!age_of(m, u64_at(keys, pos), &st) || st > limit) {
+            lo = mid;
+        } else {
+            hi = mid;
+            q = pos;
+            sq = st;
+        }
+    }
+    res = q + (Py_ssize_t)(sq - limit);
+    if (lo >= 0 && res < lo * stride + stride)
+        res = lo * stride + stride;
+    if (res < 0)
+        res = 0;
+done:
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(res);
+}
+
 /* ---------------------------------------------------------------------------- the type */
 
 static PyMappingMethods om_as_mapping = {
@@ -820,6 +980,8 @@ static PyMethodDef om_methods[] = {
     {"walk", (PyCFunction)(void (*)(void))om_walk, METH_FASTCALL, walk_doc},
     {"spec_add", (PyCFunction)(void (*)(void))om_spec_add, METH_FASTCALL, spec_add_doc},
     {"spec_expire", (PyCFunction)(void (*)(void))om_spec_expire, METH_FASTCALL, spec_expire_doc},
+    {"age_stamp", (PyCFunction)(void (*)(void))om_age_stamp, METH_FASTCALL, age_stamp_doc},
+    {"age_cut", (PyCFunction)(void (*)(void))om_age_cut, METH_FASTCALL, age_cut_doc},
     {NULL, NULL, 0, NULL},
 };
 

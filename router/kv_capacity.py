@@ -20,9 +20,11 @@ them. So each slot (router/kv_slots.py) keeps a model of its cache's ages, in bl
 - ``cap``: the capacity in blocks (0: unknown, no bound); ``low``: the lowest stamp since the
   slot was cleared (its clock then, ``base``, when none is lower).
 
-A key is **evicted in the model** once its stamp is ``cap`` or more below the clock (LRU: a key
-used at clock t is gone after ``cap`` new keys; sooner when older keys are used again meanwhile,
-so the model errs toward keeping). A walk's match on a slot is cut where its keys' stamps fall to
+A key is **evicted in the model** once its stamp is ``room`` or more below the clock (LRU: a key
+used at clock t is gone after ``room`` new keys; sooner when older keys are used again meanwhile,
+so the model errs toward keeping), where ``room`` is ``cap`` less the blocks the server's running
+requests brought (``pinned``, the coordinator's `RoutedPrompts`: an LRU cannot evict them), at
+least ``cap / FLOOR``. A walk's match on a slot is cut where its keys' stamps fall to
 that limit (`CapacityBound.cut`): evicted keys stop counting for matches, held ones included,
 whatever the owner masks say. The masks and the ledger are left alone: stores and removals from
 the engine's events stay the truth (a removal drops a key, a store adds one and advances the
@@ -34,25 +36,27 @@ position (the decode blocks stored after the prompt was routed).
 Cost: nothing for a slot without a capacity. With one, a placement stamps ``n / STRIDE`` keys of
 its prompt (only its tail when its matched prefix was used less than ``cap / YOUNG`` keys ago),
 and a walk looks up one or two stamps per matching slot that is *pressed* (``SlotTable.pressed``:
-``clock - low >= cap``, so some stamp may be dead), ``log(depth / STRIDE)`` more where the match
-is cut.
+``clock - low >= cap / FLOOR``, so some stamp may be dead), ``log(depth / STRIDE)`` more where
+the match is cut. Both loops are router/_owner_map.c's (``OwnerMap.age_stamp`` and ``age_cut``
+on a table per slot) where it built, else the same recipes over a dict (``_stamp_py``,
+``_cut_py``; tests/router/test_kv_capacity.py checks one against the other).
 
 Invariants (`CapacityBound.check_invariants`):
 - ``low <= base <= clock``; ``low <= stamp <= clock`` for every stamp of a slot; ``cap >= 0``;
-- a slot's bit is in ``SlotTable.pressed`` iff ``cap`` and ``clock - low >= cap``;
+- a slot's bit is in ``SlotTable.pressed`` iff ``cap`` and ``clock - low >= cap // FLOOR``;
+- `RoutedPrompts`: a server's ``pinned`` is the sum of its running leases' blocks;
 - ``cut`` never returns more than the walk's depth (tests/router/test_kv_capacity.py), and the
   index cuts only pressed slots' matches.
 """
 
 from __future__ import annotations
 
-from itertools import repeat
-
 import numpy as np
 
+from . import kv_owners
 from .kv_slots import Slot, SlotTable
 
-__all__ = ["STRIDE", "YOUNG", "FLOOR", "CapacityBound"]
+__all__ = ["STRIDE", "YOUNG", "FLOOR", "CapacityBound", "RoutedPrompts"]
 
 STRIDE = 4          # chain positions stamped: every 4th (64 tokens at 16-token blocks) and the last
 # A routed prompt whose matched prefix was stamped less than cap / YOUNG keys ago is not
@@ -60,32 +64,93 @@ STRIDE = 4          # chain positions stamped: every 4th (64 tokens at 16-token 
 # in, and the model's age for it is at most 1/8 of the capacity too old.
 YOUNG = 8
 # Stamps of keys the slot neither holds nor predicts are garbage; they are swept when the stamps
-# outnumber the slot's keys / STRIDE by this many.
+# outnumber half the capacity by this many.
 _SWEEP_SLACK = 4096
 # The effective capacity (the blocks not pinned by running requests) is never taken below
 # cap / FLOOR: a pinned estimate that overshoots would otherwise call every cached block evicted.
 FLOOR = 8
+# a native table's stored word: AGE_OFFSET + the stamp (always positive, so never an empty entry)
+AGE_OFFSET = 1 << 62
 # A walk's deepest key without a stamp takes the age of the deepest stamped stride key at most
 # this many stride positions before it; past that its age is unknown (counted alive).
 _SCAN = 16
 
 
-def _u64_list(keys) -> list:
-    if isinstance(keys, np.ndarray):
-        return keys.tolist()
-    if type(keys) is bytes:
-        return np.frombuffer(keys, np.uint64).tolist()
-    return keys if type(keys) is list else list(keys)
+def _stamp_py(stamps: dict, keys: list, stride: int, clock: int, have: int, young: int):
+    """`OwnerMap.age_stamp` (router/_owner_map.c) on a dict of stamps: the same recipe."""
+    n = len(keys)
+    if not n:
+        return None
+    get = stamps.get
+    start = stride - 1
+    if stride < have <= n:
+        p = (have // stride) * stride - 1
+        st = get(keys[p])
+        if st is not None and clock - (st + p) < young:
+            start = p + stride
+    for i in range(start, n, stride):
+        stamps[keys[i]] = clock - i
+    stamps[keys[-1]] = clock - n + 1
+    return clock - n + 1
+
+
+def _cut_py(stamps: dict, keys: list, depth: int, limit: int, stride: int, scan: int) -> int:
+    """`OwnerMap.age_cut` (router/_owner_map.c) on a dict of stamps: the same recipe."""
+    get = stamps.get
+    q = depth - 1
+    sq = get(keys[q])
+    if sq is None:
+        j = depth // stride - 1
+        stop = max(-1, j - scan)
+        while j > stop:
+            sq = get(keys[j * stride + stride - 1])
+            if sq is not None:
+                break
+            j -= 1
+        if sq is None:
+            return depth
+        q = j * stride + stride - 1
+        if sq > limit:
+            return min(depth, q + sq - limit)
+        hi = j
+    elif sq > limit:
+        return depth
+    else:
+        hi = depth // stride
+    lo = -1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        st = get(keys[mid * stride + stride - 1])
+        if st is None or st > limit:
+            lo = mid
+        else:
+            hi = mid
+            q, sq = mid * stride + stride - 1, st
+    return max(lo * stride + stride if lo >= 0 else 0, q + sq - limit, 0)
 
 
 class CapacityBound:
     """Every slot's cache-age model. Single writer, no I/O; writes only the slots' ``cap``,
-    ``clock``, ``base``, ``low`` and ``stamps`` and the table's ``pressed`` mask."""
+    ``clock``, ``base``, ``low`` and ``stamps`` and the table's ``pressed`` mask. A slot's stamps
+    are a router/_owner_map.c table where it built (its ``age_stamp`` and ``age_cut`` loops; the
+    stored word is ``AGE_OFFSET`` + the stamp), else a dict and the same Python recipes."""
 
     def __init__(self, slots: SlotTable) -> None:
         self._slots = slots
+        # read at each construction, as router/kv_owners.py's OwnerTable does (tests run both)
+        self._table = kv_owners.OwnerMap
         # worker -> blocks its running requests pin (router/kv_index.py `KvIndex.pinned`)
         self.pinned = None
+
+    @property
+    def native(self) -> bool:
+        return self._table is not None
+
+    def stamps_of(self, s: Slot) -> dict[int, int]:
+        """The slot's stamps as a dict (tests, invariants)."""
+        if type(s.stamps) is dict:
+            return dict(s.stamps)
+        return {k: v - AGE_OFFSET for k, v in s.stamps.items()}
 
     # -- state changes ---------------------------------------------------------------------------
 
@@ -98,6 +163,8 @@ class CapacityBound:
     def set_capacity(self, s: Slot, blocks: int) -> None:
         """``blocks`` the slot's cache holds (0: unknown: no bound)."""
         s.cap = blocks
+        if blocks and self._table is not None and type(s.stamps) is dict:
+            s.stamps = self._table()
         self._slots.pressed &= ~s.bit
         self._press(s)
 
@@ -114,57 +181,43 @@ class CapacityBound:
         self._slots.pressed &= ~s.bit
 
     def routed(self, s: Slot, keys, have: int, brought: int) -> None:
-        """A prompt (its ``keys``, the chain from its root: a uint64 array or a list) was placed
-        on ``s``, which matched its first ``have``; ``brought`` of the rest are new to the slot.
-        Its keys are used (the prefix) or brought in (the tail) by that request: stamp them."""
+        """A prompt (its ``keys``, the chain from its root: a uint64 array) was placed on ``s``,
+        which matched its first ``have``; ``brought`` of the rest are new to the slot. Its keys
+        are used (the prefix) or brought in (the tail) by that request: stamp them."""
         s.clock += brought
-        if s.cap and len(keys):
-            self.stamp(s, keys, s.clock, have)
+        if s.cap:
+            self._press(s)
+            if len(keys):
+                self.stamp(s, keys, s.clock, have)
 
-    def stamp(self, s: Slot, keys, clock: int, have: int = 0, raise_only: bool = False) -> None:
-        """Stamp a prompt's ``keys`` (its chain from the root) as used at ``clock`` (at most the
-        slot's): routed (`routed`), or freed by its finished request (`KvIndex.finished`: the
-        clock then, less the prefill still queued there). ``have``: its leading keys stamped
-        when routed, skipped if that was less than ``cap / YOUNG`` keys ago. ``raise_only``: a
-        clock below the slot's may be below a key's stamp (a later prompt used it): keep the
-        higher one."""
-        n = len(keys)
-        if not n:
-            return
+    def stamp(self, s: Slot, keys, clock: int, have: int = 0) -> None:
+        """Stamp a prompt's ``keys`` (its chain from the root, a uint64 array) as used at
+        ``clock`` (the slot's, after its tail came in). ``have``: its leading keys the slot
+        matched, not stamped again when that was less than ``cap / YOUNG`` keys ago."""
         stamps = s.stamps
-        arr = keys if isinstance(keys, np.ndarray) else np.asarray(keys, dtype=np.uint64)
-        # the prefix: skipped when its deepest stride key was used recently (its ancestors'
-        # stamps are no older)
-        start = STRIDE - 1
-        if have > STRIDE:
-            p = (have // STRIDE) * STRIDE - 1
-            st = stamps.get(int(arr[p]))
-            if st is not None and clock - (st + p) < s.cap // YOUNG:
-                start = p + STRIDE
-        last = int(arr[n - 1])
-        if raise_only:
-            get = stamps.get
-            if get(last, s.low - 1) >= clock - n + 1:
-                return      # its deepest key was used since, so were the others (see `cut`)
-            if start < n:
-                stamps.update({k: v for k, v in zip(arr[start::STRIDE].tolist(),
-                                                    range(clock - start, clock - n, -STRIDE))
-                               if get(k, s.low - 1) < v})
-        elif start < n:
-            stamps.update(zip(arr[start::STRIDE].tolist(), range(clock - start, clock - n, -STRIDE)))
-        stamps[last] = clock - n + 1
-        if clock - n + 1 < s.low:
-            s.low = clock - n + 1
-        self._press(s)
-        if len(stamps) > (len(s.owned) + len(s.spec)) // STRIDE * 2 + _SWEEP_SLACK:
+        if type(stamps) is not dict:    # router/_owner_map.c
+            low = stamps.age_stamp(keys, STRIDE, clock, have, s.cap // YOUNG)
+        else:
+            low = _stamp_py(stamps, keys.tolist() if isinstance(keys, np.ndarray) else keys,
+                            STRIDE, clock, have, s.cap // YOUNG)
+        if low is None:
+            return
+        if low < s.low:
+            s.low = low
+            self._press(s)
+        # live stamps are about a STRIDE-th of the keys a cache of `cap` holds, plus prompts' ends
+        if len(stamps) > s.cap // 2 + _SWEEP_SLACK:
             owned, spec = s.owned, s.spec
-            s.stamps = {k: v for k, v in stamps.items() if k in owned or k in spec}
+            kept = [(k, v) for k, v in stamps.items() if k in owned or k in spec]
+            stamps.clear()
+            for k, v in kept:
+                stamps[k] = v
 
     # -- queries ---------------------------------------------------------------------------------
 
     def cut(self, s: Slot, keys, depth: int) -> int:
         """The part of a walk's ``depth``-key match on slot ``s`` (pressed; ``keys`` a uint64
-        array or a list) that the model still holds: ``depth``, or fewer keys.
+        array) that the model still holds: ``depth``, or fewer keys.
 
         A stamp is ``t - p`` for a key at chain position ``p`` used at clock ``t``: a prompt's
         blocks are freed tail first, so its deeper keys are the older ones, one clock tick per
@@ -174,52 +227,68 @@ class CapacityBound:
         cap = s.cap
         if self.pinned is not None:     # running requests' blocks are not the LRU's to keep
             cap = max(cap // FLOOR, cap - self.pinned(s.worker))
-        limit = s.clock - cap            # a stamp at or below this is evicted
-        get = s.stamps.get
-        q = depth - 1
-        sq = get(int(keys[q]))
-        if sq is None:
-            # the deepest stamped stride position decides: keys past it are as old as their
-            # distance (a prompt's decode blocks are freed before its prompt's)
-            j = depth // STRIDE - 1
-            stop = max(-1, j - _SCAN)
-            while j > stop:
-                sq = get(int(keys[j * STRIDE + STRIDE - 1]))
-                if sq is not None:
-                    break
-                j -= 1
-            if sq is None:
-                return depth            # never stamped (nearby): no age known
-            q = j * STRIDE + STRIDE - 1
-            if sq > limit:
-                return min(depth, q + sq - limit)
-            hi = j
-        elif sq > limit:
-            return depth
-        else:
-            hi = depth // STRIDE        # past the stride indices in the match
-        # key `q` is dead: find the deepest alive stride index below `hi` (stamps only grow
-        # toward the root; an unstamped one counts as alive) and the dead one after it
-        lo = -1
-        while hi - lo > 1:
-            mid = (lo + hi) >> 1
-            st = get(int(keys[mid * STRIDE + STRIDE - 1]))
-            if st is None or st > limit:
-                lo = mid
-            else:
-                hi = mid
-                q, sq = mid * STRIDE + STRIDE - 1, st
-        # the keys before `q` younger than the limit, counting from q's stamp, and at least
-        # through the alive stride key
-        return max(lo * STRIDE + STRIDE if lo >= 0 else 0, q + sq - limit)
+        stamps = s.stamps
+        if type(stamps) is dict:
+            return _cut_py(stamps, keys.tolist() if isinstance(keys, np.ndarray) else keys,
+                           depth, s.clock - cap, STRIDE, _SCAN)
+        return stamps.age_cut(keys, depth, s.clock - cap, STRIDE, _SCAN)
 
     def check_invariants(self) -> None:
         pressed = 0
         for s in self._slots:
             assert s.cap >= 0 and s.low <= s.base <= s.clock, \
                 ("clock", s.worker, s.cap, s.low, s.base, s.clock)
-            for k, v in s.stamps.items():
+            for k, v in self.stamps_of(s).items():
                 assert s.low <= v <= s.clock, ("stamp", s.worker, k, v, s.low, s.clock)
             if s.cap and s.clock - s.low >= s.cap // FLOOR:
                 pressed |= s.bit
         assert pressed == self._slots.pressed, ("pressed", pressed, self._slots.pressed)
+
+
+class RoutedPrompts:
+    """The coordinator's side of the model: per lease ``(role, req_id)`` on a server with a
+    capacity, the blocks its prompt brought there; per server, those of its running requests
+    (`pinned`: leases past their first token), which the LRU cannot evict, so its room is the
+    capacity less them. A request pins its cached prefix too, but that part is the cache's (and
+    shared: counting whole prompts counted a shared prefix once per request, and cut matches the
+    workers then reused). Single writer, no I/O."""
+
+    __slots__ = ("live", "_pinned")
+
+    def __init__(self) -> None:
+        self.live: dict[tuple[str, int], list] = {}     # -> [server, blocks, running]
+        self._pinned: dict[str, int] = {}
+
+    def placed(self, role: str, req_id: int, server: str, blocks: int) -> None:
+        """A prompt placed on ``server``, bringing ``blocks`` new blocks (a retry replaces it)."""
+        key = (role, req_id)
+        if key in self.live:
+            self.ended(role, req_id)
+        self.live[key] = [server, blocks, False]
+
+    def started(self, role: str, req_id: int) -> None:
+        """Its first token: the request runs, its blocks are pinned (idempotent)."""
+        r = self.live.get((role, req_id))
+        if r is not None and not r[2] and r[1]:     # (a prompt that brought nothing pins nothing)
+            r[2] = True
+            self._pinned[r[0]] = self._pinned.get(r[0], 0) + r[1]
+
+    def ended(self, role: str, req_id: int) -> None:
+        """Its lease ended (finished, expired, dropped): its blocks are the LRU's again."""
+        r = self.live.pop((role, req_id), None)
+        if r is not None and r[2]:
+            left = self._pinned[r[0]] - r[1]
+            if left:
+                self._pinned[r[0]] = left
+            else:
+                del self._pinned[r[0]]
+
+    def pinned(self, server: str) -> int:
+        return self._pinned.get(server, 0)
+
+    def check_invariants(self) -> None:
+        want: dict[str, int] = {}
+        for server, blocks, running in self.live.values():
+            if running and blocks:
+                want[server] = want.get(server, 0) + blocks
+        assert want == self._pinned, ("pinned", want, self._pinned)

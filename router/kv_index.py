@@ -47,6 +47,19 @@ from .kv_streams import StreamOrder, StreamVerdict
 __all__ = ["KvIndex", "IndexStats", "StreamVerdict"]
 
 
+_U64 = np.dtype(np.uint64)
+
+
+def _u64_array(keys) -> np.ndarray:
+    """The keys as a contiguous uint64 array (the capacity model's loops read them as a buffer)."""
+    if isinstance(keys, np.ndarray):
+        return keys if keys.dtype == np.uint64 and keys.flags.c_contiguous \
+            else np.ascontiguousarray(keys, dtype=np.uint64)
+    if type(keys) is bytes:
+        return np.frombuffer(keys, np.uint64)
+    return np.array(keys, dtype=np.uint64)
+
+
 class KvIndex:
     """Per-worker, per-dp-rank ownership of canonical block keys. Single writer, no I/O."""
 
@@ -70,14 +83,15 @@ class KvIndex:
         self.ledger = BlockLedger(block_size, self.namespace, self.owners, self.slots, self.spec,
                                   self.stats, self.capacity)
         self.streams = StreamOrder()
-        self._capacity: dict[str, int] = {}     # worker -> KV capacity in blocks (each dp rank's)
+        # worker -> KV capacity in blocks (each dp rank's); read-only outside `set_capacity`
+        self.capacities: dict[str, int] = {}
 
     def _slot(self, worker: str, dp_rank: int) -> Slot:
         s = self.slots.get(worker, dp_rank)
         if s is None:
             s = self.slots.add(worker, dp_rank)
             self.owners.bump_epoch()        # a new bit: walks over every slot change
-            cap = self._capacity.get(worker)
+            cap = self.capacities.get(worker)
             if cap:
                 self.capacity.set_capacity(s, cap)
         return s
@@ -93,9 +107,9 @@ class KvIndex:
         if type(blocks) is not int or blocks < 0:
             raise ValueError(f"KV capacity must be a block count >= 0 (or None), found {blocks!r}")
         if blocks:
-            self._capacity[worker] = blocks
+            self.capacities[worker] = blocks
         else:
-            self._capacity.pop(worker, None)
+            self.capacities.pop(worker, None)
         for s in self.slots.of_worker(worker):
             self.capacity.set_capacity(s, blocks)
 
@@ -106,20 +120,9 @@ class KvIndex:
         token)."""
         self.capacity.pinned = pinned
 
-    def finished(self, worker: str, keys, queued_blocks: int = 0, dp_rank: int = 0) -> None:
-        """A request routed to ``worker`` with ``keys`` (its chain) finished: the engine freed its
-        blocks, the most recently used now. The engine is ``queued_blocks`` behind the index's
-        clock (the prefill routed there and not run yet), so that is when they were used."""
-        s = self.slots.get(worker, dp_rank)
-        if s is None or not s.cap or not len(keys):
-            return
-        if type(keys) is bytes:
-            keys = np.frombuffer(keys, np.uint64)
-        self.capacity.stamp(s, keys, max(s.base, s.clock - queued_blocks), raise_only=True)
-
     def capacity_of(self, worker: str) -> int | None:
         """The KV capacity in blocks given by `set_capacity` (None: unknown)."""
-        return self._capacity.get(worker)
+        return self.capacities.get(worker)
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -248,14 +251,16 @@ class KvIndex:
         in by that request). Returns how many keys are speculative after the call."""
         if ttl <= 0:
             raise ValueError(f"ttl must be positive, found {ttl}")
-        s = self._slot(worker, dp_rank)
-        if type(keys) is bytes:
-            keys = np.frombuffer(keys, np.uint64)
-        n = brought = 0
+        s = self.slots.by_key.get((worker, dp_rank)) or self._slot(worker, dp_rank)
+        if type(keys) is not np.ndarray or keys.dtype is not _U64:
+            keys = _u64_array(keys)
         if have < len(keys):
             n, brought = self._predict(s, keys[have:], now + ttl)
-        self.capacity.routed(s, keys, have, brought)
-        return n
+            self.capacity.routed(s, keys, have, brought)
+            return n
+        if s.cap:       # all of it matched: only used again (CapacityBound.routed, inlined)
+            self.capacity.stamp(s, keys, s.clock, have)
+        return 0
 
     def _predict(self, s: Slot, keys, deadline: float) -> tuple[int, int]:
         """(keys predicted after the call, keys new to the slot) of a speculative insert."""
@@ -327,8 +332,7 @@ class KvIndex:
     def _cut(self, keys, bits: int, depth: int, res: dict) -> int:
         """Put the capacity-cut depths of the ``bits`` slots' ``depth``-key match into ``res``
         (worker -> best depth); returns 0 (every slot of ``bits`` answered)."""
-        if type(keys) is bytes:
-            keys = np.frombuffer(keys, np.uint64)
+        keys = _u64_array(keys)
         by_bit = self.slots.by_bit
         cut = self.capacity.cut
         while bits:
@@ -348,8 +352,8 @@ class KvIndex:
         by_bit = self.slots.by_bit
         pressed = self.slots.pressed
         cut = self.capacity.cut
-        if pressed and type(keys) is bytes:
-            keys = np.frombuffer(keys, np.uint64)
+        if pressed:
+            keys = _u64_array(keys)
         for bits, depth in self.memo.groups(keys) if active else ():
             bits &= active
             while depth and bits:
@@ -369,7 +373,7 @@ class KvIndex:
         self.spec.check_invariants()
         self.capacity.check_invariants()
         for s in self.slots:
-            assert s.cap == self._capacity.get(s.worker, 0), ("capacity", s.worker, s.cap)
+            assert s.cap == self.capacities.get(s.worker, 0), ("capacity", s.worker, s.cap)
         combined: dict[int, int] = {}
         for s in self.slots:
             for ck in s.owned:

@@ -226,10 +226,10 @@ def test_predictions_follow_an_lru_engine_behind_a_queue(index, cap, lag):
     assert 1.0 <= a2 / p2 <= 1.06, a2 / p2
 
 
-def test_blocks_pinned_by_running_requests_shrink_the_room_and_finishes_restamp(index):
+def test_blocks_pinned_by_running_requests_shrink_the_room(index):
     ix = index
     ix.set_capacity("a", 32)
-    p = [chain(t, 8) for t in range(5)]
+    p = [chain(t, 8) for t in range(3)]
     for k in range(3):
         route(ix, "a", p[k])
     assert match(ix, "a", p[0]) == 8
@@ -239,14 +239,63 @@ def test_blocks_pinned_by_running_requests_shrink_the_room_and_finishes_restamp(
     ix.set_pinned_source(lambda w: 10_000)      # never below cap / FLOOR
     assert match(ix, "a", p[2]) == 4
     ix.set_pinned_source(None)
-    # p0's request finishes after everything routed ran: its blocks are the newest now
-    route(ix, "a", p[3])
-    route(ix, "a", p[4])
-    assert match(ix, "a", p[0]) == 0
-    ix.finished("a", np.array(p[0], dtype=np.uint64), queued_blocks=0)
     assert match(ix, "a", p[0]) == 8
-    # with 40 blocks still queued there it was freed before all of them, but a finish never
-    # lowers a stamp its routing (or a later use) raised
-    ix.finished("a", np.array(p[3], dtype=np.uint64), queued_blocks=40)
-    assert match(ix, "a", p[3]) == 8
     ix.check_invariants()
+
+
+@pytest.mark.skipif(not kv_owners.NATIVE, reason="router/_owner_map.c did not build")
+@pytest.mark.parametrize("seed", range(4))
+def test_native_age_loops_are_the_python_recipes(seed):
+    """router/_owner_map.c's age_stamp and age_cut against kv_capacity.py's _stamp_py and _cut_py
+    on the same random calls: the same stamps, the same cuts."""
+    from router.kv_capacity import AGE_OFFSET, _cut_py, _stamp_py
+    rng = random.Random(seed)
+    native, plain = kv_owners.OwnerMap(), {}
+    trees = [chain(t, 60) for t in range(6)]
+    clock = 0
+    for _ in range(300):
+        keys = trees[rng.randrange(6)][:rng.randrange(1, 61)]
+        arr = np.array(keys, dtype=np.uint64)
+        stride = rng.choice((1, 2, 4, 7))
+        clock += rng.randrange(0, 40)
+        args = (stride, clock, rng.randrange(0, len(keys) + 1), rng.randrange(0, 60))
+        assert native.age_stamp(arr, *args) == _stamp_py(plain, keys, *args)
+        assert {k: v - AGE_OFFSET for k, v in native.items()} == plain
+        depth = rng.randrange(1, len(keys) + 1)
+        limit = clock - rng.randrange(1, 120)
+        scan = rng.choice((0, 2, 16))
+        assert native.age_cut(arr, depth, limit, stride, scan) == \
+            _cut_py(plain, keys, depth, limit, stride, scan)
+    with pytest.raises(ValueError, match="depth"):
+        native.age_cut(np.array([1, 2], dtype=np.uint64), 3, 0, 4, 16)
+    with pytest.raises(ValueError, match="u64"):
+        native.age_stamp(b"123", 4, 0, 0, 0)
+
+
+def test_routed_prompts_pin_what_running_requests_brought():
+    from router.kv_capacity import RoutedPrompts
+    r = RoutedPrompts()
+    r.placed("generation", 1, "a", 5)
+    r.placed("context", 1, "a", 2)
+    r.placed("generation", 2, "b", 7)
+    r.placed("generation", 3, "a", 0)                   # fully cached: brings nothing
+    r.started("generation", 3)
+    r.ended("generation", 3)
+    assert r.pinned("a") == 0 and len(r.live) == 3     # queued: nothing pinned yet
+    r.started("generation", 1)
+    r.started("generation", 1)                          # idempotent
+    r.started("generation", 2)
+    r.started("generation", 99)                         # not tracked: nothing
+    assert (r.pinned("a"), r.pinned("b")) == (5, 7)
+    r.check_invariants()
+    r.placed("generation", 2, "a", 1)                   # a retry elsewhere replaces it
+    assert (r.pinned("a"), r.pinned("b")) == (5, 0)
+    r.ended("generation", 1)
+    r.ended("generation", 1)                            # idempotent
+    assert r.pinned("a") == 0
+    r.started("context", 1)
+    assert r.pinned("a") == 2
+    r.ended("context", 1)
+    r.ended("generation", 2)
+    assert not r.live and r.pinned("a") == 0
+    r.check_invariants()
