@@ -156,9 +156,10 @@ class DeviceCopier:
 
     def _enter(self, stream):
         """Make `stream` current on this thread (and our device current); returns what
-        `_leave` restores. torch's `cuda.device`/`cuda.stream` context managers cost ≈ 100 µs a
-        transfer on the GPU host (a profile there put it in their device-index lookups,
-        bench/transfer/submit_probe.py); the two calls they end in cost a few µs. Checked once
+        `_leave` restores. torch's `cuda.device`/`cuda.stream` context managers resolve device
+        indices in Python several times (a profile on the H100 put up to ~100 µs of a 240 µs
+        copy there, profiler overhead included: bench/transfer/submit_probe.py); the two calls
+        they end in cost a few µs. Checked once
         against torch's public API (`_check_fast`); falls back to the context managers where
         those calls are missing or behave otherwise."""
         torch = self.torch
