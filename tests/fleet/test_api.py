@@ -18,8 +18,7 @@ KEY = "sk-test-fleet-key"
 @pytest.fixture(scope="module")
 def api(module_cluster):
     c = module_cluster
-    _, ctx = c.worker("context", name="ctx")
-    _, gen = c.worker("generation", name="gen")
+    (_, ctx), (_, gen) = c.workers(("context", {"name": "ctx"}), ("generation", {"name": "gen"}))
     port = free_port()
     cfg = c.config("open.yaml", port=port, context_servers=group([ctx], "kv_cache_aware"),
                    generation_servers=group([gen], "kv_cache_aware"),

@@ -22,8 +22,9 @@ ABORT_BUDGET_S = 0.2
 @pytest.fixture(scope="module")
 def slow(module_cluster):
     c = module_cluster
-    _, ctx = c.worker("context", name="slow-ctx", extra=("--sim-prefill-us-per-token", 20000))
-    _, gen = c.worker("generation", name="slow-gen", extra=("--sim-decode-us-per-step", 100000))
+    (_, ctx), (_, gen) = c.workers(
+        ("context", {"name": "slow-ctx", "extra": ("--sim-prefill-us-per-token", 20000)}),
+        ("generation", {"name": "slow-gen", "extra": ("--sim-decode-us-per-step", 100000)}))
     port = free_port()
     cfg = c.config("slow.yaml", port=port, context_servers=group([ctx], "kv_cache_aware"),
                    generation_servers=group([gen], "kv_cache_aware"))

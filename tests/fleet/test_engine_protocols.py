@@ -225,9 +225,9 @@ def test_dead_prefill_server_is_retried_elsewhere(cluster, proto):
 
 def test_sglang_prefill_dying_aborts_the_waiting_decode(cluster):
     """sglang #9726: a decode whose prefill failed must not wait for KV that never comes."""
-    doomed, ctx = cluster.worker("context", name="sg-ctx", extra=(
-        "--disagg-protocol", "sglang", "--sim-prefill-us-per-token", 20000))
-    _, gen = cluster.worker("generation", name="sg-gen", extra=("--disagg-protocol", "sglang"))
+    (doomed, ctx), (_, gen) = cluster.workers(
+        ("context", {"name": "sg-ctx", "extra": ("--disagg-protocol", "sglang", "--sim-prefill-us-per-token", 20000)}),
+        ("generation", {"name": "sg-gen", "extra": ("--disagg-protocol", "sglang")}))
     port = free_port()
     cfg = cluster.config(port=port, context_servers=group([ctx]), generation_servers=group([gen]),
                          max_retries=0)

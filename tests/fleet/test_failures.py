@@ -24,9 +24,8 @@ def route(h) -> dict:
 
 
 def test_retry_lands_on_another_server(cluster):
-    _, ctx = cluster.worker("context", name="live-ctx")
-    doomed, dead = cluster.worker("context", name="dead-ctx")
-    _, gen = cluster.worker("generation", name="live-gen")
+    (_, ctx), (doomed, dead), (_, gen) = cluster.workers(
+        ("context", {"name": "live-ctx"}), ("context", {"name": "dead-ctx"}), ("generation", {"name": "live-gen"}))
     port = free_port()
     cfg = cluster.config(port=port, context_servers=group([dead, ctx]), generation_servers=group([gen]),
                          fleet={"retry_backoff_s": 0.01})
@@ -58,9 +57,9 @@ def test_retry_lands_on_another_server(cluster):
 
 
 def test_context_worker_killed_mid_request(cluster):
-    slow, slow_url = cluster.worker("context", name="doomed-ctx", extra=("--sim-prefill-us-per-token", 30000))
-    _, fast_url = cluster.worker("context", name="spare-ctx")
-    _, gen = cluster.worker("generation", name="gen")
+    (slow, slow_url), (_, fast_url), (_, gen) = cluster.workers(
+        ("context", {"name": "doomed-ctx", "extra": ("--sim-prefill-us-per-token", 30000)}),
+        ("context", {"name": "spare-ctx"}), ("generation", {"name": "gen"}))
     port = free_port()
     cfg = cluster.config(port=port, context_servers=group([slow_url, fast_url]), generation_servers=group([gen]))
     f = cluster.fleet(cfg)
@@ -103,8 +102,7 @@ def test_context_worker_killed_mid_request(cluster):
 
 
 def test_coordinator_killed_under_load_and_restarted(cluster):
-    _, ctx = cluster.worker("context", name="c-ctx")
-    _, gen = cluster.worker("generation", name="c-gen")
+    (_, ctx), (_, gen) = cluster.workers(("context", {"name": "c-ctx"}), ("generation", {"name": "c-gen"}))
     cport = free_port()
     ccfg = cluster.config("coord.yaml", port=cport + 1, context_servers=group([ctx], "kv_cache_aware"),
                           generation_servers=group([gen], "kv_cache_aware"))

@@ -13,8 +13,9 @@ from .conftest import free_port, group, http as call, metric, wait_for
 
 @pytest.fixture(scope="module")
 def pair(module_cluster):
-    _, ctx = module_cluster.worker("context", name="flow-ctx")
-    _, gen = module_cluster.worker("generation", name="flow-gen", extra=("--sim-decode-us-per-step", 20000))
+    (_, ctx), (_, gen) = module_cluster.workers(
+        ("context", {"name": "flow-ctx"}),
+        ("generation", {"name": "flow-gen", "extra": ("--sim-decode-us-per-step", 20000)}))
     return ctx, gen
 
 
@@ -195,8 +196,8 @@ def test_dynamically_registered_workers(cluster, num_workers):
     wait_for(lambda: call("GET", url + "/cluster_info")[0] == 200, 90, "fleet without workers", f)
     assert call("GET", url + "/health")[0] == 503            # nothing registered yet
     coord = f"http://127.0.0.1:{port - 1}"
-    cluster.worker("context", name="dyn-ctx", extra=("--coordinator-url", coord, "--register-ttl", 5))
-    cluster.worker("generation", name="dyn-gen", extra=("--coordinator-url", coord, "--register-ttl", 5))
+    reg = ("--coordinator-url", coord, "--register-ttl", 5)
+    cluster.workers(("context", {"name": "dyn-ctx", "extra": reg}), ("generation", {"name": "dyn-gen", "extra": reg}))
     wait_for(lambda: call("GET", url + "/health", headers={"Connection": "close"})[0] == 200, 30,
              "registered workers to reach every fleet process", f)
     st, h, raw = call("POST", url + "/v1/completions", {"model": "tiny", "prompt": "dynamic", "max_tokens": 2})

@@ -32,8 +32,7 @@ FUZZ = settings(max_examples=int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "150
 @pytest.fixture(scope="module")
 def fleet(module_cluster):
     c = module_cluster
-    _, ctx = c.worker("context", name="fz-ctx")
-    _, gen = c.worker("generation", name="fz-gen")
+    (_, ctx), (_, gen) = c.workers(("context", {"name": "fz-ctx"}), ("generation", {"name": "fz-gen"}))
     port = free_port_pair()
     cfg = c.config("fuzz.yaml", port=port, num_workers=2, api_keys=["sk-fuzz"], internal_request_auth_key="k",
                    coordinator=NO_SHEDDING,

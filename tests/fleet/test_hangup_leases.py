@@ -28,8 +28,9 @@ SETTLE_S = 5.0
 
 @pytest.fixture(scope="module")
 def workers(module_cluster):
-    _, ctx = module_cluster.worker("context", name="hl-ctx", extra=("--sim-prefill-us-per-token", 200))
-    _, gen = module_cluster.worker("generation", name="hl-gen", extra=("--sim-decode-us-per-step", 2000))
+    (_, ctx), (_, gen) = module_cluster.workers(
+        ("context", {"name": "hl-ctx", "extra": ("--sim-prefill-us-per-token", 200)}),
+        ("generation", {"name": "hl-gen", "extra": ("--sim-decode-us-per-step", 2000)}))
     return ctx, gen
 
 

@@ -25,8 +25,9 @@ TIMEOUT_S = 1.5
 
 @pytest.fixture(scope="module")
 def workers(module_cluster):
-    _, ctx = module_cluster.worker("context", name="hc-ctx")
-    _, gen = module_cluster.worker("generation", name="hc-gen", extra=("--sim-decode-us-per-step", 20000))
+    (_, ctx), (_, gen) = module_cluster.workers(
+        ("context", {"name": "hc-ctx"}),
+        ("generation", {"name": "hc-gen", "extra": ("--sim-decode-us-per-step", 20000)}))
     return ctx, gen
 
 

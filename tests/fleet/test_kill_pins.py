@@ -89,10 +89,10 @@ def _wait_unpinned(ctx: str, t_kill: float, what: str) -> float:
 
 def test_kill_9_under_load_releases_context_pins_promptly(cluster):
     common = ("--transfer-agent", "auto", "--pin-timeout", PIN_TIMEOUT_S, "--block-size", 4)
-    _, ctx = cluster.worker("context", engine="torch", name="ctx",
-                            extra=common + ("--transfer-claim-timeout", CLAIM_TIMEOUT_S))
-    gen_p, gen = cluster.worker("generation", engine="torch", name="gen",
-                                extra=common + ("--max-batch-size", 2))
+    (_, ctx), (gen_p, gen) = cluster.workers(
+        ("context", {"engine": "torch", "name": "ctx",
+                     "extra": common + ("--transfer-claim-timeout", CLAIM_TIMEOUT_S)}),
+        ("generation", {"engine": "torch", "name": "gen", "extra": common + ("--max-batch-size", 2)}))
     port = free_port_pair()
     url = f"http://127.0.0.1:{port}"
     cfg = cluster.config(port=port, num_workers=2, context_servers=group([ctx]),

@@ -24,8 +24,7 @@ from .conftest import free_port, group, healthy, http, metric, wait_for
 
 @pytest.fixture(scope="module")
 def workers(module_cluster):
-    _, ctx = module_cluster.worker("context", name="ovl-ctx")
-    _, gen = module_cluster.worker("generation", name="ovl-gen")
+    (_, ctx), (_, gen) = module_cluster.workers(("context", {"name": "ovl-ctx"}), ("generation", {"name": "ovl-gen"}))
     return ctx, gen
 
 

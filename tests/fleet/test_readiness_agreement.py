@@ -17,8 +17,8 @@ from .conftest import NO_SHEDDING, free_port, group, http, wait_for
 
 @pytest.fixture(scope="module")
 def workers(module_cluster):
-    _, ctx = module_cluster.worker("context", name="ready-ctx")
-    _, gen = module_cluster.worker("generation", name="ready-gen")
+    (_, ctx), (_, gen) = module_cluster.workers(("context", {"name": "ready-ctx"}),
+                                                ("generation", {"name": "ready-gen"}))
     return ctx, gen
 
 

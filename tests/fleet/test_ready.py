@@ -31,8 +31,7 @@ def _get(url, path):
 
 
 def test_ready_follows_the_fallback_and_health_stays_cluster_readiness(cluster):
-    ctx_proc, ctx = cluster.worker("context")
-    _, gen = cluster.worker("generation")
+    (ctx_proc, ctx), (_, gen) = cluster.workers("context", "generation")
     agg = _fleet(cluster, "aggregate", ctx, gen)
     rej = _fleet(cluster, "reject", ctx, gen, no_context_fallback="reject")
     for url in (agg, rej):

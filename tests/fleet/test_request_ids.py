@@ -20,8 +20,7 @@ from .conftest import PY, Cluster, free_port, group, healthy, http, wait_for
 @pytest.fixture(scope="module")
 def fleets(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("rid"))
-    _, ctx = c.worker("context")
-    _, gen = c.worker("generation")
+    (_, ctx), (_, gen) = c.workers("context", "generation")
     urls = {}
     for detail in (None, "short", "full"):
         port = free_port()

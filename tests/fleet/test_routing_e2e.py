@@ -45,7 +45,7 @@ def _repeat_lands_cached(url: str, path: str, body: dict, n_servers: int):
 
 def test_namespace_routes_with_matches(cluster):
     # The workers know no namespace (the default): the coordinator salts their event tokens.
-    urls = [cluster.worker("generation", name=f"ns-w{i}")[1] for i in range(2)]
+    urls = [u for _, u in cluster.workers(*(("generation", {"name": f"ns-w{i}"}) for i in range(2)))]
     url, curl, _, _ = coordinator_and_fleet(cluster, gen_urls=urls, routing={"namespace": "tenant-a"},
                                             router_args=CONFIRMED_ONLY)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
@@ -68,7 +68,7 @@ def dirs(tmp_path_factory):
 
 def test_chat_template_jinja_only(cluster, dirs):
     m = ("--model", dirs["good"])
-    urls = [cluster.worker("generation", name=f"tpl-w{i}", extra=m)[1] for i in range(2)]
+    urls = [u for _, u in cluster.workers(*(("generation", {"name": f"tpl-w{i}", "extra": m}) for i in range(2)))]
     url, _, _, _ = coordinator_and_fleet(cluster, gen_urls=urls, model=dirs["good"],
                                          router_args=CONFIRMED_ONLY)
     body = {"model": "good", "max_tokens": 2, "messages": [
@@ -91,12 +91,11 @@ def test_chat_without_any_template_is_a_400_naming_messages(cluster, dirs):
 def test_parity_probe_marks_mismatch_and_rechecks_after_restart(cluster, dirs):
     ns = ("--kv-namespace", "tenant-a")
     good = ("--model", dirs["good"], *ns)   # a worker told the cluster's namespace: also fine
-    _, a = cluster.worker("generation", name="par-good", extra=good)
     bport = free_port()
-    pb, b = cluster.worker("generation", name="par-tpl", port=bport,
-                           extra=("--model", dirs["other"], *ns))
-    _, c = cluster.worker("generation", name="par-ns",
-                          extra=("--model", dirs["good"], "--kv-namespace", "tenant-b"))
+    (_, a), (pb, b), (_, c) = cluster.workers(
+        ("generation", {"name": "par-good", "extra": good}),
+        ("generation", {"name": "par-tpl", "port": bport, "extra": ("--model", dirs["other"], *ns)}),
+        ("generation", {"name": "par-ns", "extra": ("--model", dirs["good"], "--kv-namespace", "tenant-b")}))
     url, curl, coord, _ = coordinator_and_fleet(cluster, gen_urls=[a, b, c], model=dirs["good"],
                                                 routing={"namespace": "tenant-a"})
 
@@ -137,8 +136,8 @@ def test_parity_probe_marks_mismatch_and_rechecks_after_restart(cluster, dirs):
 
 
 def test_predicted_vs_actual_alarm_on_a_worker_that_never_reuses(cluster):
-    _, good = cluster.worker("generation", name="pva-good")
-    _, bad = cluster.worker("generation", name="pva-bad", extra=("--sim-prefix-reuse", "off"))
+    (_, good), (_, bad) = cluster.workers(("generation", {"name": "pva-good"}),
+                                          ("generation", {"name": "pva-bad", "extra": ("--sim-prefix-reuse", "off")}))
     url, curl, coord, _ = coordinator_and_fleet(cluster, gen_urls=[good, bad])
     landed = {good: 0, bad: 0}
     for i in range(40):   # until both have had repeated prompts (placement decides which)

@@ -20,8 +20,7 @@ from .conftest import free_port, free_port_pair, group, healthy, http, metric, w
 
 @pytest.fixture(scope="module")
 def workers(module_cluster):
-    _, ctx = module_cluster.worker("context", name="topo-ctx")
-    _, gen = module_cluster.worker("generation", name="topo-gen")
+    (_, ctx), (_, gen) = module_cluster.workers(("context", {"name": "topo-ctx"}), ("generation", {"name": "topo-gen"}))
     return ctx, gen
 
 
