@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from operator import attrgetter
 from dataclasses import dataclass
 
 __all__ = ["Lease", "LeaseTable"]
@@ -38,6 +39,7 @@ __all__ = ["Lease", "LeaseTable"]
 _ZERO_LOAD = (0, 0)
 _ZERO_PHASE = (0, 0, 0)
 _ZERO_STATE = (_ZERO_LOAD, 0, 0, 0)
+_IN_PREFILL = attrgetter("in_prefill")
 
 
 @dataclass(slots=True)
@@ -69,6 +71,7 @@ class LeaseTable:
         self._fifo: deque[tuple[float, Lease]] = deque()    # deadlines in non-decreasing order
         self._heap: list[tuple[float, int, Lease]] = []     # the ones that came out of order
         self._seq = itertools.count()
+        self._queue_limit = 1024
         self.replaced = 0                                    # acquires that replaced a live lease
         # Per server with live leases: ((requests, tokens), queued prefill tokens, leases in
         # prefill, their prompt tokens), replaced on change. One map, so a placement reads a
@@ -92,10 +95,12 @@ class LeaseTable:
         else:
             heapq.heappush(self._heap, (d, next(self._seq), lease))
         # stale entries from renewals and finishes: compact before they dominate the queues
-        if len(fifo) + len(self._heap) > 2 * len(self._leases) + 1024:
+        # (the limit set at the last compaction: ~1024 pushes or more apart, amortised O(1))
+        if len(fifo) + len(self._heap) > self._queue_limit:
             self._fifo = deque(sorted(((l.deadline, l) for l in self._leases.values()),
                                       key=lambda e: e[0]))
             self._heap = []
+            self._queue_limit = 2 * len(self._leases) + 1024
 
     def _drop(self, lease: Lease) -> None:
         """A lease left the table (finished, expired, its server dropped)."""
@@ -104,15 +109,17 @@ class LeaseTable:
 
     def _unload(self, lease: Lease) -> None:
         server = lease.server
-        (r, t), q, n, pt = self._state[server]
+        states = self._state
+        (r, t), q, n, pt = states[server]
         if r == 1:      # its last lease (in prefill or not: the phase sums go with it)
-            del self._state[server]
+            del states[server]
             lease.in_prefill = False
-            return
-        if lease.in_prefill:
+        elif lease.in_prefill:
             lease.in_prefill = False
-            q, n, pt = q - lease.prefill, n - 1, pt - lease.tokens
-        self._state[server] = ((r - 1, t - lease.tokens), q, n, pt)
+            tokens = lease.tokens
+            states[server] = ((r - 1, t - tokens), q - lease.prefill, n - 1, pt - tokens)
+        else:
+            states[server] = ((r - 1, t - lease.tokens), q, n, pt)
 
     def _unphase(self, lease: Lease) -> None:
         lease.in_prefill = False
@@ -132,24 +139,26 @@ class LeaseTable:
         elif prefill < 0:
             prefill = 0
         key = (role, req_id)
-        old = self._leases.pop(key, None)
+        leases = self._leases
+        old = leases.pop(key, None)
         if old is not None:
             self._unload(old)
             self.replaced += 1
         else:
             self._per_role[role] = self._per_role.get(role, 0) + 1
         lease = Lease(role, req_id, server, tokens, now, now + ttl, prefill, True, predicted_s)
-        self._leases[key] = lease
-        st = self._state.get(server)
+        leases[key] = lease
+        states = self._state
+        st = states.get(server)
         if st is None:
-            self._state[server] = ((1, tokens), prefill, 1, tokens)
+            states[server] = ((1, tokens), prefill, 1, tokens)
         else:
             (r, t), q, n, pt = st
-            self._state[server] = ((r + 1, t + tokens), q + prefill, n + 1, pt + tokens)
+            states[server] = ((r + 1, t + tokens), q + prefill, n + 1, pt + tokens)
         pq = self._prefill_q
         pq.append(lease)
         if len(pq) > self._prefill_q_limit:     # ended or reported leases' entries: compact
-            self._prefill_q = deque(e for e in pq if e.in_prefill)
+            self._prefill_q = deque(filter(_IN_PREFILL, pq))
             # the next compaction ~1024 acquisitions or more later (amortised O(1) per acquire)
             self._prefill_q_limit = 2 * len(self._leases) + 1024
         self._push(lease)

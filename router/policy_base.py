@@ -67,14 +67,15 @@ class Decision:
                  "uncached")
 
     def __init__(self, server: str, explanation: dict | None = None, matched_blocks: int | None = None,
-                 choice: Any = None, explain: Any = None):
+                 choice: Any = None, explain: Any = None, predicted_s: float = 0.0,
+                 uncached: int | None = None):
         self.server = server
         self._explanation = explanation
         self.matched_blocks = matched_blocks
         self.choice = choice
         self._explain = explain
-        self.predicted_s = 0.0
-        self.uncached: int | None = None
+        self.predicted_s = predicted_s
+        self.uncached = uncached
 
     @property
     def explanation(self) -> dict:

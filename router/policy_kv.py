@@ -349,14 +349,11 @@ class KvCacheAwarePolicy(Policy):
         choice = KvChoice(servers, matched, loads, costs, pick, tied if len(tied) > 1 else _NONE,
                           list(hot.items()) if hot else _NONE, skip_hot, unknown, unhealthy,
                           num_tokens, conv, pinned, self.explain_rows)
-        d = Decision(server, None, None if unknown and ok[pick].kv_unknown
-                     else md.get(server, 0) if md is not None else 0, choice, explain)
-        if timed:
-            # the chosen server's estimated time to first token: what its first-token report is
-            # compared with (observe_ttft)
-            d.predicted_s = predicted_s
-            d.uncached = num_tokens - matched[pick]
-        return d
+        # with the time cost, the chosen server's estimated time to first token (what its
+        # first-token report is compared with: observe_ttft) and the tokens it must compute
+        return Decision(server, None, None if unknown and ok[pick].kv_unknown
+                        else md.get(server, 0) if md is not None else 0, choice, explain,
+                        predicted_s, num_tokens - matched[pick] if timed else None)
 
 
 def _predicted_s(pick: int, phases: list, loads: list, params, num_tokens: int, matched: list,
