@@ -527,17 +527,13 @@ class Coordinator:
                     # there for the index's capacity model (router/kv_capacity.py), and the blocks
                     # it brings pin that server's cache while it runs.
                     index = self.index
-                    capped = server in index.capacities
                     if have < keys.size:
                         index.routed(server, keys, have, now, ttl)
                         # Two due entries out per entry in: expiry keeps pace with placements in
                         # small steps instead of one burst per maintenance tick (a select stall).
                         index.expire_speculative(now, 2)
-                    elif capped:
+                    elif server in index.capacities:
                         index.routed(server, keys, have, now, ttl)
-                    if capped:
-                        self.routed_prompts.placed(role, req_id, server,
-                                                   decision.uncached // self.block_size)
         if server_info:
             info = decision.explanation
             entry = self._entries.get(server)
@@ -574,7 +570,6 @@ class Coordinator:
     def _unplace_generation(self, answer: dict) -> None:
         """End the lease of a generation leg placed by `place_pair` whose context leg was refused."""
         self.leases.finish(GENERATION, answer["req_id"])
-        self.routed_prompts.ended(GENERATION, answer["req_id"])
 
     def end_lease(self, role: str, req_id: int, success: bool,
                   usage: tuple[int, int, int] | None = None) -> bool:
@@ -607,8 +602,9 @@ class Coordinator:
         if lease is None:
             self.stats.first_token_unknown += 1
             return False
-        if self.routed_prompts.live:
-            self.routed_prompts.started(role, req_id)
+        if lease.server in self.index.capacities:
+            self.routed_prompts.started(role, req_id, lease.server,
+                                        lease.prefill // self.block_size)
         if lease.predicted_s:
             observe = self._observe_ttft[role]
             if observe is not None:

@@ -246,37 +246,32 @@ class CapacityBound:
 
 
 class RoutedPrompts:
-    """The coordinator's side of the model: per lease ``(role, req_id)`` on a server with a
-    capacity, the blocks its prompt brought there; per server, those of its running requests
-    (`pinned`: leases past their first token), which the LRU cannot evict, so its room is the
-    capacity less them. A request pins its cached prefix too, but that part is the cache's (and
-    shared: counting whole prompts counted a shared prefix once per request, and cut matches the
-    workers then reused). Single writer, no I/O."""
+    """The coordinator's side of the model: per server with a capacity, the blocks its running
+    requests brought (`pinned`: the uncached prompt blocks of each lease from its first token to
+    its end), which the LRU cannot evict, so its room is the capacity less them. A request pins
+    its cached prefix too, but that part is the cache's (and shared: counting whole prompts
+    counted a shared prefix once per request, and cut matches the workers then reused). Nothing
+    is kept per placement: a lease's first token brings its server and blocks. Single writer,
+    no I/O."""
 
     __slots__ = ("live", "_pinned")
 
     def __init__(self) -> None:
-        self.live: dict[tuple[str, int], list] = {}     # -> [server, blocks, running]
+        self.live: dict[tuple[str, int], tuple[str, int]] = {}     # -> (server, blocks)
         self._pinned: dict[str, int] = {}
 
-    def placed(self, role: str, req_id: int, server: str, blocks: int) -> None:
-        """A prompt placed on ``server``, bringing ``blocks`` new blocks (a retry replaces it)."""
+    def started(self, role: str, req_id: int, server: str, blocks: int) -> None:
+        """A lease's first token: its request runs on ``server``, pinning the ``blocks`` its
+        prompt brought there (idempotent; a prompt that brought nothing pins nothing)."""
         key = (role, req_id)
-        if key in self.live:
-            self.ended(role, req_id)
-        self.live[key] = [server, blocks, False]
-
-    def started(self, role: str, req_id: int) -> None:
-        """Its first token: the request runs, its blocks are pinned (idempotent)."""
-        r = self.live.get((role, req_id))
-        if r is not None and not r[2] and r[1]:     # (a prompt that brought nothing pins nothing)
-            r[2] = True
-            self._pinned[r[0]] = self._pinned.get(r[0], 0) + r[1]
+        if blocks > 0 and key not in self.live:
+            self.live[key] = (server, blocks)
+            self._pinned[server] = self._pinned.get(server, 0) + blocks
 
     def ended(self, role: str, req_id: int) -> None:
-        """Its lease ended (finished, expired, dropped): its blocks are the LRU's again."""
+        """Its lease ended (finished, expired, dropped): the LRU's again (idempotent)."""
         r = self.live.pop((role, req_id), None)
-        if r is not None and r[2]:
+        if r is not None:
             left = self._pinned[r[0]] - r[1]
             if left:
                 self._pinned[r[0]] = left
@@ -288,7 +283,7 @@ class RoutedPrompts:
 
     def check_invariants(self) -> None:
         want: dict[str, int] = {}
-        for server, blocks, running in self.live.values():
-            if running and blocks:
-                want[server] = want.get(server, 0) + blocks
+        for server, blocks in self.live.values():
+            assert blocks > 0, ("pinned nothing", server)
+            want[server] = want.get(server, 0) + blocks
         assert want == self._pinned, ("pinned", want, self._pinned)

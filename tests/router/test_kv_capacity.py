@@ -275,27 +275,18 @@ def test_native_age_loops_are_the_python_recipes(seed):
 def test_routed_prompts_pin_what_running_requests_brought():
     from router.kv_capacity import RoutedPrompts
     r = RoutedPrompts()
-    r.placed("generation", 1, "a", 5)
-    r.placed("context", 1, "a", 2)
-    r.placed("generation", 2, "b", 7)
-    r.placed("generation", 3, "a", 0)                   # fully cached: brings nothing
-    r.started("generation", 3)
-    r.ended("generation", 3)
-    assert r.pinned("a") == 0 and len(r.live) == 3     # queued: nothing pinned yet
-    r.started("generation", 1)
-    r.started("generation", 1)                          # idempotent
-    r.started("generation", 2)
-    r.started("generation", 99)                         # not tracked: nothing
-    assert (r.pinned("a"), r.pinned("b")) == (5, 7)
+    r.started("generation", 1, "a", 5)
+    r.started("generation", 1, "a", 5)                  # idempotent
+    r.started("context", 1, "a", 2)
+    r.started("generation", 2, "b", 7)
+    r.started("generation", 3, "a", 0)                  # fully cached: brings nothing
+    assert (r.pinned("a"), r.pinned("b"), r.pinned("c")) == (7, 7, 0)
     r.check_invariants()
-    r.placed("generation", 2, "a", 1)                   # a retry elsewhere replaces it
-    assert (r.pinned("a"), r.pinned("b")) == (5, 0)
     r.ended("generation", 1)
     r.ended("generation", 1)                            # idempotent
-    assert r.pinned("a") == 0
-    r.started("context", 1)
+    r.ended("generation", 3)
     assert r.pinned("a") == 2
     r.ended("context", 1)
     r.ended("generation", 2)
-    assert not r.live and r.pinned("a") == 0
+    assert not r.live and r.pinned("a") == r.pinned("b") == 0
     r.check_invariants()
