@@ -133,7 +133,22 @@ def start_workers(procs: Procs, n: int, num_blocks: int, args, model: str = "1b"
 
 def start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: dict,
                 model: str = "1b"):
-    """An external coordinator and one fleet process for `policy` → (fleet url, coord url, procs)."""
+    """An external coordinator and one fleet process for `policy` → (fleet url, coord url, procs).
+    A port picked free and taken meanwhile (cells of `--jobs` start processes side by side) is
+    tried again with new ports."""
+    for attempt in range(1, 4):
+        before = list(procs.procs)
+        try:
+            return _start_front(procs, work, urls, policy, rargs, model)
+        except RuntimeError as e:
+            for p in [p for p in procs.procs if p not in before]:
+                procs.stop(p)
+            if "Address already in use" not in str(e) or attempt == 3:
+                raise
+
+
+def _start_front(procs: Procs, work: Path, urls: list[str], policy: str, rargs: dict,
+                 model: str = "1b"):
     doc = {"hostname": "127.0.0.1", "model": model, "request_timeout": 600,
            "generation_servers": {"urls": [u.removeprefix("http://") for u in urls],
                                   "router": {"type": policy, **rargs}},
