@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 37 item 2 on one GPU, in about 3 minutes: the direct-path GPU tests (bit for bit through the
+# control lanes and the results carrying CUDA events; the copy's stream switch), the control round
+# trip (nixl; `BASE=<dir>` adds a checkout to compare with, alternating), what one wake-up costs on
+# this host, the host time of one direct write's copy, and the `1b` transfers (scattered, e2e,
+# × copy). Run from the repository root, after the device set-up; outputs go to $OUT (default
+# /tmp/control-gpu): gpu_tests.txt, control.txt, wakeup.txt, probe.txt, transfer.txt.
+set -u
+OUT=${OUT:-/tmp/control-gpu}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_copy_kernels.py \
+    tests/transfer/test_direct_gpu.py > "$OUT/gpu_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/gpu_tests.txt"
+tail -n 8 "$OUT/gpu_tests.txt"
+trees=(--tree .)
+[ -n "${BASE:-}" ] && trees=(--tree "$BASE" --tree .)
+timeout 60 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 "${trees[@]}" \
+    > "$OUT/control.txt" 2>&1; echo "control.py rc=$?" >> "$OUT/control.txt"
+tail -n 14 "$OUT/control.txt"
+timeout 20 python3 bench/transfer/wakeup_probe.py --n 3000 > "$OUT/wakeup.txt" 2>&1
+cat "$OUT/wakeup.txt"
+timeout 30 python3 bench/transfer/submit_probe.py --calls 200 > "$OUT/probe.txt" 2>&1
+grep -E "blocks:" "$OUT/probe.txt"
+timeout 60 python3 bench/transfer/transfer.py --device cuda --geometry 1b --agent nixl --repeats 3 \
+    --no-real-prefill --no-write > "$OUT/transfer.txt" 2>&1; echo "transfer.py rc=$?" >> "$OUT/transfer.txt"
+grep -E "tok:|TTFT|rc=" "$OUT/transfer.txt"
