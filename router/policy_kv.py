@@ -330,8 +330,9 @@ class KvCacheAwarePolicy(Policy):
             predicted_s = _predicted_s(pick, phases, loads, params, num_tokens, matched,
                                        self.decode_weight) if timed else 0.0
         if hs or lc:
-            hot = {i: (f"hot: decode step > cap {limit * 1e3:.1f} ms" if timed else
-                       f"hot: {loads[i][0]} in-flight requests > cap {limit:.1f}") for i in hs}
+            # the time cost's reason is the same for every hot server: formatted once
+            hot = dict.fromkeys(hs, f"hot: decode step > cap {limit * 1e3:.1f} ms") if timed \
+                else {i: f"hot: {loads[i][0]} in-flight requests > cap {limit:.1f}" for i in hs}
             for i in lc:
                 hot[i] = (f"hot: {loads[i][0]}/{mbs} requests >= load_cap {self.load_cap}"
                           if mbs and loads[i][0] / mbs >= self.load_cap else
