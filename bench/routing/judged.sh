@@ -29,13 +29,17 @@ fi
 $PY - <<'EOF' || { echo "judged.sh: a module the benchmark imports is missing (above)" >&2; exit 2; }
 import aiohttp, numpy, yaml, zmq, prometheus_client, msgspec, xxhash, uvloop  # noqa: F401
 EOF
-# the native router modules, with setup.py's flags (a checkout carried from another Python has none)
+# the native router modules, with setup.py's flags, built every time: a module left by an earlier
+# run at another commit would pair this checkout's Python with an older C core (seen on the 2-core
+# box: a coordinator failing every placement on a method the old module lacked)
 if command -v gcc >/dev/null; then
     INC=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
     SUF=$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-    for m in _chain _kv_cost _owner_map; do
-        [ -f "router/$m$SUF" ] || gcc -O2 -ffp-contract=off -shared -fPIC -I"$INC" "router/$m.c" -o "router/$m$SUF"
+    for c in router/_*.c; do    # setup.py's extensions
+        gcc -O2 -ffp-contract=off -shared -fPIC -I"$INC" "$c" -o "${c%.c}$SUF"
     done
+else
+    rm -f router/_*.so    # the Python recipes then
 fi
 $PY -c "import router.block_keys as b, router.policy_kv as p, router.kv_owners as o; print('native router modules:', b.NATIVE and p.NATIVE and o.NATIVE)"
 mkdir -p "$OUT"
