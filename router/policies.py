@@ -79,7 +79,7 @@ _SPECS: dict[str, dict[str, Any]] = {
     "kv_cache_aware": {
         "cost": "str?", "uncached_weight": "num", "decode_weight": "num",
         "prefill_tokens_per_s": "num?", "decode_step_s": "num?", "learn_rates": bool,
-        "hotspot_slack_s": "num",
+        "hotspot_slack_s": "num?",
         "prefill_weight": "num", "load_tokens_weight": "num", "load_requests_weight": "num",
         "affinity_bonus": "num", "hotspot_factor": "num?", "hotspot_slack": "num",
         "max_conversations": int, "track_routed_blocks": bool, "speculative_ttl_s": "num",

@@ -98,7 +98,7 @@ class KvCacheAwarePolicy(Policy):
     from the fleet's first-token reports (``observe_ttft``: actual against predicted). A server is
     hot when its decode step (``k * decode_weight * (s_step + s_req * decoding + s_ctx *
     their_context_tokens)``, seconds: the time per output token there) exceeds
-    ``hotspot_factor * mean + hotspot_slack_s``.
+    ``hotspot_factor * mean + hotspot_slack_s`` (default: two idle decode steps, ``_slack_of``).
 
     ``cost="tokens"`` (or giving any of ``prefill_weight``, ``load_tokens_weight``,
     ``load_requests_weight``) keeps the token-weight cost:
@@ -126,7 +126,7 @@ class KvCacheAwarePolicy(Policy):
                  decode_weight: float = 1.0, prefill_tokens_per_s: float | None = None,
                  decode_step_s: float | None = None, learn_rates: bool = True,
                  affinity_bonus: float = 0.25, hotspot_factor: float | None = 2.0,
-                 hotspot_slack: float = 2.0, hotspot_slack_s: float = 0.0,
+                 hotspot_slack: float = 2.0, hotspot_slack_s: float | None = None,
                  max_batch_size: int | None = None,
                  load_cap: float | None = None, max_conversations: int = 100_000,
                  track_routed_blocks: bool = True, speculative_ttl_s: float = 30.0,
@@ -153,7 +153,8 @@ class KvCacheAwarePolicy(Policy):
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.decode_step_s = decode_step_s
         self.learn_rates = learn_rates
-        self.hotspot_slack_s = float(hotspot_slack_s)
+        self.hotspot_slack_s = None if hotspot_slack_s is None else float(hotspot_slack_s)
+        self._slack = 0.0 if hotspot_slack_s is None else float(hotspot_slack_s)  # `_slack_of`
         # per-server scale of the time model, learned from first-token reports (observe_ttft),
         # for the servers that publish no `routing_model` (`_learnable`, from the candidates)
         self._scale: dict[str, float] = {}
@@ -233,6 +234,22 @@ class KvCacheAwarePolicy(Policy):
             if i is not None:
                 memo[6][i * PARAMS + PARAMS - 1] = k
 
+    # the default hot-spot slack, in idle decode steps (`_slack_of`)
+    SLACK_STEPS = 2.0
+
+    def _slack_of(self, params, n: int) -> float:
+        """The time cost's hot-spot slack (seconds): ``hotspot_slack_s``, else ``SLACK_STEPS``
+        idle decode steps (the candidates' mean ``decode_weight * k * s_step``). Relative to the
+        mean alone, a server on a cluster mostly idle was hot with two or three requests decoding
+        (twice an idle step): at 32 workers and light load that rule moved 4-8 next requests of a
+        prefix tree off the server holding it per run, 9-19k cached tokens (2-core box)."""
+        if self.hotspot_slack_s is not None:
+            return self.hotspot_slack_s
+        if not n:
+            return 0.0
+        idle = sum(params[i * PARAMS + 2] * params[i * PARAMS + PARAMS - 1] for i in range(n)) / n
+        return self.SLACK_STEPS * self.decode_weight * idle
+
     def scale(self, server: str) -> float:
         """The server's learned scale of the time model (1.0: none learned)."""
         return self._scale.get(server, 1.0)
@@ -257,6 +274,7 @@ class KvCacheAwarePolicy(Policy):
                 params.extend(model_of(c.info, self.prefill_tokens_per_s, self.decode_step_s))
                 params.append(self._scale.get(c.server, 1.0))
             self._learnable = frozenset(c.server for c in ok if not publishes_model(c.info))
+            self._slack = self._slack_of(params, len(ok))
             self._cands = (list(candidates), ok, unhealthy, servers, unknown, all_unknown, params,
                            positions)
         n = len(servers)
@@ -294,7 +312,7 @@ class KvCacheAwarePolicy(Policy):
                 res = _native_time_core_table(
                     servers, md, states, positions, params, self.block_size, cap, num_tokens,
                     self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
-                    self.hotspot_slack_s, mbs, self.load_cap if mbs else 0.0, self._cursor)
+                    self._slack, mbs, self.load_cap if mbs else 0.0, self._cursor)
             except TypeError:
                 pass
         if res is not None:
@@ -308,7 +326,7 @@ class KvCacheAwarePolicy(Policy):
                 phases = ph(servers) if ph is not None else [(t, r, t) for r, t in loads]
                 args = (servers, md, loads, phases, params, self.block_size, cap, num_tokens,
                         self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
-                        self.hotspot_slack_s, mbs, self.load_cap if mbs else 0.0)
+                        self._slack, mbs, self.load_cap if mbs else 0.0)
                 core, python = _native_time_core, _time_core
             else:
                 args = (servers, md, loads, self.block_size, cap, num_tokens,

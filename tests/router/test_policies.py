@@ -399,6 +399,25 @@ def test_time_cost_tells_queued_prefill_from_decoding(env):
     assert tok.select(cands, key_of(t), view).server != "http://a"
 
 
+def test_a_server_busy_on_an_idle_cluster_is_not_hot_by_default(env):
+    """Hot means a decode step above twice the mean plus two idle steps (the default slack): on a
+    cluster otherwise idle, the server holding the prompt's prefix with 20 requests decoding (a
+    42 ms step against 10 ms idle ones) keeps its match; relative to the mean alone (slack 0) it
+    was hot and its match went elsewhere."""
+    idx, leases, view = env
+    t = prompt(13, 1024)
+    cache(idx, "http://a", t[:896])
+    for _ in range(20):
+        r = next(_req_ids)
+        leases.acquire("gen", r, "http://a", 0.0, 60.0, 1500)
+        leases.first_token("gen", r)
+    cands = _cands(SERVERS)
+    d = make_policy("kv_cache_aware", {}).select(cands, key_of(t), view)
+    assert d.server == "http://a" and d.explanation["hot"] == 0
+    d = make_policy("kv_cache_aware", {"hotspot_slack_s": 0.0}).select(cands, key_of(t), view)
+    assert d.server != "http://a" and d.explanation["hot"] == 1
+
+
 def test_time_cost_learns_a_slow_server_from_first_token_reports(env):
     _, leases, view = env
     p = make_policy("kv_cache_aware", {"hotspot_factor": None})
