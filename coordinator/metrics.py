@@ -175,6 +175,9 @@ def _servers(snap: ClusterSnapshot) -> Iterable[Metric]:
                   ["server"])
     rdy = _gauge("kv_ready", "1 once the server's index was rebuilt and it counts for kv-aware "
                  "placement", ["server"])
+    capm = _gauge("kv_capacity_room_blocks", "blocks the KV index's capacity model lets the "
+                  "server's LRU keep (its KV capacity less the blocks running requests brought; "
+                  "docs/routing.md, capacity-aware prediction)", ["server"])
     empty = _gauge("kv_index_empty_under_traffic",
                    "1 while a server gets kv-aware traffic but its index stays empty "
                    "(events not arriving)", ["server"])
@@ -186,6 +189,8 @@ def _servers(snap: ClusterSnapshot) -> Iterable[Metric]:
         ej.add_metric([s], e.ejections)
         idx.add_metric([s], row.index_blocks)
         empty.add_metric([s], 1.0 if row.empty_under_traffic else 0.0)
+        if row.kv_capacity is not None:
+            capm.add_metric([s], row.kv_capacity["room_blocks"])
         feed = row.feed
         rdy.add_metric([s], 1.0 if row.kv_ready else 0.0)
         if feed is None:
@@ -207,7 +212,7 @@ def _servers(snap: ClusterSnapshot) -> Iterable[Metric]:
         cf.add_metric([s], sum(f.connect_failures for f in fs))
         rr.add_metric([s], sum(f.reader_restarts for f in fs))
     yield from (up, load_r, load_t, ej, idx, lag, age, ev, bl, gaps, rp, cl, de, cf, rr, rdy,
-                empty)
+                empty, capm)
     yield from _scaling_signal(snap)
 
     total = _gauge("kv_index_size", "KV-index entries over all servers")
@@ -307,13 +312,19 @@ def _diagnostics(d, counter, gauge) -> Iterable[Metric]:
                "the alarm ratio under traffic", ["server"])
     alt = counter("routing_prediction_alarms", "times the predicted-vs-actual alarm was raised",
                   ["server"])
+    rat = gauge("routing_prediction_ratio", "actual/predicted cached tokens over the sliding "
+                "window (absent while nothing was predicted there)", ["server"])
+    now = d.clock()
     for server, p in d.pred.items():
         pr.add_metric([server], p.predicted)
         ac.add_metric([server], p.actual)
         pt.add_metric([server], p.prompt)
         al.add_metric([server], 1.0 if p.alarm else 0.0)
         alt.add_metric([server], p.alarms)
-    yield from (mm, st, pr, ac, pt, al, alt)
+        _, rp_, ra_ = p.recent(now, d.window_s)
+        if rp_:
+            rat.add_metric([server], ra_ / rp_)
+    yield from (mm, st, pr, ac, pt, al, alt, rat)
 
 
 def render(snap: ClusterSnapshot) -> bytes:

@@ -38,6 +38,7 @@ class ServerRow:
     kv_ready: bool
     empty_under_traffic: bool
     feed: "WorkerFeed | None"      # its KV-event feed (rank 0; `.ranks` for the others)
+    kv_capacity: dict | None = None  # the index's capacity model (router/kv_index.py)
 
     @property
     def url(self) -> str:
@@ -122,6 +123,7 @@ class ClusterSnapshot:
             d["kv_parity"] = par.describe() if par is not None else None
             d["kv_mismatch"] = par.field if par is not None and par.status == "kv_mismatch" else None
             d["routing_prediction"] = diag.describe_prediction(e.url)
+            d["kv_capacity_model"] = row.kv_capacity
             d["kv_events"] = row.feed.describe(self.mono) if row.feed is not None else None
             d["server_info"] = e.server_info
             for role in e.roles:
@@ -175,7 +177,8 @@ def take(coord: "Coordinator", listeners: ListenerCounters | None = None) -> Clu
         r, t = leases.load(e.url)
         rows.append(ServerRow(entry=e, requests=int(r), tokens=int(t), phase=leases.phase(e.url),
                               index_blocks=int(index.worker_size(e.url)), kv_ready=kv.kv_ready(e.url),
-                              empty_under_traffic=e.url in empty, feed=kv.feeds.get(e.url)))
+                              empty_under_traffic=e.url in empty, feed=kv.feeds.get(e.url),
+                              kv_capacity=index.capacity_state(e.url)))
     reg, ids = coord.registry, coord.identities
     return ClusterSnapshot(
         now=coord.clock(), mono=time.monotonic(), started_at=coord.started_at,

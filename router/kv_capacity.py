@@ -215,6 +215,11 @@ class CapacityBound:
 
     # -- queries ---------------------------------------------------------------------------------
 
+    @staticmethod
+    def room(cap: int, pinned: int) -> int:
+        """The blocks an LRU of ``cap`` keeps beside ``pinned`` ones (at least ``cap // FLOOR``)."""
+        return max(cap // FLOOR, cap - pinned)
+
     def cut(self, s: Slot, keys, depth: int) -> int:
         """The part of a walk's ``depth``-key match on slot ``s`` (pressed; ``keys`` a uint64
         array) that the model still holds: ``depth``, or fewer keys.
@@ -226,7 +231,7 @@ class CapacityBound:
         that young)."""
         cap = s.cap
         if self.pinned is not None:     # running requests' blocks are not the LRU's to keep
-            cap = max(cap // FLOOR, cap - self.pinned(s.worker))
+            cap = self.room(cap, self.pinned(s.worker))
         stamps = s.stamps
         if type(stamps) is dict:
             return _cut_py(stamps, keys.tolist() if isinstance(keys, np.ndarray) else keys,

@@ -120,6 +120,19 @@ class KvIndex:
         token)."""
         self.capacity.pinned = pinned
 
+    def capacity_state(self, worker: str) -> dict | None:
+        """The capacity model of the worker's rank-0 slot, for `/cluster_info` and metrics:
+        ``{capacity_blocks, room_blocks, pinned_blocks, clock, pressed}`` (None: no capacity)."""
+        cap = self.capacities.get(worker)
+        if not cap:
+            return None
+        s = self.slots.get(worker, 0)
+        pinned = self.capacity.pinned(worker) if self.capacity.pinned is not None else 0
+        return {"capacity_blocks": cap, "pinned_blocks": pinned,
+                "room_blocks": self.capacity.room(cap, pinned),
+                "clock": s.clock - s.base if s is not None else 0,
+                "pressed": bool(s is not None and self.slots.pressed & s.bit)}
+
     def capacity_of(self, worker: str) -> int | None:
         """The KV capacity in blocks given by `set_capacity` (None: unknown)."""
         return self.capacities.get(worker)

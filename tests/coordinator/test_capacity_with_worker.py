@@ -102,6 +102,20 @@ async def test_queued_prompts_evict_a_prefix_and_the_coordinator_stops_predictin
         pred = c.diag.describe_prediction(url)
         assert pred["predicted_tokens"] == pred["actual_cached_tokens"] == 256, pred
         c.index.check_invariants()
+        # what an operator reads: the model's state and the ratio, per server
+        async with aiohttp.ClientSession() as session:
+            async with session.get(s.tcp_url + "/cluster_info") as resp:
+                info = await resp.json()
+            async with session.get(s.tcp_url + "/metrics") as resp:
+                metrics = await resp.text()
+        row = next(x for x in info["servers"]["generation"] if x["url"] == url)
+        model = row["kv_capacity_model"]
+        assert model["capacity_blocks"] == model["room_blocks"] == BLOCKS and model["pressed"]
+        assert model["clock"] == 48 and model["pinned_blocks"] == 0     # A, B, C, D, A again
+        assert row["routing_prediction"]["recent"]["ratio"] == 1.0
+        assert f'splitserve_coordinator_routing_prediction_ratio{{server="{url}"}} 1.0' in metrics
+        assert f'splitserve_coordinator_kv_capacity_room_blocks{{server="{url}"}} {BLOCKS}.0' \
+            in metrics
     finally:
         await client.close()
         await _stop(proc)
