@@ -342,6 +342,7 @@ class ServerView(msgspec.Struct):
     kv_parity: dict[str, Any] | None = None
     kv_mismatch: str | None = None
     routing_prediction: dict[str, Any] | None = None
+    kv_capacity_model: dict[str, Any] | None = None     # the index's capacity model, when known
     kv_events: dict[str, Any] | None = None
     server_info: dict[str, Any] | None = None
 
