@@ -5,6 +5,12 @@ must stop predicting the prefix those queued prompts will evict (router/kv_capac
 what the worker then reports cached is what it predicted."""
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import aiohttp
 
 from coordinator.client import HttpCoordinatorClient
@@ -13,18 +19,23 @@ from router.block_keys import block_keys
 from .conftest import cfg, wait_for
 from .test_with_worker import _stop
 
-import asyncio
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = 24             # the worker's KV cache: three 8-block prompts
 PROMPT = 130            # tokens: 8 full blocks of 16 (+2, so all 8 can be reused)
 
 
 async def _start_worker(coord_url: str):
+    """The sim worker, registered with the coordinator; started again (3 tries) when a port it
+    picked free was taken meanwhile (its KV-event sockets bind ports of their own)."""
+    for attempt in range(3):
+        try:
+            return await _start_worker_once(coord_url)
+        except AssertionError as e:
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
+
+
+async def _start_worker_once(coord_url: str):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "splitserve_cli", "worker", "--engine", "sim", "--model", "tiny",
