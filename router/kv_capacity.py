@@ -231,7 +231,9 @@ class CapacityBound:
         that young)."""
         cap = s.cap
         if self.pinned is not None:     # running requests' blocks are not the LRU's to keep
-            cap = self.room(cap, self.pinned(s.worker))
+            pinned = self.pinned(s.worker)
+            if pinned:
+                cap = self.room(cap, pinned)
         stamps = s.stamps
         if type(stamps) is dict:
             return _cut_py(stamps, keys.tolist() if isinstance(keys, np.ndarray) else keys,

@@ -345,7 +345,8 @@ class KvIndex:
     def _cut(self, keys, bits: int, depth: int, res: dict) -> int:
         """Put the capacity-cut depths of the ``bits`` slots' ``depth``-key match into ``res``
         (worker -> best depth); returns 0 (every slot of ``bits`` answered)."""
-        keys = _u64_array(keys)
+        if type(keys) is not np.ndarray or keys.dtype is not _U64:
+            keys = _u64_array(keys)
         by_bit = self.slots.by_bit
         cut = self.capacity.cut
         while bits:
