@@ -283,9 +283,10 @@ class KvIndex:
         self.memo.before_tail_insert(keys, s.bit)
         n = spec.add(s, keys, deadline)
         self.memo.after_tail_insert()
-        # predicted again (deadline moved) is not new; held keys past the match (evicted in the
-        # model) come in again when the engine recomputes them
-        return n, len(keys) - (n - (spec.size - size))
+        # only the newly predicted keys: one predicted again (deadline moved) is not new, and a
+        # held key past the match (evicted in the model) is counted by the store that brings it
+        # back if the engine did evict it (counted here too, it was counted twice)
+        return n, spec.size - size
 
     def expire_speculative(self, now: float, max_entries: int | None = None,
                            max_keys: int | None = None) -> int:
