@@ -75,17 +75,26 @@ def test_repeated_sigterm_still_exits_0():
 
 
 def test_startup_errors_exit_2_with_a_message():
+    procs = []
     for args, want in [(["--model", "/no/such/dir", "--engine", "sim"], b"neither a preset"),
                        (["--engine", "sim", "--block-size", "0"], b"--block-size must be >= 1"),
                        (["--engine", "torch", "--tp-size", "3"], b"--tp-size 3 must divide"),
                        (["--engine", "torch", "--tp-size", "2", "--async-scheduling", "on"],
                         b"--async-scheduling on needs a single-rank worker"),
                        (["--engine", "sim", "--async-scheduling", "sometimes"], b"invalid choice")]:
-        r = subprocess.run([sys.executable, "-m", "splitserve_cli", "worker", "--port", "0", *args],
-                           cwd=REPO, capture_output=True, timeout=120,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        assert want in r.stderr, r.stderr
+        # all at once: each is a Python start (two import torch), and a 2-core box runs two together
+        procs.append((args, want, subprocess.Popen(
+            [sys.executable, "-m", "splitserve_cli", "worker", "--port", "0", *args], cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})))
+    try:
+        for args, want, p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 2, (args, out, err)
+            assert want in err, err
+    finally:   # a worker that did start (a check gone) must not outlive the test
+        for *_, p in procs:
+            p.kill()
+            p.wait()
 
 
 async def test_torch_worker_prefix_hits_and_events_match_snapshot(http):
