@@ -229,7 +229,10 @@ async def replay(url: str, reqs: list[T.Req], tokens: T.Tokens, args,
                  oracle: Oracle | None = None, model: str = "1b") -> list[T.Result]:
     prompts = [tokens.prompt(r) for r in reqs]
     results = [T.Result(i=k) for k in range(len(reqs))]
-    conn = aiohttp.TCPConnector(limit=0)
+    # keep-alive under the fleet's own (server_keep_alive_timeout, 10 s): aiohttp's 15 s default
+    # reused connections the fleet had just closed ('Server disconnected' on a conversation's
+    # next turn after a think time, one request in ~2,000)
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as s:
         t0 = asyncio.get_running_loop().time() + 0.5
         scale = args.dilation / args.compress
