@@ -452,6 +452,7 @@ def main(argv=None) -> int:
                     help="run the (trace, workers, load) cells in this many parallel processes, "
                          "one JSON per cell into --json-dir (bench/routing/judged.sh)")
     ap.add_argument("--json-dir", type=Path, default=None, help="with --jobs: the cells' JSON and logs")
+    ap.add_argument("--parent-command", default=None, help=argparse.SUPPRESS)   # a --jobs cell's
     ap.add_argument("--work", type=Path, default=None, help="keep the processes' logs here")
     ap.add_argument("--note", default=None, help="a paragraph for the report (with --from-json)")
     ap.add_argument("--from-json", type=Path, nargs="+", default=None,
@@ -475,7 +476,8 @@ def main(argv=None) -> int:
             runs, key=lambda k: (order.get(k[0], 9), k[0], k[1], order.get(k[2], 9), k[2]))]}
         for part in parts[1:]:
             out["meta"]["traces"] = {**part["meta"].get("traces", {}), **out["meta"]["traces"]}
-        out["meta"]["command"] = " ; ".join(p["meta"]["command"] for p in parts)
+        # the cells of one --jobs run share its command: named once
+        out["meta"]["command"] = " ; ".join(dict.fromkeys(p["meta"]["command"] for p in parts))
         if args.note:
             out["meta"]["note"] = args.note
         return _write(out, OUTDIR / "routing.json")
@@ -500,7 +502,8 @@ def main(argv=None) -> int:
             "oracle_cache_weight": args.oracle_cache_weight,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({platform.machine()})",
-            "command": "python bench/routing/routing.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": args.parent_command or
+            "python bench/routing/routing.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = json.loads(json.dumps({"meta": meta, "runs": runs}, default=str))
     if args.json:
         args.json.write_text(json.dumps(out))
@@ -520,7 +523,7 @@ def run_cells(args, argv: list[str], sizes: list[int], loads: list[str]) -> int:
     args.json_dir.mkdir(parents=True, exist_ok=True)
     # the cell's own arguments: this command's, less what picks cells or writes the report
     drop = {"--jobs": 1, "--json-dir": 1, "--json": 1, "--traces": 1, "--workers": 1, "--loads": 1,
-            "--no-write": 0, "--work": 1}
+            "--no-write": 0, "--work": 1, "--parent-command": 1}
     base, skip = [], 0
     for a in argv:
         if skip:
@@ -541,7 +544,8 @@ def run_cells(args, argv: list[str], sizes: list[int], loads: list[str]) -> int:
             t, n, ld = cells.pop(0)
             stem = args.json_dir / f"cell-{t}-{n}-{ld}"
             cmd = [PY, str(Path(__file__).resolve()), *base, "--traces", t, "--workers", str(n),
-                   "--loads", ld, "--no-write", "--json", f"{stem}.json"]
+                   "--loads", ld, "--no-write", "--json", f"{stem}.json",
+                   "--parent-command", "python bench/routing/routing.py " + " ".join(argv)]
             if args.work:
                 cmd += ["--work", str(args.work / stem.name)]
             log = open(f"{stem}.log", "w")
