@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -20,6 +24,31 @@ from router.events import AllCleared, BlocksRemoved, BlocksStored, encode_vllm_b
 from splitserve_testing import free_ports  # noqa: F401
 
 END = kv_replay.END_SEQ
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def start_sim_worker(coord_url: str, *extra: str, role: str = "both", port: int = 0,
+                           num_blocks: int = 512):
+    """The reference worker (`splitserve worker --engine sim`, a process) registered with the
+    coordinator at `coord_url`; returns (process, its url) once it prints that it is ready."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "splitserve_cli", "worker", "--engine", "sim", "--model", "tiny",
+        "--role", role, "--port", str(port), "--num-blocks", str(num_blocks),
+        "--coordinator-url", coord_url, "--register-ttl", "3", "--sim-prefill-us-per-token", "1",
+        "--sim-decode-us-per-step", "100", "--log-level", "WARNING", *extra,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        while True:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            if not line:
+                raise AssertionError(f"worker exited: {(await proc.stderr.read()).decode()[-2000:]}")
+            if line.startswith("splitserve worker ready at "):
+                return proc, line.split()[4]
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
 
 
 async def wait_for(pred, timeout: float = 10.0, interval: float = 0.01, what: str = "condition"):

@@ -5,21 +5,15 @@ must stop predicting the prefix those queued prompts will evict (router/kv_capac
 what the worker then reports cached is what it predicted."""
 from __future__ import annotations
 
-import asyncio
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import aiohttp
 
 from coordinator.client import HttpCoordinatorClient
 from router.block_keys import block_keys
 
-from .conftest import cfg, wait_for
+from .conftest import cfg, start_sim_worker, wait_for
 from .test_with_worker import _stop
 
-ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = 24             # the worker's KV cache: three 8-block prompts
 PROMPT = 130            # tokens: 8 full blocks of 16 (+2, so all 8 can be reused)
 
@@ -36,24 +30,8 @@ async def _start_worker(coord_url: str):
 
 
 async def _start_worker_once(coord_url: str):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "splitserve_cli", "worker", "--engine", "sim", "--model", "tiny",
-        "--role", "both", "--port", "0", "--num-blocks", str(BLOCKS), "--block-size", "16",
-        "--max-batch-size", "1", "--coordinator-url", coord_url, "--register-ttl", "3",
-        "--sim-prefill-us-per-token", "1", "--sim-decode-us-per-step", "100",
-        "--log-level", "WARNING", cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        while True:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-            if not line:
-                raise AssertionError(f"worker exited: {(await proc.stderr.read()).decode()[-2000:]}")
-            if line.startswith("splitserve worker ready at "):
-                return proc, line.split()[4]
-    except BaseException:
-        proc.kill()
-        await proc.wait()
-        raise
+    return await start_sim_worker(coord_url, "--block-size", "16", "--max-batch-size", "1",
+                                  num_blocks=BLOCKS)
 
 
 async def test_queued_prompts_evict_a_prefix_and_the_coordinator_stops_predicting_it(coordinator):

@@ -4,11 +4,7 @@ rebuild, kv-aware receipts after a real prefill, and a killed-and-restarted work
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -16,29 +12,12 @@ import pytest
 from coordinator.client import HttpCoordinatorClient
 from router.block_keys import block_keys
 
-from .conftest import cfg, wait_for
+from .conftest import cfg, start_sim_worker, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 async def _start_worker(coord_url: str, role: str = "both", port: int = 0):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "splitserve_cli", "worker", "--engine", "sim", "--model", "tiny",
-        "--role", role, "--port", str(port), "--num-blocks", "512", "--coordinator-url", coord_url,
-        "--register-ttl", "3", "--sim-prefill-us-per-token", "1", "--sim-decode-us-per-step", "100",
-        "--log-level", "WARNING", cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        while True:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-            if not line:
-                raise AssertionError(f"worker exited: {(await proc.stderr.read()).decode()[-2000:]}")
-            if line.startswith("splitserve worker ready at "):
-                return proc, line.split()[4]
-    except BaseException:
-        proc.kill()
-        await proc.wait()
-        raise
+    return await start_sim_worker(coord_url, role=role, port=port)
 
 
 async def _stop(proc, sig=signal.SIGTERM):
