@@ -213,9 +213,9 @@ class Pump:
 
     def _dispatch(self) -> bool:
         with self.c.lock:
-            todo = self._claim_locked(self.sender.sessions.values())
-        self._submit_all(todo)
-        return bool(todo)
+            claimed = self._claim_locked(self.sender.sessions.values())
+        self._submit_all(claimed)
+        return bool(claimed)
 
     def dispatch_now(self, s: SendSession) -> None:
         """Submit what session `s` has ready on the calling thread: the listener's when a
@@ -231,17 +231,17 @@ class Pump:
             with self.c.lock:
                 if self.stop:
                     return
-                todo = self._claim_locked((s,), inline=True)
-            if not todo:
+                claimed = self._claim_locked((s,), inline=True)
+            if not claimed:
                 return
-            self._submit_all(todo)
+            self._submit_all(claimed)
             # Nothing in flight (nothing to write, refused, or done at post): done here, and a
             # slice added meanwhile goes next. A write in flight is the transfer thread's to
             # see finish (one thread polls a handle); it dispatches what follows.
-            settled = [t for t in todo if all(h.state != XPROC for h in t.handles)]
+            settled = [t for t in claimed if all(h.state != XPROC for h in t.handles)]
             if settled:
                 self._finish([(t, [h.state for h in t.handles]) for t in settled])
-            if len(settled) < len(todo):
+            if len(settled) < len(claimed):
                 with self.c.lock:
                     self.c.cv.notify()
                 return
@@ -254,7 +254,7 @@ class Pump:
         to the transfer thread (it would wait for the event on the host: the engine's thread
         must not)."""
         agent = self.c.agent
-        todo = []
+        claimed = []
         for s in sessions:
             if s.state != SendState.ACTIVE or s.cancel_requested or s.timed_out:
                 continue
@@ -270,11 +270,11 @@ class Pump:
                                 started=time.monotonic())
                     t.inflight = task
                     self.tasks.append(task)
-                    todo.append(task)
-        return todo
+                    claimed.append(task)
+        return claimed
 
-    def _submit_all(self, todo: list[Task]) -> None:
-        for task in todo:
+    def _submit_all(self, claimed: list[Task]) -> None:
+        for task in claimed:
             try:
                 self._submit(task)
             except Exception as e:  # validation / peer lost: nothing was posted
