@@ -5,6 +5,7 @@ must stop predicting the prefix those queued prompts will evict (router/kv_capac
 what the worker then reports cached is what it predicted."""
 from __future__ import annotations
 
+import asyncio
 
 import aiohttp
 
@@ -91,14 +92,21 @@ async def test_queued_prompts_evict_a_prefix_and_the_coordinator_stops_predictin
         pred = c.diag.describe_prediction(url)
         assert pred["predicted_tokens"] == pred["actual_cached_tokens"] == 256, pred
         c.index.check_invariants()
-        # what an operator reads: the model's state and the ratio, per server
+        # what an operator reads: the model's state and the ratio, per server. The worker's stores
+        # for E's recomputed blocks reach the index over its event stream, after E's answer: read
+        # until they are in (or 10 s), then check the whole state.
+        deadline = asyncio.get_running_loop().time() + 10
         async with aiohttp.ClientSession() as session:
-            async with session.get(s.tcp_url + "/cluster_info") as resp:
-                info = await resp.json()
+            while True:
+                async with session.get(s.tcp_url + "/cluster_info") as resp:
+                    info = await resp.json()
+                row = next(x for x in info["servers"]["generation"] if x["url"] == url)
+                model = row["kv_capacity_model"]
+                if model["clock"] >= 40 or asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.05)
             async with session.get(s.tcp_url + "/metrics") as resp:
                 metrics = await resp.text()
-        row = next(x for x in info["servers"]["generation"] if x["url"] == url)
-        model = row["kv_capacity_model"]
         assert model["capacity_blocks"] == model["room_blocks"] == BLOCKS and model["pressed"]
         # A, B, C, D, and A's blocks again when the worker recomputed them for E (its stores)
         assert model["clock"] == 40 and model["pinned_blocks"] == 0
