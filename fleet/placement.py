@@ -36,6 +36,7 @@ from operator import attrgetter
 from protocol.coord import (ClusterInfo, CoordinatorRequestError, CoordinatorUnavailable,
                             NoServerAvailable, SelectAnswer, as_answer)
 from protocol.roles import Mode, Role
+from protocol.tasks import cancel_and_wait
 from router.pairing import PairRules, PolicyKind, pair
 from router.policy_load import LoadBalancingPolicy, RoundRobinPolicy
 
@@ -197,13 +198,8 @@ class Placer:
             self._task = asyncio.get_running_loop().create_task(self._refresher())
 
     async def stop(self, drain_s: float = 5.0) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=drain_s)
 

@@ -13,6 +13,8 @@ may import it. Each contract lives in exactly one module here:
 - `protocol.kv_replay` — the KV-event replay framing and the `/kv_snapshot` body.
 - `protocol.version`   — splitserve's version (the installed package's metadata).
 - `protocol.logs`      — the one log format of every process (text or JSON lines).
+- `protocol.tasks`     — stopping background tasks: cancel, wait, swallow their end but not the
+  caller's own cancellation.
 - `protocol.prompt`    — the prompt→token-ids recipe (tokenizer loading, chat template, message
   text), with the tokenizers it builds: `protocol.tokenizer`, `protocol.gguf_tokenizer`,
   `protocol.named_models`.

@@ -15,6 +15,8 @@ import logging
 
 import aiohttp
 
+from protocol.tasks import cancel_and_wait
+
 log = logging.getLogger("splitserve.worker.registration")
 
 __all__ = ["CoordinatorRegistration", "Registrations"]
@@ -108,12 +110,7 @@ class CoordinatorRegistration:
             await asyncio.sleep(self.period)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         if self._session is not None:
             if self.registered:
                 try:
@@ -186,9 +183,7 @@ class EtcdRegistration:
             await asyncio.sleep(period)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         if self.registered and self.lease_id is not None:
             try:
                 await self.store.revoke(self.lease_id)

@@ -40,6 +40,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+from protocol.tasks import cancel_and_wait
 from router.block_keys import KEY_SCHEME, block_keys_list
 from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import BlockPool
@@ -139,11 +140,7 @@ class Scheduler:
         if self._sweep_task is not None:
             self._sweep_task.cancel()
         await self.loop.stop()
-        if self._sweep_task is not None:
-            try:
-                await self._sweep_task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._sweep_task)
         for sid in self._requests.ids():
             self._finish_by_id(sid, "abort", error="engine stopped")
         tasks = [s.receive_task for s in list(self._receiving.values()) if s.receive_task]

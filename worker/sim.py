@@ -29,6 +29,7 @@ import logging
 import xxhash
 
 from protocol.disagg import OpaqueState, OpaqueStateError, decode_opaque_state
+from protocol.tasks import cancel_and_wait
 from worker.kv_cache import BlockPool
 from worker.engine import SchedulingEngine
 from worker.kv_connector import KvConnector
@@ -128,13 +129,7 @@ class SimReceiver(KvConnector):
             log.info("release notification to %s for %s failed: %s", url, ctx_request_id, e)
 
     async def close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(*self._tasks)
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
+from protocol.tasks import cancel_and_wait
 from worker.sequence import Plan
 
 log = logging.getLogger("splitserve.worker.scheduler")
@@ -112,12 +113,7 @@ class StepLoop:
         requests)."""
         self.stopping = True
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         self.in_flight.clear()
         self._alive = False
 
