@@ -6,6 +6,7 @@ OS. `SPLITSERVE_*` variables of the test environment are not passed on (they wou
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -57,6 +58,18 @@ def metric(text: str, name: str, **labels) -> float:
 def healthy(url: str) -> bool:
     st, _, _ = http("GET", url + "/health", timeout=2)
     return st == 200
+
+
+def recv_until(s: socket.socket, marker: bytes, timeout: float, closed_early: str) -> bytes:
+    """Read a raw client socket until `marker` has come (each read waits up to `timeout` s);
+    → all bytes read. The peer closing first fails the test with `closed_early`."""
+    s.settimeout(timeout)
+    got = b""
+    while marker not in got:
+        chunk = s.recv(65536)
+        assert chunk, closed_early
+        got += chunk
+    return got
 
 
 class Cluster:

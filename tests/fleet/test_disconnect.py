@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from .conftest import free_port, group, healthy, http, metric, wait_for
+from .conftest import free_port, group, healthy, http, metric, recv_until, wait_for
 
 ABORT_BUDGET_S = 0.2
 
@@ -105,13 +105,8 @@ def test_disconnect_during_generation(slow, stream):
     body = {"model": "tiny", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "max_tokens": 60,
             "stream": stream}
     s = send(slow["port"], "/v1/chat/completions", body)
-    if stream:
-        s.settimeout(10)
-        got = b""
-        while b"data: " not in got:     # the first streamed event reached the client
-            chunk = s.recv(65536)
-            assert chunk, "stream ended early"
-            got += chunk
+    if stream:     # until the first streamed event reached the client
+        recv_until(s, b"data: ", 10, "stream ended early")
     wait_for(lambda: running(slow["gen"]) == 1, 10, "the generation leg to run")
     took = hang_up_and_time(s, slow["gen"])
     assert took < ABORT_BUDGET_S, f"generation worker still running {took:.3f}s after the hang-up"

@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from .conftest import free_port, group, healthy, http, metric, wait_for
+from .conftest import free_port, group, healthy, http, metric, recv_until, wait_for
 from .test_disconnect import ABORT_BUDGET_S, blocks, hang_up_and_time, in_flight, running, send, wm
 
 
@@ -144,12 +144,7 @@ def test_hang_up_during_decode_stream_drops_it(pd):
     body = {"model": "tiny", "messages": [{"role": "user", "content": uuid.uuid4().hex}], "max_tokens": 60,
             "stream": True}
     s = send(pd["port"], "/v1/chat/completions", body)
-    s.settimeout(20)
-    got = b""
-    while b"data: " not in got:
-        chunk = s.recv(65536)
-        assert chunk, "stream ended early"
-        got += chunk
+    recv_until(s, b"data: ", 20, "stream ended early")
     wait_for(lambda: running(pd["gen"]) == 1, 10, "the decode leg to run")
     took = hang_up_and_time(s, pd["gen"])
     assert took < ABORT_BUDGET_S, f"decode worker still running {took:.3f}s after the hang-up"
@@ -238,12 +233,7 @@ def test_sglang_prefill_dying_aborts_the_waiting_decode(cluster):
     wait_for(lambda: running(ctx) == 1, 5, "the prefill leg to start")
     doomed.kill(signal.SIGKILL)
     doomed.p.wait(10)
-    s.settimeout(10)
-    got = b""
-    while b"\r\n\r\n" not in got:
-        chunk = s.recv(65536)
-        assert chunk, "the fleet closed the connection without an answer"
-        got += chunk
+    got = recv_until(s, b"\r\n\r\n", 10, "the fleet closed the connection without an answer")
     s.close()
     assert got.startswith(b"HTTP/1.1 502"), got[:200]
     wait_for(lambda: blocks(gen, "used") == 0 and metric(wm(gen), "splitserve_worker_num_requests_waiting") == 0,
