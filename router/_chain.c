@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_args.h"
+
 static const uint8_t kSecret[192] = {
     0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
     0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
@@ -179,10 +181,8 @@ PyDoc_STRVAR(chain_doc,
 "full blocks are read and range-checked. `block_size` must be 1..60.");
 
 static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "chain() takes 5 arguments, found %zd", nargs);
+    if (nargs_check("chain", nargs, 5) < 0)
         return NULL;
-    }
     PyObject *toks = args[0];
     Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
     if (bs == -1 && PyErr_Occurred())
@@ -282,10 +282,8 @@ PyDoc_STRVAR(xxh3_doc, "xxh3_64(data, seed) -> int: XXH3-64 of up to 240 bytes (
 
 static PyObject *py_xxh3(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "xxh3_64() takes 2 arguments, found %zd", nargs);
+    if (nargs_check("xxh3_64", nargs, 2) < 0)
         return NULL;
-    }
     uint64_t seed = PyLong_AsUnsignedLongLongMask(args[1]);
     if (seed == (uint64_t)-1 && PyErr_Occurred())
         return NULL;

@@ -20,6 +20,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "_args.h"
+
 /* (0, 0): the load `time_core_table` reads for a server absent from the lease table's map
  * (shared, as `LeaseTable.loads_for`'s). */
 static PyObject *zero_load = NULL;
@@ -246,10 +248,8 @@ enum { A_SERVERS, A_MATCHED, A_LOADS, A_BS, A_CAP, A_NT, A_PW, A_TW, A_RW, A_PIN
 
 static PyObject *core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != N_ARGS) {
-        PyErr_Format(PyExc_TypeError, "core() takes %d arguments, found %zd", N_ARGS, nargs);
+    if (nargs_check("core", nargs, N_ARGS) < 0)
         return NULL;
-    }
     PyObject *servers = args[A_SERVERS], *mdict = args[A_MATCHED], *loads = args[A_LOADS];
     Py_ssize_t n;
     if (check_lists(servers, mdict, loads, &n))
@@ -458,10 +458,8 @@ static PyObject *time_decide(TimeArgs *t, Py_ssize_t n, PyObject *matched, Py_ss
 
 static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != T_N_ARGS) {
-        PyErr_Format(PyExc_TypeError, "time_core() takes %d arguments, found %zd", T_N_ARGS, nargs);
+    if (nargs_check("time_core", nargs, T_N_ARGS) < 0)
         return NULL;
-    }
     PyObject *servers = args[T_SERVERS], *mdict = args[T_MATCHED], *loads = args[T_LOADS];
     PyObject *phases = args[T_PHASES];
     Py_ssize_t n;
@@ -502,11 +500,8 @@ fail:
 
 static PyObject *time_core_table(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != T_N_ARGS + 1) {
-        PyErr_Format(PyExc_TypeError, "time_core_table() takes %d arguments, found %zd",
-                     T_N_ARGS + 1, nargs);
+    if (nargs_check("time_core_table", nargs, T_N_ARGS + 1) < 0)
         return NULL;
-    }
     long long cursor;
     if (as_ll(args[T_CURSOR], &cursor, "cursor"))
         return NULL;

@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_args.h"
+
 typedef struct {
     uint64_t key;
     uint64_t low;       /* the mask's low 64 bits */
@@ -582,10 +584,8 @@ PyDoc_STRVAR(walk_doc,
 "end, append `(m, len(keys))`. `keys` is a list of ints, or bytes of native u64.");
 
 static PyObject *om_walk(OwnerMap *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "walk() takes 2 arguments, found %zd", nargs);
+    if (nargs_check("walk", nargs, 2) < 0)
         return NULL;
-    }
     PyObject *keys = args[0], *active = args[1];
     int is_bytes = PyBytes_Check(keys);
     if (!(is_bytes || PyList_Check(keys)) || !PyLong_Check(active)) {
@@ -684,10 +684,8 @@ PyDoc_STRVAR(spec_add_doc,
 "already predicts only gets the new deadline: its mask does not change, so it is not logged.");
 
 static PyObject *om_spec_add(OwnerMap *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "spec_add() takes 6 arguments, found %zd", nargs);
+    if (nargs_check("spec_add", nargs, 6) < 0)
         return NULL;
-    }
     PyObject *keys = args[0], *owned = args[1], *spec = args[2], *bit = args[3];
     PyObject *deadline = args[4], *log = args[5];
     if (!PyList_Check(keys) || !PyDict_Check(owned) || !PyDict_Check(spec) || !PyLong_Check(bit)
@@ -748,10 +746,8 @@ PyDoc_STRVAR(spec_expire_doc,
 "clear `bit` in `self[key]` (the entry deleted at 0).");
 
 static PyObject *om_spec_expire(OwnerMap *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "spec_expire() takes 5 arguments, found %zd", nargs);
+    if (nargs_check("spec_expire", nargs, 5) < 0)
         return NULL;
-    }
     PyObject *keys = args[0], *spec = args[1], *log = args[2], *bit = args[3], *now_o = args[4];
     if (!PyTuple_Check(keys) || !PyDict_Check(spec) || !PyList_Check(log) || !PyLong_Check(bit)) {
         PyErr_SetString(PyExc_TypeError, "spec_expire(tuple, dict, list, int, now) expected");
@@ -840,10 +836,8 @@ PyDoc_STRVAR(age_stamp_doc,
 "ago (its stamp + position > clock - young).");
 
 static PyObject *om_age_stamp(OwnerMap *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "age_stamp() takes 5 arguments, found %zd", nargs);
+    if (nargs_check("age_stamp", nargs, 5) < 0)
         return NULL;
-    }
     Py_ssize_t stride = PyLong_AsSsize_t(args[1]);
     long long clock = PyLong_AsLongLong(args[2]);
     Py_ssize_t have = PyLong_AsSsize_t(args[3]);
@@ -891,10 +885,8 @@ PyDoc_STRVAR(age_cut_doc,
 "read off the dead stamp after it (q + stamp - limit), at least through the alive one.");
 
 static PyObject *om_age_cut(OwnerMap *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "age_cut() takes 5 arguments, found %zd", nargs);
+    if (nargs_check("age_cut", nargs, 5) < 0)
         return NULL;
-    }
     Py_ssize_t depth = PyLong_AsSsize_t(args[1]);
     long long limit = PyLong_AsLongLong(args[2]);
     Py_ssize_t stride = PyLong_AsSsize_t(args[3]);
