@@ -20,15 +20,10 @@ from router.kv_index import KvIndex
 B = 16
 
 
-@pytest.fixture(params=["native", "python"])
-def index(request, monkeypatch) -> KvIndex:
-    if request.param == "native":
-        if not kv_owners.NATIVE:
-            pytest.skip("router/_owner_map.c did not build")
-    else:
-        monkeypatch.setattr(kv_owners, "OwnerMap", None)
+@pytest.fixture
+def index(owner_map) -> KvIndex:
     ix = KvIndex(block_size=B)
-    assert ix.owners.native == (request.param == "native")
+    assert ix.owners.native == (owner_map == "native")
     return ix
 
 

@@ -26,15 +26,10 @@ from router.kv_streams import StreamOrder, StreamVerdict
 B = 16
 
 
-@pytest.fixture(params=["native", "python"])
-def owners(request, monkeypatch) -> OwnerTable:
-    if request.param == "native":
-        if not kv_owners.NATIVE:
-            pytest.skip("router/_owner_map.c did not build")
-        return OwnerTable()
-    monkeypatch.setattr(kv_owners, "OwnerMap", None)
+@pytest.fixture
+def owners(owner_map) -> OwnerTable:
     t = OwnerTable()
-    assert type(t.masks) is dict
+    assert t.native == (owner_map == "native")
     return t
 
 
