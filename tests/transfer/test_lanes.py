@@ -105,3 +105,70 @@ def test_a_lane_that_never_says_who_it_is_is_closed():
     finally:
         gen.close()
         ctx.close()
+
+
+def _tcp_pair():
+    ls = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(ls.getsockname())
+    b, _ = ls.accept()
+    ls.close()
+    return a, b
+
+
+def test_frames_of_any_length_come_out_whole_however_the_stream_is_cut():
+    """A lane reads into one buffer it keeps: frames split anywhere (inside the length prefix,
+    across reads), several in one read, and frames longer than the buffer all come out whole and
+    in order, and a frame over the limit closes the lane."""
+    import random
+
+    from transfer import lanes
+
+    rng = random.Random(7)
+    a, b = _tcp_pair()
+    reader = lanes.Lane(b)
+    sizes = [0, 1, 3, 4, 5, 100, lanes.Lane.READ_BYTES - 4, lanes.Lane.READ_BYTES,
+             3 * lanes.Lane.READ_BYTES + 17, 7, 2] + [rng.randrange(0, 5000) for _ in range(200)]
+    frames = [bytes(rng.getrandbits(8) for _ in range(min(n, 64))) * (n // 64) +
+              bytes(n % 64) for n in sizes]
+    stream = b"".join(lanes.FRAME.pack(len(f)) + f for f in frames)
+    got: list[bytes] = []
+    pos = 0
+    while pos < len(stream):
+        cut = rng.choice([1, 2, 3, 5, 61, 4096, 70000])
+        a.sendall(stream[pos:pos + cut])
+        pos += cut
+        while True:
+            got += reader.read()   # non-blocking: [] once the socket is drained
+            b.setblocking(False)
+            try:
+                if not b.recv(1, socket.MSG_PEEK):
+                    break
+            except BlockingIOError:
+                break
+    assert got == frames
+    assert len(reader._buf) == lanes.Lane.READ_BYTES   # back to its size after the long frames
+    a.sendall(lanes.FRAME.pack(lanes.MAX_FRAME + 1))
+    time.sleep(0.05)
+    try:
+        reader.read()
+        raise AssertionError("a frame over MAX_FRAME was accepted")
+    except lanes.LaneClosed as e:
+        assert "at most" in str(e)
+    a.close()
+    reader.close()
+
+
+def test_a_write_to_a_peer_that_stopped_reading_gives_up_after_the_send_timeout():
+    from transfer import lanes
+
+    a, b = _tcp_pair()
+    writer = lanes.Lane(a, send_timeout_s=0.3)
+    t0 = time.monotonic()
+    sent = 0
+    while writer.send(b"x" * 65536):   # nobody reads `b`: the socket buffers fill up
+        sent += 1
+        assert time.monotonic() - t0 < 5
+    assert sent > 0 and writer.closed
+    assert 0.3 <= time.monotonic() - t0 < 5
+    assert not writer.send(b"late")
+    b.close()
