@@ -142,6 +142,49 @@ def to_wire(msg: ControlMessage) -> dict:
     return d
 
 
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _late_tails() -> dict[type, tuple[str, object, bytes]]:
+    """Per message type with a late field: (field, its default, the bytes that field adds at the
+    end of the encoded map while at that default). msgspec writes the tag, then the fields in
+    their declaration order: a late field is declared last (checked here, once)."""
+    out = {}
+    for cls in REQUESTS + REPLIES:
+        names = cls.__struct_fields__
+        late = [k for k in _LATE_FIELDS if k in names]
+        if not late:
+            continue
+        (k,) = late
+        if names[-1] != k:
+            raise TypeError(f"{cls.__name__}: late field {k!r} must be declared last")
+        default = cls.__struct_defaults__[-1]
+        out[cls] = (k, default, _encoder.encode(k) + _encoder.encode(default))
+    return out
+
+
+_LATE_TAILS = _late_tails()
+
+
+def encode(msg: ControlMessage) -> bytes:
+    """`msg` as the msgpack bytes of `to_wire(msg)`'s map, encoded straight from the struct (no
+    dict in between: ~10 against ~44 µs right after an idle wait on the 2-core box, once per
+    control message on the round trip). A late field at its default is cut off the end of the
+    map, as `to_wire` leaves it out."""
+    data = _encoder.encode(msg)
+    tail = _LATE_TAILS.get(type(msg))
+    if tail is None:
+        return data
+    k, default, suffix = tail
+    value = getattr(msg, k)
+    if value is default or (value == default and type(value) is type(default)):
+        if 0x81 <= data[0] <= 0x8f and data.endswith(suffix):   # a fixmap: n - 1 entries
+            return bytes((data[0] - 1,)) + data[1:-len(suffix)]
+    elif value:
+        return data
+    return _encoder.encode(to_wire(msg))   # a falsy non-default, or a long map: the dict way
+
+
 #: An agent notification that carries a `Result` starts with these bytes (other notifications are
 #: not ours to read).
 RESULT_NOTIF = b"ssR1"

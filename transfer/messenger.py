@@ -82,26 +82,34 @@ class Messenger:
 
     # ------------------------------------------------------------------ API (any thread)
     def send(self, endpoint: str, msg: dict) -> None:
+        self.send_encoded(endpoint, pack(msg))
+
+    def reply(self, identity: bytes, msg: dict) -> None:
+        self.reply_encoded(identity, pack(msg))
+
+    def send_encoded(self, endpoint: str, data: bytes) -> None:
+        """`send` of a message already packed (msgpack bytes of its map)."""
         lane = self._lanes_out.get(endpoint)
         if lane is not None:
-            if lane.send(pack(msg)):
+            if lane.send(data):
                 self.lane_stats["sent"] += 1
             else:   # the peer is gone: report it once (the message is lost with it)
                 self.io.call_soon(lambda: self._lane_lost(lane, "a write on its control lane "
                                                                "failed"))
             return
-        self.io.send(endpoint, [pack(msg)], endpoint=endpoint)
+        self.io.send(endpoint, [data], endpoint=endpoint)
 
-    def reply(self, identity: bytes, msg: dict) -> None:
+    def reply_encoded(self, identity: bytes, data: bytes) -> None:
+        """`reply` with a message already packed."""
         lane = self._lanes_in.get(identity)
         if lane is not None:
-            if lane.send(pack(msg)):
+            if lane.send(data):
                 self.lane_stats["sent"] += 1
             else:
                 self.io.call_soon(lambda: self._lane_lost(lane, "a write on its control lane "
                                                                "failed"))
             return
-        self.io.reply(identity, [pack(msg)])
+        self.io.reply(identity, [data])
 
     def forget(self, endpoint: str) -> None:
         """Close the connection to `endpoint` (dropping queued messages) without a loss report."""

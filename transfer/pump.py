@@ -311,7 +311,9 @@ class Pump:
                 continue
             src_ids = s.src_ids[m.src_group][b0:b1]
             dst_ids = t.dst_ids[m.dst_group][b0:b1]
-            if i in t.rx.preps and _runs(src_ids, dst_ids) > PREPPED_MIN_RUNS:
+            # (at PREPPED_MIN_RUNS 0 every range takes them: its runs need no counting)
+            if i in t.rx.preps and (PREPPED_MIN_RUNS == 0
+                                    or _runs(src_ids, dst_ids) > PREPPED_MIN_RUNS):
                 keep = (src_ids >= 0) & (dst_ids >= 0)
                 if not keep.any():
                     continue   # every block cached at the receiver: nothing to post

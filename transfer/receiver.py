@@ -23,7 +23,7 @@ from .control import RegisterFailed, Result, ResultStatus
 from .errors import SessionError, TransferError, UnsupportedTopology
 from .peers import are_peers
 from .rank_info import RankInfo, check_compatible, decode_rank_info
-from .session_core import RankCore, ids_bytes
+from .session_core import RankCore
 from .states import PeerState, RecvState, State, Status, WriterState
 
 log = logging.getLogger("splitserve.transfer.session")
@@ -332,7 +332,7 @@ class Receiver:
         pi.waiting = []
 
     def _post_locked(self, pi: PeerInstance, r: RecvSession) -> None:
-        ids = [ids_bytes(a) for a in r.dst_ids]
+        ids = [a.tobytes() for a in r.dst_ids]   # 1-D int64 (RankCore.group_ids)
         for x in pi.peers:
             r.writers[x.key] = Writer(endpoint=x.endpoint, agent=x.agent_name)
             self.c.send(x.endpoint, Recv(req=r.request_id, n=r.num_tokens, ids=ids,

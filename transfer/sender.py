@@ -50,6 +50,7 @@ class RegisteredReceiver:
     agent_name: str
     plan: PairPlan
     preps: dict = field(default_factory=dict)   # mapper index -> (local PrepHandle, remote PrepHandle)
+    expected: int | None = None   # ranks of its instance that are peers of this one (once known)
 
 
 @dataclass
@@ -350,7 +351,9 @@ class Sender:
                 if a.size < need:
                     raise ProtocolError(f"receiver group {g} has {a.size} blocks; need {need}")
             if s.expected is None:
-                s.expected = len(peer_flat_ranks(self.c.info, rx.info))
+                if rx.expected is None:   # the same for every receive of this rank
+                    rx.expected = len(peer_flat_ranks(self.c.info, rx.info))
+                s.expected = rx.expected
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self.c.reply_result(key, req, RS.ERROR, error=f"receive refused: {e}")
             return

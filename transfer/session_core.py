@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .control import ControlMessage, Result, ResultStatus, to_wire
+from .control import ControlMessage, Result, ResultStatus, encode
 from .errors import ProtocolError, SessionError
 from .page_table import PageTable
 from .states import RankTopology, TransferConfig
@@ -36,6 +36,7 @@ class RankCore:
         # receives ask for results as soon as the write is posted (control.Recv.ready).
         self.ready_waiter = None
         self.pump = None        # the transfer thread (set by the facade)
+        self._group_slots: list[int] | None = None   # group_ids: the pool size of each group
 
     @property
     def tokens_per_block(self) -> int:
@@ -43,10 +44,10 @@ class RankCore:
 
     # ------------------------------------------------------------------ control plane
     def send(self, endpoint: str, msg: ControlMessage) -> None:
-        self.messenger.send(endpoint, to_wire(msg))
+        self.messenger.send_encoded(endpoint, encode(msg))
 
     def reply(self, identity: bytes, msg: ControlMessage) -> None:
-        self.messenger.reply(identity, to_wire(msg))
+        self.messenger.reply_encoded(identity, encode(msg))
 
     def reply_result(self, key: str, req: int, status: ResultStatus, *,
                      ident: bytes | None = None, error: str | None = None, slices=(0, 0),
@@ -58,7 +59,8 @@ class RankCore:
 
     # ------------------------------------------------------------------ helpers
     def group_ids(self, block_ids) -> list[np.ndarray]:
-        """Block ids per layer group; a flat list is accepted for a single-group table."""
+        """Block ids per layer group (1-D int64 arrays); a flat list is accepted for a
+        single-group table."""
         groups = self.page_table.groups
         if isinstance(block_ids, np.ndarray) and block_ids.ndim == 1:
             block_ids = [block_ids]
@@ -67,12 +69,17 @@ class RankCore:
         if len(block_ids) != len(groups):
             raise SessionError(f"block ids for {len(block_ids)} groups; the page table has "
                                f"{len(groups)}")
+        lims = self._group_slots
+        if lims is None:   # the pools never change: their sizes per group, once
+            lims = self._group_slots = [min(self.page_table.pools[v.pool].num_slots
+                                            for v in grp.views) for grp in groups]
         out = []
         for g, ids in enumerate(block_ids):
-            a = np.asarray(ids, dtype=np.int64).reshape(-1)
-            lim = min(self.page_table.pools[v.pool].num_slots for v in groups[g].views)
-            if a.size and a.max() >= lim:
-                raise SessionError(f"group {g}: block id {int(a.max())} ≥ pool size {lim}")
+            a = np.asarray(ids, dtype=np.int64)
+            if a.ndim != 1:
+                a = a.reshape(-1)
+            if a.size and a.max() >= lims[g]:
+                raise SessionError(f"group {g}: block id {int(a.max())} ≥ pool size {lims[g]}")
             out.append(a)
         return out
 
@@ -81,10 +88,6 @@ class RankCore:
         table[request_id] = time.monotonic()
         while len(table) > RETIRED_MAX:
             table.popitem(last=False)
-
-
-def ids_bytes(ids) -> bytes:
-    return np.asarray(ids, dtype=np.int64).reshape(-1).tobytes()
 
 
 def ids_from(b) -> np.ndarray:

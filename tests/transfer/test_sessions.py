@@ -463,6 +463,16 @@ def test_control_messages_keep_their_wire_maps_and_refuse_malformed_ones():
                     "meta": {"first_gen_tokens": [3]}}
     back = C.parse(wire)
     assert back == res and back.status is C.ResultStatus.OK
+    # `encode` (what ranks send: straight from the struct) writes the same bytes as the map,
+    # late fields left out while at their default
+    late = [C.Result(req=7, sender="i", ready=b"tok"), C.Result(req=7, sender="i", ready=b""),
+            C.Recv(req=1, n=4, ids=[b"\x01" * 8], notif=True, ready=True),
+            C.Recv(req=1, n=4, ids=[]), C.Registered(key="k"), C.Registered(key="k", lane="h:1"),
+            C.Instance(ranks=[b"x"], answering="k"), C.GetInstance(), C.Cancel(req=3),
+            C.Claim(req=2), C.Error(error=None), C.RegisterFailed(error="no")]
+    for m in [res, *late]:
+        assert C.encode(m) == msgpack.packb(C.to_wire(m), use_bin_type=True), m
+    assert b"ready" not in C.encode(res) and b"lane" not in C.encode(C.Registered(key="k"))
     ids = [np.arange(3, dtype=np.int64).tobytes()]
     assert C.parse({"t": "recv", "req": 1, "n": 40, "ids": ids}) == C.Recv(req=1, n=40, ids=ids)
     assert C.parse({"t": "instance", "ranks": [b"x"], "self": "k"}).answering == "k"
