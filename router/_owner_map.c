@@ -71,6 +71,22 @@ static inline size_t slot_of(uint64_t key, size_t cap) {
 static int u64_of(PyObject *k, uint64_t *out) {
     if (!PyLong_Check(k))
         return 0;
+#if PY_VERSION_HEX < 0x030D0000
+    /* The usual key, a non-negative int of at most 64 bits: the masked conversion is a loop over
+     * its digits, where PyLong_AsUnsignedLongLong copies it byte by byte through
+     * _PyLong_AsByteArray (~10x the instructions: a tenth of a placement that inserts and expires
+     * a routed tail, callgrind). Both private helpers are exported through 3.12; later versions
+     * take the checked conversion below. */
+    if (_PyLong_Sign(k) >= 0) {
+        size_t bits = _PyLong_NumBits(k);
+        if (bits <= 64) {
+            *out = PyLong_AsUnsignedLongLongMask(k);
+            return 1;
+        }
+        if (bits == (size_t)-1 && PyErr_Occurred())
+            return -1;
+    }
+#endif
     unsigned long long v = PyLong_AsUnsignedLongLong(k);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError))
