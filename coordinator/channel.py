@@ -120,9 +120,7 @@ class ChannelServer:
         if started:
             if type(b) is not cw.DecodedBatch:
                 started = self._started(started)
-            first_token = coord.lease_first_token
-            for s in started:
-                first_token(s.role, s.req_id)
+            coord.leases_first_tokens(started)
         for f in finishes:
             # Role, id and flag were checked by the frame schema; the usage numbers' bounds are not.
             try:

@@ -34,6 +34,7 @@ from protocol import coord as wire
 from coordinator.api import make_app
 from coordinator.config import ClusterConfig, load_config
 from coordinator.diagnostics import Diagnostics
+from protocol.channel import FirstToken
 from protocol.coord import BadRequest, NoServerAvailable, NotServing, identity_slot
 from coordinator.election import Election, OrderedReplicas, Solo, own_index
 from coordinator.health import HealthMonitor
@@ -598,18 +599,31 @@ class Coordinator:
         """The fleet saw the leg's first token (a context leg: its answer, the KV ready): the
         lease leaves the prefill phase (idempotent; False when it was not live or already past
         it). Its time since placement is the policy's actual against the placement's estimate."""
-        lease = self.leases.first_token(role, req_id)
-        if lease is None:
-            self.stats.first_token_unknown += 1
-            return False
-        if lease.server in self.index.capacities:
-            self.routed_prompts.started(role, req_id, lease.server,
-                                        lease.prefill // self.block_size)
-        if lease.predicted_s:
-            observe = self._observe_ttft[role]
-            if observe is not None:
-                observe(lease.server, lease.predicted_s, self.clock() - lease.acquired_at)
-        return True
+        return self.leases_first_tokens((FirstToken(role, req_id),)) == 1
+
+    def leases_first_tokens(self, reports) -> int:
+        """`lease_first_token` for each of ``reports`` (items with ``role`` and ``req_id``: a
+        channel frame's), in order; returns how many leases left prefill. One call per frame:
+        the per-report work is the lease table's loop (`LeaseTable.first_tokens_of`) and this
+        one, over the leases that left prefill."""
+        gone, unknown = self.leases.first_tokens_of(reports)
+        if unknown:
+            self.stats.first_token_unknown += unknown
+        caps = self.index.capacities
+        started = self.routed_prompts.started
+        observers = self._observe_ttft
+        bs = self.block_size
+        clock = self.clock
+        for lease in gone:
+            # (a prompt that brought no whole block pins nothing: RoutedPrompts.started's rule,
+            # its call skipped)
+            if caps and lease.prefill >= bs and lease.server in caps:
+                started(lease.role, lease.req_id, lease.server, lease.prefill // bs)
+            if lease.predicted_s:
+                observe = observers[lease.role]
+                if observe is not None:
+                    observe(lease.server, lease.predicted_s, clock() - lease.acquired_at)
+        return len(gone)
 
     def renew_lease(self, role: str, req_id: int) -> bool:
         ok = self.leases.renew(role, req_id, self.clock(), self.lease_ttl_s)

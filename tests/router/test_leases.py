@@ -133,6 +133,29 @@ def test_first_token_moves_a_lease_out_of_prefill_once():
     assert t.first_tokens == 1 and t.prefill_timeouts == 0
 
 
+def test_a_frames_first_tokens_apply_as_one_report_each():
+    """`first_tokens_of` (a channel frame's reports in one call) leaves the table as
+    `first_token` per report does, in order, and counts the reports that found no lease in
+    prefill (unknown, repeated in the frame, or already reported)."""
+    from types import SimpleNamespace as R
+    t1, t2 = LeaseTable(), LeaseTable()
+    for t in (t1, t2):
+        t.acquire("gen", 1, "s", 0.0, 60.0, tokens=1000, prefill=300)
+        t.acquire("ctx", 1, "s", 0.0, 60.0, tokens=400, prefill=400)
+        t.acquire("gen", 2, "b", 0.0, 60.0, tokens=500)
+        t.first_token("gen", 2)
+    reports = [R(role="gen", req_id=1), R(role="gen", req_id=1), R(role="gen", req_id=2),
+               R(role="ctx", req_id=9), R(role="ctx", req_id=1)]
+    got, unknown = t1.first_tokens_of(reports)
+    want = [t2.first_token(r.role, r.req_id) for r in reports]
+    assert [(l.role, l.req_id) for l in got] == [(l.role, l.req_id) for l in want if l is not None]
+    assert unknown == 3 and all(not l.in_prefill for l in got)
+    for s in ("s", "b"):
+        assert t1.phase(s) == t2.phase(s) and t1.load(s) == t2.load(s)
+    assert t1.first_tokens == t2.first_tokens == 3
+    assert t1.first_tokens_of([]) == ([], 0)
+
+
 def test_set_prefill_changes_only_the_queued_tokens():
     t = LeaseTable()
     t.acquire("gen", 1, "s", 0.0, 60.0, tokens=1000, prefill=800)
