@@ -264,7 +264,7 @@ class KvIndex:
         in by that request). Returns how many keys are speculative after the call."""
         if ttl <= 0:
             raise ValueError(f"ttl must be positive, found {ttl}")
-        s = self.slots.by_key.get((worker, dp_rank)) or self._slot(worker, dp_rank)
+        s = (self.slots.rank0.get(worker) if dp_rank == 0 else None) or self._slot(worker, dp_rank)
         if type(keys) is not np.ndarray or keys.dtype is not _U64:
             keys = _u64_array(keys)
         if have < len(keys):

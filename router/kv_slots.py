@@ -51,6 +51,9 @@ class SlotTable:
 
     def __init__(self) -> None:
         self.by_key: dict[tuple[str, int], Slot] = {}
+        # worker -> its rank-0 slot (a placement's lookup without building the (worker, 0) key:
+        # most workers have that one slot)
+        self.rank0: dict[str, Slot] = {}
         self.by_bit: list[Slot | None] = []
         # per bit position: bumped whenever its slot may have stopped holding a key (its bit
         # cleared somewhere); a walk memo stays exact for a slot while its count has not moved
@@ -82,6 +85,8 @@ class SlotTable:
         s = Slot(worker, dp_rank, idx)
         self.by_bit[idx] = s
         self.by_key[(worker, dp_rank)] = s
+        if dp_rank == 0:
+            self.rank0[worker] = s
         self._of_worker.setdefault(worker, []).append(s)
         self.all_bits |= s.bit
         self._names.clear()
@@ -92,6 +97,8 @@ class SlotTable:
         slots = self._of_worker.pop(worker, [])
         for s in slots:
             del self.by_key[(s.worker, s.dp_rank)]
+            if s.dp_rank == 0:
+                del self.rank0[s.worker]
             self.by_bit[s.idx] = None
             heapq.heappush(self._free, s.idx)
             self.all_bits &= ~s.bit
@@ -147,5 +154,6 @@ class SlotTable:
         assert not self.pressed & ~bits, ("pressed bits of no slot", self.pressed, bits)
         assert sorted(self._free) == [i for i, s in enumerate(self.by_bit) if s is None]
         assert sum(map(len, self._of_worker.values())) == len(self.by_key)
+        assert self.rank0 == {w: s for (w, r), s in self.by_key.items() if r == 0}, "rank0"
         assert all(self._of_worker.values()), "a worker listed without slots"
         assert len(self.losses) == len(self.by_bit)
