@@ -314,12 +314,17 @@ class Pump:
             # (at PREPPED_MIN_RUNS 0 every range takes them: its runs need no counting)
             if i in t.rx.preps and (PREPPED_MIN_RUNS == 0
                                     or _runs(src_ids, dst_ids) > PREPPED_MIN_RUNS):
-                keep = (src_ids >= 0) & (dst_ids >= 0)
-                if not keep.any():
-                    continue   # every block cached at the receiver: nothing to post
+                # Negative where either id is (-1: cached at the receiver, not sent): two
+                # numpy calls when nothing is skipped, each ~10 µs on a cold path.
+                either = src_ids | dst_ids
+                if either.min() < 0:
+                    keep = either >= 0
+                    if not keep.any():
+                        continue   # every block cached at the receiver: nothing to post
+                    src_ids, dst_ids = src_ids[keep], dst_ids[keep]
                 lp, rp = t.rx.preps[i]
 
-                def post(notif, lp=lp, rp=rp, si=src_ids[keep], di=dst_ids[keep]):
+                def post(notif, lp=lp, rp=rp, si=src_ids, di=dst_ids):
                     h = agent.submit_prepped(name, lp, si, rp, di, notif=notif, **order)
                     return h, h.nbytes, h.ndescs
                 posts.append(post)
