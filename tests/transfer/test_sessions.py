@@ -266,6 +266,9 @@ def test_cancel_after_transfer_and_context_side_cancel(procs):
     gen("begin_receive", 17, ctx.endpoint, 30, DST)
     assert wait_status(gen, "recv_status", 17)["state"] == "done"
     assert gen("cancel_receive", 17) is True
+    # the receive is done once the bytes landed; the context side learns that its write finished
+    # a moment later (the agent's acknowledgement): only then may it release
+    assert wait_status(ctx, "send_status", 17)["state"] == "done"
     ctx("release_send", 17)
     gen("release_receive", 17)
     # context cancels before any receiver shows up: the late receiver is told, nothing is written
