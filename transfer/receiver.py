@@ -339,6 +339,8 @@ class Receiver:
                                          notif=self.c.results_by_notif,
                                          ready=self.c.ready_waiter is not None))
         r.state = RecvState.POSTED
+        if self.c.cfg.result_poll_s > 0:
+            self.c.messenger.poll_briefly(self.c.cfg.result_poll_s)
 
     def on_result(self, endpoint: str | None, msg: Result, agent: str | None = None) -> None:
         """A context rank's result: a control message (`endpoint` its rank) or, for `ok` results

@@ -115,6 +115,10 @@ class TransferConfig:
     pipeline: bool = True             # ctx sends each finished chunk's blocks right away
     prepped: str = "auto"             # prepared descriptor lists: auto (nixl only) | on | off
     progress_thread: bool = False     # nixl's own progress thread (spins a core per agent)
+    # gen: for this long after posting a receive, the listener sleeps in 50 µs ticks instead of
+    # until its lanes are readable, so a result that comes soon (context_first) is read by a
+    # thread that just ran. 0 = off. Not a worker flag yet: bench/transfer/control.py --poll-us.
+    result_poll_s: float = 0.0
 
     def describe(self) -> dict:
         return {"send_timeout_s": self.send_timeout_s, "recv_timeout_s": self.recv_timeout_s,

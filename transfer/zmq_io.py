@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -25,6 +26,12 @@ log = logging.getLogger("splitserve.transfer.zmq_io")
 # and handshake wakes the poll at once. tests/transfer/test_control_wakeups.py sets them huge.
 DEADLINE_POLL_S = 0.01
 IDLE_POLL_S = 0.2
+# While a loop polls briefly (`IoLoop.poll_briefly`): how long each of its sleeps on the watched
+# file descriptors lasts at most (data arriving ends it at once).
+POLL_TICK_S = 50e-6
+# select() takes descriptors below this only (FD_SETSIZE); a loop watching a higher one sleeps
+# in its poll as usual.
+SELECT_FD_LIMIT = 1024
 
 # A DEALER's monitor reports these two; "connected" is a finished handshake, not a TCP connect, so
 # a peer that accepts TCP but never speaks ZMTP still counts as not connected.
@@ -161,6 +168,9 @@ class IoLoop:
       DEALER and no endpoint) are reported through `on_refused(key, tags, reason)`;
     - a queued message whose tag fails `is_live(tag)` is dropped unsent (e.g. its transfer failed).
 
+    While asked to poll briefly (`poll_briefly`), the thread sleeps at most `POLL_TICK_S` at a time
+    (on the watched descriptors and the wake pipe, then a ZeroMQ poll that does not wait).
+
     Handlers run on the loop's thread; an exception in one is logged and the loop goes on.
     `on_router(frames)` gets the ROUTER's frames (identity first) and `on_dealer(key, frames)` a
     DEALER's, both as `zmq.Frame`s (no copy).
@@ -196,6 +206,7 @@ class IoLoop:
         self._outq: dict[Hashable, collections.deque] = {}
         self._waiting_since: dict[Hashable, float] = {}
         self._fds: dict[int, Callable[[], None]] = {}
+        self._poll_until = 0.0   # poll_briefly: until when (monotonic; 0 = not asked)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -224,6 +235,19 @@ class IoLoop:
         thread whenever it is readable (a control lane: transfer/lanes.py)."""
         self._fds[fd] = on_readable
         self._poller.register(fd, zmq.POLLIN)
+
+    def poll_briefly(self, seconds: float) -> None:
+        """(any thread) For the next `seconds`, sleep at most `POLL_TICK_S` at a time instead of
+        until something is readable: a message expected soon is then read by a thread that ran
+        a moment ago (its core kept out of deep idle, its caches warm) instead of one woken from
+        a long sleep. Costs ~1/POLL_TICK_S short wake-ups a second meanwhile; the GIL is not
+        held while it waits (a thread that drops and retakes the GIL in a tight loop would
+        starve the others: they lose every race for it)."""
+        until = time.monotonic() + seconds
+        if until > self._poll_until:
+            self._poll_until = until
+            if not self.on_loop_thread:
+                self._wake.wake()   # it may be asleep in a long poll
 
     def unwatch_fd(self, fd: int) -> None:
         """(loop thread) Stop polling `fd` (before it is closed)."""
@@ -383,6 +407,15 @@ class IoLoop:
         while running:
             waiting = any(self._outq.values())
             timeout = self.deadline_poll_s if waiting else self.idle_poll_s
+            left = self._poll_until - time.monotonic() if self._poll_until else 0.0
+            if left > 0:
+                fds = [*self._fds, self._wake.r]
+                if max(fds) < SELECT_FD_LIMIT:
+                    try:   # a short sleep on the lanes and the wake pipe; then ZeroMQ, no wait
+                        select.select(fds, [], [], min(POLL_TICK_S, left))
+                    except (OSError, ValueError):
+                        pass   # a descriptor closed meanwhile: the poll below sorts it out
+                    timeout = 0
             try:
                 events = dict(self._poller.poll(None if timeout is None else timeout * 1000))
             except zmq.ZMQError:

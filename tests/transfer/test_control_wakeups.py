@@ -9,6 +9,7 @@ files for shm).
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ NEVER = 600.0   # a timer this long never fires within the test
 BOUND = 10.0    # what a wake-up-driven step needs, with room for a loaded 2-core box
 
 
-def _rank(role: str, kind: str):
+def _rank(role: str, kind: str, **cfg):
     pool = alloc_shared_array(SLOTS * BLOCK) if kind == "shm" else np.zeros(SLOTS * BLOCK, np.uint8)
     if role == "context":
         pool[:] = np.arange(pool.size, dtype=np.uint64).astype(np.uint8)
@@ -39,7 +40,8 @@ def _rank(role: str, kind: str):
                    groups=(LayerGroup(tuple(range(LAYERS)), (view,)),), dtype="bfloat16")
     tx = KvTransceiver(pt, RankTopology(role=role, num_layers=LAYERS, total_kv_heads=HEADS,
                                         model="wakeups"),
-                       TransferConfig(agent=kind, send_timeout_s=NEVER, recv_timeout_s=NEVER))
+                       TransferConfig(agent=kind, send_timeout_s=NEVER, recv_timeout_s=NEVER,
+                                      **cfg))
     return tx, pool
 
 
@@ -74,6 +76,47 @@ def test_receives_complete_with_every_timer_off(kind, monkeypatch):
             ctx.release_send(req)
         # every ok result went with its write (or as a bare notification), none by control message
         assert ctx.stats["results_by_notif"] == len(cases)
+    finally:
+        gen.shutdown()
+        ctx.shutdown()
+
+
+@pytest.mark.nixl
+def test_results_on_the_lane_arrive_while_and_after_the_listener_polls_briefly(monkeypatch):
+    """`result_poll_s`: the generation side's listener sleeps in short ticks after each post; the
+    results still come (on the control lane: nixl answers there), during that window and after
+    it ran out, with the I/O loops' poll timeouts at ten minutes (a result noticed only by a
+    timeout would hang)."""
+    monkeypatch.setattr(zmq_io, "DEADLINE_POLL_S", NEVER)
+    monkeypatch.setattr(zmq_io, "IDLE_POLL_S", NEVER)
+    ctx, src = _rank("context", "nixl")
+    gen, dst = _rank("generation", "nixl", result_poll_s=0.2)
+    try:
+        # context_first (inside the window), generation_first with the prefill ending after the
+        # window ran out, and both with a block written
+        cases = [(1, [-1], 0.0), (2, [3], 0.0), (3, [-1], 0.4), (4, [5], 0.4)]
+        for req, dst_ids, prefill_s in cases:
+            done = threading.Event()
+            if prefill_s:
+                gen.begin_receive(req, ctx.endpoint, TPB, [dst_ids], on_done=done.set)
+                time.sleep(prefill_s)
+            ctx.begin_send(req, TPB, [1])
+            ctx.finish_send(req, {"first_gen_tokens": [req]})
+            if not prefill_s:
+                gen.begin_receive(req, ctx.endpoint, TPB, [dst_ids], on_done=done.set)
+            assert done.wait(BOUND), f"request {req}: the receive did not complete"
+            st = gen.recv_status(req)
+            assert st.state == "done" and st.meta == {"first_gen_tokens": [req]}, st
+            if dst_ids[0] >= 0:
+                b = dst_ids[0]
+                assert (dst[b * BLOCK:(b + 1) * BLOCK] == src[BLOCK:2 * BLOCK]).all()
+            gen.release_receive(req)
+            deadline = time.monotonic() + BOUND
+            while not ctx.send_status(req).quiescent:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            ctx.release_send(req)
+        assert gen.messenger.lane_stats["received"] >= len(cases)   # the results came on it
     finally:
         gen.shutdown()
         ctx.shutdown()
