@@ -125,15 +125,6 @@ def close_dealer(poller: zmq.Poller, s: zmq.Socket, monitors: dict, key) -> None
     s.close(0)
 
 
-def pending_commands(cmds: collections.deque) -> Iterator:
-    """Every command queued so far, without blocking (deque append/popleft are atomic)."""
-    while True:
-        try:
-            yield cmds.popleft()
-        except IndexError:
-            return
-
-
 def monitor_events(mon: zmq.Socket) -> Iterator[int]:
     """The event codes waiting on monitor socket `mon`, without blocking.
 
@@ -420,18 +411,21 @@ class IoLoop:
                 events = dict(self._poller.poll(None if timeout is None else timeout * 1000))
             except zmq.ZMQError:
                 break
+            # Watched descriptors first: a control lane carries the critical path's messages,
+            # and everything this thread runs after a wake-up runs slowly (cold).
+            for fd, on_readable in list(self._fds.items()):
+                if fd in events and self._fds.get(fd) is on_readable:
+                    self._safe(on_readable)
             if self._wake.r in events:
                 self._wake.drain()
-            for cmd in pending_commands(self._cmds):
-                running = self._command(cmd) and running
+            cmds = self._cmds
+            while cmds:   # only this thread pops
+                running = self._command(cmds.popleft()) and running
             if self.router in events:
                 self._drain(self.router, self._on_router)
             for key, s in list(self._dealers.items()):
                 if s in events:
                     self._drain(s, self._on_dealer, key)
-            for fd, on_readable in list(self._fds.items()):
-                if fd in events and self._fds.get(fd) is on_readable:
-                    self._safe(on_readable)
             for mon, key in list(self._monitors.items()):
                 if mon in events:
                     for ev in monitor_events(mon):
