@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first and pinned: 2.13.0 is the CPU wheel on disk; anything looser pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml setup.py router/_chain.c router/_kv_cost.c router/_owner_map.c router/_args.h | $(BIN)/python
+$(STAMP): pyproject.toml setup.py router/_chain.c router/_kv_cost.c router/_owner_map.c router/_prefix_pins.c router/_args.h | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	@# nixl's meta package requires CUDA torch; the plain wheels work on CPU (see docs/kv-transfer.md).

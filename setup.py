@@ -1,11 +1,13 @@
 """The native modules: router/_chain.c (canonical block keys in one call), router/_kv_cost.c
-(the numeric core of kv_cache_aware placement) and router/_owner_map.c (the KV index's owner masks
-as a native table, with its prefix walk and speculative inserts and expiries).
+(the numeric core of kv_cache_aware placement), router/_owner_map.c (the KV index's owner masks
+as a native table, with its prefix walk and speculative inserts and expiries) and
+router/_prefix_pins.c (kv_cache_aware's implicit sessions: prompt prefixes -> their latest server).
 
 Everything else is in pyproject.toml. The extensions are optional: without a C compiler the build
 goes on and the pure-Python recipes run instead (the same keys and decisions; block keys 14-24x
 fewer tokens per second, bench/RESULTS.md "router core"). `router.block_keys.NATIVE`,
-`router.policy_kv.NATIVE` and `router.kv_owners.NATIVE` say which ones run.
+`router.policy_kv.NATIVE`, `router.kv_owners.NATIVE` and `router.prefix_pins.NATIVE` say which
+ones run.
 """
 from setuptools import Extension, setup
 
@@ -13,7 +15,7 @@ from setuptools import Extension, setup
 # (router/_kv_cost.c), so no multiply-add may be fused.
 _FLAGS = ["-O2", "-ffp-contract=off"]
 
-# router/_args.h: what the three share, included by each (a header: each module stays one source,
+# router/_args.h: what the first three share, included by each (a header: each module stays one source,
 # as bench/routing/judged.sh compiles them); `depends` rebuilds them when it changes.
 _DEPENDS = ["router/_args.h"]
 
@@ -22,4 +24,6 @@ setup(ext_modules=[Extension("router._chain", ["router/_chain.c"], optional=True
                    Extension("router._kv_cost", ["router/_kv_cost.c"], optional=True,
                              extra_compile_args=_FLAGS, depends=_DEPENDS),
                    Extension("router._owner_map", ["router/_owner_map.c"], optional=True,
-                             extra_compile_args=_FLAGS, depends=_DEPENDS)])
+                             extra_compile_args=_FLAGS, depends=_DEPENDS),
+                   Extension("router._prefix_pins", ["router/_prefix_pins.c"], optional=True,
+                             extra_compile_args=_FLAGS)])

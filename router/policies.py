@@ -83,7 +83,7 @@ _SPECS: dict[str, dict[str, Any]] = {
         "prefill_weight": "num", "load_tokens_weight": "num", "load_requests_weight": "num",
         "affinity_bonus": "num", "hotspot_factor": "num?", "hotspot_slack": "num",
         "max_conversations": int, "track_routed_blocks": bool, "speculative_ttl_s": "num",
-        "explain_rows": int,
+        "explain_rows": int, "implicit_sessions": bool,
         # upstream KvCacheAwareRouter
         "use_tokens": bool, "load_weight": "num", "load_cap": "num?",
         "tokens_per_block": "int?", **_TOKENIZER_ARGS,

@@ -10,6 +10,7 @@ from array import array
 from protocol.channel import KvChoice
 
 from .policy_base import Decision, PinLru, Policy, healthy_candidates, server_loads
+from .prefix_pins import PrefixPins
 
 try:    # router/_kv_cost.c, built by setup.py; `_core`, `_time_core` below: the same in Python
     from ._kv_cost import core as _native_core, time_core as _native_time_core, \
@@ -129,6 +130,7 @@ class KvCacheAwarePolicy(Policy):
                  hotspot_slack: float = 2.0, hotspot_slack_s: float | None = None,
                  max_batch_size: int | None = None,
                  load_cap: float | None = None, max_conversations: int = 100_000,
+                 implicit_sessions: bool = True,
                  track_routed_blocks: bool = True, speculative_ttl_s: float = 30.0,
                  explain_rows: int = 8):
         super().__init__(block_size)
@@ -167,6 +169,14 @@ class KvCacheAwarePolicy(Policy):
         self.track_routed_blocks = track_routed_blocks
         self.speculative_ttl_s = speculative_ttl_s
         self._pins = PinLru(max_conversations)
+        # implicit sessions (router/prefix_pins.py): a prompt prefix's latest server, credited
+        # like a cached match there (`select`); marks every SESSION_TOKENS prompt tokens
+        if type(implicit_sessions) is not bool:
+            raise ValueError(f"implicit_sessions must be true or false, found {implicit_sessions!r}")
+        self.implicit_sessions = implicit_sessions
+        self._stride = max(1, self.SESSION_TOKENS // block_size)
+        self._sessions = PrefixPins(self._stride, max(2, max_conversations)) \
+            if implicit_sessions else None
         self._cursor = 0
         self._cands: tuple | None = None
         # (view, its bulk `loads`, `phases`, and `lease_states()` answer; None where it has none)
@@ -193,13 +203,16 @@ class KvCacheAwarePolicy(Policy):
                        "load_requests_weight": self.load_requests_weight,
                        "hotspot_slack": self.hotspot_slack}
         return {"type": self.name, "cost": self.cost, **weights,
-                "affinity_bonus": self.affinity_bonus, "hotspot_factor": self.hotspot_factor,
+                "affinity_bonus": self.affinity_bonus, "implicit_sessions": self.implicit_sessions,
+                "hotspot_factor": self.hotspot_factor,
                 "max_batch_size": self.max_batch_size,
                 "load_cap": self.load_cap, "track_routed_blocks": self.track_routed_blocks,
                 "speculative_ttl_s": self.speculative_ttl_s, "explain_rows": self.explain_rows}
 
     def remove_server(self, server: str) -> None:
         self._pins.remove_server(server)
+        if self._sessions is not None:
+            self._sessions.remove_server(server)
         self._scale.pop(server, None)
         self._cands = None
 
@@ -233,6 +246,10 @@ class KvCacheAwarePolicy(Policy):
             i = memo[7].get(server)     # its position among the candidates
             if i is not None:
                 memo[6][i * PARAMS + PARAMS - 1] = k
+
+    # an implicit session's granularity: a mark every this many prompt tokens (the conversation
+    # policy's `tokens_per_block` default; router/prefix_pins.py)
+    SESSION_TOKENS = 128
 
     # the default hot-spot slack, in idle decode steps (`_slack_of`)
     SLACK_STEPS = 2.0
@@ -296,6 +313,28 @@ class KvCacheAwarePolicy(Policy):
         # index walk would decide nothing (`_unknown_matches`).
         md = None if not nk or all_unknown else view.matched_blocks(keys)
         pin = servers.index(pinned) if pinned is not None and pinned in servers else -1
+        bonus = self.affinity_bonus
+        sessions = self._sessions
+        implicit = False
+        if sessions is not None and not conv and md is not None and nk >= self._stride:
+            # Implicit session: the server of this prompt's deepest prefix placed before is
+            # credited its registered prefix as if cached there (the index may have lost it:
+            # evicted, or cut by the capacity model), plus the affinity bonus. The prefix tree
+            # then stays where its requests went, as the `conversation` policy keeps it, unless
+            # load there outweighs it in time. Only the cost sees it: `matched` (the prediction,
+            # the speculative insert) stays the index's.
+            implicit = True
+            pinned, held = sessions.find(keys)
+            if pinned is not None:
+                pin = positions.get(pinned, -1)
+                if pin >= 0 and num_tokens:
+                    held *= self.block_size
+                    mt = md.get(pinned, 0) * self.block_size
+                    if held > cap:
+                        held = cap
+                    if held > mt:
+                        bonus = bonus + (self.uncached_weight if self.cost == "time" else
+                                         self.prefill_weight) * (held - mt) / num_tokens
         hf = self.hotspot_factor or 0.0
         mbs = self.max_batch_size if self.max_batch_size and self.load_cap is not None else 0
         timed = self.cost == "time"
@@ -311,7 +350,7 @@ class KvCacheAwarePolicy(Policy):
             try:
                 res = _native_time_core_table(
                     servers, md, states, positions, params, self.block_size, cap, num_tokens,
-                    self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
+                    self.uncached_weight, self.decode_weight, pin, bonus, hf,
                     self._slack, mbs, self.load_cap if mbs else 0.0, self._cursor)
             except TypeError:
                 pass
@@ -325,13 +364,13 @@ class KvCacheAwarePolicy(Policy):
                 ph = bulk[2]
                 phases = ph(servers) if ph is not None else [(t, r, t) for r, t in loads]
                 args = (servers, md, loads, phases, params, self.block_size, cap, num_tokens,
-                        self.uncached_weight, self.decode_weight, pin, self.affinity_bonus, hf,
+                        self.uncached_weight, self.decode_weight, pin, bonus, hf,
                         self._slack, mbs, self.load_cap if mbs else 0.0)
                 core, python = _native_time_core, _time_core
             else:
                 args = (servers, md, loads, self.block_size, cap, num_tokens,
                         self.prefill_weight, self.load_tokens_weight, self.load_requests_weight,
-                        pin, self.affinity_bonus, hf, self.hotspot_slack, mbs,
+                        pin, bonus, hf, self.hotspot_slack, mbs,
                         self.load_cap if mbs else 0.0)
                 core, python = _native_core, _core
             if native:
@@ -363,6 +402,8 @@ class KvCacheAwarePolicy(Policy):
         server = servers[pick]
         if conv:
             self._pins.put(conv, server)
+        elif implicit:
+            sessions.put(server)
         # The explanation is built from these numbers when it is read (`explain`): the fleet
         # channel carries them and its client builds it (protocol/channel.py `KvChoice`).
         choice = KvChoice(servers, matched, loads, costs, pick, tied if len(tied) > 1 else _NONE,
@@ -421,10 +462,12 @@ def explain(c: KvChoice) -> dict:
     else:
         shown = (pick,)
     append = rows.append
+    # a pin without a conversation id is an implicit session's (router/prefix_pins.py)
+    affinity = "conversation affinity" if c.conversation else "implicit session affinity"
     for i in shown:
         if i == pick:
             w = ("chosen: lowest cost (tie, in turn)" if tie else "chosen: lowest cost") + (
-                ", conversation affinity bonus" if server == pinned else "")
+                f", {affinity} bonus" if server == pinned else "")
         elif skip_hot and i in hot:
             w = hot[i]
         elif tie and i in tied:
@@ -440,7 +483,7 @@ def explain(c: KvChoice) -> dict:
     if len(hot) == n:
         reason += ", every candidate hot: cap ignored"
     if pinned == server:
-        reason += ", conversation affinity"
+        reason += f", {affinity}"
     return {"policy": KvCacheAwarePolicy.name, "candidates": rows, "chosen": server, "reason": reason,
             "num_tokens": c.num_tokens, "matched_tokens": c.matched_tokens,
             "conversation": c.conversation, "pinned": pinned, "candidates_total": n + n_unhealthy,

@@ -197,8 +197,9 @@ async def _one(session, url: str, r: T.Req, ids: list[int], at: float, oracle: O
                 rows = [c for c in g.get("candidates") or () if "matched_tokens" in c]
                 if rows:    # the deepest match, and why it was not chosen (--work's dump)
                     best = max(rows, key=lambda c: c["matched_tokens"])
+                    # reason: says whether the pick was the (implicit) session's server
                     res.extra = {"best_match": best["matched_tokens"], "best_why": best.get("why"),
-                                 "hot": g.get("hot")}
+                                 "hot": g.get("hot"), "reason": g.get("reason")}
             if resp.status != 200:
                 res.error = (await resp.read())[:200].decode(errors="replace")
                 return

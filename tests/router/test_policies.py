@@ -201,8 +201,13 @@ def test_kv_upstream_load_cap(env):
 
 
 def test_kv_ties_rotate(env):
+    # distinct prompts, nothing cached, no load: every server costs the same (a repeated prompt
+    # would be an implicit session: test_kv_implicit_session_*)
     _, _, view = env
     p = make_policy("kv_cache_aware", {})
+    got = [p.select(CANDS, key_of(prompt(7 + i)), view).server for i in range(6)]
+    assert got == SERVERS * 2
+    p = make_policy("kv_cache_aware", {"implicit_sessions": False})
     got = [p.select(CANDS, key_of(prompt(7)), view).server for _ in range(6)]
     assert got == SERVERS * 2
 
@@ -222,6 +227,62 @@ def test_kv_conversation_affinity_is_a_bonus_not_an_override(env):
     assert d.server == "http://c" and d.explanation["pinned"] == "http://a"
     p.remove_server("http://c")
     assert p._pins.get("conv-1") is None
+
+
+def test_kv_implicit_session_keeps_a_prefix_tree_where_its_cache_was_lost(env):
+    """A prompt's next request (its first 384 tokens shared) while the index matches nothing
+    anywhere (its server's LRU evicted the prefix, or the events have not come): it goes to the
+    server its prefix was placed on, credited the prefix there as if cached, not to the next
+    server in turn; the prediction (matched tokens, the speculative insert's skip) stays the
+    index's: nothing."""
+    idx, _, view = env
+    p = make_policy("kv_cache_aware", {})
+    q = make_policy("kv_cache_aware", {"implicit_sessions": False})
+    t = prompt(21, 512)
+    assert p.select(CANDS, key_of(t), view).server == "http://a"      # tie -> first
+    assert q.select(CANDS, key_of(t), view).server == "http://a"
+    nxt = t[:384] + prompt(22, 128)
+    d = p.select(CANDS, key_of(nxt), view)
+    assert d.server == "http://a" and "implicit session affinity" in d.explanation["reason"]
+    assert d.explanation["pinned"] == "http://a" and d.explanation["conversation"] is None
+    assert d.explanation["matched_tokens"] == 0 and d.matched_blocks == 0
+    assert q.select(CANDS, key_of(nxt), view).server == "http://b"    # without: in turn
+    # a real cache elsewhere outweighs the session's credit; the tree then goes with it
+    other = t[:384] + prompt(23, 128)
+    cache(idx, "http://c", other)
+    d = p.select(CANDS, key_of(other), view)
+    assert d.server == "http://c" and d.explanation["pinned"] == "http://a"
+    d = p.select(CANDS, key_of(t[:384] + prompt(24, 128)), view)
+    assert d.server == "http://c" and d.explanation["matched_tokens"] == 384
+    assert "implicit session affinity" in d.explanation["reason"]
+    # a server that leaves takes its sessions along
+    p.remove_server("http://c")
+    assert p._sessions.find(key_of(other).block_keys) == (None, 0)
+
+
+@pytest.mark.parametrize("args", [{}, {"cost": "tokens"}])
+def test_kv_implicit_session_yields_to_a_prefill_queue(env, args):
+    """The session's credit is in the cost's unit: 8k tokens of prefill queued on its server
+    outweigh its 384-token prefix, and the next request goes elsewhere."""
+    _, leases, view = env
+    p = make_policy("kv_cache_aware", args)
+    t = prompt(31, 512)
+    first = p.select(CANDS, key_of(t), view).server
+    load(leases, first, 4, 2000)
+    d = p.select(CANDS, key_of(t[:384] + prompt(32, 128)), view)
+    assert d.server != first and d.explanation["pinned"] == first
+
+
+def test_kv_explicit_conversation_id_is_not_an_implicit_session(env):
+    """With a conversation id the id's pin decides; the prompt's prefixes are not registered."""
+    _, _, view = env
+    p = make_policy("kv_cache_aware", {})
+    t = prompt(41, 512)
+    p.select(CANDS, key_of(t, "conv-9"), view)
+    assert len(p._sessions) == 0
+    assert make_policy("kv_cache_aware", {}).describe()["implicit_sessions"] is True
+    with pytest.raises(ValueError, match="implicit_sessions"):
+        make_policy("kv_cache_aware", {"implicit_sessions": 1})
 
 
 @pytest.mark.parametrize("cost, tokens_each", [("tokens", 0), ("time", 32)])
@@ -382,7 +443,9 @@ def test_time_cost_tells_queued_prefill_from_decoding(env):
     rids = [next(_req_ids) for _ in range(3)]
     for r in rids:
         leases.acquire("gen", r, "http://a", 0.0, 60.0, 2000)
-    p = make_policy("kv_cache_aware", {})
+    # without implicit sessions: the first placement would pin the prompt to the server it chose
+    # (in the coordinator, its speculative insert predicts the prompt there as well)
+    p = make_policy("kv_cache_aware", {"implicit_sessions": False})
     assert p.cost == "time" and p.uncached_weight == 2.0
     cands = _cands(SERVERS)
     assert p.select(cands, key_of(t), view).server != "http://a"
@@ -420,7 +483,8 @@ def test_a_server_busy_on_an_idle_cluster_is_not_hot_by_default(env):
 
 def test_time_cost_learns_a_slow_server_from_first_token_reports(env):
     _, leases, view = env
-    p = make_policy("kv_cache_aware", {"hotspot_factor": None})
+    # one prompt placed again and again: without implicit sessions, which would keep it on its server
+    p = make_policy("kv_cache_aware", {"hotspot_factor": None, "implicit_sessions": False})
     cands = _cands(["http://a", "http://b"], model=None)    # no routing_model: the prior, learned
     t = prompt(12, 2048)
     # equal costs: ties in turn
