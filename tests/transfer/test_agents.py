@@ -245,6 +245,12 @@ def test_prepped_lists_address_rows_by_index(kind, peer_factory):
         for l_, r_ in zip(li, ri):
             assert (got[r_ * BS:(r_ + 1) * BS] == src[l_ * BS:(l_ + 1) * BS]).all()
         assert not got[:5 * BS].any()
+        if kind == "nixl":   # indices outside a list, negative ones included, are refused
+            from transfer.errors import InvalidDescriptors
+
+            for bad_l, bad_r in (([-1], [0]), ([0], [n]), ([0, 1], [2, -5])):
+                with pytest.raises(InvalidDescriptors, match="out of range"):
+                    agent.submit_prepped(name, lp, bad_l, rp, bad_r)
         agent.release_prepped(lp)
         agent.release_prepped(rp)
     finally:
