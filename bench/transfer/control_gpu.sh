@@ -4,7 +4,8 @@
 # trip (nixl; `BASE=<dir>` adds a checkout to compare with, alternating), what one wake-up costs on
 # this host, the host time of one direct write's copy, and the `1b` transfers (scattered, e2e,
 # × copy). Run from the repository root, after the device set-up; outputs go to $OUT (default
-# /tmp/control-gpu): gpu_tests.txt, control.txt, wakeup.txt, probe.txt, transfer.txt.
+# /tmp/control-gpu): gpu_tests.txt, control.txt, control_poll.txt, wakeup.txt, probe.txt,
+# transfer.txt.
 set -u
 OUT=${OUT:-/tmp/control-gpu}
 mkdir -p "$OUT"
@@ -17,6 +18,11 @@ trees=(--tree .)
 timeout 60 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 "${trees[@]}" \
     > "$OUT/control.txt" 2>&1; echo "control.py rc=$?" >> "$OUT/control.txt"
 tail -n 14 "$OUT/control.txt"
+# the generation side's listener polling in 50 µs ticks for 2 ms after each post
+# (TransferConfig.result_poll_s, off by default): this tree only, to set against control.txt
+timeout 45 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 --poll-us 2000 \
+    > "$OUT/control_poll.txt" 2>&1; echo "control.py --poll-us rc=$?" >> "$OUT/control_poll.txt"
+tail -n 9 "$OUT/control_poll.txt"
 timeout 20 python3 bench/transfer/wakeup_probe.py --n 3000 > "$OUT/wakeup.txt" 2>&1
 cat "$OUT/wakeup.txt"
 timeout 30 python3 bench/transfer/submit_probe.py --calls 200 > "$OUT/probe.txt" 2>&1
