@@ -231,7 +231,7 @@ class Coordinator:
         # The index's capacity model (router/kv_capacity.py): the blocks running requests
         # brought pin their server's cache (servers with a known capacity only).
         self.routed_prompts = RoutedPrompts()
-        self.index.set_pinned_source(self.routed_prompts.pinned)
+        self.index.set_pinned_source(self.routed_prompts.pinned_source())
         self._cand_version = -1
         self._kv_version = 0
         self._cands: dict[str, list] = {CONTEXT: [], GENERATION: []}

@@ -222,23 +222,42 @@ class CapacityBound:
 
     def cut(self, s: Slot, keys, depth: int) -> int:
         """The part of a walk's ``depth``-key match on slot ``s`` (pressed; ``keys`` a uint64
-        array) that the model still holds: ``depth``, or fewer keys.
+        array) that the model still holds: ``depth``, or fewer keys (`cut_into` for one slot)."""
+        res: dict = {}
+        self.cut_into(keys, s.bit, depth, res)
+        return res.get(s.worker, 0)
+
+    def cut_into(self, keys, bits: int, depth: int, res: dict) -> None:
+        """Put the cut depth of the ``bits`` slots' ``depth``-key match (each pressed; ``keys``
+        a uint64 array) into ``res`` (worker -> best depth, raised only; a slot that keeps
+        nothing is left out). One call per matching group of a walk, the slots in its loop.
 
         A stamp is ``t - p`` for a key at chain position ``p`` used at clock ``t``: a prompt's
         blocks are freed tail first, so its deeper keys are the older ones, one clock tick per
         position, and a key is alive while its stamp is above ``clock - cap``. Between two
         stride positions the count is read off the dead one's stamp (its ancestors are at least
         that young)."""
-        cap = s.cap
-        if self.pinned is not None:     # running requests' blocks are not the LRU's to keep
-            pinned = self.pinned(s.worker)
-            if pinned:
-                cap = self.room(cap, pinned)
-        stamps = s.stamps
-        if type(stamps) is dict:
-            return _cut_py(stamps, keys.tolist() if isinstance(keys, np.ndarray) else keys,
-                           depth, s.clock - cap, STRIDE, _SCAN)
-        return stamps.age_cut(keys, depth, s.clock - cap, STRIDE, _SCAN)
+        by_bit = self._slots.by_bit
+        pinned_of = self.pinned
+        listed = None
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            s = by_bit[low.bit_length() - 1]
+            cap = s.cap
+            if pinned_of is not None:   # running requests' blocks are not the LRU's to keep
+                pinned = pinned_of(s.worker)
+                if pinned:
+                    cap = self.room(cap, pinned)
+            stamps = s.stamps
+            if type(stamps) is dict:
+                if listed is None:
+                    listed = keys.tolist() if isinstance(keys, np.ndarray) else keys
+                d = _cut_py(stamps, listed, depth, s.clock - cap, STRIDE, _SCAN)
+            else:
+                d = stamps.age_cut(keys, depth, s.clock - cap, STRIDE, _SCAN)
+            if d and res.get(s.worker, 0) < d:
+                res[s.worker] = d
 
     def check_invariants(self) -> None:
         pressed = 0
@@ -287,6 +306,12 @@ class RoutedPrompts:
 
     def pinned(self, server: str) -> int:
         return self._pinned.get(server, 0)
+
+    def pinned_source(self):
+        """`KvIndex.set_pinned_source`'s callable: the blocks pinned on a server, None for none
+        (the map's own ``get``: a C call per pressed matching slot of a walk, where `pinned` was
+        a Python one)."""
+        return self._pinned.get
 
     def check_invariants(self) -> None:
         want: dict[str, int] = {}

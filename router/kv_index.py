@@ -114,10 +114,10 @@ class KvIndex:
             self.capacity.set_capacity(s, blocks)
 
     def set_pinned_source(self, pinned) -> None:
-        """``pinned(worker) -> blocks`` its running requests hold (None: none known): those are
-        not the LRU's, so a worker's effective capacity is its capacity less them (the
-        coordinator answers from its lease table: the prompts of leases past their first
-        token)."""
+        """``pinned(worker) -> blocks`` its running requests hold (0 or None: none; the source
+        None: none known): those are not the LRU's, so a worker's effective capacity is its
+        capacity less them (the coordinator answers from its lease table: the prompts of leases
+        past their first token)."""
         self.capacity.pinned = pinned
 
     def capacity_state(self, worker: str) -> dict | None:
@@ -127,7 +127,7 @@ class KvIndex:
         if not cap:
             return None
         s = self.slots.get(worker, 0)
-        pinned = self.capacity.pinned(worker) if self.capacity.pinned is not None else 0
+        pinned = (self.capacity.pinned(worker) or 0) if self.capacity.pinned is not None else 0
         return {"capacity_blocks": cap, "pinned_blocks": pinned,
                 "room_blocks": self.capacity.room(cap, pinned),
                 "clock": s.clock - s.base if s is not None else 0,
@@ -348,15 +348,7 @@ class KvIndex:
         (worker -> best depth); returns 0 (every slot of ``bits`` answered)."""
         if type(keys) is not np.ndarray or keys.dtype is not _U64:
             keys = _u64_array(keys)
-        by_bit = self.slots.by_bit
-        cut = self.capacity.cut
-        while bits:
-            low = bits & -bits
-            s = by_bit[low.bit_length() - 1]
-            d = cut(s, keys, depth)
-            if d and res.get(s.worker, 0) < d:
-                res[s.worker] = d
-            bits ^= low
+        self.capacity.cut_into(keys, bits, depth, res)
         return 0
 
     def longest_prefix_ranks(self, keys, workers: Iterable[str] | None = None

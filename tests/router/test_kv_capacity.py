@@ -276,6 +276,8 @@ def test_routed_prompts_pin_what_running_requests_brought():
     r.started("generation", 2, "b", 7)
     r.started("generation", 3, "a", 0)                  # fully cached: brings nothing
     assert (r.pinned("a"), r.pinned("b"), r.pinned("c")) == (7, 7, 0)
+    source = r.pinned_source()          # what the coordinator gives KvIndex.set_pinned_source
+    assert (source("a"), source("b"), source("c")) == (7, 7, None)
     r.check_invariants()
     r.ended("generation", 1)
     r.ended("generation", 1)                            # idempotent
