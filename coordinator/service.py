@@ -534,7 +534,7 @@ class Coordinator:
                         # small steps instead of one burst per maintenance tick (a select stall).
                         index.expire_speculative(now, 2)
                     elif server in index.capacities:
-                        index.routed(server, keys, have, now, ttl)
+                        index.used(server, keys, have)      # what `routed` does for it
         if server_info:
             info = decision.explanation
             entry = self._entries.get(server)

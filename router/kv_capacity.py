@@ -200,12 +200,37 @@ class CapacityBound:
         else:
             low = _stamp_py(stamps, keys.tolist() if isinstance(keys, np.ndarray) else keys,
                             STRIDE, clock, have, s.cap // YOUNG)
-        if low is None:
+        # `_settle`'s two tests, made here so that a pass needing neither costs no call
+        if low is not None and (low < s.low or len(stamps) > s.cap // 2 + _SWEEP_SLACK):
+            self._settle(s, low)
+
+    def used(self, worker: str, keys, have: int) -> None:
+        """All of a prompt placed on ``worker`` (its rank-0 slot) matched there: its keys are
+        used again at the slot's clock (`stamp`; ``keys`` a uint64 array, ``have`` the matched
+        depth). The coordinator's call per such placement (`KvIndex.used` is this method): one
+        Python call into the native loop, where `KvIndex.routed` took two (~2k of a
+        placement's instructions, bench/routing/placement.py --kv-capacity)."""
+        s = self._slots.rank0.get(worker)
+        if s is None or not s.cap:
             return
+        stamps = s.stamps
+        if type(stamps) is dict:
+            self.stamp(s, keys, s.clock, have)
+            return
+        low = stamps.age_stamp(keys, STRIDE, s.clock, have, s.cap // YOUNG)
+        # `stamp`'s tests for `_settle`
+        if low is not None and (low < s.low or len(stamps) > s.cap // 2 + _SWEEP_SLACK):
+            self._settle(s, low)
+
+    def _settle(self, s: Slot, low: int) -> None:
+        """After a stamp pass on ``s`` whose lowest (last) stamp is ``low``: the slot's lowest
+        stamp, and the sweep of stamps of keys it neither holds nor predicts once they outnumber
+        what its cache can hold."""
         if low < s.low:
             s.low = low
             self._press(s)
         # live stamps are about a STRIDE-th of the keys a cache of `cap` holds, plus prompts' ends
+        stamps = s.stamps
         if len(stamps) > s.cap // 2 + _SWEEP_SLACK:
             owned, spec = s.owned, s.spec
             kept = [(k, v) for k, v in stamps.items() if k in owned or k in spec]

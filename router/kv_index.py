@@ -80,6 +80,11 @@ class KvIndex:
         self.memo = WalkMemo(self.owners, self.slots, stride=memo_stride, cap=memo_cap)
         self.spec = SpeculativeEntries(self.owners, self.slots, self.stats)
         self.capacity = CapacityBound(self.slots)
+        # ``used(worker, keys, have)``: all of a prompt placed on the worker matched there (its
+        # rank-0 slot; ``keys`` a uint64 array): its keys are stamped as used again for the
+        # capacity model, as `routed` does for such a prompt. The model's own method, bound
+        # here: the coordinator's one call per fully cached placement.
+        self.used = self.capacity.used
         self.ledger = BlockLedger(block_size, self.namespace, self.owners, self.slots, self.spec,
                                   self.stats, self.capacity)
         self.streams = StreamOrder()

@@ -76,6 +76,41 @@ def test_a_prefix_used_again_stays_while_the_others_go(index):
     assert ix.longest_prefix(np.array(chain(1, 16, system), dtype=np.uint64)) == {"a": 8, "b": 16}
 
 
+def test_a_fully_matched_prompt_used_again_stamps_as_routed_does(owner_map, monkeypatch):
+    """`KvIndex.used` (the coordinator's call when all of a placed prompt matched) leaves the
+    model as `routed` does for it: the same stamps, lowest stamps, pressed slots and answers,
+    the young prefix skipped and the sweep run alike (its slack cut so that it runs here)."""
+    from router import kv_capacity
+    monkeypatch.setattr(kv_capacity, "_SWEEP_SLACK", 4)
+    runs = []
+    for full in ("routed", "used"):
+        ix = KvIndex(block_size=B)
+        ix.set_capacity("a", 24)
+        trees = [chain(t, 12, chain(99, 4)) for t in range(1, 9)]
+        answers, full_matches = [], 0
+        for step in range(60):
+            if step == 30:      # every prediction gone: their stamps are garbage to sweep
+                ix.expire_speculative(100.0)
+            keys = np.array(trees[(step * 5) % len(trees)][:4 + step % 9], dtype=np.uint64)
+            have = ix.longest_prefix(keys).get("a", 0)
+            if have < len(keys):
+                ix.routed("a", keys, have, 0.0, 30.0)
+                continue
+            full_matches += 1
+            if full == "used":
+                ix.used("a", keys, have)
+            else:
+                ix.routed("a", keys, have, 0.0, 30.0)
+            ix.check_invariants()
+            answers.append(have)
+        s = ix.slots.rank0["a"]
+        runs.append((answers, ix.capacity.stamps_of(s), s.low, s.clock, ix.slots.pressed))
+        # the case, and the sweep ran (55 stamps are left without it)
+        assert full_matches >= 10 and len(runs[-1][1]) < 40
+    assert runs[0] == runs[1]
+    ix.used("b", np.array(chain(1, 4), dtype=np.uint64), 4)       # no slot: nothing to stamp
+
+
 def _store(ix: KvIndex, w: str, keys: list[int]) -> None:
     """Our worker's events: engine hash == canonical key of the prompt's tokens."""
     tokens = [int(x) for x in np.random.default_rng(keys[0] & 0xFFFF).integers(0, 1000, len(keys) * B)]
