@@ -260,6 +260,24 @@ def test_kv_implicit_session_keeps_a_prefix_tree_where_its_cache_was_lost(env):
     assert p._sessions.find(key_of(other).block_keys) == (None, 0)
 
 
+def test_kv_implicit_session_bonus_only_where_the_server_holds_more_than_the_others(env):
+    """A system prompt every server caches: the latest conversation's server gets no bonus for
+    it (every new conversation went there), so the next new one goes in turn; that
+    conversation's next turn, whose history only its server holds, keeps the bonus."""
+    idx, _, view = env
+    system = prompt(51, 384)
+    for s in SERVERS:
+        cache(idx, s, system)
+    p = make_policy("kv_cache_aware", {})
+    first = system + prompt(52, 128)
+    assert p.select(CANDS, key_of(first), view).server == "http://a"
+    d = p.select(CANDS, key_of(system + prompt(53, 128)), view)
+    assert d.server == "http://b" and "implicit session" not in d.explanation["reason"]
+    cache(idx, "http://a", first)
+    d = p.select(CANDS, key_of(first + prompt(54, 64)), view)
+    assert d.server == "http://a" and "implicit session affinity" in d.explanation["reason"]
+
+
 @pytest.mark.parametrize("args", [{}, {"cost": "tokens"}])
 def test_kv_implicit_session_yields_to_a_prefill_queue(env, args):
     """The session's credit is in the cost's unit: 8k tokens of prefill queued on its server
