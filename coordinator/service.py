@@ -509,7 +509,7 @@ class Coordinator:
         # it is in prefill with the tokens the server must compute until its first token
         self.leases.acquire(role, req_id, server, now, self.lease_ttl_s,
                             key.num_tokens if key is not None else 0, decision.uncached,
-                            decision.predicted_s)
+                            decision.learn_s)
         self.stats.selects[role] += 1
         if self._kv_aware[role] and key is not None:
             keys = key.block_keys

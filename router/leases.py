@@ -52,7 +52,8 @@ class Lease:
     deadline: float
     prefill: int = 0            # uncached tokens queued while in prefill
     in_prefill: bool = False
-    predicted_s: float = 0.0    # the placement's estimated time to first token (0: none)
+    predicted_s: float = 0.0    # the placement's estimated time to first token, where its
+                                # policy learns from the report (0: none; Decision.learn_s)
 
 
 class LeaseTable:

@@ -61,14 +61,17 @@ class Decision:
     (speculation included), uncapped: what the coordinator's speculative insert skips. None when
     the policy did not read the index or the server's match is unknown (`Candidate.kv_unknown`).
     ``predicted_s``: the chosen server's estimated time to first token (0.0: the policy has no
-    estimate), ``uncached``: the prompt tokens it must compute (None: unknown, all of them)."""
+    estimate), ``uncached``: the prompt tokens it must compute (None: unknown, all of them).
+    ``learn_s``: the estimate the policy's ``observe_ttft`` compares the leg's first-token report
+    with (0.0: it would learn nothing from that report, which the coordinator then does not pass
+    on; None given: ``predicted_s``)."""
 
     __slots__ = ("server", "_explanation", "matched_blocks", "choice", "_explain", "predicted_s",
-                 "uncached")
+                 "uncached", "learn_s")
 
     def __init__(self, server: str, explanation: dict | None = None, matched_blocks: int | None = None,
                  choice: Any = None, explain: Any = None, predicted_s: float = 0.0,
-                 uncached: int | None = None):
+                 uncached: int | None = None, learn_s: float | None = None):
         self.server = server
         self._explanation = explanation
         self.matched_blocks = matched_blocks
@@ -76,6 +79,7 @@ class Decision:
         self._explain = explain
         self.predicted_s = predicted_s
         self.uncached = uncached
+        self.learn_s = predicted_s if learn_s is None else learn_s
 
     @property
     def explanation(self) -> dict:

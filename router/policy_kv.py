@@ -417,10 +417,17 @@ class KvCacheAwarePolicy(Policy):
                           list(hot.items()) if hot else _NONE, skip_hot, unknown, unhealthy,
                           num_tokens, conv, pinned, self.explain_rows)
         # with the time cost, the chosen server's estimated time to first token (what its
-        # first-token report is compared with: observe_ttft) and the tokens it must compute
+        # first-token report is compared with: observe_ttft) and the tokens it must compute.
+        # The estimate observe_ttft compares the leg's first-token report with (`learn_s`) is
+        # 0.0 where it would not learn from it (its tests known at placement: learning on, the
+        # estimate long enough, a server without a published model), so the coordinator skips
+        # that report's call (~2k instructions each; every report on servers that publish their
+        # model). tests/router/test_policies.py checks the two agree.
+        learn_s = predicted_s if predicted_s and self.learn_rates \
+            and predicted_s >= self._LEARN_MIN_S and server in self._learnable else 0.0
         return Decision(server, None, None if unknown and ok[pick].kv_unknown
                         else md.get(server, 0) if md is not None else 0, choice, explain,
-                        predicted_s, num_tokens - matched[pick] if timed else None)
+                        predicted_s, num_tokens - matched[pick] if timed else None, learn_s)
 
 
 def _predicted_s(pick: int, phases: list, loads: list, params, num_tokens: int, matched: list,

@@ -525,6 +525,34 @@ def test_time_cost_learns_a_slow_server_from_first_token_reports(env):
     assert q.scale("http://a") == 1.0
 
 
+def test_a_placement_carries_only_estimates_its_report_can_teach(env):
+    """A decision's learn_s (what the coordinator keeps for the leg's first-token report) is the
+    estimate where observe_ttft learns from it, else 0.0 (the report's call is then skipped): a
+    learned server's long enough estimate is carried and teaches its scale; a server publishing
+    its model, a short estimate, or learning off carry 0.0, and those would not have taught
+    anything. predicted_s stays the estimate."""
+    _, leases, view = env
+    t = prompt(13, 2048)
+    learned = make_policy("kv_cache_aware", {"hotspot_factor": None, "implicit_sessions": False})
+    d = learned.select(_cands(["http://a"], model=None), key_of(t), view)
+    assert d.learn_s == d.predicted_s >= learned._LEARN_MIN_S     # 2,048 uncached at the prior
+    learned.observe_ttft("http://a", d.learn_s, 3 * d.learn_s)
+    assert learned.scale("http://a") > 1.0
+    k = learned.scale("http://a")
+    short = learned.select(_cands(["http://a"], model=None), key_of(t[:16]), view)
+    assert short.learn_s == 0.0 < short.predicted_s < learned._LEARN_MIN_S
+    learned.observe_ttft("http://a", short.predicted_s, 3 * short.predicted_s)
+    assert learned.scale("http://a") == k                       # it would not have taught
+    published = make_policy("kv_cache_aware", {"implicit_sessions": False})
+    d = published.select(_cands(["http://a"]), key_of(t), view)
+    assert d.learn_s == 0.0 < d.predicted_s
+    published.observe_ttft("http://a", d.predicted_s, 3 * d.predicted_s)
+    assert published.scale("http://a") == 1.0
+    off = make_policy("kv_cache_aware", {"learn_rates": False, "implicit_sessions": False})
+    d = off.select(_cands(["http://a"], model=None), key_of(t), view)
+    assert d.learn_s == 0.0 < d.predicted_s
+
+
 def test_routing_model_from_server_info_or_the_prior():
     from router.policy_kv import PRIOR_MODEL, model_of
     assert model_of({"routing_model": MODEL}) == (1e-4, 512.0, 0.01, 1e-4, 1e-6, 0.0)
