@@ -162,7 +162,14 @@ class LeaseTable:
             self._prefill_q = deque(filter(_IN_PREFILL, pq))
             # the next compaction ~1024 acquisitions or more later (amortised O(1) per acquire)
             self._prefill_q_limit = 2 * len(self._leases) + 1024
-        self._push(lease)
+        # `_push`'s usual case in place (a deadline in order, no compaction due: an append), the
+        # rest by it: one call fewer per placement
+        fifo = self._fifo
+        d = lease.deadline
+        if (not fifo or fifo[-1][0] <= d) and len(fifo) + len(self._heap) < self._queue_limit:
+            fifo.append((d, lease))
+        else:
+            self._push(lease)
         return lease
 
     def set_prefill(self, role: str, req_id: int, prefill: int) -> bool:
