@@ -6,6 +6,7 @@ from __future__ import annotations
 
 
 from array import array
+from operator import countOf
 
 from protocol.channel import KvChoice
 
@@ -334,11 +335,16 @@ class KvCacheAwarePolicy(Policy):
                 if pin >= 0 and num_tokens:
                     bs = self.block_size
                     held *= bs
-                    mt = md.get(pinned, 0) * bs
+                    mb = md.get(pinned, 0)
+                    mt = mb * bs
                     if held > cap:
                         held = cap
-                    other = max([b for s, b in md.items() if s != pinned], default=0) * bs
-                    bonus = bonus if (held if held > mt else mt) > other else 0.0
+                    # the bonus where it holds the most: the index's deepest match alone, or a
+                    # registered prefix deeper than every match (C-level calls: no per-server loop)
+                    top = max(md.values()) if md else 0
+                    if not (mb == top and mb and countOf(md.values(), top) == 1) \
+                            and held <= top * bs:
+                        bonus = 0.0
                     if held > mt:
                         bonus += (self.uncached_weight if self.cost == "time" else
                                   self.prefill_weight) * (held - mt) / num_tokens
