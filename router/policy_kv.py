@@ -176,6 +176,8 @@ class KvCacheAwarePolicy(Policy):
             raise ValueError(f"implicit_sessions must be true or false, found {implicit_sessions!r}")
         self.implicit_sessions = implicit_sessions
         self._stride = max(1, self.SESSION_TOKENS // block_size)
+        # a registered prefix is credited as cached: at the weight of the tokens it saves
+        self._held_weight = self.uncached_weight if cost == "time" else self.prefill_weight
         self._sessions = PrefixPins(self._stride, max(2, max_conversations)) \
             if implicit_sessions else None
         self._cursor = 0
@@ -346,8 +348,7 @@ class KvCacheAwarePolicy(Policy):
                             and held <= top * bs:
                         bonus = 0.0
                     if held > mt:
-                        bonus += (self.uncached_weight if self.cost == "time" else
-                                  self.prefill_weight) * (held - mt) / num_tokens
+                        bonus += self._held_weight * (held - mt) / num_tokens
         hf = self.hotspot_factor or 0.0
         mbs = self.max_batch_size if self.max_batch_size and self.load_cap is not None else 0
         timed = self.cost == "time"
