@@ -45,7 +45,7 @@ COPY transfer/ transfer/
 # The pinned torch already satisfies the project's torch range, so pip keeps it.
 COPY setup.py ./
 RUN pip install . && python -c "import torch, splitserve_cli, router.block_keys as bk, \
-    router.policy_kv as pk, router.kv_query as kq, router.prefix_pins as pp; \
+    router.policy_kv as pk, router.kv_owners as kq, router.prefix_pins as pp; \
     assert bk.NATIVE, 'router/_chain.c did not build'; assert pk.NATIVE, 'router/_kv_cost.c did not build'; \
     assert kq.NATIVE, 'router/_owner_map.c did not build'; assert pp.NATIVE, 'router/_prefix_pins.c did not build'; \
     print('torch', torch.__version__)"

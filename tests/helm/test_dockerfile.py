@@ -64,3 +64,19 @@ def test_copies_every_package_and_pins_the_cpu_torch():
     assert "download.pytorch.org/whl/cpu" in DOCKERFILE.read_text()
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_build_check_runs_here():
+    """The build stage's `python -c` check (every native router module built) runs as written in
+    this checkout's environment, where `make install` built the same extensions: a renamed module
+    (it once imported router.kv_query after that module had gone) fails here, not in an image build."""
+    import sys
+
+    (script,) = [m.group(1) for op, rest in _instructions() if op == "RUN"
+                 for m in [re.search(r'python -c "([^"]+)"', rest)] if m]
+    imported = re.findall(r"router\.(\w+) as", script)
+    native_c = sorted(p.stem for p in (REPO / "router").glob("_*.c"))
+    assert len(imported) == len(native_c), \
+        f"expected one NATIVE check per router/_*.c ({native_c}), found imports of {imported}"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"the Dockerfile's build check failed here:\n{proc.stderr[-2000:]}"
