@@ -6,7 +6,8 @@
  * ~11k instructions per placement (a memoryview of the prompt's keys, a binary search, the
  * writes), ~9% of a 4k-token `select` (bench/routing/placement.py), over issue 40's CPU budget.
  * Here `find` reads the keys through the buffer protocol once, keeps the prompt's marks, and
- * `put` writes those marks: two calls per placement.
+ * `put` writes those marks: two calls per placement (`credit` is `find` plus kv_cache_aware's
+ * implicit-session credit over the index's matches, router/prefix_pins.py `session_credit`).
  *
  * Marks: positions stride*j - 1 for j = 1..near, then (near + (j - near) * far) * stride - 1 (the
  * same as router/prefix_pins.py `PrefixPins.position`). Keys are chained, so the marks
@@ -265,6 +266,119 @@ static PyObject *pt_find(PinTable *t, PyObject *keys) {
     return out;
 }
 
+PyDoc_STRVAR(credit_doc,
+"credit(keys, matched, block_size, cap, num_tokens, weight, bonus) -> (server, bonus): `find`,\n"
+"then kv_cache_aware's implicit-session credit on its server (router/prefix_pins.py\n"
+"`session_credit`, the recipe): `bonus` where that server holds more of the prompt (registered,\n"
+"capped at `cap` tokens, or matched) than every other server's match in `matched` (the index's\n"
+"dict server -> blocks), else 0.0; plus `weight` x (registered - matched there) / `num_tokens`\n"
+"where the registered prefix is deeper. `bonus` unchanged with no server or no tokens.\n"
+"TypeError where `matched` is not a dict of ints (the recipe takes any mapping).");
+
+/* One native call per placement instead of `find` and the comparisons in Python (~7k
+ * instructions per placement with max/countOf over the matches, issue 40). */
+static PyObject *pt_credit(PinTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "credit: expected 7 arguments, found %zd", nargs);
+        return NULL;
+    }
+    PyObject *md = args[1], *wobj = args[5], *bonus = args[6];
+    if (!PyDict_CheckExact(md)) {
+        PyErr_Format(PyExc_TypeError, "credit: matched must be a dict, found %.100s",
+                     Py_TYPE(md)->tp_name);
+        return NULL;
+    }
+    long long bs = PyLong_AsLongLong(args[2]), cap = PyLong_AsLongLong(args[3]),
+              nt = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *found = pt_find(t, args[0]);
+    if (found == NULL)
+        return NULL;
+    PyObject *server = PyTuple_GET_ITEM(found, 0);
+    PyObject *out;
+    if (server == Py_None || nt == 0) {
+        out = PyTuple_Pack(2, server, bonus);
+        Py_DECREF(found);
+        return out;
+    }
+    long long held = PyLong_AsLongLong(PyTuple_GET_ITEM(found, 1)) * bs, mb = 0, top = 0;
+    Py_ssize_t pos = 0, ntop = 0;
+    PyObject *k, *v;
+    int any = 0;
+    while (PyDict_Next(md, &pos, &k, &v)) {
+        if (!PyLong_CheckExact(v)) {
+            Py_DECREF(found);
+            PyErr_Format(PyExc_TypeError, "credit: matched values must be ints, found %.100s",
+                         Py_TYPE(v)->tp_name);
+            return NULL;
+        }
+        long long x = PyLong_AsLongLong(v);
+        if (x == -1 && PyErr_Occurred()) {
+            Py_DECREF(found);
+            return NULL;
+        }
+        if (!any || x > top) {
+            top = x;
+            ntop = 1;
+            any = 1;
+        } else if (x == top) {
+            ntop++;
+        }
+    }
+    PyObject *m = PyDict_GetItemWithError(md, server);
+    Py_DECREF(found);   /* `server` stays alive: t->names holds it */
+    if (m != NULL) {
+        mb = PyLong_AsLongLong(m);
+        if (mb == -1 && PyErr_Occurred())
+            return NULL;
+    } else if (PyErr_Occurred()) {
+        return NULL;
+    }
+    long long mt = mb * bs;
+    if (held > cap)
+        held = cap;
+    int most = mb == top && mb && ntop == 1;
+    int zero = !most && held <= top * bs;
+    if (held > mt) {
+        /* as Python computes it: weight * (held - mt) / num_tokens */
+        double add, b;
+        if (PyLong_CheckExact(wobj)) {
+            long long w = PyLong_AsLongLong(wobj);
+            if (w == -1 && PyErr_Occurred())
+                return NULL;
+            add = (double)(w * (held - mt)) / (double)nt;
+        } else {
+            double w = PyFloat_AsDouble(wobj);
+            if (w == -1.0 && PyErr_Occurred())
+                return NULL;
+            add = w * (double)(held - mt) / (double)nt;
+        }
+        if (zero) {
+            b = 0.0;
+        } else {
+            b = PyFloat_AsDouble(bonus);
+            if (b == -1.0 && PyErr_Occurred())
+                return NULL;
+        }
+        PyObject *f = PyFloat_FromDouble(b + add);
+        if (f == NULL)
+            return NULL;
+        out = PyTuple_Pack(2, server, f);
+        Py_DECREF(f);
+        return out;
+    }
+    if (zero) {
+        PyObject *f = PyFloat_FromDouble(0.0);
+        if (f == NULL)
+            return NULL;
+        out = PyTuple_Pack(2, server, f);
+        Py_DECREF(f);
+        return out;
+    }
+    return PyTuple_Pack(2, server, bonus);
+}
+
 PyDoc_STRVAR(put_doc,
 "put(server): pin every mark of the last `find`'s prompt to `server`.");
 
@@ -318,6 +432,7 @@ static Py_ssize_t pt_len(PinTable *t) {
 
 static PyMethodDef pt_methods[] = {
     {"find", (PyCFunction)pt_find, METH_O, find_doc},
+    {"credit", (PyCFunction)(void (*)(void))pt_credit, METH_FASTCALL, credit_doc},
     {"put", (PyCFunction)pt_put, METH_O, put_doc},
     {"remove_server", (PyCFunction)pt_remove, METH_O, remove_doc},
     {NULL, NULL, 0, NULL},

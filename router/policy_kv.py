@@ -6,12 +6,11 @@ from __future__ import annotations
 
 
 from array import array
-from operator import countOf
 
 from protocol.channel import KvChoice
 
 from .policy_base import Decision, PinLru, Policy, healthy_candidates, server_loads
-from .prefix_pins import PrefixPins
+from .prefix_pins import PrefixPins, session_credit
 
 try:    # router/_kv_cost.c, built by setup.py; `_core`, `_time_core` below: the same in Python
     from ._kv_cost import core as _native_core, time_core as _native_time_core, \
@@ -331,24 +330,14 @@ class KvCacheAwarePolicy(Policy):
             # the cost sees it: `matched` (the prediction, the speculative insert) stays the
             # index's.
             implicit = True
-            pinned, held = sessions.find(keys)
+            try:    # one native call: the server and its credit (router/_prefix_pins.c)
+                pinned, bonus = sessions.credit(keys, md, self.block_size, cap, num_tokens,
+                                                self._held_weight, bonus)
+            except TypeError:   # `md` not a dict of ints: the same recipe in Python
+                pinned, bonus = session_credit(sessions.find(keys), md, self.block_size, cap,
+                                               num_tokens, self._held_weight, bonus)
             if pinned is not None:
                 pin = positions.get(pinned, -1)
-                if pin >= 0 and num_tokens:
-                    bs = self.block_size
-                    held *= bs
-                    mb = md.get(pinned, 0)
-                    mt = mb * bs
-                    if held > cap:
-                        held = cap
-                    # the bonus where it holds the most: the index's deepest match alone, or a
-                    # registered prefix deeper than every match (C-level calls: no per-server loop)
-                    top = max(md.values()) if md else 0
-                    if not (mb == top and mb and countOf(md.values(), top) == 1) \
-                            and held <= top * bs:
-                        bonus = 0.0
-                    if held > mt:
-                        bonus += self._held_weight * (held - mt) / num_tokens
         hf = self.hotspot_factor or 0.0
         mbs = self.max_batch_size if self.max_batch_size and self.load_cap is not None else 0
         timed = self.cost == "time"

@@ -21,7 +21,8 @@ binary search. A placement pins every mark of its prompt to the server it chose 
 Bound: marks go into a current generation of at most ``max_marks / 2``; a new mark past that
 starts a new generation and drops the one before (lookups read both). The tables are
 router/_prefix_pins.c where it built (``NATIVE``; the Python recipe cost ~11k instructions per
-placement, ~9% of a 4k-token select; the native one is two calls, ``find`` and ``put``), else
+placement, ~9% of a 4k-token select; the native one is two calls, ``credit`` (``find`` and
+the credit's comparisons, ``session_credit``) and ``put``), else
 the same recipe over two dicts below (``PyPinTable``); tests/router/test_prefix_pins.py checks
 the two against each other.
 
@@ -29,6 +30,8 @@ Pure and synchronous; single writer.
 """
 
 from __future__ import annotations
+
+from operator import countOf
 
 import numpy as np
 
@@ -39,7 +42,7 @@ except ImportError:     # no C compiler at install time: the recipe below
 
 NATIVE = _NativeTable is not None
 
-__all__ = ["NATIVE", "NEAR", "FAR", "PrefixPins", "count", "position"]
+__all__ = ["NATIVE", "NEAR", "FAR", "PrefixPins", "count", "position", "session_credit"]
 
 # the first NEAR marks every stride keys, then every FAR * stride keys
 NEAR = 8
@@ -96,6 +99,9 @@ class PyPinTable:
         s = self.names[self._get(marks[lo - 1])] if lo else None
         return (s, position(st, lo) + 1) if s is not None else (None, 0)
 
+    def credit(self, keys, matched, block_size, cap, num_tokens, weight, bonus):
+        return session_credit(self.find(keys), matched, block_size, cap, num_tokens, weight, bonus)
+
     def put(self, server: str) -> None:
         i = self.ids.get(server)
         if i is None:
@@ -117,9 +123,36 @@ class PyPinTable:
         return len(self.cur) + len(self.old)
 
 
+def session_credit(found, matched, block_size: int, cap: int, num_tokens: int, weight, bonus):
+    """kv_cache_aware's implicit-session credit (router/policy_kv.py `select`) on ``found``, a
+    `find`'s ``(server, block keys covered)``: ``(server, bonus)``, the bonus ``bonus`` where the
+    server holds more of the prompt than every other server's match in ``matched`` (the index's
+    server -> blocks): its match alone deepest, or its registered prefix (capped at ``cap``
+    tokens) deeper than every match; else 0.0. Plus ``weight`` x (registered - matched there) /
+    ``num_tokens`` where the registered prefix is deeper than the match. ``bonus`` unchanged
+    with no server or no tokens. The recipe of the native tables' ``credit`` (one call:
+    router/_prefix_pins.c), and what the policy uses where ``matched`` is not a dict of ints."""
+    server, held = found
+    if server is None or not num_tokens:
+        return server, bonus
+    held *= block_size
+    mb = matched.get(server, 0)
+    mt = mb * block_size
+    if held > cap:
+        held = cap
+    # C-level calls: no per-server loop
+    top = max(matched.values()) if matched else 0
+    if not (mb == top and mb and countOf(matched.values(), top) == 1) and held <= top * block_size:
+        bonus = 0.0
+    if held > mt:
+        bonus += weight * (held - mt) / num_tokens
+    return server, bonus
+
+
 def PrefixPins(stride: int, max_marks: int, native: bool | None = None):
     """A table of prompt prefixes -> the server of their latest placement, ``max_marks`` marks at
-    most: ``find(keys) -> (server, block keys covered)`` (``(None, 0)``: none registered), then
+    most: ``find(keys) -> (server, block keys covered)`` (``(None, 0)``: none registered), or
+    ``credit(keys, matched, ...)`` (`session_credit` after `find`, one call), then
     ``put(server)``, the server the placement of the prompt ``find`` read last chose;
     ``remove_server(server)``. router/_prefix_pins.c where it built (``native`` None), else
     ``PyPinTable``."""

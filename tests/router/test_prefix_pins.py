@@ -98,6 +98,47 @@ def test_native_table_is_the_python_recipe():
             b.remove_server("d")
 
 
+def test_native_credit_is_the_python_recipe():
+    """`credit` (find, then the implicit session's credit in one native call) answers what
+    `session_credit` over `find` does, bit for bit: the bonus only where the session's server
+    holds the most (ties, a match elsewhere as deep, none at all), the registered prefix capped,
+    float and int weights and bonuses; a mapping that is not a dict, or non-int matches, is a
+    TypeError (the policy then runs the recipe)."""
+    if not prefix_pins.NATIVE:
+        pytest.skip("router/_prefix_pins.c did not build")
+    rng = np.random.default_rng(5)
+    a, b = PrefixPins(2, 256, native=True), PrefixPins(2, 256, native=False)
+    docs = [rng.integers(0, 2**64, size=40, dtype=np.uint64) for _ in range(6)]
+    seen = set()
+    for i in range(3000):
+        d = docs[int(rng.integers(0, 6))]
+        keys = np.concatenate([d[:int(rng.integers(0, 41))],
+                               rng.integers(0, 2**64, size=int(rng.integers(0, 8)), dtype=np.uint64)])
+        if i % 3 == 0:
+            keys = keys.tolist()
+        bs = int(rng.choice([1, 16]))
+        nt = len(keys) * bs
+        cap = max(0, nt - 1 - int(rng.integers(0, 3)) * bs)
+        md = {s: int(rng.integers(0, len(keys) + 1)) for s in "abcde"[:int(rng.integers(0, 6))]}
+        w = [2.0, 1, 0.37][i % 3]
+        bonus = [0.25, 0, 1.0][i % 5 % 3]
+        got = a.credit(keys, md, bs, cap, nt, w, bonus)
+        assert got == b.credit(keys, md, bs, cap, nt, w, bonus), i
+        assert got == prefix_pins.session_credit(b.find(keys), md, bs, cap, nt, w, bonus), i
+        assert type(got[1]) is type(b.credit(keys, md, bs, cap, nt, w, bonus)[1]), i
+        seen.add((got[0] is not None, got[1] == 0, got[1] == bonus))
+        s = "abcd"[int(rng.integers(0, 4))]
+        a.put(s)
+        b.put(s)
+    assert len(seen) >= 4, seen         # no server; zeroed; kept; credited
+    with pytest.raises(TypeError, match="matched must be a dict"):
+        a.credit([1, 2, 3, 4], {"a": 1}.items(), 16, 63, 64, 2.0, 0.25)
+    a.find([1, 2, 3, 4])
+    a.put("a")
+    with pytest.raises(TypeError, match="matched values must be ints"):
+        a.credit([1, 2, 3, 4], {"a": np.int64(1)}, 16, 63, 64, 2.0, 0.25)
+
+
 @pytest.mark.parametrize("native", IMPLS)
 def test_the_bound_drops_the_older_generation(native):
     p = PrefixPins(2, 10, native=native)             # generations of 5 marks
