@@ -316,7 +316,7 @@ PyDoc_STRVAR(time_core_table_doc,
 "    -> (matched_tokens, costs, tied, hotspot, load_capped, limit, loads, pick, predicted_s)\n\n"
 "`time_core` reading the lease table's own map, `states` (router/leases.py\n"
 "`LeaseTable.states`: server -> ((requests, tokens), queued prefill tokens, leases in prefill,\n"
-"their tokens), absent: no lease), for the loads and phases, and `matched` through `positions`\n"
+"their tokens[, held KV tokens]), absent: no lease), for the loads and phases, and `matched` through `positions`\n"
 "(server -> its index in `servers`): one dict probe per candidate and one per matched server\n"
 "instead of lists built per placement. The same numbers, the (requests, tokens) it read per\n"
 "server (`loads`), the pick (`tied[cursor % len(tied)]`, the policy's turn among ties) and its\n"
@@ -330,13 +330,18 @@ enum { T_STATES = T_LOADS, T_POSITIONS = T_PHASES, T_CURSOR = T_N_ARGS };
  * chunk tokens, decode s/step, s/request, s/context token, KV capacity tokens, learned scale */
 enum { P_A, P_CHUNK, P_S0, P_S1, P_S2, P_KVCAP, P_K, N_PARAMS };
 
-/* A sequence item of exactly `k` elements (a tuple or a list); NULL with TypeError otherwise. */
-static PyObject *const *items_of(PyObject *o, Py_ssize_t k, const char *what) {
-    if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == k)
+/* A sequence item of `k` or `k + 1` elements (a tuple or a list), its length in `*len`; NULL
+ * with TypeError otherwise (a lease state or phase with or without its held KV tokens). */
+static PyObject *const *items_of_opt(PyObject *o, Py_ssize_t k, Py_ssize_t *len, const char *what) {
+    if (PyTuple_Check(o) && (PyTuple_GET_SIZE(o) == k || PyTuple_GET_SIZE(o) == k + 1)) {
+        *len = PyTuple_GET_SIZE(o);
         return &PyTuple_GET_ITEM(o, 0);
-    if (PyList_Check(o) && PyList_GET_SIZE(o) == k)
+    }
+    if (PyList_Check(o) && (PyList_GET_SIZE(o) == k || PyList_GET_SIZE(o) == k + 1)) {
+        *len = PyList_GET_SIZE(o);
         return &PyList_GET_ITEM(o, 0);
-    PyErr_Format(PyExc_TypeError, "%s must be a sequence of %zd", what, k);
+    }
+    PyErr_Format(PyExc_TypeError, "%s must be a sequence of %zd or %zd", what, k, k + 1);
     return NULL;
 }
 
@@ -412,10 +417,10 @@ static void time_args_release(TimeArgs *t) {
 }
 
 /* Server i's cost, hot-spot load and KV-full flag from its match `mt`, load (r, tok) and phase
- * (q queued, npf in prefill, tpf their tokens): `_time_core`'s loop body, operation for
- * operation. The one place of the rule for both cores. */
+ * (q queued, npf in prefill, tpf their tokens, held KV tokens): `_time_core`'s loop body,
+ * operation for operation. The one place of the rule for both cores. */
 static inline void time_row(TimeArgs *t, Py_ssize_t i, long long mt, long long r, long long tok,
-                            long long q, long long npf, long long tpf) {
+                            long long q, long long npf, long long tpf, long long held) {
     const double *pp = t->pv + i * N_PARAMS;
     double a = pp[P_A], chunk = pp[P_CHUNK], s0 = pp[P_S0], s1 = pp[P_S1], s2 = pp[P_S2];
     double kvcap = pp[P_KVCAP], k = pp[P_K];
@@ -442,10 +447,12 @@ static inline void time_row(TimeArgs *t, Py_ssize_t i, long long mt, long long r
     t->hv[i] = k * x;         /* its decode step (a TPOT estimate), decoding or not */
     t->av[i] = a * k;
     t->req[i] = r;
-    /* its KV cannot hold this prompt's uncached tokens beside its leases' prompts: it would
-     * wait for memory (the matched tokens are resident there already; counting the whole
-     * prompt passed a prefix tree's home over whenever its siblings were in flight) */
-    t->full[i] = kvcap > 0.0 && (double)(tok + p) > kvcap;
+    /* its KV cannot hold this prompt's uncached tokens beside the distinct tokens its leases'
+     * prompts hold (`held`: a shared prefix once, router/leases.py `_kv`): it would wait for
+     * memory (the matched tokens are resident there already; counting the whole prompt, or a
+     * shared prefix once per lease, passed a prefix tree's home over whenever its siblings
+     * were in flight) */
+    t->full[i] = kvcap > 0.0 && (double)(held + p) > kvcap;
 }
 
 /* The end of both time cores: the affinity bonus, then `decide`; steals `matched`. */
@@ -476,19 +483,23 @@ static PyObject *time_core(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if ((matched = PyList_New(n)) == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long mt, r, tok, q, npf, tpf;
+        long long mt, r, tok, q, npf, tpf, held;
         PyObject *const *ph;
+        Py_ssize_t len;
         if (match_of(mdict, PyList_GET_ITEM(servers, i), t.B, t.cap, &mt) ||
             as_pair(PyList_GET_ITEM(loads, i), &r, &tok, "a load") ||
-            (ph = items_of(PyList_GET_ITEM(phases, i), 3, "a phase")) == NULL ||
+            (ph = items_of_opt(PyList_GET_ITEM(phases, i), 3, &len, "a phase")) == NULL ||
             as_ll(ph[0], &q, "queued prefill tokens") || as_ll(ph[1], &npf, "leases in prefill") ||
             as_ll(ph[2], &tpf, "their tokens"))
+            goto fail;
+        held = tok;     /* a phase without held KV tokens: its leases' whole prompts */
+        if (len == 4 && as_ll(ph[3], &held, "held KV tokens"))
             goto fail;
         PyObject *m = PyLong_FromLongLong(mt);
         if (m == NULL)
             goto fail;
         PyList_SET_ITEM(matched, i, m);
-        time_row(&t, i, mt, r, tok, q, npf, tpf);
+        time_row(&t, i, mt, r, tok, q, npf, tpf, held);
     }
     ans = time_decide(&t, n, matched, 0);
     matched = NULL;
@@ -560,14 +571,18 @@ static PyObject *time_core_table(PyObject *self, PyObject *const *args, Py_ssize
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long r = 0, tok = 0, q = 0, npf = 0, tpf = 0;
+        long long r = 0, tok = 0, q = 0, npf = 0, tpf = 0, held = 0;
         PyObject *server = PyList_GET_ITEM(servers, i);
         PyObject *st = PyDict_GetItemWithError(states, server), *ld = zero_load;
         if (st != NULL) {
-            PyObject *const *f = items_of(st, 4, "a lease state");
+            Py_ssize_t len;
+            PyObject *const *f = items_of_opt(st, 4, &len, "a lease state");
             if (f == NULL || as_pair(ld = f[0], &r, &tok, "a load") ||
                 as_ll(f[1], &q, "queued prefill tokens") || as_ll(f[2], &npf, "leases in prefill") ||
                 as_ll(f[3], &tpf, "their tokens"))
+                goto fail;
+            held = tok;     /* a state without held KV tokens: its leases' whole prompts */
+            if (len == 5 && as_ll(f[4], &held, "held KV tokens"))
                 goto fail;
         } else if (PyErr_Occurred())
             goto fail;
@@ -577,7 +592,7 @@ static PyObject *time_core_table(PyObject *self, PyObject *const *args, Py_ssize
         if (m == NULL)
             goto fail;
         PyList_SET_ITEM(matched, i, m);
-        time_row(&t, i, mts[i], r, tok, q, npf, tpf);
+        time_row(&t, i, mts[i], r, tok, q, npf, tpf, held);
     }
     ans = time_decide(&t, n, matched, 3);
     matched = NULL;

@@ -38,7 +38,7 @@ __all__ = ["Lease", "LeaseTable"]
 
 _ZERO_LOAD = (0, 0)
 _ZERO_PHASE = (0, 0, 0)
-_ZERO_STATE = (_ZERO_LOAD, 0, 0, 0)
+_ZERO_STATE = (_ZERO_LOAD, 0, 0, 0, 0)
 _IN_PREFILL = attrgetter("in_prefill")
 
 
@@ -54,6 +54,7 @@ class Lease:
     in_prefill: bool = False
     predicted_s: float = 0.0    # the placement's estimated time to first token, where its
                                 # policy learns from the report (0: none; Decision.learn_s)
+    private: int = 0            # its uncached tokens at placement: the blocks it brought
 
 
 class LeaseTable:
@@ -75,10 +76,19 @@ class LeaseTable:
         self._queue_limit = 1024
         self.replaced = 0                                    # acquires that replaced a live lease
         # Per server with live leases: ((requests, tokens), queued prefill tokens, leases in
-        # prefill, their prompt tokens), replaced on change. One map, so a placement reads a
+        # prefill, their prompt tokens, held KV tokens), replaced on change. One map, so a placement reads a
         # server's load and phase in one probe (`states`); the (requests, tokens) tuple is read
         # as is by every placement (`loads_for`, the route receipt's loads).
-        self._state: dict[str, tuple[tuple[int, int], int, int, int]] = {}
+        self._state: dict[str, tuple[tuple[int, int], int, int, int, int]] = {}
+        # Per server with live leases: (sum of their ``private`` tokens, the deepest cached
+        # prefix one of them was placed on since the server last had none). Their sum is the
+        # state's *held KV tokens*: the distinct prompt tokens its in-flight requests hold, a
+        # shared prefix once (the KV-full rule's input, router/policy_kv.py `_time_core`).
+        # Summing whole prompts counted a prefix tree's prefix once per sibling in flight, and
+        # the tree's server looked full. The deepest prefix is a high-water mark (a max cannot
+        # be undone in O(1) when its lease ends): it errs toward full, and resets when the
+        # server's last lease ends. Leases of other trees add their tails only.
+        self._kv: dict[str, tuple[int, int]] = {}
         self._per_role: dict[str, int] = {}     # live leases per role
 
     @staticmethod
@@ -111,22 +121,28 @@ class LeaseTable:
     def _unload(self, lease: Lease) -> None:
         server = lease.server
         states = self._state
-        (r, t), q, n, pt = states[server]
+        (r, t), q, n, pt, _ = states[server]
         if r == 1:      # its last lease (in prefill or not: the phase sums go with it)
             del states[server]
+            del self._kv[server]
             lease.in_prefill = False
-        elif lease.in_prefill:
+            return
+        priv, deep = self._kv[server]
+        priv -= lease.private
+        self._kv[server] = (priv, deep)
+        if lease.in_prefill:
             lease.in_prefill = False
             tokens = lease.tokens
-            states[server] = ((r - 1, t - tokens), q - lease.prefill, n - 1, pt - tokens)
+            states[server] = ((r - 1, t - tokens), q - lease.prefill, n - 1, pt - tokens,
+                              priv + deep)
         else:
-            states[server] = ((r - 1, t - lease.tokens), q, n, pt)
+            states[server] = ((r - 1, t - lease.tokens), q, n, pt, priv + deep)
 
     def _unphase(self, lease: Lease) -> None:
         lease.in_prefill = False
         server = lease.server
-        ld, q, n, pt = self._state[server]
-        self._state[server] = (ld, q - lease.prefill, n - 1, pt - lease.tokens)
+        ld, q, n, pt, h = self._state[server]
+        self._state[server] = (ld, q - lease.prefill, n - 1, pt - lease.tokens, h)
 
     def acquire(self, role: str, req_id: int, server: str, now: float, ttl: float,
                 tokens: int = 0, prefill: int | None = None, predicted_s: float = 0.0) -> Lease:
@@ -147,15 +163,23 @@ class LeaseTable:
             self.replaced += 1
         else:
             self._per_role[role] = self._per_role.get(role, 0) + 1
-        lease = Lease(role, req_id, server, tokens, now, now + ttl, prefill, True, predicted_s)
+        lease = Lease(role, req_id, server, tokens, now, now + ttl, prefill, True, predicted_s,
+                      prefill)
         leases[key] = lease
         states = self._state
         st = states.get(server)
+        shared = tokens - prefill
         if st is None:
-            states[server] = ((1, tokens), prefill, 1, tokens)
+            self._kv[server] = (prefill, shared)
+            states[server] = ((1, tokens), prefill, 1, tokens, tokens)
         else:
-            (r, t), q, n, pt = st
-            states[server] = ((r + 1, t + tokens), q + prefill, n + 1, pt + tokens)
+            (r, t), q, n, pt, _ = st
+            priv, deep = self._kv[server]
+            priv += prefill
+            if shared > deep:
+                deep = shared
+            self._kv[server] = (priv, deep)
+            states[server] = ((r + 1, t + tokens), q + prefill, n + 1, pt + tokens, priv + deep)
         pq = self._prefill_q
         pq.append(lease)
         if len(pq) > self._prefill_q_limit:     # ended or reported leases' entries: compact
@@ -183,8 +207,8 @@ class LeaseTable:
             prefill = 0
         elif prefill > lease.tokens:
             prefill = lease.tokens
-        ld, q, n, pt = self._state[lease.server]
-        self._state[lease.server] = (ld, q - lease.prefill + prefill, n, pt)
+        ld, q, n, pt, h = self._state[lease.server]
+        self._state[lease.server] = (ld, q - lease.prefill + prefill, n, pt, h)
         lease.prefill = prefill
         return True
 
@@ -213,8 +237,8 @@ class LeaseTable:
             # _unphase, inlined
             lease.in_prefill = False
             server = lease.server
-            ld, q, n, pt = states[server]
-            states[server] = (ld, q - lease.prefill, n - 1, pt - lease.tokens)
+            ld, q, n, pt, h = states[server]
+            states[server] = (ld, q - lease.prefill, n - 1, pt - lease.tokens, h)
             out.append(lease)
         self.first_tokens += len(out)
         return out, len(reports) - len(out)
@@ -291,24 +315,25 @@ class LeaseTable:
         zero = _ZERO_STATE
         return [get(s, zero)[0] for s in servers]
 
-    def phases_for(self, servers) -> list[tuple[int, int, int]]:
-        """(queued prefill tokens, leases in prefill, their prompt tokens) for each of
-        ``servers``, in order: the rest of ``loads_for``'s requests and tokens are decoding."""
+    def phases_for(self, servers) -> list[tuple[int, int, int, int]]:
+        """(queued prefill tokens, leases in prefill, their prompt tokens, held KV tokens) for
+        each of ``servers``, in order: the rest of ``loads_for``'s requests and tokens are
+        decoding; the held tokens count a prefix shared between leases once (``_kv``)."""
         get = self._state.get
         zero = _ZERO_STATE
         return [get(s, zero)[1:] for s in servers]
 
-    def states(self) -> dict[str, tuple[tuple[int, int], int, int, int]]:
+    def states(self) -> dict[str, tuple[tuple[int, int], int, int, int, int]]:
         """The map behind ``loads_for`` and ``phases_for``: server -> ((requests, tokens), queued
-        prefill tokens, leases in prefill, their prompt tokens), a server absent when it has no
-        live lease. Read-only for callers, and the same dict for the table's life, so a policy
+        prefill tokens, leases in prefill, their prompt tokens, held KV tokens), a server absent
+        when it has no live lease. Read-only for callers, and the same dict for the table's life, so a policy
         may keep it: the native placement core reads it in its one pass over the candidates
         (router/_kv_cost.c ``time_core_table``) instead of lists built per placement."""
         return self._state
 
     def phase(self, server: str) -> tuple[int, int, int]:
         st = self._state.get(server)
-        return st[1:] if st else _ZERO_PHASE
+        return st[1:4] if st else _ZERO_PHASE
 
     def loads(self) -> dict[str, tuple[int, int]]:
         return {s: st[0] for s, st in self._state.items()}

@@ -396,7 +396,8 @@ class KvCacheAwarePolicy(Policy):
             for i in lc:
                 hot[i] = (f"hot: {loads[i][0]}/{mbs} requests >= load_cap {self.load_cap}"
                           if mbs and loads[i][0] / mbs >= self.load_cap else
-                          f"hot: KV full ({loads[i][1]} in-flight prompt tokens + this prompt's "
+                          f"hot: KV full ({_held(bulk[3], servers[i], loads[i])} held KV tokens + "
+                          f"this prompt's "
                           f"{num_tokens - matched[i]} uncached > capacity "
                           f"{int(params[i * PARAMS + 5])})")
             skip_hot = len(hot) != n
@@ -426,12 +427,20 @@ class KvCacheAwarePolicy(Policy):
                         predicted_s, num_tokens - matched[pick] if timed else None, learn_s)
 
 
+def _held(states: dict | None, server: str, load: tuple) -> int:
+    """The held KV tokens the KV-full rule read for ``server`` (a KV-full explanation's): its
+    lease state's (router/leases.py), else its in-flight prompt tokens (``load[1]``)."""
+    st = states.get(server) if states is not None else None
+    return st[4] if st is not None and len(st) == 5 else load[1]
+
+
 def _predicted_s(pick: int, phases: list, loads: list, params, num_tokens: int, matched: list,
                  dw: float) -> float:
     """Server ``pick``'s estimated time to first token: `_time_core`'s cost with
     ``uncached_weight`` 1 and no affinity bonus (router/_kv_cost.c `time_core_table` computes the
     same, operation for operation)."""
-    q, npf, tpf = phases[pick]
+    ph = phases[pick]
+    q, npf, tpf = ph[0], ph[1], ph[2]
     r, t = loads[pick]
     b = pick * PARAMS
     w = q + num_tokens - matched[pick]
@@ -552,15 +561,20 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, params
     - ``hotspot``: indices whose decode step ``k * dw * (s0 + s1 * d + s2 * c)`` (what a step
       there costs now: its decoding requests' time per output token, ``s0`` on an idle server)
       exceeds ``limit = hf * mean + slack`` (``hf`` 0: off);
-      ``load_capped``: as in ``_core``, and the others whose in-flight prompt tokens plus this
-      prompt's uncached tokens ``p`` exceed their KV capacity (0: unknown); ``tied`` as in ``_core``. Queued prefill needs
-      no hot rule: the cost already charges it in the same seconds.
+      ``load_capped``: as in ``_core``, and the others whose held KV tokens plus this prompt's
+      uncached tokens ``p`` exceed their KV capacity (0: unknown): the KV-full rule, held being
+      a phase's fourth item (the distinct tokens its in-flight prompts hold, a prefix shared
+      between them once: router/leases.py `_kv`), its in-flight prompt tokens where a phase has
+      three; ``tied`` as in ``_core``. Queued prefill needs no hot rule: the cost already
+      charges it in the same seconds.
     """
     matched, est = _matches(servers, md, block_size, cap, unknown)
     costs = []
     waits = []
     full = []
-    for i, (mt, (req, tok), (q, npf, tpf)) in enumerate(zip(est, loads, phases)):
+    for i, (mt, (req, tok), ph) in enumerate(zip(est, loads, phases)):
+        q, npf, tpf = ph[0], ph[1], ph[2]
+        held = ph[3] if len(ph) == 4 else tok
         a, chunk, s0, s1, s2, kvcap, k = params[i * PARAMS:(i + 1) * PARAMS]
         p = num_tokens - mt
         d = req - npf
@@ -569,7 +583,7 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, params
         steps = (q + p) / chunk
         costs.append(k * ((q + uw * p) * a + (steps if steps > 1.0 else 1.0) * step))
         waits.append(k * x)
-        full.append(kvcap > 0.0 and tok + p > kvcap)
+        full.append(kvcap > 0.0 and held + p > kvcap)
     if pin >= 0:
         costs[pin] -= bonus * num_tokens * (params[pin * PARAMS] * params[pin * PARAMS + PARAMS - 1])
     return (matched, costs) + _decide(costs, waits, [l[0] for l in loads], hf, slack, mbs, lcap,

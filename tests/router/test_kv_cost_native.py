@@ -98,7 +98,10 @@ def time_core_args(draw):
     for req, tok in loads:
         npf = draw(st.integers(0, req))
         tpf = draw(st.integers(0, tok))
-        phases.append((draw(st.integers(0, tpf) | st.just(0)), npf, tpf))
+        ph = (draw(st.integers(0, tpf) | st.just(0)), npf, tpf)
+        # the held KV tokens (a lease table's phase), or none (the KV-full rule reads tok)
+        held = draw(st.none() | st.integers(0, tok) | st.integers(0, 300_000))
+        phases.append(ph if held is None else ph + (held,))
     secs = _secs
     models = [(draw(_per_token),
                float(draw(_chunk)),
@@ -135,7 +138,7 @@ def _table_args(args, rnd, shuffle=False):
     servers, md, loads, phases = args[:4]
     states = {}
     for s, ld, ph in zip(servers, loads, phases):
-        if ld != (0, 0) or ph != (0, 0, 0) or rnd.random() < 0.5:
+        if ld != (0, 0) or any(ph) or rnd.random() < 0.5:
             states[s] = (ld, *ph)
     states["http://gone"] = ((3, 300), 300, 3, 300)   # servers that are not candidates: not read
     positions = {s: i for i, s in enumerate(servers)}
@@ -250,6 +253,26 @@ def test_a_server_whose_kv_is_full_is_skipped():
         assert costs[0] < costs[1] and lc == [0] and tied == [1]
     both_full = (servers, md, loads, phases, array("d", full * 2), *args[5:])
     assert native.time_core(*both_full)[2] == [0] == pk._time_core(*both_full)[2]
+
+
+def test_the_kv_full_rule_reads_the_held_tokens_not_the_whole_prompts():
+    """A prefix tree's home with three siblings in flight (30,000 prompt tokens, a 9,000-token
+    prefix shared): its held KV tokens (the lease table's phase and state item, the prefix once:
+    12,000) and this prompt's 100 uncached fit its 20,000 tokens; its in-flight prompt tokens
+    would not. Both cores, the list and the lease table's map, keep the request there."""
+    servers = ["home", "other"]
+    md = {"home": 562}                    # 8,992 of 9,092 tokens cached at home
+    loads = [(3, 30_000), (0, 0)]
+    model = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 20_000.0, 1.0)
+    rest = (array("d", model * 2), 16, 9091, 9092, 2.0, 1.0, -1, 0.25, 2.0, 0.0, 0, 0.0)
+    for phases, want in (([(0, 0, 30_000), (0, 0, 0)], [1]),            # whole prompts: full
+                         ([(0, 0, 30_000, 12_000), (0, 0, 0, 0)], [0])):    # held: fits
+        args = (servers, md, loads, phases, *rest)
+        for core in (native.time_core, pk._time_core):
+            assert core(*args)[2] == want, (core, phases)
+        states = {s: (ld, *ph) for s, ld, ph in zip(servers, loads, phases)}
+        assert native.time_core_table(servers, md, states, {"home": 0, "other": 1}, *rest,
+                                      0)[2] == want
 
 
 def test_equal_costs_tie_and_hot_servers_are_skipped():

@@ -123,7 +123,8 @@ def test_first_token_moves_a_lease_out_of_prefill_once():
     t = LeaseTable(prefill_ttl=10.0)
     t.acquire("gen", 1, "s", 0.0, 60.0, tokens=1000, prefill=300, predicted_s=0.2)
     t.acquire("gen", 2, "s", 0.0, 60.0, tokens=500)        # no prefill given: all of it
-    assert t.phases_for(["s", "x"]) == [(800, 2, 1500), (0, 0, 0)]
+    # held KV tokens: 300 + 500 brought, the 700-token cached prefix once
+    assert t.phases_for(["s", "x"]) == [(800, 2, 1500, 1500), (0, 0, 0, 0)]
     lease = t.first_token("gen", 1)
     assert lease is not None and lease.predicted_s == 0.2 and not lease.in_prefill
     assert t.first_token("gen", 1) is None and t.first_token("gen", 9) is None   # idempotent
@@ -154,6 +155,32 @@ def test_a_frames_first_tokens_apply_as_one_report_each():
         assert t1.phase(s) == t2.phase(s) and t1.load(s) == t2.load(s)
     assert t1.first_tokens == t2.first_tokens == 3
     assert t1.first_tokens_of([]) == ([], 0)
+
+
+def test_held_kv_tokens_count_a_shared_prefix_once():
+    """The KV-full rule's input (the state's fifth item): each lease's uncached tokens at
+    placement plus the deepest cached prefix a lease was placed on, not the sum of whole prompts:
+    siblings of a prefix tree hold its prefix once. The deepest prefix stays until the server's
+    last lease ends (it errs toward full); phases and set_prefill leave it alone."""
+    t = LeaseTable()
+    t.acquire("gen", 1, "s", 0.0, 60.0, tokens=10_000, prefill=10_000)   # the tree's first
+    t.acquire("gen", 2, "s", 0.0, 60.0, tokens=10_200, prefill=200)      # siblings: a tail each
+    t.acquire("gen", 3, "s", 0.0, 60.0, tokens=10_300, prefill=300)
+    assert t.load("s") == (3, 30_500)
+    # the first brought the prefix (its private tokens), the siblings placed on it name it:
+    # counted twice, not once per sibling
+    assert t.states()["s"][4] == 10_000 + 200 + 300 + 10_000
+    t.first_token("gen", 2)
+    assert t.set_prefill("gen", 3, 0) and t.states()["s"][4] == 20_500
+    t.finish("gen", 3)
+    assert t.states()["s"][4] == 10_000 + 200 + 10_000       # the deepest prefix kept
+    t.acquire("gen", 4, "s", 0.0, 60.0, tokens=500, prefill=100)   # another tree's
+    assert t.states()["s"][4] == 10_000 + 200 + 100 + 10_000
+    for r in (1, 2, 4):
+        t.finish("gen", r)
+    assert "s" not in t.states()
+    t.acquire("gen", 5, "s", 0.0, 60.0, tokens=500, prefill=100)   # reset with the last lease
+    assert t.states()["s"][4] == 500
 
 
 def test_set_prefill_changes_only_the_queued_tokens():

@@ -578,3 +578,31 @@ def test_time_cost_arguments_are_checked(args, field):
     # a token weight alone selects the token cost (configs written for it keep their meaning)
     assert make_policy("kv_cache_aware", {"load_tokens_weight": 0.5}).cost == "tokens"
     assert make_policy("kv_cache_aware", {"use_tokens": False}).cost == "tokens"
+
+
+def test_siblings_of_a_prefix_tree_keep_its_server_under_the_kv_full_rule(env):
+    """The KV-full rule (a server whose KV cannot hold this prompt's uncached tokens beside what
+    its in-flight requests hold is passed over) counts a prefix its in-flight requests share once:
+    three siblings of a 4,096-token tree running on its server (12,672 prompt tokens in flight,
+    4,480 held) leave room for a fourth's 128-token tail in 6,400 tokens of KV, so the fourth
+    stays with the tree. In-flight prompts of other trees that fill the KV still push it off."""
+    idx, leases, view = env
+    info = {"routing_model": MODEL, "kv_capacity_blocks": 400, "block_size": B}
+    cands = [Candidate(s, info=info) for s in SERVERS]
+    p = make_policy("kv_cache_aware", {"implicit_sessions": False})
+    tree = prompt(40, 4096)
+    cache(idx, "http://a", tree)
+    sibling = [tree + prompt(41 + i, 128) for i in range(4)]
+    for t in sibling[:3]:       # placed as the coordinator does: a lease with its uncached tokens
+        d = p.select(cands, key_of(t), view)
+        assert d.server == "http://a" and d.uncached == 128
+        leases.acquire("gen", next(_req_ids), d.server, 0.0, 60.0, len(t), d.uncached)
+    assert leases.load("http://a") == (3, 3 * 4224) and leases.states()["http://a"][4] == 4480
+    d = p.select(cands, key_of(sibling[3]), view)
+    assert d.server == "http://a", d.explanation
+    # another tree's prompts in flight there: 4,480 + 2,000 held, + 128 > 6,400
+    leases.acquire("gen", next(_req_ids), "http://a", 0.0, 60.0, 2000, 2000)
+    d = p.select(cands, key_of(sibling[3]), view)
+    assert d.server != "http://a"
+    row = next(r for r in d.explanation["candidates"] if r["server"] == "http://a")
+    assert "KV full (6480 held KV tokens" in row["why"], row
