@@ -13,7 +13,9 @@ def owner_map(request, monkeypatch) -> str:
     patched away, so tables built in the test hold a dict and run the Python recipes)."""
     if request.param == "native":
         if not kv_owners.NATIVE:
-            pytest.skip("router/_owner_map.c did not build")
+            # installed without a C compiler (setup.py then leaves the module out); CI builds it and
+            # tests/helm/test_dockerfile.py fails there if it did not
+            pytest.skip("router/_owner_map.c not built (no C compiler at install): the python case runs")
     else:
         monkeypatch.setattr(kv_owners, "OwnerMap", None)
     return request.param
