@@ -225,11 +225,17 @@ class KvCacheAwarePolicy(Policy):
     _LEARN = 0.1
     _LEARN_MIN_S = 0.02
 
+    def _learns(self, server: str, predicted_s: float | None) -> bool:
+        """Whether a first-token report for a placement on ``server`` estimated at ``predicted_s``
+        moves its scale: the one rule `observe_ttft` applies and `select` states in advance
+        (`Decision.learn_s`)."""
+        return self.learn_rates and self.cost == "time" and server in self._learnable \
+            and predicted_s is not None and predicted_s >= self._LEARN_MIN_S
+
     def observe_ttft(self, server: str, predicted_s: float, actual_s: float) -> None:
         """The fleet reported a leg's first token ``actual_s`` after its placement, which had
         estimated ``predicted_s`` (the scale at the time included): the server's scale follows."""
-        if not self.learn_rates or self.cost != "time" or not predicted_s >= self._LEARN_MIN_S \
-                or not actual_s > 0 or server not in self._learnable:
+        if not actual_s > 0 or not self._learns(server, predicted_s):
             return
         # clamped by comparisons, not min/max (two builtin calls each, on every report)
         r = actual_s / predicted_s
@@ -419,9 +425,8 @@ class KvCacheAwarePolicy(Policy):
         # 0.0 where it would not learn from it (its tests known at placement: learning on, the
         # estimate long enough, a server without a published model), so the coordinator skips
         # that report's call (~2k instructions each; every report on servers that publish their
-        # model). tests/router/test_policies.py checks the two agree.
-        learn_s = predicted_s if predicted_s and self.learn_rates \
-            and predicted_s >= self._LEARN_MIN_S and server in self._learnable else 0.0
+        # model; the rule is `_learns`, which observe_ttft applies).
+        learn_s = predicted_s if self._learns(server, predicted_s) else 0.0
         return Decision(server, None, None if unknown and ok[pick].kv_unknown
                         else md.get(server, 0) if md is not None else 0, choice, explain,
                         predicted_s, num_tokens - matched[pick] if timed else None, learn_s)
