@@ -15,10 +15,13 @@ import signal
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
+
+from splitserve_testing.proctable import listening_sockets, tree
 
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -193,7 +196,32 @@ def http_status(url: str, body: dict | None = None, timeout: float = 2.0) -> int
         return 0
 
 
+def serves(proc: Proc, port: int) -> bool:
+    """Whether ``proc`` or a process it started listens on TCP ``port``."""
+    return any(proto.startswith("tcp") and p == port
+               for pid in tree(proc.pid) for proto, _, p in listening_sockets(pid))
+
+
 def wait_http(url: str, timeout: float, proc: Proc | Iterable[Proc] | None = None, body: dict | None = None,
-              interval: float = 0.1, error: type[Exception] = RuntimeError) -> None:
-    """Until ``url`` answers 200 (see ``wait_for`` for the failures)."""
-    wait_for(lambda: http_status(url, body) == 200, timeout, url, proc, interval, error)
+              interval: float = 0.1, error: type[Exception] = RuntimeError, *,
+              served_by: Proc | None = None) -> None:
+    """Until ``url`` answers 200 (see ``wait_for`` for the failures).
+
+    With ``served_by`` (a child on loopback), until the answer comes from that child: it, or a
+    process it started, listens on the url's port. A port picked free (``free_port``) is only
+    free when picked: another program that picked the same one, such as another benchmark process
+    running beside this one, can bind it first and then answer in the child's place, while the
+    child fails to bind and exits; without this check that other process passes for the child
+    until it stops. The child's exit is then the failure, with its log ("Address already in use").
+    """
+    procs = _as_list(proc)
+    if served_by is None:
+        wait_for(lambda: http_status(url, body) == 200, timeout, url, procs, interval, error)
+        return
+    port = urllib.parse.urlsplit(url).port
+    if port is None:
+        raise ValueError(f"served_by needs a url with an explicit port, got {url!r}")
+    if served_by not in procs:
+        procs.append(served_by)
+    wait_for(lambda: http_status(url, body) == 200 and serves(served_by, port),
+             timeout, f"{url} served by {served_by.name} (pid {served_by.pid})", procs, interval, error)

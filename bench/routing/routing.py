@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -49,7 +51,7 @@ from bench._common import cpu_model, replace_section  # noqa: E402
 from bench.routing import _conversations as C  # noqa: E402
 from bench.routing import _routing_bound as RB  # noqa: E402
 from bench.routing._routing_oracle import Oracle  # noqa: E402
-from splitserve_testing import Proc, free_port, wait_http  # noqa: E402
+from splitserve_testing import Proc, free_port, serves, wait_http  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 OUTDIR = ROOT / "bench" / "results"
@@ -77,12 +79,18 @@ def post(url: str, body: dict, timeout: float = 10.0) -> bytes:
         return r.read()
 
 
+class WorkerGone(RuntimeError):
+    """A sim worker of this run stopped serving: which one, its exit code and the end of its log."""
+
+
 class Procs:
-    """Child processes (splitserve_testing.Proc), each in its own session, stopped by pid."""
+    """Child processes (splitserve_testing.Proc), each in its own session, stopped by pid; the
+    sim workers also by the url each serves (`workers`), for saying which one failed and how."""
 
     def __init__(self, work: Path):
         self.work = work
         self.procs: list[Proc] = []
+        self.workers: dict[str, Proc] = {}
 
     def spawn(self, name: str, argv: list[str]) -> Proc:
         p = Proc(name, argv, self.work / f"{name}.log")
@@ -90,7 +98,42 @@ class Procs:
         return p
 
     def wait_http(self, url: str, p: Proc, timeout: float = 90) -> None:
-        wait_http(url, timeout, p)
+        # served_by: the answer must come from `p`. The cells of --jobs pick their ports side by
+        # side, each free when picked; a process of another cell that bound the same port first
+        # answered /health in place of ours, which exited on EADDRINUSE, and this cell then used
+        # the other cell's worker until that cell stopped it: "Connection refused" mid-cell (what
+        # stopped two 32-worker cells of f900f66's judged run, by their timing; logs not kept).
+        wait_http(url, timeout, p, served_by=p)
+
+    def worker_report(self, url: str) -> str:
+        """What became of the worker at `url`: its process, exit code and the end of its log."""
+        p = self.workers.get(url)
+        if p is None:
+            return f"no worker process of this run was started for {url}"
+        rc = p.returncode
+        if rc is None:
+            port = int(url.rsplit(":", 1)[1])
+            state = f"still runs, {'listening' if serves(p, port) else 'not listening'} on its port"
+        else:
+            state = f"exited with code {rc}" + (f" ({signal.Signals(-rc).name})" if rc < 0 else "")
+        return (f"sim worker {p.name} at {url} (pid {p.pid}) {state}; the end of its log "
+                f"({p.log_path}):\n{p.tail(20)}")
+
+    def check_workers(self, urls: list[str], when: str) -> None:
+        """Raise WorkerGone naming every worker of `urls` whose process has exited."""
+        gone = [u for u in urls if u in self.workers and not self.workers[u].alive()]
+        if gone:
+            raise WorkerGone(f"{len(gone)} of {len(urls)} sim workers exited {when}:\n"
+                             + "\n".join(self.worker_report(u) for u in gone))
+
+    @contextlib.contextmanager
+    def calling(self, url: str, what: str):
+        """A call to the worker at `url`: a failure to reach it (refused, reset, timed out) is
+        raised as WorkerGone with what became of its process."""
+        try:
+            yield
+        except OSError as e:    # urllib's URLError and the socket errors are OSErrors
+            raise WorkerGone(f"{what} {url} failed ({e}); {self.worker_report(url)}") from e
 
     def stop(self, p: Proc) -> None:
         p.stop(15)
@@ -128,6 +171,7 @@ def start_workers(procs: Procs, n: int, num_blocks: int, args, model: str = "1b"
                     raise
                 u, p = spawn(k, attempt)
         urls.append(u)
+        procs.workers[u] = p
     return urls
 
 
@@ -242,12 +286,14 @@ async def replay(url: str, reqs: list[T.Req], tokens: T.Tokens, args,
     return results
 
 
-def worker_state(urls: list[str]) -> dict:
+def worker_state(urls: list[str], procs: Procs) -> dict:
     """Requests running and blocks pinned/used on every worker (all must be 0 when idle)."""
     from prometheus_client.parser import text_string_to_metric_families
     out = {"running": 0, "pinned": 0, "used": 0}
     for u in urls:
-        for fam in text_string_to_metric_families(get(u + "/metrics").decode()):
+        with procs.calling(u, "GET /metrics of"):
+            text = get(u + "/metrics").decode()
+        for fam in text_string_to_metric_families(text):
             for smp in fam.samples:
                 if smp.name == "splitserve_worker_num_requests_running":
                     out["running"] += int(smp.value)
@@ -256,14 +302,15 @@ def worker_state(urls: list[str]) -> dict:
     return out
 
 
-def reset_workers(urls: list[str]) -> None:
+def reset_workers(urls: list[str], procs: Procs) -> None:
     for u in urls:
-        post(u + "/reset_prefix_cache", {"reason": "bench"})
+        with procs.calling(u, "POST /reset_prefix_cache to"):
+            post(u + "/reset_prefix_cache", {"reason": "bench"})
 
 
 def run_policy(procs: Procs, work: Path, urls: list[str], name: str, policy: str, rargs: dict,
                reqs, tokens, args) -> dict:
-    reset_workers(urls)
+    reset_workers(urls, procs)
     t = time.time()
     if policy == "oracle":
         oracle = Oracle(urls, BLOCK, rargs.get("cache_weight", args.oracle_cache_weight),
@@ -283,6 +330,8 @@ def run_policy(procs: Procs, work: Path, urls: list[str], name: str, policy: str
         diag = {s["url"]: s.get("routing_prediction") for s in ci["servers"]["generation"]}
         for p in front:
             procs.stop(p)
+    # a worker that died mid-replay shows as errors in the row; the cell stops here instead, saying which
+    procs.check_workers(urls, f"while {name} was replayed")
     s = T.summarize(results, urls, args.dilation)
     s.update(tree_moves(reqs, results))
     if args.work:   # per request, for a look at where each prefix tree went
@@ -294,7 +343,7 @@ def run_policy(procs: Procs, work: Path, urls: list[str], name: str, policy: str
                                     "cached": r.cached_tokens, "ttft": (r.t_first - r.t_send) / args.dilation
                                     if r.t_first else None, **r.extra}) + "\n")
     s.update(name=name, policy=policy, args=rargs, wall_s=round(time.time() - t, 1),
-             leases_in_flight=leases, workers_after=worker_state(urls), coordinator_prediction=diag,
+             leases_in_flight=leases, workers_after=worker_state(urls, procs), coordinator_prediction=diag,
              coordinator_leases=lease_stats)
     print(f"  {name:<34} hit {s['hit_ratio']:.3f}  TTFT p50 {s['ttft_p50_ms']:8.1f} ms  "
           f"p99 {s['ttft_p99_ms']:9.1f}  TPOT p50 {s['tpot_p50_ms']:6.2f} p99 {s['tpot_p99_ms']:6.2f}"
@@ -492,10 +541,14 @@ def main(argv=None) -> int:
         if args.work:
             tmp = str(args.work)
             args.work.mkdir(parents=True, exist_ok=True)
-        for name in args.traces.split(","):
-            reqs, traces[name] = load_trace(name, args, Path(tmp))
-            for n in sizes:
-                runs += run_size(n, args, name, reqs, tokens, Path(tmp), loads)
+        try:
+            for name in args.traces.split(","):
+                reqs, traces[name] = load_trace(name, args, Path(tmp))
+                for n in sizes:
+                    runs += run_size(n, args, name, reqs, tokens, Path(tmp), loads)
+        except WorkerGone as e:    # which worker, how it ended, its log: the traceback adds nothing
+            print(f"bench/routing/routing.py: stopped: {e}", file=sys.stderr, flush=True)
+            return 1
     meta = {"traces": traces, "dilation": args.dilation,
             "tokens_per_block": args.tokens_per_block,
             "kv_ratio": args.kv_ratio if args.kv_ratio is not None else KV_RATIO,
@@ -571,6 +624,9 @@ def run_cells(args, argv: list[str], sizes: list[int], loads: list[str]) -> int:
                         if ln.startswith(("  ", "synthetic", "conversations"))))
     if failed:
         print(f"FAILED cells (see their .log): {failed}", flush=True)
+        for t, n, ld in failed:    # why, as each cell's log ends (a stopped worker's report, a traceback)
+            log = (args.json_dir / f"cell-{t}-{n}-{ld}.log").read_text(errors="replace").splitlines()
+            print(f"--- cell-{t}-{n}-{ld}.log ends with:\n" + "\n".join(log[-30:]), flush=True)
     if not args.no_write and files:
         main(["--from-json", *map(str, files)])
     return 1 if failed else 0

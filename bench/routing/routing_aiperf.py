@@ -185,12 +185,12 @@ def main(argv=None) -> int:
                   f"{ours['hit_ratio']:.3f} {ours['error_samples']}", flush=True)
             for p in front:
                 procs.stop(p)
-            R.reset_workers(urls)
+            R.reset_workers(urls, procs)
             furl, _, front = R.start_front(procs, work, urls, args.policy, {}, model=str(model))
             trace = work / "trace.jsonl"
             derived_trace(reqs, args, trace)
             ap_out = run_aiperf(furl, model, trace, len(reqs), args, work / "aiperf")
-            hit_after = R.worker_state(urls)
+            hit_after = R.worker_state(urls, procs)
         finally:
             procs.stop_all()
     data = ap_out["export"]

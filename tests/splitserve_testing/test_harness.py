@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from splitserve_testing import Proc, free_port_pair, free_ports, stop_all, wait_for, wait_http
+from splitserve_testing import Proc, free_port_pair, free_ports, serves, stop_all, wait_for, wait_http
 from splitserve_testing.proctable import alive, children, group_members
 
 PY = sys.executable
@@ -85,6 +85,30 @@ def test_wait_http_returns_once_the_child_serves(tmp_path):
         wait_http(f"http://127.0.0.1:{port}/", 20, p)
     finally:
         p.stop()
+
+
+def test_wait_http_served_by_refuses_another_process_answering_on_the_port(tmp_path):
+    """Two runs side by side picked the same free port and the other one's server bound it first:
+    its answer passes for our child under a plain wait_http, while our child fails to bind and
+    exits. With served_by that exit is the failure, with the child's log."""
+    port = free_ports(1)
+    url = f"http://127.0.0.1:{port}/"
+    server = [PY, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+    other = Proc("other", server, tmp_path / "o.log")
+    ours = None
+    try:
+        wait_http(url, 20, other, served_by=other)      # the other run's server, which does serve
+        assert serves(other, port)
+        ours = Proc("ours", server, tmp_path / "ours.log")
+        wait_http(url, 20, ours)                         # the hazard: answered, by `other`
+        with pytest.raises(RuntimeError) as e:
+            wait_http(url, 20, ours, served_by=ours)
+        assert "ours exited (1)" in str(e.value) and "Address already in use" in str(e.value)
+        assert not serves(ours, port)
+    finally:
+        for p in (ours, other):
+            if p is not None:
+                p.stop()
 
 
 def test_wait_for_times_out_with_the_last_error():
