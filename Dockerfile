@@ -20,8 +20,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/splitserve
 # A C compiler for the native modules (router/_chain.c, the block-key recipe; router/_kv_cost.c, the
 # kv_cache_aware placement core; router/_owner_map.c, the KV index's owner masks with its prefix
-# walk and speculative entries; router/_prefix_pins.c, kv_cache_aware's implicit sessions); build
-# stage only.
+# walk and speculative entries; router/_prefix_pins.c, kv_cache_aware's implicit sessions;
+# transfer/_spin.c, the KV-transfer listeners' bounded busy-poll); build stage only.
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -45,9 +45,10 @@ COPY transfer/ transfer/
 # The pinned torch already satisfies the project's torch range, so pip keeps it.
 COPY setup.py ./
 RUN pip install . && python -c "import torch, splitserve_cli, router.block_keys as bk, \
-    router.policy_kv as pk, router.kv_owners as kq, router.prefix_pins as pp; \
+    router.policy_kv as pk, router.kv_owners as kq, router.prefix_pins as pp, transfer.zmq_io as tz; \
     assert bk.NATIVE, 'router/_chain.c did not build'; assert pk.NATIVE, 'router/_kv_cost.c did not build'; \
     assert kq.NATIVE, 'router/_owner_map.c did not build'; assert pp.NATIVE, 'router/_prefix_pins.c did not build'; \
+    assert tz.SPIN_NATIVE, 'transfer/_spin.c did not build'; \
     print('torch', torch.__version__)"
 
 FROM python:${PYTHON_VERSION}-slim-bookworm

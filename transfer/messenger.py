@@ -136,10 +136,10 @@ class Messenger:
         self.io.watch_fd(lane.fd, lambda: self._read(lane))
         return True
 
-    def poll_briefly(self, seconds: float) -> None:
-        """(any thread) A reply is expected within about `seconds`: the listener sleeps in short
-        ticks meanwhile (`IoLoop.poll_briefly`)."""
-        self.io.poll_briefly(seconds)
+    def expect(self, seconds: float) -> None:
+        """(any thread) A message is expected within about `seconds`: the listener busy-polls
+        meanwhile instead of sleeping (`IoLoop.expect`)."""
+        self.io.expect(seconds)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the listener thread (serialises it with message handlers)."""

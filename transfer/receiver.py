@@ -339,8 +339,12 @@ class Receiver:
                                          notif=self.c.results_by_notif,
                                          ready=self.c.ready_waiter is not None))
         r.state = RecvState.POSTED
-        if self.c.cfg.result_poll_s > 0:
-            self.c.messenger.poll_briefly(self.c.cfg.result_poll_s)
+        # Its result comes on the control plane within a round trip in context_first (in
+        # generation_first after the prefill: the window is then spent for nothing, once per
+        # receive). A result that comes as the write's notification is read by the agent's
+        # thread, not this listener: nothing to spin for.
+        if self.c.spin_s and not self.c.results_by_notif:
+            self.c.messenger.expect(self.c.spin_s)
 
     def on_result(self, endpoint: str | None, msg: Result, agent: str | None = None) -> None:
         """A context rank's result: a control message (`endpoint` its rank) or, for `ok` results

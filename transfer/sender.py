@@ -170,7 +170,11 @@ class Sender:
             s.deadline = s.finished_at + self.c.cfg.send_timeout_s
             self.check_locked(s)
             if not s.targets:
-                return   # context_first: the receive's arrival dispatches it (Sender.on_recv)
+                # context_first: the receive's arrival dispatches it (Sender.on_recv); it comes
+                # once the answer reached the generation worker, maybe within the spin window.
+                if self.c.spin_s and s.state == SendState.ACTIVE:
+                    self.c.messenger.expect(self.c.spin_s)
+                return
         self.c.pump.dispatch_now(s)   # generation_first: the receive is here; write now
 
     def status(self, request_id: int) -> Status:
@@ -290,6 +294,8 @@ class Sender:
 
     def on_claim(self, ident: bytes, msg: Claim) -> None:
         req = msg.req
+        if self.c.spin_s:   # a generation worker took the request: its receive follows
+            self.c.messenger.expect(self.c.spin_s)
         with self.c.lock:
             s = self.sessions.get(req)
             if s is not None:

@@ -21,6 +21,7 @@ class RankCore:
     def __init__(self, cfg: TransferConfig, topology: RankTopology, page_table: PageTable,
                  agent) -> None:
         self.cfg = cfg
+        self.spin_s = cfg.spin_window_s   # how long a listener spins for an expected message
         self.topology = topology
         self.page_table = page_table
         self.agent = agent

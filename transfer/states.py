@@ -3,6 +3,7 @@ rank's configuration. Imported by the sender, the receiver, the facade and the w
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -100,6 +101,19 @@ def combine_codes(codes: Sequence[int]) -> int:
     return min(codes) if codes else IN_FLIGHT
 
 
+# TransferConfig.spin_s's default, and the CPUs a process needs for it to be on.
+DEFAULT_SPIN_S = 0.5e-3
+SPIN_MIN_CPUS = 4
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; the machine's count elsewhere)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass
 class TransferConfig:
     agent: str = "auto"               # auto | nixl | shm | tcp
@@ -115,15 +129,27 @@ class TransferConfig:
     pipeline: bool = True             # ctx sends each finished chunk's blocks right away
     prepped: str = "auto"             # prepared descriptor lists: auto (nixl only) | on | off
     progress_thread: bool = False     # nixl's own progress thread (spins a core per agent)
-    # gen: for this long after posting a receive, the listener sleeps in 50 µs ticks instead of
-    # until its lanes are readable, so a result that comes soon (context_first) is read by a
-    # thread that just ran. 0 = off. Not a worker flag yet: bench/transfer/control.py --poll-us.
-    result_poll_s: float = 0.0
+    # How long a control listener busy-polls (GIL released, transfer/_spin.c) where a message is
+    # expected soon instead of sleeping until it comes (a thread woken from a sleep answers
+    # 50-150 µs late per hop): the generation side after posting a receive (its result), the
+    # context side after a claim or a context_first finish (the receive). At most this much of
+    # one core per expectation; ended by the message. None: DEFAULT_SPIN_S where the process
+    # may run on at least SPIN_MIN_CPUS CPUs, else 0 (off: a spinning thread on a small
+    # machine takes the core the other side needs). Worker flag --transfer-spin-us.
+    spin_s: float | None = None
+
+    @property
+    def spin_window_s(self) -> float:
+        """`spin_s` resolved: seconds (0 = never spin)."""
+        if self.spin_s is not None:
+            return max(0.0, self.spin_s)
+        return DEFAULT_SPIN_S if usable_cpus() >= SPIN_MIN_CPUS else 0.0
 
     def describe(self) -> dict:
         return {"send_timeout_s": self.send_timeout_s, "recv_timeout_s": self.recv_timeout_s,
                 "claim_timeout_s": self.claim_timeout_s,
-                "pipeline": self.pipeline, "prepped": self.prepped}
+                "pipeline": self.pipeline, "prepped": self.prepped,
+                "spin_s": self.spin_window_s}
 
 
 @dataclass(frozen=True)

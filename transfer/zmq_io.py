@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -26,12 +25,15 @@ log = logging.getLogger("splitserve.transfer.zmq_io")
 # and handshake wakes the poll at once. tests/transfer/test_control_wakeups.py sets them huge.
 DEADLINE_POLL_S = 0.01
 IDLE_POLL_S = 0.2
-# While a loop polls briefly (`IoLoop.poll_briefly`): how long each of its sleeps on the watched
-# file descriptors lasts at most (data arriving ends it at once).
-POLL_TICK_S = 50e-6
-# select() takes descriptors below this only (FD_SETSIZE); a loop watching a higher one sleeps
-# in its poll as usual.
-SELECT_FD_LIMIT = 1024
+try:   # transfer/_spin.c: a bounded busy-poll with the GIL released (optional, setup.py)
+    from . import _spin
+except ImportError:   # built without a C compiler: the loops never spin (they sleep in poll)
+    _spin = None
+SPIN_NATIVE = _spin is not None
+# How many times in a row a spin may end on a descriptor that the ZeroMQ poll after it finds
+# nothing on (a ZeroMQ socket's descriptor signals its internal commands too) before the loop
+# stops spinning for this window: each such turn runs Python holding the GIL.
+SPIN_IDLE_TURNS = 8
 
 # A DEALER's monitor reports these two; "connected" is a finished handshake, not a TCP connect, so
 # a peer that accepts TCP but never speaks ZMTP still counts as not connected.
@@ -159,8 +161,8 @@ class IoLoop:
       DEALER and no endpoint) are reported through `on_refused(key, tags, reason)`;
     - a queued message whose tag fails `is_live(tag)` is dropped unsent (e.g. its transfer failed).
 
-    While asked to poll briefly (`poll_briefly`), the thread sleeps at most `POLL_TICK_S` at a time
-    (on the watched descriptors and the wake pipe, then a ZeroMQ poll that does not wait).
+    While a message is expected (`expect`), the thread busy-polls every descriptor it watches
+    (transfer/_spin.c: the GIL released, bounded by the window) instead of sleeping in its poll.
 
     Handlers run on the loop's thread; an exception in one is logged and the loop goes on.
     `on_router(frames)` gets the ROUTER's frames (identity first) and `on_dealer(key, frames)` a
@@ -197,7 +199,8 @@ class IoLoop:
         self._outq: dict[Hashable, collections.deque] = {}
         self._waiting_since: dict[Hashable, float] = {}
         self._fds: dict[int, Callable[[], None]] = {}
-        self._poll_until = 0.0   # poll_briefly: until when (monotonic; 0 = not asked)
+        self._spin_until = 0.0   # expect: spin until then (monotonic; 0 = not asked)
+        self._spin_fds: list[int] | None = None   # what a spin watches (None: to collect)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -226,17 +229,20 @@ class IoLoop:
         thread whenever it is readable (a control lane: transfer/lanes.py)."""
         self._fds[fd] = on_readable
         self._poller.register(fd, zmq.POLLIN)
+        self._spin_fds = None
 
-    def poll_briefly(self, seconds: float) -> None:
-        """(any thread) For the next `seconds`, sleep at most `POLL_TICK_S` at a time instead of
-        until something is readable: a message expected soon is then read by a thread that ran
-        a moment ago (its core kept out of deep idle, its caches warm) instead of one woken from
-        a long sleep. Costs ~1/POLL_TICK_S short wake-ups a second meanwhile; the GIL is not
-        held while it waits (a thread that drops and retakes the GIL in a tight loop would
-        starve the others: they lose every race for it)."""
+    def expect(self, seconds: float) -> None:
+        """(any thread) A message is expected within about `seconds`: until then the thread
+        busy-polls its descriptors instead of sleeping in its poll, so the message is read by a
+        thread that is running (its core awake, its caches warm) instead of one the kernel must
+        wake. The spin releases the GIL (transfer/_spin.c: the engine's thread runs meanwhile)
+        and costs one core for at most `seconds`; it ends when anything arrives, and starts
+        again (the window permitting) after the loop handled it. Nothing without SPIN_NATIVE."""
+        if _spin is None or seconds <= 0:
+            return
         until = time.monotonic() + seconds
-        if until > self._poll_until:
-            self._poll_until = until
+        if until > self._spin_until:
+            self._spin_until = until
             if not self.on_loop_thread:
                 self._wake.wake()   # it may be asleep in a long poll
 
@@ -244,6 +250,7 @@ class IoLoop:
         """(loop thread) Stop polling `fd` (before it is closed)."""
         if self._fds.pop(fd, None) is not None:
             self._poller.unregister(fd)
+            self._spin_fds = None
 
     @property
     def on_loop_thread(self) -> bool:
@@ -295,12 +302,14 @@ class IoLoop:
         self._outq[key] = collections.deque()
         self._poller.register(s, zmq.POLLIN)
         self._poller.register(mon, zmq.POLLIN)
+        self._spin_fds = None
 
     def _close(self, key: Hashable) -> list:
         """Close `key`'s DEALER; the tags of what was still queued."""
         s = self._dealers.pop(key, None)
         if s is not None:
             close_dealer(self._poller, s, self._monitors, key)
+            self._spin_fds = None
         self._connected.pop(key, None)
         self._waiting_since.pop(key, None)
         return [tag for _f, tag in self._outq.pop(key, ())]
@@ -395,22 +404,28 @@ class IoLoop:
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self._wake.r, zmq.POLLIN)
         running = True
+        idle_turns = 0   # spins in a row that ended on a descriptor with nothing to handle
         while running:
             waiting = any(self._outq.values())
             timeout = self.deadline_poll_s if waiting else self.idle_poll_s
-            left = self._poll_until - time.monotonic() if self._poll_until else 0.0
-            if left > 0:
-                fds = [*self._fds, self._wake.r]
-                if max(fds) < SELECT_FD_LIMIT:
-                    try:   # a short sleep on the lanes and the wake pipe; then ZeroMQ, no wait
-                        select.select(fds, [], [], min(POLL_TICK_S, left))
-                    except (OSError, ValueError):
-                        pass   # a descriptor closed meanwhile: the poll below sorts it out
-                    timeout = 0
+            spun = 0
+            if self._spin_until:
+                # (not reset when the window ran out: another thread's `expect` may be moving
+                # it later this moment)
+                left = self._spin_until - time.monotonic()
+                if idle_turns >= SPIN_IDLE_TURNS:
+                    self._spin_until = 0.0
+                    idle_turns = 0
+                elif left > 0:
+                    if self._spin_fds is None:
+                        self._spin_fds = self._descriptors()
+                    spun = _spin.wait(self._spin_fds, left)
+                    timeout = 0   # the spin waited: ZeroMQ is only asked what is there now
             try:
                 events = dict(self._poller.poll(None if timeout is None else timeout * 1000))
             except zmq.ZMQError:
                 break
+            idle_turns = idle_turns + 1 if spun and not events else 0
             # Watched descriptors first: a control lane carries the critical path's messages,
             # and everything this thread runs after a wake-up runs slowly (cold).
             for fd, on_readable in list(self._fds.items()):
@@ -441,6 +456,12 @@ class IoLoop:
         for key in list(self._dealers):
             self._close(key)
         self.router.close(0)
+
+    def _descriptors(self) -> list[int]:
+        """(loop thread) The file descriptors behind everything the poller watches: a ZeroMQ
+        socket's is readable when it has something to process (a message or a command)."""
+        return [s if isinstance(s, int) else s.getsockopt(zmq.FD)
+                for s, _flags in self._poller.sockets]
 
     def _safe(self, fn, *args) -> None:
         try:

@@ -91,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--transfer-prepped", "auto", choices=["auto", "on", "off"],
         help="prepared NIXL descriptor lists (merge runs contiguous on both sides); auto = on "
              "for nixl")
+    add("--transfer-spin-us", None, type=float,
+        help="µs a KV-transfer control listener busy-polls (GIL released) where a message is "
+             "expected soon (a posted receive's result; a context_first receive) instead of "
+             "sleeping; 0 = never; default 500 on a machine with at least 4 CPUs, else 0")
     add("--tp-size", 1, type=int, help="tensor-parallel size")
     add("--pp-size", 1, type=int, help="pipeline-parallel size")
     add("--sim-prefill-us-per-token", 20.0, type=float,
@@ -293,7 +297,9 @@ def transfer_config(args, advertise: str | None):
                           recv_timeout_s=args.transfer_timeout,
                           claim_timeout_s=getattr(args, "transfer_claim_timeout", 10.0),
                           pipeline=getattr(args, "transfer_pipeline", "on") == "on",
-                          prepped=getattr(args, "transfer_prepped", "auto"))
+                          prepped=getattr(args, "transfer_prepped", "auto"),
+                          spin_s=None if getattr(args, "transfer_spin_us", None) is None
+                          else args.transfer_spin_us * 1e-6)
 
 
 def build_kv_connector(args, model_name: str, advertise: str | None):

@@ -20,10 +20,12 @@ round so that load on a shared machine hits them alike: e.g. `git archive main |
 /tmp/ctl-base` then `--tree /tmp/ctl-base --tree .`. Prints a Markdown table; never writes
 bench/RESULTS.md itself.
 
-`--poll-us N` sets `TransferConfig.result_poll_s` (the generation side's listener polls in short
-ticks for N µs after each post; off by default): compare with and without in two runs.
+`--spin-us N` sets `TransferConfig.spin_s` (how long a listener busy-polls where a message is
+expected; default 500 µs on a machine with at least 4 CPUs, else off) in every tree that has the
+field (a tree without it runs as it is): `--spin-us 0` against the default says what spinning
+does.
 
-Usage: `python bench/transfer/control.py [--agent tcp|shm|nixl] [--n 200] [--rounds 3] [--tree DIR]... [--poll-us N]`
+Usage: `python bench/transfer/control.py [--agent tcp|shm|nixl] [--n 200] [--rounds 3] [--tree DIR]... [--spin-us N]`
 """
 from __future__ import annotations
 
@@ -72,11 +74,11 @@ def _instrument(stamps: dict) -> None:
         setattr(c, meth, wrap())
 
 
-def rank_main(conn, role: str, kind: str, poll_us: float = 0.0) -> None:
+def rank_main(conn, role: str, kind: str, spin_us: float | None = None) -> None:
     """A rank process: its failure (an import, the agent, an assertion) goes back to the parent
     as ("error", traceback) instead of a bare closed pipe."""
     try:
-        _rank_main(conn, role, kind, poll_us)
+        _rank_main(conn, role, kind, spin_us)
     except BaseException:
         import traceback
 
@@ -87,7 +89,7 @@ def rank_main(conn, role: str, kind: str, poll_us: float = 0.0) -> None:
         raise
 
 
-def _rank_main(conn, role: str, kind: str, poll_us: float = 0.0) -> None:
+def _rank_main(conn, role: str, kind: str, spin_us: float | None = None) -> None:
     import numpy as np
 
     from transfer.page_table import LayerGroup, PageTable, PhysicalPool, PoolView
@@ -112,10 +114,12 @@ def _rank_main(conn, role: str, kind: str, poll_us: float = 0.0) -> None:
                                          for c in (0, 1)), layout="NHD", kv_heads=KV_HEADS)
     pt = PageTable(tokens_per_block=TPB, pools=(ppool,),
                    groups=(LayerGroup(tuple(range(LAYERS)), (view,)),), dtype="bfloat16")
+    extra = {}
+    if spin_us is not None and "spin_s" in getattr(TransferConfig, "__dataclass_fields__", {}):
+        extra["spin_s"] = spin_us * 1e-6
     tx = KvTransceiver(pt, RankTopology(role=role, num_layers=LAYERS, total_kv_heads=KV_HEADS,
                                         model="ctl"),
-                       TransferConfig(agent=kind, send_timeout_s=60, recv_timeout_s=60,
-                                      **({"result_poll_s": poll_us * 1e-6} if poll_us else {})))
+                       TransferConfig(agent=kind, send_timeout_s=60, recv_timeout_s=60, **extra))
     conn.send(("ready", tx.endpoint))
     done_at: dict[int, float] = {}
     events: dict[int, threading.Event] = {}
@@ -167,12 +171,12 @@ def _rank_main(conn, role: str, kind: str, poll_us: float = 0.0) -> None:
             stamps.clear()
 
 
-def measure_tree(kind: str, n: int, poll_us: float = 0.0) -> dict:
+def measure_tree(kind: str, n: int, spin_us: float | None = None) -> dict:
     ctx_mp = mp.get_context("spawn")
     ranks = {}
     for role in ("context", "generation"):
         parent, child = ctx_mp.Pipe()
-        p = ctx_mp.Process(target=rank_main, args=(child, role, kind, poll_us), daemon=True)
+        p = ctx_mp.Process(target=rank_main, args=(child, role, kind, spin_us), daemon=True)
         p.start()
         ranks[role] = (parent, p)
 
@@ -238,15 +242,14 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=200, help="measured round trips per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tree", action="append", help="checkouts to compare (default: this one)")
-    p.add_argument("--poll-us", type=float, default=0.0,
-                   help="TransferConfig.result_poll_s in µs: the generation side's listener "
-                        "polls in short ticks this long after a post (a tree without the "
-                        "field fails)")
+    p.add_argument("--spin-us", type=float, default=None,
+                   help="TransferConfig.spin_s in µs, in trees that have it: how long a listener "
+                        "busy-polls where a message is expected (default: the tree's default)")
     p.add_argument("--json", help="also write the raw samples here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:   # one round in one tree: samples as JSON on stdout
-        print(json.dumps(measure_tree(args.agent, args.n, args.poll_us)))
+        print(json.dumps(measure_tree(args.agent, args.n, args.spin_us)))
         return 0
     trees = [str(Path(t).resolve()) for t in (args.tree or [str(HERE.parents[2])])]
     samples = {t: {} for t in trees}
@@ -259,8 +262,9 @@ def main(argv=None) -> int:
                     if x and Path(x).resolve() not in {Path(u).resolve() for u in trees}]
             env = dict(os.environ, SPLITSERVE_BENCH_TREE=t,
                        PYTHONPATH=os.pathsep.join([t] + keep))
+            spin = [] if args.spin_us is None else ["--spin-us", str(args.spin_us)]
             r = subprocess.run([sys.executable, str(HERE), "--child", "--agent", args.agent,
-                                "--n", str(args.n), "--poll-us", str(args.poll_us)], env=env,
+                                "--n", str(args.n), *spin], env=env,
                                cwd=t, capture_output=True, text=True, timeout=600)
             if r.returncode:
                 print(f"round {rnd} in {t} failed (exit {r.returncode}):\n{r.stderr[-6000:]}",

@@ -4,12 +4,16 @@
 # trip (nixl; `BASE=<dir>` adds a checkout to compare with, alternating), what one wake-up costs on
 # this host, the host time of one direct write's copy, and the `1b` transfers (scattered, e2e,
 # × copy). Run from the repository root, after the device set-up; outputs go to $OUT (default
-# /tmp/control-gpu): gpu_tests.txt, control.txt, control_poll.txt, wakeup.txt, probe.txt,
+# /tmp/control-gpu): gpu_tests.txt, control.txt, control_nospin.txt, wakeup.txt, probe.txt,
 # transfer.txt.
 set -u
 OUT=${OUT:-/tmp/control-gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+# the native modules: transfer/_spin.c is the listeners' busy-poll (without it they never spin)
+python3 setup.py build_ext --inplace -q > "$OUT/build.txt" 2>&1; echo "build_ext rc=$?" >> "$OUT/build.txt"
+python3 -c "import os, transfer.zmq_io as z, transfer.states as s; print('spin native', z.SPIN_NATIVE, \
+'default spin_s', s.TransferConfig().spin_window_s, 'cpus', s.usable_cpus())" 2>&1 | tee -a "$OUT/build.txt"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_copy_kernels.py \
     tests/transfer/test_direct_gpu.py > "$OUT/gpu_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/gpu_tests.txt"
 tail -n 8 "$OUT/gpu_tests.txt"
@@ -18,11 +22,11 @@ trees=(--tree .)
 timeout 60 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 "${trees[@]}" \
     > "$OUT/control.txt" 2>&1; echo "control.py rc=$?" >> "$OUT/control.txt"
 tail -n 14 "$OUT/control.txt"
-# the generation side's listener polling in 50 µs ticks for 2 ms after each post
-# (TransferConfig.result_poll_s, off by default): this tree only, to set against control.txt
-timeout 45 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 --poll-us 2000 \
-    > "$OUT/control_poll.txt" 2>&1; echo "control.py --poll-us rc=$?" >> "$OUT/control_poll.txt"
-tail -n 9 "$OUT/control_poll.txt"
+# this tree with its listeners never spinning (--spin-us 0; TransferConfig.spin_s, default 500 µs
+# on a machine with at least 4 CPUs): to set against control.txt, which ran the default
+timeout 45 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 --spin-us 0 \
+    > "$OUT/control_nospin.txt" 2>&1; echo "control.py --spin-us 0 rc=$?" >> "$OUT/control_nospin.txt"
+tail -n 9 "$OUT/control_nospin.txt"
 timeout 20 python3 bench/transfer/wakeup_probe.py --n 3000 > "$OUT/wakeup.txt" 2>&1
 cat "$OUT/wakeup.txt"
 timeout 30 python3 bench/transfer/submit_probe.py --calls 200 > "$OUT/probe.txt" 2>&1

@@ -82,21 +82,33 @@ def test_receives_complete_with_every_timer_off(kind, monkeypatch):
 
 
 @pytest.mark.nixl
-def test_results_on_the_lane_arrive_while_and_after_the_listener_polls_briefly(monkeypatch):
-    """`result_poll_s`: the generation side's listener sleeps in short ticks after each post; the
-    results still come (on the control lane: nixl answers there), during that window and after
-    it ran out, with the I/O loops' poll timeouts at ten minutes (a result noticed only by a
-    timeout would hang)."""
+@pytest.mark.skipif(not zmq_io.SPIN_NATIVE, reason="transfer/_spin.c not built (no C compiler)")
+def test_results_on_the_lane_arrive_while_and_after_the_listeners_spin(monkeypatch):
+    """`spin_s`: the generation side's listener busy-polls after each post, the context side's
+    after a context_first finish and after a claim; the messages still come (on the control
+    lane: nixl answers there), during those windows and after they ran out, with the I/O loops'
+    poll timeouts at ten minutes (a message noticed only by a timeout would hang)."""
     monkeypatch.setattr(zmq_io, "DEADLINE_POLL_S", NEVER)
     monkeypatch.setattr(zmq_io, "IDLE_POLL_S", NEVER)
-    ctx, src = _rank("context", "nixl")
-    gen, dst = _rank("generation", "nixl", result_poll_s=0.2)
+    spins = []
+    real = zmq_io._spin
+
+    class Counted:   # the listeners did spin (and each spin ended)
+        @staticmethod
+        def wait(fds, seconds):
+            spins.append(seconds)
+            return real.wait(fds, seconds)
+    monkeypatch.setattr(zmq_io, "_spin", Counted)
+    ctx, src = _rank("context", "nixl", spin_s=0.2)
+    gen, dst = _rank("generation", "nixl", spin_s=0.2)
     try:
         # context_first (inside the window), generation_first with the prefill ending after the
-        # window ran out, and both with a block written
-        cases = [(1, [-1], 0.0), (2, [3], 0.0), (3, [-1], 0.4), (4, [5], 0.4)]
+        # window ran out, and both with a block written; a claim before the receive
+        cases = [(1, [-1], 0.0), (2, [3], 0.0), (3, [-1], 0.4), (4, [5], 0.4), (5, [6], 0.0)]
         for req, dst_ids, prefill_s in cases:
             done = threading.Event()
+            if req == 5:
+                gen.claim_receive(req, ctx.endpoint)
             if prefill_s:
                 gen.begin_receive(req, ctx.endpoint, TPB, [dst_ids], on_done=done.set)
                 time.sleep(prefill_s)
@@ -117,6 +129,47 @@ def test_results_on_the_lane_arrive_while_and_after_the_listener_polls_briefly(m
                 time.sleep(0.01)
             ctx.release_send(req)
         assert gen.messenger.lane_stats["received"] >= len(cases)   # the results came on it
+        assert spins and all(0 < x <= 0.2 for x in spins), spins
+        # Every window ran out: idle, neither listener spins (the process uses next to no CPU).
+        time.sleep(0.3)
+        n, cpu = len(spins), time.process_time()
+        time.sleep(0.3)
+        assert len(spins) == n and time.process_time() - cpu < 0.1
     finally:
         gen.shutdown()
         ctx.shutdown()
+
+
+@pytest.mark.skipif(not zmq_io.SPIN_NATIVE, reason="transfer/_spin.c not built (no C compiler)")
+def test_a_spinning_listener_leaves_the_gil_to_other_threads(monkeypatch):
+    """The spin runs with the GIL released: another Python thread (the engine's, in a worker)
+    runs as usual meanwhile. With a switch interval of 50 ms, a listener that held the GIL while
+    it spun would make each of the 20 sleeps below wait about that long for it (≥ 1 s)."""
+    import sys
+
+    tx, _pool = _rank("generation", "tcp", spin_s=2.0)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)
+    try:
+        tx.messenger.expect(2.0)
+        time.sleep(0.05)   # it is spinning now
+        t0 = time.monotonic()
+        for _ in range(20):
+            time.sleep(0.001)
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        sys.setswitchinterval(old)
+        tx.shutdown()
+
+
+def test_spin_defaults_follow_the_cpus(monkeypatch):
+    """`spin_s` unset: on where the process may run on at least SPIN_MIN_CPUS CPUs, else off;
+    set: as given (0 = never)."""
+    from transfer import states
+
+    monkeypatch.setattr(states, "usable_cpus", lambda: states.SPIN_MIN_CPUS)
+    assert TransferConfig().spin_window_s == states.DEFAULT_SPIN_S
+    monkeypatch.setattr(states, "usable_cpus", lambda: states.SPIN_MIN_CPUS - 1)
+    assert TransferConfig().spin_window_s == 0.0
+    assert TransferConfig(spin_s=2e-4).spin_window_s == 2e-4
+    assert TransferConfig(spin_s=0).spin_window_s == 0.0
