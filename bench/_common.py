@@ -81,6 +81,9 @@ def replace_section(path: Path, section: list[str]) -> None:
     if old:
         name = section[0].rstrip()[3:]
         body = re.sub(r"^###", "####", old.group(0).split("\n", 1)[1], flags=re.M)
+        # the section's own "earlier runs" link to its own history file is relative to bench/:
+        # in the history file it would point at itself under a path that does not exist
+        body = re.sub(r"\[([^\]]*)\]\(results/history/[^)]*\)", r"`\1`", body)
         _to_history(path, name, f"### {name} · replaced {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
                     f"\n{body}")
         text = pat.sub(lambda _: block + "\n", text, count=1)

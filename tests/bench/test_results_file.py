@@ -129,3 +129,16 @@ def test_a_whole_section_replaced_keeps_the_old_one_in_history(tmp_path):
     h = history_file(p, "routing").read_text()
     assert re.search(r"^### routing · replaced 20\d\d-\d\d-\d\d \d\d:\d\d UTC\n", h, re.M)
     assert "run 1" in h and "#### 8 workers\n\ntable 1" in h and "keep me" not in h
+
+
+def test_a_replaced_section_s_link_to_its_own_history_is_not_kept_as_a_broken_link(tmp_path):
+    # bench/RESULTS.md's sections open with an "earlier runs" link to their history file, relative to
+    # bench/; moved into that history file the link would name a file that does not exist
+    # (tests/test_doc_citations.py failed on it after a real replacement, 2026-12-07)
+    p = tmp_path / "RESULTS.md"
+    replace_section(p, ["## routing", "", "earlier runs: [results/history/routing.md](results/history/routing.md).",
+                        "", "run 1"])
+    replace_section(p, ["## routing", "", "run 2"])
+    h = history_file(p, "routing").read_text()
+    assert "earlier runs: `results/history/routing.md`." in h and "](results/history/" not in h
+    assert "run 1" in h
