@@ -74,6 +74,7 @@ class PrepHandle:
     remote: str | None
     backend: Any = None
     id: int = field(default_factory=lambda: next(_handle_ids))
+    direct: Any = None   # the agent's own plan for writes from/to it, computed once at prep
 
 
 @dataclass(eq=False)

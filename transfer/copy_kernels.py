@@ -113,6 +113,60 @@ def _kernel():
     return _copy_rows_int
 
 
+def _strided_kernel():
+    """`_copy_strided`: the same tiles as `_copy_rows`, for rows picked by index from two
+    evenly spaced lists (`descs.Strided`: a pool's per-slot list). The table is only the picked
+    indices, `[2, nrows]` int64 (source slot, destination slot); the addresses are computed on
+    the device (`base + slot * stride`), so the host builds nothing per row: no merge, no row
+    cut, no offsets (every row has the same length, so the grid is as large as `_copy_rows`'
+    after merging)."""
+    if "strided" in _KERNELS:
+        return _KERNELS["strided"]
+    import triton
+    import triton.language as tl
+
+    # nrows varies per transfer: not specialised (a new value would not compile a variant)
+    @triton.jit(do_not_specialize=["nrows"])
+    def _copy_strided(src_addr, dst_addr, idx, nrows, tiles, src_stride, dst_stride, length,
+                      VEC: tl.constexpr, TILE_E: tl.constexpr, ELT: tl.constexpr):
+        # strides and length in units of VEC elements (a 16-byte word on the wide path), as
+        # _copy_rows' table: the constant VEC proves 16-byte alignment.
+        src = src_addr.to(tl.pointer_type(ELT))
+        dst = dst_addr.to(tl.pointer_type(ELT))
+        pid = tl.program_id(0)
+        r = pid // tiles
+        t = pid % tiles
+        si = tl.load(idx + r)
+        di = tl.load(idx + nrows + r)
+        so = si * src_stride * VEC + t * TILE_E
+        do = di * dst_stride * VEC + t * TILE_E
+        n = length * VEC - t * TILE_E
+        i = tl.arange(0, TILE_E)
+        m = i < n
+        v = tl.load(src + so + i, mask=m, cache_modifier=".cg")
+        tl.store(dst + do + i, v, mask=m, cache_modifier=".cs")
+
+    _KERNELS["strided"] = _copy_strided
+    return _copy_strided
+
+
+def strided_launch(src_base: int, src_stride: int, dst_base: int, dst_stride: int, length: int,
+                   nrows: int, tile: int = TILE):
+    """(grid, scalar arguments after the index table, meta-parameters) of `_copy_strided` for
+    `nrows` rows of `length` bytes: 16-byte words when every base, stride and the length are
+    multiples of 16, bytes otherwise. One function for `DeviceCopier` and the tests."""
+    import triton.language as tl
+
+    wide = not ((src_base | src_stride | dst_base | dst_stride | length) % WORD)
+    unit, tile = (WORD, tile) if wide else (1, BYTE_TILE)
+    tiles = -(-length // tile)
+    tile_e = tile // (8 if wide else 1)
+    return ((nrows * tiles,), (nrows, tiles, src_stride // unit, dst_stride // unit,
+                               length // unit),
+            dict(VEC=2 if wide else 1, TILE_E=tile_e, ELT=tl.int64 if wide else tl.uint8,
+                 num_warps=8 if tile_e >= 4096 else 4))
+
+
 class DeviceCopier:
     """Launches `_copy_rows` for descriptor lists in one device's memory (local, or another
     process's mapped in). The table goes to the device through a pinned staging buffer."""
@@ -135,12 +189,12 @@ class DeviceCopier:
 
     def _slot(self, cap: int):
         torch = self.torch
-        return (torch.empty(cap, dtype=torch.int64, pin_memory=True),
-                torch.empty(cap, dtype=torch.int64, device=self.device), torch.cuda.Event())
+        host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+        return (host, torch.empty(cap, dtype=torch.int64, device=self.device), torch.cuda.Event(),
+                host.numpy())
 
-    def _upload(self, table: np.ndarray, stream):
-        torch = self.torch
-        n = table.size
+    def _take_slot(self, n: int):
+        """The next staging slot with room for `n` int64, once its previous upload left it."""
         i = self._next % len(self._slots)
         self._next += 1
         slot = self._slots[i]
@@ -148,11 +202,25 @@ class DeviceCopier:
         if slot[0].numel() < n:   # grown once, for every slot, to twice the need
             self._slots = [self._slot(2 * n) for _ in self._slots]
             slot = self._slots[i]
-        host, dev, ev = slot
-        host.numpy()[:n] = table.ravel()
+        return slot
+
+    def _upload(self, table: np.ndarray, stream):
+        n = table.size
+        host, dev, ev, view = self._take_slot(n)
+        view[:n] = table.ravel()
         dev[:n].copy_(host[:n], non_blocking=True)   # on the current stream: copy()'s `stream`
         ev.record(stream)
         return dev[:n]
+
+    def _upload_ids(self, si: np.ndarray, di: np.ndarray, stream):
+        """`[si, di]` to the device through one staging slot: two slice assignments, one copy."""
+        n = si.size
+        host, dev, ev, view = self._take_slot(2 * n)
+        view[:n] = si
+        view[n:2 * n] = di
+        dev[:2 * n].copy_(host[:2 * n], non_blocking=True)
+        ev.record(stream)
+        return dev
 
     def _enter(self, stream):
         """Make `stream` current on this thread (and our device current); returns what
@@ -236,6 +304,27 @@ class DeviceCopier:
         finally:
             self._leave(prev)
         return int(n.size)
+
+
+    def copy_strided(self, src_base: int, src_stride: int, si: np.ndarray, dst_base: int,
+                     dst_stride: int, di: np.ndarray, length: int, stream) -> int:
+        """Queue on `stream` the copy of rows `si` of a strided source list (row k at
+        `src_base + k * src_stride`) to rows `di` of a strided destination list, `length` bytes
+        each (`descs.Strided`; int64 index arrays of equal size, in range: the caller checked).
+        The per-transfer host work is one upload of the indices and one launch. Returns the
+        rows launched."""
+        n = int(si.size)
+        if not n:
+            return 0
+        grid, scalars, meta = strided_launch(src_base, src_stride, dst_base, dst_stride, length,
+                                             n, self.tile)
+        prev = self._enter(stream)
+        try:
+            idx = self._upload_ids(si, di, stream)
+            _strided_kernel()[grid](src_base, dst_base, idx, *scalars, **meta)
+        finally:
+            self._leave(prev)
+        return n
 
 
 def interpreting() -> bool:

@@ -85,6 +85,37 @@ def merge_runs(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray):
     return src[starts], dst[starts], np.add.reduceat(sizes, starts)
 
 
+@dataclass(frozen=True)
+class Strided:
+    """A descriptor list whose row i is `(base + i * stride, length, dev)`: what a pool's
+    per-slot list is (transfer/pump.py `_prepare`). Rows picked by index then need no table
+    of addresses: a copy computes them (transfer/copy_kernels.py `DeviceCopier.copy_strided`)."""
+
+    base: int
+    stride: int
+    length: int
+    dev: int
+    rows: int
+
+
+def strided(descs: Descs) -> Strided | None:
+    """`descs` as a `Strided` list, or None when its rows are not evenly spaced, equally long,
+    on one device, and non-overlapping. Computed once per prepared list, never per transfer."""
+    arr = descs.arr
+    n = len(descs)
+    if not n:
+        return None
+    a0, length, dev = (int(v) for v in arr[0])
+    stride = int(arr[1, 0]) - a0 if n > 1 else length
+    if length <= 0 or stride < length:
+        return None
+    if n > 1 and not (np.all(arr[:, 1] == arr[0, 1]) and np.all(arr[:, 2] == arr[0, 2])
+                      and np.array_equal(arr[:, 0], np.uint64(a0) + np.uint64(stride)
+                                         * np.arange(n, dtype=np.uint64))):
+        return None
+    return Strided(base=a0, stride=stride, length=length, dev=dev, rows=n)
+
+
 def build_pair(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, src_dev: int, dst_dev: int,
                src_mem: str, dst_mem: str) -> tuple[Descs, Descs]:
     """Descs for (src, dst, sizes) fragment arrays of one device pair."""

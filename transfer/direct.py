@@ -20,7 +20,7 @@ import threading
 import numpy as np
 
 from . import cuda_ipc
-from .descs import Coverage, Descs
+from .descs import Coverage, Descs, Strided
 from .errors import OutOfRange
 
 log = logging.getLogger("splitserve.transfer.direct")
@@ -172,23 +172,60 @@ class DirectCopies:
                              f"inside any region {remote} registered")
         return pm.translate(remote_descs.arr[:, 0], remote_descs.arr[:, 1])
 
+    def map_strided(self, remote: str, dst: Strided | None, descs: Descs) -> Strided | None:
+        """The peer's strided list `dst` (its prepared `descs`) with this process's mapped base,
+        when every row may be written directly: all inside the peer's registrations and in one
+        mapped allocation. Computed once per prepared list; None sends its writes the general
+        way (`route`, which also raises `OutOfRange` for a row outside the registrations)."""
+        pm = self.peers.get(remote)
+        if dst is None or pm is None or descs.mem_type != "VRAM" or pm.regions.uncovered(descs) >= 0:
+            return None
+        first, last = dst.base, dst.base + (dst.rows - 1) * dst.stride
+        ends = np.array([first, last], np.uint64)
+        mapped = pm.translate(ends, np.array([dst.length, dst.length], np.uint64))
+        if mapped is None or int(mapped[1]) - int(mapped[0]) != last - first:
+            return None   # not one allocation: the rows between may map anywhere
+        i = np.searchsorted(pm.base, ends, side="right") - 1
+        if i[0] != i[1]:
+            return None
+        return Strided(base=int(mapped[0]), stride=dst.stride, length=dst.length, dev=dst.dev,
+                       rows=dst.rows)
+
+    def write_strided(self, src: Strided, si: np.ndarray, dst: Strided, di: np.ndarray,
+                      after=None):
+        """`write` for rows `si` of the local strided list `src` to rows `di` of `dst` (from
+        `map_strided`); indices checked by the caller. Returns (end event, its IPC handle)."""
+        copier, stream = self._copier(src.dev)
+        if after is not None:
+            stream.wait_event(after)
+        copier.copy_strided(src.base, src.stride, si, dst.base, dst.stride, di, src.length,
+                            stream)
+        ev, token = self._event(src.dev)
+        ev.record(stream)
+        return ev, token
+
+    def _copier(self, dev: int):
+        """(DeviceCopier, transfer stream) of local device `dev`, made on first use."""
+        c = self._copiers.get(dev)
+        if c is None:
+            import torch
+
+            from .copy_kernels import DeviceCopier
+
+            c = self._copiers[dev] = DeviceCopier(dev)
+            self._streams[dev] = torch.cuda.Stream(device=dev)
+        return c, self._streams[dev]
+
     def write(self, local: Descs, mapped_dst: np.ndarray, after=None):
         """Queue the kernel; returns (the event that marks its end, the event's CUDA IPC handle
         or None). The handle lets the receiving process see the end itself (`landed`).
         ``after`` (a CUDA event): the kernel waits for it on the device (pipelined prefill: the
         chunk that writes the source blocks may still be computing; no host wait)."""
-        import torch
-
-        from .copy_kernels import DeviceCopier
-
         dev = int(local.arr[0, 2])
-        if dev not in self._copiers:
-            self._copiers[dev] = DeviceCopier(dev)
-            self._streams[dev] = torch.cuda.Stream(device=dev)
-        stream = self._streams[dev]
+        copier, stream = self._copier(dev)
         if after is not None:
             stream.wait_event(after)
-        self._copiers[dev].copy(local.arr[:, 0], mapped_dst, local.arr[:, 1], stream)
+        copier.copy(local.arr[:, 0], mapped_dst, local.arr[:, 1], stream)
         ev, token = self._event(dev)
         ev.record(stream)
         return ev, token

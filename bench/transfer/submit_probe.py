@@ -1,9 +1,11 @@
 """Where the host time of one direct GPU write goes: `DeviceCopier.copy` (the row table, its upload,
 the Triton launch) for scattered KV blocks, in one process on one GPU, no peer.
 
-Prints the median host µs per call of: the whole `copy`, its table upload alone, the kernel
+Prints the median host µs per call of: `copy_strided` (what a prepared-list direct write queues:
+the picked indices uploaded, one launch), the whole `copy`, its table upload alone, the kernel
 launch alone (table already on the device), the same with the interprocess end event recorded
-(what a direct write adds), and a cProfile of `copy` (top functions by own time). Needs CUDA.
+(what a direct write adds), and a cProfile of `copy` (top functions by own time); and the device
+time of both kernels and of a torch copy of the same bytes. Needs CUDA.
 
 Usage: `python bench/transfer/submit_probe.py [--blocks 64 --blocks 1024] [--calls 300]`
 """
@@ -98,6 +100,33 @@ def main(argv=None) -> int:
             copier.copy(s, d, n, stream)
             ev.record(stream)
         with_event = timed(copy_and_event)
+        # what a prepared-list direct write queues now (DirectCopies.write_strided): the picked
+        # slot indices uploaded, one `_copy_strided` launch, no row table built on the host
+        si = rng.permutation(slots)[:nb].astype(np.int64)
+        di = rng.permutation(slots)[:nb].astype(np.int64)
+        for _ in range(20):
+            copier.copy_strided(src.data_ptr(), BLOCK, si, dst.data_ptr(), BLOCK, di, BLOCK, stream)
+        strided = timed(lambda: copier.copy_strided(src.data_ptr(), BLOCK, si, dst.data_ptr(),
+                                                    BLOCK, di, BLOCK, stream))
+        # the device time of each kernel for the same blocks, against a device copy of the bytes
+        dev_t = {}
+        for name, fn in (("rows", lambda: copier.copy(s, d, n, stream)),
+                         ("strided", lambda: copier.copy_strided(src.data_ptr(), BLOCK, si,
+                                                                 dst.data_ptr(), BLOCK, di, BLOCK,
+                                                                 stream)),
+                         ("torch copy", lambda: dst[:nb * BLOCK].copy_(src[:nb * BLOCK]))):
+            ts = []
+            for _ in range(20):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    a.record()
+                    fn()
+                    b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b) * 1e3)
+            dev_t[name] = statistics.median(ts)
+        print(f"{nb} blocks: copy_strided {strided:.1f} µs host; device µs: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in dev_t.items()), flush=True)
         print(f"{nb} blocks: copy {whole:.1f} µs (upload {upload:.1f}, launch {launch_us:.1f}); "
               f"copy + interprocess event record {with_event:.1f} µs; stream scope: torch's "
               f"context managers {scopes[0]:.1f} µs, DeviceCopier._enter/_leave {scopes[1]:.1f} "

@@ -3,11 +3,18 @@ bytes the descriptors name — scattered blocks in random order, sizes that are 
 tile or of 16 bytes, runs that merge — and nothing else."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 import pytest
 
-from transfer.copy_kernels import TILE, host_copy, split_rows
+from transfer.copy_kernels import TILE, host_copy, split_rows, strided_launch
+from transfer.descs import Descs, strided
 from transfer.errors import InvalidDescriptors
+
+INTERP = os.environ.get("SPLITSERVE_TRITON_INTERPRET") == "1" and \
+    importlib.util.find_spec("triton") is not None
 
 
 def _scattered(rng, nblocks: int, block: int, partial_last: bool):
@@ -69,6 +76,94 @@ def test_host_copy_moves_scattered_blocks_bit_for_bit(block):
     assert np.array_equal(dst, want)
 
 
+def _slots(base: int, n: int, stride: int, length: int, dev: int = 0) -> Descs:
+    """A pool's per-slot list as transfer/pump.py `_prepare` builds it."""
+    a = np.zeros((n, 3), np.uint64)
+    a[:, 0] = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(stride)
+    a[:, 1], a[:, 2] = length, dev
+    return Descs(a, "VRAM")
+
+
+def test_a_pools_slot_list_is_strided_and_nothing_else_is():
+    st = strided(_slots(1 << 20, 64, 4096, 1024, dev=3))
+    assert (st.base, st.stride, st.length, st.dev, st.rows) == (1 << 20, 4096, 1024, 3, 64)
+    assert strided(_slots(4096, 1, 8192, 100)).stride == 100   # one row: its own length
+    uneven = _slots(0, 8, 4096, 1024).arr.copy()
+    uneven[5, 0] += 16
+    mixed_len = _slots(0, 8, 4096, 1024).arr.copy()
+    mixed_len[7, 1] = 512                 # a partial last row: not one length
+    two_devs = _slots(0, 8, 4096, 1024).arr.copy()
+    two_devs[3, 2] = 1
+    for arr in (uneven, mixed_len, two_devs, _slots(0, 8, 512, 1024).arr):   # last: overlapping
+        assert strided(Descs(arr, "VRAM")) is None
+    assert strided(Descs(np.zeros((0, 3), np.uint64), "VRAM")) is None
+
+
+def test_a_peers_strided_list_is_mapped_once_when_every_row_may_go_direct():
+    """DirectCopies.map_strided (at prep): the peer's per-slot list with this process's mapped
+    base, or None (writes then take the general route, which names a bad row) when a row lies
+    outside the peer's registrations or the list spans two allocations."""
+    from transfer.descs import Coverage
+    from transfer.direct import DirectCopies, _PeerMap
+
+    A, B, M = 1 << 32, 1 << 33, 5 << 32     # the peer's two allocations; the first's mapping
+    dc = DirectCopies()
+    pm = _PeerMap()
+    pm.base = np.array([A, B], np.uint64)
+    pm.size = np.array([1 << 20, 1 << 20], np.uint64)
+    pm.mapped = np.array([M, 7 << 32], np.uint64)
+    pm.regions = Coverage([(A, 1 << 20, 0, "VRAM"), (B, 1 << 20, 0, "VRAM")])
+    dc.peers["peer"] = pm
+
+    def mapped(base, n, stride, length, peer="peer"):
+        d = _slots(base, n, stride, length)
+        return dc.map_strided(peer, strided(d), d)
+    m = mapped(A + 4096, 16, 8192, 4096)
+    assert (m.base, m.stride, m.length, m.rows) == (M + 4096, 8192, 4096, 16)
+    assert mapped(A + 4096, 129, 8192, 4096) is None        # the last row is past A's region
+    assert mapped(A + (1 << 20) - 8192, 2, B - A - (1 << 20) + 8192, 4096) is None   # A then B
+    assert mapped(A, 16, 8192, 4096, peer="other") is None   # not mapped here
+    assert dc.map_strided("peer", None, _slots(A, 16, 8192, 4096)) is None
+
+
+def _strided_case(rng, nslots, src_stride, dst_stride, length, off):
+    src = rng.integers(0, 256, nslots * src_stride + 64, dtype=np.uint8)
+    dst = np.full(nslots * dst_stride + 64, 0xAB, np.uint8)
+    si = rng.permutation(nslots)[:nslots // 2].astype(np.int64)
+    di = rng.permutation(nslots)[:nslots // 2].astype(np.int64)
+    want = dst.copy()
+    for a, b in zip(si.tolist(), di.tolist()):
+        want[b * dst_stride + off:b * dst_stride + off + length] = \
+            src[a * src_stride + off:a * src_stride + off + length]
+    return src, dst, si, di, want
+
+
+# (src stride, dst stride, length, offset in the slot, tile): 16-byte words and bytes, rows of
+# several tiles and a partial last tile, a fragment inside its slot (a TP-split head range)
+STRIDED = [(4096, 8192, 4096, 0, 1024), (4096, 4096, 1024, 2048, 256), (1000, 1200, 999, 1, 256),
+           (48, 64, 48, 0, 16), (4096, 4096, 4096, 0, TILE)]
+
+
+@pytest.mark.skipif(not INTERP, reason="set SPLITSERVE_TRITON_INTERPRET=1 (with triton "
+                    "installed) to run the kernel on the CPU")
+@pytest.mark.parametrize("ss,ds,length,off,tile", STRIDED)
+def test_the_strided_kernel_moves_exactly_the_picked_rows(ss, ds, length, off, tile):
+    """`_copy_strided` under Triton's interpreter, launched as DeviceCopier.copy_strided
+    launches it (`strided_launch`): bit for bit, nothing outside the destination rows."""
+    import torch
+
+    from transfer.copy_kernels import _strided_kernel
+
+    rng = np.random.default_rng(ss + ds + length)
+    src, dst, si, di, want = _strided_case(rng, 24, ss, ds, length, off)
+    sb, db = src.ctypes.data + off, dst.ctypes.data + off
+    grid, scalars, meta = strided_launch(sb, ss, db, ds, length, si.size, tile)
+    assert meta["VEC"] == (2 if not (sb | ss | db | ds | length) % 16 else 1)
+    idx = torch.from_numpy(np.concatenate([si, di]))
+    _strided_kernel()[grid](sb, db, idx, *scalars, **meta)
+    assert np.array_equal(dst, want)
+
+
 # ---------------------------------------------------------------------------------- CUDA
 @pytest.mark.gpu
 @pytest.mark.parametrize("block,aligned", [(512 * 1024, True), (16 * 1024 + 16, True),
@@ -123,3 +218,26 @@ def test_the_copy_runs_on_its_stream_after_its_work_and_leaves_the_callers_strea
         assert torch.cuda.current_stream() == caller
         s.synchronize()
         assert int(dst.min()) == int(dst.max()) == value
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ss,ds,length,off,tile", STRIDED + [(512 * 1024, 512 * 1024, 512 * 1024,
+                                                              0, TILE)])
+def test_device_copier_strided_matches_a_reference_copy(ss, ds, length, off, tile):
+    """DeviceCopier.copy_strided (index upload through the staging slots, the kernel on the
+    given stream), repeatedly with other picks so the slots are reused."""
+    import torch
+    from transfer.copy_kernels import DeviceCopier
+
+    c = DeviceCopier(0, tile=tile)
+    stream = torch.cuda.Stream()
+    rng = np.random.default_rng(length)
+    for _ in range(10):
+        src, dst, si, di, want = _strided_case(rng, 24, ss, ds, length, off)
+        s = torch.from_numpy(src).cuda()
+        d = torch.from_numpy(dst).cuda()
+        torch.cuda.synchronize()
+        assert c.copy_strided(s.data_ptr() + off, ss, si, d.data_ptr() + off, ds, di, length,
+                              stream) == si.size
+        stream.synchronize()
+        assert np.array_equal(d.cpu().numpy(), want)

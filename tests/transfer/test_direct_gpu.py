@@ -86,6 +86,25 @@ def test_scattered_blocks_arrive_bit_for_bit(pair):
     assert d["peers"] and not d["not_direct"], d    # the writes went through the kernel path
 
 
+def test_prepared_lists_take_the_strided_kernel(pair):
+    """The pump's per-slot lists are planned once at prep (descs.Strided, the peer's mapped
+    base): a transfer is one `_copy_strided` launch over the picked slots. Its descriptor count
+    is the kernel's rows, one per block even where blocks are contiguous on both sides (NIXL and
+    the row-table path would have merged them into one)."""
+    ctx, gen, geo = pair
+    nblk = 12
+    ids = list(range(40, 40 + nblk))
+    gen("clear")
+    req = next(REQ)
+    ctx("send", req, nblk * geo["tpb"], ids)
+    assert gen("recv", req, ctx.endpoint, nblk * geo["tpb"], ids) == ("done", None)
+    state, _, ndesc, err, _ = ctx("wait_send", req)
+    assert state == "done", err
+    assert ndesc == nblk
+    assert np.array_equal(gen("blocks", ids), ctx("blocks", ids))
+    assert _untouched(gen, geo, ids) == 0
+
+
 def test_a_cached_prefix_is_not_moved(pair):
     ctx, gen, geo = pair
     tpb = geo["tpb"]
