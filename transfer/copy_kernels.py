@@ -151,7 +151,7 @@ def _strided_kernel():
 
 
 def strided_launch(src_base: int, src_stride: int, dst_base: int, dst_stride: int, length: int,
-                   nrows: int, tile: int = TILE):
+                   nrows: int, tile: int = TILE, warps: int | None = None):
     """(grid, scalar arguments after the index table, meta-parameters) of `_copy_strided` for
     `nrows` rows of `length` bytes: 16-byte words when every base, stride and the length are
     multiples of 16, bytes otherwise. One function for `DeviceCopier` and the tests."""
@@ -164,7 +164,7 @@ def strided_launch(src_base: int, src_stride: int, dst_base: int, dst_stride: in
     return ((nrows * tiles,), (nrows, tiles, src_stride // unit, dst_stride // unit,
                                length // unit),
             dict(VEC=2 if wide else 1, TILE_E=tile_e, ELT=tl.int64 if wide else tl.uint8,
-                 num_warps=8 if tile_e >= 4096 else 4))
+                 num_warps=warps or (8 if tile_e >= 4096 else 4)))
 
 
 class DeviceCopier:
@@ -173,12 +173,13 @@ class DeviceCopier:
 
     SLOTS = 8   # tables in flight: a slot is rewritten only after its copy to the device ran
 
-    def __init__(self, device: int = 0, tile: int = TILE) -> None:
+    def __init__(self, device: int = 0, tile: int = TILE, warps: int | None = None) -> None:
         import torch
 
         self.torch = torch
         self.device = torch.device("cuda", device)
         self.tile = tile
+        self.warps = warps   # the strided kernel's num_warps (None: by tile; a probe sweeps it)
         self._slots: list = []
         self._next = 0
         self._fast = all(hasattr(torch._C, f) for f in
@@ -317,7 +318,7 @@ class DeviceCopier:
         if not n:
             return 0
         grid, scalars, meta = strided_launch(src_base, src_stride, dst_base, dst_stride, length,
-                                             n, self.tile)
+                                             n, self.tile, self.warps)
         prev = self._enter(stream)
         try:
             idx = self._upload_ids(si, di, stream)

@@ -68,6 +68,17 @@ class PeerInstance:
     waiting: list[int] = field(default_factory=list)
 
 
+def _fine_sleeps(slack_ns: int) -> None:
+    """Let the calling thread's short sleeps end on time (Linux `PR_SET_TIMERSLACK`, this
+    thread only); elsewhere, or where it fails, sleeps stay as they are."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, slack_ns, 0, 0, 0)   # PR_SET_TIMERSLACK
+    except Exception:
+        pass
+
+
 class LandingWaiter:
     """One thread that waits for direct writes whose results came ahead of their bytes (sent
     when the write was posted, `control.Result.ready`), then hands each result back.
@@ -80,6 +91,8 @@ class LandingWaiter:
     lost, the receive ended)."""
 
     POLL_S = 20e-6   # between looks while a write is in flight: a fraction of any write's time
+    SLACK_NS = 1000  # this thread's timer slack: Linux's default 50 µs made each 20 µs sleep
+                     # ~87 µs (2-core box, 2026-12-07: median 87.5 µs; 31 µs at 1 µs slack)
 
     def __init__(self, waiter) -> None:
         self._waiter = waiter
@@ -104,6 +117,7 @@ class LandingWaiter:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        _fine_sleeps(self.SLACK_NS)
         while True:
             with self._cv:
                 while not self._items and not self._closed:

@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, action="append")
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--sweep", action="store_true", help="only the strided kernel's device time "
+                   "per (tile, num_warps), against a torch copy of the same bytes")
     args = p.parse_args(argv)
     import numpy as np
     import torch
@@ -44,6 +46,38 @@ def main(argv=None) -> int:
     copier = ck.DeviceCopier(torch.cuda.current_device())
     stream = torch.cuda.Stream()
     rng = np.random.default_rng(0)
+
+    def device_us(fn, n=20):
+        ts = []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                a.record()
+                fn()
+                b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(ts)
+
+    if args.sweep:
+        for nb in args.blocks or [64, 1024, 4096]:
+            si = rng.permutation(slots)[:nb].astype(np.int64)
+            di = rng.permutation(slots)[:nb].astype(np.int64)
+            base = device_us(lambda: dst[:nb * BLOCK].copy_(src[:nb * BLOCK]))
+            cells = []
+            for tile in (16 << 10, 32 << 10, 64 << 10, 128 << 10):
+                for warps in (4, 8, 16):
+                    c = ck.DeviceCopier(torch.cuda.current_device(), tile=tile, warps=warps)
+
+                    def go(c=c):
+                        c.copy_strided(src.data_ptr(), BLOCK, si, dst.data_ptr(), BLOCK, di, BLOCK,
+                                       stream)
+                    go()
+                    t = device_us(go)
+                    cells.append(f"{tile >> 10}K/{warps}w {t:.1f} ({t / base:.2f}x)")
+            print(f"{nb} blocks, torch copy {base:.1f} µs; strided kernel: " + ", ".join(cells),
+                  flush=True)
+        return 0
     for nb in args.blocks or [64, 1024]:
         s = src.data_ptr() + rng.permutation(slots)[:nb].astype(np.uint64) * np.uint64(BLOCK)
         d = dst.data_ptr() + rng.permutation(slots)[:nb].astype(np.uint64) * np.uint64(BLOCK)
@@ -109,22 +143,11 @@ def main(argv=None) -> int:
         strided = timed(lambda: copier.copy_strided(src.data_ptr(), BLOCK, si, dst.data_ptr(),
                                                     BLOCK, di, BLOCK, stream))
         # the device time of each kernel for the same blocks, against a device copy of the bytes
-        dev_t = {}
-        for name, fn in (("rows", lambda: copier.copy(s, d, n, stream)),
-                         ("strided", lambda: copier.copy_strided(src.data_ptr(), BLOCK, si,
-                                                                 dst.data_ptr(), BLOCK, di, BLOCK,
-                                                                 stream)),
-                         ("torch copy", lambda: dst[:nb * BLOCK].copy_(src[:nb * BLOCK]))):
-            ts = []
-            for _ in range(20):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                with torch.cuda.stream(stream):
-                    a.record()
-                    fn()
-                    b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3)
-            dev_t[name] = statistics.median(ts)
+        dev_t = {name: device_us(fn) for name, fn in (
+            ("rows", lambda: copier.copy(s, d, n, stream)),
+            ("strided", lambda: copier.copy_strided(src.data_ptr(), BLOCK, si, dst.data_ptr(),
+                                                    BLOCK, di, BLOCK, stream)),
+            ("torch copy", lambda: dst[:nb * BLOCK].copy_(src[:nb * BLOCK])))}
         print(f"{nb} blocks: copy_strided {strided:.1f} µs host; device µs: "
               + ", ".join(f"{k} {v:.1f}" for k, v in dev_t.items()), flush=True)
         print(f"{nb} blocks: copy {whole:.1f} µs (upload {upload:.1f}, launch {launch_us:.1f}); "
