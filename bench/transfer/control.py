@@ -22,8 +22,8 @@ bench/RESULTS.md itself.
 
 `--spin-us N` sets `TransferConfig.spin_s` (how long a listener busy-polls where a message is
 expected; default 500 µs on a machine with at least 4 CPUs, else off) in every tree that has the
-field (a tree without it runs as it is): `--spin-us 0` against the default says what spinning
-does.
+field (a tree without it runs as it is); repeated, its values alternate round by round like
+trees, a row each: `--spin-us 0 --spin-us 500` says what spinning does.
 
 Usage: `python bench/transfer/control.py [--agent tcp|shm|nixl] [--n 200] [--rounds 3] [--tree DIR]... [--spin-us N]`
 """
@@ -242,19 +242,25 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=200, help="measured round trips per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tree", action="append", help="checkouts to compare (default: this one)")
-    p.add_argument("--spin-us", type=float, default=None,
+    p.add_argument("--spin-us", type=float, action="append",
                    help="TransferConfig.spin_s in µs, in trees that have it: how long a listener "
-                        "busy-polls where a message is expected (default: the tree's default)")
+                        "busy-polls where a message is expected (default: the tree's default); "
+                        "repeat it to alternate the values, a row each")
     p.add_argument("--json", help="also write the raw samples here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:   # one round in one tree: samples as JSON on stdout
-        print(json.dumps(measure_tree(args.agent, args.n, args.spin_us)))
+        print(json.dumps(measure_tree(args.agent, args.n,
+                                      args.spin_us[-1] if args.spin_us else None)))
         return 0
     trees = [str(Path(t).resolve()) for t in (args.tree or [str(HERE.parents[2])])]
-    samples = {t: {} for t in trees}
+    spins = args.spin_us or [None]
+    # one row per (tree, spin): alternated round by round, like the trees
+    rows = [(t, sp, t if len(spins) == 1 else f"{t} spin {'default' if sp is None else f'{sp:g} µs'}")
+            for t in trees for sp in spins]
+    samples = {label: {} for _t, _sp, label in rows}
     for rnd in range(args.rounds):
-        for t in trees:
+        for t, sp, label in rows:
             # The tree goes first; the rest of PYTHONPATH stays (on the GPU host the wheels are
             # installed in a --target folder named there: dropping it made every rank process
             # die on `import zmq`, seen by the parent only as EOFError on the rank's pipe).
@@ -262,23 +268,24 @@ def main(argv=None) -> int:
                     if x and Path(x).resolve() not in {Path(u).resolve() for u in trees}]
             env = dict(os.environ, SPLITSERVE_BENCH_TREE=t,
                        PYTHONPATH=os.pathsep.join([t] + keep))
-            spin = [] if args.spin_us is None else ["--spin-us", str(args.spin_us)]
+            spin = [] if sp is None else ["--spin-us", str(sp)]
             r = subprocess.run([sys.executable, str(HERE), "--child", "--agent", args.agent,
                                 "--n", str(args.n), *spin], env=env,
                                cwd=t, capture_output=True, text=True, timeout=600)
             if r.returncode:
-                print(f"round {rnd} in {t} failed (exit {r.returncode}):\n{r.stderr[-6000:]}",
+                print(f"round {rnd} in {label} failed (exit {r.returncode}):\n{r.stderr[-6000:]}",
                       file=sys.stderr)
                 return 1
             got = json.loads(r.stdout.strip().splitlines()[-1])
             for k, v in got.items():
                 if k == "hops":
                     for h, xs in v.items():
-                        samples[t].setdefault("hops", {}).setdefault(h, []).extend(xs)
+                        samples[label].setdefault("hops", {}).setdefault(h, []).extend(xs)
                 else:
-                    samples[t].setdefault(k, []).extend(v)
-            print(f"round {rnd} {t}: rt p50 {statistics.median(got['rt']) * 1e6:.0f} µs",
+                    samples[label].setdefault(k, []).extend(v)
+            print(f"round {rnd} {label}: rt p50 {statistics.median(got['rt']) * 1e6:.0f} µs",
                   file=sys.stderr, flush=True)
+    trees = [label for _t, _sp, label in rows]
     if args.json:
         Path(args.json).write_text(json.dumps(samples))
     us = 1e6

@@ -4,7 +4,7 @@
 # trip (nixl; `BASE=<dir>` adds a checkout to compare with, alternating), what one wake-up costs on
 # this host, the host time of one direct write's copy, and the `1b` transfers (scattered, e2e,
 # × copy). Run from the repository root, after the device set-up; outputs go to $OUT (default
-# /tmp/control-gpu): gpu_tests.txt, control.txt, control_nospin.txt, wakeup.txt, probe.txt,
+# /tmp/control-gpu): gpu_tests.txt, control.txt, control_spin.txt, wakeup.txt, probe.txt,
 # transfer.txt.
 set -u
 OUT=${OUT:-/tmp/control-gpu}
@@ -22,11 +22,11 @@ trees=(--tree .)
 timeout 60 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 "${trees[@]}" \
     > "$OUT/control.txt" 2>&1; echo "control.py rc=$?" >> "$OUT/control.txt"
 tail -n 14 "$OUT/control.txt"
-# this tree with its listeners never spinning (--spin-us 0; TransferConfig.spin_s, default 500 µs
-# on a machine with at least 4 CPUs): to set against control.txt, which ran the default
-timeout 45 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 --spin-us 0 \
-    > "$OUT/control_nospin.txt" 2>&1; echo "control.py --spin-us 0 rc=$?" >> "$OUT/control_nospin.txt"
-tail -n 9 "$OUT/control_nospin.txt"
+# this tree with its listeners never spinning and spinning 500 µs (TransferConfig.spin_s; the
+# default is 500 µs on a machine with at least 4 CPUs), alternated round by round
+timeout 90 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 3 --spin-us 0 --spin-us 500 \
+    > "$OUT/control_spin.txt" 2>&1; echo "control.py --spin-us rc=$?" >> "$OUT/control_spin.txt"
+tail -n 11 "$OUT/control_spin.txt"
 timeout 20 python3 bench/transfer/wakeup_probe.py --n 3000 > "$OUT/wakeup.txt" 2>&1
 cat "$OUT/wakeup.txt"
 timeout 30 python3 bench/transfer/submit_probe.py --calls 200 > "$OUT/probe.txt" 2>&1
