@@ -15,6 +15,7 @@ from .page_table import PageTable
 from .states import RankTopology, TransferConfig
 
 RETIRED_MAX = 65536
+PY_MAX_IDS = 64       # block-id lists up to this long take their largest id in Python (group_ids)
 
 
 class RankCore:
@@ -77,11 +78,17 @@ class RankCore:
                                             for v in grp.views) for grp in groups]
         out = []
         for g, ids in enumerate(block_ids):
-            # A list's largest id in Python: cheaper than the conversion it precedes, and a
-            # numpy reduction on a few ids costs ~25 µs on a cold path (the receive's post).
-            top = max(ids) if isinstance(ids, (list, tuple)) and ids and type(ids[0]) is int \
-                else None
-            a = np.asarray(ids, dtype=np.int64)
+            # A short list's largest id in Python: a numpy reduction on a few ids costs ~25 µs
+            # on a cold path (the receive's post). A long one's in numpy: Python's max over
+            # 4,096 ids took 134 µs against 3 µs (2-core box, warm), and fromiter converts
+            # a list of ints in ~0.5-0.8x asarray's time (149 against 204 µs at 4,096).
+            pylist = isinstance(ids, (list, tuple)) and ids and type(ids[0]) is int
+            top = max(ids) if pylist and len(ids) <= PY_MAX_IDS else None
+            try:
+                a = np.fromiter(ids, np.int64, len(ids)) if pylist else \
+                    np.asarray(ids, dtype=np.int64)
+            except (TypeError, ValueError):   # not all ints, or nested: asarray says what
+                a = np.asarray(ids, dtype=np.int64)
             if a.ndim != 1:
                 a = a.reshape(-1)
             if top is None:

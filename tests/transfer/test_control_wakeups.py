@@ -26,18 +26,22 @@ NEVER = 600.0   # a timer this long never fires within the test
 BOUND = 10.0    # what a wake-up-driven step needs, with room for a loaded 2-core box
 
 
-def _rank(role: str, kind: str, **cfg):
-    pool = alloc_shared_array(SLOTS * BLOCK) if kind == "shm" else np.zeros(SLOTS * BLOCK, np.uint8)
-    if role == "context":
-        pool[:] = np.arange(pool.size, dtype=np.uint64).astype(np.uint8)
-    pp = PhysicalPool(base=pool.ctypes.data, layer_stride=2 * ENTRY, slot_stride=BLOCK,
+def _page_table(base: int) -> PageTable:
+    pp = PhysicalPool(base=base, layer_stride=2 * ENTRY, slot_stride=BLOCK,
                       slot_bytes=2 * ENTRY, num_slots=SLOTS, layers=LAYERS, mem_type="DRAM",
                       device_id=0)
     view = PoolView(pool=0, role=frozenset(["kv"]), layer_ids=tuple(range(LAYERS)),
                     buffer_entries=tuple((lay, c * ENTRY, ENTRY) for lay in range(LAYERS)
                                          for c in (0, 1)), layout="NHD", kv_heads=HEADS)
-    pt = PageTable(tokens_per_block=TPB, pools=(pp,),
-                   groups=(LayerGroup(tuple(range(LAYERS)), (view,)),), dtype="bfloat16")
+    return PageTable(tokens_per_block=TPB, pools=(pp,),
+                     groups=(LayerGroup(tuple(range(LAYERS)), (view,)),), dtype="bfloat16")
+
+
+def _rank(role: str, kind: str, **cfg):
+    pool = alloc_shared_array(SLOTS * BLOCK) if kind == "shm" else np.zeros(SLOTS * BLOCK, np.uint8)
+    if role == "context":
+        pool[:] = np.arange(pool.size, dtype=np.uint64).astype(np.uint8)
+    pt = _page_table(pool.ctypes.data)
     tx = KvTransceiver(pt, RankTopology(role=role, num_layers=LAYERS, total_kv_heads=HEADS,
                                         model="wakeups"),
                        TransferConfig(agent=kind, send_timeout_s=NEVER, recv_timeout_s=NEVER,
@@ -211,3 +215,23 @@ def test_the_landing_thread_hands_back_landed_writes_and_polls_with_fine_timer_s
         lw.close()
     if sys.platform == "linux":
         assert slack and set(slack) == {LandingWaiter.SLACK_NS}
+
+
+def test_block_ids_become_int64_arrays_checked_against_the_pool_whatever_their_form():
+    """RankCore.group_ids, on every post and send: short and long Python lists (a short list's
+    largest id in Python, a long one's in numpy after `fromiter`), tuples, numpy arrays, -1 for
+    a cached block; an id past the pool is refused, a non-integer list says why."""
+    from transfer.errors import SessionError
+    from transfer.session_core import PY_MAX_IDS, RankCore
+
+    pt = _page_table(1 << 20)
+    core = RankCore(TransferConfig(agent="tcp"), RankTopology(role="generation", num_layers=LAYERS,
+                                                              total_kv_heads=HEADS), pt, None)
+    for ids in ([3, -1, 5], list(range(SLOTS)) * (PY_MAX_IDS // SLOTS + 1), (1, 2),
+                np.array([7, 0], np.int32), []):
+        (a,) = core.group_ids(ids)
+        assert a.dtype == np.int64 and a.tolist() == list(ids)
+    for bad in ([1, SLOTS], [0] * PY_MAX_IDS + [SLOTS], np.array([SLOTS])):
+        with pytest.raises(SessionError, match="pool size"):
+            core.group_ids(bad)
+    assert core.group_ids([1, 2.0])[0].tolist() == [1, 2]   # as np.asarray took it
