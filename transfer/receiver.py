@@ -346,6 +346,13 @@ class Receiver:
         pi.waiting = []
 
     def _post_locked(self, pi: PeerInstance, r: RecvSession) -> None:
+        # Its result comes on the control plane within a round trip in context_first (in
+        # generation_first after the prefill: the window is then spent for nothing, once per
+        # receive). Asked before the receive leaves, so that a listener asleep wakes while the
+        # receive travels, not after. A result that comes as the write's notification is read
+        # by the agent's thread, not this listener: nothing to spin for.
+        if self.c.spin_s and not self.c.results_by_notif:
+            self.c.messenger.expect(self.c.spin_s)
         ids = [a.tobytes() for a in r.dst_ids]   # 1-D int64 (RankCore.group_ids)
         for x in pi.peers:
             r.writers[x.key] = Writer(endpoint=x.endpoint, agent=x.agent_name)
@@ -353,12 +360,6 @@ class Receiver:
                                          notif=self.c.results_by_notif,
                                          ready=self.c.ready_waiter is not None))
         r.state = RecvState.POSTED
-        # Its result comes on the control plane within a round trip in context_first (in
-        # generation_first after the prefill: the window is then spent for nothing, once per
-        # receive). A result that comes as the write's notification is read by the agent's
-        # thread, not this listener: nothing to spin for.
-        if self.c.spin_s and not self.c.results_by_notif:
-            self.c.messenger.expect(self.c.spin_s)
 
     def on_result(self, endpoint: str | None, msg: Result, agent: str | None = None) -> None:
         """A context rank's result: a control message (`endpoint` its rank) or, for `ok` results

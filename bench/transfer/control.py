@@ -14,6 +14,10 @@ shm agent — the control plane is the same Python with any agent) measure:
   (the completion must follow the bytes).
 - *hops*: timestamps of each step of the round trip (methods of the transfer package wrapped in
   this benchmark's processes only), median µs after `begin_receive`.
+- *CPU per iteration*: each rank process's CPU time (all its threads) over the measured
+  iterations (one round trip and the two critical paths each, with the benchmark's own pipe
+  commands), divided by their number; median over rounds. Less sensitive to a loaded machine
+  than the latencies, and it shows what spinning listeners cost.
 
 `--tree DIR` (repeatable) measures other checkouts in the same run, alternating trees round by
 round so that load on a shared machine hits them alike: e.g. `git archive main | tar -x -C
@@ -169,6 +173,8 @@ def _rank_main(conn, role: str, kind: str, spin_us: float | None = None) -> None
         elif cmd == "stamps":
             conn.send(dict(stamps))
             stamps.clear()
+        elif cmd == "cpu":           # this process's CPU time so far (every thread)
+            conn.send(time.process_time())
 
 
 def measure_tree(kind: str, n: int, spin_us: float | None = None) -> dict:
@@ -200,8 +206,11 @@ def measure_tree(kind: str, n: int, spin_us: float | None = None) -> dict:
     ep = eps["context"]
     out = {"rt": [], "rt_wake": [], "crit0": [], "crit1": [], "hops": {}}
     req = iter(range(1, 1 << 30))
+    cpu0 = {}
     try:
         for i in range(n + 10):     # the first 10 wire up connections and agents
+            if i == 10:
+                cpu0 = {role: call(role, "cpu") for role in ranks}
             r = next(req)
             call("context", "send", r, [0])
             rt, rt_wake, t_post, hops = call("generation", "rt", r, ep, [-1])
@@ -221,6 +230,10 @@ def measure_tree(kind: str, n: int, spin_us: float | None = None) -> dict:
                 # both processes stamp CLOCK_MONOTONIC of one host: relative to the post
                 for k, v in {**hops, **call("context", "stamps")}.items():
                     out["hops"].setdefault(k, []).append(v - t_post)
+        # CPU per iteration (a round trip and both critical paths): what each rank process
+        # spent, every thread (listeners spinning included), the parent's pipe commands too
+        for role in ranks:
+            out[f"cpu_{role}"] = [(call(role, "cpu") - cpu0[role]) / n] if n else [0.0]
     finally:
         for role in ranks:
             try:
@@ -292,14 +305,18 @@ def main(argv=None) -> int:
     print(f"\nagent {args.agent}, {args.rounds} rounds × {args.n} per tree, alternating trees; "
           f"µs\n")
     print("| tree | round trip p50 | p99 | + waiter wakes p50 | critical path, nothing written "
-          "p50 | p99 | critical path, 1 block p50 | p99 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "p50 | p99 | critical path, 1 block p50 | p99 | CPU per iteration, context | "
+          "generation |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for t in trees:
         s = samples[t]
+        cpu = [f"{statistics.median(s[k]) * us:,.0f}" if s.get(k) else "—"
+               for k in ("cpu_context", "cpu_generation")]
         print(f"| {t} | {statistics.median(s['rt']) * us:,.0f} | {pct(s['rt'], .99) * us:,.0f} | "
               f"{statistics.median(s['rt_wake']) * us:,.0f} | "
               f"{statistics.median(s['crit0']) * us:,.0f} | {pct(s['crit0'], .99) * us:,.0f} | "
-              f"{statistics.median(s['crit1']) * us:,.0f} | {pct(s['crit1'], .99) * us:,.0f} |")
+              f"{statistics.median(s['crit1']) * us:,.0f} | {pct(s['crit1'], .99) * us:,.0f} | "
+              f"{cpu[0]} | {cpu[1]} |")
     print("\nRound trip hop by hop (median µs after `begin_receive`):\n")
     names = [h[0] for h in HOPS]
     print("| tree | " + " | ".join(names) + " | on_done |")
