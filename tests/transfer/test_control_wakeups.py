@@ -235,3 +235,7 @@ def test_block_ids_become_int64_arrays_checked_against_the_pool_whatever_their_f
         with pytest.raises(SessionError, match="pool size"):
             core.group_ids(bad)
     assert core.group_ids([1, 2.0])[0].tolist() == [1, 2]   # as np.asarray took it
+    (a,) = core.group_ids([2] + [1] * PY_MAX_IDS)
+    a[0] = 3   # the arrays are the transfer's own (writable), not views of a shared buffer
+    with pytest.raises((SessionError, OverflowError)):
+        core.group_ids([1, 1 << 70])   # not an int64: refused as np.asarray refuses it
