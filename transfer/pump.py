@@ -59,6 +59,7 @@ class Task:
     result_sent: bool = False   # its `ok` result left when the write was posted (Result.ready)
     posted: bool = False        # `_submit` returned: its handles are all there (another thread
                                 # may have claimed it and be submitting still)
+    posted_at: float = 0.0      # when it did (time.monotonic; `started` is the claim)
 
 
 def _runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
@@ -280,6 +281,7 @@ class Pump:
             except Exception as e:  # validation / peer lost: nothing was posted
                 task.error = f"{type(e).__name__}: {e}"
                 task.peer_lost = isinstance(e, PeerLost)
+            task.posted_at = time.monotonic()
             task.posted = True
 
     def _submit(self, task: Task) -> None:

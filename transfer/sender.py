@@ -89,6 +89,7 @@ class SendSession:
     nbytes: int = 0
     ndescs: int = 0
     write_s: float = 0.0                    # time writes were in flight (submit → DONE)
+    submit_s: float = 0.0                   # of which posting them (claim → submit returned)
     slices_done: dict = field(default_factory=dict)   # slice id -> when its write finished
     on_end: Callable[[], None] | None = None   # called once (any thread) when quiescent
 
@@ -186,7 +187,7 @@ class Sender:
                 state = State(s.state)
             return Status(state=state, quiescent=s.quiescent, error=s.error, meta=s.meta,
                           timed_out=s.timed_out, bytes=s.nbytes, descriptors=s.ndescs,
-                          write_s=s.write_s, cause=s.cause,
+                          write_s=s.write_s, submit_s=s.submit_s, cause=s.cause,
                           slices_done=tuple(s.slices_done[i] for i in sorted(s.slices_done)))
 
     def cancel(self, request_id: int) -> bool:
@@ -378,6 +379,7 @@ class Sender:
         t.inflight = None
         if task.handles:
             s.write_s += time.monotonic() - task.started
+            s.submit_s += task.posted_at - task.started
         s.nbytes += task.nbytes
         s.ndescs += task.ndescs
         key = t.rx.info.key

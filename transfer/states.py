@@ -85,6 +85,7 @@ class Status:
     bytes: int = 0
     descriptors: int = 0
     write_s: float = 0.0
+    submit_s: float = 0.0      # (send) of write_s, the host's part: claim → the write posted
     cause: str | None = None   # a send session's `SendEnd` once it ended
     # (send) per slice, when its write to the last receiving rank finished (time.monotonic)
     slices_done: tuple[float, ...] = ()

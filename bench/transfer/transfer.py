@@ -180,7 +180,8 @@ def rank_main(conn, role: str, device: str, kind: str, num_blocks: int, dtype: s
                 else:
                     st = wait(tx.send_status, a[0])
                     tx.release_send(a[0])
-                out = (st.state, st.bytes, st.descriptors, st.write_s, list(st.slices_done))
+                out = (st.state, st.bytes, st.descriptors, st.write_s, list(st.slices_done),
+                       getattr(st, "submit_s", None))
             elif cmd == "recv":        # (req, ep, ntok, ids) -> seconds from post to done
                 req, ep, ntok, ids = a
                 ev = threading.Event()
@@ -386,13 +387,14 @@ def sizes_for(args, geo: str) -> list[int]:
 
 
 def measure(ctx: "Rank", gen: "Rank", ntok: int, src: list[int], dst: list[int], req) -> tuple:
-    """One context_first transfer: (e2e s, write s, bytes, descriptors)."""
+    """One context_first transfer: (e2e s, write s, bytes, descriptors, submit s: the host's
+    part of write s, None from a tree without it)."""
     r = next(req)
     ctx("send", r, ntok, src)
     state, dt, err = gen("recv", r, ctx.endpoint, ntok, dst)
     assert state == "done", err
-    _, nbytes, ndesc, write_s, _ = ctx("wait_send", r)
-    return dt, write_s, nbytes, ndesc
+    _, nbytes, ndesc, write_s, _, submit_s = ctx("wait_send", r)
+    return dt, write_s, nbytes, ndesc, submit_s
 
 
 def run(args) -> tuple[str, dict]:
@@ -449,12 +451,15 @@ def run(args) -> tuple[str, dict]:
                         if case == "scattered":
                             assert ctx("digest", src) == gen("digest", dst), \
                                 "bytes differ after a scattered transfer"
+                        subs = [v[4] for v in vals if v[4] is not None]
                         row[case] = (med(v[0] for v in vals), med(v[1] for v in vals),
-                                     vals[-1][2], vals[-1][3])
+                                     vals[-1][2], vals[-1][3], med(subs) if subs else None)
                     sc, co, cn = row["scattered"], row["contiguous"], row["control"]
                     base = results["base"][key]
                     print(f"{geo:4s} {actual:5s} {ntok:6d} tok: scattered {sc[0] * 1e3:8.3f} ms "
-                          f"({sc[0] / base:5.2f}x copy, write {sc[1] * 1e3:.3f}, {sc[3]} desc) "
+                          f"({sc[0] / base:5.2f}x copy, write {sc[1] * 1e3:.3f}"
+                          + (f" (submit {sc[4] * 1e3:.3f})" if sc[4] is not None else "")
+                          + f", {sc[3]} desc) "
                           f"contiguous {co[0] * 1e3:8.3f} ms ({co[0] / base:5.2f}x) control "
                           f"{cn[0] * 1e3:.3f} ms; copy {base * 1e3:.3f} ms", flush=True)
                 if ttft:

@@ -75,7 +75,11 @@ def test_receives_complete_with_every_timer_off(kind, monkeypatch):
                 b = dst_ids[0]
                 assert (dst[b * BLOCK:(b + 1) * BLOCK] == src[BLOCK:2 * BLOCK]).all()
             assert ended.wait(BOUND), f"request {req}: the context side never saw its end"
-            assert ctx.send_status(req).state == "done"
+            cst = ctx.send_status(req)
+            assert cst.state == "done"
+            # the host's part of the write (claim → posted) is inside the write's time
+            assert 0.0 <= cst.submit_s <= cst.write_s
+            assert (cst.write_s > 0.0) == (dst_ids[0] >= 0)
             gen.release_receive(req)
             ctx.release_send(req)
         # every ok result went with its write (or as a bare notification), none by control message

@@ -100,7 +100,7 @@ def _op(ctx, name: str, *args) -> Any:
 # ---------------------------------------------------------------------------------- combining
 def combine_statuses(statuses: list[Status]) -> Status:
     """The instance's status from every rank's (see the module docstring). Byte and descriptor
-    counts add up; ``write_s`` (ranks write in parallel) is the longest; any other field is
+    counts add up; ``write_s`` and ``submit_s`` (ranks write in parallel) are the longest; any other field is
     rank 0's."""
     code = combine_codes([s.code for s in statuses])
     bad = next((s for s in statuses if s.quiescent and s.state != "done"), None)
@@ -118,8 +118,9 @@ def combine_statuses(statuses: list[Status]) -> Status:
                cause=(bad.cause if bad is not None and code == FAILED else statuses[0].cause),
                bytes=sum(s.bytes for s in statuses),
                descriptors=sum(s.descriptors for s in statuses))
-    if "write_s" in out:
-        out["write_s"] = max(getattr(s, "write_s", 0.0) for s in statuses)
+    for k in ("write_s", "submit_s"):
+        if k in out:
+            out[k] = max(getattr(s, k, 0.0) for s in statuses)
     return Status(**out)
 
 
