@@ -4,9 +4,10 @@ On the wire each is a msgpack map whose `t` names the type (msgspec's tag); `Mes
 them. Who sends what (`gen` = a generation rank, `ctx` = a context rank):
 
     gen → ctx rank 0   GetInstance                        → Instance {ranks: [RankInfo bytes]}
-    gen → ctx rank i   Register {info}                    → Registered {lane} | RegisterFailed {error}
-                       (then the generation rank connects the control lane `lane` names, when
-                       there is one, and sends everything below to that rank on it)
+    gen → ctx rank i   Register {info}          → Registered {lane, local_lane} | RegisterFailed {error}
+                       (then the generation rank connects the control lane `local_lane` names,
+                       else `lane`, when there is one, and sends everything below to that rank
+                       on it)
     gen → ctx rank i   Recv {req, n, ids: [int64 bytes per group], notif, ready}   (one whole-prompt receive)
     ctx → gen          Result {req, from, status, slices, span, last, meta, ready}
                        (with `notif`, an `ok` result travels as the transfer agent's notification
@@ -54,6 +55,9 @@ class Registered(_Msg, tag="registered"):
     key: str
     # Where this rank listens for control lanes (`host:port`, transfer/lanes.py); "" for none.
     lane: str = ""
+    # ...and for lanes from its own host (a Unix socket's abstract name, `lanes.listen_local`);
+    # "" for none. A peer that cannot reach it uses `lane`.
+    local_lane: str = ""
 
 
 class RegisterFailed(_Msg, tag="register_failed"):
@@ -120,7 +124,7 @@ def parse(msg: dict) -> ControlMessage:
 
 #: Fields added after the first release of a message: left out of the map while at their default,
 #: so the maps peers of an earlier release send and read stay the same.
-_LATE_FIELDS = ("ready", "lane")
+_LATE_FIELDS = ("ready", "lane", "local_lane")
 
 
 _decoder = msgspec.msgpack.Decoder(ControlMessage)
@@ -145,7 +149,7 @@ def to_wire(msg: ControlMessage) -> dict:
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _late_tails() -> dict[type, tuple[str, object, bytes]]:
+def _late_tails() -> dict[type, tuple[str, object, bytes] | None]:
     """Per message type with a late field: (field, its default, the bytes that field adds at the
     end of the encoded map while at that default). msgspec writes the tag, then the fields in
     their declaration order: a late field is declared last (checked here, once)."""
@@ -154,6 +158,9 @@ def _late_tails() -> dict[type, tuple[str, object, bytes]]:
         names = cls.__struct_fields__
         late = [k for k in _LATE_FIELDS if k in names]
         if not late:
+            continue
+        if len(late) > 1:   # not on the critical path (Registered): the dict way, always
+            out[cls] = None
             continue
         (k,) = late
         if names[-1] != k:
@@ -171,9 +178,11 @@ def encode(msg: ControlMessage) -> bytes:
     dict in between: ~10 against ~44 µs right after an idle wait on the 2-core box, once per
     control message on the round trip). A late field at its default is cut off the end of the
     map, as `to_wire` leaves it out."""
-    data = _encoder.encode(msg)
-    tail = _LATE_TAILS.get(type(msg))
+    tail = _LATE_TAILS.get(type(msg), ())
     if tail is None:
+        return _encoder.encode(to_wire(msg))
+    data = _encoder.encode(msg)
+    if not tail:
         return data
     k, default, suffix = tail
     value = getattr(msg, k)

@@ -20,15 +20,25 @@ Rules (transfer/messenger.py keeps them):
   a fresh lane. Heartbeats stay on the ZeroMQ connection, which stays open.
 
 Frames are a 4-byte big-endian length and the message's msgpack bytes (no pickle).
+
+A context rank also listens on a Unix socket in the abstract namespace (`listen_local`, Linux)
+and names it in `Registered` too; a generation rank connects there first and over TCP only where
+that fails (another host, another network namespace). The same frames: a Unix stream socket's
+write and wake-up cost less than TCP's loopback path (one-way hop between two processes on the
+2-core box, 2026-12-07: 13.3/12.2 µs hot and 33.2/28.2 µs after a 2 ms idle, against 16.1/15.7
+and 39.6/38.1 over TCP).
 """
 from __future__ import annotations
 
+import secrets
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 
+AF_UNIX = getattr(socket, "AF_UNIX", None)
 FRAME = struct.Struct("!I")
 MAX_FRAME = 256 << 20
 
@@ -48,7 +58,8 @@ class Lane:
     READ_BYTES = 64 << 10   # the buffer's size; a longer frame grows it while it is read
 
     def __init__(self, sock: socket.socket, key=None, send_timeout_s: float = 5.0) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family != AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
@@ -164,6 +175,40 @@ def listen(host: str) -> socket.socket:
     s.bind((host, 0))
     s.listen(128)
     s.setblocking(False)
+    return s
+
+
+def listen_local() -> tuple[socket.socket | None, str]:
+    """A lane listener for peers on this host: a Unix stream socket in the abstract namespace
+    (Linux; no file, gone with the process), and the name peers connect to ("" and None where
+    there is none). A name no other process has (random): a peer on another host, or in another
+    network namespace, finds nothing under it and connects over TCP instead."""
+    if AF_UNIX is None or not sys.platform.startswith("linux"):
+        return None, ""
+    name = f"splitserve-lane-{secrets.token_hex(12)}"
+    s = socket.socket(AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind("\0" + name)
+        s.listen(128)
+    except OSError:
+        s.close()
+        return None, ""
+    s.setblocking(False)
+    return s, name
+
+
+def connect_local(name: str, timeout_s: float) -> socket.socket:
+    """Connect to a lane listener of this host (`listen_local`'s name); OSError where no
+    process here listens under that name."""
+    if AF_UNIX is None:
+        raise OSError("no Unix sockets here")
+    s = socket.socket(AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    try:
+        s.connect("\0" + name)
+    except OSError:
+        s.close()
+        raise
     return s
 
 

@@ -15,7 +15,8 @@ wait, is closed and reported once through `on_peer_lost(endpoint, reason)`; a la
 same endpoint opens a fresh connection (a restarted peer is a new incarnation to the layers above).
 
 Control lanes (transfer/lanes.py): besides its ROUTER, a messenger listens for lanes
-(`lane_address`); `open_lane(endpoint, address)` connects one to a peer. While a lane to a peer is
+(`lane_address` over TCP, `lane_local` a Unix socket for peers on its host);
+`open_lane(endpoint, address, local)` connects one to a peer, through `local` where it can. While a lane to a peer is
 up, `send` to its endpoint and `reply` to its identity write to the lane from the calling thread,
 and what arrives on it is dispatched like ZeroMQ traffic (`("dealer", endpoint)` on the side that
 connected, `("router", identity)` on the side that listened). A lane that closes or fails a write
@@ -69,6 +70,8 @@ class Messenger:
         self._lane_server = lanes.listen(host)
         adv = self.endpoint.rpartition(":")[0].removeprefix("tcp://").strip("[]")
         self.lane_address = lanes.address(self._lane_server, adv)
+        # peers on this host connect here instead ("" where there is none)
+        self._local_server, self.lane_local = lanes.listen_local()
         self._lanes_out: dict[str, lanes.Lane] = {}     # endpoint -> lane we connected
         self._lanes_in: dict[bytes, lanes.Lane] = {}    # identity -> lane a peer connected
         self._accepted: set[lanes.Lane] = set()         # connected to us, not yet named
@@ -77,7 +80,10 @@ class Messenger:
                          on_router=self._from_router, on_dealer=self._from_dealer,
                          on_lost=self._lost, heartbeat_ms=hb, connect_timeout_s=connect_timeout_s,
                          dealer_options={zmq.MAXMSGSIZE: MAX_CONTROL_MSG})
-        self.io.call_soon(lambda: self.io.watch_fd(self._lane_server.fileno(), self._accept))
+        for server in (self._lane_server, self._local_server):
+            if server is not None:
+                self.io.call_soon(lambda server=server: self.io.watch_fd(
+                    server.fileno(), lambda: self._accept(server)))
         self._closed = False
 
     # ------------------------------------------------------------------ API (any thread)
@@ -116,15 +122,24 @@ class Messenger:
         self.io.call_soon(lambda: self._close_lane(self._lanes_out.get(endpoint)))
         self.io.forget(endpoint)
 
-    def open_lane(self, endpoint: str, address: str) -> bool:
+    def open_lane(self, endpoint: str, address: str, local: str = "") -> bool:
         """(listener thread) Connect a control lane to the peer at `endpoint`, which listens at
-        `address`; from now on messages to it go there. False (ZeroMQ stays) when it cannot be
-        reached within the connect timeout."""
+        `address` (TCP) and, on its host, under `local` (a Unix socket: tried first, so a peer
+        on this host is reached through it); from now on messages to it go there. False
+        (ZeroMQ stays) when it cannot be reached within the connect timeout."""
         old = self._lanes_out.get(endpoint)
         if old is not None and not old.closed:
             return True
+        timeout = min(self._connect_timeout_s, 1.0)
+        sock = None
+        if local:
+            try:
+                sock = lanes.connect_local(local, timeout)
+            except OSError:
+                pass   # not on this host (or not in this network namespace): TCP
         try:
-            sock = lanes.connect(address, min(self._connect_timeout_s, 1.0))
+            if sock is None:
+                sock = lanes.connect(address, timeout)
         except OSError as e:
             log.info("no control lane to %s at %s (%s): ZeroMQ carries its messages", endpoint,
                      address, e)
@@ -153,13 +168,15 @@ class Messenger:
         for lane in [*self._lanes_out.values(), *self._lanes_in.values(), *self._accepted]:
             lane.close()
         self._lane_server.close()
+        if self._local_server is not None:
+            self._local_server.close()
         self._ctx.term()
 
     # ------------------------------------------------------------------ lanes (listener thread)
-    def _accept(self) -> None:
+    def _accept(self, server) -> None:
         while True:
             try:
-                sock, _addr = self._lane_server.accept()
+                sock, _addr = server.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:

@@ -192,7 +192,8 @@ class Pump:
                                 "per-transfer lists", info.key, e)
             with c.lock:
                 self.sender.receivers[info.key] = rx
-            c.reply(ident, Registered(key=c.info.key, lane=c.messenger.lane_address))
+            c.reply(ident, Registered(key=c.info.key, lane=c.messenger.lane_address,
+                                      local_lane=c.messenger.lane_local))
 
     def _prepare(self, rx: RegisteredReceiver) -> None:
         """Per-slot descriptor lists for single-fragment mappers: a transfer then only names block

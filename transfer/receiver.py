@@ -308,7 +308,7 @@ class Receiver:
                 return
             if msg.key in pi.pending and msg.lane:
                 # Before any receive is posted to that rank: everything to it goes on the lane.
-                self.c.messenger.open_lane(endpoint, msg.lane)
+                self.c.messenger.open_lane(endpoint, msg.lane, msg.local_lane)
             pi.pending.discard(msg.key)
             if not pi.pending:
                 pi.state = PeerState.READY

@@ -4,8 +4,11 @@ reported lost through the lane without waiting for ZeroMQ's heartbeats."""
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
+
+import pytest
 
 from transfer.messenger import Messenger
 
@@ -40,15 +43,42 @@ def _pair(heartbeat_timeout_s: float = 60.0):
     return ctx, gen, ib_ctx, ib_gen
 
 
-def _open(gen: Messenger, ctx: Messenger) -> None:
+def _open(gen: Messenger, ctx: Messenger, local: str | None = None) -> None:
     done = threading.Event()
     out = {}
 
     def run():
-        out["ok"] = gen.open_lane(ctx.endpoint, ctx.lane_address)
+        out["ok"] = gen.open_lane(ctx.endpoint, ctx.lane_address,
+                                  ctx.lane_local if local is None else local)
         done.set()
     gen.call_soon(run)   # lanes are opened on the listener thread
     assert done.wait(5) and out["ok"]
+
+
+def _lane_family(gen: Messenger, ctx: Messenger) -> int:
+    return gen._lanes_out[ctx.endpoint].sock.family
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets: Linux")
+def test_a_peer_on_this_host_is_reached_through_its_unix_socket_else_over_tcp():
+    """A context rank names a Unix socket of its host beside its TCP lane listener; a peer on
+    the same host connects there, and one that cannot reach it (another host, another network
+    namespace: no socket under that name) over TCP. Either way messages and replies travel."""
+    for local, family in ((None, socket.AF_UNIX), ("splitserve-lane-nobody", socket.AF_INET)):
+        ctx, gen, ib_ctx, ib_gen = _pair()
+        try:
+            assert ctx.lane_local.startswith("splitserve-lane-")
+            _open(gen, ctx, local)
+            assert _lane_family(gen, ctx) == family
+            gen.send(ctx.endpoint, {"t": "ping", "i": 1})
+            assert ib_ctx.wait(lambda ib: ib.msgs)
+            ctx.reply(ib_ctx.msgs[0][0][1], {"t": "pong", "i": 2})
+            assert ib_gen.wait(lambda ib: ib.msgs)
+            assert gen.lane_stats == {"sent": 1, "received": 1}
+            assert ctx.lane_stats == {"sent": 1, "received": 1}
+        finally:
+            gen.close()
+            ctx.close()
 
 
 def test_messages_and_replies_travel_on_the_lane_in_order():
@@ -75,10 +105,11 @@ def test_messages_and_replies_travel_on_the_lane_in_order():
         ctx.close()
 
 
-def test_a_peer_that_goes_away_is_lost_through_its_lane():
+@pytest.mark.parametrize("local", [None, ""], ids=["unix", "tcp"])
+def test_a_peer_that_goes_away_is_lost_through_its_lane(local):
     ctx, gen, ib_ctx, ib_gen = _pair()
     try:
-        _open(gen, ctx)
+        _open(gen, ctx, local)
         gen.send(ctx.endpoint, {"t": "ping"})
         assert ib_ctx.wait(lambda ib: ib.msgs)
         t0 = time.monotonic()

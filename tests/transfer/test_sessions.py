@@ -471,6 +471,7 @@ def test_control_messages_keep_their_wire_maps_and_refuse_malformed_ones():
     late = [C.Result(req=7, sender="i", ready=b"tok"), C.Result(req=7, sender="i", ready=b""),
             C.Recv(req=1, n=4, ids=[b"\x01" * 8], notif=True, ready=True),
             C.Recv(req=1, n=4, ids=[]), C.Registered(key="k"), C.Registered(key="k", lane="h:1"),
+            C.Registered(key="k", lane="h:1", local_lane="splitserve-lane-x"),
             C.Instance(ranks=[b"x"], answering="k"), C.GetInstance(), C.Cancel(req=3),
             C.Claim(req=2), C.Error(error=None), C.RegisterFailed(error="no")]
     for m in [res, *late]:
