@@ -201,6 +201,9 @@ class IoLoop:
         self._fds: dict[int, Callable[[], None]] = {}
         self._spin_until = 0.0   # expect: spin until then (monotonic; 0 = not asked)
         self._spin_fds: list[int] | None = None   # what a spin watches (None: to collect)
+        # spins that ended on something readable, that ran their window out, and the seconds
+        # spent spinning (a diagnostic: bench/transfer/control.py prints them)
+        self.spin_stats = {"caught": 0, "ran_out": 0, "spin_s": 0.0}
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -419,7 +422,11 @@ class IoLoop:
                 elif left > 0:
                     if self._spin_fds is None:
                         self._spin_fds = self._descriptors()
+                    t0 = time.monotonic()
                     spun = _spin.wait(self._spin_fds, left)
+                    st = self.spin_stats
+                    st["spin_s"] += time.monotonic() - t0
+                    st["caught" if spun else "ran_out"] += 1
                     timeout = 0   # the spin waited: ZeroMQ is only asked what is there now
             try:
                 events = dict(self._poller.poll(None if timeout is None else timeout * 1000))

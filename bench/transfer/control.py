@@ -175,6 +175,8 @@ def _rank_main(conn, role: str, kind: str, spin_us: float | None = None) -> None
             stamps.clear()
         elif cmd == "cpu":           # this process's CPU time so far (every thread)
             conn.send(time.process_time())
+        elif cmd == "spins":         # the listener's spins so far (trees that spin)
+            conn.send(dict(getattr(tx.messenger.io, "spin_stats", {})))
 
 
 def measure_tree(kind: str, n: int, spin_us: float | None = None) -> dict:
@@ -234,6 +236,7 @@ def measure_tree(kind: str, n: int, spin_us: float | None = None) -> dict:
         # spent, every thread (listeners spinning included), the parent's pipe commands too
         for role in ranks:
             out[f"cpu_{role}"] = [(call(role, "cpu") - cpu0[role]) / n] if n else [0.0]
+            out[f"spins_{role}"] = [call(role, "spins")]
     finally:
         for role in ranks:
             try:
@@ -317,6 +320,22 @@ def main(argv=None) -> int:
               f"{statistics.median(s['crit0']) * us:,.0f} | {pct(s['crit0'], .99) * us:,.0f} | "
               f"{statistics.median(s['crit1']) * us:,.0f} | {pct(s['crit1'], .99) * us:,.0f} | "
               f"{cpu[0]} | {cpu[1]} |")
+    if any(x for t in trees for role in ("context", "generation")
+           for x in samples[t].get(f"spins_{role}", ())):
+        print("\nListener spins (all rounds, warm-up included): ended by a message / ran out, "
+              "and the time spent spinning per measured iteration (µs):\n")
+        print("| tree | context caught | ran out | µs/iteration | generation caught | ran out | "
+              "µs/iteration |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for t in trees:
+            cells = []
+            for role in ("context", "generation"):
+                st = samples[t].get(f"spins_{role}", [])
+                caught = sum(x.get("caught", 0) for x in st)
+                ran_out = sum(x.get("ran_out", 0) for x in st)
+                per = sum(x.get("spin_s", 0.0) for x in st) / max(1, args.n * args.rounds)
+                cells += [f"{caught:,}", f"{ran_out:,}", f"{per * us:,.0f}"]
+            print(f"| {t} | " + " | ".join(cells) + " |")
     print("\nRound trip hop by hop (median µs after `begin_receive`):\n")
     names = [h[0] for h in HOPS]
     print("| tree | " + " | ".join(names) + " | on_done |")
