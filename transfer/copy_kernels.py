@@ -173,13 +173,19 @@ class DeviceCopier:
 
     SLOTS = 8   # tables in flight: a slot is rewritten only after its copy to the device ran
 
-    def __init__(self, device: int = 0, tile: int = TILE, warps: int | None = None) -> None:
+    def __init__(self, device: int = 0, tile: int = TILE, warps: int | None = None,
+                 mapped_ids: bool = False) -> None:
         import torch
 
         self.torch = torch
         self.device = torch.device("cuda", device)
         self.tile = tile
         self.warps = warps   # the strided kernel's num_warps (None: by tile; a probe sweeps it)
+        # An experiment (bench/transfer/submit_probe.py), off: copy_strided's kernel reads the
+        # picked indices from the pinned slot itself (Triton maps the host pointer to its device
+        # address) instead of after a copy to the device: no copy to queue and wait behind, each
+        # program's two index loads cross PCIe instead.
+        self.mapped_ids = mapped_ids
         self._slots: list = []
         self._next = 0
         self._fast = all(hasattr(torch._C, f) for f in
@@ -321,8 +327,15 @@ class DeviceCopier:
                                              n, self.tile, self.warps)
         prev = self._enter(stream)
         try:
-            idx = self._upload_ids(si, di, stream)
-            _strided_kernel()[grid](src_base, dst_base, idx, *scalars, **meta)
+            if self.mapped_ids:
+                host, _dev, ev, view = self._take_slot(2 * n)
+                view[:n] = si
+                view[n:2 * n] = di
+                _strided_kernel()[grid](src_base, dst_base, host, *scalars, **meta)
+                ev.record(stream)   # the slot is rewritten only once the kernel has read it
+            else:
+                idx = self._upload_ids(si, di, stream)
+                _strided_kernel()[grid](src_base, dst_base, idx, *scalars, **meta)
         finally:
             self._leave(prev)
         return n

@@ -142,6 +142,25 @@ def main(argv=None) -> int:
             copier.copy_strided(src.data_ptr(), BLOCK, si, dst.data_ptr(), BLOCK, di, BLOCK, stream)
         strided = timed(lambda: copier.copy_strided(src.data_ptr(), BLOCK, si, dst.data_ptr(),
                                                     BLOCK, di, BLOCK, stream))
+        # the experiment: the kernel reads the indices from the pinned slot (no upload)
+        mapped = ck.DeviceCopier(torch.cuda.current_device(), mapped_ids=True)
+        try:
+            for _ in range(20):
+                mapped.copy_strided(src.data_ptr(), BLOCK, si, dst.data_ptr(), BLOCK, di, BLOCK,
+                                    stream)
+            stream.synchronize()
+            ok = torch.equal(dst[di[0] * BLOCK:(di[0] + 1) * BLOCK],
+                             src[si[0] * BLOCK:(si[0] + 1) * BLOCK])
+            mapped_host = timed(lambda: mapped.copy_strided(src.data_ptr(), BLOCK, si,
+                                                            dst.data_ptr(), BLOCK, di, BLOCK,
+                                                            stream))
+            mapped_dev = device_us(lambda: mapped.copy_strided(src.data_ptr(), BLOCK, si,
+                                                               dst.data_ptr(), BLOCK, di, BLOCK,
+                                                               stream))
+            mapped_line = (f"mapped indices: host {mapped_host:.1f} µs, device {mapped_dev:.1f} "
+                           f"µs, bytes right: {ok}")
+        except Exception as e:   # an experiment: say why it did not run
+            mapped_line = f"mapped indices: failed ({type(e).__name__}: {e})"
         # the device time of each kernel for the same blocks, against a device copy of the bytes
         dev_t = {name: device_us(fn) for name, fn in (
             ("rows", lambda: copier.copy(s, d, n, stream)),
@@ -149,7 +168,8 @@ def main(argv=None) -> int:
                                                     BLOCK, di, BLOCK, stream)),
             ("torch copy", lambda: dst[:nb * BLOCK].copy_(src[:nb * BLOCK])))}
         print(f"{nb} blocks: copy_strided {strided:.1f} µs host; device µs: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in dev_t.items()), flush=True)
+              + ", ".join(f"{k} {v:.1f}" for k, v in dev_t.items()) + f"; {mapped_line}",
+              flush=True)
         print(f"{nb} blocks: copy {whole:.1f} µs (upload {upload:.1f}, launch {launch_us:.1f}); "
               f"copy + interprocess event record {with_event:.1f} µs; stream scope: torch's "
               f"context managers {scopes[0]:.1f} µs, DeviceCopier._enter/_leave {scopes[1]:.1f} "
