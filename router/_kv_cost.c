@@ -305,14 +305,14 @@ fail:
 PyDoc_STRVAR(time_core_doc,
 "time_core(servers, matched, loads, phases, params, block_size, cap, num_tokens,\n"
 "          uncached_weight, decode_weight, pinned, affinity_bonus, hotspot_factor,\n"
-"          hotspot_slack_s, max_batch_size, load_cap)\n"
+"          hotspot_slack_s, max_batch_size, load_cap, affinity_div)\n"
 "    -> (matched_tokens, costs, tied, hotspot, load_capped, limit)\n\n"
 "router/policy_kv.py `_time_core` (its docstring has the arguments and the answer).");
 
 PyDoc_STRVAR(time_core_table_doc,
 "time_core_table(servers, matched, states, positions, params, block_size, cap, num_tokens,\n"
 "                uncached_weight, decode_weight, pinned, affinity_bonus, hotspot_factor,\n"
-"                hotspot_slack_s, max_batch_size, load_cap, cursor)\n"
+"                hotspot_slack_s, max_batch_size, load_cap, affinity_div, cursor)\n"
 "    -> (matched_tokens, costs, tied, hotspot, load_capped, limit, loads, pick, predicted_s)\n\n"
 "`time_core` reading the lease table's own map, `states` (router/leases.py\n"
 "`LeaseTable.states`: server -> ((requests, tokens), queued prefill tokens, leases in prefill,\n"
@@ -323,7 +323,7 @@ PyDoc_STRVAR(time_core_table_doc,
 "estimated time to first token (router/policy_kv.py `_predicted_s`).");
 
 enum { T_SERVERS, T_MATCHED, T_LOADS, T_PHASES, T_PARAMS, T_BS, T_CAP, T_NT, T_UW,
-       T_DW, T_PIN, T_BONUS, T_HF, T_SLACK, T_MBS, T_LCAP, T_N_ARGS };
+       T_DW, T_PIN, T_BONUS, T_HF, T_SLACK, T_MBS, T_LCAP, T_DIV, T_N_ARGS };
 /* time_core_table's: the same but for these two, and one more */
 enum { T_STATES = T_LOADS, T_POSITIONS = T_PHASES, T_CURSOR = T_N_ARGS };
 /* per server in `params` (a buffer of doubles, router/policy_kv.py PARAMS): prefill s/token,
@@ -352,7 +352,7 @@ typedef struct {
     Py_buffer pb;
     const double *pv;
     long long B, cap, nt, pin, mbs;
-    double uw, dw, bonus, hf, slack, lcap;
+    double uw, dw, bonus, hf, slack, lcap, div;
     double *cv, *hv, *av, *tt;
     long long *req;
     char *full;
@@ -380,7 +380,13 @@ static int time_args(PyObject *const *args, Py_ssize_t n, TimeArgs *t) {
         as_ll(args[T_MBS], &t->mbs, "max_batch_size") ||
         as_d(args[T_UW], &t->uw, "uncached_weight") || as_d(args[T_DW], &t->dw, "decode_weight") ||
         as_d(args[T_BONUS], &t->bonus, "affinity_bonus") || as_d(args[T_HF], &t->hf, "hotspot_factor") ||
-        as_d(args[T_SLACK], &t->slack, "hotspot_slack_s") || as_d(args[T_LCAP], &t->lcap, "load_cap")) {
+        as_d(args[T_SLACK], &t->slack, "hotspot_slack_s") || as_d(args[T_LCAP], &t->lcap, "load_cap") ||
+        as_d(args[T_DIV], &t->div, "affinity_div")) {
+        PyBuffer_Release(&t->pb);
+        return -1;
+    }
+    if (!(t->div >= 1.0)) {     /* 1 + affinity_slack, the policy's argument checked >= 0 */
+        PyErr_Format(PyExc_ValueError, "affinity_div must be >= 1, found %g", t->div);
         PyBuffer_Release(&t->pb);
         return -1;
     }
@@ -455,10 +461,16 @@ static inline void time_row(TimeArgs *t, Py_ssize_t i, long long mt, long long r
     t->full[i] = kvcap > 0.0 && (double)(held + p) > kvcap;
 }
 
-/* The end of both time cores: the affinity bonus, then `decide`; steals `matched`. */
+/* The end of both time cores: the affinity bonus and slack, then `decide`; steals `matched`. */
 static PyObject *time_decide(TimeArgs *t, Py_ssize_t n, PyObject *matched, Py_ssize_t nextra) {
-    if (t->pin >= 0 && t->pin < n)    /* bonus * num_tokens * a * k */
-        t->cv[t->pin] -= t->bonus * (double)t->nt * t->av[t->pin];
+    if (t->pin >= 0 && t->pin < n) {    /* bonus * num_tokens * a * k */
+        double c = t->cv[t->pin] - t->bonus * (double)t->nt * t->av[t->pin];
+        /* the affinity slack: a session's server with a credit keeps it while its cost is at
+         * most `div` (1 + affinity_slack) times another's (router/policy_kv.py `_time_core`) */
+        if (t->bonus > 0.0 && c > 0.0)
+            c = c / t->div;
+        t->cv[t->pin] = c;
+    }
     return decide(n, matched, t->cv, t->hv, t->req, t->hf, t->slack, t->mbs, t->lcap, t->full,
                   nextra);
 }

@@ -81,8 +81,8 @@ _SPECS: dict[str, dict[str, Any]] = {
         "prefill_tokens_per_s": "num?", "decode_step_s": "num?", "learn_rates": bool,
         "hotspot_slack_s": "num?",
         "prefill_weight": "num", "load_tokens_weight": "num", "load_requests_weight": "num",
-        "affinity_bonus": "num", "hotspot_factor": "num?", "hotspot_slack": "num",
-        "max_conversations": int, "track_routed_blocks": bool, "speculative_ttl_s": "num",
+        "affinity_bonus": "num", "affinity_slack": "num", "hotspot_factor": "num?",
+        "hotspot_slack": "num", "max_conversations": int, "track_routed_blocks": bool, "speculative_ttl_s": "num",
         "explain_rows": int, "implicit_sessions": bool,
         # upstream KvCacheAwareRouter
         "use_tokens": bool, "load_weight": "num", "load_cap": "num?",
@@ -125,7 +125,7 @@ def make_policy(type: str, args: dict | None = None, *, block_size: int = 16,
                              f"{', '.join(sorted(spec)) or '(none)'}")
         _check_type(ptype, name, value, spec[name])
     for name in ("prefill_weight", "load_tokens_weight", "load_requests_weight", "affinity_bonus",
-                 "hotspot_slack", "load_weight", "hotspot_factor", "load_cap", "uncached_weight",
+                 "affinity_slack", "hotspot_slack", "load_weight", "hotspot_factor", "load_cap", "uncached_weight",
                  "decode_weight", "hotspot_slack_s", "decode_step_s"):
         _positive(ptype, name, args.get(name), allow_zero=True)
     _positive(ptype, "prefill_tokens_per_s", args.get("prefill_tokens_per_s"))

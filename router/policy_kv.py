@@ -34,6 +34,12 @@ _MODEL_KEYS = tuple(PRIOR_MODEL)
 PARAMS = len(_MODEL_KEYS) + 1
 # the tokens cost's weights: giving any of them (or cost: tokens) selects that cost
 TOKEN_WEIGHTS = ("prefill_weight", "load_tokens_weight", "load_requests_weight")
+# The affinity slack's default (time cost): a session's server (a conversation's pin, or an
+# implicit session's with a credit) is kept while its cost is at most 1 + this times another
+# server's. The greedy time cost left a prefix tree's server for a few percent less estimated
+# time (docs/routing.md, "Phase-aware load and the time cost"): its next requests then followed
+# the tree elsewhere and recomputed it, where `conversation` kept the tree and cached more.
+AFFINITY_SLACK = 0.5
 
 
 def model_of(info: dict | None, prefill_tokens_per_s: float | None = None,
@@ -87,6 +93,7 @@ class KvCacheAwarePolicy(Policy):
         cost  = k * ((queued + uncached_weight * uncached) * s_tok
                      + max(1, (queued + uncached) / chunk) * step)
               - affinity_bonus * prompt_tokens * s_tok * k      (only on the conversation's pinned server)
+        cost /= 1 + affinity_slack      (that server, where credited and its cost still positive)
 
     ``queued``: the prefill tokens of the server's leases not yet past their first token (the
     lease table's phase, router/leases.py); ``decoding``/``their_context_tokens``: its other
@@ -126,7 +133,8 @@ class KvCacheAwarePolicy(Policy):
                  load_requests_weight: float | None = None, uncached_weight: float = 2.0,
                  decode_weight: float = 1.0, prefill_tokens_per_s: float | None = None,
                  decode_step_s: float | None = None, learn_rates: bool = True,
-                 affinity_bonus: float = 0.25, hotspot_factor: float | None = 2.0,
+                 affinity_bonus: float = 0.25, affinity_slack: float = AFFINITY_SLACK,
+                 hotspot_factor: float | None = 2.0,
                  hotspot_slack: float = 2.0, hotspot_slack_s: float | None = None,
                  max_batch_size: int | None = None,
                  load_cap: float | None = None, max_conversations: int = 100_000,
@@ -162,6 +170,12 @@ class KvCacheAwarePolicy(Policy):
         self._scale: dict[str, float] = {}
         self._learnable: frozenset = frozenset()
         self.affinity_bonus = affinity_bonus
+        if isinstance(affinity_slack, bool) or not isinstance(affinity_slack, (int, float)) \
+                or not affinity_slack >= 0 or affinity_slack == float("inf"):
+            raise ValueError(f"affinity_slack must be a number >= 0, found {affinity_slack!r}")
+        self.affinity_slack = float(affinity_slack)
+        # the time cores divide the session's server's cost by this (router/_kv_cost.c)
+        self._div = 1.0 + self.affinity_slack
         self.hotspot_factor = hotspot_factor
         self.hotspot_slack = hotspot_slack
         self.max_batch_size = max_batch_size
@@ -205,7 +219,8 @@ class KvCacheAwarePolicy(Policy):
                        "load_requests_weight": self.load_requests_weight,
                        "hotspot_slack": self.hotspot_slack}
         return {"type": self.name, "cost": self.cost, **weights,
-                "affinity_bonus": self.affinity_bonus, "implicit_sessions": self.implicit_sessions,
+                "affinity_bonus": self.affinity_bonus, "affinity_slack": self.affinity_slack,
+                "implicit_sessions": self.implicit_sessions,
                 "hotspot_factor": self.hotspot_factor,
                 "max_batch_size": self.max_batch_size,
                 "load_cap": self.load_cap, "track_routed_blocks": self.track_routed_blocks,
@@ -360,7 +375,7 @@ class KvCacheAwarePolicy(Policy):
                 res = _native_time_core_table(
                     servers, md, states, positions, params, self.block_size, cap, num_tokens,
                     self.uncached_weight, self.decode_weight, pin, bonus, hf,
-                    self._slack, mbs, self.load_cap if mbs else 0.0, self._cursor)
+                    self._slack, mbs, self.load_cap if mbs else 0.0, self._div, self._cursor)
             except TypeError:
                 pass
         if res is not None:
@@ -374,7 +389,7 @@ class KvCacheAwarePolicy(Policy):
                 phases = ph(servers) if ph is not None else [(t, r, t) for r, t in loads]
                 args = (servers, md, loads, phases, params, self.block_size, cap, num_tokens,
                         self.uncached_weight, self.decode_weight, pin, bonus, hf,
-                        self._slack, mbs, self.load_cap if mbs else 0.0)
+                        self._slack, mbs, self.load_cap if mbs else 0.0, self._div)
                 core, python = _native_time_core, _time_core
             else:
                 args = (servers, md, loads, self.block_size, cap, num_tokens,
@@ -552,7 +567,7 @@ def _matches(servers: list, md: dict | None, block_size: int, cap: int,
 
 def _time_core(servers: list, md: dict | None, loads: list, phases: list, params,
                block_size: int, cap: int, num_tokens: int, uw, dw, pin: int, bonus, hf, slack,
-               mbs: int, lcap, unknown: list | None = None):
+               mbs: int, lcap, div=1.0, unknown: list | None = None):
     """The numbers of a time-cost decision, ``(matched, costs, tied, hotspot, load_capped,
     limit)`` (router/_kv_cost.c `time_core` computes the same ones, operation for operation):
 
@@ -562,7 +577,9 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, params
       ``(a, chunk, s0, s1, s2, kv capacity, k)`` the server's ``PARAMS`` doubles in ``params``
       (``model_of`` and its learned scale) and ``step = dw * (s0 + s1 * d + s2 * c)`` for its
       ``d`` decoding leases and their ``c`` prompt tokens (0.0 when ``d`` is 0); less ``bonus *
-      num_tokens * (a * k)`` at index ``pin`` (-1: none);
+      num_tokens * (a * k)`` at index ``pin`` (-1: none), and there, where ``bonus`` is positive
+      and the cost still is, divided by ``div`` (1 + ``affinity_slack``: the session's server
+      kept while its cost is at most ``div`` times another's);
     - ``hotspot``: indices whose decode step ``k * dw * (s0 + s1 * d + s2 * c)`` (what a step
       there costs now: its decoding requests' time per output token, ``s0`` on an idle server)
       exceeds ``limit = hf * mean + slack`` (``hf`` 0: off);
@@ -590,7 +607,8 @@ def _time_core(servers: list, md: dict | None, loads: list, phases: list, params
         waits.append(k * x)
         full.append(kvcap > 0.0 and held + p > kvcap)
     if pin >= 0:
-        costs[pin] -= bonus * num_tokens * (params[pin * PARAMS] * params[pin * PARAMS + PARAMS - 1])
+        c = costs[pin] - bonus * num_tokens * (params[pin * PARAMS] * params[pin * PARAMS + PARAMS - 1])
+        costs[pin] = c / div if bonus > 0.0 and c > 0.0 else c
     return (matched, costs) + _decide(costs, waits, [l[0] for l in loads], hf, slack, mbs, lcap,
                                       full)
 

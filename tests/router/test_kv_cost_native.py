@@ -87,6 +87,8 @@ _chunk = st.sampled_from([512, 8192]) | st.integers(1, 100_000)
 _kv_cap = st.sampled_from([0, 20_000]) | st.integers(1, 300_000)
 _scale = st.sampled_from([1.0, 0.5]) | st.floats(0.05, 20)
 _slack = st.sampled_from([0.05, 0.0]) | st.floats(0, 5)
+# 1 + affinity_slack: the session's server's cost divided by it (where credited and positive)
+_div = st.sampled_from([1.0, 1.5, 2.0]) | st.floats(1.0, 10.0)
 
 
 @st.composite
@@ -114,7 +116,7 @@ def time_core_args(draw):
         params.append(draw(_scale))
     hf, slack = base[11], draw(_slack)
     return (servers, md, loads, phases, params, bs, cap, num_tokens, draw(_weight),
-            draw(_weight), base[9], draw(_weight), hf, slack, base[13], base[14])
+            draw(_weight), base[9], draw(_weight), hf, slack, base[13], base[14], draw(_div))
 
 
 # 200, not the token core's 500: each example draws ~650 values (a time model per server), and
@@ -181,7 +183,7 @@ def test_many_servers_and_wide_ints_match_the_python_recipe():
     for i in range(n):
         params.extend((5e-5, 8192.0, 0.01, 1e-4, 1e-9, float(big) * (i % 3), 1.0 + i % 5))
     args = (servers, md, loads, phases, params, 16, 4095, 4096, 2.0, 1.0, 7, 0.25, 2.0, 0.0,
-            0, 0.0)
+            0, 0.0, 1.5)
     got, want = native.time_core(*args), pk._time_core(*args)
     assert _bits(got[1]) == _bits(want[1]) and got[:1] + got[2:] == want[:1] + want[2:]
     table = native.time_core_table(*_table_args(args, random.Random(3)))
@@ -193,11 +195,13 @@ def test_many_servers_and_wide_ints_match_the_python_recipe():
 
 def test_native_time_core_table_arguments_are_checked():
     params = array("d", [1e-4, 512.0, 0.01, 0.0, 0.0, 0.0, 1.0])
-    rest = (params, 16, 0, 0, 2.0, 1.0, -1, 0.0, 2.0, 0.0, 0, 0.0)
+    rest = (params, 16, 0, 0, 2.0, 1.0, -1, 0.0, 2.0, 0.0, 0, 0.0, 1.5)
     ans = native.time_core_table(["a"], None, {}, {"a": 0}, *rest, 0)
     assert ans[2] == [0] and ans[6] == [(0, 0)] and ans[7] == 0
+    with pytest.raises(ValueError, match="affinity_div must be >= 1"):
+        native.time_core_table(["a"], None, {}, {"a": 0}, *rest[:-1], 0.5, 0)
     rest = (*rest, 0)
-    with pytest.raises(TypeError, match="17 arguments"):
+    with pytest.raises(TypeError, match="18 arguments"):
         native.time_core_table(["a"], None, {}, {"a": 0}, *rest[:-1])
     with pytest.raises(ValueError, match="cursor"):
         native.time_core_table(["a"], None, {}, {"a": 0}, *rest[:-1], -1)
@@ -223,7 +227,7 @@ def test_time_cost_prefers_queued_prefill_over_decoding_load():
     phases = [(4000, 2, 4000), (0, 0, 0)]
     model = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 0.0, 1.0)
     args = (servers, md, loads, phases, array("d", model * 2), 16, 699, 700, 1.0, 1.0, -1,
-            0.25, 2.0, 0.05, 0, 0.0)
+            0.25, 2.0, 0.05, 0, 0.0, 1.5)
     _, costs, tied, *_ = native.time_core(*args)
     assert tied == [1] and costs[0] > costs[1]
     assert pk._core(servers, md, loads, 16, 699, 700, 1.0, 1.0, 32.0, -1, 0.25, 2.0, 2.0, 0,
@@ -241,13 +245,13 @@ def test_a_server_whose_kv_is_full_is_skipped():
     full = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 10_000.0, 1.0)
     free = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 20_000.0, 1.0)
     args = (servers, md, fits, [(0, 0, 0)] * 2, array("d", full + free), 16, 699, 700, 2.0, 1.0,
-            -1, 0.25, 2.0, 0.0, 0, 0.0)
+            -1, 0.25, 2.0, 0.0, 0, 0.0, 1.5)
     for core in (native.time_core, pk._time_core):
         assert core(*args)[2] == [0]
     loads = [(3, 9950), (3, 9950)]
     phases = [(0, 0, 0), (0, 0, 0)]
     args = (servers, md, loads, phases, array("d", full + free), 16, 699, 700, 2.0, 1.0, -1, 0.25,
-            2.0, 0.0, 0, 0.0)
+            2.0, 0.0, 0, 0.0, 1.5)
     for core in (native.time_core, pk._time_core):
         _, costs, tied, hs, lc, _ = core(*args)
         assert costs[0] < costs[1] and lc == [0] and tied == [1]
@@ -264,7 +268,7 @@ def test_the_kv_full_rule_reads_the_held_tokens_not_the_whole_prompts():
     md = {"home": 562}                    # 8,992 of 9,092 tokens cached at home
     loads = [(3, 30_000), (0, 0)]
     model = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 20_000.0, 1.0)
-    rest = (array("d", model * 2), 16, 9091, 9092, 2.0, 1.0, -1, 0.25, 2.0, 0.0, 0, 0.0)
+    rest = (array("d", model * 2), 16, 9091, 9092, 2.0, 1.0, -1, 0.25, 2.0, 0.0, 0, 0.0, 1.5)
     for phases, want in (([(0, 0, 30_000), (0, 0, 0)], [1]),            # whole prompts: full
                          ([(0, 0, 30_000, 12_000), (0, 0, 0, 0)], [0])):    # held: fits
         args = (servers, md, loads, phases, *rest)
@@ -289,7 +293,7 @@ def test_equal_costs_tie_and_hot_servers_are_skipped():
 
 def test_time_core_params_must_be_doubles_per_server():
     ok = (["a"], None, [(0, 0)], [(0, 0, 0)], array("d", [1e-4, 512.0, 0.01, 0.0, 0.0, 0.0, 1.0]),
-          16, 0, 0, 2.0, 1.0, -1, 0.0, 2.0, 0.0, 0, 0.0)
+          16, 0, 0, 2.0, 1.0, -1, 0.0, 2.0, 0.0, 0, 0.0, 1.5)
     assert native.time_core(*ok)[2] == [0]
     with pytest.raises(ValueError, match="7 doubles per server"):
         native.time_core(*ok[:4], array("d", [1.0] * 6), *ok[5:])
@@ -387,3 +391,22 @@ def test_int_weights_and_numpy_matches_take_the_python_recipe():
     want = _decide(floats, cands, key, IndexLoadView(idx, leases))
     got = _decide(KvCacheAwarePolicy(B), cands, key, _NumpyView(idx, leases))
     assert got[0] == want[0] and got[5] == want[5]
+
+
+def test_the_affinity_slack_keeps_a_credited_sessions_server_within_its_factor():
+    """The session's server (`pinned`) with a credit keeps the request while its cost is at most
+    `div` (1 + affinity_slack) times another's; beyond that, or with no credit (bonus 0: a prefix
+    every server holds as much of), the cheaper server wins. Both cores, to the bit."""
+    servers = ["home", "other"]
+    md = {"home": 40}                    # 640 of 700 tokens cached at home
+    model = (5e-5, 8192.0, 0.01, 1e-4, 1e-7, 0.0, 1.0)
+    # home: 1,500 queued prefill tokens (0.081 s with this prompt's 60 uncached twice, less the
+    # bonus's 0.00875 s); other: none, nothing cached (0.07 s)
+    loads, phases = [(1, 1500), (0, 0)], [(1500, 1, 1500), (0, 0, 0)]
+    head = (servers, md, loads, phases, array("d", model * 2), 16, 699, 700, 2.0, 1.0, 0)
+    for bonus, div, want in ((0.25, 1.0, [1]), (0.25, 1.5, [0]), (0.0, 1.5, [1]),
+                             (0.25, 1.02, [1])):
+        args = (*head, bonus, 0.0, 0.0, 0, 0.0, div)
+        got, ref = native.time_core(*args), pk._time_core(*args)
+        assert got[2] == want == ref[2], (bonus, div)
+        assert _bits(got[1]) == _bits(ref[1])

@@ -303,6 +303,17 @@ def test_kv_explicit_conversation_id_is_not_an_implicit_session(env):
         make_policy("kv_cache_aware", {"implicit_sessions": 1})
 
 
+def test_affinity_slack_is_a_non_negative_number_defaulting_to_half():
+    """`affinity_slack` (the session's server's cost divided by 1 + it: router/_kv_cost.c,
+    tests/router/test_kv_cost_native.py for the rule itself): 0.5 by default, 0 allowed (off),
+    a negative or non-number refused naming it."""
+    assert make_policy("kv_cache_aware", {}).describe()["affinity_slack"] == 0.5
+    assert make_policy("kv_cache_aware", {"affinity_slack": 0})._div == 1.0
+    for bad in (-0.5, "1", True):
+        with pytest.raises(ValueError, match="affinity_slack"):
+            make_policy("kv_cache_aware", {"affinity_slack": bad})
+
+
 @pytest.mark.parametrize("cost, tokens_each", [("tokens", 0), ("time", 32)])
 def test_kv_without_routing_key_balances(env, cost, tokens_each):
     # tokens: a request weighs load_requests_weight; time: its queued prefill tokens
