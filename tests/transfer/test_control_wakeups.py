@@ -8,6 +8,8 @@ files for shm).
 """
 from __future__ import annotations
 
+import socket
+import sys
 import threading
 import time
 
@@ -84,6 +86,11 @@ def test_receives_complete_with_every_timer_off(kind, monkeypatch):
             ctx.release_send(req)
         # every ok result went with its write (or as a bare notification), none by control message
         assert ctx.stats["results_by_notif"] == len(cases)
+        # the receives went on a control lane, over the context rank's Unix socket (same host)
+        lanes_out = list(gen.messenger._lanes_out.values())
+        assert len(lanes_out) == 1 and gen.messenger.lane_stats["sent"] >= len(cases)
+        if sys.platform.startswith("linux"):
+            assert lanes_out[0].sock.family == socket.AF_UNIX
     finally:
         gen.shutdown()
         ctx.shutdown()
