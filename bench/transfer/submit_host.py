@@ -80,7 +80,8 @@ def child(tree: str, blocks: list[int], calls: int) -> dict:
         ck._KERNELS[k] = Launch()
     copier = ck.DeviceCopier.__new__(ck.DeviceCopier)
     copier.torch, copier.device, copier.tile = torch, torch.device("cpu"), ck.TILE
-    copier._next, copier._fast, copier._checked, copier.warps = 0, True, True, None
+    copier._next, copier._fast, copier._checked = 0, True, True
+    copier.warps, copier.mapped_ids = None, False   # as DeviceCopier.__init__ defaults them
     four = hasattr(ck.DeviceCopier, "_take_slot")   # this tree's slots carry their numpy view
 
     def slot(cap):
