@@ -241,3 +241,95 @@ def test_device_copier_strided_matches_a_reference_copy(ss, ds, length, off, til
                               stream) == si.size
         stream.synchronize()
         assert np.array_equal(d.cpu().numpy(), want)
+
+
+def _interp_agent(src: np.ndarray, dst: np.ndarray, nslots: int, ss: int, ds: int, length: int,
+                  regions_len: int | None = None):
+    """A NixlAgent whose peer "peer" (this process) owns `dst`, with its NIXL calls and the
+    copier's CUDA calls (staging copy, stream, events) stubbed: prep_descs, map_strided,
+    submit_prepped, write_strided and the strided kernel (under Triton's interpreter) are real."""
+    import threading
+
+    import torch
+
+    import transfer.copy_kernels as ck
+    import transfer.direct as dr
+    import transfer.nixl_agent as na
+    from transfer.descs import Coverage
+
+    class Ev:
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+    class Stream:
+        def wait_event(self, ev):
+            pass
+
+    class Nixl:
+        def prep_xfer_dlist(self, *a):
+            return object()
+
+    copier = ck.DeviceCopier.__new__(ck.DeviceCopier)
+    copier.torch, copier.tile, copier.warps, copier.mapped_ids = torch, 256, None, False
+    copier._next = 0
+
+    def slot(cap):
+        host = torch.zeros(cap, dtype=torch.int64)
+        return host, torch.zeros(cap, dtype=torch.int64), Ev(), host.numpy()
+    copier._slot = slot
+    copier._slots = [slot(64) for _ in range(2)]
+    copier._enter = lambda stream: None
+    copier._leave = lambda prev: None
+    dc = dr.DirectCopies()
+    dc._copiers[0], dc._streams[0], dc._events[0] = copier, Stream(), [(Ev(), b"t" * 64)]
+    pm = dr._PeerMap()
+    pm.base = pm.mapped = np.array([dst.ctypes.data], np.uint64)
+    pm.size = np.array([dst.size], np.uint64)
+    pm.dev, pm.owned = [0], [False]
+    pm.regions = Coverage([(dst.ctypes.data, regions_len or dst.size, 0, "VRAM")])
+    dc.peers["peer"] = pm
+    a = na.NixlAgent.__new__(na.NixlAgent)
+    a._lock, a._remotes, a._direct, a._preps = threading.RLock(), {"peer"}, dc, {}
+    a._local = Coverage([(src.ctypes.data, src.size, 0, "VRAM")])
+    a._nixl_inflight, a._errors, a._agent = set(), (), Nixl()
+    lp = a.prep_descs(None, _slots(src.ctypes.data, nslots, ss, length))
+    rp = a.prep_descs("peer", _slots(dst.ctypes.data, nslots, ds, length))
+    return a, lp, rp
+
+
+@pytest.mark.skipif(not INTERP, reason="set SPLITSERVE_TRITON_INTERPRET=1 (with triton "
+                    "installed) to run the kernel on the CPU")
+def test_submit_prepped_between_strided_lists_moves_the_picked_blocks():
+    """NixlAgent.submit_prepped's direct path from prep to kernel, on the CPU: the plans made
+    at prep_descs, one launch per transfer, the bytes of the picked slots and nothing else; a
+    peer list with a row outside its registrations keeps the general route, which refuses a
+    transfer naming that row (OutOfRange) and still moves one that does not."""
+    from transfer.errors import OutOfRange
+
+    rng = np.random.default_rng(5)
+    nslots, ss, ds, length = 32, 1024, 1536, 1000
+    src, dst, si, di, want = _strided_case(rng, nslots, ss, ds, length, 0)
+    a, lp, rp = _interp_agent(src, dst, nslots, ss, ds, length)
+    assert lp.direct is not None and rp.direct is not None
+    x = a.submit_prepped("peer", lp, si, rp, di)
+    assert (x.ready, x.ndescs, x.nbytes) == (b"t" * 64, si.size, si.size * length)
+    assert np.array_equal(dst, want)
+    # the peer registered only its first 20 slots: no plan, and the general route checks rows
+    src, dst, si, di, want = _strided_case(rng, nslots, ss, ds, length, 0)
+    a, lp, rp = _interp_agent(src, dst, nslots, ss, ds, length, regions_len=20 * ds)
+    assert rp.direct is None
+    with pytest.raises(OutOfRange):
+        a.submit_prepped("peer", lp, np.array([0, 1]), rp, np.array([3, 25]))
+    low = di < 20
+    x = a.submit_prepped("peer", lp, si[low], rp, di[low])
+    assert x.ready == b"t" * 64
+    want = dst.copy()
+    for s_, d_ in zip(si[low].tolist(), di[low].tolist()):
+        want[d_ * ds:d_ * ds + length] = src[s_ * ss:s_ * ss + length]
+    assert np.array_equal(dst, want)
