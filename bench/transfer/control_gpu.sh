@@ -5,13 +5,20 @@
 # this host, the host time of one direct write's copy, and the `1b` transfers (scattered, e2e,
 # × copy). Run from the repository root, after the device set-up; outputs go to $OUT (default
 # /tmp/control-gpu): gpu_tests.txt, control.txt, control_spin.txt, wakeup.txt, probe.txt,
-# transfer.txt.
+# transfer.txt, build.txt. A BASE checkout on the device (e.g. one carried in an ignored folder:
+# `git archive f900f66 --prefix=tmp/base-f900f66/ | tar -x` in the repository root, then
+# BASE=tmp/base-f900f66) is measured alternately with this tree in control.txt.
 set -u
 OUT=${OUT:-/tmp/control-gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # the native modules: transfer/_spin.c is the listeners' busy-poll (without it they never spin)
 python3 setup.py build_ext --inplace -q > "$OUT/build.txt" 2>&1; echo "build_ext rc=$?" >> "$OUT/build.txt"
+# without setuptools (a Python 3.12 venv has none by default): the one module, straight with cc
+python3 -c "import transfer._spin" 2>/dev/null || { cc -O2 -shared -fPIC \
+    -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" transfer/_spin.c \
+    -o "transfer/_spin$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
+    >> "$OUT/build.txt" 2>&1; echo "cc transfer/_spin.c rc=$?" >> "$OUT/build.txt"; }
 python3 -c "import os, transfer.zmq_io as z, transfer.states as s; print('spin native', z.SPIN_NATIVE, \
 'default spin_s', s.TransferConfig().spin_window_s, 'cpus', s.usable_cpus())" 2>&1 | tee -a "$OUT/build.txt"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_copy_kernels.py \
