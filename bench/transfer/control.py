@@ -53,18 +53,24 @@ TPB = 16
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
 NUM_BLOCKS = 8
 
-# (step name, module, class, method): where the round trip's hops are timestamped
-HOPS = [("posted (gen listener)", "transfer.receiver", "Receiver", "_post_locked"),
-        ("recv handled (ctx listener)", "transfer.sender", "Sender", "on_recv"),
-        ("submitted (ctx)", "transfer.pump", "Pump", "_submit"),
-        ("completed (ctx)", "transfer.sender", "Sender", "complete_locked"),
-        ("result handled (gen)", "transfer.receiver", "Receiver", "on_result")]
+# (step name, module, class, method, the side it is stamped on or None for either): where the
+# round trip's hops are timestamped. A lane read is the listener's first look at the message
+# (woken or spinning), before it is decoded and routed.
+HOPS = [("posted (gen)", "transfer.receiver", "Receiver", "_post_locked", None),
+        ("lane read (ctx listener)", "transfer.messenger", "Messenger", "_read", "context"),
+        ("recv handled (ctx listener)", "transfer.sender", "Sender", "on_recv", None),
+        ("submitted (ctx)", "transfer.pump", "Pump", "_submit", None),
+        ("completed (ctx)", "transfer.sender", "Sender", "complete_locked", None),
+        ("lane read (gen listener)", "transfer.messenger", "Messenger", "_read", "generation"),
+        ("result handled (gen)", "transfer.receiver", "Receiver", "on_result", None)]
 
 
-def _instrument(stamps: dict) -> None:
+def _instrument(stamps: dict, role: str) -> None:
     import importlib
 
-    for name, mod, cls, meth in HOPS:
+    for name, mod, cls, meth, side in HOPS:
+        if side is not None and side != role:
+            continue
         c = getattr(importlib.import_module(mod), cls, None)
         fn = getattr(c, meth, None) if c is not None else None
         if fn is None:
@@ -100,7 +106,7 @@ def _rank_main(conn, role: str, kind: str, spin_us: float | None = None) -> None
     from transfer.session import KvTransceiver, RankTopology, TransferConfig
 
     stamps: dict = {}
-    _instrument(stamps)
+    _instrument(stamps, role)
     entry = TPB * KV_HEADS * HEAD_DIM * 2
     bb = LAYERS * 2 * entry
     nbytes = NUM_BLOCKS * bb
