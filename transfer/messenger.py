@@ -16,11 +16,12 @@ same endpoint opens a fresh connection (a restarted peer is a new incarnation to
 
 Control lanes (transfer/lanes.py): besides its ROUTER, a messenger listens for lanes
 (`lane_address` over TCP, `lane_local` a Unix socket for peers on its host);
-`open_lane(endpoint, address, local)` connects one to a peer, through `local` where it can. While a lane to a peer is
-up, `send` to its endpoint and `reply` to its identity write to the lane from the calling thread,
-and what arrives on it is dispatched like ZeroMQ traffic (`("dealer", endpoint)` on the side that
-connected, `("router", identity)` on the side that listened). A lane that closes or fails a write
-reports its peer lost on the connecting side, as a ZeroMQ disconnect does.
+`open_lane(endpoint, address, local)` connects one to a peer, through `local` where it can.
+While a lane to a peer is up, `send` to its endpoint and `reply` to its identity write to the
+lane from the calling thread, and what arrives on it is dispatched like ZeroMQ traffic
+(`("dealer", endpoint)` on the side that connected, `("router", identity)` on the side that
+listened). A lane that closes or fails a write reports its peer lost on the connecting side, as
+a ZeroMQ disconnect does.
 """
 from __future__ import annotations
 

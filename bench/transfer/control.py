@@ -278,7 +278,8 @@ def main(argv=None) -> int:
     trees = [str(Path(t).resolve()) for t in (args.tree or [str(HERE.parents[2])])]
     spins = args.spin_us or [None]
     # one row per (tree, spin): alternated round by round, like the trees
-    rows = [(t, sp, t if len(spins) == 1 else f"{t} spin {'default' if sp is None else f'{sp:g} µs'}")
+    rows = [(t, sp, t if len(spins) == 1
+             else f"{t} spin {'default' if sp is None else f'{sp:g} µs'}")
             for t in trees for sp in spins]
     samples = {label: {} for _t, _sp, label in rows}
     for rnd in range(args.rounds):
