@@ -327,8 +327,8 @@ def main(argv=None) -> int:
               f"{statistics.median(s['crit0']) * us:,.0f} | {pct(s['crit0'], .99) * us:,.0f} | "
               f"{statistics.median(s['crit1']) * us:,.0f} | {pct(s['crit1'], .99) * us:,.0f} | "
               f"{cpu[0]} | {cpu[1]} |")
-    if any(x for t in trees for role in ("context", "generation")
-           for x in samples[t].get(f"spins_{role}", ())):
+    if any(x.get("caught") or x.get("ran_out") for t in trees
+           for role in ("context", "generation") for x in samples[t].get(f"spins_{role}", ())):
         print("\nListener spins (all rounds, warm-up included): ended by a message / ran out, "
               "and the time spent spinning per measured iteration (µs):\n")
         print("| tree | context caught | ran out | µs/iteration | generation caught | ran out | "
