@@ -207,6 +207,12 @@ class DeviceCopier:
         slot = self._slots[i]
         slot[2].synchronize()   # its previous upload has left the pinned buffer
         if slot[0].numel() < n:   # grown once, for every slot, to twice the need
+            # The old slots may still be read on the device: a kernel queued behind other work
+            # reads its indices from a slot's device buffer (or, with mapped_ids, its pinned
+            # one) after the slot's event. Freed now, the caching allocators would hand them to
+            # the next allocation while those kernels run (wrong indices: bytes written into
+            # other blocks). Growing is rare (a list of >16k rows): wait for the device once.
+            self.torch.cuda.synchronize(self.device)
             self._slots = [self._slot(2 * n) for _ in self._slots]
             slot = self._slots[i]
         return slot
@@ -282,9 +288,13 @@ class DeviceCopier:
         for cm in reversed(prev):
             cm.__exit__(None, None, None)
 
-    def copy(self, src: np.ndarray, dst: np.ndarray, size: np.ndarray, stream=None) -> int:
+    def copy(self, src: np.ndarray, dst: np.ndarray, size: np.ndarray, stream=None,
+             after=None) -> int:
         """Queue the copies on `stream` (default: the current stream); returns the rows launched.
-        The copies are ordered after the work already queued on `stream`."""
+        The copies are ordered after the work already queued on `stream`, and after the CUDA
+        event `after` when given (waited between the table's upload and the kernel: the upload
+        needs nothing from it, and a staging slot is then free again without waiting for the
+        work behind `after`, e.g. a prefill chunk still computing)."""
         import triton.language as tl
 
         torch = self.torch
@@ -292,11 +302,13 @@ class DeviceCopier:
         live = size > 0
         wide = not ((src[live] | dst[live] | size[live]) % np.uint64(WORD)).any()
         unit, tile = (WORD, self.tile) if wide else (1, BYTE_TILE)
+        stream = stream or torch.cuda.current_stream(self.device)
         s, d, n = split_rows(src, dst, size, MAX_ROW)   # merges runs; cuts only the longest
         if not n.size:
+            if after is not None:   # what the caller records next still follows `after`
+                stream.wait_event(after)
             return 0
         tiles = -(-int(n.max()) // tile)
-        stream = stream or torch.cuda.current_stream(self.device)
         s0, d0 = int(s[0]), int(d[0])
         so = (s.astype(np.int64) - s0) // unit   # signed: rows may lie below the first address
         do = (d.astype(np.int64) - d0) // unit
@@ -305,6 +317,8 @@ class DeviceCopier:
         prev = self._enter(stream)   # the upload and the kernel both go on `stream`
         try:
             dev = self._upload(table, stream)
+            if after is not None:
+                stream.wait_event(after)
             _kernel()[(n.size * tiles,)](s0, d0, dev, n.size, tiles, VEC=2 if wide else 1,
                                          TILE_E=tile_e, ELT=tl.int64 if wide else tl.uint8,
                                          num_warps=8 if tile_e >= 4096 else 4)
@@ -314,14 +328,16 @@ class DeviceCopier:
 
 
     def copy_strided(self, src_base: int, src_stride: int, si: np.ndarray, dst_base: int,
-                     dst_stride: int, di: np.ndarray, length: int, stream) -> int:
+                     dst_stride: int, di: np.ndarray, length: int, stream, after=None) -> int:
         """Queue on `stream` the copy of rows `si` of a strided source list (row k at
         `src_base + k * src_stride`) to rows `di` of a strided destination list, `length` bytes
         each (`descs.Strided`; int64 index arrays of equal size, in range: the caller checked).
-        The per-transfer host work is one upload of the indices and one launch. Returns the
-        rows launched."""
+        The per-transfer host work is one upload of the indices and one launch. `after`: a CUDA
+        event the kernel waits for (not the upload, as in `copy`). Returns the rows launched."""
         n = int(si.size)
         if not n:
+            if after is not None:   # what the caller records next still follows `after`
+                stream.wait_event(after)
             return 0
         grid, scalars, meta = strided_launch(src_base, src_stride, dst_base, dst_stride, length,
                                              n, self.tile, self.warps)
@@ -331,10 +347,14 @@ class DeviceCopier:
                 host, _dev, ev, view = self._take_slot(2 * n)
                 view[:n] = si
                 view[n:2 * n] = di
+                if after is not None:
+                    stream.wait_event(after)
                 _strided_kernel()[grid](src_base, dst_base, host, *scalars, **meta)
                 ev.record(stream)   # the slot is rewritten only once the kernel has read it
             else:
                 idx = self._upload_ids(si, di, stream)
+                if after is not None:
+                    stream.wait_event(after)
                 _strided_kernel()[grid](src_base, dst_base, idx, *scalars, **meta)
         finally:
             self._leave(prev)

@@ -196,10 +196,8 @@ class DirectCopies:
         """`write` for rows `si` of the local strided list `src` to rows `di` of `dst` (from
         `map_strided`); indices checked by the caller. Returns (end event, its IPC handle)."""
         copier, stream = self._copier(src.dev)
-        if after is not None:
-            stream.wait_event(after)
         copier.copy_strided(src.base, src.stride, si, dst.base, dst.stride, di, src.length,
-                            stream)
+                            stream, after)   # waits for `after` after uploading the indices
         ev, token = self._event(src.dev)
         ev.record(stream)
         return ev, token
@@ -223,9 +221,7 @@ class DirectCopies:
         chunk that writes the source blocks may still be computing; no host wait)."""
         dev = int(local.arr[0, 2])
         copier, stream = self._copier(dev)
-        if after is not None:
-            stream.wait_event(after)
-        copier.copy(local.arr[:, 0], mapped_dst, local.arr[:, 1], stream)
+        copier.copy(local.arr[:, 0], mapped_dst, local.arr[:, 1], stream, after)
         ev, token = self._event(dev)
         ev.record(stream)
         return ev, token

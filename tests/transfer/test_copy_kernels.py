@@ -333,3 +333,104 @@ def test_submit_prepped_between_strided_lists_moves_the_picked_blocks():
     for s_, d_ in zip(si[low].tolist(), di[low].tolist()):
         want[d_ * ds:d_ * ds + length] = src[s_ * ss:s_ * ss + length]
     assert np.array_equal(dst, want)
+
+
+def _logging_copier(log: list, cap: int = 64):
+    """A DeviceCopier whose CUDA calls (events, device synchronize, stream switch) are stubbed
+    and logged; its staging slots are CPU tensors (the upload is a CPU copy)."""
+    import torch
+
+    import transfer.copy_kernels as ck
+
+    class Ev:
+        def __init__(self, name):
+            self.name = name
+
+        def record(self, stream=None):
+            log.append(("record", self.name))
+
+        def synchronize(self):
+            log.append(("sync slot", self.name))
+
+    class Torch:   # torch, with cuda.synchronize logged
+        def __getattr__(self, k):
+            return getattr(torch, k)
+
+        class cuda:
+            @staticmethod
+            def synchronize(device=None):
+                log.append(("sync device",))
+
+    copier = ck.DeviceCopier.__new__(ck.DeviceCopier)
+    copier.torch, copier.tile, copier.warps, copier.mapped_ids = Torch(), 256, None, False
+    copier.device = "cuda:0"
+    copier._next = 0
+    made = []
+
+    def slot(c):
+        host = torch.zeros(c, dtype=torch.int64)
+        made.append(c)
+        log.append(("alloc", c))
+        return host, torch.zeros(c, dtype=torch.int64), Ev(len(made) - 1), host.numpy()
+    copier._slot = slot
+    copier._slots = [slot(cap) for _ in range(3)]
+    copier._enter = lambda stream: None
+    copier._leave = lambda prev: None
+    log.clear()
+    return copier
+
+
+class _LoggedStream:
+    def __init__(self, log):
+        self.log = log
+
+    def wait_event(self, ev):
+        self.log.append(("wait", ev))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or
+                    importlib.util.find_spec("torch") is None, reason="needs triton and torch")
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_strided_copy_uploads_its_indices_before_waiting_for_its_event(monkeypatch, mapped):
+    """copy_strided with `after`: the index upload (its slot's event) is queued before the
+    stream waits for `after`, the kernel after both; the kernel reads the picked indices."""
+    import transfer.copy_kernels as ck
+
+    log: list = []
+    copier = _logging_copier(log)
+    copier.mapped_ids = mapped
+    seen = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            def run(sb, db, idx, nrows, *rest, **meta):
+                log.append(("kernel",))
+                seen["idx"] = idx[:2 * nrows].tolist()
+            return run
+    monkeypatch.setitem(ck._KERNELS, "strided", Launch())
+    stream = _LoggedStream(log)
+    si, di = np.array([5, 1, 3], np.int64), np.array([0, 7, 2], np.int64)
+    assert copier.copy_strided(1 << 20, 4096, si, 1 << 30, 4096, di, 4096, stream,
+                               after="prefill") == 3
+    assert seen["idx"] == [5, 1, 3, 0, 7, 2]
+    if mapped:   # the kernel reads the pinned slot: its event follows the kernel
+        assert log == [("sync slot", 0), ("wait", "prefill"), ("kernel",), ("record", 0)]
+    else:        # the slot is free once uploaded, whatever `after` still waits for
+        assert log == [("sync slot", 0), ("record", 0), ("wait", "prefill"), ("kernel",)]
+    log.clear()
+    assert copier.copy_strided(0, 16, si[:0], 0, 16, di[:0], 16, stream, after="e") == 0
+    assert log == [("wait", "e")]   # nothing to copy: what follows still waits for `after`
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_staging_slots_grow_only_after_the_device_is_done_with_them():
+    """A list longer than the staging slots hold: the slots are reallocated only after the
+    device finished with the old ones (kernels queued earlier still read their indices)."""
+    log: list = []
+    copier = _logging_copier(log, cap=8)
+    copier._take_slot(8)
+    assert ("sync device",) not in log
+    log.clear()
+    host, _dev, _ev, _view = copier._take_slot(20)
+    assert log[0] == ("sync slot", 1) and log[1] == ("sync device",)
+    assert log[2:] == [("alloc", 40)] * 3 and host.numel() == 40
