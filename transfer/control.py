@@ -171,6 +171,7 @@ def _late_tails() -> dict[type, tuple[str, object, bytes] | None]:
 
 
 _LATE_TAILS = _late_tails()
+_BYTE = [bytes((i,)) for i in range(256)]
 
 
 def encode(msg: ControlMessage) -> bytes:
@@ -187,8 +188,11 @@ def encode(msg: ControlMessage) -> bytes:
     k, default, suffix = tail
     value = getattr(msg, k)
     if value is default or (value == default and type(value) is type(default)):
-        if 0x81 <= data[0] <= 0x8f and data.endswith(suffix):   # a fixmap: n - 1 entries
-            return bytes((data[0] - 1,)) + data[1:-len(suffix)]
+        head = data[0]
+        if 0x81 <= head <= 0x8f and data.endswith(suffix):   # a fixmap: n - 1 entries
+            # (a prepared one-byte head: bytes((head - 1,)) made this trim cost more than
+            # the encode itself, ~2.2 against ~1 µs warm)
+            return _BYTE[head - 1] + data[1:-len(suffix)]
     elif value:
         return data
     return _encoder.encode(to_wire(msg))   # a falsy non-default, or a long map: the dict way

@@ -132,6 +132,8 @@ class KvTransceiver(Transceiver):
             C.Instance: self._receiver.on_instance, C.Registered: self._receiver.on_registered,
             C.RegisterFailed: self._receiver.on_register_failed,
             C.Result: self._receiver.on_result, C.Error: self._receiver.on_error}
+        self._by_kind = {"router": {c: self._routes[c] for c in C.REQUESTS},
+                         "dealer": {c: self._routes[c] for c in C.REPLIES}}
         self._ready = True
         core.results_by_notif = self.agent.deliver_notifications(self._on_notification)
         core.ready_waiter = self.agent.ready_waiter()
@@ -262,16 +264,18 @@ class KvTransceiver(Transceiver):
         self._route(source, m)
 
     def _route(self, source: tuple, m: C.ControlMessage) -> None:
-        """(listener) A typed control message to the side that handles it."""
+        """(listener) A typed control message to the side that handles it: requests from the
+        ROUTER (or a lane a peer connected), replies from a DEALER (or our lane). One dict
+        lookup (an isinstance against a tuple of five classes took ~1.5 µs warm)."""
         kind, who = source
-        t = type(m).__struct_config__.tag
-        if not self._ready or not isinstance(m, C.REQUESTS if kind == "router" else C.REPLIES):
-            log.warning("unknown control message %r from %r", t, who)
+        fn = self._by_kind[kind].get(type(m)) if self._ready else None
+        if fn is None:
+            log.warning("unknown control message %r from %r", type(m).__struct_config__.tag, who)
             return
         try:
-            self._routes[type(m)](who, m)
+            fn(who, m)
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
-            self._bad(kind, who, t, e)
+            self._bad(kind, who, type(m).__struct_config__.tag, e)
 
     def _bad(self, kind: str, who, t: str, e: Exception) -> None:
         log.warning("bad %r message from %r: %s", t, who, e)
