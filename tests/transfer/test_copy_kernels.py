@@ -434,3 +434,80 @@ def test_staging_slots_grow_only_after_the_device_is_done_with_them():
     host, _dev, _ev, _view = copier._take_slot(20)
     assert log[0] == ("sync slot", 1) and log[1] == ("sync device",)
     assert log[2:] == [("alloc", 40)] * 3 and host.numel() == 40
+
+
+def _sparse(nbytes: int):
+    """`nbytes` of address space, zero-filled on touch (MAP_NORESERVE: only the rows a case
+    writes take memory), or a skip where the kernel refuses that much."""
+    import mmap
+
+    try:
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000)
+    except (OSError, OverflowError, ValueError) as e:   # 0x4000: Linux's MAP_NORESERVE
+        pytest.skip(f"no {nbytes >> 30} GiB of address space here: {e}")
+    return m, np.frombuffer(m, np.uint8)
+
+
+# (stride, length): bytes with offsets past 4 GiB; 16-byte words with offsets past 2**31 int64
+# elements (16 GiB): a 32-bit offset anywhere in the kernel's arithmetic wraps and misses
+LARGE = [((1 << 30) + 1, 3000, [4, 0, 2], [1, 4, 0]),
+         ((4 << 30) + 16, 4096 + 48, [4, 1, 0], [0, 4, 3])]
+
+
+@pytest.mark.skipif(not INTERP, reason="set SPLITSERVE_TRITON_INTERPRET=1 (with triton "
+                    "installed) to run the kernel on the CPU")
+@pytest.mark.parametrize("stride,length,si,di", LARGE, ids=["bytes-4GiB", "words-16GiB"])
+def test_the_strided_kernel_reaches_rows_past_32_bit_offsets(stride, length, si, di):
+    """Pools larger than 2 GiB (byte path) and 16 GiB (16-byte words): the picked rows are
+    addressed with 64-bit offsets (the index loaded as int64 times the stride)."""
+    import torch
+
+    from transfer.copy_kernels import _strided_kernel
+
+    span = stride * (max(si + di) + 1)
+    (ms, src), (md, dst) = _sparse(span), _sparse(span)
+    rng = np.random.default_rng(length)
+    for a in si:
+        src[a * stride:a * stride + length] = rng.integers(1, 256, length, dtype=np.uint8)
+    sb, db = src.ctypes.data, dst.ctypes.data
+    grid, scalars, meta = strided_launch(sb, stride, db, stride, length, len(si), 1024)
+    assert meta["VEC"] == (2 if stride % 16 == 0 else 1)
+    _strided_kernel()[grid](sb, db, torch.tensor(si + di, dtype=torch.int64), *scalars, **meta)
+    for a, b in zip(si, di):
+        assert np.array_equal(dst[b * stride:b * stride + length],
+                              src[a * stride:a * stride + length]), (a, b)
+        assert dst[b * stride + length] == 0 and (b == 0 or dst[b * stride - 1] == 0)
+    del src, dst
+    ms.close(), md.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stride,length,si,di", LARGE, ids=["bytes-4GiB", "words-16GiB"])
+def test_device_copier_strided_reaches_rows_past_32_bit_offsets(stride, length, si, di):
+    """The compiled kernel as DeviceCopier.copy_strided launches it, on pools of 5 and 17 GiB
+    (two each): rows past 4 GiB (bytes) and past 2**31 int64 elements (16-byte words)."""
+    import torch
+    from transfer.copy_kernels import DeviceCopier
+
+    span = stride * (max(si + di) + 1)
+    if torch.cuda.mem_get_info()[0] < 2 * span + (1 << 30):
+        pytest.skip(f"needs {2 * span >> 30} GiB free on the device")
+    src = torch.empty(span, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(span, dtype=torch.uint8, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(length)
+    for a in si:
+        src[a * stride:a * stride + length] = torch.randint(1, 256, (length,), dtype=torch.uint8,
+                                                            device="cuda", generator=g)
+    for b in di:   # the row and 16 bytes either side: what the copy may and may not touch
+        dst[max(0, b * stride - 16):b * stride + length + 16].zero_()
+    c, stream = DeviceCopier(0), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    assert c.copy_strided(src.data_ptr(), stride, np.array(si, np.int64), dst.data_ptr(), stride,
+                          np.array(di, np.int64), length, stream) == len(si)
+    stream.synchronize()
+    for a, b in zip(si, di):
+        assert torch.equal(dst[b * stride:b * stride + length], src[a * stride:a * stride + length])
+        assert not dst[b * stride + length:b * stride + length + 16].any()
+        assert not dst[max(0, b * stride - 16):b * stride].any()
+    del src, dst
+    torch.cuda.empty_cache()
