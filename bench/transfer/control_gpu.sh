@@ -28,12 +28,12 @@ trees=(--tree .)
 [ -n "${BASE:-}" ] && trees=(--tree "$BASE" --tree .)
 timeout 60 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 "${trees[@]}" \
     > "$OUT/control.txt" 2>&1; echo "control.py rc=$?" >> "$OUT/control.txt"
-tail -n 14 "$OUT/control.txt"
+tail -n 26 "$OUT/control.txt"
 # this tree with its listeners never spinning and spinning 500 µs (TransferConfig.spin_s; the
 # default is 500 µs on a machine with at least 4 CPUs), alternated round by round
 timeout 90 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 3 --spin-us 0 --spin-us 500 \
     > "$OUT/control_spin.txt" 2>&1; echo "control.py --spin-us rc=$?" >> "$OUT/control_spin.txt"
-tail -n 11 "$OUT/control_spin.txt"
+tail -n 26 "$OUT/control_spin.txt"
 timeout 20 python3 bench/transfer/wakeup_probe.py --n 3000 > "$OUT/wakeup.txt" 2>&1
 cat "$OUT/wakeup.txt"
 timeout 30 python3 bench/transfer/submit_probe.py --calls 200 > "$OUT/probe.txt" 2>&1
