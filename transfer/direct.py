@@ -115,6 +115,8 @@ class DirectCopies:
         same = desc.get("pid") == self.pid
         known = set(pm.base.tolist())
         base, size, mapped = list(pm.base.tolist()), list(pm.size.tolist()), list(pm.mapped.tolist())
+        # copies: a failed load leaves the map as it was (its lists stay aligned with its arrays)
+        devs, owned = list(pm.dev), list(pm.owned)
         try:
             for b, s, d, h in desc.get("allocs", []):
                 if b in known:
@@ -122,9 +124,16 @@ class DirectCopies:
                 local = self.regions[0][2] if self.regions else self._local_device()
                 m = b if same else cuda_ipc.open_handle(bytes(h), local)
                 base.append(b), size.append(s), mapped.append(m)
-                pm.dev.append(local)
-                pm.owned.append(not same)
+                devs.append(local)
+                owned.append(not same)
         except cuda_ipc.IpcUnavailable as e:
+            # what this load opened before the failure is closed again (nothing refers to it)
+            for m, d, o in zip(mapped[len(pm.mapped):], devs[len(pm.dev):], owned[len(pm.owned):]):
+                if o:
+                    try:
+                        cuda_ipc.close(m, d)
+                    except cuda_ipc.IpcUnavailable as e2:
+                        log.warning("closing a mapping of %s: %s", name, e2)
             self.refused[name] = str(e)
             log.info("peer %s is written through NIXL: %s", name, e)
             return
@@ -132,8 +141,8 @@ class DirectCopies:
         pm.base = np.array(base, np.uint64)[order]
         pm.size = np.array(size, np.uint64)[order]
         pm.mapped = np.array(mapped, np.uint64)[order]
-        pm.dev = [pm.dev[i] for i in order.tolist()]
-        pm.owned = [pm.owned[i] for i in order.tolist()]
+        pm.dev = [devs[i] for i in order.tolist()]
+        pm.owned = [owned[i] for i in order.tolist()]
         pm.regions = Coverage((a, n, d, "VRAM") for a, n, d in desc.get("regions", []))
         self.peers[name] = pm
         self.refused.pop(name, None)

@@ -511,3 +511,39 @@ def test_device_copier_strided_reaches_rows_past_32_bit_offsets(stride, length, 
         assert not dst[max(0, b * stride - 16):b * stride].any()
     del src, dst
     torch.cuda.empty_cache()
+
+
+def test_a_peer_load_that_fails_midway_leaves_its_map_aligned(monkeypatch):
+    """DirectCopies.load: an allocation whose IPC handle does not open refuses the peer's new
+    allocations, closes what this load had opened, and leaves the peer's map as it was, so a
+    later load and the close at drop pair each mapping with its own device and ownership."""
+    import transfer.cuda_ipc as ci
+    from transfer.direct import DirectCopies
+
+    opened, closed = [], []
+
+    def open_handle(h, dev):
+        if h == b"bad":
+            raise ci.IpcUnavailable("does not open")
+        opened.append(h)
+        return 0x7000 + len(opened) * 0x100
+    monkeypatch.setattr(ci, "open_handle", open_handle)
+    monkeypatch.setattr(ci, "close", lambda m, d: closed.append((m, d)))
+    dc = DirectCopies()
+    dc.regions = [(0x10, 0x10, 2)]   # this process's device: 2
+
+    def desc(*allocs):
+        return {"host": dc.host, "pid": dc.pid + 1, "regions": [],
+                "allocs": [[b, 0x100, 0, h] for b, h in allocs]}
+    dc.load("p", desc((0x3000, b"a")))
+    dc.load("p", desc((0x3000, b"a"), (0x1000, b"b"), (0x2000, b"bad")))
+    assert "p" in dc.refused and closed == [(0x7200, 2)]   # b's mapping, opened then closed
+    pm = dc.peers["p"]
+    assert pm.base.tolist() == [0x3000] and pm.dev == [2] and pm.owned == [True]
+    dc.load("p", desc((0x3000, b"a"), (0x1000, b"c")))
+    pm = dc.peers["p"]
+    assert pm.base.tolist() == [0x1000, 0x3000] and pm.mapped.tolist() == [0x7300, 0x7100]
+    assert pm.dev == [2, 2] and pm.owned == [True, True] and "p" not in dc.refused
+    closed.clear()
+    dc.drop("p")
+    assert sorted(closed) == [(0x7100, 2), (0x7300, 2)]
