@@ -27,9 +27,19 @@ that fails (another host, another network namespace). The same frames: a Unix st
 write and wake-up cost less than TCP's loopback path (one-way hop between two processes on the
 2-core box, 2026-12-07: 13.3/12.2 µs hot and 33.2/28.2 µs after a 2 ms idle, against 16.1/15.7
 and 39.6/38.1 over TCP).
+
+Abstract socket names are visible to every process of the host (/proc/net/unix) and carry no
+file permissions, so both ends check who is at the other end (SO_PEERCRED, `check_local_peer`):
+the listener closes a connection from a process of another user before reading its hello (which
+could name a real peer and replace its lane), and a connecting rank takes the TCP lane instead
+when the listener under the name runs as another user. Same effective uid only, root included:
+ranks of one deployment run as one user, and a rank that runs as another (root or not) still
+reaches its peers over TCP. Where SO_PEERCRED does not exist there is no Unix lane (TCP only)
+rather than one without the check.
 """
 from __future__ import annotations
 
+import os
 import secrets
 import select
 import socket
@@ -39,6 +49,8 @@ import threading
 import time
 
 AF_UNIX = getattr(socket, "AF_UNIX", None)
+SO_PEERCRED = getattr(socket, "SO_PEERCRED", None)   # Linux: no Unix lane without it
+PEERCRED = struct.Struct("3i")                       # struct ucred: pid, uid, gid
 FRAME = struct.Struct("!I")
 MAX_FRAME = 256 << 20
 
@@ -183,8 +195,8 @@ def listen_local() -> tuple[socket.socket | None, str]:
     (Linux; no file, gone with the process), and the name peers connect to ("" and None where
     there is none). A name no other process has (random): a peer on another host, or in another
     network namespace, finds nothing under it and connects over TCP instead."""
-    if AF_UNIX is None or not sys.platform.startswith("linux"):
-        return None, ""
+    if AF_UNIX is None or SO_PEERCRED is None or not sys.platform.startswith("linux"):
+        return None, ""   # no peer check possible: TCP lanes only
     name = f"splitserve-lane-{secrets.token_hex(12)}"
     s = socket.socket(AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -199,17 +211,30 @@ def listen_local() -> tuple[socket.socket | None, str]:
 
 def connect_local(name: str, timeout_s: float) -> socket.socket:
     """Connect to a lane listener of this host (`listen_local`'s name); OSError where no
-    process here listens under that name."""
-    if AF_UNIX is None:
-        raise OSError("no Unix sockets here")
+    process here listens under that name, and PermissionError (an OSError) where the one that
+    does runs as another user (`check_local_peer`)."""
+    if AF_UNIX is None or SO_PEERCRED is None:
+        raise OSError("no Unix sockets with peer credentials here")
     s = socket.socket(AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout_s)
     try:
         s.connect("\0" + name)
+        check_local_peer(s)
     except OSError:
         s.close()
         raise
     return s
+
+
+def check_local_peer(sock: socket.socket) -> None:
+    """The process at the other end of a Unix socket (as the kernel recorded it when that end
+    connected or listened) runs as this process's effective uid; PermissionError saying whom
+    it found otherwise. Same uid only, root included (module docstring)."""
+    pid, uid, _gid = PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, SO_PEERCRED, PEERCRED.size))
+    if uid != os.geteuid():
+        raise PermissionError(f"expected a process of uid {os.geteuid()} (this process's), "
+                              f"found uid {uid} (pid {pid})")
 
 
 def connect(address: str, timeout_s: float) -> socket.socket:

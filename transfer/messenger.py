@@ -21,7 +21,9 @@ While a lane to a peer is up, `send` to its endpoint and `reply` to its identity
 lane from the calling thread, and what arrives on it is dispatched like ZeroMQ traffic
 (`("dealer", endpoint)` on the side that connected, `("router", identity)` on the side that
 listened). A lane that closes or fails a write reports its peer lost on the connecting side, as
-a ZeroMQ disconnect does.
+a ZeroMQ disconnect does. A connection to the Unix socket from a process of another user is
+closed before its hello is read (`lanes.check_local_peer`), counted in `lane_stats["refused"]`
+beside connections without a valid hello (`lane_stats["bad_hello"]`).
 """
 from __future__ import annotations
 
@@ -76,7 +78,9 @@ class Messenger:
         self._lanes_out: dict[str, lanes.Lane] = {}     # endpoint -> lane we connected
         self._lanes_in: dict[bytes, lanes.Lane] = {}    # identity -> lane a peer connected
         self._accepted: set[lanes.Lane] = set()         # connected to us, not yet named
-        self.lane_stats = {"sent": 0, "received": 0}
+        # refused: Unix-socket connections from another user; bad_hello: lanes closed because
+        # their first frame was no valid hello
+        self.lane_stats = {"sent": 0, "received": 0, "refused": 0, "bad_hello": 0}
         self.io = IoLoop(self._ctx, router, self.identity, name="transfer-messenger",
                          on_router=self._from_router, on_dealer=self._from_dealer,
                          on_lost=self._lost, heartbeat_ms=hb, connect_timeout_s=connect_timeout_s,
@@ -136,6 +140,9 @@ class Messenger:
         if local:
             try:
                 sock = lanes.connect_local(local, timeout)
+            except PermissionError as e:   # its listener runs as another user: TCP
+                log.info("control lane to %s: not through its Unix socket (%s): over TCP",
+                         endpoint, e)
             except OSError:
                 pass   # not on this host (or not in this network namespace): TCP
         try:
@@ -183,9 +190,26 @@ class Messenger:
             except OSError as e:
                 log.warning("accepting a control lane: %s", e)
                 return
+            if server is self._local_server:
+                try:   # before its hello, which could name a real peer and replace its lane
+                    lanes.check_local_peer(sock)
+                except OSError as e:
+                    self._refuse(sock, e)
+                    continue
             lane = lanes.Lane(sock, send_timeout_s=self._connect_timeout_s)
             self._accepted.add(lane)
             self.io.watch_fd(lane.fd, lambda lane=lane: self._read(lane))
+
+    def _refuse(self, sock, why: Exception) -> None:
+        """Close a connection to the Unix lane socket from a process of another user. Logged at
+        the 1st, 2nd, 4th, 8th... refusal, so that a local user's loop of connections cannot
+        flood the log; every one is counted."""
+        sock.close()
+        self.lane_stats["refused"] += 1
+        n = self.lane_stats["refused"]
+        if n & (n - 1) == 0:
+            log.warning("refused a control lane on the Unix socket: %s (%d refused so far)",
+                        why, n)
 
     def _read(self, lane: lanes.Lane) -> None:
         try:
@@ -202,6 +226,7 @@ class Messenger:
                         raise ValueError(f"expected 'lane', found {hello['t']!r}")
                 except (ValueError, KeyError, TypeError) as e:
                     log.warning("control lane without a valid hello: %s", e)
+                    self.lane_stats["bad_hello"] += 1
                     self._close_lane(lane)
                     return
                 self._accepted.discard(lane)
