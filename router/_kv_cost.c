@@ -633,11 +633,173 @@ fail:
     return ans;
 }
 
+/* ---- the lease table's map (router/leases.py `LeaseTable`), written where time_core_table reads it */
+
+/* A new int for `v`, stolen into tuple `t` at `i`; -1 on failure. */
+static inline int set_ll(PyObject *t, Py_ssize_t i, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL)
+        return -1;
+    PyTuple_SET_ITEM(t, i, o);
+    return 0;
+}
+
+/* states[server] = ((r, t), q, n, pt, held) and kv[server] = (priv, deep); -1 on failure (the
+ * maps unchanged unless a dict store itself failed). */
+static int lease_write(PyObject *states, PyObject *kv, PyObject *server, long long r, long long t,
+                       long long q, long long n, long long pt, long long priv, long long deep) {
+    PyObject *ld = PyTuple_New(2), *st = PyTuple_New(5), *k = PyTuple_New(2);
+    int rc = -1;
+    if (ld == NULL || st == NULL || k == NULL || set_ll(ld, 0, r) || set_ll(ld, 1, t) ||
+        set_ll(st, 1, q) || set_ll(st, 2, n) || set_ll(st, 3, pt) || set_ll(st, 4, priv + deep) ||
+        set_ll(k, 0, priv) || set_ll(k, 1, deep))
+        goto done;
+    PyTuple_SET_ITEM(st, 0, ld);
+    ld = NULL;
+    if (PyDict_SetItem(kv, server, k) == 0 && PyDict_SetItem(states, server, st) == 0)
+        rc = 0;
+done:
+    Py_XDECREF(ld);
+    Py_XDECREF(st);
+    Py_XDECREF(k);
+    return rc;
+}
+
+/* A server's state and kv entries read as numbers: 0, or -1 with TypeError (a shape the
+ * recipe's unpacking would not take) or OverflowError (beyond a long long). */
+static int lease_read(PyObject *st, PyObject *kv_entry, long long *r, long long *t, long long *q,
+                      long long *n, long long *pt, long long *priv, long long *deep) {
+    if (!PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 5 || !PyTuple_CheckExact(kv_entry) ||
+        PyTuple_GET_SIZE(kv_entry) != 2) {
+        PyErr_SetString(PyExc_TypeError, "a lease state must be a 5-tuple and its kv entry a pair");
+        return -1;
+    }
+    return (as_pair(PyTuple_GET_ITEM(st, 0), r, t, "a load") ||
+            as_ll(PyTuple_GET_ITEM(st, 1), q, "queued prefill tokens") ||
+            as_ll(PyTuple_GET_ITEM(st, 2), n, "leases in prefill") ||
+            as_ll(PyTuple_GET_ITEM(st, 3), pt, "their tokens") ||
+            as_ll(PyTuple_GET_ITEM(kv_entry, 0), priv, "private tokens") ||
+            as_ll(PyTuple_GET_ITEM(kv_entry, 1), deep, "the deepest shared prefix")) ? -1 : 0;
+}
+
+static PyObject *overflow(void) {
+    PyErr_SetString(PyExc_OverflowError, "lease numbers beyond a long long");
+    return NULL;
+}
+
+PyDoc_STRVAR(lease_add_doc,
+"lease_add(states, kv, server, tokens, prefill) -> None\n\n"
+"router/leases.py `_add` (the recipe, its docstring has the rule): a lease of `tokens` prompt\n"
+"tokens, `prefill` of them uncached, joins `server`'s entries in the lease table's maps.\n"
+"OverflowError or TypeError, nothing changed, where a number is beyond a long long or an entry\n"
+"is not the recipe's shape: the caller runs the recipe then.");
+
+static PyObject *lease_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs_check("lease_add", nargs, 5) < 0)
+        return NULL;
+    PyObject *states = args[0], *kv = args[1], *server = args[2];
+    long long tokens, prefill, r = 0, t = 0, q = 0, n = 0, pt = 0, priv = 0, deep = 0, shared;
+    if (!PyDict_CheckExact(states) || !PyDict_CheckExact(kv)) {
+        PyErr_SetString(PyExc_TypeError, "lease_add: states and kv must be dicts");
+        return NULL;
+    }
+    if (as_ll(args[3], &tokens, "tokens") || as_ll(args[4], &prefill, "prefill"))
+        return NULL;
+    if (__builtin_sub_overflow(tokens, prefill, &shared))
+        return overflow();
+    PyObject *st = PyDict_GetItemWithError(states, server);
+    if (st == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        /* its first lease: (prefill, shared) */
+        if (lease_write(states, kv, server, 1, tokens, prefill, 1, tokens, prefill, shared) < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *k = PyDict_GetItemWithError(kv, server);
+    if (k == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, server);
+        return NULL;
+    }
+    if (lease_read(st, k, &r, &t, &q, &n, &pt, &priv, &deep) < 0)
+        return NULL;
+    long long held;
+    if (shared > deep)
+        deep = shared;
+    if (__builtin_add_overflow(r, 1, &r) || __builtin_add_overflow(t, tokens, &t) ||
+        __builtin_add_overflow(q, prefill, &q) || __builtin_add_overflow(n, 1, &n) ||
+        __builtin_add_overflow(pt, tokens, &pt) || __builtin_add_overflow(priv, prefill, &priv) ||
+        __builtin_add_overflow(priv, deep, &held))
+        return overflow();
+    if (lease_write(states, kv, server, r, t, q, n, pt, priv, deep) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(lease_remove_doc,
+"lease_remove(states, kv, server, tokens, prefill, private, in_prefill) -> None\n\n"
+"router/leases.py `_remove` (the recipe, its docstring has the rule): a lease leaves `server`'s\n"
+"entries in the lease table's maps. OverflowError or TypeError, nothing changed, as `lease_add`.");
+
+static PyObject *lease_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs_check("lease_remove", nargs, 7) < 0)
+        return NULL;
+    PyObject *states = args[0], *kv = args[1], *server = args[2];
+    long long tokens, prefill, private_, r, t, q, n, pt, priv, deep, held;
+    if (!PyDict_CheckExact(states) || !PyDict_CheckExact(kv)) {
+        PyErr_SetString(PyExc_TypeError, "lease_remove: states and kv must be dicts");
+        return NULL;
+    }
+    int in_prefill = PyObject_IsTrue(args[6]);
+    if (in_prefill < 0 || as_ll(args[3], &tokens, "tokens") || as_ll(args[4], &prefill, "prefill") ||
+        as_ll(args[5], &private_, "private"))
+        return NULL;
+    PyObject *st = PyDict_GetItemWithError(states, server);
+    if (st == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, server);
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 5) {
+        PyErr_SetString(PyExc_TypeError, "a lease state must be a 5-tuple");
+        return NULL;
+    }
+    if (as_pair(PyTuple_GET_ITEM(st, 0), &r, &t, "a load"))
+        return NULL;
+    if (r == 1) {       /* its server's last lease: the phase sums go with it */
+        if (PyDict_DelItem(states, server) < 0 || PyDict_DelItem(kv, server) < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *k = PyDict_GetItemWithError(kv, server);
+    if (k == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, server);
+        return NULL;
+    }
+    if (lease_read(st, k, &r, &t, &q, &n, &pt, &priv, &deep) < 0)
+        return NULL;
+    if (__builtin_sub_overflow(r, 1, &r) || __builtin_sub_overflow(t, tokens, &t) ||
+        __builtin_sub_overflow(priv, private_, &priv) || __builtin_add_overflow(priv, deep, &held))
+        return overflow();
+    if (in_prefill && (__builtin_sub_overflow(q, prefill, &q) || __builtin_sub_overflow(n, 1, &n) ||
+                       __builtin_sub_overflow(pt, tokens, &pt)))
+        return overflow();
+    if (lease_write(states, kv, server, r, t, q, n, pt, priv, deep) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"core", (PyCFunction)(void (*)(void))core, METH_FASTCALL, core_doc},
     {"time_core", (PyCFunction)(void (*)(void))time_core, METH_FASTCALL, time_core_doc},
     {"time_core_table", (PyCFunction)(void (*)(void))time_core_table, METH_FASTCALL,
      time_core_table_doc},
+    {"lease_add", (PyCFunction)(void (*)(void))lease_add, METH_FASTCALL, lease_add_doc},
+    {"lease_remove", (PyCFunction)(void (*)(void))lease_remove, METH_FASTCALL, lease_remove_doc},
     {NULL, NULL, 0, NULL},
 };
 

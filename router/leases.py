@@ -34,7 +34,14 @@ from collections import deque
 from operator import attrgetter
 from dataclasses import dataclass
 
-__all__ = ["Lease", "LeaseTable"]
+try:    # router/_kv_cost.c: `_add` and `_remove` below, one native call each
+    from ._kv_cost import lease_add as _native_add, lease_remove as _native_remove
+except ImportError:     # no C compiler at install time
+    _native_add = _native_remove = None
+
+NATIVE = _native_add is not None
+
+__all__ = ["Lease", "LeaseTable", "NATIVE"]
 
 _ZERO_LOAD = (0, 0)
 _ZERO_PHASE = (0, 0, 0)
@@ -57,10 +64,55 @@ class Lease:
     private: int = 0            # its uncached tokens at placement: the blocks it brought
 
 
+def _add(states: dict, kv: dict, server: str, tokens: int, prefill: int) -> None:
+    """A lease of ``tokens`` prompt tokens, ``prefill`` of them uncached (its queued prefill and
+    the blocks it brings), joins ``server``'s entries in the table's maps (``LeaseTable._state``
+    and ``_kv``). The recipe of router/_kv_cost.c `lease_add`, which does the same in one call
+    (this in Python was ~1/3 of an acquire's bytecodes); tests/router/test_leases.py compares
+    the two."""
+    st = states.get(server)
+    shared = tokens - prefill
+    if st is None:
+        kv[server] = (prefill, shared)
+        states[server] = ((1, tokens), prefill, 1, tokens, tokens)
+    else:
+        (r, t), q, n, pt, _ = st
+        priv, deep = kv[server]
+        priv += prefill
+        if shared > deep:
+            deep = shared
+        kv[server] = (priv, deep)
+        states[server] = ((r + 1, t + tokens), q + prefill, n + 1, pt + tokens, priv + deep)
+
+
+def _remove(states: dict, kv: dict, server: str, tokens: int, prefill: int, private: int,
+            in_prefill: bool) -> None:
+    """A lease (its ``tokens``, queued ``prefill`` counted while ``in_prefill``, ``private``
+    tokens) leaves ``server``'s entries in the table's maps; its server's last lease takes them
+    (the phase sums with it). The recipe of router/_kv_cost.c `lease_remove`."""
+    (r, t), q, n, pt, _ = states[server]
+    if r == 1:
+        del states[server]
+        del kv[server]
+        return
+    priv, deep = kv[server]
+    priv -= private
+    kv[server] = (priv, deep)
+    if in_prefill:
+        states[server] = ((r - 1, t - tokens), q - prefill, n - 1, pt - tokens, priv + deep)
+    else:
+        states[server] = ((r - 1, t - tokens), q, n, pt, priv + deep)
+
+
 class LeaseTable:
-    def __init__(self, prefill_ttl: float = 60.0):
+    def __init__(self, prefill_ttl: float = 60.0, *, native: bool | None = None):
+        """``native``: the maps' updates by router/_kv_cost.c (None: where it built; False: the
+        recipes, `_add` and `_remove`)."""
         if not prefill_ttl > 0:
             raise ValueError(f"prefill_ttl must be positive seconds, found {prefill_ttl!r}")
+        native = NATIVE if native is None else native and NATIVE
+        self._add = _native_add if native else _add
+        self._remove = _native_remove if native else _remove
         self.prefill_ttl = prefill_ttl
         # leases in acquisition order, for their prefill_ttl: a monotonic clock keeps their
         # acquired_at sorted (one out of order is only handled late: counted as queued longer);
@@ -119,24 +171,13 @@ class LeaseTable:
         self._unload(lease)
 
     def _unload(self, lease: Lease) -> None:
-        server = lease.server
-        states = self._state
-        (r, t), q, n, pt, _ = states[server]
-        if r == 1:      # its last lease (in prefill or not: the phase sums go with it)
-            del states[server]
-            del self._kv[server]
-            lease.in_prefill = False
-            return
-        priv, deep = self._kv[server]
-        priv -= lease.private
-        self._kv[server] = (priv, deep)
-        if lease.in_prefill:
-            lease.in_prefill = False
-            tokens = lease.tokens
-            states[server] = ((r - 1, t - tokens), q - lease.prefill, n - 1, pt - tokens,
-                              priv + deep)
-        else:
-            states[server] = ((r - 1, t - lease.tokens), q, n, pt, priv + deep)
+        try:
+            self._remove(self._state, self._kv, lease.server, lease.tokens, lease.prefill,
+                         lease.private, lease.in_prefill)
+        except (OverflowError, TypeError):  # numbers the native call does not take: the recipe
+            _remove(self._state, self._kv, lease.server, lease.tokens, lease.prefill,
+                    lease.private, lease.in_prefill)
+        lease.in_prefill = False
 
     def _unphase(self, lease: Lease) -> None:
         lease.in_prefill = False
@@ -166,20 +207,10 @@ class LeaseTable:
         lease = Lease(role, req_id, server, tokens, now, now + ttl, prefill, True, predicted_s,
                       prefill)
         leases[key] = lease
-        states = self._state
-        st = states.get(server)
-        shared = tokens - prefill
-        if st is None:
-            self._kv[server] = (prefill, shared)
-            states[server] = ((1, tokens), prefill, 1, tokens, tokens)
-        else:
-            (r, t), q, n, pt, _ = st
-            priv, deep = self._kv[server]
-            priv += prefill
-            if shared > deep:
-                deep = shared
-            self._kv[server] = (priv, deep)
-            states[server] = ((r + 1, t + tokens), q + prefill, n + 1, pt + tokens, priv + deep)
+        try:
+            self._add(self._state, self._kv, server, tokens, prefill)
+        except (OverflowError, TypeError):  # numbers the native call does not take: the recipe
+            _add(self._state, self._kv, server, tokens, prefill)
         pq = self._prefill_q
         pq.append(lease)
         if len(pq) > self._prefill_q_limit:     # ended or reported leases' entries: compact

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router import leases as leases_mod
 from router.leases import LeaseTable
 
 
@@ -251,3 +252,68 @@ def test_phases_are_the_sums_over_leases_in_prefill(ops):
         for s in ("a", "b"):
             mine = [v for v in live.values() if v[0] == s and v[3]]
             assert t.phase(s) == (sum(v[2] for v in mine), len(mine), sum(v[1] for v in mine))
+
+
+# ---- the maps' updates: router/_kv_cost.c `lease_add` / `lease_remove` against their recipes ----
+
+needs_native = pytest.mark.skipif(not leases_mod.NATIVE, reason="router/_kv_cost.c not built "
+                                  "(installed without a C compiler; CI builds the modules)")
+
+_map_ops = st.lists(st.tuples(
+    st.sampled_from(["acquire", "acquire", "finish", "first", "set_prefill", "expire"]),
+    st.sampled_from(["context", "generation"]), st.integers(0, 7), st.sampled_from(["a", "b", "c"]),
+    st.floats(0.0, 3.0), st.one_of(st.integers(0, 5000), st.integers(2**62, 2**64)),
+    st.one_of(st.none(), st.integers(-5, 6000))), max_size=80)
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(_map_ops)
+def test_native_map_updates_equal_the_recipes(ops):
+    """Every lease operation leaves the same maps (states and held KV tokens, object types
+    included) with the native updates as with the Python recipes; numbers beyond a long long
+    (here tokens past 2**62, whose sums overflow) fall back to the recipe on the native side."""
+    fast, slow = LeaseTable(prefill_ttl=4.0), LeaseTable(prefill_ttl=4.0, native=False)
+    assert fast._add is leases_mod._native_add and slow._add is leases_mod._add
+    now = 0.0
+    for op, role, rid, server, dt, tokens, prefill in ops:
+        now += dt
+        for t in (fast, slow):
+            if op == "acquire":
+                t.acquire(role, rid, server, now, 10.0, tokens, prefill)
+            elif op == "finish":
+                t.finish(role, rid)
+            elif op == "first":
+                t.first_token(role, rid)
+            elif op == "set_prefill":
+                t.set_prefill(role, rid, prefill or 0)
+            else:
+                t.expire(now)
+        for a, b in ((fast._state, slow._state), (fast._kv, slow._kv)):
+            assert a == b
+            assert [type(x) for v in a.values() for x in v] == \
+                [type(x) for v in b.values() for x in v]
+    for t in (fast, slow):
+        t.expire(now + 100.0)
+        assert t.states() == {} and t._kv == {}
+
+
+@needs_native
+def test_native_map_updates_refuse_what_they_cannot_compute():
+    """The native calls raise (OverflowError, TypeError) and change nothing where the recipe's
+    Python ints would be needed: the table then runs the recipe."""
+    states, kv = {"s": ((1, 2**63 - 1), 0, 1, 2**63 - 1, 2**63 - 1)}, {"s": (0, 2**63 - 1)}
+    before = (dict(states), dict(kv))
+    with pytest.raises(OverflowError):
+        leases_mod._native_add(states, kv, "s", 1, 1)
+    with pytest.raises(TypeError):
+        leases_mod._native_add(states, kv, "s", 1.0, 1)
+    with pytest.raises(TypeError):
+        leases_mod._native_remove({"s": [(2, 1), 0, 0, 0, 0]}, {"s": (0, 0)}, "s", 1, 0, 0, False)
+    assert (states, kv) == before
+    t = LeaseTable()
+    t.acquire("context", 1, "s", 0.0, 1.0, 2**63 - 1)
+    t.acquire("context", 2, "s", 0.0, 1.0, 2**63 - 1)    # the sums pass 2**63: the recipe
+    assert t.states()["s"] == ((2, 2**64 - 2), 2**64 - 2, 2, 2**64 - 2, 2**64 - 2)
+    t.finish("context", 1)
+    assert t.states()["s"] == ((1, 2**63 - 1), 2**63 - 1, 1, 2**63 - 1, 2**63 - 1)
