@@ -128,6 +128,18 @@ class KvCacheAwarePolicy(Policy):
 
     name = "kv_cache_aware"
 
+    # Every attribute __init__ sets, as slots: past 30 attributes an instance's dict no longer
+    # shares its keys with the class's other instances, and CPython 3.11 reads each `self.x`
+    # through a dict lookup instead of a fixed index (~17 instructions more per read, ~35 reads
+    # per placement). An attribute not listed still works (Policy's instances have a dict).
+    __slots__ = ("block_size", "cost", "explain_rows", "prefill_weight", "load_tokens_weight",
+                 "load_requests_weight", "uncached_weight", "decode_weight", "prefill_tokens_per_s",
+                 "decode_step_s", "learn_rates", "hotspot_slack_s", "_slack", "_scale", "_learning",
+                 "affinity_bonus", "affinity_slack", "_div", "hotspot_factor", "hotspot_slack",
+                 "max_batch_size", "load_cap", "track_routed_blocks", "speculative_ttl_s", "_pins",
+                 "implicit_sessions", "_stride", "_held_weight", "_sessions", "_cursor", "_cands",
+                 "_bulk", "_native")
+
     def __init__(self, block_size: int = 16, *, cost: str | None = None,
                  prefill_weight: float | None = None, load_tokens_weight: float | None = None,
                  load_requests_weight: float | None = None, uncached_weight: float = 2.0,
