@@ -166,7 +166,8 @@ class LeaseTable:
             self._queue_limit = 2 * len(self._leases) + 1024
 
     def _drop(self, lease: Lease) -> None:
-        """A lease left the table (finished, expired, its server dropped)."""
+        """A lease left the table (expired, its server dropped; `finish` has these two lines
+        inline)."""
         self._per_role[lease.role] -= 1
         self._unload(lease)
 
@@ -277,8 +278,9 @@ class LeaseTable:
     def finish(self, role: str, req_id: int) -> Lease | None:
         """End the lease; returns it, or None when it was already finished or expired."""
         lease = self._leases.pop((role, req_id), None)
-        if lease is not None:
-            self._drop(lease)
+        if lease is not None:     # `_drop`, inline: one Python call fewer per lease end
+            self._per_role[lease.role] -= 1
+            self._unload(lease)
         return lease
 
     def renew(self, role: str, req_id: int, now: float, ttl: float) -> bool:
