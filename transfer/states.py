@@ -3,7 +3,6 @@ rank's configuration. Imported by the sender, the receiver, the facade and the w
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -102,17 +101,11 @@ def combine_codes(codes: Sequence[int]) -> int:
     return min(codes) if codes else IN_FLIGHT
 
 
-# TransferConfig.spin_s's default, and the CPUs a process needs for it to be on.
-DEFAULT_SPIN_S = 0.5e-3
-SPIN_MIN_CPUS = 4
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask; the machine's count elsewhere)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+# TransferConfig.spin_s's default: off. Spinning has not been measured on a GPU host yet (the
+# session that built it had no device time left); on the 2-core box it made the round trip slower
+# (a spinning thread takes the core the other side needs), and through a fleet a generation_first
+# receive's window always runs out (~spin_s of one core per request). docs/kv-transfer.md.
+DEFAULT_SPIN_S = 0.0
 
 
 @dataclass
@@ -134,17 +127,14 @@ class TransferConfig:
     # expected soon instead of sleeping until it comes (a thread woken from a sleep answers
     # 50-150 µs late per hop): the generation side after posting a receive (its result), the
     # context side after a claim or a context_first finish (the receive). At most this much of
-    # one core per expectation; ended by the message. None: DEFAULT_SPIN_S where the process
-    # may run on at least SPIN_MIN_CPUS CPUs, else 0 (off: a spinning thread on a small
-    # machine takes the core the other side needs). Worker flag --transfer-spin-us.
+    # one core per expectation; ended by the message. None: DEFAULT_SPIN_S (off). Worker flag
+    # --transfer-spin-us.
     spin_s: float | None = None
 
     @property
     def spin_window_s(self) -> float:
         """`spin_s` resolved: seconds (0 = never spin)."""
-        if self.spin_s is not None:
-            return max(0.0, self.spin_s)
-        return DEFAULT_SPIN_S if usable_cpus() >= SPIN_MIN_CPUS else 0.0
+        return DEFAULT_SPIN_S if self.spin_s is None else max(0.0, self.spin_s)
 
     def describe(self) -> dict:
         return {"send_timeout_s": self.send_timeout_s, "recv_timeout_s": self.recv_timeout_s,

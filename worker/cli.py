@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--transfer-spin-us", None, type=float,
         help="µs a KV-transfer control listener busy-polls (GIL released) where a message is "
              "expected soon (a posted receive's result; a context_first receive) instead of "
-             "sleeping; 0 = never; default 500 on a machine with at least 4 CPUs, else 0")
+             "sleeping; 0 = never (the default: not yet measured on a GPU host)")
     add("--tp-size", 1, type=int, help="tensor-parallel size")
     add("--pp-size", 1, type=int, help="pipeline-parallel size")
     add("--sim-prefill-us-per-token", 20.0, type=float,

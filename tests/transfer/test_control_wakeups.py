@@ -177,16 +177,12 @@ def test_a_spinning_listener_leaves_the_gil_to_other_threads(monkeypatch):
         tx.shutdown()
 
 
-def test_spin_defaults_follow_the_cpus(monkeypatch):
-    """`spin_s` unset: on where the process may run on at least SPIN_MIN_CPUS CPUs, else off;
-    set: as given (0 = never)."""
-    from transfer import states
-
-    monkeypatch.setattr(states, "usable_cpus", lambda: states.SPIN_MIN_CPUS)
-    assert TransferConfig().spin_window_s == states.DEFAULT_SPIN_S
-    monkeypatch.setattr(states, "usable_cpus", lambda: states.SPIN_MIN_CPUS - 1)
+def test_spin_is_off_unless_asked_for():
+    """`spin_s` unset: off (not measured on a GPU host yet; slower on small machines); set: as
+    given (0 = never, negative read as 0)."""
     assert TransferConfig().spin_window_s == 0.0
     assert TransferConfig(spin_s=2e-4).spin_window_s == 2e-4
+    assert TransferConfig(spin_s=-1).spin_window_s == 0.0
     assert TransferConfig(spin_s=0).spin_window_s == 0.0
 
 
