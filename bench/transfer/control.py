@@ -25,7 +25,7 @@ round so that load on a shared machine hits them alike: e.g. `git archive main |
 bench/RESULTS.md itself.
 
 `--spin-us N` sets `TransferConfig.spin_s` (how long a listener busy-polls where a message is
-expected; default 500 µs on a machine with at least 4 CPUs, else off) in every tree that has the
+expected; off by default) in every tree that has the
 field (a tree without it runs as it is); repeated, its values alternate round by round like
 trees, a row each: `--spin-us 0 --spin-us 500` says what spinning does.
 

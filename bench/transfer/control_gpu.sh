@@ -29,8 +29,8 @@ trees=(--tree .)
 timeout 60 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 2 "${trees[@]}" \
     > "$OUT/control.txt" 2>&1; echo "control.py rc=$?" >> "$OUT/control.txt"
 tail -n 26 "$OUT/control.txt"
-# this tree with its listeners never spinning and spinning 500 µs (TransferConfig.spin_s; the
-# default is 500 µs on a machine with at least 4 CPUs), alternated round by round
+# this tree with its listeners never spinning and spinning 500 µs (TransferConfig.spin_s; off by
+# default, not yet measured on a GPU host), alternated round by round
 timeout 90 python3 bench/transfer/control.py --agent nixl --n 200 --rounds 3 --spin-us 0 --spin-us 500 \
     > "$OUT/control_spin.txt" 2>&1; echo "control.py --spin-us rc=$?" >> "$OUT/control_spin.txt"
 tail -n 26 "$OUT/control_spin.txt"
