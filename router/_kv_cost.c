@@ -687,6 +687,23 @@ static PyObject *overflow(void) {
     return NULL;
 }
 
+/* The lease table's two maps must be plain dicts (their borrowed lookups below rely on it). */
+static int lease_maps_check(const char *fn, PyObject *states, PyObject *kv) {
+    if (PyDict_CheckExact(states) && PyDict_CheckExact(kv))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s: states and kv must be dicts", fn);
+    return -1;
+}
+
+/* `server`'s entry in `map` (borrowed), or NULL with KeyError: a server with a lease state has
+   an entry in both maps. */
+static PyObject *lease_entry(PyObject *map, PyObject *server) {
+    PyObject *e = PyDict_GetItemWithError(map, server);
+    if (e == NULL && !PyErr_Occurred())
+        PyErr_SetObject(PyExc_KeyError, server);
+    return e;
+}
+
 PyDoc_STRVAR(lease_add_doc,
 "lease_add(states, kv, server, tokens, prefill) -> None\n\n"
 "router/leases.py `_add` (the recipe, its docstring has the rule): a lease of `tokens` prompt\n"
@@ -700,10 +717,8 @@ static PyObject *lease_add(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     PyObject *states = args[0], *kv = args[1], *server = args[2];
     long long tokens, prefill, r = 0, t = 0, q = 0, n = 0, pt = 0, priv = 0, deep = 0, shared;
-    if (!PyDict_CheckExact(states) || !PyDict_CheckExact(kv)) {
-        PyErr_SetString(PyExc_TypeError, "lease_add: states and kv must be dicts");
+    if (lease_maps_check("lease_add", states, kv) < 0)
         return NULL;
-    }
     if (as_ll(args[3], &tokens, "tokens") || as_ll(args[4], &prefill, "prefill"))
         return NULL;
     if (__builtin_sub_overflow(tokens, prefill, &shared))
@@ -717,12 +732,9 @@ static PyObject *lease_add(PyObject *self, PyObject *const *args, Py_ssize_t nar
             return NULL;
         Py_RETURN_NONE;
     }
-    PyObject *k = PyDict_GetItemWithError(kv, server);
-    if (k == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, server);
+    PyObject *k = lease_entry(kv, server);
+    if (k == NULL)
         return NULL;
-    }
     if (lease_read(st, k, &r, &t, &q, &n, &pt, &priv, &deep) < 0)
         return NULL;
     long long held;
@@ -749,20 +761,15 @@ static PyObject *lease_remove(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     PyObject *states = args[0], *kv = args[1], *server = args[2];
     long long tokens, prefill, private_, r, t, q, n, pt, priv, deep, held;
-    if (!PyDict_CheckExact(states) || !PyDict_CheckExact(kv)) {
-        PyErr_SetString(PyExc_TypeError, "lease_remove: states and kv must be dicts");
+    if (lease_maps_check("lease_remove", states, kv) < 0)
         return NULL;
-    }
     int in_prefill = PyObject_IsTrue(args[6]);
     if (in_prefill < 0 || as_ll(args[3], &tokens, "tokens") || as_ll(args[4], &prefill, "prefill") ||
         as_ll(args[5], &private_, "private"))
         return NULL;
-    PyObject *st = PyDict_GetItemWithError(states, server);
-    if (st == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, server);
+    PyObject *st = lease_entry(states, server);
+    if (st == NULL)
         return NULL;
-    }
     if (!PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 5) {
         PyErr_SetString(PyExc_TypeError, "a lease state must be a 5-tuple");
         return NULL;
@@ -774,12 +781,9 @@ static PyObject *lease_remove(PyObject *self, PyObject *const *args, Py_ssize_t 
             return NULL;
         Py_RETURN_NONE;
     }
-    PyObject *k = PyDict_GetItemWithError(kv, server);
-    if (k == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, server);
+    PyObject *k = lease_entry(kv, server);
+    if (k == NULL)
         return NULL;
-    }
     if (lease_read(st, k, &r, &t, &q, &n, &pt, &priv, &deep) < 0)
         return NULL;
     if (__builtin_sub_overflow(r, 1, &r) || __builtin_sub_overflow(t, tokens, &t) ||
